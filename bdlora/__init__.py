@@ -1,0 +1,15 @@
+"""bdlora: train and serve Block-Diagonal LoRA adapters.
+
+Core objects: :class:`BDLoraSpec` (shape and scaling), :func:`load_adapter` / :func:`save_adapter` (PEFT folders),
+and the conversions in :mod:`bdlora.convert`. Training lives in ``bdlora.train``, serving in ``bdlora.vllm_plugin``.
+"""
+
+from .adapter import Adapter, AdapterConfig, LoraFactors, load_adapter, read_config, save_adapter
+from .spec import COLUMN, PRESETS, ROW, BDLoraError, BDLoraSpec, matched_lora_rank
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Adapter", "AdapterConfig", "BDLoraError", "BDLoraSpec", "COLUMN", "LoraFactors", "PRESETS", "ROW",
+    "load_adapter", "matched_lora_rank", "read_config", "save_adapter",
+]
