@@ -1,0 +1,277 @@
+"""Triton kernels. Import only through the dispatchers (this module needs triton).
+
+All kernels share one addressing scheme for a packed block-diagonal weight of adapter i: the weight is a
+slice of a flat buffer at offset ``woff`` and stored (M, K/nb) row-major (PEFT orientation); kernel-output
+column c belongs to block c // (M/nb) and reads input columns of the same block only. Rows are routed by
+a host-built tile map: each tile is (adapter, row_start, row_end) inside one segment, so tiles never mix
+adapters and tokens are never padded (the last tile of a segment is masked).
+
+Column tiles may straddle block boundaries when blocks are narrower than a tile; the weight loads are then
+masked to the diagonal, so memory traffic stays exact and wasted FLOPs only appear for blocks smaller than
+a tile (which are too small for tensor cores anyway).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _keep(seed, offs, p):
+    """Dropout keep-mask, regenerated from (seed, element offset) wherever it is needed."""
+    return tl.rand(seed, offs) >= p
+
+
+@triton.jit
+def _sgmm_kernel(
+    out_ptr, in_ptr, w_ptr, tiles_ptr, meta_ptr, fmeta_ptr,
+    base_in_ptr, base_w_ptr, bias_ptr, seed,
+    stride_out, stride_in, stride_bin, base_sw_c, base_sw_k, base_K, drop_cols,
+    HAS_BASE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, TRANS_W: tl.constexpr,
+    DROP_IN: tl.constexpr, DROP_OUT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    """out[rows_i, :M_i] (+)= [base_in @ base_W^T + bias] + alpha_i * keep_out * ((keep_in * in) @ blockdiag(W_i))
+
+    meta[i] = (K_i, M_i, nb_i, woff_i) (int32), fmeta[i] = (alpha_i, p_i).  TRANS_W reads W_i as stored
+    (K, M/nb) instead of (M, K/nb) (used for dS = dY B and dX = dS A).
+    """
+    tile = tl.program_id(0)
+    adapter = tl.load(tiles_ptr + tile * 3)
+    row0 = tl.load(tiles_ptr + tile * 3 + 1)
+    row_end = tl.load(tiles_ptr + tile * 3 + 2)
+    K = tl.load(meta_ptr + adapter * 4)
+    M = tl.load(meta_ptr + adapter * 4 + 1)
+    nb = tl.load(meta_ptr + adapter * 4 + 2)
+    woff = tl.load(meta_ptr + adapter * 4 + 3)
+    alpha = tl.load(fmeta_ptr + adapter * 2)
+    p = tl.load(fmeta_ptr + adapter * 2 + 1)
+
+    c0 = tl.program_id(1) * BLOCK_M
+    if c0 < M:
+        rows = row0 + tl.arange(0, BLOCK_T)
+        rmask = rows < row_end
+        cols = c0 + tl.arange(0, BLOCK_M)
+        cmask = cols < M
+        acc = tl.zeros((BLOCK_T, BLOCK_M), dtype=tl.float32)
+
+        if HAS_BASE:  # frozen base GEMM sharing this output tile (LoRAFusion op 2 / op 5)
+            for k0 in range(0, base_K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                kmask = ks < base_K
+                a = tl.load(base_in_ptr + rows[:, None] * stride_bin + ks[None, :],
+                            mask=rmask[:, None] & kmask[None, :], other=0.0)
+                w = tl.load(base_w_ptr + ks[:, None] * base_sw_k + cols[None, :] * base_sw_c,
+                            mask=kmask[:, None] & cmask[None, :], other=0.0)
+                acc += tl.dot(a, w, input_precision=PREC)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+
+        bs_out = M // nb
+        bs_in = K // nb
+        col_blk = cols // bs_out
+        k_lo = (c0 // bs_out) * bs_in
+        k_hi = ((tl.minimum(c0 + BLOCK_M, M) - 1) // bs_out + 1) * bs_in
+        lacc = tl.zeros((BLOCK_T, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < k_hi
+            a = tl.load(in_ptr + rows[:, None] * stride_in + ks[None, :],
+                        mask=rmask[:, None] & kmask[None, :], other=0.0)
+            if DROP_IN:
+                keep = _keep(seed, rows[:, None] * drop_cols + ks[None, :], p)
+                a = a * keep.to(a.dtype)
+            k_blk = ks // bs_in
+            wmask = kmask[:, None] & cmask[None, :] & (k_blk[:, None] == col_blk[None, :])
+            if TRANS_W:
+                widx = ks[:, None] * bs_out + (cols - col_blk * bs_out)[None, :]
+            else:
+                widx = cols[None, :] * bs_in + (ks - k_blk * bs_in)[:, None]
+            w = tl.load(w_ptr + woff + widx, mask=wmask, other=0.0)
+            lacc += tl.dot(a, w, input_precision=PREC)
+        lacc = lacc * alpha
+        if DROP_OUT:
+            keep = _keep(seed, rows[:, None] * drop_cols + cols[None, :], p)
+            lacc = tl.where(keep, lacc, 0.0)
+        acc += lacc
+
+        omask = rmask[:, None] & cmask[None, :]
+        optrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        if ACCUMULATE:
+            acc += tl.load(optrs, mask=omask, other=0.0).to(tl.float32)
+        tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _dsdb_kernel(
+    ds_ptr, db_ptr, dy_ptr, s_ptr, b_ptr, tiles_ptr, meta_ptr,
+    stride_ds, stride_dy, stride_s,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr,
+):
+    """Backward of the expand, reading each dY tile once (LoRAFusion op 3):
+
+    dS[rows_i, rank_j] = dY[rows_i, out_j] @ B_j        (B_j = lora_b rows out_j, stored (d_out/nb, r/nb))
+    dB_j              += dY[rows_i, out_j]^T @ S[rows_i, rank_j]   (fp32 atomics into db_ptr)
+
+    meta[i] = (r_i, d_out, nb_i, boff_i).
+    """
+    tile = tl.program_id(0)
+    adapter = tl.load(tiles_ptr + tile * 3)
+    row0 = tl.load(tiles_ptr + tile * 3 + 1)
+    row_end = tl.load(tiles_ptr + tile * 3 + 2)
+    r = tl.load(meta_ptr + adapter * 4)
+    d_out = tl.load(meta_ptr + adapter * 4 + 1)
+    nb = tl.load(meta_ptr + adapter * 4 + 2)
+    boff = tl.load(meta_ptr + adapter * 4 + 3)
+    rb = r // nb
+    bs_out = d_out // nb
+
+    rows = row0 + tl.arange(0, BLOCK_T)
+    rmask = rows < row_end
+    rr = tl.arange(0, BLOCK_R)
+    rrmask = rr < rb
+    for j in range(0, nb):
+        smask = rmask[:, None] & rrmask[None, :]
+        s_j = tl.load(s_ptr + rows[:, None] * stride_s + (j * rb + rr)[None, :], mask=smask, other=0.0)
+        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        o_end = (j + 1) * bs_out
+        for o0 in range(j * bs_out, o_end, BLOCK_N):
+            os_ = o0 + tl.arange(0, BLOCK_N)
+            omask = os_ < o_end
+            dy = tl.load(dy_ptr + rows[:, None] * stride_dy + os_[None, :],
+                         mask=rmask[:, None] & omask[None, :], other=0.0)
+            bmask = omask[:, None] & rrmask[None, :]
+            bidx = boff + os_[:, None] * rb + rr[None, :]
+            b = tl.load(b_ptr + bidx, mask=bmask, other=0.0)
+            acc += tl.dot(dy, b, input_precision=PREC)
+            db = tl.dot(tl.trans(dy), s_j, input_precision=PREC)
+            tl.atomic_add(db_ptr + bidx, db, mask=bmask)
+        tl.store(ds_ptr + rows[:, None] * stride_ds + (j * rb + rr)[None, :],
+                 acc.to(ds_ptr.dtype.element_ty), mask=smask)
+
+
+@triton.jit
+def _wgrad_kernel(
+    g_ptr, dout_ptr, in_ptr, tiles_ptr, meta_ptr, fmeta_ptr, seed,
+    stride_dout, stride_in, drop_cols,
+    DROP_IN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Weight gradient of the block-diagonal shrink (LoRAFusion op 4), fp32 atomics into g_ptr:
+
+    G_i[m, kl] += alpha_i * sum_{t in tile} dOut[t, m] * (keep * in)[t, blk(m) * K/nb + kl]
+
+    with G_i stored (M, K/nb) at woff_i; meta[i] = (K_i, M_i, nb_i, woff_i), fmeta[i] = (alpha_i, p_i).
+    Tiles here are row chunks of a segment (split-K over tokens).
+    """
+    tile = tl.program_id(0)
+    adapter = tl.load(tiles_ptr + tile * 3)
+    row0 = tl.load(tiles_ptr + tile * 3 + 1)
+    row_end = tl.load(tiles_ptr + tile * 3 + 2)
+    K = tl.load(meta_ptr + adapter * 4)
+    M = tl.load(meta_ptr + adapter * 4 + 1)
+    nb = tl.load(meta_ptr + adapter * 4 + 2)
+    woff = tl.load(meta_ptr + adapter * 4 + 3)
+    alpha = tl.load(fmeta_ptr + adapter * 2)
+    p = tl.load(fmeta_ptr + adapter * 2 + 1)
+    bs_out = M // nb
+    bs_in = K // nb
+
+    m0 = tl.program_id(1) * BLOCK_R
+    k0 = tl.program_id(2) * BLOCK_K
+    if (m0 < M) & (k0 < bs_in):
+        ms = m0 + tl.arange(0, BLOCK_R)
+        mmask = ms < M
+        m_blk = ms // bs_out
+        kls = k0 + tl.arange(0, BLOCK_K)
+        kmask = kls < bs_in
+        j_lo = m0 // bs_out
+        j_hi = (tl.minimum(m0 + BLOCK_R, M) - 1) // bs_out
+        acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+        for t0 in range(row0, row_end, BLOCK_T):
+            rows = t0 + tl.arange(0, BLOCK_T)
+            rmask = rows < row_end
+            g = tl.load(dout_ptr + rows[:, None] * stride_dout + ms[None, :],
+                        mask=rmask[:, None] & mmask[None, :], other=0.0)
+            for j in range(j_lo, j_hi + 1):
+                ks = j * bs_in + kls
+                xv = tl.load(in_ptr + rows[:, None] * stride_in + ks[None, :],
+                             mask=rmask[:, None] & kmask[None, :], other=0.0)
+                if DROP_IN:
+                    keep = _keep(seed, rows[:, None] * drop_cols + ks[None, :], p)
+                    xv = xv * keep.to(xv.dtype)
+                gj = tl.where((m_blk == j)[None, :], g, 0.0).to(xv.dtype)
+                acc += tl.dot(tl.trans(gj), xv, input_precision=PREC)
+        tl.atomic_add(g_ptr + woff + ms[:, None] * bs_in + kls[None, :], acc * alpha,
+                      mask=mmask[:, None] & kmask[None, :])
+
+
+@triton.jit
+def _decode_kernel(
+    y_ptr, x_ptr, a_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr, soff_ptr,
+    stride_y, stride_x, d_in, d_total, n_loras, R, KA, RB, n_chunks,
+    NA: tl.constexpr, NB: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Fused shrink+expand for one token, one slice, one output chunk (BGMV style):
+
+    a = idx[t] (skip if < 0); s = scales[a] * x[t] @ A[slice, a]  (only the rank block this chunk needs)
+    y[t, soff[slice] + cols] += s @ B[a, soff[slice] + cols]
+
+    A buffer (S, L, R, KA) with KA = d_in/NA, B buffer (L, D_total, RB) with RB = R/NB (packed, PEFT
+    orientation); an adapter of rank r < R uses the leading r (or r/NB) entries of the rank dimension.
+    """
+    t = tl.program_id(0)
+    sl = tl.program_id(1)
+    a = tl.load(idx_ptr + t)
+    r = tl.load(ranks_ptr + tl.maximum(a, 0))
+    if (a >= 0) & (r > 0):  # -1 = no LoRA; an empty slot (rank 0) adds nothing either
+        scale = tl.load(scales_ptr + a)
+        o_lo = tl.load(soff_ptr + sl)
+        d_s = tl.load(soff_ptr + sl + 1) - o_lo
+        j = tl.program_id(2) // n_chunks
+        chunk = tl.program_id(2) % n_chunks
+        bs_out = d_s // NB
+        width = tl.cdiv(tl.cdiv(bs_out, n_chunks), BLOCK_N) * BLOCK_N
+        c_lo = j * bs_out + chunk * width
+        c_hi = tl.minimum(c_lo + width, (j + 1) * bs_out)
+        if c_lo < c_hi:
+            # shrink: only the rank block read by output block j (all ranks when B is dense)
+            r_cnt = r // NB
+            r_lo = j * r_cnt
+            rr = tl.arange(0, BLOCK_R)
+            rs = r_lo + rr
+            rmask = rr < r_cnt
+            bs_in = d_in // NA
+            r_blk = rs // (r // NA)
+            a_base = a_ptr + ((sl * n_loras + a) * R).to(tl.int64) * KA
+            s = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for k0 in range(0, d_in, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                kmask = ks < d_in
+                k_blk = ks // bs_in
+                xv = tl.load(x_ptr + t * stride_x + ks, mask=kmask, other=0.0).to(tl.float32)
+                amask = rmask[:, None] & kmask[None, :] & (r_blk[:, None] == k_blk[None, :])
+                av = tl.load(a_base + rs[:, None] * KA + (ks - k_blk * bs_in)[None, :], mask=amask, other=0.0)
+                s += tl.sum(av.to(tl.float32) * xv[None, :], axis=1)
+            s = s * scale
+            # expand into this chunk of the slice's output columns
+            b_base = b_ptr + (a.to(tl.int64) * d_total) * RB
+            for c0 in range(c_lo, c_hi, BLOCK_N):
+                cs = c0 + tl.arange(0, BLOCK_N)
+                cmask = cs < c_hi
+                bv = tl.load(b_base + (o_lo + cs)[:, None] * RB + rr[None, :],
+                             mask=cmask[:, None] & rmask[None, :], other=0.0)
+                upd = tl.sum(bv.to(tl.float32) * s[None, :], axis=1)
+                yp = y_ptr + t * stride_y + o_lo + cs
+                yv = tl.load(yp, mask=cmask, other=0.0).to(tl.float32)
+                tl.store(yp, (yv + upd).to(y_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _dropout_mask_kernel(out_ptr, seed, n_cols, stride_out, p, BLOCK: tl.constexpr):
+    """Materialize the keep-mask the kernels use (for references and debugging)."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = _keep(seed, row * n_cols + cols, p)
+    tl.store(out_ptr + row * stride_out + cols, keep.to(tl.int8), mask=cols < n_cols)

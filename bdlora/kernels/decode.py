@@ -1,0 +1,91 @@
+"""Serving decode path: fused shrink+expand over several slices of a layer (e.g. q, k, v) in one launch."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import dispatch
+from .layout import LAYOUTS
+from .reference import decode_lora_ref
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def stack_decode_weights(per_slice: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]],
+                         max_rank: int, layout: str = "column", nblocks: int = 1):
+    """Build the decode buffers from per-slice lists of (lora_a, lora_b) per LoRA slot (None = empty slot).
+
+    Returns lora_a (S, L, max_rank, d_in/N_a), lora_b (L, sum_s d_out_s, max_rank/N_b), ranks (L,), slice
+    offsets. All adapters of a slot must share one rank across slices. Done once per adapter load in serving.
+    """
+    n_s, n_l = len(per_slice), len(per_slice[0])
+    ref = next(p for sl in per_slice for p in sl if p is not None)
+    nb = nblocks if layout == "column" else 1
+    d_outs = [next(p[1].shape[0] for p in sl if p is not None) for sl in per_slice]
+    offs = [0]
+    for d in d_outs:
+        offs.append(offs[-1] + d)
+    a = ref[0].new_zeros(n_s, n_l, max_rank, ref[0].shape[1])
+    b = ref[1].new_zeros(n_l, offs[-1], max_rank // nb)
+    ranks = torch.zeros(n_l, dtype=torch.int32)
+    for s, sl in enumerate(per_slice):
+        for slot, pair in enumerate(sl):
+            if pair is None:
+                continue
+            la, lb = pair
+            a[s, slot, : la.shape[0]] = la
+            b[slot, offs[s]:offs[s + 1], : lb.shape[1]] = lb
+            ranks[slot] = la.shape[0]
+    return a, b, ranks.to(a.device), offs
+
+
+def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                token_lora_indices: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
+                slice_offsets: Sequence[int], *, layout: str = "column", nblocks: int = 1,
+                backend: str = "auto") -> torch.Tensor:
+    """Multi-slice BGMV, in place, one launch for all slices (Punica/vLLM semantics, -1 = no LoRA):
+
+        for t with a = token_lora_indices[t] >= 0, for each slice s (columns soff[s]:soff[s+1] of y):
+            y[t, soff[s]:soff[s+1]] += scales[a] * x[t] @ A[s, a] @ B[s, a]
+
+    y (T, sum d_out_s); x (T, d_in); lora_a (S, L, R, d_in/N_a) and lora_b (L, sum d_out_s, R/N_b): packed PEFT
+    orientation per slot (see ``stack_decode_weights``); ranks (L,) int: slot a uses the first ranks[a] ranks
+    (block j of a block-diagonal factor = rank block j of ranks[a]/N); scales (L,) float. Meant for 1-64 tokens.
+    Returns y.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}")
+    n_s = lora_a.shape[0]
+    if len(slice_offsets) != n_s + 1 or slice_offsets[-1] != y.shape[1] or lora_b.shape[1] != y.shape[1]:
+        raise ValueError("slice_offsets must have S+1 entries ending at y.shape[1] == lora_b.shape[1]")
+    na, nb = (nblocks, 1) if layout == "row" else (1, nblocks)
+    ok = (dispatch.triton_ok(y, x, lora_a, lora_b) and y.stride(1) == 1 and x.stride(1) == 1
+          and lora_a.is_contiguous() and lora_b.is_contiguous())
+    if dispatch.choose("decode_lora", backend, ok) == "torch":
+        return decode_lora_ref(y, x, lora_a, lora_b, token_lora_indices, ranks, scales, slice_offsets, layout, nblocks)
+    from ._triton import _decode_kernel
+
+    t, d_in = x.shape
+    n_l, r_max = lora_a.shape[1], lora_a.shape[2]
+    if x.is_cuda:
+        block_k, block_n, warps = 128, 64, 4
+        # split output columns until the grid covers the GPU; each chunk recomputes its (tiny) shrink
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        min_block = min(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_s)) // nb
+        n_chunks = max(1, min(-(-min_block // 256), -(-2 * sms // (t * n_s * nb))))
+    else:
+        block_k, block_n, warps, n_chunks = 32, 32, 1, 1
+    idx = token_lora_indices.to(device=x.device, dtype=torch.int32)
+    soff = torch.tensor(list(slice_offsets), dtype=torch.int32, device=x.device)
+    grid = (t, n_s, nb * n_chunks)
+    _decode_kernel[grid](
+        y, x, lora_a, lora_b, idx, ranks.to(device=x.device, dtype=torch.int32),
+        scales.to(device=x.device, dtype=torch.float32), soff,
+        y.stride(0), x.stride(0), d_in, y.shape[1], n_l, r_max, lora_a.shape[3], lora_b.shape[2], n_chunks,
+        NA=na, NB=nb, BLOCK_R=max(16, _next_pow2(r_max // nb)), BLOCK_K=block_k, BLOCK_N=block_n,
+        num_warps=warps,
+    )
+    return y

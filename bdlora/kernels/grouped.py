@@ -1,0 +1,324 @@
+"""Grouped multi-adapter (Block-Diagonal) LoRA for training, and the LoRAFusion-style fused linear.
+
+Forward (launches per layer, independent of the number of adapters):
+  1. shrink : S = (scale/(1-p)) * (keep * x) @ A          dropout + scale + xA fused; S kept for backward
+  2. expand : y (+)= S @ B  [+ x @ W^T + bias]            added in place into the base output, or fused
+                                                          with the base GEMM in the same tile (fuse_base)
+Backward:
+  3. dS = dY @ B^T and dB = S^T dY                        one kernel, one read of dY
+  4. dA = (scale/(1-p)) * (keep * x)^T dS                 mask regenerated from the seed, not stored
+  5. dX (+)= (scale/(1-p)) * keep * (dS @ A^T)  [+ dY W]  added into the base dX, or fused with it
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import dispatch
+from .layout import LoraAdapter
+from .reference import fused_lora_linear_ref, grouped_lora_ref
+
+
+# Tests set this to fill every kernel output buffer with NaN first, so elements a kernel forgets fail.
+POISON_OUTPUTS = False
+
+
+def _new(x: torch.Tensor, *shape: int) -> torch.Tensor:
+    out = x.new_empty(shape)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def _config(x: torch.Tensor) -> dict:
+    """Tile sizes: big tiles on GPU; small ones under the (slow, per-program) interpreter."""
+    if x.is_cuda:
+        return dict(BT=64, BM=128, BK=64, BN=64, warps=4, stages=3)
+    return dict(BT=16, BM=32, BK=32, BN=32, warps=4, stages=1)
+
+
+def _seg_list(seg, n: int, t: int) -> list[int]:
+    seg = [int(v) for v in (seg.tolist() if torch.is_tensor(seg) else seg)]  # host copy (syncs if on GPU)
+    if len(seg) != n + 1 or any(b < a for a, b in zip(seg, seg[1:])) or seg[0] < 0 or seg[-1] > t:
+        raise ValueError(f"seg must be {n + 1} non-decreasing offsets within [0, {t}], got {seg}")
+    return seg
+
+
+def _tiles(seg: list[int], rows: int) -> list[tuple[int, int, int]]:
+    """(adapter, row_start, row_end) per tile; tiles stay inside a segment, empty segments have none."""
+    return [(i, r0, min(r0 + rows, seg[i + 1])) for i in range(len(seg) - 1) for r0 in range(seg[i], seg[i + 1], rows)]
+
+
+class _Plan:
+    """Host-side metadata of one call: per-stage adapter tables, tile maps, flat weight offsets."""
+
+    SHRINK, EXPAND, DX, DSDB, WGRAD = range(5)
+
+    def __init__(self, x: torch.Tensor, seg: list[int], adapters: Sequence[LoraAdapter], seed: int | None,
+                 fuse_base: bool):
+        self.cfg = cfg = _config(x)
+        self.seg, self.n, self.seed, self.fuse_base = seg, len(adapters), seed, fuse_base
+        self.d_in, self.d_out = adapters[0].d_in, adapters[0].d_out
+        self.t = x.shape[0]
+        ranks = [ad.rank for ad in adapters]
+        self.r_max = max(ranks)
+        self.a_shapes = [ad.lora_a.shape for ad in adapters]
+        self.b_shapes = [ad.lora_b.shape for ad in adapters]
+        a_off, b_off, ao, bo = [], [], 0, 0
+        for ad in adapters:
+            a_off.append(ao)
+            b_off.append(bo)
+            ao += ad.lora_a.numel()
+            bo += ad.lora_b.numel()
+        self.a_numel, self.b_numel = ao, bo
+        self.has_dropout = seed is not None and any(ad.dropout > 0 for ad in adapters)
+        # (K, M, nb, woff) per adapter and stage: kernel-input width, kernel-output width, blocks, offset
+        rows = {
+            self.SHRINK: [(self.d_in, r, ad.blocks_a, a_off[i]) for i, (ad, r) in enumerate(zip(adapters, ranks))],
+            self.EXPAND: [(r, self.d_out, ad.blocks_b, b_off[i]) for i, (ad, r) in enumerate(zip(adapters, ranks))],
+            self.DX: [(r, self.d_in, ad.blocks_a, a_off[i]) for i, (ad, r) in enumerate(zip(adapters, ranks))],
+            self.DSDB: [(r, self.d_out, ad.blocks_b, b_off[i]) for i, (ad, r) in enumerate(zip(adapters, ranks))],
+            self.WGRAD: [(self.d_in, r, ad.blocks_a, a_off[i]) for i, (ad, r) in enumerate(zip(adapters, ranks))],
+        }
+        dev = x.device
+        self.meta = torch.tensor([rows[k] for k in range(5)], dtype=torch.int32).to(dev, non_blocking=True)
+        p = [ad.dropout if self.has_dropout else 0.0 for ad in adapters]
+        fmeta = [[(ad.scale / (1.0 - pi), pi) for ad, pi in zip(adapters, p)], [(1.0, 0.0)] * self.n]
+        self.fmeta = torch.tensor(fmeta, dtype=torch.float32).to(dev, non_blocking=True)
+        tiles = _tiles(seg, cfg["BT"])
+        self.n_tiles = len(tiles)
+        self.tiles = torch.tensor(tiles or [(0, 0, 0)], dtype=torch.int32).to(dev, non_blocking=True)
+        # weight-gradient tiles: longer row chunks (split-K over tokens), enough programs to fill the GPU
+        self.br_w = min(64, max(16, _next_pow2(max(r // ad.blocks_a for ad, r in zip(adapters, ranks)))))
+        self.bk_w = cfg["BK"]
+        per_tile = -(-self.r_max // self.br_w) * -(-max(self.d_in // ad.blocks_a for ad in adapters) // self.bk_w)
+        want = max(1, 1024 // per_tile)
+        chunk = max(cfg["BT"], _next_pow2(max(1, (seg[-1] - seg[0]) // want)))
+        wtiles = _tiles(seg, min(chunk, 4096))
+        self.n_wtiles = len(wtiles)
+        self.wtiles = torch.tensor(wtiles or [(0, 0, 0)], dtype=torch.int32).to(dev, non_blocking=True)
+        self.block_r = max(16, _next_pow2(max(r // ad.blocks_b for ad, r in zip(adapters, ranks))))
+        self.prec = "ieee" if x.dtype == torch.float32 else "tf32"
+
+    def zero_gaps(self, t: torch.Tensor) -> None:
+        """Rows outside every segment get no LoRA; kernels never touch them."""
+        t[: self.seg[0]].zero_()
+        t[self.seg[-1]:].zero_()
+
+    # ---- launches -------------------------------------------------------------------------------
+    def sgmm(self, stage, out, inp, w, fstage, *, accumulate, trans=False, drop_in=False, drop_out=False,
+             base_in=None, base_w=None, base_trans=False, bias=None):
+        from ._triton import _sgmm_kernel
+
+        if self.n_tiles == 0:
+            return
+        cfg = self.cfg
+        m_max = {self.SHRINK: self.r_max, self.EXPAND: self.d_out, self.DX: self.d_in}[stage]
+        has_base = base_in is not None
+        if has_base:
+            sw_c, sw_k = (base_w.stride(1), base_w.stride(0)) if base_trans else (base_w.stride(0), base_w.stride(1))
+            base_k = base_in.shape[1]
+        else:
+            base_in, base_w, sw_c, sw_k, base_k = inp, w, 0, 0, 0
+        grid = (self.n_tiles, triton_cdiv(m_max, cfg["BM"]))
+        _sgmm_kernel[grid](
+            out, inp, w, self.tiles, self.meta[stage], self.fmeta[fstage],
+            base_in, base_w, bias if bias is not None else w, self.seed or 0,
+            out.stride(0), inp.stride(0), base_in.stride(0), sw_c, sw_k, base_k, self.d_in,
+            HAS_BASE=has_base, HAS_BIAS=bias is not None, ACCUMULATE=accumulate, TRANS_W=trans,
+            DROP_IN=drop_in, DROP_OUT=drop_out,
+            BLOCK_T=cfg["BT"], BLOCK_M=cfg["BM"], BLOCK_K=cfg["BK"], PREC=self.prec,
+            num_warps=cfg["warps"], num_stages=cfg["stages"],
+        )
+
+    def dsdb(self, ds, db32, dy, s, b_flat):
+        from ._triton import _dsdb_kernel
+
+        if self.n_tiles == 0:
+            return
+        cfg = self.cfg
+        _dsdb_kernel[(self.n_tiles,)](
+            ds, db32, dy, s, b_flat, self.tiles, self.meta[self.DSDB],
+            ds.stride(0), dy.stride(0), s.stride(0),
+            BLOCK_T=cfg["BT"], BLOCK_N=cfg["BN"], BLOCK_R=self.block_r, PREC=self.prec,
+            num_warps=cfg["warps"], num_stages=cfg["stages"],
+        )
+
+    def wgrad_a(self, da32, ds, x):
+        from ._triton import _wgrad_kernel
+
+        if self.n_wtiles == 0:
+            return
+        cfg = self.cfg
+        bs_in_max = self.d_in  # upper bound of K/nb over adapters
+        grid = (self.n_wtiles, triton_cdiv(self.r_max, self.br_w), triton_cdiv(bs_in_max, self.bk_w))
+        _wgrad_kernel[grid](
+            da32, ds, x, self.wtiles, self.meta[self.WGRAD], self.fmeta[0], self.seed or 0,
+            ds.stride(0), x.stride(0), self.d_in,
+            DROP_IN=self.has_dropout, BLOCK_T=cfg["BT"], BLOCK_R=self.br_w, BLOCK_K=self.bk_w, PREC=self.prec,
+            num_warps=cfg["warps"], num_stages=cfg["stages"],
+        )
+
+    def split(self, flat: torch.Tensor, shapes, dtype) -> list[torch.Tensor]:
+        out, off = [], 0
+        for shp in shapes:
+            n = shp[0] * shp[1]
+            out.append(flat[off:off + n].view(shp).to(dtype))
+            off += n
+        return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _LoraLinearFn(torch.autograd.Function):
+    """y = [x W^T + b | out | 0] + grouped LoRA(x); see the module docstring for the five stages."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, x, out, weight, bias, *factors):
+        a_flat = torch.cat([f.reshape(-1) for f in factors[0::2]])
+        b_flat = torch.cat([f.reshape(-1) for f in factors[1::2]])
+        s = _new(x, plan.t, plan.r_max)  # rows outside segments are never read
+        plan.sgmm(plan.SHRINK, s, x, a_flat, 0, accumulate=False, drop_in=plan.has_dropout)
+        if weight is not None and plan.fuse_base:  # base GEMM and LoRA expand in one tile
+            y = _new(x, plan.t, plan.d_out)
+            plan.sgmm(plan.EXPAND, y, s, b_flat, 1, accumulate=False, base_in=x, base_w=weight, bias=bias)
+        else:
+            if weight is not None:
+                y = F.linear(x, weight, bias)
+            elif out is not None:
+                y = out
+                ctx.mark_dirty(out)
+            else:
+                y = _new(x, plan.t, plan.d_out)
+                plan.zero_gaps(y)
+            plan.sgmm(plan.EXPAND, y, s, b_flat, 1, accumulate=weight is not None or out is not None)
+        ctx.plan, ctx.has_out, ctx.has_bias = plan, out is not None, bias is not None
+        ctx.save_for_backward(x, s, weight, a_flat, b_flat)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        plan: _Plan = ctx.plan
+        x, s, weight, a_flat, b_flat = ctx.saved_tensors
+        dy = dy.contiguous()
+        ds = _new(x, plan.t, plan.r_max)
+        db32 = torch.zeros(plan.b_numel, device=x.device, dtype=torch.float32)
+        plan.dsdb(ds, db32, dy, s, b_flat)
+        da32 = torch.zeros(plan.a_numel, device=x.device, dtype=torch.float32)
+        plan.wgrad_a(da32, ds, x)
+
+        dx = None
+        if ctx.needs_input_grad[1]:
+            lora_dx = dict(trans=True, drop_out=plan.has_dropout)
+            if weight is not None and plan.fuse_base:
+                dx = _new(x, *x.shape)
+                plan.sgmm(plan.DX, dx, ds, a_flat, 0, accumulate=False, base_in=dy, base_w=weight,
+                          base_trans=True, **lora_dx)
+            elif weight is not None:
+                dx = dy @ weight
+                plan.sgmm(plan.DX, dx, ds, a_flat, 0, accumulate=True, **lora_dx)
+            else:
+                dx = _new(x, *x.shape)
+                plan.zero_gaps(dx)
+                plan.sgmm(plan.DX, dx, ds, a_flat, 0, accumulate=False, **lora_dx)
+        dw = dy.t() @ x if weight is not None and ctx.needs_input_grad[3] else None
+        dbias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[4] else None
+        dout = dy if ctx.has_out else None
+        das = plan.split(da32, plan.a_shapes, x.dtype)
+        dbs = plan.split(db32, plan.b_shapes, x.dtype)
+        grads = [g for pair in zip(das, dbs) for g in pair]
+        return (None, dx, dout, dw, dbias, *grads)
+
+
+def _check(x: torch.Tensor, adapters: Sequence[LoraAdapter]) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be (T, d_in), got {tuple(x.shape)}")
+    if not adapters:
+        raise ValueError("need at least one adapter")
+    for ad in adapters:
+        if ad.d_in != x.shape[1] or ad.d_out != adapters[0].d_out:
+            raise ValueError(f"adapter shapes d_in={ad.d_in}, d_out={ad.d_out} do not match x {tuple(x.shape)}")
+
+
+def _seed(adapters: Sequence[LoraAdapter], seed: int | None) -> int | None:
+    """Dropout is on when an adapter has dropout > 0 and autograd records (training); None = off."""
+    if not torch.is_grad_enabled() or not any(ad.dropout > 0 for ad in adapters):
+        return None
+    return int(torch.randint(0, 2**31 - 1, (1,)).item()) if seed is None else int(seed)
+
+
+def _torch_masks(x, seg, adapters, seed):
+    if seed is None:
+        return None
+    gen = torch.Generator(device=x.device).manual_seed(seed)
+    u = torch.rand(x.shape, generator=gen, device=x.device)
+    return [u >= ad.dropout if ad.dropout > 0 else None for ad in adapters]
+
+
+def _tensors(x, adapters, *extra):
+    return [x, *[t for ad in adapters for t in (ad.lora_a, ad.lora_b)], *[t for t in extra if t is not None]]
+
+
+def grouped_lora(x: torch.Tensor, seg, adapters: Sequence[LoraAdapter], *, out: torch.Tensor | None = None,
+                 dropout_seed: int | None = None, backend: str = "auto") -> torch.Tensor:
+    """Segmented multi-adapter (BD-)LoRA, Punica SGMV semantics with mixed ranks and block-diagonal factors:
+
+        y[seg[i]:seg[i+1]] = scale[i] * dropout_i(x[seg[i]:seg[i+1]]) @ A[i] @ B[i]
+
+    x (T, d_in); seg: n_adapters+1 non-decreasing row offsets (host list/tensor; segments may be empty);
+    adapters: LoraAdapter per segment (PEFT-orientation packed factors, see ``layout``). Rows outside all
+    segments get 0. With ``out`` (T, d_out) the result is added into it in place (``out += ...``) and
+    ``out`` is returned. Dropout applies while autograd is recording and an adapter has dropout > 0; the
+    mask comes from ``dropout_seed`` (drawn from torch's RNG if None). Differentiable in x, out and factors.
+    """
+    _check(x, adapters)
+    seg = _seg_list(seg, len(adapters), x.shape[0])
+    seed = _seed(adapters, dropout_seed)
+    ok = dispatch.triton_ok(*_tensors(x, adapters, out)) and x.stride(1) == 1 and (out is None or out.stride(1) == 1)
+    if dispatch.choose("grouped_lora", backend, ok) == "torch":
+        delta = grouped_lora_ref(x, seg, adapters, _torch_masks(x, seg, adapters, seed))
+        return delta if out is None else out.add_(delta)
+    plan = _Plan(x, seg, adapters, seed, fuse_base=False)
+    factors = [t.contiguous() for ad in adapters for t in (ad.lora_a, ad.lora_b)]
+    return _LoraLinearFn.apply(plan, x, out, None, None, *factors)
+
+
+def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seg,
+                      adapters: Sequence[LoraAdapter], *, dropout_seed: int | None = None, fuse_base: bool = False,
+                      backend: str = "auto") -> torch.Tensor:
+    """LoRAFusion FusedLoRA / FusedMultiLoRA linear layer (weight frozen or not, PEFT orientation (d_out, d_in)):
+
+        y = x @ weight^T + bias;  y[seg[i]:seg[i+1]] += scale[i] * dropout_i(x[seg[i]:seg[i+1]]) @ A[i] @ B[i]
+
+    The LoRA expand is added into the base output in the same pass: in place into the cuBLAS result
+    (fuse_base=False), or inside the Triton base-GEMM tile (fuse_base=True; needs seg to cover all rows).
+    Backward adds the LoRA dX into the base dX the same way; dS and dB share one read of dY.
+    """
+    _check(x, adapters)
+    seg = _seg_list(seg, len(adapters), x.shape[0])
+    if fuse_base and (seg[0] != 0 or seg[-1] != x.shape[0]):
+        raise ValueError("fuse_base=True needs the segments to cover every row of x")
+    seed = _seed(adapters, dropout_seed)
+    ok = dispatch.triton_ok(*_tensors(x, adapters, weight, bias)) and x.stride(1) == 1
+    if dispatch.choose("fused_lora_linear", backend, ok) == "torch":
+        return fused_lora_linear_ref(x, weight, bias, seg, adapters, _torch_masks(x, seg, adapters, seed))
+    plan = _Plan(x, seg, adapters, seed, fuse_base=fuse_base)
+    factors = [t.contiguous() for ad in adapters for t in (ad.lora_a, ad.lora_b)]
+    return _LoraLinearFn.apply(plan, x, None, weight, bias, *factors)
+
+
+def dropout_keep_mask(seed: int, shape: tuple[int, int], p: float, device="cpu") -> torch.Tensor:
+    """The (T, d_in) keep-mask the Triton kernels draw for dropout p from ``seed`` (bool)."""
+    from ._triton import _dropout_mask_kernel
+
+    out = torch.empty(shape, dtype=torch.int8, device=device)
+    block = 128
+    _dropout_mask_kernel[(shape[0], triton_cdiv(shape[1], block))](out, int(seed), shape[1], out.stride(0), float(p),
+                                                                   BLOCK=block)
+    return out.bool()

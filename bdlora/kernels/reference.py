@@ -1,0 +1,78 @@
+"""Pure-torch references (autograd-native). They are also the fallback path of every dispatcher.
+
+They compute block-diagonal factors block by block (einsum over packed blocks), like PEFT's
+BlockDiagonalLinear, so the fallback does no FLOPs on zeros either.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .layout import LoraAdapter
+
+
+def _bd_matmul(x: torch.Tensor, w: torch.Tensor, nblocks: int) -> torch.Tensor:
+    """x (T, K) @ blockdiag(w)^T with w packed (M, K/nb): out[:, m_j] = x[:, k_j] @ w[m_j].T."""
+    if nblocks == 1:
+        return x @ w.t()
+    t, k = x.shape
+    m = w.shape[0]
+    out = torch.einsum("tnk,nmk->tnm", x.reshape(t, nblocks, k // nblocks), w.reshape(nblocks, m // nblocks, -1))
+    return out.reshape(t, m)
+
+
+def lora_delta_ref(x: torch.Tensor, adapter: LoraAdapter, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """scale * dropout(x) @ A @ B for one adapter; ``keep`` is the (T, d_in) dropout keep-mask (or None)."""
+    if keep is not None and adapter.dropout > 0:
+        x = x * keep.to(x.dtype) / (1.0 - adapter.dropout)
+    s = _bd_matmul(x, adapter.lora_a, adapter.blocks_a) * adapter.scale
+    return _bd_matmul(s, adapter.lora_b, adapter.blocks_b)
+
+
+def grouped_lora_ref(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[LoraAdapter],
+                     keep_masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """y[seg[i]:seg[i+1]] = scale[i] * dropout_i(x[seg[i]:seg[i+1]]) @ A[i] @ B[i]; rows outside all segments: 0.
+
+    keep_masks[i] is a (T, d_in) keep-mask for adapter i (only its segment's rows are used), or None.
+    """
+    t = x.shape[0]
+    d_out = adapters[0].d_out
+    pieces = [x.new_zeros(seg[0], d_out)]
+    for i, ad in enumerate(adapters):
+        s, e = seg[i], seg[i + 1]
+        keep = None if keep_masks is None or keep_masks[i] is None else keep_masks[i][s:e]
+        pieces.append(lora_delta_ref(x[s:e], ad, keep))
+    pieces.append(x.new_zeros(t - seg[-1], d_out))
+    return torch.cat(pieces, dim=0)
+
+
+def fused_lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seg: Sequence[int],
+                          adapters: Sequence[LoraAdapter],
+                          keep_masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """y = x @ weight^T + bias + grouped_lora_ref(x, seg, adapters, keep_masks)."""
+    return F.linear(x, weight, bias) + grouped_lora_ref(x, seg, adapters, keep_masks)
+
+
+def decode_lora_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    token_lora_indices: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
+                    slice_offsets: Sequence[int], layout: str = "column", nblocks: int = 1) -> torch.Tensor:
+    """In place, per token t with a = idx[t] >= 0 and per slice s (columns soff[s]:soff[s+1] of y):
+
+    y[t, soff[s]:soff[s+1]] += scales[a] * x[t] @ A[s, a] @ B[s, a]
+
+    (slots of rank 0 add nothing) with A[s, a] = lora_a[s, a, :r_a] (packed (r, d_in/N_a)) and B[s, a] = lora_b[a, soff[s]:soff[s+1], :r_a/N_b].
+    """
+    idx = token_lora_indices.tolist()
+    rk = [int(v) for v in ranks.tolist()]
+    for t, a in enumerate(idx):
+        r = rk[a] if a >= 0 else 0
+        if r == 0:
+            continue
+        for sl in range(len(slice_offsets) - 1):
+            lo, hi = slice_offsets[sl], slice_offsets[sl + 1]
+            rb = r // nblocks if layout == "column" else r
+            ad = LoraAdapter(lora_a[sl, a, :r], lora_b[a, lo:hi, :rb], float(scales[a]), layout, nblocks)
+            y[t, lo:hi] += lora_delta_ref(x[t:t + 1], ad)[0].to(y.dtype)
+    return y

@@ -1,0 +1,49 @@
+"""Shared fixtures: a tiny random-weight Llama (TP=2 capable) and PEFT-made BD-LoRA adapters on it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """hidden 256, 4 heads, 2 KV heads (q 256, k/v 128 wide), intermediate 512, 2 layers, vocab 512."""
+    from bdlora.models import build_random_llama
+
+    return build_random_llama(tmp_path_factory.mktemp("models") / "tiny-llama", init_std=0.05)
+
+
+def randomize_lora(model, seed: int = 0, std: float = 0.05) -> None:
+    """PEFT initializes B to zero; give every LoRA factor random values so the adapter visibly changes outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * std)
+
+
+def make_peft_bd_adapter(model_dir, out_dir, spec, seed: int = 0, std: float = 0.05):
+    """Writes a BD-LoRA adapter with PEFT itself (get_peft_model + save_pretrained); returns the PeftModel."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, spec.to_peft_config())
+    randomize_lora(model, seed=seed, std=std)
+    model.save_pretrained(out_dir)
+    return model
+
+
+@pytest.fixture(scope="session")
+def peft_bd_adapter(tiny_llama_dir, tmp_path_factory):
+    """A PEFT-written BD-LoRA adapter: nblocks=2, r=8, all seven projections."""
+    from bdlora import BDLoraSpec
+
+    out = tmp_path_factory.mktemp("adapters") / "bd-n2-r8"
+    make_peft_bd_adapter(tiny_llama_dir, out, BDLoraSpec(nblocks=2, r=8, lora_alpha=16), seed=1)
+    return out

@@ -1,0 +1,260 @@
+"""bdlora.kernels against float64 autograd oracles, on CPU through the Triton interpreter.
+
+The oracle builds the dense factors itself (torch.block_diag of the packed blocks, as PEFT does), so it shares
+no code with the kernels or their torch references.
+"""
+import os
+import subprocess
+import sys
+import zlib
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton (and bdlora.kernels) is imported
+for _m in [m for m in sys.modules if m.startswith("bdlora.kernels")]:
+    del sys.modules[_m]  # a module imported earlier without the interpreter would freeze the torch path
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import bdlora.kernels as K  # noqa: E402
+from bdlora.kernels import grouped as grouped_mod  # noqa: E402
+
+D_IN, D_OUT = 64, 96
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    grouped_mod.POISON_OUTPUTS = True
+    yield
+    grouped_mod.POISON_OUTPUTS = False
+
+
+def make_adapter(gen, r, layout, n, d_in=D_IN, d_out=D_OUT, dropout=0.0):
+    na, nb = (n, 1) if layout == "row" else (1, n)
+    a = torch.randn(r, d_in // na, generator=gen) / (d_in // na) ** 0.5
+    b = torch.randn(d_out, r // nb, generator=gen) / (r // nb) ** 0.5
+    scale = float(torch.rand(1, generator=gen)) + 0.5
+    return K.LoraAdapter(a.requires_grad_(), b.requires_grad_(), scale, layout, n, dropout)
+
+
+def dense64(ad):
+    """Oracle dense math factors (float64 leaves): A (d_in, r), B (r, d_out)."""
+    a = ad.lora_a.detach().double().requires_grad_()
+    b = ad.lora_b.detach().double().requires_grad_()
+    na, nb = (ad.nblocks, 1) if ad.layout == "row" else (1, ad.nblocks)
+    A = torch.block_diag(*torch.chunk(a, na, dim=0)).t()
+    B = torch.block_diag(*torch.chunk(b, nb, dim=0)).t()
+    return a, b, A, B
+
+
+def oracle(x, seg, adapters, grad, weight=None, bias=None, masks=None):
+    """float64 y and grads (x, [weight, bias], a_0, b_0, ...) by autograd over dense factors."""
+    x64 = x.detach().double().requires_grad_()
+    leaves, y = [x64], torch.zeros(x.shape[0], adapters[0].d_out, dtype=torch.float64)
+    if weight is not None:
+        w64 = weight.detach().double().requires_grad_()
+        leaves.append(w64)
+        y = y + x64 @ w64.t()
+        if bias is not None:
+            b64 = bias.detach().double().requires_grad_()
+            leaves.append(b64)
+            y = y + b64
+    rows = []
+    for i, ad in enumerate(adapters):
+        a, b, A, B = dense64(ad)
+        leaves += [a, b]
+        s, e = seg[i], seg[i + 1]
+        xi = x64[s:e]
+        if masks is not None and ad.dropout > 0:
+            xi = xi * masks[i][s:e].double() / (1 - ad.dropout)
+        rows.append((s, e, ad.scale * (xi @ A) @ B))
+    delta = torch.zeros_like(y)
+    for s, e, v in rows:
+        delta = delta.index_add(0, torch.arange(s, e), v)
+    y = y + delta
+    grads = torch.autograd.grad(y, leaves, grad.double())
+    return y, grads
+
+
+def assert_close(actual, expected):
+    expected = expected.to(actual.dtype)
+    tol = 2e-5 * max(1.0, float(expected.abs().max()))
+    torch.testing.assert_close(actual, expected, rtol=2e-5, atol=tol)
+
+
+def adapter_params(adapters):
+    return [t for ad in adapters for t in (ad.lora_a, ad.lora_b)]
+
+
+RANKS = {"r8": [8, 8, 8, 8], "r16": [16, 16, 16, 16], "r64": [64, 64, 64, 64], "mixed": [64, 8, 16, 32]}
+SEG = [0, 0, 1, 18, 27]  # ragged: lengths 0, 1, 17, 9; rows 27..29 belong to no adapter
+T = 30
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("ranks", list(RANKS))
+@pytest.mark.parametrize("layout", ["column", "row", "both"])
+def test_grouped_forward_backward(layout, ranks, n):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{layout}{ranks}{n}".encode()))
+    layouts = ["column", "row"] * 2 if layout == "both" else [layout] * 4
+    adapters = [make_adapter(gen, r, lay, n) for r, lay in zip(RANKS[ranks], layouts)]
+    x = torch.randn(T, D_IN, generator=gen).requires_grad_()
+    y = K.grouped_lora(x, SEG, adapters)
+    assert K.LAST_BACKEND["grouped_lora"] == "triton"
+    grad = torch.randn(T, D_OUT, generator=gen)
+    grads = torch.autograd.grad(y, [x, *adapter_params(adapters)], grad)
+    y64, grads64 = oracle(x, SEG, adapters, grad)
+    assert_close(y, y64)
+    for g, g64 in zip(grads, grads64):
+        assert_close(g, g64)
+
+
+def test_grouped_matches_torch_reference_and_peft():
+    from peft.tuners.lora.variants import BlockDiagonalLinear
+
+    gen = torch.Generator().manual_seed(1)
+    ad = make_adapter(gen, 16, "row", 4)
+    x = torch.randn(12, D_IN, generator=gen)
+    with torch.no_grad():
+        y = K.grouped_lora(x, [0, 12], [ad])
+        lin_a = BlockDiagonalLinear(D_IN, 16, 4)
+        lin_a.weight.copy_(ad.lora_a)
+        peft_y = ad.scale * (lin_a(x) @ ad.lora_b.t())
+    assert_close(y, peft_y)
+    assert_close(y, K.grouped_lora_ref(x, [0, 12], [ad]))
+
+
+def test_grouped_inplace_out_and_layout_helpers():
+    gen = torch.Generator().manual_seed(2)
+    adapters = [make_adapter(gen, 16, "column", 2), make_adapter(gen, 8, "row", 2)]
+    x = torch.randn(T, D_IN, generator=gen).requires_grad_()
+    base = torch.randn(T, D_OUT, generator=gen).requires_grad_()
+    out = base * 1.0
+    seg = [3, 4, 20]
+    y = K.grouped_lora(x, seg, adapters, out=out)
+    assert y is out
+    grad = torch.randn(T, D_OUT, generator=gen)
+    gx, gbase = torch.autograd.grad(y, [x, base], grad)
+    y64, grads64 = oracle(x, seg, adapters, grad)
+    assert_close(y, y64 + base.detach())
+    assert_close(gx, grads64[0])
+    assert_close(gbase, grad)
+    # math <-> PEFT orientation round trip
+    A, B = K.to_math(adapters[0])
+    back = K.from_math(A, B, "column", 2)
+    assert torch.equal(back.lora_a, adapters[0].lora_a) and torch.equal(back.lora_b, adapters[0].lora_b)
+
+
+@pytest.mark.parametrize("fuse_base", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_linear_with_dropout(fuse_base, with_bias):
+    gen = torch.Generator().manual_seed(3 + 2 * fuse_base + with_bias)
+    adapters = [make_adapter(gen, 16, "column", 4, dropout=0.1), make_adapter(gen, 64, "row", 2, dropout=0.3),
+                make_adapter(gen, 8, "column", 1), make_adapter(gen, 32, "row", 4, dropout=0.5)]
+    seg = [0, 1, 1, 17, T]
+    x = torch.randn(T, D_IN, generator=gen).requires_grad_()
+    weight = (torch.randn(D_OUT, D_IN, generator=gen) / 8).requires_grad_()
+    bias = torch.randn(D_OUT, generator=gen).requires_grad_() if with_bias else None
+    y = K.fused_lora_linear(x, weight, bias, seg, adapters, dropout_seed=77, fuse_base=fuse_base)
+    assert K.LAST_BACKEND["fused_lora_linear"] == "triton"
+    masks = [K.dropout_keep_mask(77, (T, D_IN), ad.dropout) for ad in adapters]
+    grad = torch.randn(T, D_OUT, generator=gen)
+    leaves = [x, weight] + ([bias] if with_bias else []) + adapter_params(adapters)
+    grads = torch.autograd.grad(y, leaves, grad)
+    y64, grads64 = oracle(x, seg, adapters, grad, weight, bias, masks)
+    assert_close(y, y64)
+    for g, g64 in zip(grads, grads64):
+        assert_close(g, g64)
+
+
+def test_dropout_mask_and_eval_mode():
+    m1 = K.dropout_keep_mask(5, (64, 64), 0.25)
+    assert torch.equal(m1, K.dropout_keep_mask(5, (64, 64), 0.25))
+    assert not torch.equal(m1, K.dropout_keep_mask(6, (64, 64), 0.25))
+    assert abs(m1.float().mean().item() - 0.75) < 0.05
+    # without autograd recording, dropout is off (inference)
+    gen = torch.Generator().manual_seed(4)
+    ad = make_adapter(gen, 16, "column", 2, dropout=0.5)
+    x = torch.randn(8, D_IN, generator=gen)
+    with torch.no_grad():
+        y = K.grouped_lora(x, [0, 8], [ad])
+    assert_close(y, oracle(x, [0, 8], [ad], torch.zeros(8, D_OUT))[0])
+
+
+def _decode_case(gen, layout, n, ranks, d_outs, t, idx):
+    na, nb = (n, 1) if layout == "row" else (1, n)
+    per_slice = [[None if r == 0 else (torch.randn(r, D_IN // na, generator=gen), torch.randn(d, r // nb, generator=gen))
+                  for r in ranks] for d in d_outs]
+    a, b, rk, offs = K.stack_decode_weights(per_slice, max(ranks), layout, n)
+    x = torch.randn(t, D_IN, generator=gen)
+    scales = torch.rand(len(ranks), generator=gen) + 0.5
+    y0 = torch.randn(t, offs[-1], generator=gen)
+    # float64 oracle from the per-slice dense factors
+    want = y0.double().clone()
+    for ti, ai in enumerate(idx):
+        if ai < 0 or ranks[ai] == 0:
+            continue
+        for s, (lo, hi) in enumerate(zip(offs, offs[1:])):
+            la, lb = per_slice[s][ai]
+            A = torch.block_diag(*torch.chunk(la.double(), na, dim=0)).t()
+            B = torch.block_diag(*torch.chunk(lb.double(), nb, dim=0)).t()
+            want[ti, lo:hi] += float(scales[ai]) * (x[ti].double() @ A) @ B
+    return y0, x, a, b, rk, scales, offs, want
+
+
+@pytest.mark.parametrize("layout,n,slices", [("column", 1, 3), ("column", 2, 3), ("column", 4, 3),
+                                             ("row", 1, 1), ("row", 2, 1), ("row", 4, 1)])
+@pytest.mark.parametrize("t", [1, 9])
+def test_decode(layout, n, slices, t):
+    gen = torch.Generator().manual_seed(10 * n + t + (layout == "row"))
+    ranks = [8, 16, 0, 64, 32]  # slot 2 empty
+    d_outs = [64, 32, 32][:slices] if slices == 3 else [D_OUT]
+    idx = torch.tensor([3, -1, 1, 0, 2, 4, 3, 0, -1][:t] if t > 1 else [4])
+    y0, x, a, b, rk, scales, offs, want = _decode_case(gen, layout, n, ranks, d_outs, t, idx.tolist())
+    y = y0.clone()
+    out = K.decode_lora(y, x, a, b, idx, rk, scales, offs, layout=layout, nblocks=n)
+    assert out is y and K.LAST_BACKEND["decode_lora"] == "triton"
+    assert_close(y, want)
+    ref = K.decode_lora_ref(y0.clone(), x, a, b, idx, rk, scales, offs, layout, n)
+    assert_close(ref, want)
+
+
+def test_decode_64_tokens():
+    gen = torch.Generator().manual_seed(64)
+    idx = (torch.arange(64) % 5) - 1  # -1, 0, 1, 2, 3, ...
+    y0, x, a, b, rk, scales, offs, want = _decode_case(gen, "column", 2, [16, 16, 64, 8], [64, 32, 32], 64,
+                                                       idx.tolist())
+    y = K.decode_lora(y0.clone(), x, a, b, idx, rk, scales, offs, layout="column", nblocks=2)
+    assert_close(y, want)
+
+
+FALLBACK_SCRIPT = r"""
+import os, torch
+os.environ.pop("TRITON_INTERPRET", None)
+import bdlora.kernels as K
+ad = K.LoraAdapter(torch.randn(16, 32), torch.randn(48, 4), 0.5, "column", 4)
+x = torch.randn(10, 32, requires_grad=True)
+y = K.grouped_lora(x, [0, 3, 10], [ad, ad])
+assert K.LAST_BACKEND["grouped_lora"] == "torch", K.LAST_BACKEND
+assert torch.allclose(y, K.grouped_lora_ref(x, [0, 3, 10], [ad, ad]))
+y.sum().backward()
+w = torch.randn(48, 32)
+K.fused_lora_linear(x, w, None, [0, 10], [ad])
+assert K.LAST_BACKEND["fused_lora_linear"] == "torch"
+a, b, rk, offs = K.stack_decode_weights([[(ad.lora_a, ad.lora_b)]], 16, "column", 4)
+K.decode_lora(torch.zeros(2, 48), x[:2].detach(), a, b, torch.tensor([0, -1]), rk, torch.ones(1), offs, nblocks=4)
+assert K.LAST_BACKEND["decode_lora"] == "torch"
+try:
+    K.grouped_lora(x, [0, 10], [ad], backend="triton")
+    raise SystemExit("backend='triton' should refuse CPU tensors without the interpreter")
+except RuntimeError:
+    pass
+print("ok")
+"""
+
+
+def test_dispatcher_falls_back_on_cpu_without_interpreter():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
