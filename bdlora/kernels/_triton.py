@@ -18,23 +18,25 @@ import triton.language as tl
 
 @triton.jit
 def _keep(seed, offs, p):
-    """Dropout keep-mask, regenerated from (seed, element offset) wherever it is needed."""
+    """Dropout keep-mask of element offset row * d_in + col (forward shrink and ``dropout_keep_mask``)."""
     return tl.rand(seed, offs) >= p
 
 
 @triton.jit
 def _sgmm_kernel(
     out_ptr, in_ptr, w_ptr, tiles_ptr, meta_ptr, fmeta_ptr,
-    base_in_ptr, base_w_ptr, bias_ptr, seed,
+    base_in_ptr, base_w_ptr, bias_ptr, mask_ptr, seed,
     stride_out, stride_in, stride_bin, base_sw_c, base_sw_k, base_K, drop_cols,
     HAS_BASE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, TRANS_W: tl.constexpr,
     DROP_IN: tl.constexpr, DROP_OUT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KB: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """out[rows_i, :M_i] (+)= [base_in @ base_W^T + bias] + alpha_i * keep_out * ((keep_in * in) @ blockdiag(W_i))
 
     meta[i] = (K_i, M_i, nb_i, woff_i) (int32), fmeta[i] = (alpha_i, p_i).  TRANS_W reads W_i as stored
-    (K, M/nb) instead of (M, K/nb) (used for dS = dY B and dX = dS A).
+    (K, M/nb) instead of (M, K/nb) (used for dS = dY B and dX = dS A). DROP_IN draws the dropout mask from
+    ``seed`` and stores it (int8, (T, drop_cols)) at mask_ptr; DROP_OUT reads that stored mask.
     """
     tile = tl.program_id(0)
     adapter = tl.load(tiles_ptr + tile * 3)
@@ -56,8 +58,8 @@ def _sgmm_kernel(
         acc = tl.zeros((BLOCK_T, BLOCK_M), dtype=tl.float32)
 
         if HAS_BASE:  # frozen base GEMM sharing this output tile (LoRAFusion op 2 / op 5)
-            for k0 in range(0, base_K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
+            for k0 in range(0, base_K, BLOCK_KB):
+                ks = k0 + tl.arange(0, BLOCK_KB)
                 kmask = ks < base_K
                 a = tl.load(base_in_ptr + rows[:, None] * stride_bin + ks[None, :],
                             mask=rmask[:, None] & kmask[None, :], other=0.0)
@@ -78,10 +80,14 @@ def _sgmm_kernel(
             kmask = ks < k_hi
             a = tl.load(in_ptr + rows[:, None] * stride_in + ks[None, :],
                         mask=rmask[:, None] & kmask[None, :], other=0.0)
-            if DROP_IN:
-                keep = _keep(seed, rows[:, None] * drop_cols + ks[None, :], p)
-                a = a * keep.to(a.dtype)
             k_blk = ks // bs_in
+            if DROP_IN:  # draw the mask once; the tile holding its block's first column stores it (int8)
+                moffs = rows[:, None] * drop_cols + ks[None, :]
+                keep = _keep(seed, moffs, p)
+                first = k_blk * bs_out
+                owner = (first >= c0) & (first < c0 + BLOCK_M)
+                tl.store(mask_ptr + moffs, keep.to(tl.int8), mask=rmask[:, None] & (kmask & owner)[None, :])
+                a = a * keep.to(a.dtype)
             wmask = kmask[:, None] & cmask[None, :] & (k_blk[:, None] == col_blk[None, :])
             if TRANS_W:
                 widx = ks[:, None] * bs_out + (cols - col_blk * bs_out)[None, :]
@@ -90,9 +96,10 @@ def _sgmm_kernel(
             w = tl.load(w_ptr + woff + widx, mask=wmask, other=0.0)
             lacc += tl.dot(a, w, input_precision=PREC)
         lacc = lacc * alpha
-        if DROP_OUT:
-            keep = _keep(seed, rows[:, None] * drop_cols + cols[None, :], p)
-            lacc = tl.where(keep, lacc, 0.0)
+        if DROP_OUT:  # backward: the mask stored by the forward shrink
+            keep = tl.load(mask_ptr + rows[:, None] * drop_cols + cols[None, :],
+                           mask=rmask[:, None] & cmask[None, :], other=0)
+            lacc = tl.where(keep != 0, lacc, 0.0)
         acc += lacc
 
         omask = rmask[:, None] & cmask[None, :]
@@ -105,13 +112,16 @@ def _sgmm_kernel(
 @triton.jit
 def _dsdb_kernel(
     ds_ptr, db_ptr, dy_ptr, s_ptr, b_ptr, tiles_ptr, meta_ptr,
-    stride_ds, stride_dy, stride_s,
+    stride_ds, stride_dy, stride_s, col_split,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr,
 ):
     """Backward of the expand, reading each dY tile once (LoRAFusion op 3):
 
-    dS[rows_i, rank_j] = dY[rows_i, out_j] @ B_j        (B_j = lora_b rows out_j, stored (d_out/nb, r/nb))
-    dB_j              += dY[rows_i, out_j]^T @ S[rows_i, rank_j]   (fp32 atomics into db_ptr)
+    dS[rows_i, rank_j] += dY[rows_i, out_j] @ B_j        (B_j = lora_b rows out_j, stored (d_out/nb, r/nb))
+    dB_j               += dY[rows_i, out_j]^T @ S[rows_i, rank_j]
+
+    Both are fp32 atomics (ds_ptr, db_ptr zeroed): program (tile, c) takes every col_split-th column chunk,
+    so a few programs share a row tile and the grid fills the GPU.
 
     meta[i] = (r_i, d_out, nb_i, boff_i).
     """
@@ -135,7 +145,10 @@ def _dsdb_kernel(
         s_j = tl.load(s_ptr + rows[:, None] * stride_s + (j * rb + rr)[None, :], mask=smask, other=0.0)
         acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         o_end = (j + 1) * bs_out
-        for o0 in range(j * bs_out, o_end, BLOCK_N):
+        n_ch = tl.cdiv(bs_out, BLOCK_N)
+        for it in range(tl.program_id(1), n_ch, col_split):
+            # rotate the chunk order per tile: concurrent tiles then add into different dB rows
+            o0 = j * bs_out + ((it + tile) % n_ch) * BLOCK_N
             os_ = o0 + tl.arange(0, BLOCK_N)
             omask = os_ < o_end
             dy = tl.load(dy_ptr + rows[:, None] * stride_dy + os_[None, :],
@@ -146,22 +159,22 @@ def _dsdb_kernel(
             acc += tl.dot(dy, b, input_precision=PREC)
             db = tl.dot(tl.trans(dy), s_j, input_precision=PREC)
             tl.atomic_add(db_ptr + bidx, db, mask=bmask)
-        tl.store(ds_ptr + rows[:, None] * stride_ds + (j * rb + rr)[None, :],
-                 acc.to(ds_ptr.dtype.element_ty), mask=smask)
+        tl.atomic_add(ds_ptr + rows[:, None] * stride_ds + (j * rb + rr)[None, :], acc, mask=smask)
 
 
 @triton.jit
 def _wgrad_kernel(
-    g_ptr, dout_ptr, in_ptr, tiles_ptr, meta_ptr, fmeta_ptr, seed,
+    g_ptr, dout_ptr, in_ptr, tiles_ptr, meta_ptr, fmeta_ptr, mask_ptr,
     stride_dout, stride_in, drop_cols,
     DROP_IN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """Weight gradient of the block-diagonal shrink (LoRAFusion op 4), fp32 atomics into g_ptr:
 
-    G_i[m, kl] += alpha_i * sum_{t in tile} dOut[t, m] * (keep * in)[t, blk(m) * K/nb + kl]
+    G_i[m, kl] += alpha_i * sum_{t in tile} dOut[t, m] * (mask * in)[t, blk(m) * K/nb + kl]
 
-    with G_i stored (M, K/nb) at woff_i; meta[i] = (K_i, M_i, nb_i, woff_i), fmeta[i] = (alpha_i, p_i).
+    with G_i stored (M, K/nb) at woff_i; meta[i] = (K_i, M_i, nb_i, woff_i), fmeta[i] = (alpha_i, p_i); mask is
+    the int8 dropout keep-mask the forward shrink stored.
     Tiles here are row chunks of a segment (split-K over tokens).
     """
     tile = tl.program_id(0)
@@ -173,7 +186,6 @@ def _wgrad_kernel(
     nb = tl.load(meta_ptr + adapter * 4 + 2)
     woff = tl.load(meta_ptr + adapter * 4 + 3)
     alpha = tl.load(fmeta_ptr + adapter * 2)
-    p = tl.load(fmeta_ptr + adapter * 2 + 1)
     bs_out = M // nb
     bs_in = K // nb
 
@@ -197,8 +209,9 @@ def _wgrad_kernel(
                 ks = j * bs_in + kls
                 xv = tl.load(in_ptr + rows[:, None] * stride_in + ks[None, :],
                              mask=rmask[:, None] & kmask[None, :], other=0.0)
-                if DROP_IN:
-                    keep = _keep(seed, rows[:, None] * drop_cols + ks[None, :], p)
+                if DROP_IN:  # the mask stored by the forward shrink
+                    keep = tl.load(mask_ptr + rows[:, None] * drop_cols + ks[None, :],
+                                   mask=rmask[:, None] & kmask[None, :], other=0)
                     xv = xv * keep.to(xv.dtype)
                 gj = tl.where((m_blk == j)[None, :], g, 0.0).to(xv.dtype)
                 acc += tl.dot(tl.trans(gj), xv, input_precision=PREC)

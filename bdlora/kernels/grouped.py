@@ -6,7 +6,7 @@ Forward (launches per layer, independent of the number of adapters):
                                                           with the base GEMM in the same tile (fuse_base)
 Backward:
   3. dS = dY @ B^T and dB = S^T dY                        one kernel, one read of dY
-  4. dA = (scale/(1-p)) * (keep * x)^T dS                 mask regenerated from the seed, not stored
+  4. dA = (scale/(1-p)) * (keep * x)^T dS                 keep = int8 mask stored by stage 1
   5. dX (+)= (scale/(1-p)) * keep * (dS @ A^T)  [+ dY W]  added into the base dX, or fused with it
 """
 from __future__ import annotations
@@ -34,11 +34,18 @@ def _next_pow2(v: int) -> int:
     return 1 << max(0, int(v) - 1).bit_length()
 
 
-def _config(x: torch.Tensor) -> dict:
-    """Tile sizes: big tiles on GPU; small ones under the (slow, per-program) interpreter."""
-    if x.is_cuda:
-        return dict(BT=64, BM=128, BK=64, BN=64, warps=4, stages=3)
-    return dict(BT=16, BM=32, BK=32, BN=32, warps=4, stages=1)
+def _config(x: torch.Tensor, fuse_base: bool) -> dict:
+    """Tile sizes: big tiles on GPU (bigger still when the tile also runs the base GEMM); small ones under
+    the (slow, per-program) interpreter."""
+    if not x.is_cuda:
+        return dict(BT=16, BM=32, BK=32, BN=32, warps=4, stages=1)
+    if fuse_base:
+        return dict(BT=128, BM=128, BK=64, BN=64, warps=8, stages=3)
+    return dict(BT=64, BM=128, BK=64, BN=64, warps=4, stages=3)
+
+
+def _clamp_pow2(v: int, lo: int, hi: int) -> int:
+    return min(hi, max(lo, _next_pow2(v)))
 
 
 def _seg_list(seg, n: int, t: int) -> list[int]:
@@ -60,7 +67,7 @@ class _Plan:
 
     def __init__(self, x: torch.Tensor, seg: list[int], adapters: Sequence[LoraAdapter], seed: int | None,
                  fuse_base: bool):
-        self.cfg = cfg = _config(x)
+        self.cfg = cfg = _config(x, fuse_base)
         self.seg, self.n, self.seed, self.fuse_base = seg, len(adapters), seed, fuse_base
         self.d_in, self.d_out = adapters[0].d_in, adapters[0].d_out
         self.t = x.shape[0]
@@ -102,6 +109,13 @@ class _Plan:
         self.n_wtiles = len(wtiles)
         self.wtiles = torch.tensor(wtiles or [(0, 0, 0)], dtype=torch.int32).to(dev, non_blocking=True)
         self.block_r = max(16, _next_pow2(max(r // ad.blocks_b for ad, r in zip(adapters, ranks))))
+        # per-stage (BLOCK_M, BLOCK_K): the rank side of a tile is sized to the rank (block), not padded to 128
+        rb_a = max(r // ad.blocks_a for ad, r in zip(adapters, ranks))
+        self.tile_mk = {
+            self.SHRINK: (_clamp_pow2(self.r_max, 16, cfg["BM"]), cfg["BK"]),
+            self.EXPAND: (cfg["BM"], _clamp_pow2(self.block_r, 16, cfg["BK"])),
+            self.DX: (cfg["BM"], _clamp_pow2(rb_a, 16, cfg["BK"])),
+        }
         self.prec = "ieee" if x.dtype == torch.float32 else "tf32"
 
     def zero_gaps(self, t: torch.Tensor) -> None:
@@ -110,8 +124,8 @@ class _Plan:
         t[self.seg[-1]:].zero_()
 
     # ---- launches -------------------------------------------------------------------------------
-    def sgmm(self, stage, out, inp, w, fstage, *, accumulate, trans=False, drop_in=False, drop_out=False,
-             base_in=None, base_w=None, base_trans=False, bias=None):
+    def sgmm(self, stage, out, inp, w, fstage, *, accumulate, trans=False, mask=None, drop_in=False,
+             drop_out=False, base_in=None, base_w=None, base_trans=False, bias=None):
         from ._triton import _sgmm_kernel
 
         if self.n_tiles == 0:
@@ -124,14 +138,15 @@ class _Plan:
             base_k = base_in.shape[1]
         else:
             base_in, base_w, sw_c, sw_k, base_k = inp, w, 0, 0, 0
-        grid = (self.n_tiles, triton_cdiv(m_max, cfg["BM"]))
+        block_m, block_k = self.tile_mk[stage]
+        grid = (self.n_tiles, triton_cdiv(m_max, block_m))
         _sgmm_kernel[grid](
             out, inp, w, self.tiles, self.meta[stage], self.fmeta[fstage],
-            base_in, base_w, bias if bias is not None else w, self.seed or 0,
+            base_in, base_w, bias if bias is not None else w, mask if mask is not None else w, self.seed or 0,
             out.stride(0), inp.stride(0), base_in.stride(0), sw_c, sw_k, base_k, self.d_in,
             HAS_BASE=has_base, HAS_BIAS=bias is not None, ACCUMULATE=accumulate, TRANS_W=trans,
             DROP_IN=drop_in, DROP_OUT=drop_out,
-            BLOCK_T=cfg["BT"], BLOCK_M=cfg["BM"], BLOCK_K=cfg["BK"], PREC=self.prec,
+            BLOCK_T=cfg["BT"], BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_KB=cfg["BK"], PREC=self.prec,
             num_warps=cfg["warps"], num_stages=cfg["stages"],
         )
 
@@ -141,14 +156,20 @@ class _Plan:
         if self.n_tiles == 0:
             return
         cfg = self.cfg
-        _dsdb_kernel[(self.n_tiles,)](
+        # split each row tile's output columns over a few programs (dS partials meet in fp32 atomics)
+        if dy.is_cuda:
+            sms = torch.cuda.get_device_properties(dy.device).multi_processor_count
+            split = max(1, min(8, -(-4 * sms // self.n_tiles)))
+        else:
+            split = 2  # exercises the split path under the interpreter
+        _dsdb_kernel[(self.n_tiles, split)](
             ds, db32, dy, s, b_flat, self.tiles, self.meta[self.DSDB],
-            ds.stride(0), dy.stride(0), s.stride(0),
+            ds.stride(0), dy.stride(0), s.stride(0), split,
             BLOCK_T=cfg["BT"], BLOCK_N=cfg["BN"], BLOCK_R=self.block_r, PREC=self.prec,
             num_warps=cfg["warps"], num_stages=cfg["stages"],
         )
 
-    def wgrad_a(self, da32, ds, x):
+    def wgrad_a(self, da32, ds, x, mask):
         from ._triton import _wgrad_kernel
 
         if self.n_wtiles == 0:
@@ -157,7 +178,7 @@ class _Plan:
         bs_in_max = self.d_in  # upper bound of K/nb over adapters
         grid = (self.n_wtiles, triton_cdiv(self.r_max, self.br_w), triton_cdiv(bs_in_max, self.bk_w))
         _wgrad_kernel[grid](
-            da32, ds, x, self.wtiles, self.meta[self.WGRAD], self.fmeta[0], self.seed or 0,
+            da32, ds, x, self.wtiles, self.meta[self.WGRAD], self.fmeta[0], mask if mask is not None else x,
             ds.stride(0), x.stride(0), self.d_in,
             DROP_IN=self.has_dropout, BLOCK_T=cfg["BT"], BLOCK_R=self.br_w, BLOCK_K=self.bk_w, PREC=self.prec,
             num_warps=cfg["warps"], num_stages=cfg["stages"],
@@ -184,7 +205,9 @@ class _LoraLinearFn(torch.autograd.Function):
         a_flat = torch.cat([f.reshape(-1) for f in factors[0::2]])
         b_flat = torch.cat([f.reshape(-1) for f in factors[1::2]])
         s = _new(x, plan.t, plan.r_max)  # rows outside segments are never read
-        plan.sgmm(plan.SHRINK, s, x, a_flat, 0, accumulate=False, drop_in=plan.has_dropout)
+        # int8 keep-mask written by the shrink, read by the dA and dX stages (cheaper than redrawing it)
+        mask = torch.empty(x.shape, dtype=torch.int8, device=x.device) if plan.has_dropout else None
+        plan.sgmm(plan.SHRINK, s, x, a_flat, 0, accumulate=False, mask=mask, drop_in=plan.has_dropout)
         if weight is not None and plan.fuse_base:  # base GEMM and LoRA expand in one tile
             y = _new(x, plan.t, plan.d_out)
             plan.sgmm(plan.EXPAND, y, s, b_flat, 1, accumulate=False, base_in=x, base_w=weight, bias=bias)
@@ -199,23 +222,24 @@ class _LoraLinearFn(torch.autograd.Function):
                 plan.zero_gaps(y)
             plan.sgmm(plan.EXPAND, y, s, b_flat, 1, accumulate=weight is not None or out is not None)
         ctx.plan, ctx.has_out, ctx.has_bias = plan, out is not None, bias is not None
-        ctx.save_for_backward(x, s, weight, a_flat, b_flat)
+        ctx.save_for_backward(x, s, weight, a_flat, b_flat, mask)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         plan: _Plan = ctx.plan
-        x, s, weight, a_flat, b_flat = ctx.saved_tensors
+        x, s, weight, a_flat, b_flat, mask = ctx.saved_tensors
         dy = dy.contiguous()
-        ds = _new(x, plan.t, plan.r_max)
+        ds32 = torch.zeros(plan.t, plan.r_max, device=x.device, dtype=torch.float32)
         db32 = torch.zeros(plan.b_numel, device=x.device, dtype=torch.float32)
-        plan.dsdb(ds, db32, dy, s, b_flat)
+        plan.dsdb(ds32, db32, dy, s, b_flat)
+        ds = ds32.to(x.dtype)
         da32 = torch.zeros(plan.a_numel, device=x.device, dtype=torch.float32)
-        plan.wgrad_a(da32, ds, x)
+        plan.wgrad_a(da32, ds, x, mask)
 
         dx = None
         if ctx.needs_input_grad[1]:
-            lora_dx = dict(trans=True, drop_out=plan.has_dropout)
+            lora_dx = dict(trans=True, mask=mask, drop_out=plan.has_dropout)
             if weight is not None and plan.fuse_base:
                 dx = _new(x, *x.shape)
                 plan.sgmm(plan.DX, dx, ds, a_flat, 0, accumulate=False, base_in=dy, base_w=weight,
