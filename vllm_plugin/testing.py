@@ -1,0 +1,239 @@
+"""Probes for tests and benchmarks, run inside vLLM workers through ``LLM.collective_rpc`` (each takes the worker as
+its first argument; with worker processes set ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` so callables can be sent).
+
+* :func:`install_collective_counters` wraps the module-level collectives the LoRA layers call
+  (``tensor_model_parallel_all_gather`` in ``column_parallel_linear``, ``tensor_model_parallel_all_reduce`` in
+  ``row_parallel_linear``) and counts calls by caller: ``forward`` is the base model's own collective, anything else
+  (``_mcp_apply``, ``apply``) is a LoRA collective. Run the engine with ``enforce_eager=True`` so calls are not
+  traced away by torch.compile.
+* :func:`lora_memory` reports the bytes one adapter occupies on a rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+COUNTS: Counter = Counter()
+
+_TARGETS = (
+    ("vllm.lora.layers.column_parallel_linear", "tensor_model_parallel_all_gather", "all_gather"),
+    ("vllm.lora.layers.row_parallel_linear", "tensor_model_parallel_all_reduce", "all_reduce"),
+)
+
+
+def _counting(fn, op):
+    if getattr(fn, "__bdlora_counter__", False):
+        return fn
+
+    def wrapper(*args, **kwargs):
+        caller = sys._getframe(1).f_code.co_name
+        COUNTS[("base" if caller == "forward" else "lora", op)] += 1
+        return fn(*args, **kwargs)
+
+    wrapper.__bdlora_counter__ = True
+    return wrapper
+
+
+def install_collective_counters(worker=None) -> bool:
+    import importlib
+
+    for mod_name, fn_name, op in _TARGETS:
+        mod = importlib.import_module(mod_name)
+        setattr(mod, fn_name, _counting(getattr(mod, fn_name), op))
+    COUNTS.clear()
+    return True
+
+
+def reset_collective_counters(worker=None) -> bool:
+    COUNTS.clear()
+    return True
+
+
+def read_collective_counters(worker=None) -> dict:
+    return {f"{kind}:{op}": n for (kind, op), n in COUNTS.items()}
+
+
+def _adapter_manager(worker):
+    runner = getattr(worker, "model_runner", worker)
+    return runner.lora_manager._adapter_manager
+
+
+def _nbytes(t) -> int:
+    if t is None:
+        return 0
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size()
+
+
+def lora_memory(worker, lora_int_id: int) -> dict:
+    """Bytes of one adapter on this rank: ``loaded`` (the LoRAModel tensors kept on the host), ``slot`` (its slot
+    in the stacked buffers of every LoRA layer), plus ``buffer_rank`` and layer-class names."""
+    mgr = _adapter_manager(worker)
+    model = mgr._registered_adapters[lora_int_id]
+    loaded = sum(_nbytes(w.lora_a) + _nbytes(w.lora_b) for w in model.loras.values())
+    slot = mgr.lora_index_to_id.index(lora_int_id) if lora_int_id in mgr.lora_index_to_id else None
+    slot_bytes = 0
+    ranks, classes = set(), set()
+    for layer in mgr.modules.values():
+        stacked_a = getattr(layer, "lora_a_stacked", None)
+        if stacked_a is None or not isinstance(stacked_a, tuple):
+            continue
+        classes.add(type(layer).__name__)
+        for a, b in zip(layer.lora_a_stacked, layer.lora_b_stacked):
+            ranks.add(int(a.shape[2]))
+            if slot is not None:
+                slot_bytes += _nbytes(a[slot]) + _nbytes(b[slot])
+    loaded_shapes = {
+        name: ([tuple(x.shape) for x in w.lora_a] if isinstance(w.lora_a, list) else tuple(w.lora_a.shape),
+               [tuple(x.shape) for x in w.lora_b] if isinstance(w.lora_b, list) else tuple(w.lora_b.shape))
+        for name, w in model.loras.items()
+    }
+    return {"loaded": loaded, "slot": slot_bytes, "buffer_ranks": sorted(ranks), "classes": sorted(classes),
+            "shapes": loaded_shapes}
+
+
+def lora_layer_classes(worker) -> dict:
+    mgr = _adapter_manager(worker)
+    return {name: type(layer).__name__ for name, layer in mgr.modules.items()}
+
+
+# ----------------------------------------------------------------------------------------------- references
+
+
+def make_peft_adapter(model_dir, out_dir, peft_config, seed: int = 0, std: float = 0.05):
+    """Saves a PEFT adapter of ``peft_config`` on the model at ``model_dir`` with random (non-zero) factors.
+
+    PEFT initialises lora_B to zero; every LoRA factor is refilled with N(0, std^2) so the adapter visibly changes
+    outputs. Works for BD (``BDLoraSpec.to_peft_config()``) and dense ``LoraConfig`` alike.
+    """
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = get_peft_model(base, peft_config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def hf_teacher_forced(model_dir, adapter_dir, prompt_ids, gen_ids, device: str = "cpu"):
+    """HF (+PEFT) log-probabilities of ``gen_ids`` after ``prompt_ids`` and the greedy token at each step.
+
+    Returns (logprobs, argmax); one forward over prompt+generation, so a greedy vLLM generation is correct iff
+    ``argmax == gen_ids`` and its logprobs match.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter_dir)).to(device)
+    model.eval()
+    ids = torch.tensor([list(prompt_ids) + list(gen_ids)], device=device)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    n = len(prompt_ids)
+    rows = logp[n - 1: n - 1 + len(gen_ids)]
+    picked = rows.gather(1, torch.tensor(list(gen_ids), device=device).unsqueeze(1)).squeeze(1)
+    return picked.cpu().tolist(), rows.argmax(-1).cpu().tolist()
+
+
+def vllm_logprobs(completion) -> list[float]:
+    """Sampled-token logprobs of one vLLM ``CompletionOutput`` generated with ``logprobs=0``."""
+    return [d[t].logprob for d, t in zip(completion.logprobs, completion.token_ids)]
+
+
+# ----------------------------------------------------------------------------------------------- engines
+
+
+def start_llm(model_dir, env: dict | None = None, **kwargs):
+    """An ``LLM`` on ``model_dir`` (float32, eager) with ``env`` applied first (vLLM's env cache is reset)."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    for k, v in (env or {}).items():
+        os.environ[k] = str(v)
+    import vllm.envs as envs
+
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    from vllm import LLM
+
+    opts = dict(dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8, seed=0,
+                gpu_memory_utilization=0.5)
+    opts.update(kwargs)
+    try:
+        llm = LLM(str(model_dir), **opts)
+    except BaseException:
+        _restore_env(saved)
+        raise
+    llm._bdlora_saved_env = saved
+    return llm
+
+
+def _restore_env(saved: dict) -> None:
+    import os
+
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def stop_llm(llm) -> None:
+    """Shuts an engine from :func:`start_llm` down and restores the environment it changed (idempotent)."""
+    import gc
+
+    saved = getattr(llm, "_bdlora_saved_env", None)
+    llm._bdlora_saved_env = None
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    del llm
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception:
+        pass
+    if saved:
+        _restore_env(saved)
+    import vllm.envs as envs
+
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+
+
+def generate_mixed(llm, jobs, max_tokens: int = 8):
+    """Runs one batch: ``jobs`` is a list of (prompt token ids, LoRARequest or None); returns CompletionOutputs."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p, _ in jobs]
+    outs = llm.generate(prompts, sp, lora_request=[lr for _, lr in jobs], use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def parity_report(model_dir, jobs, outputs, adapter_dirs) -> list[dict]:
+    """Per job: token equality with HF(+PEFT) greedy and max |logprob diff| (teacher forced)."""
+    rows = []
+    for (prompt, lr), out, adir in zip(jobs, outputs, adapter_dirs):
+        ref_lp, ref_argmax = hf_teacher_forced(model_dir, adir, prompt, out.token_ids)
+        got = vllm_logprobs(out)
+        rows.append({"adapter": lr.lora_name if lr else None, "tokens": list(out.token_ids),
+                     "tokens_equal": list(ref_argmax) == list(out.token_ids),
+                     "max_logprob_diff": max(abs(a - b) for a, b in zip(got, ref_lp))})
+    return rows

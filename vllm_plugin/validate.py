@@ -1,0 +1,324 @@
+"""Checks that run where a request or a ``/v1/load_lora_adapter`` call arrives (the front-end process).
+
+An exception raised inside a vLLM worker kills the engine and the caller only sees ``EngineDeadError``, so every
+adapter is checked here first, from its ``adapter_config.json`` and the safetensors *header* (no tensor is read):
+a bad adapter gets a clear :class:`~bdlora.spec.BDLoraError` (a ``ValueError``) and the server keeps serving.
+
+Nothing here imports vLLM; it only reads attributes of the ``VllmConfig`` it is given.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from bdlora.adapter import CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, check_factor_shapes, module_paths, read_config
+from bdlora.sharding import check_tp_compatible
+from bdlora.spec import COLUMN, PRESETS, ROW, BDLoraError
+
+#: ``additional_config`` key that switches BD mode on: ``True`` or ``{"min_nblocks": k}``.
+CONFIG_KEY = "bdlora"
+PEFT_PREFIX = "base_model.model."
+
+SUPPORTED_VLLM = ("0.26.0", "0.33")  # [lo, hi)
+
+
+# ----------------------------------------------------------------------------------------------- engine settings
+
+
+@dataclass(frozen=True)
+class BDOptions:
+    """BD mode settings read from ``additional_config["bdlora"]``.
+
+    ``min_nblocks``: the smallest nblocks (dense adapters count as 1) the server must hold when nblocks is below the
+    tensor-parallel degree. The per-device LoRA buffers have rank ``max_lora_rank / min(min_nblocks, tp)``; the
+    default (``min_nblocks = tp``) makes them exactly ``1/tp`` of stock vLLM's.
+    """
+
+    min_nblocks: Optional[int] = None
+
+
+def bd_options(vllm_config: Any) -> Optional[BDOptions]:
+    """The BD options of an engine config, or None when BD mode is off."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    value = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+    if value is None or value is False:
+        return None
+    if value is True or (isinstance(value, str) and value.lower() in ("1", "true", "yes", "on")):
+        return BDOptions()
+    if isinstance(value, dict):
+        if not value.get("enabled", True):
+            return None
+        unknown = set(value) - {"enabled", "min_nblocks"}
+        if unknown:
+            raise BDLoraError(f"additional_config['bdlora'] has unknown keys {sorted(unknown)}; "
+                              "known: 'enabled', 'min_nblocks'")
+        mn = value.get("min_nblocks")
+        if mn is not None and (not isinstance(mn, int) or mn < 1):
+            raise BDLoraError(f"additional_config['bdlora']['min_nblocks'] must be a positive integer, got {mn!r}")
+        return BDOptions(min_nblocks=mn)
+    raise BDLoraError(f"additional_config['bdlora'] must be true or a dict like {{'min_nblocks': 1}}, got {value!r}")
+
+
+def tp_size_of(vllm_config: Any) -> int:
+    return int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+
+
+def device_rank(max_lora_rank: int, tp_size: int, min_nblocks: Optional[int] = None) -> int:
+    """Rank of the per-device LoRA buffers in BD mode.
+
+    An adapter of rank r with N blocks holds ``r / min(N, M)`` ranks on each of the M devices (M | N: N/M whole
+    blocks; N | M: one block, shared). With ``max_lora_rank`` the largest r and ``min_nblocks`` the smallest N
+    served, that is at most ``max_lora_rank / min(min_nblocks, M)``.
+    """
+    m = min(min_nblocks or tp_size, tp_size)
+    return max(1, math.ceil(max_lora_rank / m))
+
+
+def local_rank_of(r: int, nblocks: int, tp_size: int) -> int:
+    """Ranks of an (r, nblocks) adapter held by one of ``tp_size`` devices."""
+    return r // min(nblocks, tp_size)
+
+
+def engine_device_rank(vllm_config: Any) -> int:
+    opts = bd_options(vllm_config) or BDOptions()
+    return device_rank(vllm_config.lora_config.max_lora_rank, tp_size_of(vllm_config), opts.min_nblocks)
+
+
+def check_vllm_version(version: Optional[str] = None) -> str:
+    """Raises a clear error outside the supported vLLM range; returns the version."""
+    from packaging.version import Version
+
+    if version is None:
+        import vllm
+
+        version = getattr(vllm, "__version__", "0")
+    lo, hi = SUPPORTED_VLLM
+    v = Version(version)
+    if not (Version(lo) <= Version(v.base_version) < Version(hi)):
+        if os.environ.get("BDLORA_ALLOW_UNSUPPORTED_VLLM") == "1":
+            return version
+        raise BDLoraError(
+            f"bdlora's vLLM plugin supports vLLM {lo} <= version < {hi}, found {version}. Install a supported vLLM "
+            f"(`pip install 'vllm>={lo},<{hi}'`), or set BDLORA_ALLOW_UNSUPPORTED_VLLM=1 to try anyway"
+        )
+    return version
+
+
+def validate_engine_config(vllm_config: Any) -> None:
+    """Refuses BD mode settings that cannot work, before any engine process starts."""
+    opts = bd_options(vllm_config)
+    if opts is None:
+        return
+    check_vllm_version()
+    lora = getattr(vllm_config, "lora_config", None)
+    if lora is None:
+        raise BDLoraError("--enable-bdlora (additional_config={'bdlora': True}) needs LoRA: add --enable-lora "
+                          "(LLM(..., enable_lora=True))")
+    if getattr(lora, "fully_sharded_loras", False):
+        raise BDLoraError("--enable-bdlora and --fully-sharded-loras exclude each other: BD-LoRA shards the adapter "
+                          "itself and needs no LoRA communication; drop --fully-sharded-loras")
+
+
+# ----------------------------------------------------------------------------------------------- adapter checks
+
+_cache_lock = threading.Lock()
+_model_keys_cache: dict[str, Optional[frozenset]] = {}
+_adapter_cache: dict[tuple, Optional[BDLoraError]] = {}
+
+
+def _model_weight_names(model_path: str) -> Optional[frozenset]:
+    """Parameter names of a local safetensors checkpoint (headers only); None when not local."""
+    with _cache_lock:
+        if model_path in _model_keys_cache:
+            return _model_keys_cache[model_path]
+    names: Optional[frozenset] = None
+    if model_path and os.path.isdir(model_path):
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+        if files:
+            from safetensors import safe_open
+
+            keys: set[str] = set()
+            for fn in files:
+                with safe_open(fn, framework="pt") as f:
+                    keys.update(f.keys())
+            names = frozenset(keys)
+    with _cache_lock:
+        _model_keys_cache[model_path] = names
+    return names
+
+
+def _stat(path: str) -> tuple:
+    try:
+        st = os.stat(path)
+        return (st.st_mtime_ns, st.st_size)
+    except OSError:
+        return (None, None)
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What adapter validation needs to know about the engine (hashable, for caching)."""
+
+    bd: bool
+    tp_size: int
+    max_lora_rank: int
+    device_rank: int
+    model_path: str
+    model_type: str
+    num_kv_heads: Optional[int]
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> "EngineFacts":
+        opts = bd_options(vllm_config)
+        tp = tp_size_of(vllm_config)
+        lora = getattr(vllm_config, "lora_config", None)
+        max_rank = int(getattr(lora, "max_lora_rank", 0) or 0)
+        mc = vllm_config.model_config
+        hf = getattr(mc, "hf_config", None)
+        text = hf.get_text_config() if hf is not None and hasattr(hf, "get_text_config") else hf
+        kv = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+        return cls(
+            bd=opts is not None, tp_size=tp, max_lora_rank=max_rank,
+            device_rank=device_rank(max_rank, tp, opts.min_nblocks) if (opts and max_rank) else max_rank,
+            model_path=str(getattr(mc, "model", "") or ""), model_type=str(getattr(text, "model_type", "") or ""),
+            num_kv_heads=int(kv) if kv else None,
+        )
+
+
+def local_adapter_dir(lora_path: str) -> Optional[str]:
+    """The folder of a local adapter, or None (hub ids are resolved, and checked, by the workers)."""
+    if not lora_path:
+        return None
+    p = os.path.abspath(os.path.expanduser(lora_path))
+    return p if os.path.isfile(os.path.join(p, CONFIG_NAME)) else None
+
+
+def refuse_bd_without_mode(cfg: AdapterConfig, path: str) -> None:
+    if cfg.is_bd:
+        raise BDLoraError(
+            f"adapter {path} is a BD-LoRA adapter (use_bdlora, nblocks={cfg.nblocks}) but this vLLM engine runs "
+            "without BD-LoRA support, so it would compute wrong outputs from the packed factors. Start vLLM with "
+            "--enable-lora --enable-bdlora (`bdlora serve MODEL` does that), or in Python "
+            "LLM(..., enable_lora=True, additional_config={'bdlora': True}); or convert the adapter to a standard one "
+            "with `bdlora convert to-dense`"
+        )
+
+
+def validate_adapter(lora_path: str, vllm_config: Any, name: Optional[str] = None) -> Optional[AdapterConfig]:
+    """Checks an adapter folder against an engine config; raises :class:`BDLoraError` with the reason.
+
+    Returns the adapter config (None for non-local adapters, which the workers check when they load them).
+    """
+    path = local_adapter_dir(lora_path)
+    if path is None:
+        return None
+    facts = EngineFacts.of(vllm_config)
+    key = (path, _stat(os.path.join(path, CONFIG_NAME)), _stat(os.path.join(path, WEIGHTS_NAME)), facts)
+    with _cache_lock:
+        cached = _adapter_cache.get(key, False)
+    if cached is False:
+        try:
+            _check_adapter(path, facts)
+            cached = None
+        except BDLoraError as e:
+            cached = e
+        with _cache_lock:
+            if len(_adapter_cache) > 4096:
+                _adapter_cache.clear()
+            _adapter_cache[key] = cached
+    if cached is not None:
+        label = f"LoRA adapter {name!r}" if name else "LoRA adapter"
+        raise BDLoraError(f"{label} refused: {cached}")
+    return read_config(path)
+
+
+def _check_adapter(path: str, facts: EngineFacts) -> None:
+    cfg = read_config(path)
+    if not facts.bd:
+        refuse_bd_without_mode(cfg, path)
+        return
+    weights = os.path.join(path, WEIGHTS_NAME)
+    if not os.path.isfile(weights):
+        raise BDLoraError(f"{path}: no {WEIGHTS_NAME}. BD mode reads only each device's blocks, which needs "
+                          "safetensors; re-save the adapter with safe_serialization=True")
+    if cfg.raw.get("rank_pattern") or cfg.raw.get("alpha_pattern"):
+        if cfg.is_bd:
+            raise BDLoraError(f"{path}: rank_pattern/alpha_pattern are not supported for BD-LoRA adapters")
+    n = cfg.nblocks if cfg.is_bd else 1
+    m = facts.tp_size
+    check_tp_compatible(n, m)
+    if cfg.r > facts.max_lora_rank:
+        raise BDLoraError(f"{path}: rank r={cfg.r} is larger than --max-lora-rank {facts.max_lora_rank}; "
+                          f"restart with --max-lora-rank >= {cfg.r}")
+    r_local = local_rank_of(cfg.r, n, m)
+    if r_local > facts.device_rank:
+        what = "a dense adapter (served as nblocks=1)" if not cfg.is_bd else f"nblocks={n}"
+        raise BDLoraError(
+            f"{path}: {what} with r={cfg.r} needs rank {r_local} on each of the {m} devices, but BD mode sized the "
+            f"per-device LoRA buffers for rank {facts.device_rank} (= max_lora_rank {facts.max_lora_rank} / "
+            f"min(min_nblocks, tp)). Restart with --additional-config '{{\"bdlora\": {{\"min_nblocks\": {n}}}}}' "
+            f"or a larger --max-lora-rank"
+        )
+    from safetensors import safe_open
+
+    with safe_open(weights, framework="pt") as f:
+        keys = list(f.keys())
+        other = [k for k in keys if not (k.endswith(".lora_A.weight") or k.endswith(".lora_B.weight"))]
+        if other:
+            raise BDLoraError(f"{path}: tensors {other[:4]} are not LoRA factors; BD mode serves lora_A/lora_B only "
+                              "(no modules_to_save, embeddings or biases)")
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
+    paths = module_paths(shapes)
+    preset = PRESETS.get(facts.model_type)
+    for p in paths:
+        a, b = shapes[p + ".lora_A.weight"], shapes[p + ".lora_B.weight"]
+        leaf = p.rsplit(".", 1)[-1]
+        if cfg.is_bd:
+            layout = check_factor_shapes(cfg, p, a, b)
+        else:
+            if a[0] != cfg.r or b[1] != cfg.r:
+                raise BDLoraError(f"{p}: shapes A{a} B{b} do not fit r={cfg.r}")
+            layout = None
+        if preset is not None:
+            known = COLUMN if leaf in preset[COLUMN] else ROW if leaf in preset[ROW] else None
+            if cfg.is_bd and known is None:
+                raise BDLoraError(
+                    f"{p}: {leaf!r} is not a tensor-parallel projection of a {facts.model_type} model; BD-LoRA "
+                    f"targets column-parallel {list(preset[COLUMN])} and row-parallel {list(preset[ROW])}")
+            if layout is not None and known != layout:
+                raise BDLoraError(
+                    f"{p}: the adapter lists {leaf!r} as {layout}-parallel (use_bdlora."
+                    f"{'target_modules_bd_b' if layout == COLUMN else 'target_modules_bd_a'}) but vLLM shards it "
+                    f"{known}-parallel; {leaf} belongs in "
+                    f"{'target_modules_bd_b' if known == COLUMN else 'target_modules_bd_a'}")
+        if (facts.num_kv_heads and m > facts.num_kv_heads and leaf in ("k_proj", "v_proj")
+                and (cfg.is_bd or n < m)):
+            raise BDLoraError(
+                f"{p}: tensor-parallel size {m} exceeds the model's {facts.num_kv_heads} KV heads, so vLLM replicates "
+                f"{leaf} across devices and BD-LoRA blocks cannot follow its shards; serve at a tensor-parallel size "
+                f"<= {facts.num_kv_heads} or leave k_proj/v_proj out of the adapter")
+    names = _model_weight_names(facts.model_path)
+    if names is not None:
+        missing = []
+        for p in paths:
+            inner = p[len(PEFT_PREFIX):] if p.startswith(PEFT_PREFIX) else p
+            if inner + ".weight" not in names and p + ".weight" not in names:
+                missing.append(inner)
+        if missing:
+            leaves = sorted({k.rsplit(".", 2)[-2] for k in names if k.endswith(".weight") and k.count(".") >= 1})
+            raise BDLoraError(
+                f"{path}: modules {missing[:4]}{' ...' if len(missing) > 4 else ''} do not exist in the base model "
+                f"{facts.model_path} (its weights are named like {leaves[:12]}); was the adapter trained on "
+                "another model?")
+
+
+__all__ = [
+    "BDOptions", "CONFIG_KEY", "EngineFacts", "SUPPORTED_VLLM", "bd_options", "check_vllm_version", "device_rank",
+    "engine_device_rank", "local_adapter_dir", "local_rank_of", "refuse_bd_without_mode", "tp_size_of",
+    "validate_adapter", "validate_engine_config",
+]
