@@ -1,0 +1,109 @@
+"""Job-file validation: every bad config fails with a clear message before any training step."""
+
+from __future__ import annotations
+
+import pytest
+
+from bdlora.spec import BDLoraError
+from bdlora.train.config import ConfigError, TrainConfig
+from bdlora.train.tasks import toy_chat_records, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return str(write_jsonl(toy_chat_records(12), tmp_path_factory.mktemp("cfgdata") / "d.jsonl"))
+
+
+def _cfg(data_file, **kw):
+    base = dict(train_file=data_file)
+    base.update(kw)
+    return TrainConfig.from_dict(base)
+
+
+def test_unknown_key_lists_valid_keys(tmp_path, data_file):
+    p = tmp_path / "job.yaml"
+    p.write_text(f"train_file: {data_file}\nlearning_rate: 0.1\nnblock: 2\n")
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_yaml(p)
+    msg = str(e.value)
+    assert "'learning_rate'" in msg and "'nblock'" in msg and "did you mean 'nblocks'" in msg
+    for key in ("nblocks", "lr", "batch_size", "max_steps", "resume"):
+        assert key in msg
+
+
+def test_yaml_roundtrip_and_overrides(tmp_path, data_file):
+    p = tmp_path / "job.yaml"
+    p.write_text(f"train_file: {data_file}\nnblocks: 4\nr: 16\nlr: 1.0e-3\nscheduler: cosine\n")
+    cfg = TrainConfig.from_yaml(p, {"max_steps": 5})
+    assert (cfg.nblocks, cfg.r, cfg.lr, cfg.scheduler, cfg.max_steps) == (4, 16, 1e-3, "cosine", 5)
+    assert cfg.warmup_for(100) == 5 and cfg.spec("llama").scale == pytest.approx(16 * 2 / 4)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(nblocks=3, r=8), "r: rank 8 is not divisible by nblocks=3"),
+    (dict(nblocks=0), "nblocks"),
+    (dict(scheduler="step"), "scheduler"),
+    (dict(precision="fp16"), "precision"),
+    (dict(lr=0), "lr"),
+    (dict(r="eight"), "r: must be an integer"),
+    (dict(batch_size=0), "batch_size"),
+    (dict(lora_dropout=1.0), "lora_dropout"),
+    (dict(column_modules=["q_proj"]), "column_modules and row_modules go together"),
+    (dict(train_file=None), "train_file"),
+])
+def test_bad_values(data_file, kw, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        _cfg(data_file, **kw)
+    assert needle in str(e.value)
+
+
+def test_unknown_preset_module(data_file):
+    cfg = _cfg(data_file, target_modules=["q_proj", "qkv_proj"])
+    with pytest.raises(BDLoraError, match=r"unknown target modules \['qkv_proj'\]"):
+        cfg.spec("llama")
+
+
+def _fails_before_training(cfg, tmp_path, match):
+    from bdlora.train.trainer import run_training
+
+    with pytest.raises(BDLoraError, match=match):
+        run_training(cfg)
+    assert not (tmp_path / "out" / "adapter").exists()
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_module_not_in_model(tiny_llama_dir, tmp_path, data_file):
+    cfg = _cfg(data_file, model=str(tiny_llama_dir), column_modules=["q_proj", "qkv"], row_modules=["o_proj"],
+               output_dir=str(tmp_path / "out"), progress=False, tensorboard=False)
+    _fails_before_training(cfg, tmp_path, r"target modules \['qkv'\] match no nn.Linear")
+
+
+def test_nblocks_not_dividing_dims(tiny_llama_dir, tmp_path, data_file):
+    # tiny Llama: k/v projections are 128 wide, not divisible by 3.
+    cfg = _cfg(data_file, model=str(tiny_llama_dir), nblocks=3, r=6, output_dir=str(tmp_path / "out"),
+               progress=False, tensorboard=False)
+    _fails_before_training(cfg, tmp_path, "not divisible by nblocks=3")
+
+
+def test_cli_reports_errors(tmp_path, capsys, data_file):
+    from bdlora.cli import main as bdlora_main
+
+    p = tmp_path / "job.yaml"
+    p.write_text(f"train_file: {data_file}\nr: 7\nnblocks: 2\n")
+    assert bdlora_main(["train", "--config", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "bdlora train: error:" in err and "not divisible by nblocks=2" in err
+    assert bdlora_main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert bdlora_main(["train", "--print-config"]) == 0
+    assert "nblocks:" in capsys.readouterr().out
+
+
+def test_shipped_configs_parse():
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    for p in (root / "bdlora" / "configs" / "quickstart.yaml", root / "examples" / "job.yaml"):
+        raw = yaml.safe_load(p.read_text())
+        TrainConfig.from_dict({**raw, "train_file": raw.get("train_file") or "x.jsonl"}, source=str(p))

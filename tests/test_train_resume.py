@@ -1,0 +1,108 @@
+"""Checkpoint/resume exactness, the saved PEFT folder, metrics log."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bdlora.train.config import ConfigError, TrainConfig
+from bdlora.train.tasks import toy_chat_records, write_jsonl
+from bdlora.train.trainer import list_checkpoints, run_training
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return str(write_jsonl(toy_chat_records(24, seed=5), tmp_path_factory.mktemp("resume-data") / "d.jsonl"))
+
+
+def _cfg(tiny_llama_dir, data_file, out, **kw):
+    base = dict(model=str(tiny_llama_dir), nblocks=2, r=8, lora_alpha=16, lora_dropout=0.1, train_file=data_file,
+                eval_fraction=0.2, eval_every=2, lr=3e-3, scheduler="cosine", warmup_steps=1, batch_size=3,
+                grad_accum=2, max_steps=4, seed=11, output_dir=str(out), progress=False, tensorboard=False)
+    base.update(kw)
+    return TrainConfig.from_dict(base)
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_resume_is_exact(tiny_llama_dir, data_file, tmp_path):
+    # 2k straight vs k + resume + k; dropout, grad accumulation, a warm-up + cosine schedule and epoch wrap-around
+    # (4 steps x 6 examples > 19 training examples) all take part.
+    straight = run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "a"))
+    assert straight.step == 4 and straight.adapter_dir is not None
+
+    first = run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "b"), stop_after_steps=2)
+    assert first.step == 2 and first.adapter_dir is None
+    ckpts = list_checkpoints(tmp_path / "b")
+    assert [p.name for p in ckpts] == ["step-0000002"]
+    assert (ckpts[0] / "adapter_model.safetensors").is_file() and (ckpts[0] / "trainer_state.json").is_file()
+    assert not [p for p in (tmp_path / "b" / "checkpoints").iterdir() if p.name.startswith(".")]  # atomic
+
+    resumed = run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "b", resume="auto"))
+    assert resumed.step == 4
+    a, b = _params(straight.model), _params(resumed.model)
+    assert a.keys() == b.keys() and len(a) == 28
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+    assert resumed.eval["eval_loss"] == straight.eval["eval_loss"]
+
+    # Both logs have the same train losses step for step.
+    def losses(d):
+        recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["train_loss"] for r in recs if "train_loss" in r}
+
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+    # Changing the math of the job is refused, with the key named.
+    with pytest.raises(ConfigError, match=r"lr: 0.003 -> 0.001"):
+        run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "b", resume=str(ckpts[0]), lr=1e-3))
+
+
+def test_saved_folder_loads_in_peft_with_identical_outputs(tiny_llama_dir, data_file, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import bdlora
+
+    res = run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "c", max_steps=2, eval_every=0,
+                            tensorboard=True, lora_dropout=0.0))
+    folder = res.adapter_dir
+    ad = bdlora.load_adapter(folder)
+    assert ad.config.is_bd and ad.config.nblocks == 2 and ad.config.r == 8
+    assert ad.config.scale == pytest.approx(res.spec.scale)  # alpha*sqrt(N)/sqrt(r), as trained
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base, str(folder)).eval()
+    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = res.model(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+        with loaded.disable_adapter():
+            base_out = loaded(input_ids=ids).logits
+    assert torch.equal(want, got)
+    assert (want - base_out).abs().max() > 1e-4  # the adapter does something
+
+    recs = [json.loads(x) for x in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "train_loss" in r] == [1, 2]
+    assert any("eval_loss" in r and "eval_ppl" in r for r in recs)
+    assert any(p.name.startswith("events.") for p in (tmp_path / "c" / "tensorboard").iterdir())
+
+
+def test_bf16_autocast_and_epochs(tiny_llama_dir, data_file, tmp_path):
+    # precision: bf16 runs the base model under CPU autocast; adapter weights stay fp32. epochs sets the length.
+    res = run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "d", precision="bf16", max_steps=None,
+                            epochs=0.5, batch_size=4, grad_accum=1, eval_every=0, save_every=1))
+    assert res.total_steps == 3 and res.step == 3  # ceil(0.5 * 19 / 4)
+    assert all(p.dtype == torch.float32 for p in res.model.parameters() if p.requires_grad)
+    assert res.train_loss is not None and res.train_loss == res.train_loss  # finite, not NaN
+    assert [p.name for p in list_checkpoints(tmp_path / "d")] == ["step-0000002", "step-0000003"]  # limit 2
+    # Re-running the finished job with resume: auto trains nothing more and rewrites the same adapter.
+    again = run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "d", precision="bf16", max_steps=None,
+                              epochs=0.5, batch_size=4, grad_accum=1, eval_every=0, save_every=1, resume="auto"))
+    assert again.step == 3
+    for (n, a), (_, b) in zip(res.model.named_parameters(), again.model.named_parameters()):
+        assert torch.equal(a, b), n
