@@ -1,0 +1,150 @@
+"""Engine runs on the tiny model: early exit wiring and backfill, warm-up top-k, resume, admission, CLI."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from test_engine_utils import run_dict, write_alpaca
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_alpaca(tmp_path_factory.mktemp("data") / "rev.jsonl", n=30)
+
+
+def _engine(tiny_llama_dir, data_file, out, jobs, **kw):
+    from bdlora.train.engine import parse_run
+    from bdlora.train.engine.engine import Engine
+
+    return Engine(parse_run(run_dict(tiny_llama_dir, data_file, out, jobs, **kw)))
+
+
+def _val_loss_of_folder(tiny_llama_dir, folder, samples) -> float:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    m = PeftModel.from_pretrained(base, folder).eval()
+    tot, n = 0.0, 0
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.input_ids])
+            logits = m(input_ids=ids).logits[0, :-1]
+            mask = torch.tensor(s.loss_mask[1:])
+            tot += float(torch.nn.functional.cross_entropy(logits[mask], ids[0, 1:][mask], reduction="sum"))
+            n += int(mask.sum())
+    return tot / n
+
+
+def test_early_exit_frees_slots_for_the_queue(tiny_llama_dir, data_file, tmp_path):
+    # tau_slope = -inf-ish: any two evaluations "diverge" -> exit after window + patience - 1 = 3 evaluations
+    ee = {"enabled": True, "warmup_select": False, "tau_slope": -1e9, "tau_gap": 1e9}
+    jobs = [{"name": f"j{i}", "seed": i} for i in range(4)]
+    eng = _engine(tiny_llama_dir, data_file, tmp_path / "run", jobs, early_exit=ee, eval_every=1,
+                  max_active_jobs=2, defaults={"steps": 6, "batch_size": 2, "max_seq_len": 64, "lr": 1e-3})
+    rows = eng.run()
+    assert [r["stop_reason"] for r in rows] == ["diverging"] * 4
+    assert [r["steps"] for r in rows] == [3] * 4
+    # two at a time: the queue was backfilled when the first two exited
+    assert [r["active"] for r in eng.round_log] == [2] * 6
+    assert all(os.path.isdir(r["adapter"]) for r in rows)
+
+
+def test_overfitting_exit_keeps_best_checkpoint(tiny_llama_dir, data_file, tmp_path):
+    from bdlora.train.engine.early_exit import OVERFITTING
+
+    ee = {"enabled": True, "warmup_select": False, "tau_slope": 1e9, "tau_gap": -1e9, "patience": 3}
+    eng = _engine(tiny_llama_dir, data_file, tmp_path / "run", [{"name": "o", "lr": 5e-2}], early_exit=ee,
+                  eval_every=1, defaults={"steps": 10, "batch_size": 4, "max_seq_len": 64})
+    (row,) = eng.run()
+    assert row["stop_reason"] == OVERFITTING and row["steps"] == 3
+    vals = [v for _, v in eng.jobs[0].history["val"]]
+    assert row["best_eval_loss"] == min(vals)
+    got = _val_loss_of_folder(tiny_llama_dir, row["adapter"], eng.jobs[0].data.val)
+    assert got == pytest.approx(min(vals), rel=1e-4)
+    assert vals.index(min(vals)) != len(vals) - 1 or True  # best may be last; the folder equals the best anyway
+
+
+def test_warmup_selection_keeps_top_quarter(tiny_llama_dir, data_file, tmp_path):
+    ee = {"enabled": True, "warmup_ratio": 0.25, "keep_ratio": 0.25, "tau_slope": 1e9, "tau_gap": 1e9}
+    search = [{"name": "g", "type": "grid", "space": {"lr": [1e-4, 3e-3, 1e-2, 3e-5]}}]
+    eng = _engine(tiny_llama_dir, data_file, tmp_path / "run", [], search=search, early_exit=ee, eval_every=4,
+                  max_active_jobs=2, defaults={"steps": 8, "batch_size": 2, "max_seq_len": 64})
+    rows = eng.run()
+    reasons = [r["stop_reason"] for r in rows]
+    assert sorted(reasons) == ["completed"] + ["underperforming"] * 3
+    warm = {j.name: j.warm_val for j in eng.jobs}
+    best = min(warm, key=warm.get)
+    assert rows[[r["job"] for r in rows].index(best)]["stop_reason"] == "completed"
+    assert all(r["steps"] == 2 for r in rows if r["stop_reason"] == "underperforming")
+    assert [r["steps"] for r in rows if r["stop_reason"] == "completed"] == [8]
+
+
+def test_resume_equals_uninterrupted(tiny_llama_dir, data_file, tmp_path):
+    from bdlora import load_adapter
+
+    jobs = [{"name": "a", "rank": 4, "nblocks": 2, "schedule": "cosine"}, {"name": "b", "rank": 8, "nblocks": 4,
+                                                                          "steps": 5}]
+    full = _engine(tiny_llama_dir, data_file, tmp_path / "full", jobs).run()
+    kw = dict(resume=True, checkpoint_every=1)
+    part = _engine(tiny_llama_dir, data_file, tmp_path / "part", jobs, max_rounds=2, **kw).run()
+    assert all(r["status"] == "active" for r in part)
+    rows = _engine(tiny_llama_dir, data_file, tmp_path / "part", jobs, **kw).run()
+    for r, f in zip(rows, full):
+        assert r["steps"] == f["steps"] and r["final_eval_loss"] == pytest.approx(f["final_eval_loss"], rel=1e-6)
+        a, b = load_adapter(r["adapter"]), load_adapter(f["adapter"])
+        for p in a.modules:
+            torch.testing.assert_close(a.modules[p].lora_A, b.modules[p].lora_A, rtol=0, atol=1e-7)
+            torch.testing.assert_close(a.modules[p].lora_B, b.modules[p].lora_B, rtol=0, atol=1e-7)
+
+
+def test_admission_refuses_what_cannot_fit(tiny_llama_dir, data_file, tmp_path):
+    jobs = [{"name": "small1", "rank": 4}, {"name": "huge", "rank": 256}, {"name": "small2", "rank": 4}]
+    eng = _engine(tiny_llama_dir, data_file, tmp_path / "run", jobs, defaults={"steps": 2, "batch_size": 2,
+                                                                              "max_seq_len": 64})
+    fp = {j.name: j.footprint(eng.targets) for j in eng.jobs}
+    one = eng.memory.predict(eng.run_cfg.token_budget, [fp["small1"]])
+    two = eng.memory.predict(eng.run_cfg.token_budget, [fp["small1"], fp["small2"]])
+    huge = eng.memory.predict(eng.run_cfg.token_budget, [fp["huge"]])
+    assert one < two < huge
+    eng.mem_budget = (one + two) / 2  # one small job at a time; the huge one never
+    rows = eng.run()
+    assert rows[1]["stop_reason"].startswith("refused: needs")
+    assert rows[0]["stop_reason"] == rows[2]["stop_reason"] == "completed"
+    assert max(r["active"] for r in eng.round_log) == 1
+
+
+def test_cli_yaml_run_and_resume(tiny_llama_dir, data_file, tmp_path):
+    from bdlora import load_adapter
+
+    cfg = run_dict(tiny_llama_dir, data_file, tmp_path / "out", [{"name": "x", "rank": 4, "nblocks": 2}],
+                   checkpoint_every=1, resume=True, save_plots=True, log_every=1)
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "bdlora.train.engine", "--config", str(cfg_path)]
+    p = subprocess.run(cmd + ["--max-rounds", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "round 1" in p.stdout and "max_rounds" in p.stdout
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "resumed" in p.stdout and "completed" in p.stdout
+    with open(tmp_path / "out" / "results.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["steps"] == "3" and row["stop_reason"] == "completed"
+    ad = load_adapter(row["adapter"])
+    assert ad.config.nblocks == 2 and ad.config.r == 4
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**cfg, "jobs": [{"name": "x", "rnk": 3}]}))
+    p = subprocess.run([sys.executable, "-m", "bdlora.train.engine", "--config", str(bad)], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "unknown job fields" in p.stderr

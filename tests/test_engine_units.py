@@ -1,0 +1,192 @@
+"""Engine pieces without a model: packing, epoch sampler, early-exit rules, search expansion, memory model."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from bdlora.train.engine import EarlyExit, Item, MemoryModel, JobFootprint, pack_ffd, parse_run, select_after_warmup
+from bdlora.train.engine.data import EpochSampler
+from bdlora.train.engine.early_exit import DIVERGING, OVERFITTING, linreg_slope
+from bdlora.train.engine.packing import bin_cost
+
+
+# ---------------------------------------------------------------------------------------------- packing
+def _items(seed=0, jobs=4, per_job=30, max_len=100):
+    rng = random.Random(seed)
+    return [Item(j, i, rng.randint(1, max_len)) for j in range(jobs) for i in range(per_job)]
+
+
+@pytest.mark.parametrize("pad", [1, 8])
+def test_ffd_every_item_once_within_budget(pad):
+    items = _items()
+    bins = pack_ffd(items, budget=256, pad_multiple=pad)
+    flat = [it for b in bins for it in b]
+    assert sorted(flat, key=lambda it: (it.job, it.index)) == sorted(items, key=lambda it: (it.job, it.index))
+    for b in bins:
+        per_job = {}
+        for it in b:
+            per_job[it.job] = per_job.get(it.job, 0) + it.length
+        assert bin_cost(per_job, pad) <= 256
+        # one contiguous segment per job, jobs in order
+        jobs = [it.job for it in b]
+        assert jobs == sorted(jobs)
+    # close to the token lower bound (rows of 4 jobs padded to the longest cost a little)
+    lower = math.ceil(sum(it.length for it in items) / 256)
+    assert len(bins) <= math.ceil(1.5 * lower) + 1
+
+
+def test_ffd_deterministic_and_order_independent_of_python_hash():
+    items = _items(seed=3)
+    assert pack_ffd(items, 200) == pack_ffd(list(items), 200)
+    # padding is per job: two jobs of 5 tokens with pad 8 cost 16, one job of 10 tokens costs 16 too
+    assert bin_cost({0: 5, 1: 5}, 8) == 16 and bin_cost({0: 10}, 8) == 16
+
+
+def test_epoch_sampler_uses_every_sample_once_per_epoch():
+    s = EpochSampler(23, batch_size=5, seed=7)
+    for epoch in range(3):
+        seen = []
+        for _ in range(s.batches_per_epoch):
+            seen += s.next_batch()
+        assert sorted(seen) == list(range(23)), epoch
+    # resumable: same continuation after a state round-trip
+    a = EpochSampler(23, 5, seed=7)
+    for _ in range(7):
+        a.next_batch()
+    b = EpochSampler(23, 5, seed=7)
+    b.load_state_dict(a.state_dict())
+    assert [a.next_batch() for _ in range(6)] == [b.next_batch() for _ in range(6)]
+
+
+def test_engine_round_packing_uses_each_train_sample_once_per_epoch(tmp_path):
+    """Across the packed micro-batches of several jobs, an epoch covers every training sample exactly once."""
+    from bdlora.train.engine.packing import plan_microbatches
+
+    lengths = {0: [random.Random(0).randint(3, 40) for _ in range(17)], 1: [7] * 9, 2: list(range(5, 30))}
+    samplers = {j: EpochSampler(len(v), bs, seed=j) for (j, v), bs in zip(lengths.items(), (4, 3, 6))}
+    used = {j: [] for j in lengths}
+    for _ in range(6):  # 6 rounds: >= 1 epoch of every job
+        reqs = [(j, s.next_batch()) for j, s in samplers.items()]
+        for b in plan_microbatches(reqs, lambda j: lengths[j], budget=64, pad_multiple=4):
+            for it in b:
+                used[it.job].append(it.index)
+    for j, v in lengths.items():
+        n = len(v)
+        first_epoch = used[j][:n]
+        assert sorted(first_epoch) == list(range(n))
+
+
+# ---------------------------------------------------------------------------------------------- early exit
+def _feed(det, train, val, every=1):
+    for step, (t, v) in enumerate(zip(train, val), 1):
+        det.report_train(step, t)
+        if v is not None:
+            det.report(step, v)
+        if det.should_stop():
+            return step
+    return None
+
+
+def test_linreg_slope():
+    assert linreg_slope([1.0, 2.0]) == pytest.approx(1.0)
+    assert linreg_slope([3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+
+
+def test_divergence_rule_needs_both_slopes_for_p_evaluations():
+    det = EarlyExit(window=2, patience=2, tau_slope=0.001, ema_alpha=1.0)
+    curve = [2.0, 1.8, 1.7, 1.9, 2.3, 2.9, 3.5]
+    stop = _feed(det, curve, curve)
+    assert det.reason == DIVERGING
+    assert stop == 5  # rising at steps 4 and 5 -> two consecutive evaluations
+    # only train rising (val falling): no divergence
+    det2 = EarlyExit(ema_alpha=1.0, tau_gap=10)
+    assert _feed(det2, [1, 2, 3, 4, 5], [5, 4, 3, 2, 1]) is None
+    # transient spike resets the counter
+    det3 = EarlyExit(ema_alpha=1.0, tau_gap=10)
+    assert _feed(det3, [2, 2.5, 2.0, 2.4, 2.0, 2.4], [2, 2.5, 2.0, 2.4, 2.0, 2.4]) is None
+
+
+def test_overfitting_rule_and_best_checkpoint():
+    det = EarlyExit(window=2, patience=2, tau_gap=0.1, ema_alpha=1.0)
+    train = [2.0, 1.6, 1.3, 1.1, 0.9, 0.7, 0.5]
+    val = [2.0, 1.65, 1.4, 1.45, 1.5, 1.6, 1.7]
+    stop = _feed(det, train, val)
+    assert det.reason == OVERFITTING
+    # gap (val - ema)/ema > 0.1 first at step 3 (1.4 vs 1.3 = 0.077 no), step 4 (0.318), step 5 -> stop at 5
+    assert stop == 5
+    assert det.best_step == 3 and det.best_value == pytest.approx(1.4)
+
+
+def test_nan_loss_is_divergence_and_state_roundtrip():
+    det = EarlyExit()
+    det.report_train(1, float("nan"))
+    assert det.should_stop() and det.reason == DIVERGING
+    a = EarlyExit(ema_alpha=0.5)
+    _feed(a, [3, 2, 1], [3, 2, 1])
+    b = EarlyExit()
+    b.load_state_dict(a.state_dict())
+    assert b.ema == a.ema and b.val_hist == a.val_hist and b.ema_alpha == 0.5
+
+
+def test_warmup_top_k_selection():
+    vals = {f"j{i}": v for i, v in enumerate([3.0, 1.0, 2.0, float("nan"), 1.5, 4.0, 2.5, 0.9])}
+    kept, evicted = select_after_warmup(vals, keep_ratio=0.25)
+    assert kept == ["j7", "j1"] and len(evicted) == 6 and evicted[-1] == "j3"
+    kept, _ = select_after_warmup({"a": 1.0, "b": 2.0, "c": 3.0}, 0.25)
+    assert kept == ["a"]  # ceil(0.75) = 1
+
+
+# ---------------------------------------------------------------------------------------------- config
+def test_search_space_grid_and_random(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"instruction": "x", "output": "y"}\n')
+    run = parse_run({
+        "base_model": "m", "output_dir": "out", "datasets": {"d": str(data)},
+        "defaults": {"steps": 5, "max_seq_len": 64},
+        "jobs": [{"name": "fixed", "r": 4, "N": 2}],
+        "search": [{"name": "g", "type": "grid", "space": {"lr": [1e-4, 1e-3], "rank": [4, 8], "nblocks": [1, 2]}},
+                   {"name": "rnd", "type": "random", "num_samples": 5, "seed": 1,
+                    "space": {"lr": {"low": 1e-5, "high": 1e-3, "log": True}, "rank": [8, 16]}}],
+    }, base_dir=tmp_path)
+    assert len(run.jobs) == 1 + 8 + 5
+    assert run.jobs[0].rank == 4 and run.jobs[0].nblocks == 2
+    grid = [j for j in run.jobs if j.group == "g"]
+    assert {(j.lr, j.rank, j.nblocks) for j in grid} == {(a, b, c) for a in (1e-4, 1e-3) for b in (4, 8)
+                                                       for c in (1, 2)}
+    rnd = [j for j in run.jobs if j.group == "rnd"]
+    assert all(1e-5 <= j.lr <= 1e-3 and j.rank in (8, 16) for j in rnd)
+    assert run.datasets["d"].path == str(data)
+
+
+def test_config_errors(tmp_path):
+    from bdlora.train.engine import ConfigError
+
+    base = {"base_model": "m", "output_dir": "o", "datasets": {"d": "x.jsonl"}}
+    with pytest.raises(ConfigError, match="unknown job fields"):
+        parse_run({**base, "jobs": [{"name": "a", "rnak": 3}]})
+    with pytest.raises(ConfigError, match="not divisible"):
+        parse_run({**base, "jobs": [{"name": "a", "rank": 6, "nblocks": 4}]})
+    with pytest.raises(ConfigError, match="token_budget"):
+        parse_run({**base, "token_budget": 100, "jobs": [{"name": "a", "max_seq_len": 512}]})
+    with pytest.raises(ConfigError, match="duplicate"):
+        parse_run({**base, "jobs": [{"name": "a"}, {"name": "a"}]})
+
+
+# ---------------------------------------------------------------------------------------------- memory model
+def test_memory_model_fit_recovers_coefficients():
+    m = MemoryModel()
+    true = dict(b0=5e8, b1=2e5, b2=3.0, bpp=20.0, brt=10.0)
+    rng = random.Random(0)
+    for _ in range(12):
+        t = rng.choice([512, 1024, 2048, 4096])
+        jobs = [JobFootprint(f"j{i}", rng.randint(100_000, 1_000_000), rng.choice([56, 112, 224])) for i in range(rng.randint(1, 6))]
+        y = (true["b0"] + true["b1"] * t + true["b2"] * t * t + sum(true["bpp"] * j.params + true["brt"] * j.rank_sum * t
+                                                                   for j in jobs))
+        m.observe(t, jobs, y)
+    assert m.fit()
+    jobs = [JobFootprint("x", 500_000, 112)]
+    want = true["b0"] + true["b1"] * 3000 + true["b2"] * 9e6 + true["bpp"] * 500_000 + true["brt"] * 112 * 3000
+    assert m.predict(3000, jobs) == pytest.approx(want, rel=1e-3)

@@ -1,0 +1,80 @@
+"""Helpers of the engine tests: a small alpaca dataset, a run config, and a PEFT single-job reference trainer."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+WORDS = "the a one two three four five red blue green cat dog bird fish tree moon sun star".split()
+
+
+def write_alpaca(path: Path, n: int = 40, seed: int = 0, chat: bool = False) -> Path:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            ws = [rng.choice(WORDS) for _ in range(rng.randint(2, 9))]
+            if chat:
+                rec = {"messages": [{"role": "user", "content": "reverse: " + " ".join(ws)},
+                                    {"role": "assistant", "content": " ".join(ws[::-1])}]}
+            else:
+                rec = {"instruction": "reverse the words", "input": " ".join(ws), "output": " ".join(ws[::-1])}
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+def run_dict(model_dir, data, out, jobs, **kw) -> dict:
+    d = {"base_model": str(model_dir), "output_dir": str(out), "token_budget": 256, "eval_every": 2,
+         "datasets": {"d": {"path": str(data), "val_fraction": 0.2}}, "resume": False, "log_every": 0,
+         "save_plots": False, "defaults": {"steps": 3, "batch_size": 4, "lr": 1e-3, "max_seq_len": 64},
+         "jobs": jobs}
+    d.update(kw)
+    return d
+
+
+def peft_train_alone(model_dir, init_adapter_dir, job, samples, total_steps: int, sampler):
+    """Trains one job alone with PEFT (padded batches, attention mask): the reference of BatchLoRA equality."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, get_scheduler
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base.eval()
+    model = PeftModel.from_pretrained(base, init_adapter_dir, is_trainable=True)
+    model.eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=job.lr, betas=tuple(job.adam_betas), eps=job.adam_eps,
+                            weight_decay=job.weight_decay)
+    sched = get_scheduler(job.schedule, opt, num_warmup_steps=job.warmup_steps, num_training_steps=total_steps)
+    losses = []
+    for _ in range(total_steps):
+        idx = sampler.next_batch()
+        chunks = [idx[i:i + job.batch_size] for i in range(0, len(idx), job.batch_size)]
+        n_targets = sum(samples[i].n_targets for i in idx)
+        total = 0.0
+        for ch in chunks:
+            batch = [samples[i] for i in ch]
+            L = max(len(s) for s in batch)
+            ids = torch.zeros(len(batch), L, dtype=torch.long)
+            att = torch.zeros(len(batch), L, dtype=torch.long)
+            lab = torch.full((len(batch), L), -100, dtype=torch.long)
+            for r, s in enumerate(batch):
+                ids[r, :len(s)] = torch.tensor(s.input_ids)
+                att[r, :len(s)] = 1
+                for t in range(len(s)):
+                    if s.loss_mask[t]:
+                        lab[r, t] = s.input_ids[t]
+            logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab[:, 1:].reshape(-1), ignore_index=-100,
+                                   reduction="sum") / n_targets
+            loss.backward()
+            total += float(loss.detach())
+        if job.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, job.max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(total)
+    return model, losses

@@ -1,0 +1,593 @@
+"""The multi-LoRA fine-tuning engine: many BD-LoRA jobs over ONE frozen base model (BatchLoRA).
+
+A *round* advances every active job by one optimizer step:
+
+1. admission: queued jobs enter while ``max_active_jobs`` and the memory model allow (a job that cannot fit even
+   alone is refused with a message);
+2. every active job draws its step's samples (``batch_size * grad_accum``, each sample once per epoch);
+3. all those samples are packed into micro-batches under the token budget (first-fit decreasing, one row segment
+   per job and micro-batch);
+4. each micro-batch runs one forward/backward through the shared base; each job's loss is the sum of its
+   response-token cross-entropies divided by the number of response tokens of its whole step, so the gradient does
+   not depend on how the step was split into micro-batches (grad accumulation is exact);
+5. per job: grad-norm clipping, AdamW step, LR schedule step; evaluation and early exit (ALTO) when due;
+   finished / exited jobs write their PEFT BD-LoRA folder and free their slot for the queue.
+
+Multi-process: with ``WORLD_SIZE > 1`` (``accelerate launch`` / ``torchrun``) and ``pipeline_stages: 1`` the
+micro-batches of a round are spread over the ranks (data parallel) and the per-job gradients all-reduced; with
+``pipeline_stages == WORLD_SIZE`` the run goes to :mod:`bdlora.train.engine.pipeline` (LoRAPP).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from bdlora.adapter import save_adapter
+from .config import JobConfig, RunConfig
+from .data import DatasetSplit, EpochSampler, load_split
+from .early_exit import OVERFITTING, UNDERPERFORMING, EarlyExit, select_after_warmup, warmup_steps
+from .memory import JobFootprint, MemoryModel, device_budget_bytes
+from .multilora import BatchContext, JobAdapter, inject_multilora
+from .packing import MicroBatch, build_microbatch, plan_microbatches
+
+CHECKPOINT = "engine_state.pt"
+RESULTS_CSV = "results.csv"
+RESULT_FIELDS = ["job", "status", "stop_reason", "rank", "alpha", "nblocks", "lr", "batch_size", "steps",
+                 "total_steps", "final_train_loss", "final_eval_loss", "best_eval_loss", "best_step", "tokens",
+                 "time_s", "adapter"]
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def load_base(path: str, dtype: str = "float32", device="cpu"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.config.use_cache = False
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model.to(device).eval()  # eval(): no base-model dropout, like a frozen base in PEFT
+    return model, tok
+
+
+def decoder_and_head(model):
+    return getattr(model, model.base_model_prefix), model.get_output_embeddings()
+
+
+def job_losses(model, mb: MicroBatch, ctx: BatchContext) -> dict[int, torch.Tensor]:
+    """Forward one packed micro-batch; {job: summed response-token cross-entropy}."""
+    decoder, head = decoder_and_head(model)
+    ctx.segments = mb.segments
+    try:
+        out = decoder(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+    finally:
+        ctx.segments = []
+    h = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])  # flattened rows: segment order
+    losses = {}
+    for job, (pos, lab) in mb.targets.items():
+        if lab.numel() == 0:
+            continue
+        logits = head(h.index_select(0, pos)).float()
+        losses[job] = F.cross_entropy(logits, lab, reduction="sum")
+    return losses
+
+
+@dataclass
+class Job:
+    id: int
+    cfg: JobConfig
+    data: DatasetSplit
+    total_steps: int
+    status: str = "queued"  # queued | active | parked | done
+    reason: Optional[str] = None
+    step: int = 0
+    tokens: int = 0
+    time_s: float = 0.0
+    adapter: Optional[JobAdapter] = None
+    opt: Optional[torch.optim.Optimizer] = None
+    sched: Optional[object] = None
+    sampler: Optional[EpochSampler] = None
+    detector: Optional[EarlyExit] = None
+    history: dict = field(default_factory=lambda: {"train": [], "val": [], "ema": []})
+    best_state: Optional[dict] = None
+    warm_steps: Optional[int] = None
+    warm_val: Optional[float] = None
+    warm_done: bool = False
+    adapter_path: Optional[str] = None
+    result: Optional[dict] = None
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    def footprint(self, targets) -> JobFootprint:
+        spec = self.cfg.spec()
+        params, rank_sum = 0, 0
+        for name, (layout, d_in, d_out) in targets.items():
+            if name.rsplit(".", 1)[-1] not in spec.target_modules:
+                continue
+            r, n = spec.r, spec.nblocks
+            params += r * d_in + d_out * (r // n) if layout == "column" else r * (d_in // n) + d_out * r
+            rank_sum += r
+        return JobFootprint(self.name, params, rank_sum)
+
+
+class Engine:
+    def __init__(self, run: RunConfig, model=None, tokenizer=None, log=print):
+        self.run_cfg = run
+        self.out = Path(run.output_dir)
+        dist = _dist()
+        self.rank = dist.get_rank() if dist else 0
+        self.world = dist.get_world_size() if dist else 1
+        self.log = log if self.rank == 0 else (lambda *a, **k: None)
+        if run.device == "auto":
+            if torch.cuda.is_available():
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            else:
+                self.device = torch.device("cpu")
+        else:
+            self.device = torch.device(run.device)
+        self.base_path = run.resolve_base_model()
+        if model is None:
+            model, tokenizer = load_base(self.base_path, run.dtype, self.device)
+        self.model, self.tok = model, tokenizer
+        model_type = getattr(model.config, "model_type", "llama")
+        cols, rows = set(), set()
+        for j in run.jobs:
+            s = j.spec(model_type)
+            cols |= set(s.column_modules)
+            rows |= set(s.row_modules)
+        self.ctx = BatchContext(backend=run.lora_backend)
+        self.registry: dict[int, JobAdapter] = {}
+        self.targets = inject_multilora(model, cols, rows, self.ctx, self.registry)
+        self.model_type = model_type
+        self._splits: dict[tuple, DatasetSplit] = {}
+        self.jobs = [Job(i, j, self._split(j), 0) for i, j in enumerate(run.jobs)]
+        for job in self.jobs:
+            job.total_steps = job.cfg.total_steps(len(job.data.train))
+            if run.early_exit.enabled:
+                job.warm_steps = warmup_steps(job.total_steps, run.early_exit.warmup_ratio)
+        n_base = sum(p.numel() for p in model.parameters())
+        self.memory = MemoryModel.analytic(model.config, n_base, next(model.parameters()).element_size())
+        self.mem_budget = device_budget_bytes(self.device, run.memory_budget_gb)
+        self.round = 0
+        self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+        self.group_sizes: dict[str, int] = {}
+        for j in self.jobs:
+            self.group_sizes[j.cfg.group] = self.group_sizes.get(j.cfg.group, 0) + 1
+        self.round_log: list[dict] = []
+
+    # -- data ------------------------------------------------------------------------------------------
+    def _split(self, j: JobConfig) -> DatasetSplit:
+        key = (j.dataset, j.max_seq_len)
+        if key not in self._splits:
+            self._splits[key] = load_split(self.run_cfg.datasets[j.dataset], self.tok, j.max_seq_len)
+        return self._splits[key]
+
+    def _lengths(self, job_id: int, split: str = "train"):
+        return [len(s) for s in getattr(self.jobs[job_id].data, split)]
+
+    # -- job lifecycle ------------------------------------------------------------------------------
+    def _build(self, job: Job) -> None:
+        from transformers import get_scheduler
+
+        cfg = job.cfg
+        spec = cfg.spec(self.model_type)
+        targets = {n: t for n, t in self.targets.items() if n.rsplit(".", 1)[-1] in spec.target_modules}
+        job.adapter = JobAdapter(spec, targets, seed=cfg.seed, device=self.device, a_init=cfg.a_init)
+        job.opt = torch.optim.AdamW(job.adapter.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
+                                    eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        job.sched = get_scheduler(cfg.schedule, job.opt, num_warmup_steps=cfg.warmup_steps,
+                                  num_training_steps=job.total_steps)
+        job.sampler = EpochSampler(len(job.data.train), cfg.step_samples, seed=cfg.seed)
+        ee = self.run_cfg.early_exit
+        job.detector = EarlyExit(ee.window, ee.patience, ee.tau_slope, ee.tau_gap, ee.ema_alpha,
+                                 divergence=ee.enabled, overfitting=ee.enabled)
+
+    def _activate(self, job: Job) -> None:
+        if job.adapter is None:
+            self._build(job)
+        elif job.adapter.a[next(iter(job.adapter.a))].device != self.device:
+            job.adapter.to(self.device)
+            _optimizer_to(job.opt, self.device)
+        job.status = "active"
+        self.registry[job.id] = job.adapter
+
+    def _park(self, job: Job) -> None:
+        job.status = "parked"
+        self.registry.pop(job.id, None)
+        if self.device.type == "cuda":  # free the slot's GPU memory while the group finishes warm-up
+            job.adapter.to("cpu")
+            _optimizer_to(job.opt, "cpu")
+
+    def active_jobs(self) -> list[Job]:
+        return [j for j in self.jobs if j.status == "active"]
+
+    def _fits(self, jobs: list[Job]) -> tuple[bool, float]:
+        pred = self.memory.predict(self.run_cfg.token_budget, [j.footprint(self.targets) for j in jobs])
+        return (self.mem_budget is None or pred <= self.mem_budget), pred
+
+    def admit(self) -> None:
+        run = self.run_cfg
+        # survivors of a warm-up selection first, then the queue by priority (file order within a priority)
+        cands = [j for j in self.jobs if j.status == "parked" and j.warm_done]
+        cands += sorted((j for j in self.jobs if j.status == "queued"), key=lambda j: (-j.cfg.priority, j.id))
+        for job in cands:
+            active = self.active_jobs()
+            if len(active) >= run.max_active_jobs:
+                break
+            ok_alone, pred_alone = self._fits([job])
+            if not ok_alone:
+                msg = (f"refused: needs ~{pred_alone / 2**30:.2f} GiB alone (memory model) but the budget is "
+                       f"{self.mem_budget / 2**30:.2f} GiB; lower its rank, max_seq_len or the token_budget")
+                self.log(f"[engine] job {job.name}: {msg}")
+                self._finish(job, msg, write=False)
+                continue
+            ok, pred = self._fits(active + [job])
+            if not ok:
+                break  # wait for a slot; FCFS within priority
+            self._activate(job)
+
+    # -- training ---------------------------------------------------------------------------------------
+    def _microbatches(self, requests, split="train") -> list[MicroBatch]:
+        bins = plan_microbatches(requests, lambda j: self._lengths(j, split), self.run_cfg.token_budget,
+                                 self.run_cfg.pad_multiple)
+        return [build_microbatch(b, lambda j: getattr(self.jobs[j].data, split), self.pad_id,
+                                 self.run_cfg.pad_multiple) for b in bins]
+
+    def train_round(self) -> dict:
+        jobs = self.active_jobs()
+        requests = [(j.id, j.sampler.next_batch()) for j in jobs]
+        mbs = self._microbatches(requests)
+        step_targets = {j.id: 0 for j in jobs}
+        step_tokens = {j.id: 0 for j in jobs}
+        for mb in mbs:
+            for job_id, s, e in mb.segments:
+                step_targets[job_id] += mb.n_targets(job_id)
+        for job_id, idxs in requests:
+            step_tokens[job_id] = sum(len(self.jobs[job_id].data.train[i]) for i in idxs)
+        loss_sums = {j.id: torch.zeros((), dtype=torch.float64, device=self.device) for j in jobs}
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.model.train(False)
+        for i, mb in enumerate(mbs):
+            if i % self.world != self.rank:
+                continue
+            mb = mb.to(self.device)
+            losses = job_losses(self.model, mb, self.ctx)
+            total = sum(l / max(step_targets[j], 1) for j, l in losses.items())
+            if torch.is_tensor(total) and total.requires_grad:
+                total.backward()
+            for j, l in losses.items():
+                loss_sums[j] += l.detach().double()
+        dist = _dist()
+        if dist is not None and self.world > 1:
+            for job in jobs:
+                for p in job.adapter.parameters():
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad)
+            flat = torch.stack([loss_sums[j.id] for j in jobs])
+            dist.all_reduce(flat)
+            for k, j in enumerate(jobs):
+                loss_sums[j.id] = flat[k]
+        stats = {}
+        for job in jobs:
+            params = [p for p in job.adapter.parameters()]
+            if job.cfg.max_grad_norm:
+                gnorm = torch.nn.utils.clip_grad_norm_(params, job.cfg.max_grad_norm)
+            else:
+                gnorm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None))
+            job.opt.step()
+            job.sched.step()
+            job.opt.zero_grad(set_to_none=True)
+            job.step += 1
+            job.tokens += step_tokens[job.id]
+            loss = float(loss_sums[job.id] / max(step_targets[job.id], 1))
+            job.history["train"].append((job.step, loss))
+            job.detector.report_train(job.step, loss)
+            job.history["ema"].append((job.step, job.detector.ema if job.detector.ema is not None else loss))
+            stats[job.name] = {"loss": loss, "grad_norm": float(gnorm), "targets": step_targets[job.id]}
+        if self.device.type == "cuda" and jobs:
+            self.memory.observe(self.run_cfg.token_budget, [j.footprint(self.targets) for j in jobs],
+                                torch.cuda.max_memory_allocated(self.device))
+            if self.run_cfg.memory_model == "auto" and len(self.memory.points) % 5 == 0:
+                self.memory.fit()
+        return {"microbatches": len(mbs), "tokens": sum(step_tokens.values()), "jobs": stats}
+
+    @torch.no_grad()
+    def evaluate(self, jobs: list[Job]) -> dict[int, float]:
+        jobs = [j for j in jobs if j.data.val]
+        if not jobs:
+            return {}
+        for j in jobs:
+            self.registry[j.id] = j.adapter
+        requests = [(j.id, list(range(len(j.data.val)))) for j in jobs]
+        mbs = self._microbatches(requests, split="val")
+        sums = torch.zeros(len(jobs), dtype=torch.float64, device=self.device)
+        counts = torch.zeros(len(jobs), dtype=torch.float64, device=self.device)
+        index = {j.id: k for k, j in enumerate(jobs)}
+        for i, mb in enumerate(mbs):
+            if i % self.world != self.rank:
+                continue
+            mb = mb.to(self.device)
+            for j, l in job_losses(self.model, mb, self.ctx).items():
+                sums[index[j]] += l.double()
+                counts[index[j]] += mb.n_targets(j)
+        dist = _dist()
+        if dist is not None and self.world > 1:
+            dist.all_reduce(sums)
+            dist.all_reduce(counts)
+        for j in jobs:
+            if j.status != "active":
+                self.registry.pop(j.id, None)
+        return {j.id: float(sums[index[j.id]] / counts[index[j.id]].clamp(min=1)) for j in jobs}
+
+    def _eval_due(self, job: Job) -> bool:
+        every = job.cfg.eval_every or self.run_cfg.eval_every
+        return (job.step % every == 0 or job.step >= job.total_steps
+                or (self._warmup_applies(job) and job.step == job.warm_steps))
+
+    def _warmup_applies(self, job: Job) -> bool:
+        ee = self.run_cfg.early_exit
+        return (ee.enabled and ee.warmup_select and self.group_sizes.get(job.cfg.group, 1) > 1
+                and job.warm_steps is not None and job.warm_steps < job.total_steps)
+
+    def after_step(self) -> int:
+        """Evaluations, early exit, warm-up parking and selection after a round; returns #jobs evaluated."""
+        jobs = self.active_jobs()
+        due = [j for j in jobs if self._eval_due(j)]
+        vals = self.evaluate(due) if due else {}
+        for job in jobs:
+            if job.id in vals:
+                v = vals[job.id]
+                job.history["val"].append((job.step, v))
+                job.detector.report(job.step, v)
+                if job.detector.is_best_latest:
+                    job.best_state = {k: t.detach().cpu().clone() for k, t in job.adapter.state_dict().items()}
+            if job.detector.should_stop():
+                self._finish(job, job.detector.reason)
+            elif job.step >= job.total_steps:
+                self._finish(job, "completed")
+            elif self._warmup_applies(job) and job.step == job.warm_steps and not job.warm_done:
+                job.warm_val = vals.get(job.id, job.history["train"][-1][1])
+                self._park(job)
+        self._select_warmup()
+        return len(vals)
+
+    def _select_warmup(self) -> None:
+        groups: dict[str, list[Job]] = {}
+        for j in self.jobs:
+            groups.setdefault(j.cfg.group, []).append(j)
+        for g, members in groups.items():
+            parked = [j for j in members if j.status == "parked" and not j.warm_done]
+            if not parked or any(j.status in ("queued", "active") for j in members):
+                continue
+            kept, evicted = select_after_warmup({j.id: j.warm_val for j in parked},
+                                                self.run_cfg.early_exit.keep_ratio)
+            for j in parked:
+                j.warm_done = True
+            for jid in evicted:
+                self._finish(self.jobs[jid], UNDERPERFORMING)
+            self.log(f"[engine] warm-up selection in group {g!r}: kept "
+                     f"{[self.jobs[k].name for k in kept]}, evicted {len(evicted)}")
+
+    def _finish(self, job: Job, reason: str, write: bool = True) -> None:
+        job.status = "done"
+        job.reason = reason
+        self.registry.pop(job.id, None)
+        if write and job.adapter is not None:
+            if reason == OVERFITTING and job.best_state is not None:
+                job.adapter.load_state_dict(job.best_state)  # keep the best-validation checkpoint
+            job.adapter_path = str(self.out / "adapters" / job.name)
+            if self.rank == 0:
+                save_adapter(job.adapter.to_adapter(self.base_path), job.adapter_path)
+                if self.run_cfg.save_plots:
+                    plot_job(job, self.out / "plots" / f"{job.name}.png")
+        job.result = self._result_row(job)
+        # release memory of finished jobs
+        job.adapter, job.opt, job.sched, job.best_state = None, None, None, None
+
+    def _result_row(self, job: Job) -> dict:
+        c = job.cfg
+        vals = [v for _, v in job.history["val"]]
+        best = min(vals) if vals else None
+        best_step = job.history["val"][vals.index(best)][0] if vals else None
+        return {
+            "job": job.name, "status": job.status, "stop_reason": job.reason, "rank": c.rank, "alpha": c.alpha,
+            "nblocks": c.nblocks, "lr": c.lr, "batch_size": c.step_samples, "steps": job.step,
+            "total_steps": job.total_steps,
+            "final_train_loss": job.history["train"][-1][1] if job.history["train"] else None,
+            "final_eval_loss": vals[-1] if vals else None, "best_eval_loss": best, "best_step": best_step,
+            "tokens": job.tokens, "time_s": round(job.time_s, 3), "adapter": job.adapter_path,
+        }
+
+    # -- main loop ----------------------------------------------------------------------------------------
+    def run(self) -> list[dict]:
+        run = self.run_cfg
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            with open(self.out / "run_config.json", "w") as f:
+                json.dump(run.to_dict(), f, indent=2, default=str)
+        if run.resume and (self.out / CHECKPOINT).is_file():
+            self.load_checkpoint(self.out / CHECKPOINT)
+            self.log(f"[engine] resumed from {self.out / CHECKPOINT} at round {self.round}")
+        rounds_this_call = 0
+        while True:
+            self.admit()
+            active = self.active_jobs()
+            if not active:
+                if any(j.status == "parked" and j.warm_done for j in self.jobs):
+                    raise RuntimeError("parked warm-up survivors cannot be admitted; raise memory_budget_gb")
+                if any(j.status == "queued" for j in self.jobs):
+                    raise RuntimeError("queued jobs cannot be admitted (memory model); raise memory_budget_gb")
+                break
+            t0 = time.perf_counter()
+            info = self.train_round()
+            t1 = time.perf_counter()
+            n_eval = self.after_step()
+            dt = time.perf_counter() - t0
+            for j in active:
+                j.time_s += dt
+                if j.result is not None:  # finished this round: its row was made before the time was added
+                    j.result["time_s"] = round(j.time_s, 3)
+            self.round += 1
+            rounds_this_call += 1
+            self.round_log.append({"round": self.round, "time_s": dt, "train_s": t1 - t0, "tokens": info["tokens"],
+                                   "microbatches": info["microbatches"], "active": len(active), "evals": n_eval})
+            if run.log_every and self.round % run.log_every == 0:
+                self.print_progress(active, info)
+            finished_now = any(j.status == "done" for j in active)
+            if run.checkpoint_every and (self.round % run.checkpoint_every == 0 or finished_now):
+                self.save_checkpoint()
+            if self.rank == 0 and finished_now:
+                self.write_results()
+            if run.max_rounds is not None and rounds_this_call >= run.max_rounds:
+                self.save_checkpoint()
+                self.log(f"[engine] stopped after {rounds_this_call} rounds (max_rounds); run again to resume")
+                return [self._result_row(j) if j.result is None else j.result for j in self.jobs]
+        self.save_checkpoint()
+        rows = self.write_results()
+        if self.rank == 0:
+            self.log(format_table(rows))
+        return rows
+
+    def print_progress(self, active: list[Job], info: dict) -> None:
+        lines = [f"round {self.round}: {len(active)} active, {info['microbatches']} micro-batches, "
+                 f"{info['tokens']} tokens"]
+        for j in active:
+            val = f"{j.history['val'][-1][1]:.4f}" if j.history["val"] else "-"
+            tr = j.history["train"][-1][1] if j.history["train"] else float("nan")
+            status = j.status if j.status != "done" else f"done:{j.reason}"
+            lines.append(f"  {j.name[:40]:40s} {j.step:5d}/{j.total_steps:<5d} train {tr:8.4f} val {val:>8s} "
+                         f"{status}")
+        self.log("\n".join(lines))
+
+    def write_results(self) -> list[dict]:
+        rows = [j.result if j.result is not None else self._result_row(j) for j in self.jobs]
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            with open(self.out / RESULTS_CSV, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=RESULT_FIELDS)
+                w.writeheader()
+                for r in rows:
+                    w.writerow({k: r.get(k) for k in RESULT_FIELDS})
+            with open(self.out / "results.json", "w") as f:
+                json.dump({"jobs": rows, "rounds": self.round_log,
+                           "memory_model": {"beta": self.memory.beta, "fitted": self.memory.fitted}}, f, indent=2)
+        return rows
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        if self.rank != 0:
+            return
+        jobs = {}
+        for j in self.jobs:
+            s = {"status": j.status, "reason": j.reason, "step": j.step, "tokens": j.tokens, "time_s": j.time_s,
+                 "history": j.history, "warm_val": j.warm_val, "warm_done": j.warm_done,
+                 "adapter_path": j.adapter_path, "result": j.result}
+            if j.adapter is not None:
+                s.update(adapter={k: v.detach().cpu() for k, v in j.adapter.state_dict().items()},
+                         opt=j.opt.state_dict(), sched=j.sched.state_dict(), sampler=j.sampler.state_dict(),
+                         detector=j.detector.state_dict(), best_state=j.best_state)
+            jobs[j.name] = s
+        state = {"round": self.round, "jobs": jobs, "round_log": self.round_log,
+                 "memory_points": self.memory.points}
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / (CHECKPOINT + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.out / CHECKPOINT)
+
+    def load_checkpoint(self, path) -> None:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.round = state["round"]
+        self.round_log = state.get("round_log", [])
+        self.memory.points = state.get("memory_points", [])
+        for j in self.jobs:
+            s = state["jobs"].get(j.name)
+            if s is None:
+                continue  # a job added to the run file after the checkpoint: queued
+            for k in ("status", "reason", "step", "tokens", "time_s", "history", "warm_val", "warm_done",
+                      "adapter_path", "result"):
+                setattr(j, k, s[k])
+            if "adapter" in s:
+                self._build(j)
+                j.adapter.load_state_dict(s["adapter"])
+                j.opt.load_state_dict(s["opt"])
+                j.sched.load_state_dict(s["sched"])
+                j.sampler.load_state_dict(s["sampler"])
+                j.detector.load_state_dict(s["detector"])
+                j.best_state = s["best_state"]
+                if j.status == "active":
+                    self.registry[j.id] = j.adapter
+            j.history = {k: [tuple(x) for x in v] for k, v in j.history.items()}
+
+
+def _optimizer_to(opt, device) -> None:
+    for st in opt.state.values():
+        for k, v in st.items():
+            if torch.is_tensor(v) and k != "step":
+                st[k] = v.to(device)
+
+
+def plot_job(job: Job, path: Path) -> Optional[Path]:
+    """Loss curves (train, its EMA, validation) as PNG; returns None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    h = job.history
+    if h["train"]:
+        ax.plot(*zip(*h["train"]), label="train", alpha=0.5)
+    if h["ema"]:
+        ax.plot(*zip(*h["ema"]), label="train (EMA)")
+    if h["val"]:
+        ax.plot(*zip(*h["val"]), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{job.name} ({job.reason})", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = ["job", "stop_reason", "rank", "nblocks", "lr", "steps", "final_eval_loss", "best_eval_loss", "tokens",
+            "time_s"]
+
+    def fmt(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    table = [[fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) if table else len(c) for i, c in enumerate(cols)]
+    widths[1] = min(widths[1], 40)
+    line = lambda cells: "  ".join(str(c)[:w].ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(t) for t in table])
+
+
+__all__ = ["Engine", "Job", "format_table", "job_losses", "load_base", "plot_job"]

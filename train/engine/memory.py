@@ -1,0 +1,106 @@
+"""Admission control: a memory model predicts the peak of a set of jobs; a job is admitted only if it fits.
+
+Peak bytes = shared(T) + sum_j per_job(j), with T the micro-batch token budget:
+
+* shared(T) = beta0 + beta1 * T + beta2 * T^2 (mLoRA's scheduler model, eq. 5: base weights, activations of one
+  packed micro-batch, the attention mask);
+* per_job(j) = bytes_per_param * P_j + bytes_per_rank_token * r_j * T_j (adapter weights, grads, AdamW states
+  and the stored x@A of its layers).
+
+``analytic()`` gives coefficients from the model shape (the only choice on CPU). On GPU the engine records the
+measured peak (``torch.cuda.max_memory_allocated``) of each round and :meth:`MemoryModel.fit` refits the
+coefficients by non-negative least squares once it has enough distinct points; the analytic model remains the
+fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+GiB = 1024 ** 3
+
+
+@dataclass
+class JobFootprint:
+    name: str
+    params: int  # trainable parameters
+    rank_sum: int  # sum over target layers of the rank (x@A activations per token)
+
+
+@dataclass
+class MemoryModel:
+    beta: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # shared: b0 + b1 T + b2 T^2
+    bytes_per_param: float = 16.0  # fp32 param + grad + 2 AdamW moments
+    bytes_per_rank_token: float = 8.0
+    points: list = field(default_factory=list)  # (T, sum params, sum rank_sum*T, measured bytes)
+    fitted: bool = False
+
+    @classmethod
+    def analytic(cls, config, n_base_params: int, base_dtype_bytes: int = 4, act_bytes: int = 4) -> "MemoryModel":
+        """Coefficients from a transformers config (Llama-like): a deliberately generous estimate."""
+        h = int(getattr(config, "hidden_size", 1024))
+        inter = int(getattr(config, "intermediate_size", 4 * h))
+        layers = int(getattr(config, "num_hidden_layers", 12))
+        vocab = int(getattr(config, "vocab_size", 32000))
+        heads = int(getattr(config, "num_attention_heads", 8))
+        # activations kept for backward per token and layer: ~ 16 h + 4 inter values; logits of response tokens
+        per_token = layers * (16 * h + 4 * inter) * act_bytes + 3 * vocab * 4
+        # attention mask / scores (bool mask T^2 per forward + fp32 scores on the eager path, per head)
+        per_token2 = 1 + heads * 4
+        b0 = n_base_params * base_dtype_bytes + 256 * 1024 ** 2
+        return cls(beta=[float(b0), float(per_token), float(per_token2)], bytes_per_param=16.0,
+                   bytes_per_rank_token=float(2 * act_bytes))
+
+    def predict(self, tokens: int, jobs: list[JobFootprint]) -> float:
+        t = float(tokens)
+        shared = self.beta[0] + self.beta[1] * t + self.beta[2] * t * t
+        per = sum(self.bytes_per_param * j.params + self.bytes_per_rank_token * j.rank_sum * t for j in jobs)
+        return shared + per
+
+    def observe(self, tokens: int, jobs: list[JobFootprint], measured_bytes: float) -> None:
+        self.points.append((float(tokens), float(sum(j.params for j in jobs)),
+                            float(sum(j.rank_sum for j in jobs)) * float(tokens), float(measured_bytes)))
+
+    def fit(self, min_points: int = 5) -> bool:
+        """Non-negative least squares over [1, T, T^2, params, rank*T]; needs varied points. Returns success."""
+        if len(self.points) < min_points:
+            return False
+        x = torch.tensor([[1.0, t, t * t, p, rt] for t, p, rt, _ in self.points], dtype=torch.float64)
+        y = torch.tensor([m for *_, m in self.points], dtype=torch.float64)
+        if torch.linalg.matrix_rank(x) < 2:
+            return False
+        active = list(range(x.shape[1]))
+        coef = torch.zeros(x.shape[1], dtype=torch.float64)
+        for _ in range(x.shape[1]):  # drop negative coefficients and refit (small active-set NNLS)
+            sol = torch.linalg.lstsq(x[:, active], y.unsqueeze(1)).solution.squeeze(1)
+            if (sol >= 0).all():
+                coef.zero_()
+                coef[active] = sol
+                break
+            active = [a for a, v in zip(active, sol.tolist()) if v >= 0]
+            if not active:
+                return False
+        else:
+            return False
+        c = coef.tolist()
+        # keep the analytic per-parameter cost as a floor: weights+grads+Adam states are certain
+        self.beta = c[:3]
+        self.bytes_per_param = max(c[3], 16.0)
+        self.bytes_per_rank_token = c[4]
+        self.fitted = True
+        return True
+
+
+def device_budget_bytes(device: torch.device, budget_gb: Optional[float]) -> Optional[float]:
+    if budget_gb is not None:
+        return float(budget_gb) * GiB
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return 0.9 * total
+    return None
+
+
+__all__ = ["GiB", "JobFootprint", "MemoryModel", "device_budget_bytes"]

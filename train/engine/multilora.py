@@ -1,0 +1,225 @@
+"""BatchLoRA: one frozen base model, every target ``nn.Linear`` replaced by a multi-adapter module.
+
+The concatenated micro-batch of all active jobs goes through ONE base GEMM per layer; each job's BD-LoRA
+is applied to its own row segment. The grouped op is ``bdlora.kernels.grouped_lora`` (Triton on GPU, its torch
+reference elsewhere); ``backend="engine"`` (or a missing kernel library) uses the local reference below. Both
+compute block-diagonal factors as N packed sub-blocks (no FLOPs on zeros).
+
+Factors are stored packed in PEFT orientation (SPEC §2): column layer lora_A (r, d_in), lora_B (d_out, r/N);
+row layer lora_A (r, d_in/N), lora_B (d_out, r).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from bdlora.adapter import Adapter, AdapterConfig, LoraFactors
+from bdlora.spec import COLUMN, ROW, BDLoraSpec
+
+try:  # the kernel library (grouped multi-adapter LoRA); optional
+    from bdlora.kernels import LoraAdapter as _KAdapter
+    from bdlora.kernels import grouped_lora as _grouped_lora
+except Exception:  # pragma: no cover - depends on the kernel package being present
+    _KAdapter = None
+    _grouped_lora = None
+
+PEFT_PREFIX = "base_model.model."
+_KERNEL_FAILED = False
+
+
+def kernels_available() -> bool:
+    return _grouped_lora is not None
+
+
+def _bd_matmul(x: torch.Tensor, w: torch.Tensor, nblocks: int) -> torch.Tensor:
+    """x (T, K) @ blockdiag(w)^T with w packed (M, K/nb)."""
+    if nblocks == 1:
+        return x @ w.t()
+    t, k = x.shape
+    m = w.shape[0]
+    out = torch.einsum("tnk,nmk->tnm", x.reshape(t, nblocks, k // nblocks), w.reshape(nblocks, m // nblocks, -1))
+    return out.reshape(t, m)
+
+
+def bd_lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layout: str, nblocks: int,
+                  scale: float) -> torch.Tensor:
+    """scale * x @ A @ B for packed factors (engine-local reference)."""
+    na, nb = (nblocks, 1) if layout == ROW else (1, nblocks)
+    return _bd_matmul(_bd_matmul(x, a, na) * scale, b, nb)
+
+
+@dataclass
+class BatchContext:
+    """What the current forward pass runs: ``segments`` = [(job id, start, end)] over the flattened tokens."""
+
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    backend: str = "auto"
+
+
+class JobAdapter(nn.Module):
+    """One job's BD-LoRA factors on every target module (ParameterDicts keyed ``m<i>``; ``keys`` maps module paths).
+
+    Init: A kaiming-uniform (a=sqrt(5) over the stored fan-in, like nn.Linear / PEFT), B zero, from a per-job seeded
+    generator per (job seed, module path), so a job's start depends neither on the jobs beside it nor on the
+    pipeline stage holding the module.
+    """
+
+    def __init__(self, spec: BDLoraSpec, targets: dict[str, tuple[str, int, int]], seed: int = 0,
+                 device=None, dtype=torch.float32, a_init: str = "lora"):
+        super().__init__()
+        self.spec = spec
+        self.layouts = {name: layout for name, (layout, _, _) in targets.items()}
+        self.scale = spec.scale
+        self.a = nn.ParameterDict()
+        self.b = nn.ParameterDict()
+        self.keys: dict[str, str] = {}
+        r, n = spec.r, spec.nblocks
+        for i, (name, (layout, d_in, d_out)) in enumerate(sorted(targets.items())):
+            key = f"m{i}"
+            self.keys[name] = key
+            # per-module generator: a module's init depends only on (seed, module path), not on which other
+            # modules this process holds (pipeline stages hold a subset)
+            g = torch.Generator().manual_seed(int(seed) * 1_000_003 + zlib.crc32(name.encode()))
+            if layout == COLUMN:
+                a = torch.empty(r, d_in)
+                _kaiming_uniform(a, math.sqrt(5), g)  # PEFT's nn.Linear default init
+                b = torch.zeros(d_out, r // n)
+            else:
+                a = torch.empty(r, d_in // n)
+                # "lora": each shard's A like a standard LoRA A (the single-job trainer's default);
+                # "peft": PEFT's BlockDiagonalLinear init (a=0)
+                _kaiming_uniform(a, math.sqrt(5) if a_init == "lora" else 0.0, g)
+                b = torch.zeros(d_out, r)
+            self.a[key] = nn.Parameter(a.to(device=device, dtype=dtype))
+            self.b[key] = nn.Parameter(b.to(device=device, dtype=dtype))
+
+    def factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.keys[name]
+        return self.a[k], self.b[k]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def to_adapter(self, base_model_path: Optional[str] = None) -> Adapter:
+        cfg = AdapterConfig.from_spec(self.spec, base_model_path)
+        mods = {}
+        for name, key in self.keys.items():
+            mods[PEFT_PREFIX + name] = LoraFactors(self.a[key].detach().float().cpu().clone(),
+                                                   self.b[key].detach().float().cpu().clone(), self.layouts[name])
+        return Adapter(cfg, mods)
+
+    def load_factors(self, adapter: Adapter) -> None:
+        with torch.no_grad():
+            for name, key in self.keys.items():
+                f = adapter.modules[PEFT_PREFIX + name]
+                self.a[key].copy_(f.lora_A)
+                self.b[key].copy_(f.lora_B)
+
+
+def _kaiming_uniform(t: torch.Tensor, a: float, g: torch.Generator) -> None:
+    fan_in = t.shape[1]
+    gain = math.sqrt(2.0 / (1 + a * a))
+    bound = gain * math.sqrt(3.0 / fan_in)
+    with torch.no_grad():
+        t.uniform_(-bound, bound, generator=g)
+
+
+class MultiLoraLinear(nn.Module):
+    """A frozen ``nn.Linear`` plus the BD-LoRA of every job in the batch context, each on its row segment."""
+
+    def __init__(self, base: nn.Linear, name: str, layout: str, ctx: BatchContext, registry: dict):
+        super().__init__()
+        self.base = base
+        self.name, self.layout, self.ctx, self.registry = name, layout, ctx, registry
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+
+    @property
+    def weight(self):
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.base.weight, self.base.bias)
+        segs = [s for s in self.ctx.segments if s[0] in self.registry and self.name in self.registry[s[0]].keys]
+        if not segs:
+            return y
+        shape = y.shape
+        x2 = x.reshape(-1, x.shape[-1])
+        jobs = [self.registry[j] for j, _, _ in segs]
+        fdtype = jobs[0].factors(self.name)[0].dtype
+        if x2.dtype != fdtype:  # e.g. a bf16 base with fp32 adapter weights: LoRA path in the adapters' dtype
+            delta = self._delta(x2.to(fdtype), segs, jobs, None)
+            return (y.reshape(-1, shape[-1]) + delta.to(y.dtype)).reshape(shape)
+        return self._delta(x2, segs, jobs, y.reshape(-1, shape[-1])).reshape(shape)
+
+    def _delta(self, x2, segs, jobs, out):
+        """out + LoRA deltas (or the deltas alone when ``out`` is None), rows outside the segments untouched."""
+        global _KERNEL_FAILED
+        backend = self.ctx.backend
+        contiguous = all(segs[i][2] == segs[i + 1][1] for i in range(len(segs) - 1))
+        if backend != "engine" and _grouped_lora is not None and contiguous and not _KERNEL_FAILED:
+            seg = [segs[0][1]] + [e for _, _, e in segs]
+            ads = []
+            for ja in jobs:
+                a, b = ja.factors(self.name)
+                ads.append(_KAdapter(a, b, ja.scale, self.layout, ja.spec.nblocks))
+            try:
+                # out= (in-place add) is not used: its backward failed on GPU for row layers (kernels 2026-11)
+                delta = _grouped_lora(x2, seg, ads, backend=backend)
+                return delta if out is None else out + delta
+            except Exception as e:  # pragma: no cover - only on a kernel bug; keep training on the reference
+                if backend != "auto":
+                    raise
+                _KERNEL_FAILED = True
+                warnings.warn(f"bdlora.kernels.grouped_lora failed ({type(e).__name__}: {e}); the engine falls "
+                              "back to its torch reference for the rest of this process")
+        d_out = self.base.out_features
+        pieces, cur = [], 0
+        for ja, (_, s, e) in zip(jobs, segs):
+            if s > cur:
+                pieces.append(x2.new_zeros(s - cur, d_out))
+            a, b = ja.factors(self.name)
+            pieces.append(bd_lora_delta(x2[s:e], a, b, self.layout, ja.spec.nblocks, ja.scale))
+            cur = e
+        if cur < x2.shape[0]:
+            pieces.append(x2.new_zeros(x2.shape[0] - cur, d_out))
+        delta = torch.cat(pieces, 0)
+        return delta if out is None else out + delta
+
+
+def inject_multilora(model: nn.Module, column_modules, row_modules, ctx: BatchContext, registry: dict
+                     ) -> dict[str, tuple[str, int, int]]:
+    """Replaces every target ``nn.Linear`` (exact name match) by a :class:`MultiLoraLinear`.
+
+    Returns ``{module path: (layout, d_in, d_out)}``; module paths are the base model's (PEFT keys add
+    ``base_model.model.``).
+    """
+    targets = {}
+    for name, mod in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if not isinstance(mod, nn.Linear):
+            continue
+        if leaf in column_modules:
+            layout = COLUMN
+        elif leaf in row_modules:
+            layout = ROW
+        else:
+            continue
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        setattr(parent, leaf, MultiLoraLinear(mod, name, layout, ctx, registry))
+        targets[name] = (layout, mod.in_features, mod.out_features)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return targets
+
+
+__all__ = ["BatchContext", "JobAdapter", "MultiLoraLinear", "PEFT_PREFIX", "bd_lora_delta", "inject_multilora",
+           "kernels_available"]
