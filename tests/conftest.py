@@ -8,6 +8,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton decides interpreted vs compiled when it is first imported, and test collection imports it early (vLLM,
+# the engine): switch the interpreter on here so the kernel tests run Triton on CPU whatever imported it first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

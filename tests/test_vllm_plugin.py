@@ -90,18 +90,19 @@ def test_version_check():
             check_vllm_version(bad)
 
 
-def test_cli_flag_maps_to_additional_config():
+def test_cli_flag_maps_to_additional_config(tiny_llama_dir):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
-    args = parser.parse_args(["--model", "m", "--enable-bdlora"])
+    m = str(tiny_llama_dir)  # a local model: engine args resolve the path (no hub look-up offline)
+    args = parser.parse_args(["--model", m, "--enable-bdlora"])
     ea = AsyncEngineArgs.from_cli_args(args)
     assert ea.additional_config["bdlora"] is True and ea.enable_lora
-    args = parser.parse_args(["--model", "m", "--enable-bdlora", "--additional-config",
+    args = parser.parse_args(["--model", m, "--enable-bdlora", "--additional-config",
                               '{"bdlora": {"min_nblocks": 1}}'])
     assert AsyncEngineArgs.from_cli_args(args).additional_config["bdlora"] == {"min_nblocks": 1}
-    plain = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m"]))
+    plain = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", m]))
     assert "bdlora" not in (plain.additional_config or {}) and not plain.enable_lora
 
 

@@ -164,6 +164,10 @@ class MultiLoraLinear(nn.Module):
         """out + LoRA deltas (or the deltas alone when ``out`` is None), rows outside the segments untouched."""
         global _KERNEL_FAILED
         backend = self.ctx.backend
+        if backend == "auto" and not x2.is_cuda:
+            # On CPU "auto" would pick the Triton interpreter when TRITON_INTERPRET=1 (set for the kernel tests):
+            # correct but ~30x slower than the torch reference, which is what CPU training should use.
+            backend = "torch"
         contiguous = all(segs[i][2] == segs[i + 1][1] for i in range(len(segs) - 1))
         if backend != "engine" and _grouped_lora is not None and contiguous and not _KERNEL_FAILED:
             seg = [segs[0][1]] + [e for _, _, e in segs]
