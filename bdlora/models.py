@@ -30,8 +30,9 @@ def _corpus(n_lines: int = 4000, seed: int = 0):
         yield " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 16)))
 
 
-def build_tokenizer(path: str | os.PathLike, vocab_size: int = 512):
-    """A byte-level BPE tokenizer trained on a built-in corpus, saved as a transformers tokenizer folder."""
+def build_tokenizer(path: str | os.PathLike, vocab_size: int = 512, corpus=None):
+    """A byte-level BPE tokenizer trained on ``corpus`` (an iterable of lines; default: a small built-in one), saved
+    as a transformers tokenizer folder with a ChatML chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -41,7 +42,7 @@ def build_tokenizer(path: str | os.PathLike, vocab_size: int = 512):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator(corpus if corpus is not None else _corpus(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", unk_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE

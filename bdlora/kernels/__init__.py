@@ -8,11 +8,12 @@ from .decode import decode_lora, stack_decode_weights
 from .dispatch import LAST_BACKEND
 from .grouped import dropout_keep_mask, fused_lora_linear, grouped_lora
 from .layout import LoraAdapter, from_math, pack_block_diagonal, to_math, unpack_block_diagonal
-from .reference import decode_lora_ref, fused_lora_linear_ref, grouped_lora_ref, lora_delta_ref
+from .reference import bd_matmul, decode_lora_ref, fused_lora_linear_ref, grouped_lora_ref, lora_delta_ref
 
 __all__ = [
     "LAST_BACKEND",
     "LoraAdapter",
+    "bd_matmul",
     "decode_lora",
     "decode_lora_ref",
     "dropout_keep_mask",

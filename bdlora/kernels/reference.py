@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .layout import LoraAdapter
 
 
-def _bd_matmul(x: torch.Tensor, w: torch.Tensor, nblocks: int) -> torch.Tensor:
+def bd_matmul(x: torch.Tensor, w: torch.Tensor, nblocks: int) -> torch.Tensor:
     """x (T, K) @ blockdiag(w)^T with w packed (M, K/nb): out[:, m_j] = x[:, k_j] @ w[m_j].T."""
     if nblocks == 1:
         return x @ w.t()
@@ -27,8 +27,8 @@ def lora_delta_ref(x: torch.Tensor, adapter: LoraAdapter, keep: torch.Tensor | N
     """scale * dropout(x) @ A @ B for one adapter; ``keep`` is the (T, d_in) dropout keep-mask (or None)."""
     if keep is not None and adapter.dropout > 0:
         x = x * keep.to(x.dtype) / (1.0 - adapter.dropout)
-    s = _bd_matmul(x, adapter.lora_a, adapter.blocks_a) * adapter.scale
-    return _bd_matmul(s, adapter.lora_b, adapter.blocks_b)
+    s = bd_matmul(x, adapter.lora_a, adapter.blocks_a) * adapter.scale
+    return bd_matmul(s, adapter.lora_b, adapter.blocks_b)
 
 
 def grouped_lora_ref(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[LoraAdapter],

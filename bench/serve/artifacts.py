@@ -95,23 +95,9 @@ def _corpus(n_lines: int = 20000, seed: int = 0):
 
 def build_tokenizer_32k(path: str | Path, vocab_size: int = 32000):
     """A byte-level BPE of exactly ``vocab_size`` tokens (if the corpus allows), saved as a transformers folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from bdlora.models import build_tokenizer
 
-    from bdlora.models import CHAT_TEMPLATE
-
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(path))
-    return fast
+    return build_tokenizer(path, vocab_size=vocab_size, corpus=_corpus())
 
 
 def model_dir_for(root: str | Path, shape_name: str, shape: Shape, dtype: str, weights: str) -> Path:

@@ -2,7 +2,7 @@
 
 The concatenated micro-batch of all active jobs goes through ONE base GEMM per layer; each job's BD-LoRA
 is applied to its own row segment. The grouped op is ``bdlora.kernels.grouped_lora`` (Triton on GPU, its torch
-reference elsewhere); ``backend="engine"`` (or a missing kernel library) uses the local reference below. Both
+reference elsewhere); ``backend="engine"`` uses the per-job loop below (``bd_lora_delta``). Both
 compute block-diagonal factors as N packed sub-blocks (no FLOPs on zeros).
 
 Factors are stored packed in PEFT orientation (SPEC §2): column layer lora_A (r, d_in), lora_B (d_out, r/N);
@@ -22,38 +22,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bdlora.adapter import Adapter, AdapterConfig, LoraFactors
+from bdlora.kernels.reference import bd_matmul
 from bdlora.spec import COLUMN, ROW, BDLoraSpec
 
-try:  # the kernel library (grouped multi-adapter LoRA); optional
-    from bdlora.kernels import LoraAdapter as _KAdapter
-    from bdlora.kernels import grouped_lora as _grouped_lora
-except Exception:  # pragma: no cover - depends on the kernel package being present
-    _KAdapter = None
-    _grouped_lora = None
+from bdlora.kernels import LoraAdapter as _KAdapter
+from bdlora.kernels import grouped_lora as _grouped_lora
 
 PEFT_PREFIX = "base_model.model."
 _KERNEL_FAILED = False
-
-
-def kernels_available() -> bool:
-    return _grouped_lora is not None
-
-
-def _bd_matmul(x: torch.Tensor, w: torch.Tensor, nblocks: int) -> torch.Tensor:
-    """x (T, K) @ blockdiag(w)^T with w packed (M, K/nb)."""
-    if nblocks == 1:
-        return x @ w.t()
-    t, k = x.shape
-    m = w.shape[0]
-    out = torch.einsum("tnk,nmk->tnm", x.reshape(t, nblocks, k // nblocks), w.reshape(nblocks, m // nblocks, -1))
-    return out.reshape(t, m)
 
 
 def bd_lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layout: str, nblocks: int,
                   scale: float) -> torch.Tensor:
     """scale * x @ A @ B for packed factors (engine-local reference)."""
     na, nb = (nblocks, 1) if layout == ROW else (1, nblocks)
-    return _bd_matmul(_bd_matmul(x, a, na) * scale, b, nb)
+    return bd_matmul(bd_matmul(x, a, na) * scale, b, nb)
 
 
 @dataclass
@@ -169,7 +152,7 @@ class MultiLoraLinear(nn.Module):
             # correct but ~30x slower than the torch reference, which is what CPU training should use.
             backend = "torch"
         contiguous = all(segs[i][2] == segs[i + 1][1] for i in range(len(segs) - 1))
-        if backend != "engine" and _grouped_lora is not None and contiguous and not _KERNEL_FAILED:
+        if backend != "engine" and contiguous and not _KERNEL_FAILED:
             seg = [segs[0][1]] + [e for _, _, e in segs]
             ads = []
             for ja in jobs:
@@ -225,5 +208,4 @@ def inject_multilora(model: nn.Module, column_modules, row_modules, ctx: BatchCo
     return targets
 
 
-__all__ = ["BatchContext", "JobAdapter", "MultiLoraLinear", "PEFT_PREFIX", "bd_lora_delta", "inject_multilora",
-           "kernels_available"]
+__all__ = ["BatchContext", "JobAdapter", "MultiLoraLinear", "PEFT_PREFIX", "bd_lora_delta", "inject_multilora"]
