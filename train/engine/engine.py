@@ -109,12 +109,16 @@ class Job:
     warm_done: bool = False
     adapter_path: Optional[str] = None
     result: Optional[dict] = None
+    _footprint: Optional[tuple] = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
         return self.cfg.name
 
     def footprint(self, targets) -> JobFootprint:
+        # memoized: the memory model asks every round (GPU) and the answer depends only on the config and targets
+        if self._footprint is not None and self._footprint[0] is targets:
+            return self._footprint[1]
         spec = self.cfg.spec()
         params, rank_sum = 0, 0
         for name, (layout, d_in, d_out) in targets.items():
@@ -123,7 +127,9 @@ class Job:
             r, n = spec.r, spec.nblocks
             params += r * d_in + d_out * (r // n) if layout == "column" else r * (d_in // n) + d_out * r
             rank_sum += r
-        return JobFootprint(self.name, params, rank_sum)
+        fp = JobFootprint(self.name, params, rank_sum)
+        self._footprint = (targets, fp)
+        return fp
 
 
 class Engine:
@@ -156,6 +162,7 @@ class Engine:
         self.targets = inject_multilora(model, cols, rows, self.ctx, self.registry)
         self.model_type = model_type
         self._splits: dict[tuple, DatasetSplit] = {}
+        self._len_cache: dict[tuple, list[int]] = {}
         self.jobs = [Job(i, j, self._split(j), 0) for i, j in enumerate(run.jobs)]
         for job in self.jobs:
             job.total_steps = job.cfg.total_steps(len(job.data.train))
@@ -178,8 +185,14 @@ class Engine:
             self._splits[key] = load_split(self.run_cfg.datasets[j.dataset], self.tok, j.max_seq_len)
         return self._splits[key]
 
-    def _lengths(self, job_id: int, split: str = "train"):
-        return [len(s) for s in getattr(self.jobs[job_id].data, split)]
+    def _lengths(self, job_id: int, split: str = "train") -> list[int]:
+        # memoized per dataset split: packing looks the lengths up once per sample of a round, and rebuilding the
+        # list each time cost O(samples drawn x dataset size) Python work per round
+        data = self.jobs[job_id].data
+        key = (id(data), split)
+        if key not in self._len_cache:
+            self._len_cache[key] = [len(s) for s in getattr(data, split)]
+        return self._len_cache[key]
 
     # -- job lifecycle ------------------------------------------------------------------------------
     def _build(self, job: Job) -> None:
@@ -263,7 +276,8 @@ class Engine:
         loss_sums = {j.id: torch.zeros((), dtype=torch.float64, device=self.device) for j in jobs}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.model.train(False)
+        if self.model.training:  # model.train(False) walks every module: only when someone switched it on
+            self.model.train(False)
         for i, mb in enumerate(mbs):
             if i % self.world != self.rank:
                 continue

@@ -64,6 +64,7 @@ class JobAdapter(nn.Module):
         self.a = nn.ParameterDict()
         self.b = nn.ParameterDict()
         self.keys: dict[str, str] = {}
+        self._kernel_adapters: dict[str, _KAdapter] = {}
         r, n = spec.r, spec.nblocks
         for i, (name, (layout, d_in, d_out)) in enumerate(sorted(targets.items())):
             key = f"m{i}"
@@ -87,6 +88,17 @@ class JobAdapter(nn.Module):
     def factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.keys[name]
         return self.a[k], self.b[k]
+
+    def kernel_adapter(self, name: str) -> _KAdapter:
+        """The grouped kernel's descriptor of this job's factors on module ``name``. Built once and reused while the
+        parameter objects stay the same (the optimizer and ``load_factors`` update them in place): ``LoraAdapter``
+        validates shapes when built, which costs more host time per layer call than a small batch's GEMMs on GPU.
+        Kept on the job's module so it is freed with the job."""
+        a, b = self.factors(name)
+        ad = self._kernel_adapters.get(name)
+        if ad is None or ad.lora_a is not a or ad.lora_b is not b:
+            ad = self._kernel_adapters[name] = _KAdapter(a, b, self.scale, self.layouts[name], self.spec.nblocks)
+        return ad
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -131,17 +143,19 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.base.weight, self.base.bias)
-        segs = [s for s in self.ctx.segments if s[0] in self.registry and self.name in self.registry[s[0]].keys]
+        reg, name = self.registry, self.name
+        segs = [s for s in self.ctx.segments if s[0] in reg and name in reg[s[0]].keys]
         if not segs:
             return y
         shape = y.shape
         x2 = x.reshape(-1, x.shape[-1])
-        jobs = [self.registry[j] for j, _, _ in segs]
-        fdtype = jobs[0].factors(self.name)[0].dtype
+        y2 = y.reshape(-1, shape[-1])
+        jobs = [reg[j] for j, _, _ in segs]
+        fdtype = jobs[0].factors(name)[0].dtype
         if x2.dtype != fdtype:  # e.g. a bf16 base with fp32 adapter weights: LoRA path in the adapters' dtype
             delta = self._delta(x2.to(fdtype), segs, jobs, None)
-            return (y.reshape(-1, shape[-1]) + delta.to(y.dtype)).reshape(shape)
-        return self._delta(x2, segs, jobs, y.reshape(-1, shape[-1])).reshape(shape)
+            return (y2 + delta.to(y.dtype)).reshape(shape)
+        return self._delta(x2, segs, jobs, y2).reshape(shape)
 
     def _delta(self, x2, segs, jobs, out):
         """out + LoRA deltas (or the deltas alone when ``out`` is None), rows outside the segments untouched."""
@@ -152,15 +166,11 @@ class MultiLoraLinear(nn.Module):
             # correct but ~30x slower than the torch reference, which is what CPU training should use.
             backend = "torch"
         contiguous = all(segs[i][2] == segs[i + 1][1] for i in range(len(segs) - 1))
-        if backend != "engine" and contiguous and not _KERNEL_FAILED:
+        if backend not in ("engine", "torch") and contiguous and not _KERNEL_FAILED:
             seg = [segs[0][1]] + [e for _, _, e in segs]
-            ads = []
-            for ja in jobs:
-                a, b = ja.factors(self.name)
-                ads.append(_KAdapter(a, b, ja.scale, self.layout, ja.spec.nblocks))
             try:
                 # out= (in-place add) is not used: its backward failed on GPU for row layers (kernels 2026-11)
-                delta = _grouped_lora(x2, seg, ads, backend=backend)
+                delta = _grouped_lora(x2, seg, [ja.kernel_adapter(self.name) for ja in jobs], backend=backend)
                 return delta if out is None else out + delta
             except Exception as e:  # pragma: no cover - only on a kernel bug; keep training on the reference
                 if backend != "auto":
@@ -168,18 +178,21 @@ class MultiLoraLinear(nn.Module):
                 _KERNEL_FAILED = True
                 warnings.warn(f"bdlora.kernels.grouped_lora failed ({type(e).__name__}: {e}); the engine falls "
                               "back to its torch reference for the rest of this process")
-        d_out = self.base.out_features
-        pieces, cur = [], 0
-        for ja, (_, s, e) in zip(jobs, segs):
-            if s > cur:
-                pieces.append(x2.new_zeros(s - cur, d_out))
+        # Reference path (CPU, backend "torch"/"engine", kernel fallback): the same math as
+        # bdlora.kernels.grouped_lora_ref without its per-call checks and without materializing a (T, d_out)
+        # delta (zero rows + torch.cat) that is then added to ``out`` in a second pass.
+        if len(segs) == 1 and segs[0][1] == 0 and segs[0][2] == x2.shape[0]:  # one job over all rows (K=1)
+            ja = jobs[0]
             a, b = ja.factors(self.name)
-            pieces.append(bd_lora_delta(x2[s:e], a, b, self.layout, ja.spec.nblocks, ja.scale))
-            cur = e
-        if cur < x2.shape[0]:
-            pieces.append(x2.new_zeros(x2.shape[0] - cur, d_out))
-        delta = torch.cat(pieces, 0)
-        return delta if out is None else out + delta
+            delta = bd_lora_delta(x2, a, b, self.layout, ja.spec.nblocks, ja.scale)
+            return delta if out is None else out + delta
+        if out is None:
+            out = x2.new_zeros(x2.shape[0], self.base.out_features)
+        for ja, (_, s, e) in zip(jobs, segs):
+            a, b = ja.factors(self.name)
+            # in place into rows s:e: ``out`` is a fresh F.linear output (its backward does not read it) or zeros
+            out[s:e] += bd_lora_delta(x2[s:e], a, b, self.layout, ja.spec.nblocks, ja.scale)
+        return out
 
 
 def inject_multilora(model: nn.Module, column_modules, row_modules, ctx: BatchContext, registry: dict
