@@ -173,6 +173,8 @@ def test_config_errors(tmp_path):
         parse_run({**base, "token_budget": 100, "jobs": [{"name": "a", "max_seq_len": 512}]})
     with pytest.raises(ConfigError, match="duplicate"):
         parse_run({**base, "jobs": [{"name": "a"}, {"name": "a"}]})
+    with pytest.raises(ConfigError, match="lora_dropout=0.1 is not supported by the multi-LoRA engine"):
+        parse_run({**base, "jobs": [{"name": "a", "lora_dropout": 0.1}]})
 
 
 # ---------------------------------------------------------------------------------------------- memory model

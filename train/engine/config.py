@@ -190,6 +190,10 @@ def _make_job(d: dict, where: str) -> JobConfig:
     for k in ("rank", "nblocks", "batch_size", "grad_accum", "max_seq_len"):
         if int(getattr(job, k)) < 1:
             raise ConfigError(f"{where}: job {job.name!r}: {k} must be >= 1")
+    if job.lora_dropout:
+        # The engine's grouped LoRA path runs without dropout; refuse rather than silently train without it.
+        raise ConfigError(f"{where}: job {job.name!r}: lora_dropout={job.lora_dropout} is not supported by the "
+                          "multi-LoRA engine; set lora_dropout: 0, or train this job with `bdlora train`")
     if job.a_init not in ("lora", "peft"):
         raise ConfigError(f"{where}: job {job.name!r}: a_init must be 'lora' or 'peft'")
     if job.rank % job.nblocks:
