@@ -61,12 +61,15 @@ def exact_match(preds: list[str], records: list[dict]) -> float:
 
 
 def serve_with_vllm(adapter_dir, model_dir, prompts: list[str], tp: int = 1) -> Optional[list[str]]:
-    """Greedy generation with vLLM + the bdlora plugin, if the plugin's offline helper exists; else None."""
+    """Greedy generation with vLLM + the bdlora plugin (None when vLLM is not installed)."""
+    # vLLM's start-up log is a wall of text; the quickstart reports the outcome itself.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         from bdlora.vllm_plugin.offline import generate
     except ImportError as e:
-        _log(f"vLLM serving skipped: bdlora.vllm_plugin.offline is not available ({e})")
+        _log(f"vLLM serving skipped: {e}")
         return None
+    _log(f"serving the adapter with vLLM (tp={tp}) + the bdlora plugin")
     return generate(str(model_dir), str(adapter_dir), prompts, tp=tp)
 
 
