@@ -350,3 +350,31 @@ def test_tp1_stock_mode_refuses_bd_and_counts_sharded_collectives(bd_llm, tiny_l
         assert not any(c.startswith("BD") for c in classes.values())
     finally:
         T.stop_llm(llm)
+
+
+def test_unsupported_vllm_refuses_enable_bdlora_with_version_message(tiny_llama_dir):
+    """Outside the tested range the plugin stays inactive, but --enable-bdlora still parses and then fails at
+    engine-config time with the version message (not argparse's 'unrecognized arguments')."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import vllm
+        vllm.__version__ = "0.25.0"  # pretend: before vLLM loads the plugins
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+        ea = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", {str(tiny_llama_dir)!r}, "--enable-bdlora"]))
+        try:
+            ea.create_engine_config()
+        except Exception as e:
+            print("REFUSED:", e)
+        else:
+            print("ACCEPTED")
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("BDLORA_ALLOW_UNSUPPORTED_VLLM", None)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert "REFUSED: bdlora's vLLM plugin supports vLLM 0.26.0 <= version < 0.33, found 0.25.0" in res.stdout, (
+        res.stdout[-2000:] + res.stderr[-3000:])

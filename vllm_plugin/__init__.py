@@ -27,17 +27,22 @@ def register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
+    from . import frontend
     from .validate import check_vllm_version
 
     try:
         version = check_vllm_version()
     except ValueError as e:
-        # Do not break vLLM for users who do not ask for BD mode; --enable-bdlora then fails with this message.
+        # Do not break vLLM for users who do not ask for BD mode. The flag is still added, so --enable-bdlora /
+        # additional_config bdlora fail at engine-config time with the version message (validate_engine_config).
         logger.warning("%s; the bdlora plugin is inactive", e)
-        _install_refusal_only(str(e))
+        try:
+            frontend.patch_engine_args()
+        except Exception as patch_error:  # pragma: no cover - a vLLM too different to patch at all
+            logger.warning("bdlora: cannot add --enable-bdlora to this vLLM: %s", patch_error)
         _REGISTERED = True
         return
-    from . import cpu_fix, frontend, loader
+    from . import cpu_fix, loader
 
     frontend.patch_engine_args()
     frontend.patch_request_validation()
@@ -50,28 +55,6 @@ def register() -> None:
         install_collective_counters()
     _REGISTERED = True
     logger.debug("bdlora vLLM plugin registered (vLLM %s)", version)
-
-
-def _install_refusal_only(reason: str) -> None:
-    """On an unsupported vLLM: make --enable-bdlora / additional_config bdlora fail with the version message."""
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-    except Exception:  # pragma: no cover
-        return
-    create = EngineArgs.create_engine_config
-    if getattr(create, "__bdlora__", False):
-        return
-
-    def create_engine_config(self, *args, **kwargs):
-        extra = getattr(self, "additional_config", None) or {}
-        if isinstance(extra, dict) and extra.get("bdlora"):
-            from bdlora.spec import BDLoraError
-
-            raise BDLoraError(reason)
-        return create(self, *args, **kwargs)
-
-    create_engine_config.__bdlora__ = True
-    EngineArgs.create_engine_config = create_engine_config
 
 
 __all__ = ["register"]
