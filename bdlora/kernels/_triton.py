@@ -23,6 +23,19 @@ def _keep(seed, offs, p):
 
 
 @triton.jit
+def _tile_meta(tiles_ptr, meta_ptr, tile):
+    """A tile's (adapter, first row, end row) and its adapter's 4 int32 meta fields (layout per kernel docstring)."""
+    adapter = tl.load(tiles_ptr + tile * 3)
+    row0 = tl.load(tiles_ptr + tile * 3 + 1)
+    row_end = tl.load(tiles_ptr + tile * 3 + 2)
+    m0 = tl.load(meta_ptr + adapter * 4)
+    m1 = tl.load(meta_ptr + adapter * 4 + 1)
+    m2 = tl.load(meta_ptr + adapter * 4 + 2)
+    m3 = tl.load(meta_ptr + adapter * 4 + 3)
+    return adapter, row0, row_end, m0, m1, m2, m3
+
+
+@triton.jit
 def _sgmm_kernel(
     out_ptr, in_ptr, w_ptr, tiles_ptr, meta_ptr, fmeta_ptr,
     base_in_ptr, base_w_ptr, bias_ptr, mask_ptr, seed,
@@ -39,13 +52,7 @@ def _sgmm_kernel(
     ``seed`` and stores it (int8, (T, drop_cols)) at mask_ptr; DROP_OUT reads that stored mask.
     """
     tile = tl.program_id(0)
-    adapter = tl.load(tiles_ptr + tile * 3)
-    row0 = tl.load(tiles_ptr + tile * 3 + 1)
-    row_end = tl.load(tiles_ptr + tile * 3 + 2)
-    K = tl.load(meta_ptr + adapter * 4)
-    M = tl.load(meta_ptr + adapter * 4 + 1)
-    nb = tl.load(meta_ptr + adapter * 4 + 2)
-    woff = tl.load(meta_ptr + adapter * 4 + 3)
+    adapter, row0, row_end, K, M, nb, woff = _tile_meta(tiles_ptr, meta_ptr, tile)
     alpha = tl.load(fmeta_ptr + adapter * 2)
     p = tl.load(fmeta_ptr + adapter * 2 + 1)
 
@@ -126,13 +133,7 @@ def _dsdb_kernel(
     meta[i] = (r_i, d_out, nb_i, boff_i).
     """
     tile = tl.program_id(0)
-    adapter = tl.load(tiles_ptr + tile * 3)
-    row0 = tl.load(tiles_ptr + tile * 3 + 1)
-    row_end = tl.load(tiles_ptr + tile * 3 + 2)
-    r = tl.load(meta_ptr + adapter * 4)
-    d_out = tl.load(meta_ptr + adapter * 4 + 1)
-    nb = tl.load(meta_ptr + adapter * 4 + 2)
-    boff = tl.load(meta_ptr + adapter * 4 + 3)
+    adapter, row0, row_end, r, d_out, nb, boff = _tile_meta(tiles_ptr, meta_ptr, tile)
     rb = r // nb
     bs_out = d_out // nb
 
@@ -178,13 +179,7 @@ def _wgrad_kernel(
     Tiles here are row chunks of a segment (split-K over tokens).
     """
     tile = tl.program_id(0)
-    adapter = tl.load(tiles_ptr + tile * 3)
-    row0 = tl.load(tiles_ptr + tile * 3 + 1)
-    row_end = tl.load(tiles_ptr + tile * 3 + 2)
-    K = tl.load(meta_ptr + adapter * 4)
-    M = tl.load(meta_ptr + adapter * 4 + 1)
-    nb = tl.load(meta_ptr + adapter * 4 + 2)
-    woff = tl.load(meta_ptr + adapter * 4 + 3)
+    adapter, row0, row_end, K, M, nb, woff = _tile_meta(tiles_ptr, meta_ptr, tile)
     alpha = tl.load(fmeta_ptr + adapter * 2)
     bs_out = M // nb
     bs_in = K // nb
