@@ -261,13 +261,8 @@ def _req(adapters, name, ids={}):  # noqa: B006 - stable ids per name across a m
 
 
 def _check(model_dir, adapters, llm, jobs_spec):
-    jobs = [(p, _req(adapters, n)) for p, n in jobs_spec]
-    outs = T.generate_mixed(llm, jobs)
-    rows = T.parity_report(model_dir, jobs, outs, [adapters[n] if n else None for _, n in jobs_spec])
-    for row in rows:
-        assert row["tokens_equal"], row
-        assert row["max_logprob_diff"] < TOL, row
-    return rows
+    return T.assert_parity(llm, model_dir, [(p, _req(adapters, n)) for p, n in jobs_spec],
+                           [adapters[n] if n else None for _, n in jobs_spec], TOL)
 
 
 def test_tp1_bd_layers_in_place(bd_llm):

@@ -50,13 +50,8 @@ def bd_llm(tiny_llama_dir):
 
 
 def _check(model_dir, adapters, llm, spec):
-    jobs = [(p, _req(adapters, n)) for p, n in spec]
-    outs = T.generate_mixed(llm, jobs)
-    rows = T.parity_report(model_dir, jobs, outs, [adapters[n] if n else None for _, n in spec])
-    for row in rows:
-        assert row["tokens_equal"], row
-        assert row["max_logprob_diff"] < TOL, row
-    return rows
+    return T.assert_parity(llm, model_dir, [(p, _req(adapters, n)) for p, n in spec],
+                           [adapters[n] if n else None for _, n in spec], TOL)
 
 
 @pytest.mark.parametrize("name", ["bd2_r8", "bd2_r16", "bd4_r16", "bd1_r8", "bd2_part", "dense_r8"])

@@ -51,6 +51,12 @@ class _BDLoRAMixin:
     bd_layout: str
     bdlora = True
 
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None, **kwargs) -> bool:
+        # The vLLM parent's rule (next in the MRO), bound to this class.
+        return super().can_replace_layer(source_layer=source_layer, lora_config=lora_config,
+                                         packed_modules_list=packed_modules_list, model_config=model_config)
+
     def create_lora_weights(self, max_loras, lora_config, model_config=None) -> None:
         self.lora_config = lora_config
         rank = _buffer_rank(lora_config, self.tp_size)
@@ -119,23 +125,11 @@ class BDMergedColumnParallelLinearWithLoRA(_BDLoRAMixin, MergedColumnParallelLin
 
     bd_layout = COLUMN
 
-    @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None, **kwargs) -> bool:
-        return MergedColumnParallelLinearWithLoRA.can_replace_layer.__func__(
-            cls, source_layer=source_layer, lora_config=lora_config, packed_modules_list=packed_modules_list,
-            model_config=model_config)
-
 
 class BDMergedQKVParallelLinearWithLoRA(_BDLoRAMixin, MergedQKVParallelLinearWithLoRA):
     """qkv_proj with GQA: q, k and v have different widths; each projection has its own BD factors."""
 
     bd_layout = COLUMN
-
-    @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None, **kwargs) -> bool:
-        return MergedQKVParallelLinearWithLoRA.can_replace_layer(
-            source_layer=source_layer, lora_config=lora_config, packed_modules_list=packed_modules_list,
-            model_config=model_config)
 
 
 class BDRowParallelLinearWithLoRA(_BDLoRAMixin, RowParallelLinearWithLoRA):
@@ -143,12 +137,6 @@ class BDRowParallelLinearWithLoRA(_BDLoRAMixin, RowParallelLinearWithLoRA):
     all-reduce."""
 
     bd_layout = ROW
-
-    @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None, **kwargs) -> bool:
-        return RowParallelLinearWithLoRA.can_replace_layer(
-            source_layer=source_layer, lora_config=lora_config, packed_modules_list=packed_modules_list,
-            model_config=model_config)
 
 
 #: Checked in this order, before vLLM's own classes, in BD mode only.

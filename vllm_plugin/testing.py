@@ -237,3 +237,13 @@ def parity_report(model_dir, jobs, outputs, adapter_dirs) -> list[dict]:
                      "tokens_equal": list(ref_argmax) == list(out.token_ids),
                      "max_logprob_diff": max(abs(a - b) for a, b in zip(got, ref_lp))})
     return rows
+
+
+def assert_parity(llm, model_dir, jobs, adapter_dirs, tol: float) -> list[dict]:
+    """Runs ``jobs`` as one batch and asserts, per request, greedy tokens equal to HF(+PEFT) and
+    max |logprob diff| < ``tol``; returns the :func:`parity_report` rows."""
+    rows = parity_report(model_dir, jobs, generate_mixed(llm, jobs), adapter_dirs)
+    for row in rows:
+        assert row["tokens_equal"], row
+        assert row["max_logprob_diff"] < tol, row
+    return rows

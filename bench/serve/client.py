@@ -80,20 +80,26 @@ class _HttpError(Exception):
         self.body = body
 
 
+async def _sse_data(chunks):
+    """The payloads of the ``data:`` lines of a server-sent-event byte stream, however it is chunked."""
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            line = line.strip()
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+
+
 async def _sse_aiohttp(session, url: str, body: dict, timeout_s: float):
     import aiohttp
 
     async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
         if resp.status != 200:
             raise _HttpError(resp.status, await resp.text())
-        buf = b""
-        async for chunk in resp.content.iter_any():
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                line = line.strip()
-                if line.startswith(b"data:"):
-                    yield line[5:].strip()
+        async for data in _sse_data(resp.content.iter_any()):
+            yield data
 
 
 async def _sse_raw(url: str, body: dict, timeout_s: float):
@@ -139,14 +145,8 @@ async def _sse_raw(url: str, body: dict, timeout_s: float):
         if status != 200:
             text = b"".join([c async for c in chunks()]).decode(errors="replace")
             raise _HttpError(status, text)
-        buf = b""
-        async for data in chunks():
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                line = line.strip()
-                if line.startswith(b"data:"):
-                    yield line[5:].strip()
+        async for data in _sse_data(chunks()):
+            yield data
     finally:
         writer.close()
         try:
