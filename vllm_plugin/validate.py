@@ -278,12 +278,7 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
     for p in paths:
         a, b = shapes[p + ".lora_A.weight"], shapes[p + ".lora_B.weight"]
         leaf = p.rsplit(".", 1)[-1]
-        if cfg.is_bd:
-            layout = check_factor_shapes(cfg, p, a, b)
-        else:
-            if a[0] != cfg.r or b[1] != cfg.r:
-                raise BDLoraError(f"{p}: shapes A{a} B{b} do not fit r={cfg.r}")
-            layout = None
+        layout = check_factor_shapes(cfg, p, a, b)  # None for a dense adapter
         if preset is not None:
             known = COLUMN if leaf in preset[COLUMN] else ROW if leaf in preset[ROW] else None
             if cfg.is_bd and known is None:
