@@ -172,14 +172,19 @@ def test_sweep_end_to_end_cpu(tmp_path):
     cfg_path.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "bench.serve.sweep", "--config", str(cfg_path), "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # --concurrent 2: the first two servers start together (then are measured one at a time), the third alone
+    proc = subprocess.run([sys.executable, "-m", "bench.serve.sweep", "--config", str(cfg_path), "--out", str(out),
+                           "--concurrent", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in out.glob("*/server.log"))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:] + logs
 
     it, ot, bs, n = 32, 8, 2, 4
     summaries = sorted(out.glob("*/*/*_summary.json"))
     assert len(summaries) == len(methods), [str(p) for p in summaries]
+    started_with = [json.loads((out / sid / "server.json").read_text())["started_with"]
+                    for sid in sorted(p.name for p in out.iterdir() if (p / "server.json").is_file())]
+    assert sorted(started_with) == sorted([1, 1] + [0] * (len(methods) - 2)), started_with
+    assert proc.stdout.count("started together with 1 more") == 2, proc.stdout[-3000:]
     for sp in summaries:
         s = json.loads(sp.read_text())
         assert LLMPERF_SUMMARY_FIELDS <= set(s), LLMPERF_SUMMARY_FIELDS - set(s)

@@ -65,7 +65,8 @@ def _on_signal(signum, frame):
 _handlers_installed = False
 
 
-def _install_handlers():
+def install_stop_handlers():
+    """Stop every live server on exit and on SIGTERM/SIGINT/SIGHUP (call from the main thread)."""
     global _handlers_installed
     if _handlers_installed:
         return
@@ -104,7 +105,7 @@ class VLLMServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> "VLLMServer":
-        _install_handlers()
+        install_stop_handlers()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self._log.write(("$ " + " ".join(self.cmd) + "\n").encode())

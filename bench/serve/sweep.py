@@ -14,6 +14,10 @@ setting (BS, IT, OT) with the LLMPerf-protocol client, stops the server (always)
 Resumable: a load whose summary exists (in OUT or in a ``--done-dir``, copied into OUT) is skipped, and a server
 whose loads are all done is not started. ``--time-budget-s`` stops starting servers/batches that would not
 finish in time, so one device call never loses its results to the time limit.
+
+``concurrent_servers: K`` (or ``--concurrent K``) starts K servers at once on the same GPUs (their ~2 min start-ups
+overlap; ``server.concurrent_args`` give each a fixed KV-cache size) and then measures them one at a time, each
+measured load by load: the measured server never shares the GPUs with a busy one.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import yaml
 from .artifacts import (adapter_num_params, build_model, make_adapter, matched_bd_rank, shape_from,
                         vllm_max_lora_rank, VLLM_MAX_LORA_RANKS)
 from .client import llmperf_summary, random_prompts, run_load
-from .server import ServerError, VLLMServer
+from .server import ServerError, VLLMServer, install_stop_handlers
 
 METHODS = ("base", "lora", "slora", "bd")
 METHOD_LABELS = {"base": "no LoRA", "lora": "LoRA (vLLM default, NFS)", "slora": "S-LoRA (--fully-sharded-loras)",
@@ -307,45 +311,112 @@ def prepare_adapters(cfg: dict, sc: ServerConfig, shape, model_dir: Path) -> lis
                          base_model=str(model_dir)) for i in range(n_distinct)]
 
 
-def run_server(cfg: dict, sc: ServerConfig, out: Path, todo: list[Load], shape, model_dir: Path, deadline: float,
-               meta: dict, log=print) -> dict:
+def open_server(cfg: dict, sc: ServerConfig, out: Path, shape, model_dir: Path, concurrent: bool = False
+                ) -> tuple[VLLMServer, dict, int]:
+    """Builds what ``sc`` needs and returns its (not yet started) server, its info record and its adapter names.
+
+    ``concurrent``: the server shares its GPUs with other servers of a start group (``concurrent_servers``), so
+    ``server.concurrent_args`` are added (a fixed KV-cache size instead of vLLM's memory profiling, whose reading
+    of free memory other servers' start-up would disturb, and a small --gpu-memory-utilization)."""
     sdir = out / sc.id
     sdir.mkdir(parents=True, exist_ok=True)
     adapters = prepare_adapters(cfg, sc, shape, model_dir)
     n_names = lora_slots(cfg, sc)[2] if sc.method != "base" else 0
-    args = server_args(cfg, sc, model_dir, adapters)
     srv_cfg = cfg.get("server", {})
-    info: dict[str, Any] = {"server_id": sc.id, "args": args, "config": asdict(sc), "loads": {}}
+    args = server_args(cfg, sc, model_dir, adapters)
+    if concurrent:
+        args += [str(a) for a in srv_cfg.get("concurrent_args", [])]
+    info: dict[str, Any] = {"server_id": sc.id, "args": args, "config": asdict(sc), "loads": {},
+                            "started_with": 0}
     server = VLLMServer(model_dir, args, sdir / "server.log", env={str(k): str(v) for k, v in
                                                                     srv_cfg.get("env", {}).items()},
                         startup_timeout_s=float(srv_cfg.get("startup_timeout_s", 900)))
     info["command"] = server.cmd
-    t0 = time.monotonic()
+    return server, info, n_names
+
+
+def measure_load(cfg: dict, sc: ServerConfig, server: VLLMServer, info: dict, n_names: int, out: Path,
+                 load: Load, deadline: float, meta: dict, log=print) -> None:
+    """Runs one load on a started server; errors are recorded in ``info`` (and end the server's turn), not raised."""
+    if time.monotonic() > deadline:
+        info["loads"][load.id] = "skipped: time budget"
+        return
     try:
-        server.start()
-        info["startup_s"] = server.startup_s
-        log(f"[{sc.id}] healthy after {server.startup_s:.1f} s")
-        for li, load in enumerate(todo):
-            if time.monotonic() > deadline:
-                info["loads"][load.id] = "skipped: time budget"
-                continue
-            info["loads"][load.id] = run_one_load(cfg, sc, load, server, out, meta, deadline, li, n_names, log)
-            if not server.alive():
-                raise ServerError(f"server died during load {load.id}; last log lines:\n{server.tail()}")
+        info["loads"][load.id] = run_one_load(cfg, sc, load, server, out, meta, deadline, n_names, log)
+        if not server.alive():
+            raise ServerError(f"server died during load {load.id}; last log lines:\n{server.tail()}")
     except Exception as e:  # record and go on with the next server
-        info["error"] = f"{type(e).__name__}: {e}"
-        info["traceback"] = traceback.format_exc()
-        log(f"[{sc.id}] ERROR {info['error'][:2000]}")
+        _record_error(info, e, sc, log)
+
+
+def _record_error(info: dict, e: BaseException, sc: ServerConfig, log, tb: Optional[str] = None) -> None:
+    info["error"] = f"{type(e).__name__}: {e}"
+    info["traceback"] = tb or traceback.format_exc()
+    log(f"[{sc.id}] ERROR {info['error'][:2000]}")
+
+
+def close_server(sc: ServerConfig, server: VLLMServer, info: dict, out: Path, t0: float) -> None:
+    server.stop()
+    info["wall_s"] = time.monotonic() - t0
+    info["log_tail"] = server.tail(80)
+    (out / sc.id / "server.json").write_text(json.dumps(info, indent=2, default=str))
+
+
+def run_group(cfg: dict, group: list[tuple[ServerConfig, list[Load]]], out: Path, shape, model_dir: Path,
+              deadline: float, meta: dict, log=print) -> list[dict]:
+    """Starts the servers of ``group`` at the same time, then measures them one at a time, load by load.
+
+    Start-up (compilation, CUDA-graph capture: ~2 min for an 8B model) overlaps; measurements do not: while one
+    server runs a load the others are idle (started, no requests). All stop at the end. With one server this is
+    start, measure, stop."""
+    import threading
+
+    concurrent = len(group) > 1
+    opened = [(sc, todo, *open_server(cfg, sc, out, shape, model_dir, concurrent)) for sc, todo in group]
+    t0 = time.monotonic()
+    errors: dict[str, tuple[BaseException, str]] = {}
+    install_stop_handlers()  # from the main thread: the servers are started from threads
+
+    def start(sc, server):
+        try:
+            server.start()
+        except Exception as e:  # noqa: BLE001 - recorded per server
+            errors[sc.id] = (e, traceback.format_exc())
+
+    threads = [threading.Thread(target=start, args=(sc, server), daemon=True) for sc, _, server, _, _ in opened]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    live = []
+    for sc, todo, server, info, n_names in opened:
+        info["started_with"] = len(group) - 1  # other servers started at the same time (idle while this one ran)
+        if sc.id in errors:
+            err, tb = errors[sc.id]
+            _record_error(info, err, sc, log, tb=tb)
+            continue
+        info["startup_s"] = server.startup_s
+        log(f"[{sc.id}] healthy after {server.startup_s:.1f} s"
+            + (f" (started together with {len(group) - 1} more)" if concurrent else ""))
+        live.append((sc, todo, server, info, n_names))
+    # load by load across the group, so that a time budget that runs out leaves every method with the same loads
+    loads = []
+    for _, todo, *_ in live:
+        loads += [l for l in todo if l not in loads]
+    try:
+        for load in loads:
+            for sc, todo, server, info, n_names in live:
+                if load in todo and "error" not in info:
+                    measure_load(cfg, sc, server, info, n_names, out, load, deadline, meta, log)
     finally:
-        server.stop()
-        info["wall_s"] = time.monotonic() - t0
-        info["log_tail"] = server.tail(80)
-        (sdir / "server.json").write_text(json.dumps(info, indent=2, default=str))
-    return info
+        for sc, _, server, info, _ in opened:
+            close_server(sc, server, info, out, t0)
+    infos = [info for _, _, _, info, _ in opened]
+    return infos
 
 
 def run_one_load(cfg, sc: ServerConfig, load: Load, server: VLLMServer, out: Path, meta: dict, deadline: float,
-                 load_index: int, n_names: int, log) -> str:
+                 n_names: int, log) -> str:
     model_dir = server.cmd[server.cmd.index("serve") + 1]
     # prompts depend only on the load setting: identical across servers (methods) and across resumed calls
     seed = int(cfg.get("seed", 0)) * 1_000_003 + load.bs * 100_003 + load.it * 31 + load.ot
@@ -436,17 +507,20 @@ def run_sweep(cfg: dict, out: Path, done_dirs: list[Path] = (), time_budget_s: O
     meta = {"config_name": cfg.get("name"), "device": device_info(), "vllm_version": vllm_version(),
             "model_dir": str(model_dir), "model_shape": mcfg.get("shape"), "weights": mcfg.get("weights", "random")}
     est = float(cfg.get("server_estimate_s", 150))
+    group_size = max(1, int(cfg.get("concurrent_servers", 1)))
     report = {"ran": [], "skipped": [], "errors": []}
-    for sc, todo in plan:
-        if sc.skip_reason or not todo:
-            continue
+    meta["concurrent_servers"] = group_size
+    runnable = [(sc, todo) for sc, todo in plan if not sc.skip_reason and todo]
+    for i in range(0, len(runnable), group_size):
+        group = runnable[i:i + group_size]
         left = deadline - time.monotonic()
         if left < est:
-            report["skipped"].append(f"{sc.id}: time budget ({left:.0f} s left < estimate {est:.0f} s)")
-            log(f"[{sc.id}] not started: {left:.0f} s left, a server needs ~{est:.0f} s")
+            for sc, _ in group:
+                report["skipped"].append(f"{sc.id}: time budget ({left:.0f} s left < estimate {est:.0f} s)")
+                log(f"[{sc.id}] not started: {left:.0f} s left, a server needs ~{est:.0f} s")
             continue
-        info = run_server(cfg, sc, out, todo, shape, model_dir, deadline, meta, log)
-        (report["errors"] if "error" in info else report["ran"]).append(sc.id)
+        for info in run_group(cfg, group, out, shape, model_dir, deadline, meta, log):
+            (report["errors"] if "error" in info else report["ran"]).append(info["server_id"])
         write_csv(out)
         if pack_to:
             pack(out, pack_to)
@@ -472,6 +546,7 @@ def main(argv=None) -> int:
     p.add_argument("--tp", help="comma list subset of the config's TP degrees")
     p.add_argument("--ranks", help="comma list subset of the config's standard ranks")
     p.add_argument("--num-requests", type=int, help="override num_requests")
+    p.add_argument("--concurrent", type=int, help="start this many servers at once (see concurrent_servers)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=YAML",
                    help="override a top-level config key, e.g. --set 'model={shape: tiny}'")
     p.add_argument("--pack", help="also write OUT as one .tar.gz here after every server (e.g. $OUT/serve.tar.gz)")
@@ -483,6 +558,8 @@ def main(argv=None) -> int:
     for kv in a.set:
         k, _, v = kv.partition("=")
         cfg[k] = yaml.safe_load(v)
+    if a.concurrent:
+        cfg["concurrent_servers"] = a.concurrent
     if a.num_requests:
         cfg["num_requests"] = a.num_requests
         for l in cfg.get("loads", []):
