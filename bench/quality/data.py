@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
 from pathlib import Path
 from typing import Optional
@@ -90,6 +91,8 @@ def prepare(out_dir: str | Path, n_train: Optional[int] = None, n_eval: Optional
         paths[task] = {}
         for split, rows in (("train", train), ("eval", ev)):
             p = out / f"{task}_{split}.jsonl"
-            p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp = out / f".{p.name}.tmp-{os.getpid()}"  # concurrent shards may prepare at once: whole files only
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            os.replace(tmp, p)
             paths[task][split] = p
     return paths

