@@ -16,6 +16,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import bdlora.kernels as K  # noqa: E402
+from bdlora.kernels import cublas as cublas_mod  # noqa: E402
+from bdlora.kernels import dispatch as dispatch_mod  # noqa: E402
 from bdlora.kernels import grouped as grouped_mod  # noqa: E402
 
 D_IN, D_OUT = 64, 96
@@ -23,9 +25,9 @@ D_IN, D_OUT = 64, 96
 
 @pytest.fixture(autouse=True)
 def _poison():
-    grouped_mod.POISON_OUTPUTS = True
+    grouped_mod.POISON_OUTPUTS = cublas_mod.POISON_OUTPUTS = True
     yield
-    grouped_mod.POISON_OUTPUTS = False
+    grouped_mod.POISON_OUTPUTS = cublas_mod.POISON_OUTPUTS = False
 
 
 def make_adapter(gen, r, layout, n, d_in=D_IN, d_out=D_OUT, dropout=0.0):
@@ -77,8 +79,9 @@ def oracle(x, seg, adapters, grad, weight=None, bias=None, masks=None):
 
 def assert_close(actual, expected):
     expected = expected.to(actual.dtype)
-    tol = 2e-5 * max(1.0, float(expected.detach().abs().max()))
-    torch.testing.assert_close(actual, expected, rtol=2e-5, atol=tol)
+    rel = 1e-10 if actual.dtype == torch.float64 else 2e-5
+    tol = rel * max(1.0, float(expected.detach().abs().max()))
+    torch.testing.assert_close(actual, expected, rtol=rel, atol=tol)
 
 
 def adapter_params(adapters):
@@ -227,6 +230,161 @@ def test_decode_64_tokens():
     assert_close(y, want)
 
 
+# ---- cuBLAS-composed fused linear (backend="cublas"; on CPU the same torch GEMMs on the CPU BLAS) ----------------
+
+def cast_adapter(ad, dtype):
+    a, b = (t.detach().to(dtype).requires_grad_() for t in (ad.lora_a, ad.lora_b))
+    return K.LoraAdapter(a, b, ad.scale, ad.layout, ad.nblocks, ad.dropout)
+
+
+CUBLAS_CASES = {  # name: (seg, T); "multi": lengths 0, 1, 17, 9 and rows 27..29 in no segment
+    "multi": (SEG, T), "one_token": ([0, 1], 1), "odd": ([0, 7], 7), "partial": ([2, 7], 8)}
+
+
+def _cublas_case(dtype, layout, ranks, n, case, dropout=0.0, bias=False, train_w=False):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype}{layout}{ranks}{n}{case}{dropout}{bias}".encode()))
+    seg, t = CUBLAS_CASES[case]
+    na = len(seg) - 1
+    layouts = ["column", "row"] * 2 if layout == "both" else [layout] * 4
+    adapters = [cast_adapter(make_adapter(gen, r, lay, n, dropout=dropout), dtype)
+                for r, lay in zip(RANKS[ranks][:na], layouts[:na])]
+    x = torch.randn(t, D_IN, generator=gen).to(dtype).requires_grad_()
+    weight = (torch.randn(D_OUT, D_IN, generator=gen) / 8).to(dtype).requires_grad_(train_w)
+    b = torch.randn(D_OUT, generator=gen).to(dtype).requires_grad_(train_w) if bias else None
+    return gen, seg, t, adapters, x, weight, b
+
+
+@pytest.mark.parametrize("case", list(CUBLAS_CASES))
+@pytest.mark.parametrize("n,bd_gemm", [(1, "dense"), (2, "dense"), (2, "blocks"), (4, "dense"), (4, "blocks")])
+@pytest.mark.parametrize("ranks", ["r8", "r16", "r64"])
+@pytest.mark.parametrize("layout", ["column", "row", "both"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cublas_fused_linear(dtype, layout, ranks, n, bd_gemm, case):
+    """y, dX, dA, dB of the cuBLAS path vs the float64 oracle; W frozen (the layer benchmark's setting)."""
+    gen, seg, t, adapters, x, weight, _ = _cublas_case(dtype, layout, ranks, n, case)
+    y = K.fused_lora_linear(x, weight, None, seg, adapters, backend="cublas", bd_gemm=bd_gemm)
+    assert K.LAST_BACKEND["fused_lora_linear"] == "cublas" and y.dtype == dtype
+    grad = torch.randn(t, D_OUT, generator=gen).to(dtype)
+    grads = torch.autograd.grad(y, [x, *adapter_params(adapters)], grad)
+    y64, grads64 = oracle(x, seg, adapters, grad, weight)
+    assert_close(y, y64)
+    for g, g64 in zip(grads, [grads64[0], *grads64[2:]]):  # oracle grads: x, weight, a_0, b_0, ...
+        assert_close(g, g64)
+
+
+@pytest.mark.parametrize("bd_gemm", ["dense", "blocks"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cublas_fused_linear_dropout_bias_weight_grad(dtype, bias, bd_gemm):
+    """Dropout (masks of reference.segment_keep_mask), bias and a trainable weight, mixed layouts and ranks."""
+    gen, seg, t, adapters, x, weight, b = _cublas_case(dtype, "both", "mixed", 4, "multi", dropout=0.3, bias=bias,
+                                                       train_w=True)
+    adapters[2].dropout = 0.0  # one adapter without dropout beside ones with it
+    y = K.fused_lora_linear(x, weight, b, seg, adapters, dropout_seed=77, backend="cublas", bd_gemm=bd_gemm)
+    masks = K.torch_keep_masks(x, seg, adapters, 77)
+    assert masks[2] is None and all(m[:seg[i]].sum() == 0 for i, m in enumerate(masks) if m is not None)
+    grad = torch.randn(t, D_OUT, generator=gen).to(dtype)
+    leaves = [x, weight] + ([b] if bias else []) + adapter_params(adapters)
+    grads = torch.autograd.grad(y, leaves, grad)
+    y64, grads64 = oracle(x, seg, adapters, grad, weight, b, masks)
+    assert_close(y, y64)
+    for g, g64 in zip(grads, grads64):
+        assert_close(g, g64)
+    # the torch backend draws the same masks from the same seed
+    y_ref = K.fused_lora_linear(x, weight, b, seg, adapters, dropout_seed=77, backend="torch")
+    assert_close(y, y_ref)
+    # without autograd recording dropout is off
+    with torch.no_grad():
+        y_eval = K.fused_lora_linear(x, weight, b, seg, adapters, dropout_seed=77, backend="cublas",
+                                     bd_gemm=bd_gemm)
+    assert_close(y_eval, oracle(x, seg, adapters, grad, weight, b)[0])
+
+
+def test_cublas_no_activation_copies():
+    """The only ops that produce or write activation-sized tensors are GEMMs (plus the dropout multiply and the
+    NaN poisoning of fresh buffers): no copy, cat, add or scale kernels on activations, in either bd_gemm mode;
+    and every GEMM operand (block views included) has a layout cuBLAS takes without a copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    t, d = 256, 64
+    big = t * d // 2
+
+    def cublas_takes_as_is(m):
+        """ATen's CUDA Blas.cpp (prepare_(batch_)matrix_for_cublas, baddbmm result) copies a GEMM operand unless
+        its last two dims are row- or column-major with a leading dimension >= the row length (any batch stride)."""
+        (r, c), (sr, sc) = m.shape[-2:], m.stride()[-2:]
+        return m.is_contiguous() or (sc == 1 and sr >= max(1, c)) or (sr == 1 and sc >= max(1, r))
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.layouts_ok = [], True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = list(out) if isinstance(out, (tuple, list)) else [out]
+            if not func.is_view and any(isinstance(a, torch.Tensor) and a.numel() >= big
+                                        for a in [*args, *(kwargs or {}).values(), *outs]):
+                self.ops.append(func.overloadpacket.__name__)
+            if func.overloadpacket.__name__ in ("addmm_", "baddbmm_"):
+                self.layouts_ok &= all(cublas_takes_as_is(a) for a in args[:3])
+            return out
+
+    gen = torch.Generator().manual_seed(9)
+    for layout, bd_gemm, p in [("column", "dense", 0.0), ("row", "dense", 0.0), ("column", "blocks", 0.0),
+                               ("row", "blocks", 0.0), ("row", "dense", 0.2)]:
+        ad = make_adapter(gen, 16, layout, 4, d_in=d, d_out=d, dropout=p)
+        x = torch.randn(t, d, generator=gen).requires_grad_()
+        w = torch.randn(d, d, generator=gen)
+        gy = torch.randn(t, d, generator=gen)
+        with Log() as log:
+            y = K.fused_lora_linear(x, w, None, [0, t], [ad], dropout_seed=1, backend="cublas", bd_gemm=bd_gemm)
+            torch.autograd.grad(y, [x, ad.lora_a, ad.lora_b], gy)
+        heavy = [op for op in log.ops if op not in ("empty", "new_empty", "fill_", "zero_", "new_zeros", "zeros")]
+        gemms = [op for op in heavy if op in ("addmm_", "baddbmm_")]
+        # fwd: shrink, expand, base; bwd: dS, dB (reads dY), dA, LoRA dX, base dX
+        assert len(gemms) == 8 and len(heavy) == 8 + (3 if p else 0), (layout, bd_gemm, p, log.ops)
+        assert log.layouts_ok, (layout, bd_gemm)
+        if p:
+            assert sorted(set(heavy) - set(gemms)) == ["bernoulli_", "mul", "mul_"], heavy
+
+
+def test_cublas_dispatch_rules():
+    """Documented choice: on CUDA "auto" takes cublas (<= CUBLAS_MAX_SEGMENTS non-empty segments, no fuse_base);
+    on CPU "auto" keeps Triton under the interpreter (torch without it); "cublas" runs anywhere when asked for."""
+    assert dispatch_mod.cublas_preferred("cuda", 1) and dispatch_mod.cublas_preferred("cuda", 4)
+    assert not dispatch_mod.cublas_preferred("cuda", dispatch_mod.CUBLAS_MAX_SEGMENTS + 1)
+    assert not dispatch_mod.cublas_preferred("cpu", 1)
+    ch = dispatch_mod.choose
+    assert ch("op", "auto", True, cublas=True, prefer_cublas=True) == "cublas"
+    assert ch("op", "auto", False, cublas=True, prefer_cublas=True) == "cublas"
+    assert ch("op", "auto", True, cublas=False, prefer_cublas=True) == "triton"
+    assert ch("op", "auto", True, cublas=True, prefer_cublas=False) == "triton"
+    assert ch("op", "auto", False, cublas=True, prefer_cublas=False) == "torch"
+    assert ch("op", "cublas", False, cublas=True) == "cublas"
+    with pytest.raises(RuntimeError):
+        ch("op", "cublas", True, cublas=False)
+    with pytest.raises(ValueError):
+        ch("op", "cublas", True)  # an op without a cuBLAS path
+
+    gen = torch.Generator().manual_seed(5)
+    ad = make_adapter(gen, 16, "column", 2)
+    x = torch.randn(6, D_IN, generator=gen)
+    w = torch.randn(D_OUT, D_IN, generator=gen)
+    K.fused_lora_linear(x, w, None, [0, 6], [ad])
+    assert K.LAST_BACKEND["fused_lora_linear"] == "triton"  # CPU + interpreter
+    K.fused_lora_linear(x, w, None, [0, 6], [ad], backend="cublas")
+    assert K.LAST_BACKEND["fused_lora_linear"] == "cublas"
+    with pytest.raises(ValueError):
+        K.fused_lora_linear(x, w, None, [0, 6], [ad], fuse_base=True, backend="cublas")
+    with pytest.raises(ValueError):
+        K.fused_lora_linear(x, w, None, [0, 6], [ad], backend="cublas", bd_gemm="sparse")
+    with pytest.raises(ValueError):
+        K.grouped_lora(x, [0, 6], [ad], backend="cublas")
+    with pytest.raises(RuntimeError):  # mixed dtypes
+        K.fused_lora_linear(x.double(), w, None, [0, 6], [ad], backend="cublas")
+
+
 FALLBACK_SCRIPT = r"""
 import os, torch
 os.environ.pop("TRITON_INTERPRET", None)
@@ -240,6 +398,9 @@ y.sum().backward()
 w = torch.randn(48, 32)
 K.fused_lora_linear(x, w, None, [0, 10], [ad])
 assert K.LAST_BACKEND["fused_lora_linear"] == "torch"
+yc = K.fused_lora_linear(x, w, None, [0, 10], [ad], backend="cublas")
+assert K.LAST_BACKEND["fused_lora_linear"] == "cublas"
+assert torch.allclose(yc, K.fused_lora_linear_ref(x, w, None, [0, 10], [ad]), atol=1e-5)
 a, b, rk, offs = K.stack_decode_weights([[(ad.lora_a, ad.lora_b)]], 16, "column", 4)
 K.decode_lora(torch.zeros(2, 48), x[:2].detach(), a, b, torch.tensor([0, -1]), rk, torch.ones(1), offs, nblocks=4)
 assert K.LAST_BACKEND["decode_lora"] == "torch"

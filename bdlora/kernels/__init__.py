@@ -1,16 +1,20 @@
 """Triton kernels for (Block-Diagonal) LoRA: grouped multi-adapter training, LoRAFusion-style fused linear,
 and the multi-slice serving decode path. Each op has a pure-torch reference beside it and a dispatcher that
-runs Triton on CUDA (or on CPU under TRITON_INTERPRET=1) and falls back to the reference otherwise.
+runs Triton on CUDA (or on CPU under TRITON_INTERPRET=1) and falls back to the reference otherwise. The fused
+linear also has a cuBLAS-composed path (``cublas.CublasLoraLinearFn``), its default on CUDA.
 
 Orientation and block layouts: see ``bdlora.kernels.layout``.
 """
+from .cublas import CublasLoraLinearFn
 from .decode import decode_lora, stack_decode_weights
 from .dispatch import LAST_BACKEND
 from .grouped import dropout_keep_mask, fused_lora_linear, grouped_lora
 from .layout import LoraAdapter, from_math, pack_block_diagonal, to_math, unpack_block_diagonal
-from .reference import bd_matmul, decode_lora_ref, fused_lora_linear_ref, grouped_lora_ref, lora_delta_ref
+from .reference import (bd_matmul, decode_lora_ref, fused_lora_linear_ref, grouped_lora_ref, lora_delta_ref,
+                        segment_keep_mask, torch_keep_masks)
 
 __all__ = [
+    "CublasLoraLinearFn",
     "LAST_BACKEND",
     "LoraAdapter",
     "bd_matmul",
@@ -24,7 +28,9 @@ __all__ = [
     "grouped_lora_ref",
     "lora_delta_ref",
     "pack_block_diagonal",
+    "segment_keep_mask",
     "stack_decode_weights",
     "to_math",
+    "torch_keep_masks",
     "unpack_block_diagonal",
 ]

@@ -1,4 +1,5 @@
-"""Backend choice: Triton on CUDA (or on CPU under TRITON_INTERPRET=1), else the torch reference.
+"""Backend choice: Triton on CUDA (or on CPU under TRITON_INTERPRET=1), else the torch reference; ops that have a
+cuBLAS-composed path (``fused_lora_linear``) take it on CUDA where it applies (see ``cublas_preferred``).
 
 Triton decides at decoration time whether a kernel is interpreted, so the CPU decision is frozen when
 ``bdlora.kernels`` is first imported: set TRITON_INTERPRET=1 before that import to run the kernels on CPU.
@@ -19,8 +20,12 @@ except Exception:  # pragma: no cover - triton is an optional extra
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Which backend each op used last ("triton" or "torch"); tests assert on it, benchmarks print it.
+# Which backend each op used last ("triton", "cublas" or "torch"); tests assert on it, benchmarks print it.
 LAST_BACKEND: dict[str, str] = {}
+
+# ``fused_lora_linear`` issues ~8 GEMMs per adapter segment on the cuBLAS path (5 Triton launches in all on the
+# Triton path), so "auto" takes cuBLAS only up to this many non-empty segments. Not yet measured: a guess.
+CUBLAS_MAX_SEGMENTS = 4
 
 
 def triton_ok(*tensors: torch.Tensor) -> bool:
@@ -34,12 +39,36 @@ def triton_ok(*tensors: torch.Tensor) -> bool:
     return dev == "cuda" or (dev == "cpu" and INTERPRET)
 
 
-def choose(op: str, backend: str, supported: bool) -> str:
-    """Resolve backend "auto" | "triton" | "torch" and record the choice in LAST_BACKEND."""
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
+def same_float(*tensors: torch.Tensor) -> bool:
+    """True when the tensors share one device and one floating dtype (what the cuBLAS-composed path needs)."""
+    return (len({t.device for t in tensors}) == 1 and len({t.dtype for t in tensors}) == 1
+            and tensors[0].is_floating_point())
+
+
+def cublas_preferred(device_type: str, n_segments: int) -> bool:
+    """Whether "auto" takes the cuBLAS-composed path (where the op has one and the inputs suit it): on CUDA only,
+    with at most CUBLAS_MAX_SEGMENTS non-empty adapter segments. On CPU "auto" keeps Triton (interpreter) or torch."""
+    return device_type == "cuda" and n_segments <= CUBLAS_MAX_SEGMENTS
+
+
+def choose(op: str, backend: str, supported: bool, cublas: bool | None = None, prefer_cublas: bool = False) -> str:
+    """Resolve backend "auto" | "triton" | "torch" | "cublas" and record the choice in LAST_BACKEND.
+
+    supported: Triton can run the inputs. cublas: None when the op has no cuBLAS-composed path, else whether that
+    path can run the inputs. prefer_cublas: "auto" takes that path (when it can run them) before Triton.
+    """
+    allowed = ("auto", "triton", "torch") + (() if cublas is None else ("cublas",))
+    if backend not in allowed:
+        raise ValueError(f"{op}: backend must be one of {', '.join(allowed)}, got {backend!r}")
     if backend == "triton" and not supported:
         raise RuntimeError(f"{op}: the Triton backend cannot run these inputs (device/dtype/triton missing)")
-    use = "triton" if backend == "triton" or (backend == "auto" and supported) else "torch"
+    if backend == "cublas" and not cublas:
+        raise RuntimeError(f"{op}: the cuBLAS path cannot run these inputs (devices/dtypes differ or not floating)")
+    if backend != "auto":
+        use = backend
+    elif cublas and prefer_cublas:
+        use = "cublas"
+    else:
+        use = "triton" if supported else "torch"
     LAST_BACKEND[op] = use
     return use

@@ -1,4 +1,5 @@
-"""Grouped multi-adapter (Block-Diagonal) LoRA for training, and the LoRAFusion-style fused linear.
+"""Grouped multi-adapter (Block-Diagonal) LoRA for training, and the LoRAFusion-style fused linear (Triton path;
+the fused linear's cuBLAS-composed path is ``cublas``, chosen by ``fused_lora_linear``).
 
 Forward (launches per layer, independent of the number of adapters):
   1. shrink : S = (scale/(1-p)) * (keep * x) @ A          dropout + scale + xA fused; S kept for backward
@@ -17,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
+from .cublas import cublas_lora_linear
 from .layout import LoraAdapter
-from .reference import fused_lora_linear_ref, grouped_lora_ref
+from .reference import fused_lora_linear_ref, grouped_lora_ref, torch_keep_masks
 
 
 # Tests set this to fill every kernel output buffer with NaN first, so elements a kernel forgets fail.
@@ -277,14 +279,6 @@ def _seed(adapters: Sequence[LoraAdapter], seed: int | None) -> int | None:
     return int(torch.randint(0, 2**31 - 1, (1,)).item()) if seed is None else int(seed)
 
 
-def _torch_masks(x, seg, adapters, seed):
-    if seed is None:
-        return None
-    gen = torch.Generator(device=x.device).manual_seed(seed)
-    u = torch.rand(x.shape, generator=gen, device=x.device)
-    return [u >= ad.dropout if ad.dropout > 0 else None for ad in adapters]
-
-
 def _tensors(x, adapters, *extra):
     return [x, *[t for ad in adapters for t in (ad.lora_a, ad.lora_b)], *[t for t in extra if t is not None]]
 
@@ -306,7 +300,7 @@ def grouped_lora(x: torch.Tensor, seg, adapters: Sequence[LoraAdapter], *, out: 
     seed = _seed(adapters, dropout_seed)
     ok = dispatch.triton_ok(*_tensors(x, adapters, out)) and x.stride(1) == 1 and (out is None or out.stride(1) == 1)
     if dispatch.choose("grouped_lora", backend, ok) == "torch":
-        delta = grouped_lora_ref(x, seg, adapters, _torch_masks(x, seg, adapters, seed))
+        delta = grouped_lora_ref(x, seg, adapters, torch_keep_masks(x, seg, adapters, seed))
         return delta if out is None else out.add_(delta)
     plan = _Plan(x, seg, adapters, seed, fuse_base=False)
     factors = [t.contiguous() for ad in adapters for t in (ad.lora_a, ad.lora_b)]
@@ -315,23 +309,41 @@ def grouped_lora(x: torch.Tensor, seg, adapters: Sequence[LoraAdapter], *, out: 
 
 def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seg,
                       adapters: Sequence[LoraAdapter], *, dropout_seed: int | None = None, fuse_base: bool = False,
-                      backend: str = "auto") -> torch.Tensor:
+                      backend: str = "auto", bd_gemm: str = "auto") -> torch.Tensor:
     """LoRAFusion FusedLoRA / FusedMultiLoRA linear layer (weight frozen or not, PEFT orientation (d_out, d_in)):
 
         y = x @ weight^T + bias;  y[seg[i]:seg[i+1]] += scale[i] * dropout_i(x[seg[i]:seg[i+1]]) @ A[i] @ B[i]
 
-    The LoRA expand is added into the base output in the same pass: in place into the cuBLAS result
-    (fuse_base=False), or inside the Triton base-GEMM tile (fuse_base=True; needs seg to cover all rows).
-    Backward adds the LoRA dX into the base dX the same way; dS and dB share one read of dY.
+    Backends ("auto" picks as listed):
+      cublas : ``cublas.CublasLoraLinearFn``, every product one cuBLAS GEMM whose alpha/beta epilogue does the
+               scale and the accumulation into the base output / base dX (no Triton). "auto" takes it on CUDA with
+               at most ``dispatch.CUBLAS_MAX_SEGMENTS`` non-empty segments and fuse_base=False, dropout included.
+               bd_gemm ("auto" | "dense" | "blocks") says how it runs block-diagonal factors. Explicitly
+               requested it also runs on CPU (the same torch ops on the CPU BLAS).
+      triton : the LoRA expand added in place into the cuBLAS base output (fuse_base=False) or computed inside
+               the Triton base-GEMM tile (fuse_base=True; needs seg to cover all rows); backward adds the LoRA dX
+               into the base dX the same way, dS and dB share one read of dY. "auto" on CUDA otherwise, and on
+               CPU under TRITON_INTERPRET=1.
+      torch  : ``fused_lora_linear_ref`` (autograd), "auto" on CPU without the interpreter.
+    Dropout masks come from ``dropout_seed`` (drawn from torch's RNG if None) and differ by backend: Triton draws
+    ``dropout_keep_mask``, cublas and torch draw ``reference.segment_keep_mask``.
     """
     _check(x, adapters)
     seg = _seg_list(seg, len(adapters), x.shape[0])
     if fuse_base and (seg[0] != 0 or seg[-1] != x.shape[0]):
         raise ValueError("fuse_base=True needs the segments to cover every row of x")
+    if fuse_base and backend == "cublas":
+        raise ValueError("fuse_base=True runs the base GEMM in a Triton tile; the cublas backend does not have it")
     seed = _seed(adapters, dropout_seed)
-    ok = dispatch.triton_ok(*_tensors(x, adapters, weight, bias)) and x.stride(1) == 1
-    if dispatch.choose("fused_lora_linear", backend, ok) == "torch":
-        return fused_lora_linear_ref(x, weight, bias, seg, adapters, _torch_masks(x, seg, adapters, seed))
+    tensors = _tensors(x, adapters, weight, bias)
+    ok = dispatch.triton_ok(*tensors) and x.stride(1) == 1
+    n_seg = sum(e > s for s, e in zip(seg, seg[1:]))
+    use = dispatch.choose("fused_lora_linear", backend, ok, cublas=not fuse_base and dispatch.same_float(*tensors),
+                          prefer_cublas=dispatch.cublas_preferred(x.device.type, n_seg))
+    if use == "torch":
+        return fused_lora_linear_ref(x, weight, bias, seg, adapters, torch_keep_masks(x, seg, adapters, seed))
+    if use == "cublas":
+        return cublas_lora_linear(x, weight, bias, seg, adapters, seed, bd_gemm)
     plan = _Plan(x, seg, adapters, seed, fuse_base=fuse_base)
     factors = [t.contiguous() for ad in adapters for t in (ad.lora_a, ad.lora_b)]
     return _LoraLinearFn.apply(plan, x, None, weight, bias, *factors)

@@ -23,6 +23,32 @@ def bd_matmul(x: torch.Tensor, w: torch.Tensor, nblocks: int) -> torch.Tensor:
     return out.reshape(t, m)
 
 
+def segment_keep_mask(seed: int, index: int, rows: int, d_in: int, p: float, device) -> torch.Tensor:
+    """Dropout keep-mask of the torch backends (reference fallback and the cuBLAS path) for adapter ``index``:
+    (rows, d_in) bool over its segment's rows, element kept where a Bernoulli(1 - p) draw is 1, drawn by
+    ``bernoulli_`` from ``torch.Generator(device).manual_seed(seed + index)`` (one fused RNG kernel on CUDA).
+    The Triton kernels draw a different mask from the same seed (``dropout_keep_mask``)."""
+    gen = torch.Generator(device=device).manual_seed(int(seed) + int(index))
+    return torch.empty((rows, d_in), dtype=torch.bool, device=device).bernoulli_(1.0 - p, generator=gen)
+
+
+def torch_keep_masks(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[LoraAdapter],
+                     seed: int | None) -> list[torch.Tensor | None] | None:
+    """Per adapter the (T, d_in) keep-mask of the torch backends (``segment_keep_mask`` on its rows, False outside
+    them), None for dropout 0; None when dropout is off (seed None)."""
+    if seed is None:
+        return None
+    masks = []
+    for i, ad in enumerate(adapters):
+        if ad.dropout <= 0:
+            masks.append(None)
+            continue
+        keep = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        keep[seg[i]:seg[i + 1]] = segment_keep_mask(seed, i, seg[i + 1] - seg[i], x.shape[1], ad.dropout, x.device)
+        masks.append(keep)
+    return masks
+
+
 def lora_delta_ref(x: torch.Tensor, adapter: LoraAdapter, keep: torch.Tensor | None = None) -> torch.Tensor:
     """scale * dropout(x) @ A @ B for one adapter; ``keep`` is the (T, d_in) dropout keep-mask (or None)."""
     if keep is not None and adapter.dropout > 0:

@@ -6,7 +6,13 @@ Sections
   check   : every Triton op vs its torch reference on the GPU (fp32), before any timing
   layer   : one linear layer forward+backward (dX, dA, dB; W frozen) at T tokens, d_in -> d_out, rank r, N blocks:
             base_only (no LoRA), peft_bd (PEFT-style layer with BlockDiagonalLinear), fused (cuBLAS base + Triton
-            LoRA added in place), fused_base (base GEMM inside the Triton tile). min_MB = theoretical minimum bytes.
+            LoRA added in place), fused_base (base GEMM inside the Triton tile), cublas (the layer composed of
+            cuBLAS GEMMs with alpha/beta epilogues, block-diagonal factors as dense GEMMs: backend="cublas", its
+            default bd_gemm), cublas_blocks (the same, block-diagonal factors as strided-batched GEMMs over the
+            blocks). Every column does the same work: fwd + bwd with grads of x, A, B, dropout as --dropout.
+            min_MB = theoretical minimum bytes; cublas_MB = bytes the cublas path moves by its design (every GEMM's
+            activation reads/writes, base GEMM included). speedup_vs_peft = peft_bd/fused, cublas_vs_peft =
+            peft_bd/cublas.
   grouped : LoRA path only (fwd+bwd) for 4-32 adapters of mixed ranks over one batch: grouped kernel vs a loop
             of per-adapter torch LoRA.
   decode  : LoRA time per layer (q,k,v slices) at 1-64 tokens: decode_lora (one launch) vs batched torch gather,
@@ -116,18 +122,30 @@ def check(K) -> list[dict]:
     w = torch.randn(d_out, d_in, device="cuda") / 16
     params = [x] + [p for ad in adapters for p in (ad.lora_a, ad.lora_b)]
     gy = torch.randn(t, d_out, device="cuda")
+    # the cuBLAS path with dropout against the torch reference with the same (torch-drawn) masks
+    drop = [K.LoraAdapter(ad.lora_a, ad.lora_b, ad.scale, ad.layout, ad.nblocks, 0.25) for ad in adapters]
+    masks = K.torch_keep_masks(x, seg, drop, 7)
+    fused_ref = lambda: K.fused_lora_linear_ref(x, w, None, seg, adapters)  # noqa: E731
     for name, fn, ref in [
         ("grouped_lora", lambda: K.grouped_lora(x, seg, adapters), lambda: K.grouped_lora_ref(x, seg, adapters)),
-        ("fused_lora_linear", lambda: K.fused_lora_linear(x, w, None, seg, adapters),
-         lambda: K.fused_lora_linear_ref(x, w, None, seg, adapters)),
+        ("fused_lora_linear[triton]", lambda: K.fused_lora_linear(x, w, None, seg, adapters, backend="triton"),
+         fused_ref),
         ("fused_lora_linear[fuse_base]", lambda: K.fused_lora_linear(x, w, None, seg, adapters, fuse_base=True),
-         lambda: K.fused_lora_linear_ref(x, w, None, seg, adapters)),
+         fused_ref),
+        ("fused_lora_linear[auto]", lambda: K.fused_lora_linear(x, w, None, seg, adapters), fused_ref),
+        ("fused_lora_linear[cublas,blocks]",
+         lambda: K.fused_lora_linear(x, w, None, seg, adapters, backend="cublas", bd_gemm="blocks"), fused_ref),
+        ("fused_lora_linear[cublas,dropout]",
+         lambda: K.fused_lora_linear(x, w, None, seg, drop, dropout_seed=7, backend="cublas"),
+         lambda: K.fused_lora_linear_ref(x, w, None, seg, drop, masks)),
     ]:
-        y, yr = fn(), ref()  # grads below compare against the reference
+        y = fn()
+        backend = K.LAST_BACKEND[name.split("[")[0]]
+        yr = ref()  # grads below compare against the reference
         g, gr = torch.autograd.grad(y, params, gy), torch.autograd.grad(yr, params, gy)
         err = max([float((y - yr).detach().abs().max() / yr.detach().abs().max())] +
                   [float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(g, gr)])
-        rows.append(dict(op=name, backend=K.LAST_BACKEND[name.split("[")[0]], max_rel_err=err, ok=err < 1e-3))
+        rows.append(dict(op=name, backend=backend, max_rel_err=err, ok=err < 1e-3))
     per = [[(torch.randn(r, d_in, device="cuda"), torch.randn(d, r // 2, device="cuda")) for r in (16, 64, 8)]
            for d in (256, 64, 64)]
     a, b, rk, offs = K.stack_decode_weights(per, 64, "column", 2)
@@ -159,16 +177,29 @@ def bench_layer(K, t, shapes, ranks, nbs, dropout, iters) -> list[dict]:
                     kp = [x, ad.lora_a, ad.lora_b]
                     res = dict(d_in=d_in, d_out=d_out, layout=layout, r=r, N=n, base_only_ms=t_base)
                     res["peft_bd_ms"] = timed(lambda: torch.autograd.grad(peft_layer(x), lp, gy), iters=iters)
-                    for name, fb in (("fused_ms", False), ("fused_base_ms", True)):
+                    for name, kw in (("fused_ms", dict(backend="triton")),
+                                     ("fused_base_ms", dict(backend="triton", fuse_base=True)),
+                                     ("cublas_ms", dict(backend="cublas")),
+                                     ("cublas_blocks_ms", dict(backend="cublas", bd_gemm="blocks"))):
                         res[name] = timed(lambda: torch.autograd.grad(
-                            K.fused_lora_linear(x, base.weight, None, [0, t], [ad], fuse_base=fb), kp, gy), iters=iters)
+                            K.fused_lora_linear(x, base.weight, None, [0, t], [ad], **kw), kp, gy), iters=iters)
                     # minimum traffic: fwd reads x, W, writes y; bwd reads dY, W, x (for dA), writes dX; + S, dS
+                    lora_w = ad.lora_a.numel() + ad.lora_b.numel()
                     min_bytes = BF16 * (2 * t * d_in + 2 * d_in * d_out + 2 * t * d_out + t * d_in + 4 * t * r
-                                        + 3 * (ad.lora_a.numel() + ad.lora_b.numel()))
+                                        + 3 * lora_w)
+                    # cublas path (cublas.py docstring): x read by shrink, base, dA; y written by the expand, read
+                    # and written by the base epilogue; dY read by dS, dB, base dX; dX written by the LoRA dX, read
+                    # and written by the base epilogue; dropout adds x read, Xin write, keep (1 B) write + read, and
+                    # the dX read + write of the masking
+                    cublas_bytes = (BF16 * (6 * t * d_in + 6 * t * d_out + 2 * d_in * d_out + 4 * t * r + 3 * lora_w)
+                                    + (10 * t * d_in if dropout > 0 else 0))
                     flops = 4 * t * d_in * d_out + 6 * t * r * (d_in // ad.blocks_a + d_out // ad.blocks_b)
                     res["min_MB"] = min_bytes / 1e6
+                    res["cublas_MB"] = cublas_bytes / 1e6
                     res["fused_TFLOPs"] = flops / res["fused_ms"] / 1e9
                     res["speedup_vs_peft"] = res["peft_bd_ms"] / res["fused_ms"]
+                    res["cublas_vs_peft"] = res["peft_bd_ms"] / res["cublas_ms"]
+                    res["blocks_vs_peft"] = res["peft_bd_ms"] / res["cublas_blocks_ms"]
                     rows.append(res)
     return rows
 

@@ -1,0 +1,239 @@
+"""The fused (BD-)LoRA linear layer composed from cuBLAS GEMMs: ``fused_lora_linear(..., backend="cublas")``.
+
+Instead of Triton tiles, every product is one torch GEMM call (cuBLAS on CUDA, the CPU BLAS elsewhere) whose
+alpha/beta epilogue carries the LoRA scale and the accumulation (``addmm_``/``baddbmm_`` in place, beta = 0 writes
+without reading, beta = 1 accumulates), on views of the activations: one contiguous row slice per adapter segment,
+and (bd_gemm="blocks") (N, T, d/N) block views with strides (d/N, d, 1) that cuBLAS takes as a strided batch
+(batch stride d/N, leading dimension d) -- so no scale, add, cat or copy kernel ever touches an activation.
+
+Per adapter i with rows R_i = seg[i]:seg[i+1] and c_i = scale_i / (1 - p_i) (p_i = 0 when dropout is off):
+
+  forward                                                        activation traffic (T x d units)
+    Xin_i = X[R_i] * keep_i        only with dropout              read X, write Xin (+ bool keep)
+    S_i   = c_i Xin_i @ A_i        addmm_(beta=0, alpha=c_i)      read Xin; S_i is (|R_i|, r), kept for backward
+    Y[R_i] = S_i @ B_i             addmm_(beta=0)                 write Y (rows outside every segment: 0)
+    Y    += X @ W^T                addmm_(beta=1): the frozen base GEMM adds onto it in its epilogue
+  with a bias the order flips: Y = X W^T + bias (bias in the cuBLASLt epilogue), then Y[R_i] += S_i @ B_i (beta=1).
+  backward
+    dS_i   = dY[R_i] @ B_i^T       beta=0                         read dY
+    dB_i   = S_i^T dY[R_i]                                        read dY
+    dA_i   = c_i Xin_i^T dS_i                                     read Xin (= X without dropout)
+    dX[R_i] = c_i dS_i @ A_i^T     beta=0                         write dX
+    dX[R_i] *= keep_i              only with dropout              read dX + keep, write dX
+    dX    += dY @ W                addmm_(beta=1)
+  Saved for backward: X (only without dropout or for dW), Xin_i and keep_i (dropout), S_i, the factors.
+
+Block-diagonal factors (see ``layout``: column layout has B block-diagonal, row layout A), bd_gemm:
+  "dense"  expand the packed factor into its (M, K) block-diagonal matrix with zeros, once per call (r x d
+           elements, 0.5 MB at r=64, d=4096), so each LoRA GEMM is one plain GEMM of exactly the shape of plain LoRA
+           (which cuBLAS is tuned for, split-K for the weight gradients included); the zeros cost FLOPs, no
+           activation bytes (at r <= 128 these GEMMs stay memory bound). Weight gradients are computed dense and
+           their diagonal blocks gathered (r x d elements).
+  "blocks" strided-batched GEMMs over the N blocks (``baddbmm_`` on block views, in place, no copies); no FLOPs
+           on zeros, but per-block GEMMs as narrow as r/N columns and weight gradients with only N (d/N x r/N) outputs.
+  "auto"   "dense" for rank <= 128, else "blocks" (per adapter).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from .layout import LoraAdapter
+from .reference import segment_keep_mask
+
+BD_GEMMS = ("auto", "dense", "blocks")
+DENSE_MAX_RANK = 128
+
+# Tests set this to fill every output buffer with NaN first, so elements a GEMM forgets (or reads with beta=0) fail.
+POISON_OUTPUTS = False
+
+
+def _new(ref: torch.Tensor, *shape: int) -> torch.Tensor:
+    out = ref.new_empty(shape)
+    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+
+
+def unpack_dense(w: torch.Tensor, nb: int) -> torch.Tensor:
+    """Packed (M, K/nb) -> block-diagonal (M, K) with zeros: one zero fill and one strided copy."""
+    m, kb = w.shape
+    full = w.new_zeros(m, kb * nb)
+    full.view(nb, m // nb, nb, kb).diagonal(dim1=0, dim2=2).copy_(w.view(nb, m // nb, kb).permute(1, 2, 0))
+    return full
+
+
+def pack_dense(full: torch.Tensor, nb: int) -> torch.Tensor:
+    """(M, K) -> its nb diagonal blocks packed (M, K/nb) (one small copy)."""
+    m, k = full.shape
+    return full.view(nb, m // nb, nb, k // nb).diagonal(dim1=0, dim2=2).permute(2, 0, 1).reshape(m, k // nb)
+
+
+def bd_mm_(out: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, nb: int, alpha: float, beta: float) -> None:
+    """out (T, M) = beta * out + alpha * inp (T, K) @ blockdiag(w)^T, w packed (M, K/nb); in place, no copies."""
+    if nb == 1:
+        out.addmm_(inp, w.t(), beta=beta, alpha=alpha)
+        return
+    t, (m, kb) = inp.shape[0], w.shape
+    out.view(t, nb, m // nb).transpose(0, 1).baddbmm_(
+        inp.view(t, nb, kb).transpose(0, 1), w.view(nb, m // nb, kb).transpose(1, 2), beta=beta, alpha=alpha)
+
+
+def bd_mm_t_(out: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, nb: int, alpha: float, beta: float) -> None:
+    """out (T, K) = beta * out + alpha * inp (T, M) @ blockdiag(w), w packed (M, K/nb); in place, no copies."""
+    if nb == 1:
+        out.addmm_(inp, w, beta=beta, alpha=alpha)
+        return
+    t, (m, kb) = inp.shape[0], w.shape
+    out.view(t, nb, kb).transpose(0, 1).baddbmm_(
+        inp.view(t, nb, m // nb).transpose(0, 1), w.view(nb, m // nb, kb), beta=beta, alpha=alpha)
+
+
+def bd_wgrad(gout: torch.Tensor, inp: torch.Tensor, nb: int, alpha: float, dense: bool) -> torch.Tensor:
+    """Gradient of a packed (M, K/nb) factor w used as gout-side of ``bd_mm_``: the nb diagonal blocks of
+    alpha * gout (T, M)^T @ inp (T, K) -- dense (one GEMM, then gather the blocks) or per block (strided batch)."""
+    t, m, k = gout.shape[0], gout.shape[1], inp.shape[1]
+    if nb == 1 or dense:
+        full = _new(gout, m, k).addmm_(gout.t(), inp, beta=0.0, alpha=alpha)
+        return full if nb == 1 else pack_dense(full, nb)
+    out = _new(gout, m, k // nb)
+    out.view(nb, m // nb, k // nb).baddbmm_(gout.view(t, nb, m // nb).permute(1, 2, 0),
+                                            inp.view(t, nb, k // nb).transpose(0, 1), beta=0.0, alpha=alpha)
+    return out
+
+
+class _Cfg:
+    """Host-side description of one call (segments, per-adapter scale/dropout/blocks, GEMM mode)."""
+
+    def __init__(self, seg: list[int], adapters: Sequence[LoraAdapter], seed: int | None, bd_gemm: str):
+        if bd_gemm not in BD_GEMMS:
+            raise ValueError(f"bd_gemm must be one of {BD_GEMMS}, got {bd_gemm!r}")
+        self.seg, self.seed = seg, seed
+        self.p = [ad.dropout if seed is not None else 0.0 for ad in adapters]
+        self.c = [ad.scale / (1.0 - p) for ad, p in zip(adapters, self.p)]
+        self.rank = [ad.rank for ad in adapters]
+        self.nb_a = [ad.blocks_a for ad in adapters]
+        self.nb_b = [ad.blocks_b for ad in adapters]
+        self.dense = [bd_gemm == "dense" or (bd_gemm == "auto" and ad.rank <= DENSE_MAX_RANK) for ad in adapters]
+        self.a_shapes = [tuple(ad.lora_a.shape) for ad in adapters]
+        self.b_shapes = [tuple(ad.lora_b.shape) for ad in adapters]
+
+
+def _eff(w: torch.Tensor, nb: int, dense: bool) -> tuple[torch.Tensor, int]:
+    """The factor as the GEMMs read it: dense block-diagonal (blocks 1) or packed (nb blocks)."""
+    return (unpack_dense(w, nb), 1) if dense and nb > 1 else (w, nb)
+
+
+class CublasLoraLinearFn(torch.autograd.Function):
+    """Fused (BD-)LoRA linear from cuBLAS GEMMs. Inputs (cfg, x, weight, bias, a_0, b_0, a_1, b_1, ...):
+
+        y = x @ weight^T + bias
+        y[seg[i]:seg[i+1]] += scale_i * dropout_i(x[seg[i]:seg[i+1]]) @ A_i @ B_i
+
+    with x (T, d_in), weight (d_out, d_in), bias (d_out,) or None, A_i = blockdiag(a_i)^T (d_in, r_i),
+    B_i = blockdiag(b_i)^T (r_i, d_out) from the packed PEFT-orientation factors a_i (r_i, d_in/Na_i) and
+    b_i (d_out, r_i/Nb_i) (``layout``), and dropout_i(u) = keep_i * u / (1 - p_i), keep_i the bool mask
+    ``segment_keep_mask(seed, i, rows_i, d_in, p_i)`` (no dropout when cfg.seed is None or p_i = 0). With
+    S_i = scale_i * dropout_i(x_i) @ A_i and g = dL/dy, the gradients are, per segment (rows R_i):
+
+        dL/dx[R_i]  = g[R_i] @ weight + (scale_i / (1 - p_i)) * keep_i * ((g[R_i] @ B_i^T) @ A_i^T)
+        dL/dx[rows in no segment] = g @ weight
+        dL/dA_i     = scale_i * dropout_i(x_i)^T (g[R_i] @ B_i^T)   (its diagonal blocks, packed like a_i)
+        dL/dB_i     = S_i^T g[R_i]                                   (its diagonal blocks, packed like b_i)
+        dL/dweight  = g^T x,   dL/dbias = sum over rows of g
+
+    Every product is one GEMM with its scale in alpha and its accumulation in beta (module docstring).
+    Adapters of empty segments get zero gradients. Not twice differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, cfg: _Cfg, x, weight, bias, *factors):
+        t, d_in = x.shape
+        seg = cfg.seg
+        nig = ctx.needs_input_grad
+        lora_s, lora_b, saved = [], [], []
+        for i in range(len(cfg.c)):
+            a_eff, na = _eff(factors[2 * i], cfg.nb_a[i], cfg.dense[i])
+            b_eff, nb = _eff(factors[2 * i + 1], cfg.nb_b[i], cfg.dense[i])
+            s0, s1 = seg[i], seg[i + 1]
+            s = xin = keep = None
+            if s1 > s0:
+                xin = x[s0:s1]
+                if cfg.p[i] > 0:
+                    keep = segment_keep_mask(cfg.seed, i, s1 - s0, d_in, cfg.p[i], x.device)
+                    xin = xin * keep
+                s = _new(x, s1 - s0, cfg.rank[i])
+                bd_mm_(s, xin, a_eff, na, cfg.c[i], 0.0)
+            lora_s.append(s)
+            lora_b.append((b_eff, nb))
+            saved += [a_eff, b_eff, s, xin if keep is not None else None, keep]
+        if bias is None:  # LoRA first, then the base GEMM accumulates onto it (beta=1) in its epilogue
+            y = _new(x, t, weight.shape[0])
+            y[: seg[0]].zero_()
+            y[seg[-1]:].zero_()
+            for i, s in enumerate(lora_s):
+                if s is not None:
+                    bd_mm_(y[seg[i]:seg[i + 1]], s, *lora_b[i], 1.0, 0.0)
+            y.addmm_(x, weight.t())
+        else:  # base GEMM + bias (cuBLASLt epilogue) first, LoRA added in place
+            y = F.linear(x, weight, bias)
+            for i, s in enumerate(lora_s):
+                if s is not None:
+                    bd_mm_(y[seg[i]:seg[i + 1]], s, *lora_b[i], 1.0, 1.0)
+        # x itself is needed for dW, and for dA of adapters without dropout
+        need_x = nig[2] or any(nig[4 + 2 * i] and cfg.p[i] == 0 for i in range(len(cfg.c)))
+        ctx.cfg, ctx.x_shape, ctx.has_bias = cfg, (t, d_in), bias is not None
+        ctx.save_for_backward(x if need_x else None, weight, *saved)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        cfg: _Cfg = ctx.cfg
+        x, weight, *saved = ctx.saved_tensors
+        nig = ctx.needs_input_grad
+        seg, (t, d_in) = cfg.seg, ctx.x_shape
+        dy = dy.contiguous()
+        dx = None
+        if nig[1]:
+            dx = _new(dy, t, d_in)
+            dx[: seg[0]].zero_()
+            dx[seg[-1]:].zero_()
+        grads = []
+        for i in range(len(cfg.c)):
+            a_eff, b_eff, s, xin, keep = saved[5 * i:5 * i + 5]
+            need_da, need_db = nig[4 + 2 * i], nig[5 + 2 * i]
+            s0, s1 = seg[i], seg[i + 1]
+            if s1 == s0:
+                grads += [dy.new_zeros(cfg.a_shapes[i]) if need_da else None,
+                          dy.new_zeros(cfg.b_shapes[i]) if need_db else None]
+                continue
+            na, nb = (1 if cfg.dense[i] else cfg.nb_a[i]), (1 if cfg.dense[i] else cfg.nb_b[i])
+            dyi = dy[s0:s1]
+            db = bd_wgrad(dyi, s, cfg.nb_b[i], 1.0, cfg.dense[i]) if need_db else None
+            da = None
+            if need_da or dx is not None:
+                ds = _new(dy, s1 - s0, cfg.rank[i])
+                bd_mm_t_(ds, dyi, b_eff, nb, 1.0, 0.0)
+                if need_da:
+                    da = bd_wgrad(ds, x[s0:s1] if xin is None else xin, cfg.nb_a[i], cfg.c[i], cfg.dense[i])
+                if dx is not None:
+                    dxi = dx[s0:s1]
+                    bd_mm_t_(dxi, ds, a_eff, na, cfg.c[i], 0.0)
+                    if keep is not None:
+                        dxi.mul_(keep)
+            grads += [da, db]
+        if dx is not None:
+            dx.addmm_(dy, weight)  # base dX accumulates onto the LoRA dX in the GEMM epilogue
+        dw = dy.t() @ x if nig[2] else None
+        dbias = dy.sum(0) if ctx.has_bias and nig[3] else None
+        return (None, dx, dw, dbias, *grads)
+
+
+def cublas_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seg: list[int],
+                       adapters: Sequence[LoraAdapter], seed: int | None, bd_gemm: str = "auto") -> torch.Tensor:
+    """Apply ``CublasLoraLinearFn`` (arguments already validated by ``fused_lora_linear``; seg a host list)."""
+    cfg = _Cfg(seg, adapters, seed, bd_gemm)
+    factors = [t.contiguous() for ad in adapters for t in (ad.lora_a, ad.lora_b)]
+    return CublasLoraLinearFn.apply(cfg, x.contiguous(), weight, bias, *factors)
