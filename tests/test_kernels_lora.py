@@ -147,6 +147,16 @@ def test_grouped_inplace_out_and_layout_helpers():
     assert torch.equal(back.lora_a, adapters[0].lora_a) and torch.equal(back.lora_b, adapters[0].lora_b)
 
 
+def assert_layer_matches_oracle(y, x, weight, bias, seg, adapters, masks, grad):
+    """y and the gradients of x, weight, bias (if any) and every factor equal the float64 oracle's."""
+    leaves = [x, weight] + ([bias] if bias is not None else []) + adapter_params(adapters)
+    grads = torch.autograd.grad(y, leaves, grad)
+    y64, grads64 = oracle(x, seg, adapters, grad, weight, bias, masks)
+    assert_close(y, y64)
+    for g, g64 in zip(grads, grads64):
+        assert_close(g, g64)
+
+
 @pytest.mark.parametrize("fuse_base", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fused_linear_with_dropout(fuse_base, with_bias):
@@ -161,12 +171,7 @@ def test_fused_linear_with_dropout(fuse_base, with_bias):
     assert K.LAST_BACKEND["fused_lora_linear"] == "triton"
     masks = [K.dropout_keep_mask(77, (T, D_IN), ad.dropout) for ad in adapters]
     grad = torch.randn(T, D_OUT, generator=gen)
-    leaves = [x, weight] + ([bias] if with_bias else []) + adapter_params(adapters)
-    grads = torch.autograd.grad(y, leaves, grad)
-    y64, grads64 = oracle(x, seg, adapters, grad, weight, bias, masks)
-    assert_close(y, y64)
-    for g, g64 in zip(grads, grads64):
-        assert_close(g, g64)
+    assert_layer_matches_oracle(y, x, weight, bias, seg, adapters, masks, grad)
 
 
 def test_dropout_mask_and_eval_mode():
@@ -284,12 +289,7 @@ def test_cublas_fused_linear_dropout_bias_weight_grad(dtype, bias, bd_gemm):
     masks = K.torch_keep_masks(x, seg, adapters, 77)
     assert masks[2] is None and all(m[:seg[i]].sum() == 0 for i, m in enumerate(masks) if m is not None)
     grad = torch.randn(t, D_OUT, generator=gen).to(dtype)
-    leaves = [x, weight] + ([b] if bias else []) + adapter_params(adapters)
-    grads = torch.autograd.grad(y, leaves, grad)
-    y64, grads64 = oracle(x, seg, adapters, grad, weight, b, masks)
-    assert_close(y, y64)
-    for g, g64 in zip(grads, grads64):
-        assert_close(g, g64)
+    assert_layer_matches_oracle(y, x, weight, b, seg, adapters, masks, grad)
     # the torch backend draws the same masks from the same seed
     y_ref = K.fused_lora_linear(x, weight, b, seg, adapters, dropout_seed=77, backend="torch")
     assert_close(y, y_ref)
