@@ -38,6 +38,78 @@ def test_schedule_simulation_bubbles():
     assert theory_bubble(4, 1) == 0.75 and theory_bubble(4, 8) == 0.0
 
 
+def test_messages_use_one_group_per_direction():
+    """Activations (towards later stages) on the forward group, gradients (towards earlier ones) on the backward
+    group: one NCCL stream per direction, so 1F1B's crossing sends cannot wait on each other."""
+    from bdlora.train.engine.pipeline import _Stage
+
+    calls = []
+
+    class FakeDist:
+        def isend(self, t, dst, group=None, tag=0):
+            calls.append(("send", dst, group, tag))
+            return object()
+
+        def recv(self, buf, src, group=None, tag=0):
+            calls.append(("recv", src, group, tag))
+
+    st = object.__new__(_Stage)  # only the message methods: no engine
+    st.s, st.dist, st.dev, st.sends = 1, FakeDist(), torch.device("cpu"), []
+    st.fwd_group, st.bwd_group = "fwd", "bwd"
+    x = torch.zeros(2, 3).t()  # not contiguous: the contiguous copy is sent and kept until the send completes
+    st._send(x, 2, 0)
+    st._send(x, 0, 2)
+    st._recv((2,), torch.float32, 0, 4)
+    st._recv((2,), torch.float32, 2, 6)
+    assert calls == [("send", 2, "fwd", 0), ("send", 0, "bwd", 2), ("recv", 0, "fwd", 4), ("recv", 2, "bwd", 6)]
+    assert all(t.is_contiguous() for _, t in st.sends)
+
+
+def test_init_distributed_binds_the_gpu_with_nccl(monkeypatch):
+    import torch.distributed as dist
+
+    from bdlora.train.engine.pipeline import init_distributed
+
+    events = []
+
+    def init_new(backend, device_id=None, **kw):  # a torch whose init_process_group takes device_id
+        events.append(("init", backend, device_id, kw))
+
+    def init_old(backend, **kw):  # an older torch without it
+        events.append(("init", backend, None, kw))
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: events.append(("set_device", d)))
+    monkeypatch.setattr(dist, "init_process_group", init_new)
+    init_distributed("nccl", 1, rank=1, world_size=2)
+    assert events == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1), {"rank": 1, "world_size": 2})]
+    events.clear()
+    init_distributed("gloo", 1, rank=1, world_size=2)  # CPU: no GPU selected, no device bound
+    assert events == [("init", "gloo", None, {"rank": 1, "world_size": 2})]
+    events.clear()
+    monkeypatch.setattr(dist, "init_process_group", init_old)
+    init_distributed("nccl", 0, rank=0, world_size=2)
+    assert events == [("set_device", 0), ("init", "nccl", None, {"rank": 0, "world_size": 2})]
+
+
+def test_p2p_groups_created_once_per_process_group(tmp_path):
+    import torch.distributed as dist
+
+    from bdlora.train.engine.pipeline import init_distributed, p2p_groups
+
+    assert not dist.is_initialized()
+    pairs = []
+    for i in range(2):
+        init_distributed("gloo", 0, init_method=f"file://{tmp_path / f'store{i}'}", rank=0, world_size=1)
+        try:
+            fwd, bwd = p2p_groups()
+            assert fwd is not bwd and fwd is not dist.group.WORLD and bwd is not dist.group.WORLD
+            assert p2p_groups() == (fwd, bwd)  # later pipeline runs reuse them
+            pairs.append((fwd, bwd))
+        finally:
+            dist.destroy_process_group()
+    assert pairs[1][0] is not pairs[0][0]  # a new default group: new message groups
+
+
 @pytest.mark.slow
 def test_two_stage_pipeline_equals_single_process(tiny_llama_dir, tmp_path):
     from bdlora import load_adapter
@@ -57,6 +129,7 @@ def test_two_stage_pipeline_equals_single_process(tiny_llama_dir, tmp_path):
     st = res["pipeline"]
     assert st["stages"] == 2 and st["microbatches"] > 8
     assert 0.0 <= st["bubble_measured"] < 1.0 and st["bubble_theory_max_D_minus_L_over_D"] == 0.0
+    assert st["peak_mem_gib_per_stage"] == [None, None]  # CPU: no GPU peak
     for job, row_s, row_p in zip(eng.jobs, single, res["jobs"]):
         # per-job, per-step train losses of the pipeline equal the single-process engine's
         assert res["train_losses"][job.name] == pytest.approx([l for _, l in job.history["train"]], rel=1e-5)

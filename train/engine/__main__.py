@@ -15,11 +15,10 @@ def _init_distributed():
     import torch
     import torch.distributed as dist
 
+    from .pipeline import init_distributed
+
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        init_distributed("nccl" if torch.cuda.is_available() else "gloo", int(os.environ.get("LOCAL_RANK", 0)))
     return dist
 
 
@@ -74,9 +73,9 @@ def _spawn_worker(rank: int, run, world: int, port: int, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    from .pipeline import init_distributed
+
+    init_distributed(backend, rank, rank=rank, world_size=world)
     try:
         run_engine(run)
     finally:

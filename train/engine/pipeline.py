@@ -15,11 +15,15 @@ of different jobs fill the pipeline with no flush between jobs.
   norms; stage 0 completes it and sends it with the job's next forward, where every stage applies the pending
   step before running that forward (no extra synchronization); the last steps are applied after one broadcast.
 
-Activations and gradients travel with ``torch.distributed`` send/recv (gloo on CPU, NCCL on GPU).
+Activations and gradients travel with ``torch.distributed`` send/recv (gloo on CPU, NCCL on GPU), each direction
+on its own process group (:func:`p2p_groups`). :func:`init_distributed` starts a process group bound to this process's
+GPU (``device_id``) for launchers that run the pipeline.
 """
 
 from __future__ import annotations
 
+import gc
+import inspect
 import json
 import math
 import time
@@ -148,11 +152,53 @@ def theory_bubble(stages: int, jobs: int) -> float:
     return max((stages - jobs) / stages, 0.0)
 
 
+def init_distributed(backend: str, local_rank: int, **kwargs) -> None:
+    """``torch.distributed.init_process_group(backend, **kwargs)``; with NCCL the process first selects its GPU
+    (``torch.cuda.set_device(local_rank)``) and, where this torch accepts it, binds the group to that GPU
+    (``device_id``), so NCCL neither guesses the device from the global rank nor warns about it."""
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        if "device_id" in inspect.signature(dist.init_process_group).parameters:
+            kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(backend, **kwargs)
+
+
+_P2P_GROUPS: list = []  # [(the default group they were made in, (forward group, backward group))]
+
+
+def p2p_groups(timeout=None):
+    """The pipeline's two point-to-point process groups over all ranks: activations (towards later stages) travel
+    on the first, gradients (towards earlier stages) on the second.
+
+    Why two: NCCL runs the sends and receives of one group between two ranks in order on one stream, and a send
+    may wait until its receive is posted. In steady 1F1B stage s queues "send activation, then receive gradient"
+    while stage s + 1 queues "send gradient, then receive activation": on one group each send waits for a receive
+    queued behind the other rank's send, and both ranks wait forever. On a group per direction each stream
+    carries one direction in the schedule's order (forward order on a stage follows the previous stage's, backward
+    order the next stage's), so a message only waits on earlier messages of its own direction, a chain that ends
+    at the first / last stage. (gloo matches by tag and needs no split; it uses the same two groups: one code path.)
+
+    ``new_group`` is collective: the first call in a process group must happen on every rank at the same point;
+    it creates the groups (``timeout``: theirs, default torch's), later calls return the same pair until the
+    default group is replaced (destroyed and initialized again)."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if not (_P2P_GROUPS and _P2P_GROUPS[0][0] is world):
+        ranks = list(range(dist.get_world_size()))
+        pair = (dist.new_group(ranks, timeout=timeout), dist.new_group(ranks, timeout=timeout))
+        _P2P_GROUPS[:] = [(world, pair)]
+    return _P2P_GROUPS[0][1]
+
+
 class _Stage:
     """Executes one rank's op list."""
 
-    def __init__(self, engine, stage: int, stages: int, dist):
+    def __init__(self, engine, stage: int, stages: int, dist, groups):
         self.e, self.s, self.P, self.dist = engine, stage, stages, dist
+        self.fwd_group, self.bwd_group = groups
         self.dev = engine.device
         self.decoder = getattr(engine.model, engine.model.base_model_prefix)
         self.head = engine.model.get_output_embeddings()
@@ -169,12 +215,17 @@ class _Stage:
         self.busy = 0.0
 
     # messages ------------------------------------------------------------------------------------------
+    def _group(self, src: int, dst: int):
+        """The message's direction's group (see :func:`p2p_groups`): forward towards a later stage."""
+        return self.fwd_group if dst > src else self.bwd_group
+
     def _send(self, t: torch.Tensor, dst: int, tag: int):
-        self.sends.append((self.dist.isend(t.contiguous(), dst, tag=tag), t))
+        t = t.contiguous()
+        self.sends.append((self.dist.isend(t, dst, group=self._group(self.s, dst), tag=tag), t))
 
     def _recv(self, shape, dtype, src: int, tag: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.dev)
-        self.dist.recv(buf, src, tag=tag)
+        self.dist.recv(buf, src, group=self._group(src, self.s), tag=tag)
         return buf
 
     # optimizer --------------------------------------------------------------------------------------------
@@ -301,7 +352,8 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
     """Runs the jobs of ``run`` as a LoRAPP pipeline over the ranks of the initialized process group.
 
     Fixed job set (no admission queue or early exit in pipeline mode). Rank 0 writes the adapters, results and
-    ``pipeline`` statistics (bubble ratios) and returns the results dict; other ranks return None.
+    ``pipeline`` statistics (bubble ratios, each stage's peak GPU memory after the split) and returns the results
+    dict; other ranks return None. Every rank must call it at the same point (it may create :func:`p2p_groups`).
     """
     import torch.distributed as dist
 
@@ -314,6 +366,8 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
         raise RuntimeError(f"pipeline_stages={run.pipeline_stages} but {P} processes were launched")
     engine = Engine(run)
     engine.log = (lambda *a, **k: None) if s else print
+    if engine.device.type == "cuda":
+        torch.cuda.set_device(engine.device)  # NCCL's groups and the *_object collectives use the current device
     model = engine.model
     decoder = getattr(model, model.base_model_prefix)
     n_layers = len(decoder.layers)
@@ -328,9 +382,13 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
         engine._build(job)
         engine.registry[job.id] = job.adapter
         job.status = "active"
+    if engine.device.type == "cuda":  # the peak from here on: this stage's layers (the others' are freed) + activations
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(engine.device)
     stream, step_targets, mbs_in_step = _build_stream(engine)
     ops, sim_bubble = simulate_schedule(stream, P)
-    st = _Stage(engine, s, P, dist)
+    st = _Stage(engine, s, P, dist, p2p_groups())
     dist.barrier()
     t_start = time.perf_counter()
     for kind, m in ops[s]:
@@ -361,6 +419,8 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
     # gather: train/val loss sums (last stage), factors (all stages), timings
     payload = {
         "train": st.loss_sums_train, "val": st.loss_sums, "busy": st.busy, "wall": wall,
+        "peak_mem_gib": (torch.cuda.max_memory_allocated(engine.device) / 2**30
+                         if engine.device.type == "cuda" else None),
         "factors": {j.id: {n: (f.lora_A, f.lora_B, f.layout) for n, f in j.adapter.to_adapter().modules.items()}
                     for j in engine.jobs},
     }
@@ -403,7 +463,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
         "stages": P, "jobs": len(engine.jobs), "microbatches": len(stream),
         "bubble_measured": sum(stage_bubbles) / P, "bubble_measured_per_stage": stage_bubbles,
         "bubble_schedule_unit_slots": sim_bubble, "bubble_theory_max_D_minus_L_over_D": theory_bubble(P, len(engine.jobs)),
-        "wall_s": wall,
+        "wall_s": wall, "peak_mem_gib_per_stage": [g["peak_mem_gib"] for g in gathered],
     }
     import csv
 
@@ -431,5 +491,5 @@ def run_pipeline_spawn(run: RunConfig, backend: Optional[str] = None) -> dict:
         return json.load(f)
 
 
-__all__ = ["PMB", "run_pipeline_distributed", "run_pipeline_spawn", "simulate_schedule", "stage_bounds",
-           "theory_bubble"]
+__all__ = ["PMB", "init_distributed", "p2p_groups", "run_pipeline_distributed", "run_pipeline_spawn",
+           "simulate_schedule", "stage_bounds", "theory_bubble"]
