@@ -1,7 +1,11 @@
-"""Multi-LoRA engine benchmark (GPU): BatchLoRA throughput vs sequential single-job runs, and an early-exit sweep.
+"""Multi-LoRA engine benchmark (GPU): BatchLoRA throughput vs sequential single-job runs, an early-exit sweep, and
+(2 GPUs) the LoRAPP pipeline vs data parallel.
 
-    python bench/train/bench_engine.py --out bench/results/train_engine.json        # H100/H200, SmolLM2-135M
-    python bench/train/bench_engine.py --cpu-smoke --out /tmp/train_engine.json     # tiny model, seconds
+    python bench/train/bench_engine.py --random-smollm2-shape --out R.json           # H100/H200, SmolLM2-135M shape
+    python bench/train/bench_engine.py --shape llama8b --out R8.json                  # H200, Llama-3.1-8B shape
+    python bench/train/bench_engine.py --pipeline-vs-dp --out P.json                  # 2 GPUs (NCCL), spawns 2 ranks
+    python bench/train/bench_engine.py --cpu-smoke [--shape llama8b | --pipeline-vs-dp] --out /tmp/x.json   # CPU
+    bash bench/train/gpu_run.sh                                                        # the device-call wrapper
 
 0. Warm-up, untimed: the engine runs every rank alone and all ranks together for 2 steps (the grouped kernel's
    compile-time tile sizes follow the largest active rank), and the single-job trainer runs 3 steps.
@@ -28,11 +32,46 @@ warm-up) estimated 5-7 min on an H100/H200, not yet measured. ``--time-limit`` (
 estimated end is past it and lists it under ``skipped`` in the JSON. ``--random-smollm2-shape`` uses random weights
 in SmolLM2's shape (same cost) where the SmolLM2 package is missing. Data: a synthetic instruction task (reverse /
 sort / count words), written to a temp dir.
+
+``--shape llama8b``: sections 0-1 only (no sweep), K = 1, 4, 8, on Llama-3.1-8B layer shapes (hidden 4096,
+intermediate 14336, 32 heads / 8 KV heads; vocabulary 32000 like the serving benchmark's llama8b shape, the
+tokenizer is the small locally trained one), BD N=4 (a TP=4 serving layout), ranks 16/32/64/128, token budget 4096
+(halved until the engine's own analytic memory model admits all K jobs at once on this GPU), random weights. No
+checkpoint is written: the folder holds config.json + tokenizer only and ``AutoModelForCausalLM.from_pretrained``
+of that folder is patched, for the engine and the trainer alike, to build the random model directly on the GPU in
+the dtype asked (bf16 engine, fp32 trainer base), seeded, so model "loads" cost about a second. ``--num-layers``
+(default 32, the full model) reduces the decoder depth to save time; with fewer layers the tokens/s numbers and
+their ratios are comparisons at Llama-8B *layer* shapes (the embedding / LM head share is larger than in the
+real model), not of the whole 8B model. Estimated (not measured): ~2.5-3 min on one H200 at 32 layers, inside
+the 240 s default ``--time-limit``. The JSON records the shape, the layer count and every setting.
+
+``--pipeline-vs-dp``: the same K jobs (default K = 1, 2, 4, 8; SmolLM2-135M shape, random weights, bf16, BD N=3,
+ranks 12-96, batch 8, 12 steps, token budget 2048) trained on 2 processes (2 GPUs with NCCL, or 2 CPU processes with
+gloo under ``--cpu-smoke``) two ways, started by this one command (torch.multiprocessing):
+
+* ``dp``: the engine's data parallel mode (``pipeline_stages: 1``, WORLD_SIZE 2): each round's packed micro-batches
+  are dealt round-robin to the ranks and every job's LoRA gradients all-reduced, one all-reduce per factor tensor as
+  the engine does it (with few micro-batches per round the second GPU idles: K=1 has one micro-batch per round);
+* ``pipeline``: LoRAPP (``bdlora.train.engine.pipeline``, 2 stages of 15 layers; single-job micro-batches
+  interleaved over the jobs).
+
+Per K and mode: tokens/s (all jobs' real tokens over the training loop: dp = the rounds' training parts, pipeline =
+its schedule loop; an untimed warm-up of both modes runs first), the pipeline's measured bubble (1 - busy/wall per
+stage, averaged), the unit-slot schedule bubble and mLoRA's formula max((D-L)/D, 0) with D = 2 stages, L = K jobs,
+per-job final train / validation losses of both modes and their largest relative difference (same data, same
+init: they agree up to bf16 summation order on GPU and to ~1e-5 in fp32 on CPU), and the peak memory of each GPU
+(dp: the largest round's peak, full model + activations; pipeline: the engine's per-stage peak after the stage
+split, i.e. its stage's layers + activations). The processes start their group with the engine's
+``init_distributed`` (each bound to its own GPU); the pipeline's messages use the engine's two point-to-point groups,
+one per direction (``pipeline.p2p_groups``, created here right after the start with the script's hang timeout).
+Estimated (not measured) ~2 min on 2 H200s; ``--time-limit`` 200 s.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import gc
 import json
 import os
@@ -41,6 +80,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -65,10 +105,12 @@ def make_data(path: Path, n: int, seed: int = 0, min_words: int = 8, max_words: 
 
 
 def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=None, max_active=64,
-                      eval_every=10**9, max_seq_len=256, val_fraction=0.02):
+                      eval_every=10**9, max_seq_len=256, val_fraction=0.02, **extra):
+    """A parsed RunConfig; ``extra``: further RunConfig fields (device, pipeline_stages, ...)."""
     from bdlora.train.engine import parse_run
 
     return parse_run({
+        **extra,
         "base_model": str(model_path), "output_dir": str(out), "dtype": dtype, "token_budget": budget,
         "max_active_jobs": max_active, "eval_every": eval_every, "log_every": 0, "save_plots": False,
         "checkpoint_every": 0, "resume": False,
@@ -94,6 +136,22 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def engine_peak_gib(eng):
+    """Peak GPU memory of an engine run: the engine resets the peak counter every round and records each round's
+    peak for its memory model, so the run's peak is the largest of those and of the counter now (final eval)."""
+    if eng.device.type != "cuda":
+        return None
+    return max([p[3] for p in eng.memory.points] + [torch.cuda.max_memory_allocated(eng.device)]) / 2**30
+
+
+def save_json(result: dict, path: Path) -> None:
+    """Atomic write (a reader, or a timeout killing the run, never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str))
+    os.replace(tmp, path)
 
 
 def steady_tokens_per_s(round_log, skip_first: int) -> float:
@@ -203,71 +261,242 @@ def throughput_table(rows: list[dict]) -> str:
     return "\n".join([line(head), line(["-" * n for n in w])] + [line(b) for b in body])
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results/train_engine.json")
-    ap.add_argument("--cpu-smoke", action="store_true", help="run a tiny version on CPU (correctness of the script)")
-    ap.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct via bdlora.models.smollm2_path)")
-    ap.add_argument("--random-smollm2-shape", action="store_true",
-                    help="random weights in SmolLM2-135M's shape (same cost; for machines without the SmolLM2 package)")
-    ap.add_argument("--ks", default="1,4,8,16")
-    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per job in the throughput runs")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--token-budget", type=int, default=16384)
-    ap.add_argument("--sweep-steps", type=int, default=60)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--engine-seq-jobs", type=int, default=4,
-                    help="the engine-at-one-job column covers the first this many jobs (K <= this)")
-    ap.add_argument("--time-limit", type=float, default=420.0,
-                    help="seconds; an experiment whose estimated end is past it is skipped")
-    args = ap.parse_args(argv)
+# -- model shapes and random weights built on the device ----------------------------------------------------------
+SMOLLM2_SHAPE = dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
+                     vocab_size=49152)
+# Llama-3.1-8B layer shapes; vocabulary 32000 like bench/serve/artifacts.py's "llama8b" shape
+LLAMA8B_SHAPE = dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                     vocab_size=32000)
+# --cpu-smoke --shape llama8b: the same code path (no checkpoint, GQA 4:1, intermediate 3.5x) at a CPU size
+LLAMA8B_SMOKE_SHAPE = dict(hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=896,
+                           vocab_size=512)
 
+
+def write_config_folder(path: Path, shape: dict, seed: int = 0) -> Path:
+    """A model folder with config.json + tokenizer and NO weights (see :class:`RandomWeights`)."""
+    from transformers import LlamaConfig
+
+    from bdlora.models import build_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    LlamaConfig(hidden_size=shape["hidden_size"], num_hidden_layers=shape["num_layers"],
+                num_attention_heads=shape["num_heads"], num_key_value_heads=shape["num_kv_heads"],
+                intermediate_size=shape["intermediate_size"], vocab_size=shape["vocab_size"],
+                max_position_embeddings=2048, initializer_range=0.02, tie_word_embeddings=False, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0).save_pretrained(str(path))
+    # the tokenizer of build_random_llama's SmolLM2-shape folder (the BPE saturates on the small corpus long before
+    # 49152, so token counts of the data are the same as in the SmolLM2-shape run)
+    build_tokenizer(path, vocab_size=min(shape["vocab_size"], 49152))
+    (path / "RANDOM_WEIGHTS").write_text(json.dumps({"seed": seed, **shape}))
+    return path
+
+
+def build_random_model(folder: Path, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """The folder's model with random weights (transformers' own init, initializer_range 0.02), allocated and
+    initialised directly on ``device`` in ``dtype``; the global RNG state is left as it was."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(folder))
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    prev = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config)
+        finally:
+            torch.set_default_dtype(prev)
+    if next(model.parameters()).dtype != dtype:  # a transformers version that applied config.dtype itself
+        model = model.to(dtype)
+    return model
+
+
+class RandomWeights:
+    """Context manager: ``AutoModelForCausalLM.from_pretrained(folder, dtype=...)`` of this one folder returns
+    :func:`build_random_model` (on ``device``, in the dtype asked); every other path loads as usual. The engine's
+    ``load_base`` and the trainer's ``build_peft_model`` both load through it."""
+
+    def __init__(self, folder: Path, device: torch.device, seed: int = 0):
+        self.folder, self.device, self.seed = Path(folder).resolve(), device, seed
+        self.builds = 0
+
+    def __enter__(self):
+        from transformers import AutoModelForCausalLM
+
+        cls = AutoModelForCausalLM
+        self._own = "from_pretrained" in cls.__dict__
+        self._saved = cls.__dict__.get("from_pretrained")
+        original = cls.from_pretrained  # bound to the class
+        outer = self
+
+        def from_pretrained(klass, path, *args, **kw):
+            if Path(str(path)).resolve() != outer.folder:
+                return original(path, *args, **kw)
+            dtype = kw.get("dtype", kw.get("torch_dtype")) or torch.float32
+            if isinstance(dtype, str):
+                dtype = getattr(torch, dtype)
+            outer.builds += 1
+            return build_random_model(outer.folder, dtype, outer.device, outer.seed)
+
+        cls.from_pretrained = classmethod(from_pretrained)
+        return self
+
+    def __exit__(self, *exc):
+        from transformers import AutoModelForCausalLM
+
+        if self._own:
+            AutoModelForCausalLM.from_pretrained = self._saved
+        else:
+            del AutoModelForCausalLM.from_pretrained
+        return False
+
+
+def fit_token_budget(folder: Path, budget: int, ranks: list[int], nblocks: int, device: torch.device,
+                     dtype_bytes: int = 2, floor: int = 512) -> tuple[int, dict]:
+    """The largest of budget, budget/2, ... (>= ``floor``) at which the engine's analytic memory model (the one its
+    admission control uses before it has measurements) admits all jobs of ``ranks`` at once on ``device``; the
+    model is counted on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bdlora.spec import COLUMN, ROW
+    from bdlora.train.engine.memory import JobFootprint, MemoryModel, device_budget_bytes
+
+    config = AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    n_base = sum(p.numel() for p in model.parameters())
+    cols = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    targets = [(COLUMN if n.rsplit(".", 1)[-1] in cols else ROW, m.in_features, m.out_features)
+               for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               and n.rsplit(".", 1)[-1] in cols + ("o_proj", "down_proj")]
+    del model
+    jobs = []
+    for r in ranks:  # the engine's Job.footprint
+        params = sum(r * di + do * (r // nblocks) if lay == COLUMN else r * (di // nblocks) + do * r
+                     for lay, di, do in targets)
+        jobs.append(JobFootprint(f"r{r}", params, r * len(targets)))
+    mm = MemoryModel.analytic(config, n_base, dtype_bytes)
+    limit = device_budget_bytes(device, None)
+    t = budget
+    while limit is not None and t > floor and mm.predict(t, jobs) > limit:
+        t //= 2
+    info = {"requested": budget, "chosen": t, "base_params": n_base,
+            "predicted_gib": mm.predict(t, jobs) / 2**30, "device_budget_gib": limit / 2**30 if limit else None,
+            "jobs": len(jobs)}
+    return t, info
+
+
+# -- sections 0-2: engine vs sequential trainer, early-exit sweep -------------------------------------------------
+def run_throughput(args) -> int:
     cuda = torch.cuda.is_available()
     if not cuda and not args.cpu_smoke:
         print("bench_engine: no CUDA device. This benchmark is meant for a GPU (H100/H200); "
               "use --cpu-smoke for a tiny CPU run that only checks the script.", file=sys.stderr)
         return 2
+    llama8b = args.shape == "llama8b"
+    if llama8b and args.model:
+        print("bench_engine: --shape llama8b builds its own random model; drop --model", file=sys.stderr)
+        return 2
     t_start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="bdlora-bench-train-"))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda and not args.cpu_smoke else torch.device("cpu")
+    shape_info = None
+    random_weights = None  # RandomWeights of a config-only folder (llama8b)
+    budget_fit = None
+    time_limit = args.time_limit if args.time_limit is not None else (240.0 if llama8b else 420.0)
+    user_ks = [int(k) for k in args.ks.split(",")] if args.ks else None
+    user_ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
     if args.cpu_smoke:
         from bdlora.models import build_random_llama
 
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-        model = args.model or build_random_llama(tmp / "tiny", init_std=0.05)
-        ks = [int(k) for k in args.ks.split(",")] if args.ks != "1,4,8,16" else [1, 2]
+        if llama8b:
+            shape = dict(LLAMA8B_SMOKE_SHAPE, num_layers=args.num_layers or LLAMA8B_SMOKE_SHAPE["num_layers"])
+            model = write_config_folder(tmp / "llama8b-smoke", shape)
+            random_weights = RandomWeights(model, device)
+            shape_info = {"name": "llama8b (cpu-smoke: shrunk dims)", **shape}
+        else:
+            model = args.model or build_random_llama(tmp / "tiny", init_std=0.05)
+        ks = user_ks or [1, 2]
         steps, bs, budget, sweep_steps = 3, 2, 512, 8
-        nblocks, ranks, dtype, seq = 2, [4, 8], "float32", 64
+        nblocks, ranks, dtype, seq = args.nblocks or 2, user_ranks or [4, 8], "float32", 64
         data = make_data(tmp / "task.jsonl", 200, max_words=20)
         lrs, sweep_ranks = [1e-3, 1e-2], [4, 8]
     else:
         from bdlora.models import smollm2_path
 
         torch.backends.cuda.matmul.allow_tf32 = True
-        if args.random_smollm2_shape and not args.model:
-            from bdlora.models import build_random_llama
-
-            model = build_random_llama(tmp / "smollm2-shape", hidden_size=576, num_layers=30, num_heads=9,
-                                       num_kv_heads=3, intermediate_size=1536, vocab_size=49152)
-        else:
-            model = args.model or smollm2_path()
-        ks = [int(k) for k in args.ks.split(",")]
-        steps, bs, budget, sweep_steps = args.steps, args.batch_size, args.token_budget, args.sweep_steps
-        nblocks, ranks, dtype, seq = 3, [12, 24, 48, 96], args.dtype, 256
+        steps, bs, sweep_steps = args.steps or 12, args.batch_size, args.sweep_steps
+        dtype, seq = args.dtype, 256
         data = make_data(tmp / "task.jsonl", 4000)
-        lrs, sweep_ranks = [3e-5, 1e-4, 3e-4, 3e-3], [6, 12, 24, 48]
+        lrs = [3e-5, 1e-4, 3e-4, 3e-3]
+        if llama8b:
+            shape = dict(LLAMA8B_SHAPE, num_layers=args.num_layers or LLAMA8B_SHAPE["num_layers"])
+            if args.vocab_size:
+                shape["vocab_size"] = args.vocab_size
+            model = write_config_folder(tmp / "llama8b-shape", shape)
+            random_weights = RandomWeights(model, device)
+            ks = user_ks or [1, 4, 8]
+            nblocks = args.nblocks or 4
+            ranks = user_ranks or [16, 32, 64, 128]
+            sweep_ranks = [16, 32, 64, 128]
+            budget, budget_fit = fit_token_budget(model, args.token_budget or 4096,
+                                                  [ranks[i % len(ranks)] for i in range(max(ks))], nblocks, device)
+            shape_info = {"name": "llama8b", **shape, "full_num_layers": LLAMA8B_SHAPE["num_layers"],
+                          "layers_reduced": shape["num_layers"] < LLAMA8B_SHAPE["num_layers"],
+                          "weights": "random (transformers init, std 0.02), built on the GPU per run, no checkpoint"}
+        else:
+            if args.random_smollm2_shape and not args.model:
+                from bdlora.models import build_random_llama
+
+                model = build_random_llama(tmp / "smollm2-shape", **SMOLLM2_SHAPE)
+                shape_info = {"name": "smollm2 (random weights)", **SMOLLM2_SHAPE}
+            else:
+                model = args.model or smollm2_path()
+            ks = user_ks or [1, 4, 8, 16]
+            nblocks, ranks = args.nblocks or 3, user_ranks or [12, 24, 48, 96]
+            sweep_ranks = [6, 12, 24, 48]
+            budget = args.token_budget or 16384
+    do_sweep = not (args.no_sweep or llama8b)
     result = {
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu", "model": str(model), "dtype": dtype,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": str(model),
+        "dtype": dtype, "shape": shape_info,
         "settings": {"ks": ks, "steps": steps, "batch_size": bs, "token_budget": budget, "nblocks": nblocks,
-                     "ranks": ranks, "max_seq_len": seq, "sweep_steps": sweep_steps, "lrs": lrs,
+                     "ranks": ranks, "max_seq_len": seq, "sweep": do_sweep, "sweep_steps": sweep_steps, "lrs": lrs,
                      "sweep_ranks": sweep_ranks, "engine_seq_jobs": args.engine_seq_jobs,
-                     "time_limit_s": args.time_limit},
+                     "time_limit_s": time_limit, "cpu_smoke": bool(args.cpu_smoke),
+                     "token_budget_fit": budget_fit, "argv": sys.argv[1:]},
         "throughput": [], "sweep": {}, "skipped": [],
     }
+    print(f"[bench] {json.dumps(result['settings'])}\n[bench] shape {json.dumps(shape_info)}", flush=True)
+    out = Path(args.out)
 
+    def save(partial: bool = True) -> None:
+        result["partial"] = partial
+        result["total_s"] = time.perf_counter() - t_start
+        save_json(result, out)
+
+    with random_weights if random_weights is not None else contextlib.nullcontext():
+        _throughput_body(result, args, model=model, data=data, tmp=tmp, ks=ks, steps=steps, bs=bs, budget=budget,
+                         sweep_steps=sweep_steps, nblocks=nblocks, ranks=ranks, dtype=dtype, seq=seq, lrs=lrs,
+                         sweep_ranks=sweep_ranks, do_sweep=do_sweep, cuda=device.type == "cuda", t_start=t_start,
+                         time_limit=time_limit, save=save)
+    if random_weights is not None:
+        result["random_model_builds"] = random_weights.builds
+    save(partial=False)
+    print(f"[bench] wrote {out} in {result['total_s']:.0f}s", flush=True)
+    return 0
+
+
+def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, sweep_steps, nblocks, ranks, dtype,
+                     seq, lrs, sweep_ranks, do_sweep, cuda, t_start, time_limit, save) -> None:
+    """Sections 0-2 into ``result``; ``save()`` writes the JSON so far (marked partial) after each experiment."""
     def over_time(what: str, estimate: float = 0.0) -> bool:
-        if time.perf_counter() - t_start + estimate > args.time_limit:
+        if time.perf_counter() - t_start + estimate > time_limit:
             result["skipped"].append(what)
-            print(f"[bench] skipping {what}: time limit {args.time_limit}s", flush=True)
+            print(f"[bench] skipping {what}: time limit {time_limit}s", flush=True)
             return True
         return False
 
@@ -286,7 +515,7 @@ def main(argv=None) -> int:
     # them together once. The 2026-11-21 run warmed only the smallest rank (6) alone and all ranks together, so
     # the K=1 engine run (rank 12 alone) most likely compiled inside its timed rounds, which would explain its
     # 883 vs 2402 tok/s against the identical one-job engine run right after it.
-    all_ranks = sorted(set(ranks + sweep_ranks))
+    all_ranks = sorted(set(ranks + (sweep_ranks if do_sweep else [])))
     warm = [job(f"warm-{r}", 0, r, 2) for r in all_ranks]
     t0 = time.perf_counter()
     run_engine(model, data, tmp / "warmup-each", warm, dtype=dtype, budget=budget, max_seq_len=seq, max_active=1)
@@ -298,6 +527,8 @@ def main(argv=None) -> int:
     lengths = TokenLengths(model, data, seq)
     run_trainer(run_training_warm, lengths)
     result["warmup_s"] = time.perf_counter() - t0
+    save()
+    print(f"[bench] warm-up {result['warmup_s']:.1f}s", flush=True)
 
     # -- 1. throughput: K jobs together vs the same jobs one after another --------------------------------
     # Job i is the same in every K (rank ranks[i % len], seed i), so the sequential baselines run each job once
@@ -330,7 +561,9 @@ def main(argv=None) -> int:
         together = steady_tokens_per_s(eng.round_log, skip_first=1)
         entry = {"k": k, "engine_tokens_per_s": together, "engine_wall_s": wall,
                  "microbatches_per_round": eng.round_log[-1]["microbatches"],
-                 "peak_mem_gib": (torch.cuda.max_memory_allocated() / 2**30) if cuda else None}
+                 # all K jobs admitted together from the first round (the memory model could hold some back)
+                 "active_jobs_first_round": eng.round_log[0]["active"],
+                 "peak_mem_gib": engine_peak_gib(eng)}
         del eng
         # the single-job PEFT trainer, job by job (the issue's baseline)
         for i in range(k):
@@ -358,10 +591,11 @@ def main(argv=None) -> int:
                      sequential_trainer_wall_s=(sum(seq_trainer[i]["wall_s"] for i in range(k)) if tr else None),
                      engine_one_job_tokens_per_s=e1, speedup_vs_engine_one_job=ratio(together, e1))
         result["throughput"].append(entry)
+        save()
         print(f"[bench] K={k}: engine {together:,.0f} tok/s | trainer sequential {tr or float('nan'):,.0f} tok/s "
               f"({entry['speedup_vs_trainer'] or float('nan'):.2f}x) | engine at one job "
-              f"{e1 or float('nan'):,.0f} tok/s ({entry['speedup_vs_engine_one_job'] or float('nan'):.2f}x)",
-              flush=True)
+              f"{e1 or float('nan'):,.0f} tok/s ({entry['speedup_vs_engine_one_job'] or float('nan'):.2f}x) | "
+              f"{time.perf_counter() - t_start:.0f}s", flush=True)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
     result["sequential_jobs"] = {
@@ -371,6 +605,8 @@ def main(argv=None) -> int:
                            for i in sorted(seq_engine1)],
     }
     print(throughput_table(result["throughput"]), flush=True)
+    if not do_sweep:
+        return
     k_max_round = None
     if result["throughput"]:
         last = result["throughput"][-1]
@@ -397,6 +633,7 @@ def main(argv=None) -> int:
             "best_eval_loss": min(vals) if vals else None, "best_job": best["job"], "stop_reasons": reasons,
             "jobs": rows,
         }
+        save()
         print(f"[bench] sweep {label}: {wall:.1f}s, {result['sweep'][label]['steps']} job-steps, best "
               f"{result['sweep'][label]['best_eval_loss']} ({best['job']}), {reasons}", flush=True)
     sw = result["sweep"]
@@ -407,12 +644,310 @@ def main(argv=None) -> int:
         result["sweep"]["best_loss_ratio_with_over_without"] = (a["best_eval_loss"] / b["best_eval_loss"]
                                                                 if a["best_eval_loss"] and b["best_eval_loss"]
                                                                 else None)
-    result["total_s"] = time.perf_counter() - t_start
+
+
+# -- 2 processes: LoRAPP pipeline vs data parallel ----------------------------------------------------------------
+def _free_memory(device) -> None:
+    """Between runs: the previous run's model and activations released (the peaks are the engine's own: dp resets
+    its counter every round, the pipeline after its stage split)."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _rel_diff(a, b):
+    if a is None or b is None:
+        return None
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _pvd_worker(rank: int, world: int, port: int, backend: str, plan: dict, part: str) -> None:
+    import torch.distributed as dist
+
+    from bdlora.train.engine.pipeline import init_distributed, p2p_groups
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), TOKENIZERS_PARALLELISM="false")
+    _quiet_loading()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if backend == "nccl":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    # a hung message (NCCL) fails the run after pg_timeout_s instead of holding the GPUs until the call's limit;
+    # the JSON written after each K stays. With NCCL, init_distributed selects this rank's GPU first (the engine's
+    # device "auto" -> cuda:LOCAL_RANK, NCCL's communicators and the *_object collectives all use it)
+    timeout = datetime.timedelta(seconds=plan["pg_timeout_s"])
+    init_distributed(backend, rank, rank=rank, world_size=world, timeout=timeout)
+    try:
+        p2p_groups(timeout)  # the pipeline's message groups (collective), with the same timeout
+        res = _pvd_experiments(dist, rank, world, plan)
+        if rank == 0:
+            Path(part).write_text(json.dumps(res, indent=2, default=str))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _pvd_experiments(dist, rank: int, world: int, plan: dict) -> dict:
+    from bdlora.train.engine.engine import Engine
+    from bdlora.train.engine.pipeline import run_pipeline_distributed, theory_bubble
+
+    device = torch.device("cuda", rank) if plan["backend"] == "nccl" else torch.device("cpu")
+    out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "experiments": [], "skipped": [], "timings": []}
+    tmp = Path(plan["tmp"])
+    last_wall: dict[str, tuple[int, float]] = {}
+
+    def log(msg):
+        if rank == 0:
+            print(f"[pvd] {msg} | {time.time() - plan['t_start']:.0f}s", flush=True)
+
+    def jobs_of(names_ranks, steps):
+        return [{"name": n, "rank": r, "nblocks": plan["nblocks"], "lr": plan["lr"], "batch_size": plan["batch_size"],
+                 "steps": steps, "seed": i} for i, (n, r) in enumerate(names_ranks)]
+
+    def go(what: str, mode: str, k: int) -> bool:
+        """Rank 0 decides from the elapsed time and the last run of the same mode; every rank follows."""
+        flag = [True]
+        if rank == 0:
+            est = 0.0
+            if mode in last_wall:
+                k0, w0 = last_wall[mode]
+                est = w0 * max(1.0, k / max(k0, 1))
+            if time.time() - plan["t_start"] + est > plan["time_limit"]:
+                flag[0] = False
+        dist.broadcast_object_list(flag, src=0)
+        if not flag[0]:
+            out["skipped"].append(what)
+            log(f"skipping {what}: time limit {plan['time_limit']}s")
+        return flag[0]
+
+    def run_one(mode: str, jobs: list[dict], name: str, max_active: int = 64) -> Optional[dict]:
+        cfg = engine_run_config(plan["model"], plan["data"], tmp / name, jobs, dtype=plan["dtype"],
+                                budget=plan["token_budget"], max_seq_len=plan["max_seq_len"], max_active=max_active,
+                                device="auto" if device.type == "cuda" else "cpu",
+                                pipeline_stages=world if mode == "pipeline" else 1)
+        _free_memory(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        local: dict = {}
+        if mode == "dp":
+            eng = Engine(cfg)
+            rows = eng.run()
+            local = {"rows": rows, "rounds": eng.round_log, "peak": engine_peak_gib(eng)}
+            del eng
+        else:
+            res = run_pipeline_distributed(cfg)
+            if res is not None:
+                local = {"rows": res["jobs"], "pipeline": res["pipeline"], "train_losses": res["train_losses"]}
+        wall = time.perf_counter() - t0
+        # dp: the largest per-round peak (the engine resets the counter each round); pipeline: the stages' peaks
+        # since the split, from the pipeline's statistics (rank 0)
+        mine = {"rank": rank, "wall_s": wall, "peak_mem_gib": local.get("peak")}
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        _free_memory(device)
+        out["timings"].append({"run": name, "wall_s": max(g["wall_s"] for g in gathered)})
+        if rank != 0:
+            return None
+        rows = local["rows"]
+        tokens = sum(r["tokens"] for r in rows)
+        entry = {"wall_s": wall, "tokens": tokens,
+                 "peak_mem_gib_per_rank": (local["pipeline"]["peak_mem_gib_per_stage"] if mode == "pipeline"
+                                           else [g["peak_mem_gib"] for g in gathered]),
+                 "losses": {r["job"]: {"final_train_loss": r["final_train_loss"],
+                                       "final_eval_loss": r["final_eval_loss"]} for r in rows}}
+        if mode == "dp":
+            rounds = local["rounds"]
+            train_s = sum(r["train_s"] for r in rounds)
+            entry.update(train_s=train_s, tokens_per_s=tokens / train_s if train_s else None,
+                         tokens_per_s_after_first_round=steady_tokens_per_s(rounds, 1),
+                         rounds=len(rounds), microbatches_per_round=[r["microbatches"] for r in rounds],
+                         active_jobs_first_round=rounds[0]["active"] if rounds else None)
+            assert sum(r["tokens"] for r in rounds) == tokens, "dp: round tokens != job tokens"
+        else:
+            st = local["pipeline"]
+            entry.update(train_s=st["wall_s"], tokens_per_s=tokens / st["wall_s"] if st["wall_s"] else None,
+                         microbatches=st["microbatches"], bubble_measured=st["bubble_measured"],
+                         bubble_measured_per_stage=st["bubble_measured_per_stage"],
+                         bubble_schedule_unit_slots=st["bubble_schedule_unit_slots"],
+                         bubble_formula_max_D_minus_L_over_D=theory_bubble(world, len(jobs)))
+        return entry
+
+    ranks = plan["ranks"]
+    # -- warm-up, untimed: each rank alone (dp at one active job; the pipeline's micro-batches are single-job) and
+    # all together (dp), so no timed run compiles kernels or pays first-use costs
+    t0 = time.perf_counter()
+    warm = jobs_of([(f"warm-{r}", r) for r in ranks], 2)
+    for mode, name, max_active in (("dp", "warm-dp-each", 1), ("dp", "warm-dp-all", 64),
+                                   ("pipeline", "warm-pipeline", 64)):
+        run_one(mode, warm, name, max_active)
+        log(f"warm-up {name} done")
+    out["warmup_s"] = time.perf_counter() - t0
+
+    for k in plan["ks"]:
+        jobs = jobs_of([(f"j{i}", ranks[i % len(ranks)]) for i in range(k)], plan["steps"])
+        entry = {"k": k, "stages": world}
+        for mode in ("dp", "pipeline"):
+            if not go(f"{mode} K={k}", mode, k):
+                continue
+            t1 = time.perf_counter()
+            res = run_one(mode, jobs, f"{mode}-k{k}")
+            last_wall[mode] = (k, time.perf_counter() - t1)
+            if rank == 0:
+                entry[mode] = res
+                log(f"K={k} {mode}: {res['tokens_per_s']:,.0f} tok/s, peak/GPU "
+                    f"{[round(p, 2) if p is not None else None for p in res['peak_mem_gib_per_rank']]} GiB"
+                    + (f", bubble measured {res['bubble_measured']:.3f} schedule "
+                       f"{res['bubble_schedule_unit_slots']:.3f} formula "
+                       f"{res['bubble_formula_max_D_minus_L_over_D']:.3f}" if mode == "pipeline" else ""))
+        if rank == 0 and "dp" in entry and "pipeline" in entry:
+            dp, pp = entry["dp"], entry["pipeline"]
+            entry["pipeline_over_dp_tokens_per_s"] = (pp["tokens_per_s"] / dp["tokens_per_s"]
+                                                      if pp["tokens_per_s"] and dp["tokens_per_s"] else None)
+            entry["same_tokens"] = pp["tokens"] == dp["tokens"]
+            diffs = {}
+            for j in dp["losses"]:
+                a, b = pp["losses"].get(j, {}), dp["losses"][j]
+                diffs[j] = {key: _rel_diff(a.get(key), b[key]) for key in ("final_train_loss", "final_eval_loss")}
+            entry["loss_rel_diff_pipeline_vs_dp"] = diffs
+            vals = [v for d in diffs.values() for v in d.values() if v is not None]
+            entry["max_loss_rel_diff"] = max(vals) if vals else None
+        if rank == 0 and len(entry) > 2:
+            out["experiments"].append(entry)
+        if rank == 0 and plan.get("partial_out"):
+            save_json({"mode": "pipeline_vs_dp", "partial": True, "settings": plan, **out}, Path(plan["partial_out"]))
+    return out
+
+
+def run_pipeline_vs_dp(args) -> int:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from bdlora.models import build_random_llama
+
+    t_start = time.time()
+    world = 2
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    if not args.cpu_smoke and not cuda:
+        print(f"bench_engine --pipeline-vs-dp: needs {world} CUDA devices (found "
+              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}); use --cpu-smoke for 2 CPU "
+              "processes (gloo)", file=sys.stderr)
+        return 2
+    backend = "gloo" if args.cpu_smoke else "nccl"
+    tmp = Path(tempfile.mkdtemp(prefix="bdlora-bench-pvd-"))
+    if args.cpu_smoke:
+        model = args.model or build_random_llama(tmp / "tiny", init_std=0.05)
+        data = make_data(tmp / "task.jsonl", 120, max_words=12)
+        plan = dict(ks=[int(k) for k in args.ks.split(",")] if args.ks else [1, 2], steps=args.steps or 3,
+                    batch_size=2, token_budget=args.token_budget or 128, max_seq_len=64, nblocks=args.nblocks or 2,
+                    ranks=[4, 8], dtype="float32", lr=1e-3)
+    else:
+        model = args.model or build_random_llama(tmp / "smollm2-shape", **SMOLLM2_SHAPE)
+        data = make_data(tmp / "task.jsonl", 2000)
+        plan = dict(ks=[int(k) for k in args.ks.split(",")] if args.ks else [1, 2, 4, 8], steps=args.steps or 12,
+                    batch_size=args.batch_size, token_budget=args.token_budget or 2048, max_seq_len=256,
+                    nblocks=args.nblocks or 3, ranks=[12, 24, 48, 96], dtype=args.dtype, lr=1e-4)
+    if args.ranks:
+        plan["ranks"] = [int(r) for r in args.ranks.split(",")]
+    time_limit = args.time_limit if args.time_limit is not None else 200.0
+    # the estimate per run is the previous run of the mode; keep a margin for the last run and the shutdown
+    plan.update(model=str(model), data=str(data), tmp=str(tmp), backend=backend,
+                t_start=t_start, time_limit=time_limit - 10.0, partial_out=str(Path(args.out).resolve()),
+                pg_timeout_s=180)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    part = tmp / "pvd.json"
+    print(f"[pvd] {backend}, {world} processes, plan {json.dumps({k: v for k, v in plan.items() if k != 't_start'})}",
+          flush=True)
+    mp.spawn(_pvd_worker, args=(world, port, backend, plan, str(part)), nprocs=world, join=True)
+    res = json.loads(part.read_text())
+    result = {"mode": "pipeline_vs_dp", "device": res.pop("device"), "backend": backend, "processes": world,
+              "model": str(model), "shape": (None if args.cpu_smoke else {"name": "smollm2 (random weights)",
+                                                                         **SMOLLM2_SHAPE}),
+              "settings": {**{k: v for k, v in plan.items()
+                              if k not in ("t_start", "tmp", "model", "data", "time_limit", "partial_out")},
+                           "time_limit_s": time_limit, "cpu_smoke": bool(args.cpu_smoke), "argv": sys.argv[1:],
+                           "p2p": "the engine's process group per direction (pipeline.p2p_groups)"},
+              **res, "partial": False}
+    result["total_s"] = time.time() - t_start
+    print(pvd_table(result["experiments"]), flush=True)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"[bench] wrote {out} in {result['total_s']:.0f}s", flush=True)
+    save_json(result, out)
+    print(f"[pvd] wrote {out} in {result['total_s']:.0f}s", flush=True)
     return 0
+
+
+def pvd_table(rows: list[dict]) -> str:
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    head = ["K", "dp tok/s", "pipeline tok/s", "pp/dp", "bubble meas", "bubble sched", "max((D-L)/D,0)",
+            "max loss rel diff", "peak GiB dp", "peak GiB pp"]
+    body = []
+    for r in rows:
+        dp, pp = r.get("dp") or {}, r.get("pipeline") or {}
+        peaks = lambda e: "/".join(f(p, ".2f") for p in e.get("peak_mem_gib_per_rank", [])) or "-"  # noqa: E731
+        body.append([str(r["k"]), f(dp.get("tokens_per_s"), ",.0f"), f(pp.get("tokens_per_s"), ",.0f"),
+                     f(r.get("pipeline_over_dp_tokens_per_s"), ".2f"), f(pp.get("bubble_measured"), ".3f"),
+                     f(pp.get("bubble_schedule_unit_slots"), ".3f"),
+                     f(pp.get("bubble_formula_max_D_minus_L_over_D"), ".2f"), f(r.get("max_loss_rel_diff"), ".2e"),
+                     peaks(dp), peaks(pp)])
+    w = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(n) for c, n in zip(cells, w))  # noqa: E731
+    return "\n".join([line(head), line(["-" * n for n in w])] + [line(b) for b in body])
+
+
+def _quiet_loading() -> None:
+    """No per-load progress bars of transformers in the logs (dozens of model loads per run)."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except Exception:  # pragma: no cover - an older transformers without it
+        pass
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="result JSON (default bench/results/train_engine[_llama8b|_pipeline_vs_dp].json)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="run a tiny version on CPU (correctness of the script)")
+    ap.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct via bdlora.models.smollm2_path)")
+    ap.add_argument("--random-smollm2-shape", action="store_true",
+                    help="random weights in SmolLM2-135M's shape (same cost; for machines without the SmolLM2 package)")
+    ap.add_argument("--shape", choices=["smollm2", "llama8b"], default="smollm2",
+                    help="llama8b: Llama-3.1-8B layer shapes, random weights built on the GPU, no sweep")
+    ap.add_argument("--num-layers", type=int, help="decoder layers of --shape llama8b (default 32; cpu-smoke 2)")
+    ap.add_argument("--vocab-size", type=int, help="vocabulary of --shape llama8b (default 32000)")
+    ap.add_argument("--nblocks", type=int, help="BD blocks N (default: 3 smollm2, 4 llama8b, 2 cpu-smoke)")
+    ap.add_argument("--ranks", help="comma-separated job ranks (default: 12,24,48,96 smollm2; 16,32,64,128 llama8b)")
+    ap.add_argument("--ks", help="comma-separated job counts (default 1,4,8,16; llama8b 1,4,8; pipeline-vs-dp "
+                                 "1,2,4,8)")
+    ap.add_argument("--steps", type=int, help="optimizer steps per job in the throughput runs (default 12)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--token-budget", type=int,
+                    help="micro-batch token budget (default 16384 smollm2; 4096 llama8b, halved until the memory "
+                         "model admits all jobs; 2048 pipeline-vs-dp)")
+    ap.add_argument("--sweep-steps", type=int, default=60)
+    ap.add_argument("--no-sweep", action="store_true", help="skip the early-exit sweep (always skipped for llama8b)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--engine-seq-jobs", type=int, default=4,
+                    help="the engine-at-one-job column covers the first this many jobs (K <= this)")
+    ap.add_argument("--time-limit", type=float,
+                    help="seconds (default 420; llama8b 240; pipeline-vs-dp 200); an experiment whose estimated "
+                         "end is past it is skipped")
+    ap.add_argument("--pipeline-vs-dp", action="store_true",
+                    help="2 processes: the engine's LoRAPP pipeline vs its data parallel mode (NCCL on 2 GPUs, gloo "
+                         "on CPU with --cpu-smoke)")
+    args = ap.parse_args(argv)
+    _quiet_loading()
+    if args.out is None:
+        suffix = "_pipeline_vs_dp" if args.pipeline_vs_dp else ("_llama8b" if args.shape == "llama8b" else "")
+        args.out = f"bench/results/train_engine{suffix}.json"
+    if args.pipeline_vs_dp:
+        return run_pipeline_vs_dp(args)
+    return run_throughput(args)
 
 
 if __name__ == "__main__":

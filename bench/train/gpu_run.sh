@@ -1,0 +1,106 @@
+#!/bin/bash
+# Multi-LoRA engine benchmarks in one device call (bench/train/bench_engine.py; its docstring has the details).
+#
+#   Call 3, 4-GPU machine, beside a vLLM server on GPUs 0,1 (about 430 s of wall; GPU 2 is the long one):
+#     MODE=engine ENGINE_GPUS="2 3" bash bench/train/gpu_run.sh
+#       GPU 2 (first id):  SmolLM2-135M shape (random weights), K=1,4,8,16 engine vs the sequential single-job
+#                          trainer + the 16-config early-exit sweep, --time-limit 420
+#                          -> $OUT/train_engine_smollm2.json  $OUT/train_engine_smollm2.log
+#       GPU 3 (second id): Llama-3.1-8B shape (32 layers, random bf16 built on the GPU, no checkpoint), K=1,4,8
+#                          engine vs sequential trainer, --time-limit 240 (estimated 150-180 s)
+#                          -> $OUT/train_engine_llama8b.json  $OUT/train_engine_llama8b.log
+#       (one id only: both on that GPU one after the other, 8B first, the SmolLM2 run gets the time left)
+#   Call 4, 2 GPUs (about 120-200 s):
+#     MODE=pvd PVD_GPUS="0 1" bash bench/train/gpu_run.sh
+#       the engine's 2-stage LoRAPP pipeline vs its 2-rank data parallel mode, K=1,2,4,8, NCCL, --time-limit 200
+#                          -> $OUT/train_pipeline_vs_dp.json  $OUT/train_pipeline_vs_dp.log
+#
+# Extra bench arguments: SMOLLM2_ARGS, LLAMA8B_ARGS, PVD_ARGS (e.g. LLAMA8B_ARGS="--num-layers 16").
+# CALL_LIMIT_S (default 590): every python run is killed (timeout) before the device call's limit; the JSON files
+# are written after each experiment ("partial": true until the run ends), so a killed run still returns numbers.
+# Needs python3 with torch; transformers/peft/accelerate/safetensors from /tmp/site (the vLLM bundle, extracted by
+# an earlier command); no network. Installs this checkout (pip -e, no deps) if bdlora.train.engine is not importable.
+set -uo pipefail
+T0=$(date +%s)
+LIMIT=${CALL_LIMIT_S:-590}
+MODE=${MODE:-${1:-}}
+O=${OUT:-/tmp/out}; mkdir -p "$O"
+cd "$(dirname "$0")/../.." || exit 3
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 \
+       TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+kill_after() { local l=$(( $(left) - 5 )); [ "$l" -lt 10 ] && l=10; echo "$l"; }  # timeout for a python run
+
+env_report() {  # into the log given as $1
+  {
+    echo "== $(date -u +%FT%TZ) mode=$MODE host=$(hostname) CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}"
+    git log -1 --format='checkout %H %s' 2>/dev/null
+    nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader 2>&1
+    python3 - <<'EOF' 2>&1
+import importlib.metadata as m, torch
+print("python torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count(),
+      "nccl", ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-")
+for p in ("transformers", "peft", "accelerate", "safetensors", "tokenizers", "triton"):
+    try:
+        print(" ", p, m.version(p))
+    except Exception as e:
+        print(" ", p, "MISSING", e)
+EOF
+  } >>"$1"
+}
+
+if ! python3 -c "import bdlora.train.engine, bdlora.train.trainer" 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >"$O/train_pip.log" 2>&1 \
+    || { echo "pip install -e . failed (see $O/train_pip.log)"; exit 5; }
+  rm -f "$O/train_pip.log"
+fi
+
+run_smollm2() {  # $1 = GPU id, $2 = time limit (s)
+  local log="$O/train_engine_smollm2.log"
+  CUDA_VISIBLE_DEVICES=$1 env_report "$log"
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(kill_after)" python3 bench/train/bench_engine.py \
+    --random-smollm2-shape --time-limit "$2" --out "$O/train_engine_smollm2.json" ${SMOLLM2_ARGS:-} >>"$log" 2>&1
+  echo "smollm2 (GPU $1) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
+}
+
+run_llama8b() {  # $1 = GPU id, $2 = time limit (s)
+  local log="$O/train_engine_llama8b.log"
+  CUDA_VISIBLE_DEVICES=$1 env_report "$log"
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(kill_after)" python3 bench/train/bench_engine.py \
+    --shape llama8b --time-limit "$2" --out "$O/train_engine_llama8b.json" ${LLAMA8B_ARGS:-} >>"$log" 2>&1
+  echo "llama8b (GPU $1) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
+}
+
+case "$MODE" in
+  engine)
+    read -r -a G <<<"${ENGINE_GPUS:-2 3}"
+    if [ "${#G[@]}" -ge 2 ]; then
+      run_smollm2 "${G[0]}" 420 &
+      P1=$!
+      run_llama8b "${G[1]}" 240 &
+      P2=$!
+      wait "$P1" "$P2"
+    else
+      run_llama8b "${G[0]}" 240
+      run_smollm2 "${G[0]}" $(( $(left) - 40 ))
+    fi
+    ;;
+  pvd)
+    read -r -a G <<<"${PVD_GPUS:-0 1}"
+    [ "${#G[@]}" -ge 2 ] || { echo "PVD_GPUS needs 2 GPU ids"; exit 2; }
+    log="$O/train_pipeline_vs_dp.log"
+    export CUDA_VISIBLE_DEVICES="${G[0]},${G[1]}"
+    env_report "$log"
+    timeout -k 10 "$(kill_after)" python3 bench/train/bench_engine.py --pipeline-vs-dp \
+      --out "$O/train_pipeline_vs_dp.json" ${PVD_ARGS:-} >>"$log" 2>&1
+    echo "pipeline-vs-dp (GPUs ${G[0]},${G[1]}) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
+    ;;
+  *)
+    sed -n '2,24p' "$0"
+    echo "MODE must be engine or pvd"; exit 2 ;;
+esac
+tail -n 12 "$O"/train_*.log
+ls -l "$O"/train_* 2>/dev/null
+echo "call wall $(( $(date +%s) - T0 )) s"

@@ -1,0 +1,87 @@
+"""The engine benchmark's CPU paths: the pipeline-vs-data-parallel comparison (2 gloo processes) end to end, and the
+config-only random-weight model of ``--shape llama8b``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench" / "train"))  # bench/ is not an installed package
+
+import bench_engine as B  # noqa: E402
+
+
+def test_random_weights_folder_builds_on_load(tmp_path):
+    """from_pretrained of a config-only folder builds the random model in the dtype asked; other paths untouched."""
+    from transformers import AutoModelForCausalLM
+
+    folder = B.write_config_folder(tmp_path / "m", dict(B.LLAMA8B_SMOKE_SHAPE, num_layers=1))
+    assert not list(folder.glob("*.safetensors"))
+    with B.RandomWeights(folder, torch.device("cpu")) as rw:
+        m16 = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16)
+        m32 = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        with pytest.raises(OSError):
+            AutoModelForCausalLM.from_pretrained(str(tmp_path / "missing"))
+    assert rw.builds == 2
+    assert {p.dtype for p in m16.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in m32.parameters()} == {torch.float32}
+    # same seed: the same weights whatever the dtype
+    w16, w32 = m16.model.layers[0].mlp.up_proj.weight, m32.model.layers[0].mlp.up_proj.weight
+    assert w32.shape == (896, 256) and torch.allclose(w16.float(), w32, atol=1e-2, rtol=1e-2)
+    assert 0.015 < float(w32.detach().std()) < 0.025
+    assert "from_pretrained" in AutoModelForCausalLM.__dict__  # restored: the class's own classmethod again
+    assert AutoModelForCausalLM.from_pretrained.__func__.__name__ == "from_pretrained"
+
+
+def test_fit_token_budget_halves_until_the_memory_model_admits(tmp_path, monkeypatch):
+    import bdlora.train.engine.memory as M
+
+    folder = B.write_config_folder(tmp_path / "m", dict(B.LLAMA8B_SHAPE, num_layers=32))
+    ranks = [16, 32, 64, 128] * 2
+    monkeypatch.setattr(M, "device_budget_bytes", lambda d, b: 0.9 * 140 * 2**30)  # an H200
+    t, info = B.fit_token_budget(folder, 4096, ranks, 4, torch.device("cpu"))
+    assert t == 4096 and info["predicted_gib"] < info["device_budget_gib"]
+    assert 7.0e9 < info["base_params"] < 7.5e9  # Llama-3.1-8B layers with a 32k vocabulary
+    monkeypatch.setattr(M, "device_budget_bytes", lambda d, b: 0.9 * 80 * 2**30)  # an H100
+    t, info = B.fit_token_budget(folder, 4096, ranks, 4, torch.device("cpu"))
+    assert t == 2048 and info["predicted_gib"] < info["device_budget_gib"]
+
+
+@pytest.mark.slow
+def test_pipeline_vs_dp_cpu_smoke(tmp_path):
+    out = tmp_path / "pvd.json"
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(ROOT / "bench" / "train" / "bench_engine.py"), "--pipeline-vs-dp", "--cpu-smoke",
+           "--out", str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["partial"] is False and res["backend"] == "gloo" and res["processes"] == 2 and not res["skipped"]
+    assert "pipeline.p2p_groups" in res["settings"]["p2p"]  # the engine's own message groups, no bench patch
+    assert [e["k"] for e in res["experiments"]] == [1, 2]
+    for e in res["experiments"]:
+        dp, pp = e["dp"], e["pipeline"]
+        assert dp["tokens"] == pp["tokens"] > 0 and e["same_tokens"]
+        assert dp["tokens_per_s"] > 0 and pp["tokens_per_s"] > 0
+        assert dp["active_jobs_first_round"] == e["k"] and pp["microbatches"] >= 3 * e["k"]
+        assert e["pipeline"]["bubble_formula_max_D_minus_L_over_D"] == max((2 - e["k"]) / 2, 0.0)
+        assert 0.0 <= pp["bubble_measured"] < 1.0 and 0.0 <= pp["bubble_schedule_unit_slots"] < 1.0
+        assert set(dp["losses"]) == set(pp["losses"]) == {f"j{i}" for i in range(e["k"])}
+        for job, d in dp["losses"].items():
+            for key in ("final_train_loss", "final_eval_loss"):
+                a, b = d[key], pp["losses"][job][key]
+                assert math.isfinite(a) and math.isfinite(b) and 0 < a < 10
+        # fp32 on CPU: the two parallel modes compute the same training up to summation order
+        assert e["max_loss_rel_diff"] < 1e-4
+        assert dp["peak_mem_gib_per_rank"] == pp["peak_mem_gib_per_rank"] == [None, None]  # CPU: no GPU peaks
+    # one job on 2 stages: the pipeline waits for the job's own previous step (formula 0.5); the unit-slot
+    # schedule of one job is exactly that
+    assert res["experiments"][0]["pipeline"]["bubble_schedule_unit_slots"] == pytest.approx(0.5)
