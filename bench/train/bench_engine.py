@@ -104,12 +104,16 @@ def make_data(path: Path, n: int, seed: int = 0, min_words: int = 8, max_words: 
     return path
 
 
+LORA_BACKEND = "auto"  # the engine's lora_backend in every run of this process (--lora-backend)
+
+
 def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=None, max_active=64,
                       eval_every=10**9, max_seq_len=256, val_fraction=0.02, **extra):
     """A parsed RunConfig; ``extra``: further RunConfig fields (device, pipeline_stages, ...)."""
     from bdlora.train.engine import parse_run
 
     return parse_run({
+        "lora_backend": LORA_BACKEND,
         **extra,
         "base_model": str(model_path), "output_dir": str(out), "dtype": dtype, "token_budget": budget,
         "max_active_jobs": max_active, "eval_every": eval_every, "log_every": 0, "save_plots": False,
@@ -467,7 +471,7 @@ def run_throughput(args) -> int:
                      "ranks": ranks, "max_seq_len": seq, "sweep": do_sweep, "sweep_steps": sweep_steps, "lrs": lrs,
                      "sweep_ranks": sweep_ranks, "engine_seq_jobs": args.engine_seq_jobs,
                      "time_limit_s": time_limit, "cpu_smoke": bool(args.cpu_smoke),
-                     "token_budget_fit": budget_fit, "argv": sys.argv[1:]},
+                     "token_budget_fit": budget_fit, "lora_backend": LORA_BACKEND, "argv": sys.argv[1:]},
         "throughput": [], "sweep": {}, "skipped": [],
     }
     print(f"[bench] {json.dumps(result['settings'])}\n[bench] shape {json.dumps(shape_info)}", flush=True)
@@ -725,7 +729,8 @@ def _pvd_experiments(dist, rank: int, world: int, plan: dict) -> dict:
         cfg = engine_run_config(plan["model"], plan["data"], tmp / name, jobs, dtype=plan["dtype"],
                                 budget=plan["token_budget"], max_seq_len=plan["max_seq_len"], max_active=max_active,
                                 device="auto" if device.type == "cuda" else "cpu",
-                                pipeline_stages=world if mode == "pipeline" else 1)
+                                pipeline_stages=world if mode == "pipeline" else 1,
+                                lora_backend=plan.get("lora_backend", "auto"))
         _free_memory(device)
         dist.barrier()
         t0 = time.perf_counter()
@@ -852,7 +857,7 @@ def run_pipeline_vs_dp(args) -> int:
         plan["ranks"] = [int(r) for r in args.ranks.split(",")]
     time_limit = args.time_limit if args.time_limit is not None else 200.0
     # the estimate per run is the previous run of the mode; keep a margin for the last run and the shutdown
-    plan.update(model=str(model), data=str(data), tmp=str(tmp), backend=backend,
+    plan.update(model=str(model), data=str(data), tmp=str(tmp), backend=backend, lora_backend=LORA_BACKEND,
                 t_start=t_start, time_limit=time_limit - 10.0, partial_out=str(Path(args.out).resolve()),
                 pg_timeout_s=180)
     with socket.socket() as sock:
@@ -940,7 +945,12 @@ def main(argv=None) -> int:
     ap.add_argument("--pipeline-vs-dp", action="store_true",
                     help="2 processes: the engine's LoRAPP pipeline vs its data parallel mode (NCCL on 2 GPUs, gloo "
                          "on CPU with --cpu-smoke)")
+    ap.add_argument("--lora-backend", default="auto", choices=["auto", "triton", "torch"],
+                    help="the engine's LoRA path: auto (Triton grouped kernel on GPU), triton, or torch (per-job "
+                         "cuBLAS GEMMs on GPU)")
     args = ap.parse_args(argv)
+    global LORA_BACKEND
+    LORA_BACKEND = args.lora_backend
     _quiet_loading()
     if args.out is None:
         suffix = "_pipeline_vs_dp" if args.pipeline_vs_dp else ("_llama8b" if args.shape == "llama8b" else "")
