@@ -1,13 +1,15 @@
-"""Front-end patches: the ``--enable-bdlora`` flag, engine-config checks, and adapter checks where requests and
-``/v1/load_lora_adapter`` calls arrive (so a bad adapter never reaches, and never kills, the engine)."""
+"""Front-end patches: the ``--enable-bdlora`` and ``--bdlora-fused-decode`` flags, engine-config checks, and adapter
+checks where requests and ``/v1/load_lora_adapter`` calls arrive (so a bad adapter never reaches, and never kills, the
+engine)."""
 
 from __future__ import annotations
 
 import functools
 
-from .validate import CONFIG_KEY, validate_adapter, validate_engine_config
+from .validate import CONFIG_KEY, FUSED_DECODE_KEY, validate_adapter, validate_engine_config
 
 FLAG = "--enable-bdlora"
+FUSED_FLAG = "--bdlora-fused-decode"
 
 
 def _mark(fn):
@@ -38,6 +40,12 @@ def patch_engine_args() -> None:
                     help="Serve BD-LoRA adapters (PEFT use_bdlora): each tensor-parallel rank loads only its own "
                          "blocks and runs them with no LoRA collective. Implies --enable-lora; same as "
                          "--additional-config '{\"bdlora\": true}'.")
+                group.add_argument(
+                    FUSED_FLAG, action="store_true", default=False,
+                    help="Experimental: in BD mode, compute the LoRA term of small batches (<= 64 tokens: decode) "
+                         "with one fused bdlora kernel launch per module instead of vLLM's punica shrink + expand. "
+                         "Implies --enable-bdlora; same as --additional-config "
+                         "'{\"bdlora_fused_decode\": true}'.")
             return parser
 
         EngineArgs.add_cli_args = staticmethod(add_cli_args)
@@ -49,10 +57,13 @@ def patch_engine_args() -> None:
         @_mark
         def from_cli_args(cls, args):
             engine_args = orig_from(cls, args)
-            if getattr(args, "enable_bdlora", False):
+            fused = getattr(args, "bdlora_fused_decode", False)
+            if getattr(args, "enable_bdlora", False) or fused:
                 extra = dict(engine_args.additional_config or {})
                 if not extra.get(CONFIG_KEY):
                     extra[CONFIG_KEY] = True
+                if fused and not extra.get(FUSED_DECODE_KEY):
+                    extra[FUSED_DECODE_KEY] = True
                 engine_args.additional_config = extra
                 engine_args.enable_lora = True
             return engine_args

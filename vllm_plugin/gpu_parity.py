@@ -9,6 +9,12 @@ mixed batch (base + all adapters) with HF + PEFT on CPU in float32 (teacher forc
 max |logprob| difference. In eager mode it also counts LoRA collectives in the workers (must be 0) and reports the
 per-rank adapter bytes. Prints a summary and writes JSON; exit status 0 iff every check passed.
 
+``--fused-decode`` serves with the experimental fused decode path (``additional_config {"bdlora_fused_decode":
+...}``, optionally ``--fused-backend torch`` and ``--fused-max-tokens``) and adds two checks per TP rank: the fused op
+ran (counters; in graph mode only the capture and eager-size runs are counted) and a per-layer self-check
+(``testing.fused_decode_self_check``: fused op vs vLLM's punica path on random inputs with CUDA-graph-style padding
+rows, and the int32 token -> slot map). Use ``--tag`` to keep separate JSON files.
+
 Needs the plugin's entry point to be visible (``pip install --no-deps -e .`` in the checkout).
 """
 
@@ -44,14 +50,17 @@ def build(root: Path) -> tuple[Path, dict]:
     return model, adapters
 
 
-def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int) -> dict:
+def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int, fused=None) -> dict:
     from vllm.lora.request import LoRARequest
 
     from bdlora.vllm_plugin import testing as T
 
+    extra = {"bdlora": True}
+    if fused is not None:
+        extra["bdlora_fused_decode"] = fused
     t0 = time.time()
     llm = T.start_llm(model, tensor_parallel_size=tp, enable_lora=True, max_lora_rank=16,
-                      max_loras=len(adapters) + 1, additional_config={"bdlora": True}, enforce_eager=eager,
+                      max_loras=len(adapters) + 1, additional_config=extra, enforce_eager=eager,
                       dtype=dtype, gpu_memory_utilization=0.3)
     startup = time.time() - t0
     try:
@@ -61,6 +70,8 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int)
                 for k, n in enumerate(names + names)]
         if eager:
             llm.collective_rpc(T.reset_collective_counters)
+        if fused is not None:
+            llm.collective_rpc(T.reset_fused_decode_counters)
         outs = T.generate_mixed(llm, jobs, max_tokens=max_tokens)
         rows = T.parity_report(model, jobs, outs, [adapters[lr.lora_name] if lr else None for _, lr in jobs])
         result = {"eager": eager, "startup_s": round(startup, 1), "requests": rows,
@@ -74,6 +85,20 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int)
             result["lora_collectives"] = sum(v for c in counts for k, v in c.items() if k.startswith("lora:"))
             result["memory_bd2_r16"] = [{k: v for k, v in m.items() if k != "shapes"}
                                         for m in llm.collective_rpc(T.lora_memory, args=(ids["bd2_r16"],))]
+        if fused is not None:
+            result["fused_counters"] = llm.collective_rpc(T.read_fused_decode_counters)
+            checks = llm.collective_rpc(T.fused_decode_self_check)
+            result["fused_self_check"] = checks
+            tol = 1e-4 if dtype == "float32" else 3e-2  # relative to the largest LoRA term
+            result["fused_ok"] = (
+                (not eager or all(any(k.startswith("fused") for k in c) for c in result["fused_counters"]))
+                and all(c["layers"] > 0 and c["slots_ok"] and c["padding_untouched"]
+                        and c["max_abs_diff"] <= tol * max(1.0, c["max_abs_lora"]) for c in checks))
+            # after the self-check's crafted mapping the engine must still serve correctly
+            again = T.parity_report(model, jobs[:3], T.generate_mixed(llm, jobs[:3], max_tokens=max_tokens),
+                                    [adapters[lr.lora_name] if lr else None for _, lr in jobs[:3]])
+            result["tokens_equal"] &= all(r["tokens_equal"] for r in again)
+            result["max_logprob_diff"] = max([result["max_logprob_diff"]] + [r["max_logprob_diff"] for r in again])
         return result
     finally:
         T.stop_llm(llm)
@@ -88,7 +113,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--tol", type=float, default=1e-4, help="max |logprob diff| to pass (float32)")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--fused-decode", action="store_true",
+                   help="serve with additional_config bdlora_fused_decode (the experimental fused decode kernel)")
+    p.add_argument("--fused-backend", default="auto", choices=("auto", "triton", "torch"))
+    p.add_argument("--fused-max-tokens", type=int, default=64)
     args = p.parse_args(argv)
+    fused = ({"max_tokens": args.fused_max_tokens, "backend": args.fused_backend} if args.fused_decode else None)
     # Probes are sent to the workers as callables; counters are installed by register() in every worker.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("BDLORA_COUNT_COLLECTIVES", "1")
@@ -97,17 +127,20 @@ def main(argv=None) -> int:
 
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bdlora-gpu-parity-"))
     model, adapters = build(root)
-    report = {"vllm": vllm.__version__, "tp": args.tp, "dtype": args.dtype, "workdir": str(root), "modes": []}
+    report = {"vllm": vllm.__version__, "tp": args.tp, "dtype": args.dtype, "workdir": str(root), "modes": [],
+              "fused_decode": fused}
     ok = True
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        res = run_mode(model, adapters, args.tp, mode == "eager", args.dtype, args.max_tokens)
+        res = run_mode(model, adapters, args.tp, mode == "eager", args.dtype, args.max_tokens, fused)
         res["pass"] = (res["tokens_equal"] and res["max_logprob_diff"] < args.tol
-                       and res.get("lora_collectives", 0) == 0)
+                       and res.get("lora_collectives", 0) == 0 and res.get("fused_ok", True))
         ok &= res["pass"]
         report["modes"].append(res)
         print(f"[{mode}] tokens_equal={res['tokens_equal']} max_logprob_diff={res['max_logprob_diff']:.3e} "
               f"lora_collectives={res.get('lora_collectives', 'n/a')} startup={res['startup_s']}s "
-              f"classes={res['layer_classes']} -> {'PASS' if res['pass'] else 'FAIL'}", flush=True)
+              f"classes={res['layer_classes']}"
+              + (f" fused_ok={res['fused_ok']} fused_counters={res['fused_counters']}" if fused else "")
+              + f" -> {'PASS' if res['pass'] else 'FAIL'}", flush=True)
     report["pass"] = ok
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -11,10 +11,27 @@
 * ``apply``/``forward``: inherited from the non-sharded vLLM layers: column layers run
   ``y_i = x W_i + (x A_i) B_i`` and row layers add ``(x_i A_i) B_i`` to the partial sum that the base model's one
   all-reduce already sums; there is no LoRA collective (unlike ``--fully-sharded-loras``).
+
+Experimental fused decode (``additional_config {"bdlora_fused_decode": true}``, ``--bdlora-fused-decode``): the
+LoRA term of a batch of at most ``max_tokens`` (64) tokens is one :func:`bdlora.kernels.decode_lora` launch per
+module (all slices: q/k/v, gate/up) instead of vLLM's punica shrink + expand pair; larger batches keep vLLM's path.
+It hooks ``_apply_lora_to_output`` (vLLM 0.26 and 0.32 alike: the LoRA half of ``_apply_sync`` and
+``_apply_base_forward``) and routes it through the custom op ``torch.ops.bdlora.lora_linear`` (opaque to
+torch.compile, so the token-count branch is taken at run time and each captured CUDA graph holds the kernels of its
+own size). The kernel reads the layer's own buffers: ``lora_a_stacked`` are views of one (S, L, 1, R, d_in) tensor;
+B is ``lora_b_stacked`` itself for one-slice layers and a second (L, sum d_out, R) copy, written by ``set_lora``, for
+qkv/gate_up (vLLM's kernels need each slice's B contiguous). The token -> slot map is a persistent int32 copy of the
+punica wrapper's ``_token_lora_indices`` (-1 past the batch's tokens, so CUDA-graph padding adds nothing), refreshed
+after every ``update_metadata``. vLLM folds the LoRA scale into lora_b at load time
+(``LoRALayerWeights.optimize``) and calls punica with scale 1.0: the fused path uses 1.0 too.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
+from collections import Counter
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -35,10 +52,127 @@ except ImportError:  # pragma: no cover
 
 from bdlora.spec import COLUMN, ROW, BDLoraError
 
-from .validate import device_rank
+from .validate import FusedDecodeOptions, device_rank
+
+logger = logging.getLogger("bdlora.vllm_plugin")
 
 #: Set by the BD-mode LoRA manager while it builds its layers: the per-device buffer rank.
 _BUILD_RANK: Optional[int] = None
+#: Set likewise when ``bdlora_fused_decode`` is on (with the fused-layer names given out in this build).
+_BUILD_FUSED: Optional[FusedDecodeOptions] = None
+_BUILD_NAMES: set = set()
+
+#: Calls of ``torch.ops.bdlora.lora_linear`` in this process: ``fused:<backend>`` (decode_lora ran; backend triton or
+#: torch) and ``stock`` (batch above max_tokens: vLLM's punica path). Counted on the host, so under CUDA graphs only
+#: eager runs and captures count (tests run eager).
+FUSED_COUNTS: Counter = Counter()
+#: Fused BD layers of this process by name (the base layer's prefix, e.g. ``model.layers.0.self_attn.qkv_proj``):
+#: the custom op gets the name, a constant that torch.compile may cache, so it must not depend on creation order.
+#: One engine per process (vLLM's workers); a later engine's layers replace an earlier one's.
+_FUSED_LAYERS: "weakref.WeakValueDictionary[str, torch.nn.Module]" = weakref.WeakValueDictionary()
+_WARNED: set = set()
+
+
+def set_build_fused(opts: Optional[FusedDecodeOptions]) -> None:
+    """Called by the BD-mode LoRA manager around building its layers."""
+    global _BUILD_FUSED
+    _BUILD_FUSED = opts
+    _BUILD_NAMES.clear()
+
+
+class _TokenSlots:
+    """Per punica wrapper: ``buf`` (int32, max_num_batched_tokens) = the wrapper's token -> LoRA slot map for the
+    current batch, -1 after it (padding tokens of a CUDA graph add no LoRA, and stale or uninitialized entries of
+    ``_token_lora_indices`` are never read). Refreshed right after each ``update_metadata`` (host side, before the
+    forward), so a captured graph, which reads ``buf``, sees every new mapping."""
+
+    def __init__(self, wrapper):
+        src = wrapper._token_lora_indices
+        self.buf = torch.full((src.shape[0],), -1, dtype=torch.int32, device=src.device)
+        self._wrapper = weakref.ref(wrapper)
+        orig = wrapper.update_metadata
+
+        def update_metadata(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            self.refresh()
+            return out
+
+        update_metadata.__bdlora__ = True
+        wrapper.update_metadata = update_metadata  # this instance only
+        self.refresh()
+
+    def refresh(self) -> None:
+        w = self._wrapper()
+        if w is None:
+            return
+        n = min(int(w.indices_len[0] or 0), self.buf.shape[0])
+        if n:
+            self.buf[:n].copy_(w._token_lora_indices[:n])
+        self.buf[n:].fill_(-1)
+
+
+def _token_slots(wrapper) -> Optional[_TokenSlots]:
+    slots = getattr(wrapper, "_bdlora_token_slots", None)
+    if slots is None and isinstance(getattr(wrapper, "_token_lora_indices", None), torch.Tensor):
+        slots = _TokenSlots(wrapper)
+        wrapper._bdlora_token_slots = slots
+    return slots
+
+
+@dataclass
+class _FusedState:
+    """One BD layer's fused-decode buffers (all persistent: a CUDA graph captures their addresses)."""
+
+    name: str
+    max_tokens: int
+    backend: str
+    lora_a: torch.Tensor  # (S, L, R, d_in), a view of the tensor behind lora_a_stacked
+    lora_b: torch.Tensor  # (L, sum d_out, R)
+    b_shared: bool  # lora_b is lora_b_stacked[0]'s storage (one slice) rather than a copy
+    offsets: tuple  # slice column offsets (S + 1 ints)
+    soff: torch.Tensor  # the same, int32 on the device
+    ranks: torch.Tensor  # (L,) int32: rank in use per slot, 0 = empty
+    scales: torch.Tensor  # (L,) float32: ones (vLLM folds the scale into B)
+    slots: Optional[_TokenSlots] = None
+
+
+def _lora_linear_impl(y: torch.Tensor, x: torch.Tensor, layer: str) -> None:
+    """``torch.ops.bdlora.lora_linear``: y += the LoRA term of the fused BD layer named ``layer`` for x, in place."""
+    layer = _FUSED_LAYERS[layer]
+    st = layer._bd_fused
+    n = x.shape[0]
+    if n <= st.max_tokens and st.slots is not None:
+        if n == 0:
+            return
+        from bdlora.kernels import LAST_BACKEND, decode_lora
+
+        decode_lora(y, x, st.lora_a, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
+                    layout="column", nblocks=1, backend=st.backend, soff=st.soff)
+        used = LAST_BACKEND.get("decode_lora", "?")
+        FUSED_COUNTS["fused:" + used] += 1
+        if used == "torch" and x.is_cuda and st.backend == "auto" and not _WARNED:
+            _WARNED.add("torch-on-gpu")
+            logger.warning("bdlora fused decode runs the torch fallback on GPU (x %s, LoRA buffers %s, or no Triton): "
+                           "correct but slow", x.dtype, st.lora_a.dtype)
+        return
+    layer.punica_wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0,
+                                         layer.output_slices)
+    FUSED_COUNTS["stock"] += 1
+
+
+def _register_op() -> None:
+    global _LIB
+    if _LIB is not None:
+        return
+    lib = torch.library.Library("bdlora", "FRAGMENT")
+    lib.define("lora_linear(Tensor(a!) y, Tensor x, str layer) -> ()")
+    lib.impl("lora_linear", _lora_linear_impl, "CompositeExplicitAutograd")
+    torch.library.register_fake("bdlora::lora_linear", lambda y, x, layer: None, lib=lib)
+    _LIB = lib
+
+
+_LIB = None
+_register_op()
 
 
 def _buffer_rank(lora_config, tp_size: int) -> int:
@@ -66,11 +200,87 @@ class _BDLoRAMixin:
         else:
             outs = (self.output_size,) * self.n_slices
         dtype, dev = lora_config.lora_dtype, self.device
-        self.lora_a_stacked = tuple(
-            torch.zeros(max_loras, 1, rank, self.input_size, dtype=dtype, device=dev) for _ in range(self.n_slices))
-        self.lora_b_stacked = tuple(torch.zeros(max_loras, 1, out, rank, dtype=dtype, device=dev) for out in outs)
+        if _BUILD_FUSED is not None:
+            self._create_fused(max_loras, rank, outs, dtype, dev, _BUILD_FUSED)
+        else:
+            self.lora_a_stacked = tuple(
+                torch.zeros(max_loras, 1, rank, self.input_size, dtype=dtype, device=dev)
+                for _ in range(self.n_slices))
+            self.lora_b_stacked = tuple(
+                torch.zeros(max_loras, 1, out, rank, dtype=dtype, device=dev) for out in outs)
         if not isinstance(self, MergedColumnParallelLinearWithLoRA):
             self.output_slices = (self.lora_b_stacked[0].shape[2],)
+
+    # ------------------------------------------------------------------------------------------- fused decode
+
+    _bd_fused: Optional[_FusedState] = None
+    bd_fused_name: Optional[str] = None
+
+    def _create_fused(self, max_loras: int, rank: int, outs: tuple, dtype, dev, opts: FusedDecodeOptions) -> None:
+        """Stacked buffers laid out for ``decode_lora`` as well as for vLLM's punica path (see the module doc)."""
+        n_s = self.n_slices
+        a_all = torch.zeros(n_s, max_loras, 1, rank, self.input_size, dtype=dtype, device=dev)
+        self.lora_a_stacked = tuple(a_all[i] for i in range(n_s))  # each (L, 1, R, d_in), contiguous
+        offsets = [0]
+        for out in outs:
+            offsets.append(offsets[-1] + out)
+        b_all = torch.zeros(max_loras, offsets[-1], rank, dtype=dtype, device=dev)
+        if n_s == 1:
+            self.lora_b_stacked = (b_all.unsqueeze(1),)
+        else:
+            self.lora_b_stacked = tuple(torch.zeros(max_loras, 1, out, rank, dtype=dtype, device=dev) for out in outs)
+        name = getattr(self.base_layer, "prefix", "") or type(self).__name__
+        base, k = name, 1
+        while name in _BUILD_NAMES:  # unnamed or repeated prefixes: numbered in build order
+            k += 1
+            name = f"{base}#{k}"
+        _BUILD_NAMES.add(name)
+        self._bd_fused = _FusedState(
+            name=name, max_tokens=opts.max_tokens, backend=opts.backend, lora_a=a_all.squeeze(2),
+            lora_b=b_all, b_shared=n_s == 1, offsets=tuple(offsets),
+            soff=torch.tensor(offsets, dtype=torch.int32, device=dev),
+            ranks=torch.zeros(max_loras, dtype=torch.int32, device=dev),
+            scales=torch.ones(max_loras, dtype=torch.float32, device=dev))
+        _FUSED_LAYERS[name] = self
+        if _can_update_inplace():
+            self.bd_fused_name = name
+        else:  # pragma: no cover - CUDA and CPU update in place
+            logger.warning("bdlora fused decode: this platform does not update outputs in place; vLLM's LoRA path "
+                           "is kept")
+        if getattr(self, "_enable_aux_cuda_stream", False):  # pragma: no cover - GPU only
+            logger.warning("bdlora fused decode: VLLM_LORA_ENABLE_DUAL_STREAM=1 runs LoRA through vLLM's dual-stream "
+                           "path, which bypasses the fused kernel")
+
+    def set_mapping(self, punica_wrapper):
+        super().set_mapping(punica_wrapper)
+        st = self._bd_fused
+        if st is not None:
+            st.slots = _token_slots(punica_wrapper)
+            if st.slots is None:
+                self.bd_fused_name = None
+                logger.warning("bdlora fused decode: %s has no _token_lora_indices; %s keeps vLLM's LoRA path",
+                               type(punica_wrapper).__name__, type(self).__name__)
+
+    def reset_lora(self, index: int):
+        super().reset_lora(index)
+        st = self._bd_fused
+        if st is not None:
+            if not st.b_shared:
+                st.lora_b[index] = 0
+            st.ranks[index] = 0
+
+    def _apply_lora_to_output(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        name = self.bd_fused_name
+        if name is None:
+            return super()._apply_lora_to_output(x, output)
+        original_shape = output.shape if output.ndim == 3 else None
+        if x.ndim == 3 and output.ndim == 3:  # transformers backend: (1, T, d)
+            output = output.flatten(0, 1)
+            x = x.flatten(0, 1)
+        torch.ops.bdlora.lora_linear(output, x, name)
+        if original_shape is not None:
+            output = output.reshape(original_shape)
+        return output
 
     # The loader hands over this rank's factors already: nothing to slice.
     def slice_lora_a(self, lora_a):
@@ -87,6 +297,7 @@ class _BDLoRAMixin:
             raise BDLoraError(f"{type(self).__name__}: got {len(lora_a)} LoRA slices for a layer with "
                               f"{self.n_slices}; BD-LoRA adapters must target the per-projection modules "
                               "(q_proj/k_proj/v_proj, gate_proj/up_proj), not fused ones")
+        slot_rank = 0
         for i, (a, b) in enumerate(zip(lora_a, lora_b)):
             if a is None or b is None:
                 continue
@@ -106,6 +317,19 @@ class _BDLoRAMixin:
                 a, b, r = a[:cap], b[:, :cap], cap  # an all-zero warm-up (dummy) LoRA
             buf_a[index, 0, :r, :].copy_(a, non_blocking=True)
             buf_b[index, 0, :, :r].copy_(b, non_blocking=True)
+            st = self._bd_fused
+            if st is not None:
+                if not st.b_shared:
+                    st.lora_b[index, st.offsets[i]:st.offsets[i + 1], :r].copy_(b, non_blocking=True)
+                slot_rank = max(slot_rank, r)
+        if self._bd_fused is not None:
+            self._bd_fused.ranks[index] = slot_rank
+
+
+def _can_update_inplace() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.can_update_inplace()
 
 
 class BDColumnParallelLinearWithLoRA(_BDLoRAMixin, ColumnParallelLinearWithLoRA):

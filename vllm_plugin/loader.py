@@ -7,7 +7,8 @@ this TP rank's blocks (``safe_open(...).get_slice`` + :func:`bdlora.sharding.sha
 adapter's own ``r`` and ``nblocks`` (never ``--max-lora-rank``). Dense adapters are served as ``nblocks=1``, which is
 exactly vLLM's standard sharding. ``_load_adapter`` is wrapped to refuse BD folders when BD mode is off (vLLM 0.26's
 ``PEFTHelper`` drops ``use_bdlora`` silently) and, in BD mode, to lift vLLM 0.32's "does not support block-diagonal
-LoRA" check for the adapter being loaded.
+LoRA" check for the adapter being loaded. With ``bdlora_fused_decode`` the BD layers are also built with the buffers
+and hooks of the fused decode path (:mod:`bdlora.vllm_plugin.layers`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from bdlora.sharding import check_tp_compatible, shard_factors
 from bdlora.spec import BDLoraError
 
 from . import layers as bd_layers
-from .validate import bd_options, device_rank, local_rank_of, refuse_bd_without_mode, tp_size_of
+from .validate import (bd_options, device_rank, fused_decode_options, local_rank_of, refuse_bd_without_mode,
+                       tp_size_of)
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 
@@ -249,11 +251,13 @@ def _wrap_create(orig_create, lora_utils):
         lora_utils._all_lora_classes = tuple(bd_layers.BD_LORA_CLASSES) + tuple(
             c for c in saved if c not in bd_layers.BD_LORA_CLASSES)
         bd_layers._BUILD_RANK = runtime.device_rank
+        bd_layers.set_build_fused(fused_decode_options(cfg))
         try:
             result = orig_create(self, model, vllm_config, *args, **kwargs)
         finally:
             lora_utils._all_lora_classes = saved
             bd_layers._BUILD_RANK = None
+            bd_layers.set_build_fused(None)
         runtime.layer_map = build_layer_map(self._adapter_manager)
         self._bdlora = runtime
         if not getattr(self._lora_model_cls, "__bdlora_cls__", False):

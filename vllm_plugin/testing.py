@@ -7,6 +7,9 @@ its first argument; with worker processes set ``VLLM_ALLOW_INSECURE_SERIALIZATIO
   (``_mcp_apply``, ``apply``) is a LoRA collective. Run the engine with ``enforce_eager=True`` so calls are not
   traced away by torch.compile.
 * :func:`lora_memory` reports the bytes one adapter occupies on a rank.
+* :func:`read_fused_decode_counters` / :func:`reset_fused_decode_counters`: calls of the fused decode op
+  (``bdlora_fused_decode``) by path; :func:`fused_decode_self_check` compares, on every BD layer of a worker, the
+  fused op with vLLM's punica path for one token -> adapter mapping.
 """
 
 from __future__ import annotations
@@ -52,6 +55,67 @@ def reset_collective_counters(worker=None) -> bool:
 
 def read_collective_counters(worker=None) -> dict:
     return {f"{kind}:{op}": n for (kind, op), n in COUNTS.items()}
+
+
+def reset_fused_decode_counters(worker=None) -> bool:
+    from .layers import FUSED_COUNTS
+
+    FUSED_COUNTS.clear()
+    return True
+
+
+def read_fused_decode_counters(worker=None) -> dict:
+    """{"fused:triton" | "fused:torch": calls that ran bdlora's decode kernel, "stock": calls above max_tokens that ran
+    vLLM's punica path}, counted in this process since the last reset."""
+    from .layers import FUSED_COUNTS
+
+    return dict(FUSED_COUNTS)
+
+
+def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) -> dict:
+    """Sets the token -> adapter mapping ``lora_ids`` (LoRA int ids, 0 = base; default: base and every adapter in a
+    slot, twice) through the LoRA manager, then for every BD layer with fused decode feeds random inputs to vLLM's
+    punica ``add_lora_linear`` (len(lora_ids) tokens) and to ``torch.ops.bdlora.lora_linear`` (the same tokens plus
+    ``pad`` padding rows, as a CUDA graph of a larger size would) and returns the largest differences, whether the
+    padding rows stayed untouched and whether the int32 slot map matches the mapping (-1 after it)."""
+    import torch
+    from vllm.lora.layers import LoRAMapping
+
+    from .layers import FUSED_COUNTS
+
+    mgr = _adapter_manager(worker)
+    slots = list(mgr.lora_index_to_id)
+    if lora_ids is None:
+        active = [i for i in slots if i]
+        lora_ids = ([0] + active) * 2
+    want = [slots.index(i) if i else -1 for i in lora_ids]
+    mgr.set_adapter_mapping(LoRAMapping(tuple(lora_ids), tuple(lora_ids), is_prefill=False))
+    n = len(lora_ids)
+    gen = torch.Generator().manual_seed(seed)
+    out = {"layers": 0, "max_abs_diff": 0.0, "max_abs_lora": 0.0, "padding_untouched": True, "slots_ok": True,
+           "slot_map": want}
+    before = sum(v for k, v in FUSED_COUNTS.items() if k.startswith("fused"))
+    for layer in mgr.modules.values():
+        st = getattr(layer, "_bd_fused", None)
+        if st is None or getattr(layer, "bd_fused_name", None) is None:
+            continue
+        a0 = layer.lora_a_stacked[0]
+        d_in, d_out = a0.shape[-1], sum(layer.output_slices)
+        buf = st.slots.buf
+        out["slots_ok"] &= buf[:n].tolist() == want and bool((buf[n:] == -1).all())
+        extra = max(0, min(pad, st.max_tokens - n))
+        x = torch.randn(n + extra, d_in, generator=gen).to(a0.dtype).to(a0.device)
+        y_stock = torch.zeros(n, d_out, dtype=a0.dtype, device=a0.device)
+        layer.punica_wrapper.add_lora_linear(y_stock, x[:n], layer.lora_a_stacked, layer.lora_b_stacked, 1.0,
+                                             layer.output_slices)
+        y_fused = torch.zeros(n + extra, d_out, dtype=a0.dtype, device=a0.device)
+        torch.ops.bdlora.lora_linear(y_fused, x, layer.bd_fused_name)
+        out["layers"] += 1
+        out["max_abs_diff"] = max(out["max_abs_diff"], float((y_fused[:n] - y_stock).abs().max()))
+        out["max_abs_lora"] = max(out["max_abs_lora"], float(y_stock.abs().max()))
+        out["padding_untouched"] &= bool((y_fused[n:] == 0).all())
+    out["fused_calls"] = sum(v for k, v in FUSED_COUNTS.items() if k.startswith("fused")) - before
+    return out
 
 
 def _adapter_manager(worker):

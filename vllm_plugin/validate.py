@@ -22,6 +22,11 @@ from bdlora.spec import COLUMN, PRESETS, ROW, BDLoraError
 
 #: ``additional_config`` key that switches BD mode on: ``True`` or ``{"min_nblocks": k}``.
 CONFIG_KEY = "bdlora"
+#: ``additional_config`` key of the experimental fused decode path (needs BD mode): ``True``, a token limit, or
+#: ``{"max_tokens": n, "backend": "auto" | "triton" | "torch"}``.
+FUSED_DECODE_KEY = "bdlora_fused_decode"
+#: Largest batch (tokens in one forward) the fused decode kernel takes by default (bdlora.kernels.decode_lora).
+FUSED_DECODE_MAX_TOKENS = 64
 PEFT_PREFIX = "base_model.model."
 
 SUPPORTED_VLLM = ("0.26.0", "0.33")  # [lo, hi)
@@ -62,6 +67,48 @@ def bd_options(vllm_config: Any) -> Optional[BDOptions]:
             raise BDLoraError(f"additional_config['bdlora']['min_nblocks'] must be a positive integer, got {mn!r}")
         return BDOptions(min_nblocks=mn)
     raise BDLoraError(f"additional_config['bdlora'] must be true or a dict like {{'min_nblocks': 1}}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FusedDecodeOptions:
+    """``additional_config["bdlora_fused_decode"]``: BD layers compute the LoRA term of batches of at most
+    ``max_tokens`` tokens with one ``bdlora.kernels.decode_lora`` launch per module (``backend`` as there) instead of
+    vLLM's punica shrink + expand; larger batches keep vLLM's path."""
+
+    max_tokens: int = FUSED_DECODE_MAX_TOKENS
+    backend: str = "auto"
+
+
+def fused_decode_options(vllm_config: Any) -> Optional[FusedDecodeOptions]:
+    """The fused decode options of an engine config, or None when off (the default)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    value = extra.get(FUSED_DECODE_KEY) if isinstance(extra, dict) else None
+    if value is None or value is False:
+        return None
+    if value is True or (isinstance(value, str) and value.lower() in ("1", "true", "yes", "on")):
+        return FusedDecodeOptions()
+    if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+        return None
+    if isinstance(value, int):
+        value = {"max_tokens": value}
+    if isinstance(value, dict):
+        if not value.get("enabled", True):
+            return None
+        unknown = set(value) - {"enabled", "max_tokens", "backend"}
+        if unknown:
+            raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}'] has unknown keys {sorted(unknown)}; "
+                              "known: 'enabled', 'max_tokens', 'backend'")
+        mt = value.get("max_tokens", FUSED_DECODE_MAX_TOKENS)
+        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+            raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['max_tokens'] must be a positive integer, "
+                              f"got {mt!r}")
+        backend = value.get("backend", "auto")
+        if backend not in ("auto", "triton", "torch"):
+            raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['backend'] must be auto, triton or torch, "
+                              f"got {backend!r}")
+        return FusedDecodeOptions(max_tokens=mt, backend=backend)
+    raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}'] must be true, a token count or a dict like "
+                      f"{{'max_tokens': 64, 'backend': 'auto'}}, got {value!r}")
 
 
 def tp_size_of(vllm_config: Any) -> int:
@@ -112,7 +159,11 @@ def check_vllm_version(version: Optional[str] = None) -> str:
 def validate_engine_config(vllm_config: Any) -> None:
     """Refuses BD mode settings that cannot work, before any engine process starts."""
     opts = bd_options(vllm_config)
+    fused = fused_decode_options(vllm_config)
     if opts is None:
+        if fused is not None:
+            raise BDLoraError(f"additional_config '{FUSED_DECODE_KEY}' (--bdlora-fused-decode) needs BD mode: add "
+                              "--enable-bdlora (additional_config={'bdlora': True})")
         return
     check_vllm_version()
     lora = getattr(vllm_config, "lora_config", None)

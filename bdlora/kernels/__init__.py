@@ -10,8 +10,8 @@ from .decode import decode_lora, stack_decode_weights
 from .dispatch import LAST_BACKEND
 from .grouped import dropout_keep_mask, fused_lora_linear, grouped_lora
 from .layout import LoraAdapter, from_math, pack_block_diagonal, to_math, unpack_block_diagonal
-from .reference import (bd_matmul, decode_lora_ref, fused_lora_linear_ref, grouped_lora_ref, lora_delta_ref,
-                        segment_keep_mask, torch_keep_masks)
+from .reference import (bd_matmul, decode_lora_ref, decode_lora_torch, fused_lora_linear_ref, grouped_lora_ref,
+                        lora_delta_ref, segment_keep_mask, torch_keep_masks)
 
 __all__ = [
     "CublasLoraLinearFn",
@@ -20,6 +20,7 @@ __all__ = [
     "bd_matmul",
     "decode_lora",
     "decode_lora_ref",
+    "decode_lora_torch",
     "dropout_keep_mask",
     "from_math",
     "fused_lora_linear",

@@ -7,7 +7,7 @@ import torch
 
 from . import dispatch
 from .layout import LAYOUTS
-from .reference import decode_lora_ref
+from .reference import decode_lora_torch
 
 
 def _next_pow2(v: int) -> int:
@@ -45,7 +45,7 @@ def stack_decode_weights(per_slice: Sequence[Sequence[tuple[torch.Tensor, torch.
 def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                 token_lora_indices: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
                 slice_offsets: Sequence[int], *, layout: str = "column", nblocks: int = 1,
-                backend: str = "auto") -> torch.Tensor:
+                backend: str = "auto", soff: torch.Tensor | None = None) -> torch.Tensor:
     """Multi-slice BGMV, in place, one launch for all slices (Punica/vLLM semantics, -1 = no LoRA):
 
         for t with a = token_lora_indices[t] >= 0, for each slice s (columns soff[s]:soff[s+1] of y):
@@ -55,6 +55,12 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     orientation per slot (see ``stack_decode_weights``); ranks (L,) int: slot a uses the first ranks[a] ranks
     (block j of a block-diagonal factor = rank block j of ranks[a]/N); scales (L,) float. Meant for 1-64 tokens.
     Returns y.
+
+    CUDA-graph use (serving): pass ``token_lora_indices`` as int32 and ``ranks``/``scales`` as int32/float32 on
+    y's device, and ``soff``, the slice offsets as an int32 tensor on that device (else one is built from
+    ``slice_offsets`` per call: a host-to-device copy). Then a call issues exactly one kernel launch, no allocation
+    and no host sync. Every token index outside [0, L) must be -1 for the Triton path (it reads ``ranks[idx]``). The
+    torch fallback (``decode_lora_torch``) is sync-free too and ignores out-of-range indices.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}")
@@ -65,7 +71,8 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     ok = (dispatch.triton_ok(y, x, lora_a, lora_b) and y.stride(1) == 1 and x.stride(1) == 1
           and lora_a.is_contiguous() and lora_b.is_contiguous())
     if dispatch.choose("decode_lora", backend, ok) == "torch":
-        return decode_lora_ref(y, x, lora_a, lora_b, token_lora_indices, ranks, scales, slice_offsets, layout, nblocks)
+        return decode_lora_torch(y, x, lora_a, lora_b, token_lora_indices, ranks, scales, slice_offsets, layout,
+                                 nblocks)
     from ._triton import _decode_kernel
 
     t, d_in = x.shape
@@ -79,7 +86,8 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     else:
         block_k, block_n, warps, n_chunks = 32, 32, 1, 1
     idx = token_lora_indices.to(device=x.device, dtype=torch.int32)
-    soff = torch.tensor(list(slice_offsets), dtype=torch.int32, device=x.device)
+    if soff is None:
+        soff = torch.tensor(list(slice_offsets), dtype=torch.int32, device=x.device)
     grid = (t, n_s, nb * n_chunks)
     _decode_kernel[grid](
         y, x, lora_a, lora_b, idx, ranks.to(device=x.device, dtype=torch.int32),

@@ -102,3 +102,55 @@ def decode_lora_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
             ad = LoraAdapter(lora_a[sl, a, :r], lora_b[a, lo:hi, :rb], float(scales[a]), layout, nblocks)
             y[t, lo:hi] += lora_delta_ref(x[t:t + 1], ad)[0].to(y.dtype)
     return y
+
+
+def decode_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                      token_lora_indices: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
+                      slice_offsets: Sequence[int], layout: str = "column", nblocks: int = 1) -> torch.Tensor:
+    """``decode_lora_ref``'s semantics with tensor ops only: no host sync (no ``.tolist()``/``.item()``), no
+    data-dependent shapes, so it can run inside CUDA-graph capture; ``decode_lora``'s torch fallback.
+
+    Every slot is computed for every token (shrink (T, S, L, R), expand (T, L, d_s) per slice) and each token keeps
+    its own slot's row through a one-hot mask: L times the FLOPs of a per-token gather, but no per-token copy of the
+    (large) factors. Indices outside [0, L) (-1, or stale padding) add nothing. Returns y (updated in place).
+    """
+    t = x.shape[0]
+    if t == 0:
+        return y
+    n_s, n_l, r_max, ka = lora_a.shape
+    rb_max = lora_b.shape[2]
+    na, nb = (nblocks, 1) if layout == "row" else (1, nblocks)
+    dev = x.device
+    idx = token_lora_indices.to(device=dev, dtype=torch.long)
+    slots = torch.arange(n_l, device=dev)
+    onehot = (idx[:, None] == slots[None, :]).float()  # (T, L); all-zero row for -1 / out-of-range
+    rk = ranks.to(device=dev, dtype=torch.long)
+    rr = torch.arange(r_max, device=dev)
+    # (L, R): rank rows in use, times the slot's scale (empty slots: rank 0 -> all zero)
+    row_w = (rr[None, :] < rk[:, None]).float() * scales.to(device=dev, dtype=torch.float32)[:, None]
+    xf, af = x.float(), lora_a.float()
+    if na == 1:
+        s_all = torch.einsum("tk,slrk->tslr", xf, af)
+    else:  # row layout: rank row i of slot l reads input block i // (r_l / N)
+        blk = (rr[None, :] // (rk // na).clamp(min=1)[:, None]).clamp(max=na - 1)  # (L, R)
+        part = torch.einsum("tnk,slrk->tslrn", xf.reshape(t, na, ka), af)  # (T, S, L, R, N)
+        s_all = part.gather(4, blk[None, None, :, :, None].expand(t, n_s, n_l, r_max, 1)).squeeze(4)
+    s = torch.einsum("tl,tslr->tsr", onehot, s_all * row_w)  # (T, S, R): each token's own slot
+    bf = lora_b.float()
+    r_tok = (onehot @ rk.float()).long()  # (T,) rank of each token's slot (0 without LoRA)
+    for sl in range(n_s):
+        lo, hi = int(slice_offsets[sl]), int(slice_offsets[sl + 1])
+        d_s = hi - lo
+        if nb == 1:
+            upd_all = torch.einsum("tr,ldr->tld", s[:, sl, :rb_max], bf[:, lo:hi])
+        else:  # column layout: output block j of the slice reads rank block j (ranks j*r/N .. (j+1)*r/N)
+            rb_tok = r_tok // nb
+            kk = torch.arange(rb_max, device=dev)
+            kmask = kk[None, None, :] < rb_tok[:, None, None]  # (T, 1, RB)
+            ridx = torch.arange(nb, device=dev)[None, :, None] * rb_tok[:, None, None] + kk[None, None, :]
+            ridx = torch.where(kmask, ridx, torch.zeros_like(ridx)).clamp(max=r_max - 1)  # (T, N, RB)
+            sg = s[:, sl].gather(1, ridx.reshape(t, -1)).reshape(t, nb, rb_max) * kmask
+            upd_all = torch.einsum("tnr,lnmr->tlnm", sg, bf[:, lo:hi].reshape(n_l, nb, d_s // nb, rb_max))
+            upd_all = upd_all.reshape(t, n_l, d_s)
+        y[:, lo:hi] += torch.einsum("tl,tld->td", onehot, upd_all).to(y.dtype)
+    return y
