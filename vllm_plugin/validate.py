@@ -47,26 +47,45 @@ class BDOptions:
     min_nblocks: Optional[int] = None
 
 
-def bd_options(vllm_config: Any) -> Optional[BDOptions]:
-    """The BD options of an engine config, or None when BD mode is off."""
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+def _config_switch(vllm_config: Any, key: str, known: tuple, example: str, int_key: Optional[str] = None
+                   ) -> Optional[dict]:
+    """``additional_config[key]`` as None (off: absent, false, "off", {"enabled": false}), {} (on with defaults:
+    true, "on") or the dict of its settings, whose keys must be in ``known``; ``int_key``: a bare integer means
+    ``{int_key: value}``."""
     extra = getattr(vllm_config, "additional_config", None) or {}
-    value = extra.get(CONFIG_KEY) if isinstance(extra, dict) else None
+    value = extra.get(key) if isinstance(extra, dict) else None
     if value is None or value is False:
         return None
-    if value is True or (isinstance(value, str) and value.lower() in ("1", "true", "yes", "on")):
-        return BDOptions()
-    if isinstance(value, dict):
-        if not value.get("enabled", True):
-            return None
-        unknown = set(value) - {"enabled", "min_nblocks"}
-        if unknown:
-            raise BDLoraError(f"additional_config['bdlora'] has unknown keys {sorted(unknown)}; "
-                              "known: 'enabled', 'min_nblocks'")
-        mn = value.get("min_nblocks")
-        if mn is not None and (not isinstance(mn, int) or mn < 1):
-            raise BDLoraError(f"additional_config['bdlora']['min_nblocks'] must be a positive integer, got {mn!r}")
-        return BDOptions(min_nblocks=mn)
-    raise BDLoraError(f"additional_config['bdlora'] must be true or a dict like {{'min_nblocks': 1}}, got {value!r}")
+    if value is True:
+        return {}
+    if isinstance(value, str) and value.lower() in _ON + _OFF:
+        return {} if value.lower() in _ON else None
+    if int_key and isinstance(value, int):
+        value = {int_key: value}
+    if not isinstance(value, dict):
+        raise BDLoraError(f"additional_config['{key}'] must be true or a dict like {example}, got {value!r}")
+    if not value.get("enabled", True):
+        return None
+    unknown = set(value) - {"enabled", *known}
+    if unknown:
+        raise BDLoraError(f"additional_config['{key}'] has unknown keys {sorted(unknown)}; "
+                          f"known: {', '.join(repr(k) for k in ('enabled', *known))}")
+    return {k: v for k, v in value.items() if k != "enabled"}
+
+
+def bd_options(vllm_config: Any) -> Optional[BDOptions]:
+    """The BD options of an engine config, or None when BD mode is off."""
+    value = _config_switch(vllm_config, CONFIG_KEY, ("min_nblocks",), "{'min_nblocks': 1}")
+    if value is None:
+        return None
+    mn = value.get("min_nblocks")
+    if mn is not None and (isinstance(mn, bool) or not isinstance(mn, int) or mn < 1):
+        raise BDLoraError(f"additional_config['bdlora']['min_nblocks'] must be a positive integer, got {mn!r}")
+    return BDOptions(min_nblocks=mn)
 
 
 @dataclass(frozen=True)
@@ -81,34 +100,19 @@ class FusedDecodeOptions:
 
 def fused_decode_options(vllm_config: Any) -> Optional[FusedDecodeOptions]:
     """The fused decode options of an engine config, or None when off (the default)."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    value = extra.get(FUSED_DECODE_KEY) if isinstance(extra, dict) else None
-    if value is None or value is False:
+    value = _config_switch(vllm_config, FUSED_DECODE_KEY, ("max_tokens", "backend"),
+                           "{'max_tokens': 64, 'backend': 'auto'} (or a token count)", int_key="max_tokens")
+    if value is None:
         return None
-    if value is True or (isinstance(value, str) and value.lower() in ("1", "true", "yes", "on")):
-        return FusedDecodeOptions()
-    if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
-        return None
-    if isinstance(value, int):
-        value = {"max_tokens": value}
-    if isinstance(value, dict):
-        if not value.get("enabled", True):
-            return None
-        unknown = set(value) - {"enabled", "max_tokens", "backend"}
-        if unknown:
-            raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}'] has unknown keys {sorted(unknown)}; "
-                              "known: 'enabled', 'max_tokens', 'backend'")
-        mt = value.get("max_tokens", FUSED_DECODE_MAX_TOKENS)
-        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
-            raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['max_tokens'] must be a positive integer, "
-                              f"got {mt!r}")
-        backend = value.get("backend", "auto")
-        if backend not in ("auto", "triton", "torch"):
-            raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['backend'] must be auto, triton or torch, "
-                              f"got {backend!r}")
-        return FusedDecodeOptions(max_tokens=mt, backend=backend)
-    raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}'] must be true, a token count or a dict like "
-                      f"{{'max_tokens': 64, 'backend': 'auto'}}, got {value!r}")
+    mt = value.get("max_tokens", FUSED_DECODE_MAX_TOKENS)
+    if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+        raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['max_tokens'] must be a positive integer, "
+                          f"got {mt!r}")
+    backend = value.get("backend", "auto")
+    if backend not in ("auto", "triton", "torch"):
+        raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['backend'] must be auto, triton or torch, "
+                          f"got {backend!r}")
+    return FusedDecodeOptions(max_tokens=mt, backend=backend)
 
 
 def tp_size_of(vllm_config: Any) -> int:
