@@ -173,8 +173,12 @@ def test_config_errors(tmp_path):
         parse_run({**base, "token_budget": 100, "jobs": [{"name": "a", "max_seq_len": 512}]})
     with pytest.raises(ConfigError, match="duplicate"):
         parse_run({**base, "jobs": [{"name": "a"}, {"name": "a"}]})
-    with pytest.raises(ConfigError, match="lora_dropout=0.1 is not supported by the multi-LoRA engine"):
-        parse_run({**base, "jobs": [{"name": "a", "lora_dropout": 0.1}]})
+    with pytest.raises(ConfigError, match="lora_dropout must be in"):
+        parse_run({**base, "jobs": [{"name": "a", "lora_dropout": 1.0}]})
+    # dropout is supported: a per-job p, parsed as float and carried into the job's spec
+    run = parse_run({**base, "jobs": [{"name": "a", "lora_dropout": "0.1"}, {"name": "b"}]})
+    assert [j.lora_dropout for j in run.jobs] == [0.1, 0.0]
+    assert run.jobs[0].spec().lora_dropout == 0.1
 
 
 # ---------------------------------------------------------------------------------------------- memory model

@@ -35,21 +35,34 @@ def run_dict(model_dir, data, out, jobs, **kw) -> dict:
     return d
 
 
-def peft_train_alone(model_dir, init_adapter_dir, job, samples, total_steps: int, sampler):
-    """Trains one job alone with PEFT (padded batches, attention mask): the reference of BatchLoRA equality."""
+def peft_train_alone(model_dir, init_adapter_dir, job, samples, total_steps: int, sampler, step_seed=None):
+    """Trains one job alone with PEFT (padded batches, attention mask): the reference of BatchLoRA equality.
+
+    ``step_seed(step)``: LoRA dropout on (PEFT's lora_dropout modules in train mode), torch's RNG seeded with it
+    for each step's forwards (the engine's per-micro-batch seed, for a step of one micro-batch)."""
+    import contextlib
+
     from peft import PeftModel
+
+    from bdlora.train.engine.multilora import dropout_rng
     from transformers import AutoModelForCausalLM, get_scheduler
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     base.eval()
     model = PeftModel.from_pretrained(base, init_adapter_dir, is_trainable=True)
     model.eval()
+    if step_seed is not None:
+        for name, m in model.named_modules():
+            if "lora_dropout" in name:
+                m.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=job.lr, betas=tuple(job.adam_betas), eps=job.adam_eps,
                             weight_decay=job.weight_decay)
     sched = get_scheduler(job.schedule, opt, num_warmup_steps=job.warmup_steps, num_training_steps=total_steps)
     losses = []
-    for _ in range(total_steps):
+    for step in range(total_steps):
+        rng = dropout_rng(step_seed(step)) if step_seed is not None else contextlib.nullcontext()
+        rng.__enter__()
         idx = sampler.next_batch()
         chunks = [idx[i:i + job.batch_size] for i in range(0, len(idx), job.batch_size)]
         n_targets = sum(samples[i].n_targets for i in idx)
@@ -71,6 +84,7 @@ def peft_train_alone(model_dir, init_adapter_dir, job, samples, total_steps: int
                                    reduction="sum") / n_targets
             loss.backward()
             total += float(loss.detach())
+        rng.__exit__(None, None, None)
         if job.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(params, job.max_grad_norm)
         opt.step()

@@ -18,6 +18,11 @@ Example::
     early_exit: {enabled: true}    # ALTO defaults: w=2, p=2, tau_slope=0.001, tau_gap=0.1, 5% warm-up, keep 25%
 
 Key aliases: ``r`` -> ``rank``, ``lora_alpha`` -> ``alpha``, ``N`` -> ``nblocks``.
+
+``lora_dropout`` (per job, in [0, 1)) follows PEFT: while training, the job's LoRA input is dropped out (inverted
+dropout) before its A factor, the base path unaffected; evaluation runs without dropout. Masks are drawn from torch's
+RNG seeded per micro-batch from the run seed and the dropout jobs' seeds and steps (reproducible, exact resume).
+The saved PEFT folder records the job's ``lora_dropout`` in ``adapter_config.json``.
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ class JobConfig:
     max_seq_len: int = 512
     weight_decay: float = 0.0
     max_grad_norm: Optional[float] = 1.0
-    lora_dropout: float = 0.0
+    lora_dropout: float = 0.0  # PEFT semantics: dropout on this job's LoRA input while training, none at eval
     a_init: str = "lora"  # lora | peft (see bdlora.train.config.TrainConfig.a_init)
     adam_betas: tuple = (0.9, 0.999)
     adam_eps: float = 1e-8
@@ -190,10 +195,8 @@ def _make_job(d: dict, where: str) -> JobConfig:
     for k in ("rank", "nblocks", "batch_size", "grad_accum", "max_seq_len"):
         if int(getattr(job, k)) < 1:
             raise ConfigError(f"{where}: job {job.name!r}: {k} must be >= 1")
-    if job.lora_dropout:
-        # The engine's grouped LoRA path runs without dropout; refuse rather than silently train without it.
-        raise ConfigError(f"{where}: job {job.name!r}: lora_dropout={job.lora_dropout} is not supported by the "
-                          "multi-LoRA engine; set lora_dropout: 0, or train this job with `bdlora train`")
+    if not 0.0 <= job.lora_dropout < 1.0:
+        raise ConfigError(f"{where}: job {job.name!r}: lora_dropout must be in [0, 1), got {job.lora_dropout}")
     if job.a_init not in ("lora", "peft"):
         raise ConfigError(f"{where}: job {job.name!r}: a_init must be 'lora' or 'peft'")
     if job.rank % job.nblocks:

@@ -36,7 +36,7 @@ from .config import JobConfig, RunConfig
 from .data import DatasetSplit, EpochSampler, load_split
 from .early_exit import OVERFITTING, UNDERPERFORMING, EarlyExit, select_after_warmup, warmup_steps
 from .memory import JobFootprint, MemoryModel, device_budget_bytes
-from .multilora import BatchContext, JobAdapter, inject_multilora
+from .multilora import BatchContext, JobAdapter, dropout_rng, inject_multilora, round_seed
 from .packing import MicroBatch, build_microbatch, plan_microbatches
 
 CHECKPOINT = "engine_state.pt"
@@ -278,11 +278,16 @@ class Engine:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.model.training:  # model.train(False) walks every module: only when someone switched it on
             self.model.train(False)
+        # LoRA dropout: each micro-batch's masks from a seed of (run seed, the dropout jobs' seeds and steps, its
+        # index), so a run is reproducible and resumes exactly
+        drop_key = [(j.cfg.seed, j.step) for j in jobs if j.cfg.lora_dropout > 0]
         for i, mb in enumerate(mbs):
             if i % self.world != self.rank:
                 continue
             mb = mb.to(self.device)
-            losses = job_losses(self.model, mb, self.ctx)
+            seed = round_seed("lora-dropout", self.run_cfg.seed, drop_key, i) if drop_key else None
+            with dropout_rng(seed, self.device):
+                losses = job_losses(self.model, mb, self.ctx)
             total = sum(l / max(step_targets[j], 1) for j, l in losses.items())
             if torch.is_tensor(total) and total.requires_grad:
                 total.backward()

@@ -5,16 +5,23 @@ is applied to its own row segment. The grouped op is ``bdlora.kernels.grouped_lo
 reference elsewhere); ``backend="engine"`` uses the per-job loop below (``bd_lora_delta``). Both
 compute block-diagonal factors as N packed sub-blocks (no FLOPs on zeros).
 
+LoRA dropout (PEFT semantics): while training (``ctx.training`` and autograd recording), each job's LoRA input
+rows are dropped out with that job's ``lora_dropout`` p (inverted dropout, before A); the base path and evaluation
+(``torch.no_grad``) see no dropout. The torch paths use ``F.dropout`` on the job's rows; the grouped kernel gets the
+job's p in its descriptor and a dropout seed drawn from torch's RNG, so both follow ``torch.manual_seed``
+(the engine seeds each round from the job seeds and steps: :func:`dropout_rng`).
+
 Factors are stored packed in PEFT orientation (SPEC §2): column layer lora_A (r, d_in), lora_B (d_out, r/N);
 row layer lora_A (r, d_in/N), lora_B (d_out, r).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -45,6 +52,33 @@ class BatchContext:
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     backend: str = "auto"
+    training: bool = True  # LoRA dropout on while this is set and autograd records (never under no_grad)
+
+    def dropout_active(self) -> bool:
+        return self.training and torch.is_grad_enabled()
+
+
+def round_seed(*parts) -> int:
+    """A 63-bit seed from ints/strings (stable across processes, unlike ``hash``)."""
+    return zlib.crc32(repr(parts).encode()) * 2**31 + zlib.adler32(repr(parts).encode()) % 2**31
+
+
+@contextlib.contextmanager
+def dropout_rng(seed: Optional[int], device=None):
+    """Runs the block with torch's RNG seeded by ``seed`` (CPU, and ``device`` if CUDA), restoring the caller's
+    RNG state afterwards; a no-op for ``seed=None``. The engine wraps a round's forwards in it so LoRA-dropout
+    masks depend only on the seed (reproducible runs, exact resume), not on what drew from the RNG before."""
+    if seed is None:
+        yield
+        return
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    cuda = [dev] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.random.default_generator.manual_seed(int(seed))
+        if cuda:  # that device's generator (fork_rng restores it)
+            idx = dev.index if dev.index is not None else torch.cuda.current_device()
+            torch.cuda.default_generators[idx].manual_seed(int(seed))
+        yield
 
 
 class JobAdapter(nn.Module):
@@ -61,6 +95,7 @@ class JobAdapter(nn.Module):
         self.spec = spec
         self.layouts = {name: layout for name, (layout, _, _) in targets.items()}
         self.scale = spec.scale
+        self.dropout = float(spec.lora_dropout)
         self.a = nn.ParameterDict()
         self.b = nn.ParameterDict()
         self.keys: dict[str, str] = {}
@@ -89,16 +124,24 @@ class JobAdapter(nn.Module):
         k = self.keys[name]
         return self.a[k], self.b[k]
 
-    def kernel_adapter(self, name: str) -> _KAdapter:
-        """The grouped kernel's descriptor of this job's factors on module ``name``. Built once and reused while the
-        parameter objects stay the same (the optimizer and ``load_factors`` update them in place): ``LoraAdapter``
-        validates shapes when built, which costs more host time per layer call than a small batch's GEMMs on GPU.
-        Kept on the job's module so it is freed with the job."""
+    def kernel_adapter(self, name: str, dropout: bool = True) -> _KAdapter:
+        """The grouped kernel's descriptor of this job's factors on module ``name``, with the job's LoRA dropout
+        (``dropout=False``: the same factors with dropout 0, for forwards that must not drop). Built once and
+        reused while the parameter objects stay the same (the optimizer and ``load_factors`` update them in
+        place): ``LoraAdapter`` validates shapes when built, which costs more host time per layer call than a
+        small batch's GEMMs on GPU. Kept on the job's module so it is freed with the job."""
         a, b = self.factors(name)
         ad = self._kernel_adapters.get(name)
         if ad is None or ad.lora_a is not a or ad.lora_b is not b:
-            ad = self._kernel_adapters[name] = _KAdapter(a, b, self.scale, self.layouts[name], self.spec.nblocks)
-        return ad
+            ad = self._kernel_adapters[name] = _KAdapter(a, b, self.scale, self.layouts[name], self.spec.nblocks,
+                                                         dropout=self.dropout)
+            self._kernel_adapters.pop((name, "no-dropout"), None)
+        if dropout or self.dropout == 0:
+            return ad
+        nd = self._kernel_adapters.get((name, "no-dropout"))
+        if nd is None or nd.lora_a is not a or nd.lora_b is not b:
+            nd = self._kernel_adapters[(name, "no-dropout")] = replace(ad, dropout=0.0)
+        return nd
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -166,11 +209,15 @@ class MultiLoraLinear(nn.Module):
             # correct but ~30x slower than the torch reference, which is what CPU training should use.
             backend = "torch"
         contiguous = all(segs[i][2] == segs[i + 1][1] for i in range(len(segs) - 1))
+        drop = self.ctx.dropout_active() and any(ja.dropout > 0 for ja in jobs)
         if backend not in ("engine", "torch") and contiguous and not _KERNEL_FAILED:
             seg = [segs[0][1]] + [e for _, _, e in segs]
+            # the kernel's masks come from one seed per call (adapter i: seed + i), drawn from torch's CPU RNG
+            seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if drop else None
             try:
                 # out= (in-place add) is not used: its backward failed on GPU for row layers (kernels 2026-11)
-                delta = _grouped_lora(x2, seg, [ja.kernel_adapter(self.name) for ja in jobs], backend=backend)
+                delta = _grouped_lora(x2, seg, [ja.kernel_adapter(self.name, drop) for ja in jobs],
+                                      dropout_seed=seed, backend=backend)
                 return delta if out is None else out + delta
             except Exception as e:  # pragma: no cover - only on a kernel bug; keep training on the reference
                 if backend != "auto":
@@ -184,14 +231,18 @@ class MultiLoraLinear(nn.Module):
         if len(segs) == 1 and segs[0][1] == 0 and segs[0][2] == x2.shape[0]:  # one job over all rows (K=1)
             ja = jobs[0]
             a, b = ja.factors(self.name)
-            delta = bd_lora_delta(x2, a, b, self.layout, ja.spec.nblocks, ja.scale)
+            xj = F.dropout(x2, ja.dropout, training=True) if drop and ja.dropout > 0 else x2
+            delta = bd_lora_delta(xj, a, b, self.layout, ja.spec.nblocks, ja.scale)
             return delta if out is None else out + delta
         if out is None:
             out = x2.new_zeros(x2.shape[0], self.base.out_features)
         for ja, (_, s, e) in zip(jobs, segs):
             a, b = ja.factors(self.name)
+            xj = x2[s:e]
+            if drop and ja.dropout > 0:  # this job's own p, on its rows only (PEFT: dropout before lora_A)
+                xj = F.dropout(xj, ja.dropout, training=True)
             # in place into rows s:e: ``out`` is a fresh F.linear output (its backward does not read it) or zeros
-            out[s:e] += bd_lora_delta(x2[s:e], a, b, self.layout, ja.spec.nblocks, ja.scale)
+            out[s:e] += bd_lora_delta(xj, a, b, self.layout, ja.spec.nblocks, ja.scale)
         return out
 
 
@@ -221,4 +272,5 @@ def inject_multilora(model: nn.Module, column_modules, row_modules, ctx: BatchCo
     return targets
 
 
-__all__ = ["BatchContext", "JobAdapter", "MultiLoraLinear", "PEFT_PREFIX", "bd_lora_delta", "inject_multilora"]
+__all__ = ["BatchContext", "JobAdapter", "MultiLoraLinear", "PEFT_PREFIX", "bd_lora_delta", "dropout_rng",
+           "inject_multilora", "round_seed"]

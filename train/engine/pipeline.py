@@ -38,6 +38,7 @@ import torch.nn as nn
 from bdlora.adapter import Adapter, AdapterConfig, save_adapter
 
 from .config import RunConfig
+from .multilora import dropout_rng, round_seed
 from .packing import MicroBatch
 
 
@@ -261,8 +262,11 @@ class _Stage:
         if train and pm.job in self.pending:
             self.apply(pm.job, prev_norm)
         self.e.ctx.segments = mb.segments
+        cfg = self.e.jobs[pm.job].cfg
+        seed = (round_seed("lora-dropout", self.e.run_cfg.seed, cfg.seed, pm.step, m, s)
+                if train and cfg.lora_dropout > 0 else None)
         try:
-            with torch.set_grad_enabled(train):
+            with torch.set_grad_enabled(train), dropout_rng(seed, self.dev):
                 if s == 0:
                     out = self.decoder(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
                 else:
