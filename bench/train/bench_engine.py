@@ -136,7 +136,8 @@ def run_engine(model_path, data, out, jobs, **kw):
 
 
 def free_memory() -> None:
-    """Drop earlier runs' models (engines hold reference cycles) before the next one loads its own."""
+    """Drop earlier runs' models (engines hold reference cycles) before the next one loads its own. Peak memory is
+    the engine's own (data parallel resets its counter every round, the pipeline after its stage split)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -250,19 +251,26 @@ def run_trainer(cfg, lengths: TokenLengths) -> dict:
             "steps": n, "wall_s": wall}
 
 
-def throughput_table(rows: list[dict]) -> str:
-    def f(v, fmt):
-        return "-" if v is None else format(v, fmt)
+def _fmt(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
 
+
+def text_table(head: list[str], body: list[list[str]]) -> str:
+    """Right-aligned columns under a header and a dashed rule, for the logs."""
+    w = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(n) for c, n in zip(cells, w))  # noqa: E731
+    return "\n".join([line(head), line(["-" * n for n in w])] + [line(b) for b in body])
+
+
+def throughput_table(rows: list[dict]) -> str:
+    f = _fmt
     head = ["K", "engine tok/s", "trainer seq tok/s", "vs trainer", "engine@1 tok/s", "vs engine@1", "engine s",
             "trainer s"]
     body = [[str(r["k"]), f(r["engine_tokens_per_s"], ",.0f"), f(r.get("sequential_trainer_tokens_per_s"), ",.0f"),
              f(r.get("speedup_vs_trainer"), ".2f"), f(r.get("engine_one_job_tokens_per_s"), ",.0f"),
              f(r.get("speedup_vs_engine_one_job"), ".2f"), f(r["engine_wall_s"], ".1f"),
              f(r.get("sequential_trainer_wall_s"), ".1f")] for r in rows]
-    w = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(n) for c, n in zip(cells, w))  # noqa: E731
-    return "\n".join([line(head), line(["-" * n for n in w])] + [line(b) for b in body])
+    return text_table(head, body)
 
 
 # -- model shapes and random weights built on the device ----------------------------------------------------------
@@ -651,14 +659,6 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
 
 
 # -- 2 processes: LoRAPP pipeline vs data parallel ----------------------------------------------------------------
-def _free_memory(device) -> None:
-    """Between runs: the previous run's model and activations released (the peaks are the engine's own: dp resets
-    its counter every round, the pipeline after its stage split)."""
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def _rel_diff(a, b):
     if a is None or b is None:
         return None
@@ -731,7 +731,7 @@ def _pvd_experiments(dist, rank: int, world: int, plan: dict) -> dict:
                                 device="auto" if device.type == "cuda" else "cpu",
                                 pipeline_stages=world if mode == "pipeline" else 1,
                                 lora_backend=plan.get("lora_backend", "auto"))
-        _free_memory(device)
+        free_memory()
         dist.barrier()
         t0 = time.perf_counter()
         local: dict = {}
@@ -750,7 +750,7 @@ def _pvd_experiments(dist, rank: int, world: int, plan: dict) -> dict:
         mine = {"rank": rank, "wall_s": wall, "peak_mem_gib": local.get("peak")}
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
-        _free_memory(device)
+        free_memory()
         out["timings"].append({"run": name, "wall_s": max(g["wall_s"] for g in gathered)})
         if rank != 0:
             return None
@@ -885,9 +885,7 @@ def run_pipeline_vs_dp(args) -> int:
 
 
 def pvd_table(rows: list[dict]) -> str:
-    def f(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
+    f = _fmt
     head = ["K", "dp tok/s", "pipeline tok/s", "pp/dp", "bubble meas", "bubble sched", "max((D-L)/D,0)",
             "max loss rel diff", "peak GiB dp", "peak GiB pp"]
     body = []
@@ -899,9 +897,7 @@ def pvd_table(rows: list[dict]) -> str:
                      f(pp.get("bubble_schedule_unit_slots"), ".3f"),
                      f(pp.get("bubble_formula_max_D_minus_L_over_D"), ".2f"), f(r.get("max_loss_rel_diff"), ".2e"),
                      peaks(dp), peaks(pp)])
-    w = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(n) for c, n in zip(cells, w))  # noqa: E731
-    return "\n".join([line(head), line(["-" * n for n in w])] + [line(b) for b in body])
+    return text_table(head, body)
 
 
 def _quiet_loading() -> None:
