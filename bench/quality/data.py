@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import random
 from pathlib import Path
 from typing import Optional
+
+from bdlora.train.tasks import write_jsonl
 
 TASKS = ("boolq", "xsum")
 
@@ -90,9 +91,6 @@ def prepare(out_dir: str | Path, n_train: Optional[int] = None, n_eval: Optional
             ev = ev[:n_eval]
         paths[task] = {}
         for split, rows in (("train", train), ("eval", ev)):
-            p = out / f"{task}_{split}.jsonl"
-            tmp = out / f".{p.name}.tmp-{os.getpid()}"  # concurrent shards may prepare at once: whole files only
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            os.replace(tmp, p)
-            paths[task][split] = p
+            # atomic: concurrent shards may prepare at once, readers see whole files only
+            paths[task][split] = write_jsonl(rows, out / f"{task}_{split}.jsonl")
     return paths

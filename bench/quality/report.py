@@ -19,7 +19,9 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from .results import read_rows, write_rows
+from bdlora.train.tasks import write_jsonl
+
+from .results import read_rows
 
 # two-sided 95% Student t quantiles by degrees of freedom
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     rows = load_rows(a.dirs)
     if a.merge_to:
-        print(f"{write_rows(a.merge_to, rows)}: {len(rows)} runs")
+        print(f"{write_jsonl(rows, a.merge_to)}: {len(rows)} runs")  # atomic: temp file + rename
         if not rows or not (a.plot or a.markdown):
             return 0
     if not rows:

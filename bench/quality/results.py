@@ -69,13 +69,3 @@ def append_row(path: str | os.PathLike, row: dict) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)  # releases the lock
-
-
-def write_rows(path: str | os.PathLike, rows: list[dict]) -> Path:
-    """Replaces ``path`` with ``rows`` (temp file + rename, so readers see the old or the new file, never half)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
-    return path
