@@ -326,8 +326,7 @@ def open_server(cfg: dict, sc: ServerConfig, out: Path, shape, model_dir: Path, 
     args = server_args(cfg, sc, model_dir, adapters)
     if concurrent:
         args += [str(a) for a in srv_cfg.get("concurrent_args", [])]
-    info: dict[str, Any] = {"server_id": sc.id, "args": args, "config": asdict(sc), "loads": {},
-                            "started_with": 0}
+    info: dict[str, Any] = {"server_id": sc.id, "args": args, "config": asdict(sc), "loads": {}}
     server = VLLMServer(model_dir, args, sdir / "server.log", env={str(k): str(v) for k, v in
                                                                     srv_cfg.get("env", {}).items()},
                         startup_timeout_s=float(srv_cfg.get("startup_timeout_s", 900)))
