@@ -223,3 +223,11 @@ def test_sweep_end_to_end_cpu(tmp_path):
     assert "TPOT" in md and "no LoRA" in md
     if "bd" not in methods:
         pytest.skip("ran base + LoRA only: bdlora.vllm_plugin has no --enable-bdlora yet, BD-LoRA not served")
+
+
+def test_sweep_refuses_a_group_size_below_one(tmp_path, capsys):
+    from bench.serve.sweep import main as sweep_main
+
+    with pytest.raises(SystemExit) as e:
+        sweep_main(["--preset", "cpu_tiny", "--out", str(tmp_path), "--concurrent", "0", "--dry-run"])
+    assert e.value.code == 2 and "--concurrent 0" in capsys.readouterr().err

@@ -506,7 +506,9 @@ def run_sweep(cfg: dict, out: Path, done_dirs: list[Path] = (), time_budget_s: O
     meta = {"config_name": cfg.get("name"), "device": device_info(), "vllm_version": vllm_version(),
             "model_dir": str(model_dir), "model_shape": mcfg.get("shape"), "weights": mcfg.get("weights", "random")}
     est = float(cfg.get("server_estimate_s", 150))
-    group_size = max(1, int(cfg.get("concurrent_servers", 1)))
+    group_size = int(cfg.get("concurrent_servers", 1))
+    if group_size < 1:
+        raise ValueError(f"concurrent_servers: {group_size}; give the number of servers to start at once (1 or more)")
     report = {"ran": [], "skipped": [], "errors": []}
     meta["concurrent_servers"] = group_size
     runnable = [(sc, todo) for sc, todo in plan if not sc.skip_reason and todo]
@@ -557,7 +559,9 @@ def main(argv=None) -> int:
     for kv in a.set:
         k, _, v = kv.partition("=")
         cfg[k] = yaml.safe_load(v)
-    if a.concurrent:
+    if a.concurrent is not None:
+        if a.concurrent < 1:
+            p.error(f"--concurrent {a.concurrent}: give the number of servers to start at once (1 or more)")
         cfg["concurrent_servers"] = a.concurrent
     if a.num_requests:
         cfg["num_requests"] = a.num_requests
