@@ -29,7 +29,6 @@ import time
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
@@ -234,20 +233,34 @@ def bench_grouped(K, t, d, n_adapters_list, nblocks, iters) -> list[dict]:
     return rows
 
 
-def vllm_punica():
-    """vLLM's Triton LoRA ops if importable (signatures vary by version; any failure skips the column)."""
+def vllm_punica(max_loras: int, max_rank: int, max_tokens: int):
+    """vLLM's own GPU LoRA path (PunicaWrapperGPU: the per-module shrink + expand Triton kernels a LoRA layer runs)
+    when vLLM is importable, as (wrapper, set_mapping); else (None, reason). Same API in vLLM 0.26 and 0.32."""
     try:
-        from vllm.lora.ops.triton_ops import lora_expand, lora_shrink  # noqa: F401
-        return lora_shrink, lora_expand
-    except Exception:
-        return None
+        from vllm.config import LoRAConfig
+        from vllm.lora.layers import LoRAMapping
+        from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
+
+        wrapper = PunicaWrapperGPU(max_tokens, 256, "cuda",
+                                   lora_config=LoRAConfig(max_lora_rank=max_rank, max_loras=max_loras))
+
+        def set_mapping(slots: list[int]) -> None:  # token i -> LoRA slot slots[i] (ids are slot + 1)
+            ids = tuple(s + 1 for s in slots)
+            wrapper.update_metadata(LoRAMapping(ids, ids, is_prefill=False), list(range(1, max_loras + 1)),
+                                    max_loras, 32000)
+
+        return wrapper, set_mapping
+    except Exception as e:  # not installed, or an API this script does not know
+        return None, f"{type(e).__name__}: {e}"[:120]
 
 
 def bench_decode(K, tokens, d_in, slices, ranks, nbs, max_loras, iters) -> list[dict]:
     rows = []
     dt = torch.bfloat16
-    punica = vllm_punica()
     for r in ranks:
+        punica, set_mapping = vllm_punica(max_loras, r, max(tokens))
+        if punica is None:
+            print(f"vLLM punica column skipped: {set_mapping}")
         for n in nbs:
             per = [[(torch.randn(r, d_in, device="cuda", dtype=dt) / 64, torch.randn(d, r // n, device="cuda", dtype=dt))
                     for _ in range(max_loras)] for d in slices]
@@ -268,8 +281,20 @@ def bench_decode(K, tokens, d_in, slices, ranks, nbs, max_loras, iters) -> list[
                 res = dict(tokens=t, r=r, N=n, slices="+".join(map(str, slices)),
                            decode_ms=timed(lambda: K.decode_lora(y, x, a, b, idx, rk, scales, offs, nblocks=n),
                                            iters=iters),
-                           torch_gather_ms=timed(gather, iters=iters),
-                           vllm_punica_ms="skipped" if punica is None else "n/a")
+                           torch_gather_ms=timed(gather, iters=iters), vllm_punica_ms="skipped")
+                if punica is not None:
+                    # the stock layer's buffers: A (L, 1, r, d_in), B (L, 1, d_s, r) with the zeros of the
+                    # block-diagonal factor materialized, as vLLM's default LoRA stores a BD adapter
+                    a_st = tuple(a[s].unsqueeze(1).contiguous() for s in range(len(slices)))
+                    b_st = tuple(d.unsqueeze(1).contiguous() for d in dense_b)
+                    set_mapping(idx.tolist())
+                    try:
+                        res["vllm_punica_ms"] = timed(lambda: punica.add_lora_linear(
+                            y, x, a_st, b_st, 1.0, tuple(slices)), iters=iters)
+                        res["speedup_vs_punica"] = res["vllm_punica_ms"] / res["decode_ms"]
+                    except Exception as e:
+                        res["vllm_punica_ms"] = f"error {type(e).__name__}"
+                        print(f"vLLM punica call failed: {type(e).__name__}: {e}"[:300])
                 used = min(t, max_loras)
                 res["min_MB"] = BF16 * (t * d_in + 2 * t * offs[-1] + used * (len(slices) * r * d_in + offs[-1] * r // n)) / 1e6
                 res["GBps"] = res["min_MB"] / res["decode_ms"]
@@ -284,31 +309,49 @@ def main():
     ap.add_argument("--dropout", type=float, default=0.1, help="LoRA dropout in the layer benchmark")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="a smaller sweep (smoke test)")
+    ap.add_argument("--sections", default="check,layer,grouped,decode",
+                    help="comma-separated sections to run (default all; decode's vLLM column needs vLLM importable)")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    if sections - {"check", "layer", "grouped", "decode"}:
+        ap.error(f"unknown section(s) {sorted(sections - {'check', 'layer', 'grouped', 'decode'})}")
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA GPU here; run it on a GPU machine. Nothing measured.")
         return 0
     import bdlora.kernels as K
 
     t0 = time.time()
+
+    def save():  # after every section, so a run cut by a time limit keeps what it measured
+        result["seconds"] = time.time() - t0
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype="bfloat16",
                   triton=__import__("triton").__version__, args=vars(args))
-    result["check"] = check(K)
-    table("check (fp32, vs torch reference)", result["check"])
-    if not all(r["ok"] for r in result["check"]):
-        print("correctness check FAILED; timings follow anyway")
+    if "check" in sections:
+        result["check"] = check(K)
+        table("check (fp32, vs torch reference)", result["check"])
+        save()
+        if not all(r["ok"] for r in result["check"]):
+            print("correctness check FAILED; timings follow anyway")
     shapes = [(4096, 4096), (4096, 14336)]
     ranks, nbs = [16, 64], ([1, 4] if args.quick else [1, 4, 8])
-    result["layer"] = bench_layer(K, args.tokens, shapes, ranks, nbs, args.dropout, args.iters)
-    table(f"layer fwd+bwd, T={args.tokens}, dropout={args.dropout} (ms)", result["layer"])
-    result["grouped"] = bench_grouped(K, args.tokens, 4096, [4, 8] if args.quick else [4, 8, 16, 32], 4, args.iters)
-    table("grouped multi-adapter LoRA path fwd+bwd, ranks 16/32/64 mixed, layouts alternating (ms)",
-          result["grouped"])
-    result["decode"] = bench_decode(K, [1, 4, 16, 64], 4096, [4096, 1024, 1024], [16, 64], [1, 4], 8, args.iters)
-    table("decode LoRA per layer (q,k,v in one launch) (ms)", result["decode"])
-    result["seconds"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    if "layer" in sections:
+        result["layer"] = bench_layer(K, args.tokens, shapes, ranks, nbs, args.dropout, args.iters)
+        table(f"layer fwd+bwd, T={args.tokens}, dropout={args.dropout} (ms)", result["layer"])
+        save()
+    if "grouped" in sections:
+        result["grouped"] = bench_grouped(K, args.tokens, 4096, [4, 8] if args.quick else [4, 8, 16, 32], 4,
+                                          args.iters)
+        table("grouped multi-adapter LoRA path fwd+bwd, ranks 16/32/64 mixed, layouts alternating (ms)",
+              result["grouped"])
+        save()
+    if "decode" in sections:
+        result["decode"] = bench_decode(K, [1, 4, 16, 64], 4096, [4096, 1024, 1024], [16, 64], [1, 4], 8,
+                                        args.iters)
+        table("decode LoRA per layer (q,k,v in one launch) (ms)", result["decode"])
+        save()
     print(f"\nwrote {args.out} in {result['seconds']:.0f} s")
     return 0
 

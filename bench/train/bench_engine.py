@@ -542,6 +542,17 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
     save()
     print(f"[bench] warm-up {result['warmup_s']:.1f}s", flush=True)
 
+    if args.profile:
+        profile_runs(result, args.profile, out_txt=Path(args.out).with_suffix(".profile.txt"),
+                     engine=lambda jobs: run_engine(model, data, tmp / "profile", jobs, dtype=dtype, budget=budget,
+                                                    max_seq_len=seq),
+                     trainer=lambda j: run_trainer(trainer_config(parsed([j], tmp / "pp")[0], model_path=model,
+                                                                  data=data, out=tmp / "profile-trainer",
+                                                                  dtype=dtype, val_fraction=val_fraction), lengths),
+                     jobs=[job(f"p{i}", i, ranks[i % len(ranks)], steps) for i in range(args.profile)])
+        save()
+        return
+
     # -- 1. throughput: K jobs together vs the same jobs one after another --------------------------------
     # Job i is the same in every K (rank ranks[i % len], seed i), so the sequential baselines run each job once
     # and the baseline of K is the first K jobs back to back: sum of their tokens / sum of their step seconds.
@@ -575,7 +586,9 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
                  "microbatches_per_round": eng.round_log[-1]["microbatches"],
                  # all K jobs admitted together from the first round (the memory model could hold some back)
                  "active_jobs_first_round": eng.round_log[0]["active"],
-                 "peak_mem_gib": engine_peak_gib(eng)}
+                 "peak_mem_gib": engine_peak_gib(eng),
+                 # per-round (tokens, training seconds): shows compile/first-use costs past the skipped round
+                 "rounds": [[r["tokens"], round(r["train_s"], 4)] for r in eng.round_log]}
         del eng
         # the single-job PEFT trainer, job by job (the issue's baseline)
         for i in range(k):
@@ -900,6 +913,35 @@ def pvd_table(rows: list[dict]) -> str:
     return text_table(head, body)
 
 
+def profile_runs(result: dict, k: int, *, out_txt: Path, engine, trainer, jobs: list[dict]) -> None:
+    """--profile K: the engine training K jobs together, then the single-job trainer on the first job, each under
+    torch.profiler; the top kernels/ops by device time (and by host time) go to ``out_txt``. Tells where the
+    engine's time goes (grouped LoRA kernels, base GEMMs, attention, host work) on a shape where it is slow."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sort_dev = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    parts = []
+    for what, fn in ((f"engine, K={k} jobs together", lambda: engine(jobs)),
+                     ("single-job PEFT trainer, job 0", lambda: trainer(jobs[0]))):
+        free_memory()
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        ka = prof.key_averages()
+        parts.append(f"## {what}: {wall:.1f} s wall under the profiler\n\n### by device time\n"
+                     f"{ka.table(sort_by=sort_dev, row_limit=30, max_name_column_width=70)}\n"
+                     f"### by host time\n{ka.table(sort_by='self_cpu_time_total', row_limit=20, max_name_column_width=70)}\n")
+        result.setdefault("profile", []).append({"what": what, "wall_s": wall})
+        print(f"[bench] profiled {what}: {wall:.1f}s", flush=True)
+    out_txt.parent.mkdir(parents=True, exist_ok=True)
+    out_txt.write_text("\n".join(parts))
+    print(f"[bench] profile tables in {out_txt}", flush=True)
+
+
 def _quiet_loading() -> None:
     """No per-load progress bars of transformers in the logs (dozens of model loads per run)."""
     try:
@@ -944,6 +986,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-backend", default="auto", choices=["auto", "triton", "torch"],
                     help="the engine's LoRA path: auto (Triton grouped kernel on GPU), triton, or torch (per-job "
                          "cuBLAS GEMMs on GPU)")
+    ap.add_argument("--profile", type=int, metavar="K",
+                    help="instead of the throughput runs: profile the engine with K jobs and the trainer with one "
+                         "(torch.profiler tables in OUT.profile.txt)")
     args = ap.parse_args(argv)
     global LORA_BACKEND
     LORA_BACKEND = args.lora_backend
