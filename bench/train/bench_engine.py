@@ -105,6 +105,7 @@ def make_data(path: Path, n: int, seed: int = 0, min_words: int = 8, max_words: 
 
 
 LORA_BACKEND = "auto"  # the engine's lora_backend in every run of this process (--lora-backend)
+PAD_MULTIPLE = 1  # the engine's pad_multiple in every run of this process (--pad-multiple)
 
 
 def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=None, max_active=64,
@@ -113,7 +114,7 @@ def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=
     from bdlora.train.engine import parse_run
 
     return parse_run({
-        "lora_backend": LORA_BACKEND,
+        "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE,
         **extra,
         "base_model": str(model_path), "output_dir": str(out), "dtype": dtype, "token_budget": budget,
         "max_active_jobs": max_active, "eval_every": eval_every, "log_every": 0, "save_plots": False,
@@ -479,7 +480,8 @@ def run_throughput(args) -> int:
                      "ranks": ranks, "max_seq_len": seq, "sweep": do_sweep, "sweep_steps": sweep_steps, "lrs": lrs,
                      "sweep_ranks": sweep_ranks, "engine_seq_jobs": args.engine_seq_jobs,
                      "time_limit_s": time_limit, "cpu_smoke": bool(args.cpu_smoke),
-                     "token_budget_fit": budget_fit, "lora_backend": LORA_BACKEND, "argv": sys.argv[1:]},
+                     "token_budget_fit": budget_fit, "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE,
+                     "argv": sys.argv[1:]},
         "throughput": [], "sweep": {}, "skipped": [],
     }
     print(f"[bench] {json.dumps(result['settings'])}\n[bench] shape {json.dumps(shape_info)}", flush=True)
@@ -989,9 +991,11 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, metavar="K",
                     help="instead of the throughput runs: profile the engine with K jobs and the trainer with one "
                          "(torch.profiler tables in OUT.profile.txt)")
+    ap.add_argument("--pad-multiple", type=int, default=1,
+                    help="the engine's pad_multiple (rows padded to a multiple: fewer distinct shapes per run)")
     args = ap.parse_args(argv)
-    global LORA_BACKEND
-    LORA_BACKEND = args.lora_backend
+    global LORA_BACKEND, PAD_MULTIPLE
+    LORA_BACKEND, PAD_MULTIPLE = args.lora_backend, args.pad_multiple
     _quiet_loading()
     if args.out is None:
         suffix = "_pipeline_vs_dp" if args.pipeline_vs_dp else ("_llama8b" if args.shape == "llama8b" else "")

@@ -1,0 +1,147 @@
+"""Where does BD-LoRA decode time go in vLLM? One process, one GPU, no server: stock BD layers vs the experimental
+fused decode op (``--bdlora-fused-decode``), each with CUDA graphs and eager.
+
+    python bench/serve/decode_probe.py --out probe.json [--layers 4] [--rank 64] [--nblocks 4]
+
+Builds a random Llama of Llama-3.1-8B layer width (hidden 4096, intermediate 14336, 32/8 heads, vocab 32000) with
+``--layers`` decoder layers in bf16 and one PEFT BD-LoRA adapter on all 7 projections, then per mode starts an
+in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1) and measures, after a warm-up:
+
+* decode ms per token at batch 1 and at batch ``--batch`` (difference of two generations of different lengths over
+  the extra tokens, so prefill and start-up cancel), for a base request and a LoRA request;
+* the fused op's call counters during the timed LoRA generation (``fused:*`` = bdlora's kernel ran from Python):
+  with CUDA graphs the op is captured once per graph size and a replay runs no Python, so counters that grow with
+  the number of decode steps mean the op runs eagerly in graph mode;
+* a torch.profiler table (host time) of a short LoRA generation.
+
+Prints a table and writes JSON. Meant for the device machine (vLLM 0.26 bundle on PYTHONPATH); on a CPU-only
+machine it exits with a message.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model runs in this process: counters, profiler
+
+SHAPE = dict(hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=32000)
+
+
+def build(root: Path, layers: int, rank: int, nblocks: int, shape: dict) -> tuple[Path, Path]:
+    from bdlora.models import build_random_llama
+    from bdlora.spec import BDLoraSpec
+    from bdlora.vllm_plugin.testing import make_peft_adapter
+
+    model = build_random_llama(root / "llama8b-width", num_layers=layers, dtype="bfloat16", init_std=0.02,
+                               max_position_embeddings=4096, **shape)
+    adapter = make_peft_adapter(model, root / "bd", BDLoraSpec(nblocks=nblocks, r=rank, lora_alpha=2 * rank)
+                                .to_peft_config(), seed=1, std=0.01)
+    return model, adapter
+
+
+def decode_ms(llm, lora, n_req: int, short: int, long: int, prompt_len: int) -> float:
+    """ms per decode step: (time of `long` tokens - time of `short` tokens) / (long - short), n_req requests."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 30000 + 100 for j in range(prompt_len)]} for i in range(n_req)]
+
+    def run(n_tok: int) -> float:
+        sp = SamplingParams(max_tokens=n_tok, ignore_eos=True, temperature=0.0)
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    run(short)  # warm-up of this batch size
+    t_short = min(run(short) for _ in range(2))
+    t_long = min(run(long) for _ in range(2))
+    return 1000 * (t_long - t_short) / (long - short)
+
+
+def probe_mode(name: str, model: Path, adapter: Path, rank: int, fused, eager: bool, batch: int, profile: bool):
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from bdlora.vllm_plugin import testing as T
+
+    extra = {"bdlora": True}
+    if fused is not None:
+        extra["bdlora_fused_decode"] = fused
+    t0 = time.perf_counter()
+    llm = T.start_llm(model, dtype="bfloat16", enforce_eager=eager, max_model_len=2048, max_num_seqs=max(64, batch),
+                      enable_lora=True, max_lora_rank=rank, max_loras=1, gpu_memory_utilization=0.4,
+                      additional_config=extra)
+    res = {"mode": name, "eager": eager, "fused": fused, "start_s": round(time.perf_counter() - t0, 1)}
+    try:
+        lora = LoRARequest("bd", 1, str(adapter))
+        res["base_bs1_ms"] = decode_ms(llm, None, 1, 16, 144, 128)
+        res["lora_bs1_ms"] = decode_ms(llm, lora, 1, 16, 144, 128)
+        T.reset_fused_decode_counters()
+        res[f"lora_bs{batch}_ms"] = decode_ms(llm, lora, batch, 8, 40, 64)
+        res["base_bs%d_ms" % batch] = decode_ms(llm, None, batch, 8, 40, 64)
+        T.reset_fused_decode_counters()
+        sp = SamplingParams(max_tokens=65, ignore_eos=True, temperature=0.0)
+        llm.generate([{"prompt_token_ids": list(range(100, 164))}], sp, lora_request=lora, use_tqdm=False)
+        res["counters_64_decode_steps"] = T.read_fused_decode_counters()
+        if profile:
+            from torch.profiler import ProfilerActivity, profile as prof_ctx
+
+            with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                llm.generate([{"prompt_token_ids": list(range(100, 164))}], SamplingParams(
+                    max_tokens=17, ignore_eos=True, temperature=0.0), lora_request=lora, use_tqdm=False)
+            ka = prof.key_averages()
+            res["profile"] = (ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+                              + "\n" + ka.table(sort_by="self_cuda_time_total", row_limit=25,
+                                                max_name_column_width=60))
+    finally:
+        T.stop_llm(llm)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="decode_probe.json")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--nblocks", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--modes", default="stock,fused,stock_eager,fused_eager")
+    ap.add_argument("--profile", action="store_true", help="a torch.profiler table per mode")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on vLLM-CPU (checks the script only)")
+    args = ap.parse_args(argv)
+    import torch
+
+    shape = SHAPE
+    if args.cpu_smoke:
+        shape = dict(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512, vocab_size=30200)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    elif not torch.cuda.is_available():
+        print("decode_probe: no CUDA GPU here; run it on a GPU machine. Nothing measured.")
+        return 0
+    import vllm
+
+    root = Path(tempfile.mkdtemp(prefix="bdlora-probe-"))
+    model, adapter = build(root, args.layers, args.rank, args.nblocks, shape)
+    modes = {"stock": (None, False), "fused": (True, False), "stock_eager": (None, True),
+             "fused_eager": (True, True)}
+    out = {"vllm": vllm.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "args": vars(args), "modes": []}
+    for name in args.modes.split(","):
+        fused, eager = modes[name]
+        try:
+            r = probe_mode(name, model, adapter, args.rank, fused, eager, args.batch, args.profile)
+        except Exception as e:  # keep the other modes
+            r = {"mode": name, "error": f"{type(e).__name__}: {e}"[:500]}
+        out["modes"].append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "profile"}), flush=True)
+        if "profile" in r:
+            print(r["profile"], flush=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
