@@ -196,3 +196,44 @@ def test_memory_model_fit_recovers_coefficients():
     jobs = [JobFootprint("x", 500_000, 112)]
     want = true["b0"] + true["b1"] * 3000 + true["b2"] * 9e6 + true["bpp"] * 500_000 + true["brt"] * 112 * 3000
     assert m.predict(3000, jobs) == pytest.approx(want, rel=1e-3)
+
+
+def test_memory_model_counts_lora_dropout_keep_masks():
+    # lora_dropout > 0 stores a one-byte keep-mask per LoRA input element until backward (int8 in the grouped
+    # kernel over every row of the module call, bool per job's rows on the torch paths): the model adds
+    # T * sum(d_in) bytes per module that any dropout job adapts, once per module, not per job
+    from bdlora.train.engine.engine import Job
+
+    base = {"base_model": "m", "output_dir": "o", "datasets": {"d": "x.jsonl"}}
+    run = parse_run({**base, "jobs": [{"name": "drop", "lora_dropout": 0.1}, {"name": "nodrop"},
+                                      {"name": "drop2", "lora_dropout": 0.2, "rank": 16},
+                                      {"name": "nodrop2", "rank": 16},
+                                      {"name": "drop_q", "lora_dropout": 0.1, "target_modules": ["q_proj"]}]})
+    targets = {"model.layers.0.self_attn.q_proj": ("column", 64, 64),
+               "model.layers.0.mlp.down_proj": ("row", 176, 64),
+               "model.layers.1.self_attn.q_proj": ("column", 64, 64)}
+    fp = {j.name: Job(i, j, None, 0).footprint(targets) for i, j in enumerate(run.jobs)}
+    m = MemoryModel(beta=[1e9, 1e5, 5.0])
+    t = 512
+    masks = t * (64 + 176 + 64)  # bytes: 1 per element of each adapted module's (T, d_in) input
+    assert fp["nodrop"].dropout_modules == ()
+    assert m.predict(t, [fp["drop"]]) - m.predict(t, [fp["nodrop"]]) == masks
+    # two dropout jobs on the same modules share the micro-batch's rows: the masks count once
+    assert m.predict(t, [fp["drop"], fp["drop2"]]) - m.predict(t, [fp["nodrop"], fp["nodrop2"]]) == masks
+    assert m.predict(t, [fp["nodrop"], fp["drop2"]]) - m.predict(t, [fp["nodrop"], fp["nodrop2"]]) == masks
+    # a dropout job on a subset of the modules: only those modules' masks
+    assert m.mask_bytes(t, [fp["drop_q"], fp["nodrop"]]) == t * (64 + 64)
+    assert m.mask_bytes(t, [fp["drop_q"], fp["drop"]]) == masks
+    # a refit sees the measured peaks less the (known) masks, so predict does not count them twice
+    rng = random.Random(1)
+    true = dict(b0=5e8, b1=2e5, b2=3.0, bpp=20.0, brt=10.0)
+    for _ in range(12):
+        t2 = rng.choice([512, 1024, 2048, 4096])
+        jobs = rng.sample(list(fp.values()), rng.randint(1, 4))
+        y = (true["b0"] + true["b1"] * t2 + true["b2"] * t2 * t2
+             + sum(true["bpp"] * j.params + true["brt"] * j.rank_sum * t2 for j in jobs) + m.mask_bytes(t2, jobs))
+        m.observe(t2, jobs, y)
+    assert m.fit()
+    want = (true["b0"] + true["b1"] * 3000 + true["b2"] * 9e6 + true["bpp"] * fp["drop"].params
+            + true["brt"] * fp["drop"].rank_sum * 3000 + 3000 * (64 + 176 + 64))
+    assert m.predict(3000, [fp["drop"]]) == pytest.approx(want, rel=1e-3)

@@ -120,14 +120,16 @@ class Job:
         if self._footprint is not None and self._footprint[0] is targets:
             return self._footprint[1]
         spec = self.cfg.spec()
-        params, rank_sum = 0, 0
+        params, rank_sum, dropped = 0, 0, []
         for name, (layout, d_in, d_out) in targets.items():
             if name.rsplit(".", 1)[-1] not in spec.target_modules:
                 continue
             r, n = spec.r, spec.nblocks
             params += r * d_in + d_out * (r // n) if layout == "column" else r * (d_in // n) + d_out * r
             rank_sum += r
-        fp = JobFootprint(self.name, params, rank_sum)
+            if spec.lora_dropout > 0:  # its LoRA-dropout keep-mask on this module's input (memory model)
+                dropped.append((name, d_in))
+        fp = JobFootprint(self.name, params, rank_sum, tuple(dropped))
         self._footprint = (targets, fp)
         return fp
 

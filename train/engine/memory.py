@@ -1,11 +1,13 @@
 """Admission control: a memory model predicts the peak of a set of jobs; a job is admitted only if it fits.
 
-Peak bytes = shared(T) + sum_j per_job(j), with T the micro-batch token budget:
+Peak bytes = shared(T) + sum_j per_job(j) + masks(T), with T the micro-batch token budget:
 
 * shared(T) = beta0 + beta1 * T + beta2 * T^2 (mLoRA's scheduler model, eq. 5: base weights, activations of one
   packed micro-batch, the attention mask);
 * per_job(j) = bytes_per_param * P_j + bytes_per_rank_token * r_j * T_j (adapter weights, grads, AdamW states
-  and the stored x@A of its layers).
+  and the stored x@A of its layers);
+* masks = bytes_per_mask_elem * T * sum of d_in over the modules that some job with lora_dropout > 0 adapts (the
+  LoRA-dropout keep-masks saved for backward, one byte per input element: see :meth:`MemoryModel.mask_bytes`).
 
 ``analytic()`` gives coefficients from the model shape (the only choice on CPU). On GPU the engine records the
 measured peak (``torch.cuda.max_memory_allocated``) of each round and :meth:`MemoryModel.fit` refits the
@@ -28,6 +30,8 @@ class JobFootprint:
     name: str
     params: int  # trainable parameters
     rank_sum: int  # sum over target layers of the rank (x@A activations per token)
+    # lora_dropout > 0: ((module path, d_in), ...) of the modules whose LoRA input it drops out; () without dropout
+    dropout_modules: tuple = ()
 
 
 @dataclass
@@ -35,7 +39,8 @@ class MemoryModel:
     beta: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # shared: b0 + b1 T + b2 T^2
     bytes_per_param: float = 16.0  # fp32 param + grad + 2 AdamW moments
     bytes_per_rank_token: float = 8.0
-    points: list = field(default_factory=list)  # (T, sum params, sum rank_sum*T, measured bytes)
+    bytes_per_mask_elem: float = 1.0  # LoRA-dropout keep-mask: int8 (grouped kernel), bool (torch paths, CUDA)
+    points: list = field(default_factory=list)  # (T, sum params, sum rank_sum*T, measured bytes less the masks)
     fitted: bool = False
 
     @classmethod
@@ -58,11 +63,24 @@ class MemoryModel:
         t = float(tokens)
         shared = self.beta[0] + self.beta[1] * t + self.beta[2] * t * t
         per = sum(self.bytes_per_param * j.params + self.bytes_per_rank_token * j.rank_sum * t for j in jobs)
-        return shared + per
+        return shared + per + self.mask_bytes(tokens, jobs)
+
+    def mask_bytes(self, tokens: int, jobs: list[JobFootprint]) -> float:
+        """LoRA-dropout keep-masks saved for backward (one micro-batch in flight), counted over all T tokens of
+        the micro-batch once per module that any dropout job adapts, not per job: the grouped kernel
+        (``_LoraLinearFn``) allocates its int8 (T, d_in) mask for every row of a module call as soon as one
+        adapter of the call drops out; the torch paths' masks (``F.dropout`` on a job's rows: bool on CUDA) of
+        the dropout jobs on a module cover disjoint rows, so at most T of them. Jobs without dropout add nothing.
+        Not counted: the torch paths also keep the dropped-out copy of the job's rows (activation dtype) for the
+        x@A backward, and on CPU ``F.dropout``'s mask is in the activation dtype, not bool."""
+        d_in = dict(m for j in jobs for m in j.dropout_modules)  # module path -> d_in, each module once
+        return self.bytes_per_mask_elem * float(tokens) * sum(d_in.values())
 
     def observe(self, tokens: int, jobs: list[JobFootprint], measured_bytes: float) -> None:
+        # the masks are known (exactly for the grouped kernel): the fit sees the rest, predict adds them back
         self.points.append((float(tokens), float(sum(j.params for j in jobs)),
-                            float(sum(j.rank_sum for j in jobs)) * float(tokens), float(measured_bytes)))
+                            float(sum(j.rank_sum for j in jobs)) * float(tokens),
+                            float(measured_bytes) - self.mask_bytes(tokens, jobs)))
 
     def fit(self, min_points: int = 5) -> bool:
         """Non-negative least squares over [1, T, T^2, params, rank*T]; needs varied points. Returns success."""
