@@ -148,3 +148,16 @@ def test_cli_yaml_run_and_resume(tiny_llama_dir, data_file, tmp_path):
     p = subprocess.run([sys.executable, "-m", "bdlora.train.engine", "--config", str(bad)], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 2 and "unknown job fields" in p.stderr
+
+
+def test_pad_multiple_auto_resolves_by_device(tiny_llama_dir, data_file, tmp_path):
+    """pad_multiple left out: 1 on CPU (64 on a GPU); an explicit value is used as given, in every micro-batch."""
+    from bdlora.train.engine.engine import GPU_PAD_MULTIPLE
+
+    eng = _engine(tiny_llama_dir, data_file, tmp_path / "auto", [{"name": "a", "steps": 1}])
+    assert eng.device.type == "cpu" and eng.pad_multiple == 1 and GPU_PAD_MULTIPLE == 64
+    eng = _engine(tiny_llama_dir, data_file, tmp_path / "p16", [{"name": "a", "steps": 1}], pad_multiple=16)
+    assert eng.pad_multiple == 16
+    job = eng.jobs[0]
+    mbs = eng._microbatches([(job.id, list(range(4)))])
+    assert mbs and all(mb.input_ids.shape[1] % 16 == 0 for mb in mbs)

@@ -105,7 +105,7 @@ def make_data(path: Path, n: int, seed: int = 0, min_words: int = 8, max_words: 
 
 
 LORA_BACKEND = "auto"  # the engine's lora_backend in every run of this process (--lora-backend)
-PAD_MULTIPLE = 1  # the engine's pad_multiple in every run of this process (--pad-multiple)
+PAD_MULTIPLE = None  # the engine's pad_multiple in every run of this process (--pad-multiple; None = its auto)
 
 
 def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=None, max_active=64,
@@ -991,8 +991,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, metavar="K",
                     help="instead of the throughput runs: profile the engine with K jobs and the trainer with one "
                          "(torch.profiler tables in OUT.profile.txt)")
-    ap.add_argument("--pad-multiple", type=int, default=1,
-                    help="the engine's pad_multiple (rows padded to a multiple: fewer distinct shapes per run)")
+    ap.add_argument("--pad-multiple", type=int,
+                    help="the engine's pad_multiple (rows padded to a multiple: fewer distinct shapes per run); "
+                         "default: the engine's auto (64 on GPU, 1 on CPU)")
     args = ap.parse_args(argv)
     global LORA_BACKEND, PAD_MULTIPLE
     LORA_BACKEND, PAD_MULTIPLE = args.lora_backend, args.pad_multiple

@@ -130,7 +130,10 @@ class RunConfig:
     dtype: str = "float32"
     device: str = "auto"
     token_budget: int = 2048
-    pad_multiple: int = 1  # each job's segment in a micro-batch is padded to a multiple of this
+    # each job's segment in a micro-batch is padded to a multiple of this; None = auto: 64 on GPU (the grouped
+    # kernel's row tile, and few distinct shapes: on an H200 ragged rows made round times vary up to 10x from
+    # per-shape set-up costs, bench/results/train/*_2026-11-22*), 1 on CPU
+    pad_multiple: Optional[int] = None
     max_active_jobs: int = 16
     memory_budget_gb: Optional[float] = None  # None: 90% of the GPU (unlimited on CPU)
     memory_model: str = "auto"  # auto (fit measured peaks on GPU) | analytic
@@ -312,6 +315,8 @@ def parse_run(raw: dict, base_dir: str | os.PathLike = ".") -> RunConfig:
     if raw["base_model"] not in ("smollm2", "SmolLM2-135M-Instruct"):
         raw["base_model"] = _path(raw["base_model"])
     run = RunConfig(datasets=datasets, jobs=jobs, early_exit=ee, **raw)
+    if run.pad_multiple is not None and (not isinstance(run.pad_multiple, int) or run.pad_multiple < 1):
+        raise ConfigError(f"pad_multiple must be a positive integer (or omitted for auto), got {run.pad_multiple!r}")
     longest = max(j.max_seq_len for j in jobs)
     if run.token_budget < longest:
         raise ConfigError(f"token_budget={run.token_budget} is smaller than the longest max_seq_len={longest}: "

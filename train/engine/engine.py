@@ -40,6 +40,7 @@ from .multilora import BatchContext, JobAdapter, dropout_rng, inject_multilora, 
 from .packing import MicroBatch, build_microbatch, plan_microbatches
 
 CHECKPOINT = "engine_state.pt"
+GPU_PAD_MULTIPLE = 64  # pad_multiple when the run file leaves it out and the engine runs on a GPU (RunConfig)
 RESULTS_CSV = "results.csv"
 RESULT_FIELDS = ["job", "status", "stop_reason", "rank", "alpha", "nblocks", "lr", "batch_size", "steps",
                  "total_steps", "final_train_loss", "final_eval_loss", "best_eval_loss", "best_step", "tokens",
@@ -150,6 +151,7 @@ class Engine:
         else:
             self.device = torch.device(run.device)
         self.base_path = run.resolve_base_model()
+        self.pad_multiple = run.pad_multiple or (GPU_PAD_MULTIPLE if self.device.type == "cuda" else 1)
         if model is None:
             model, tokenizer = load_base(self.base_path, run.dtype, self.device)
         self.model, self.tok = model, tokenizer
@@ -260,9 +262,9 @@ class Engine:
     # -- training ---------------------------------------------------------------------------------------
     def _microbatches(self, requests, split="train") -> list[MicroBatch]:
         bins = plan_microbatches(requests, lambda j: self._lengths(j, split), self.run_cfg.token_budget,
-                                 self.run_cfg.pad_multiple)
+                                 self.pad_multiple)
         return [build_microbatch(b, lambda j: getattr(self.jobs[j].data, split), self.pad_id,
-                                 self.run_cfg.pad_multiple) for b in bins]
+                                 self.pad_multiple) for b in bins]
 
     def train_round(self) -> dict:
         jobs = self.active_jobs()

@@ -341,8 +341,8 @@ def _build_stream(engine) -> tuple[list[PMB], dict, dict]:
                 continue
             idx = job.sampler.next_batch()
             bins = plan_microbatches([(job.id, idx)], lambda j: engine._lengths(j), run.token_budget,
-                                     run.pad_multiple)
-            mbs = [build_microbatch(b, lambda j: engine.jobs[j].data.train, engine.pad_id, run.pad_multiple)
+                                     engine.pad_multiple)
+            mbs = [build_microbatch(b, lambda j: engine.jobs[j].data.train, engine.pad_id, engine.pad_multiple)
                    for b in bins]
             step_targets[(job.id, k)] = sum(mb.n_targets(job.id) for mb in mbs)
             mbs_in_step[(job.id, k)] = len(mbs)
