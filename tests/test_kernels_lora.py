@@ -226,6 +226,16 @@ def test_decode(layout, n, slices, t):
     assert_close(ref, want)
 
 
+def test_decode_column_chunks():
+    """Chunks follow the widest slice block and the wanted program count, at least min_cols wide, never < 1."""
+    from bdlora.kernels.decode import decode_column_chunks
+
+    assert decode_column_chunks(1, 3, 3584, 128, 528) == 28  # batch 1, TP=4 gate/up: one chunk per 128 columns
+    assert decode_column_chunks(64, 3, 3584, 128, 528) == 3  # 64 tokens fill the GPU with few chunks
+    assert decode_column_chunks(1, 3, 64, 32, 16) == 2
+    assert decode_column_chunks(500, 3, 16, 32, 16) == 1
+
+
 def test_decode_64_tokens():
     gen = torch.Generator().manual_seed(64)
     idx = (torch.arange(64) % 5) - 1  # -1, 0, 1, 2, 3, ...

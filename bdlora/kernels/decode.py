@@ -42,6 +42,15 @@ def stack_decode_weights(per_slice: Sequence[Sequence[tuple[torch.Tensor, torch.
     return a, b, ranks.to(a.device), offs
 
 
+def decode_column_chunks(tokens: int, slice_blocks: int, max_block: int, min_cols: int, programs: int) -> int:
+    """Output-column chunks per (token, slice, block) for ``decode_lora``'s grid: enough programs to reach
+    ``programs`` (a few per SM), chunks at least ``min_cols`` wide. Sized on the widest slice block: a narrower
+    one's surplus chunks exit at once (sizing on the narrowest gave 2-3 programs per layer at batch 1 at TP=4, where
+    k/v have 256 columns: far slower than vLLM's punica path in serving, bench/results/serve/grid_8b_tp4_fused).
+    Each chunk recomputes its shrink (one rank block of x @ A), the price of a single launch."""
+    return max(1, min(-(-max_block // min_cols), -(-programs // (tokens * slice_blocks))))
+
+
 def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                 token_lora_indices: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
                 slice_offsets: Sequence[int], *, layout: str = "column", nblocks: int = 1,
@@ -77,14 +86,14 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
 
     t, d_in = x.shape
     n_l, r_max = lora_a.shape[1], lora_a.shape[2]
+    max_block = max(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_s)) // nb
     if x.is_cuda:
         block_k, block_n, warps = 128, 64, 4
-        # split output columns until the grid covers the GPU; each chunk recomputes its (tiny) shrink
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        min_block = min(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_s)) // nb
-        n_chunks = max(1, min(-(-min_block // 256), -(-2 * sms // (t * n_s * nb))))
-    else:
-        block_k, block_n, warps, n_chunks = 32, 32, 1, 1
+        n_chunks = decode_column_chunks(t, n_s * nb, max_block, 2 * block_n, 4 * sms)
+    else:  # small tiles under the interpreter, still several chunks so the chunked path is tested on CPU
+        block_k, block_n, warps = 32, 32, 1
+        n_chunks = decode_column_chunks(t, n_s * nb, max_block, block_n, 16)
     idx = token_lora_indices.to(device=x.device, dtype=torch.int32)
     if soff is None:
         soff = torch.tensor(list(slice_offsets), dtype=torch.int32, device=x.device)
