@@ -72,6 +72,19 @@ def test_grid_expansion_full_preset():
     assert [g.method for g in smoke] == ["bd", "lora", "slora", "base"]
 
 
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "bench/serve/configs").glob("*.yaml")))
+def test_every_preset_expands(preset):
+    """Presets that only run on GPUs (TP=4/8, 70B) are checked here: they parse, expand to unique servers with
+    BD ranks divisible by TP, and name their file."""
+    cfg = yaml.safe_load((ROOT / f"bench/serve/configs/{preset}.yaml").read_text())
+    assert cfg["name"] == preset
+    grid = expand_grid(cfg)
+    assert grid and len({g.id for g in grid}) == len(grid)
+    assert all(g.rank % g.tp == 0 for g in grid if g.method == "bd")
+    assert all(1 <= load.bs <= load.num_requests for g in grid for load in g.loads)  # at least one whole batch
+    assert int(cfg.get("concurrent_servers", 1)) >= 1
+
+
 # ------------------------------------------------------------------------------------------------ client protocol
 
 
