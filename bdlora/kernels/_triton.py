@@ -127,8 +127,9 @@ def _dsdb_kernel(
     dS[rows_i, rank_j] += dY[rows_i, out_j] @ B_j        (B_j = lora_b rows out_j, stored (d_out/nb, r/nb))
     dB_j               += dY[rows_i, out_j]^T @ S[rows_i, rank_j]
 
-    Both are fp32 atomics (ds_ptr, db_ptr zeroed): program (tile, c) takes every col_split-th column chunk,
-    so a few programs share a row tile and the grid fills the GPU.
+    Both are fp32 atomics (ds_ptr, db_ptr zeroed): program (tile, c, q) takes every col_split-th column chunk and
+    rank chunk q (BLOCK_R ranks of each block), so a few programs share a row tile, the grid fills the GPU, and
+    the two fp32 accumulators stay (BLOCK_T + BLOCK_N) x BLOCK_R however large the rank.
 
     meta[i] = (r_i, d_out, nb_i, boff_i).
     """
@@ -139,7 +140,7 @@ def _dsdb_kernel(
 
     rows = row0 + tl.arange(0, BLOCK_T)
     rmask = rows < row_end
-    rr = tl.arange(0, BLOCK_R)
+    rr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     rrmask = rr < rb
     for j in range(0, nb):
         smask = rmask[:, None] & rrmask[None, :]

@@ -111,6 +111,11 @@ class _Plan:
         self.n_wtiles = len(wtiles)
         self.wtiles = torch.tensor(wtiles or [(0, 0, 0)], dtype=torch.int32).to(dev, non_blocking=True)
         self.block_r = max(16, _next_pow2(max(r // ad.blocks_b for ad, r in zip(adapters, ranks))))
+        # dS/dB kernel: ranks in chunks of at most 64 (32 under the interpreter, so CPU tests cover several chunks):
+        # two fp32 (rows x BLOCK_R) accumulators of BLOCK_R = 128 spilled registers on the H200 (2026-11-22 profile:
+        # 4 ms a call at the 8B shape with rank 128)
+        self.dsdb_block_r = min(self.block_r, 64 if x.is_cuda else 32)
+        self.dsdb_rank_chunks = triton_cdiv(self.block_r, self.dsdb_block_r)
         # per-stage (BLOCK_M, BLOCK_K): the rank side of a tile is sized to the rank (block), not padded to 128
         rb_a = max(r // ad.blocks_a for ad, r in zip(adapters, ranks))
         self.tile_mk = {
@@ -164,10 +169,10 @@ class _Plan:
             split = max(1, min(8, -(-4 * sms // self.n_tiles)))
         else:
             split = 2  # exercises the split path under the interpreter
-        _dsdb_kernel[(self.n_tiles, split)](
+        _dsdb_kernel[(self.n_tiles, split, self.dsdb_rank_chunks)](
             ds, db32, dy, s, b_flat, self.tiles, self.meta[self.DSDB],
             ds.stride(0), dy.stride(0), s.stride(0), split,
-            BLOCK_T=cfg["BT"], BLOCK_N=cfg["BN"], BLOCK_R=self.block_r, PREC=self.prec,
+            BLOCK_T=cfg["BT"], BLOCK_N=cfg["BN"], BLOCK_R=self.dsdb_block_r, PREC=self.prec,
             num_warps=cfg["warps"], num_stages=cfg["stages"],
         )
 
