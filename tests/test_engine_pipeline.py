@@ -111,7 +111,10 @@ def test_p2p_groups_created_once_per_process_group(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_stage_pipeline_equals_single_process(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("eval_every", [10, 2])
+def test_two_stage_pipeline_equals_single_process(tiny_llama_dir, tmp_path, eval_every):
+    """eval_every=10 >= every job's steps: one segment (the whole run streamed, as before segments); eval_every=2:
+    two segments with a drain and an evaluation between them, the same per-job results."""
     from bdlora import load_adapter
     from bdlora.train.engine import parse_run
     from bdlora.train.engine.engine import Engine
@@ -121,13 +124,15 @@ def test_two_stage_pipeline_equals_single_process(tiny_llama_dir, tmp_path):
     jobs = [{"name": "a", "rank": 4, "nblocks": 1, "seed": 1, "max_grad_norm": 0.05},
             {"name": "b", "rank": 8, "nblocks": 2, "seed": 2, "schedule": "cosine", "batch_size": 2, "grad_accum": 2},
             {"name": "c", "rank": 8, "nblocks": 4, "seed": 3, "steps": 2}]
-    kw = dict(token_budget=96, defaults={"steps": 3, "batch_size": 4, "lr": 1e-3, "max_seq_len": 64})
+    kw = dict(token_budget=96, eval_every=eval_every,
+              defaults={"steps": 3, "batch_size": 4, "lr": 1e-3, "max_seq_len": 64})
     eng = Engine(parse_run(run_dict(tiny_llama_dir, data, tmp_path / "single", jobs, **kw)))
     single = eng.run()
     res = run_pipeline_spawn(parse_run(run_dict(tiny_llama_dir, data, tmp_path / "pipe", jobs, pipeline_stages=2,
                                                 **kw)))
     st = res["pipeline"]
     assert st["stages"] == 2 and st["microbatches"] > 8
+    assert st["segments"] == (1 if eval_every == 10 else 2)
     assert 0.0 <= st["bubble_measured"] < 1.0 and st["bubble_theory_max_D_minus_L_over_D"] == 0.0
     assert st["peak_mem_gib_per_stage"] == [None, None]  # CPU: no GPU peak
     for job, row_s, row_p in zip(eng.jobs, single, res["jobs"]):
@@ -162,3 +167,81 @@ def test_data_parallel_two_processes_equal_one(tiny_llama_dir, tmp_path):
         assert b["steps"] == a["steps"] and b["tokens"] == a["tokens"]
         assert b["final_train_loss"] == pytest.approx(a["final_train_loss"], rel=1e-5)
         assert b["final_eval_loss"] == pytest.approx(a["final_eval_loss"], rel=1e-5)
+
+
+# a job with a huge learning rate: its validation loss climbs at once (window 2, patience 1: the first evaluation
+# at which both the EMA-train and the validation slopes rise exits it); two slots, so "late" waits in the queue
+DIVERGE_EE = {"enabled": True, "warmup_select": False, "tau_gap": 1e9, "patience": 1}
+DIVERGE_JOBS = [{"name": "good", "seed": 1, "schedule": "cosine"},
+                {"name": "bad", "seed": 2, "lr": 5.0},
+                {"name": "late", "seed": 3, "rank": 4, "nblocks": 2}]
+DIVERGE_KW = dict(early_exit=DIVERGE_EE, eval_every=1, max_active_jobs=2, token_budget=96,
+                  defaults={"steps": 6, "batch_size": 2, "lr": 1e-3, "max_seq_len": 64})
+
+
+def _pipeline(tiny_llama_dir, data, out, jobs=DIVERGE_JOBS, **kw):
+    from bdlora.train.engine import parse_run
+    from bdlora.train.engine.pipeline import run_pipeline_spawn
+
+    return run_pipeline_spawn(parse_run(run_dict(tiny_llama_dir, data, out, jobs, pipeline_stages=2,
+                                                 **{**DIVERGE_KW, **kw})))
+
+
+@pytest.mark.slow
+def test_pipeline_early_exit_and_backfill_match_single_process(tiny_llama_dir, tmp_path):
+    import os
+
+    from bdlora.train.engine import parse_run
+    from bdlora.train.engine.engine import Engine
+
+    data = write_alpaca(tmp_path / "d.jsonl", n=30)
+    eng = Engine(parse_run(run_dict(tiny_llama_dir, data, tmp_path / "single", DIVERGE_JOBS, **DIVERGE_KW)))
+    single = eng.run()
+    res = _pipeline(tiny_llama_dir, data, tmp_path / "pipe")
+    pipe = res["jobs"]
+    assert [r["stop_reason"] for r in single] == ["completed", "diverging", "completed"]
+    assert single[1]["steps"] < 6
+    for rs, rp in zip(single, pipe):  # same decisions: stop reason and step
+        assert (rp["job"], rp["status"], rp["stop_reason"], rp["steps"]) == (rs["job"], "done", rs["stop_reason"],
+                                                                             rs["steps"])
+        assert rp["tokens"] == rs["tokens"] and os.path.isdir(rp["adapter"])
+    for job in (0, 2):  # the well-behaved jobs: same losses (the diverging one's huge steps amplify float noise)
+        name = single[job]["job"]
+        assert res["train_losses"][name] == pytest.approx([l for _, l in eng.jobs[job].history["train"]], rel=1e-5)
+        assert pipe[job]["final_eval_loss"] == pytest.approx(single[job]["final_eval_loss"], rel=1e-5)
+    # one step per segment (eval_every=1); "late" waits for a slot and enters in the segment after "bad" exits
+    segs = [r["jobs"] for r in res["rounds"]]
+    exit_step = single[1]["steps"]
+    assert all(len(j) <= 2 for j in segs) and res["pipeline"]["segments"] == len(segs)
+    assert segs[:exit_step] == [["good", "bad"]] * exit_step
+    assert segs[exit_step] == ["good", "late"]
+    assert len(segs) == exit_step + 6  # "late" runs its 6 steps after "bad" left
+
+
+@pytest.mark.slow
+def test_pipeline_resume_equals_uninterrupted(tiny_llama_dir, tmp_path):
+    from bdlora import load_adapter
+
+    data = write_alpaca(tmp_path / "d.jsonl", n=30)
+    # early exit across the resume point ("bad" exits at step 3), a queued job, a cosine schedule, LoRA dropout
+    jobs = DIVERGE_JOBS[:2] + [{**DIVERGE_JOBS[2], "lora_dropout": 0.1}]
+    full = _pipeline(tiny_llama_dir, data, tmp_path / "full", jobs)
+    assert [r["stop_reason"] for r in full["jobs"]] == ["completed", "diverging", "completed"]
+    kw = dict(jobs=jobs, resume=True, checkpoint_every=1)
+    part = _pipeline(tiny_llama_dir, data, tmp_path / "part", max_rounds=2, **kw)  # stops after segment 2
+    assert [r["status"] for r in part["jobs"]] == ["active", "active", "queued"]
+    assert [r["steps"] for r in part["jobs"]] == [2, 2, 0]
+    state = tmp_path / "part" / "pipeline_state"
+    assert sorted(p.name for p in state.iterdir()) == ["run_state.pt", "stage0.seg2.pt", "stage1.seg2.pt"]
+    rest = _pipeline(tiny_llama_dir, data, tmp_path / "part", **kw)
+    seg = lambda r: (r["round"], r["segment"], r["jobs"], r["tokens"], r["microbatches"], r["evals"])  # noqa: E731
+    assert [seg(r) for r in rest["rounds"]] == [seg(r) for r in full["rounds"]]  # the same segments
+    for r, f in zip(rest["jobs"], full["jobs"]):
+        assert (r["stop_reason"], r["steps"], r["tokens"]) == (f["stop_reason"], f["steps"], f["tokens"])
+        assert r["final_eval_loss"] == pytest.approx(f["final_eval_loss"], rel=1e-6)
+        assert rest["train_losses"][r["job"]] == pytest.approx(full["train_losses"][f["job"]], rel=1e-6)
+        a, b = load_adapter(r["adapter"]), load_adapter(f["adapter"])
+        assert set(a.modules) == set(b.modules)
+        for p in a.modules:
+            torch.testing.assert_close(a.modules[p].lora_A, b.modules[p].lora_A, rtol=0, atol=1e-7)
+            torch.testing.assert_close(a.modules[p].lora_B, b.modules[p].lora_B, rtol=0, atol=1e-7)

@@ -14,6 +14,20 @@ of different jobs fill the pipeline with no flush between jobs.
 * Grad-norm clipping needs the job's norm over all stages: backward messages carry the downstream sum of squared
   norms; stage 0 completes it and sends it with the job's next forward, where every stage applies the pending
   step before running that forward (no extra synchronization); the last steps are applied after one broadcast.
+* Segments: the run streams each active job's steps up to its next evaluation point (the next multiple of its
+  ``eval_every``, its last step, or its warm-up step: where the single-process engine evaluates), then drains the
+  pipeline (the broadcast above). At that boundary, identical on every rank, the last stage's train and validation
+  losses are broadcast and the engine's own code decides (:class:`StageEngine`; :meth:`Engine.after_step`: ALTO
+  early exit, best-validation factors, warm-up parking and top-k selection; :meth:`Engine.admit`: the queue
+  backfills freed slots under ``max_active_jobs`` and the memory model, predicted per stage with the stage's
+  modules, the worst stage deciding; its analytic shared term still counts the whole base, so it is
+  conservative); finished jobs' factors are gathered to rank 0 and written. ``checkpoint_every`` / ``max_rounds`` / ``resume`` act at boundaries:
+  each stage writes ``pipeline_state/stage{s}.seg{n}.pt`` (its layers' factors, AdamW / LR-schedule states, samplers,
+  early-exit states), rank 0 ``pipeline_state/run_state.pt`` (statuses, histories, segment counter); a resumed run
+  ends with the same adapters and losses as an uninterrupted one.
+  Differences from the single-process engine: a non-finite train loss is acted on at the next boundary (not at
+  once); LoRA-dropout masks are seeded per pipeline micro-batch, so dropout jobs are reproducible (and resume
+  exactly) but do not equal the single-process run; the memory model is not refitted from measured peaks.
 
 Activations and gradients travel with ``torch.distributed`` send/recv (gloo on CPU, NCCL on GPU), each direction
 on its own process group (:func:`p2p_groups`). :func:`init_distributed` starts a process group bound to this process's
@@ -24,9 +38,12 @@ from __future__ import annotations
 
 import gc
 import inspect
+import io
 import json
 import math
+import os
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +55,7 @@ import torch.nn as nn
 from bdlora.adapter import Adapter, AdapterConfig, save_adapter
 
 from .config import RunConfig
+from .engine import Engine, format_table, plot_job
 from .multilora import dropout_rng, round_seed
 from .packing import MicroBatch
 
@@ -166,7 +184,10 @@ def init_distributed(backend: str, local_rank: int, **kwargs) -> None:
     dist.init_process_group(backend, **kwargs)
 
 
-_P2P_GROUPS: list = []  # [(the default group they were made in, (forward group, backward group))]
+# [weak references to (the default group they were made in, forward group, backward group)]: weak, so that
+# destroy_process_group frees the groups (their gloo worker threads are joined then, not while the interpreter
+# shuts down, where a worker releasing a finished collective's tensors aborts the process)
+_P2P_GROUPS: list = []
 
 
 def p2p_groups(timeout=None):
@@ -187,11 +208,13 @@ def p2p_groups(timeout=None):
     import torch.distributed as dist
 
     world = dist.group.WORLD
-    if not (_P2P_GROUPS and _P2P_GROUPS[0][0] is world):
-        ranks = list(range(dist.get_world_size()))
-        pair = (dist.new_group(ranks, timeout=timeout), dist.new_group(ranks, timeout=timeout))
-        _P2P_GROUPS[:] = [(world, pair)]
-    return _P2P_GROUPS[0][1]
+    cached = tuple(r() for r in _P2P_GROUPS)
+    if cached and cached[0] is world and cached[1] is not None and cached[2] is not None:
+        return cached[1], cached[2]
+    ranks = list(range(dist.get_world_size()))
+    pair = (dist.new_group(ranks, timeout=timeout), dist.new_group(ranks, timeout=timeout))
+    _P2P_GROUPS[:] = [weakref.ref(world), weakref.ref(pair[0]), weakref.ref(pair[1])]
+    return pair
 
 
 class _Stage:
@@ -326,19 +349,88 @@ class _Stage:
         self.sends = []
 
 
-def _build_stream(engine) -> tuple[list[PMB], dict, dict]:
-    """Every job's steps packed into single-job micro-batches, interleaved round-robin over jobs."""
+class StageEngine(Engine):
+    """The engine on one pipeline stage. Its decision code (:meth:`Engine.after_step`: evaluation history, ALTO
+    early exit, best-validation factors, warm-up parking and top-k; :meth:`Engine.admit`: backfill under
+    ``max_active_jobs`` and the memory model) runs unchanged; these three hooks feed it numbers that every rank
+    shares, so every rank decides identically. ``stage`` is set once this rank's :class:`_Stage` exists."""
+
+    stage: Optional["_Stage"] = None
+
+    def __init__(self, run: RunConfig):
+        super().__init__(run)
+        self.to_save: list = []  # (job, adapter) finished at this boundary: gathered from every stage, then written
+
+    def _fits(self, jobs):
+        """The memory model on this stage's modules; every rank takes the worst stage's answer."""
+        ok, pred = super()._fits(jobs)
+        over = pred / self.mem_budget if self.mem_budget else 0.0
+        t = torch.tensor([over, pred], dtype=torch.float64, device=self.device)
+        self.stage.dist.all_reduce(t, op=self.stage.dist.ReduceOp.MAX)
+        return bool(t[0] <= 1.0), float(t[1])
+
+    def evaluate(self, jobs):
+        """Forward-only pipeline passes over the jobs' validation sets; the last stage's losses on every rank."""
+        st = self.stage
+        jobs = [j for j in jobs if j.data.val]
+        if not jobs:
+            return {}
+        vstream = []
+        for job in jobs:
+            for mb in self._microbatches([(job.id, list(range(len(job.data.val))))], split="val"):
+                vstream.append(PMB(len(vstream), job.id, -1, mb))  # single-job bins: one job per micro-batch
+        st.loss_sums = {}
+        for pm in vstream:
+            st.forward(pm, {}, train=False)
+        st.finish_sends()
+        vals = None
+        if st.s == st.P - 1:
+            vals = {}
+            for job in jobs:
+                mine = [pm for pm in vstream if pm.job == job.id]
+                vsum = sum(st.loss_sums[pm.idx] for pm in mine)
+                vals[job.id] = vsum / max(sum(pm.mb.n_targets(job.id) for pm in mine), 1)
+        box = [vals]
+        st.dist.broadcast_object_list(box, src=st.P - 1)
+        return box[0]
+
+    def _finish(self, job, reason, write=True):
+        """The engine's own (best-validation restore on overfitting, result row, slot freed) without its rank-0
+        save, which would write only stage 0's layers: the stages' factors are gathered after the decisions."""
+        adapter = job.adapter
+        rank, self.rank = self.rank, -1
+        try:
+            super()._finish(job, reason, write)
+        finally:
+            self.rank = rank
+        if write and adapter is not None:
+            self.to_save.append((job, adapter))
+
+
+def _next_due(engine, job) -> int:
+    """The step of the job's next evaluation as the single-process engine would do it (``Engine._eval_due``): the
+    next multiple of its ``eval_every``, its last step, or its warm-up step when warm-up selection applies."""
+    every = job.cfg.eval_every or engine.run_cfg.eval_every
+    due = [(job.step // every + 1) * every, job.total_steps]
+    if engine._warmup_applies(job) and job.warm_steps > job.step:
+        due.append(job.warm_steps)
+    return min(due)
+
+
+def _build_stream(engine, jobs: list, counts: dict[int, int]) -> tuple[list[PMB], dict, dict]:
+    """One segment: ``counts[job.id]`` steps of each job of ``jobs`` (from its current step on), packed into
+    single-job micro-batches and interleaved round-robin over the jobs."""
     from .packing import build_microbatch, plan_microbatches
 
     run = engine.run_cfg
     stream: list[PMB] = []
     step_targets: dict[tuple[int, int], int] = {}
     mbs_in_step: dict[tuple[int, int], int] = {}
-    longest = max(j.total_steps for j in engine.jobs)
-    for k in range(longest):
-        for job in engine.jobs:
-            if k >= job.total_steps:
+    for i in range(max(counts.values(), default=0)):
+        for job in jobs:
+            if i >= counts[job.id]:
                 continue
+            k = job.step + i
             idx = job.sampler.next_batch()
             bins = plan_microbatches([(job.id, idx)], lambda j: engine._lengths(j), run.token_budget,
                                      engine.pad_multiple)
@@ -352,23 +444,104 @@ def _build_stream(engine) -> tuple[list[PMB], dict, dict]:
     return stream, step_targets, mbs_in_step
 
 
+# -- checkpoints: <output_dir>/pipeline_state/ ----------------------------------------------------------------
+STATE_DIR = "pipeline_state"
+RUN_STATE = "run_state.pt"  # rank 0: the shared run state (statuses, steps, histories, results, segment counter)
+_RUN_FIELDS = ("status", "reason", "step", "tokens", "time_s", "history", "warm_val", "warm_done", "adapter_path",
+               "result")  # the run-state fields of Engine.save_checkpoint
+
+
+def _stage_file(d: Path, stage: int, segment: int) -> Path:
+    return d / f"stage{stage}.seg{segment}.pt"
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _save_checkpoint(engine, dist, stage: int, stages: int, segment: int, stats: dict) -> None:
+    """At a segment boundary (collective): every stage writes its jobs' tensors for its layers (LoRA factors, AdamW
+    and LR-schedule states, best-validation factors) with the sampler and early-exit states and its statistics
+    into ``stage{s}.seg{n}.pt``; after a barrier rank 0 points ``run_state.pt`` at segment n; then each stage drops
+    its older files. A crash at any point leaves a run state whose stage files all exist."""
+    d = Path(engine.run_cfg.output_dir) / STATE_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    jobs = {}
+    for j in engine.jobs:
+        if j.adapter is not None:
+            jobs[j.name] = {"adapter": {k: v.detach().cpu() for k, v in j.adapter.state_dict().items()},
+                            "opt": j.opt.state_dict(), "sched": j.sched.state_dict(),
+                            "sampler": j.sampler.state_dict(), "detector": j.detector.state_dict(),
+                            "best_state": j.best_state}
+    _atomic_save({"segment": segment, "stage": stage, "stages": stages, "jobs": jobs, "stats": stats},
+                 _stage_file(d, stage, segment))
+    dist.barrier()
+    if stage == 0:
+        shared = {"segment": segment, "stages": stages, "round": engine.round, "round_log": engine.round_log,
+                  "jobs": {j.name: {k: getattr(j, k) for k in _RUN_FIELDS} for j in engine.jobs}}
+        _atomic_save(shared, d / RUN_STATE)
+    dist.barrier()
+    keep = _stage_file(d, stage, segment)
+    for f in d.glob(f"stage{stage}.seg*.pt"):
+        if f != keep:
+            f.unlink(missing_ok=True)
+
+
+def _load_checkpoint(engine, dist, stage: int, stages: int) -> Optional[tuple[int, dict]]:
+    """With ``resume``: rank 0 reads ``run_state.pt`` and broadcasts it (every rank resumes, or none), each stage
+    adds its own file of that segment and the engine's own :meth:`Engine.load_checkpoint` restores the jobs.
+    Returns (segment, this stage's statistics) or None."""
+    d = Path(engine.run_cfg.output_dir) / STATE_DIR
+    box = [None]
+    if stage == 0 and engine.run_cfg.resume and (d / RUN_STATE).is_file():
+        box[0] = torch.load(d / RUN_STATE, map_location="cpu", weights_only=False)
+    dist.broadcast_object_list(box, src=0)
+    shared = box[0]
+    if shared is None:
+        return None
+    if shared["stages"] != stages:
+        raise RuntimeError(f"{d / RUN_STATE} was written by a {shared['stages']}-stage pipeline, this run has "
+                           f"{stages} stages; resume with the same pipeline_stages or set resume: false")
+    mine = torch.load(_stage_file(d, stage, shared["segment"]), map_location="cpu", weights_only=False)
+    merged = {"round": shared["round"], "round_log": shared["round_log"], "memory_points": [],
+              "jobs": {n: {**js, **mine["jobs"].get(n, {})} for n, js in shared["jobs"].items()}}
+    buf = io.BytesIO()
+    torch.save(merged, buf)
+    buf.seek(0)
+    engine.load_checkpoint(buf)
+    return shared["segment"], mine["stats"]
+
+
 def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
     """Runs the jobs of ``run`` as a LoRAPP pipeline over the ranks of the initialized process group.
 
-    Fixed job set (no admission queue or early exit in pipeline mode). Rank 0 writes the adapters, results and
-    ``pipeline`` statistics (bubble ratios, each stage's peak GPU memory after the split) and returns the results
-    dict; other ranks return None. Every rank must call it at the same point (it may create :func:`p2p_groups`).
+    The run proceeds in segments; each segment advances every active job to its next evaluation point (the next
+    multiple of its ``eval_every``, its last step, or its warm-up step), streaming all those steps through the
+    pipeline with no flush between jobs, then drains it. At the boundary every rank knows the same train and
+    validation losses (computed on the last stage, broadcast) and runs the single-process engine's own code on
+    them (:meth:`Engine.after_step`: evaluation history, ALTO early exit, best-validation factors, warm-up
+    parking and top-k selection; :meth:`Engine.admit`: backfill of freed slots from the queue under
+    ``max_active_jobs`` and the memory model, whose prediction is made per stage and the worst stage decides), so
+    all ranks decide identically. Finished jobs' factors are gathered and written by rank 0. ``checkpoint_every``
+    / ``max_rounds`` / ``resume`` work at segment boundaries (see :func:`_save_checkpoint`; a segment counts as
+    many rounds as its longest job advanced).
+
+    Rank 0 writes the adapters, results and ``pipeline`` statistics (bubble ratios, each stage's peak GPU memory
+    after the split) and returns the results dict; other ranks return None. Every rank must call it at the same
+    point (it may create :func:`p2p_groups`).
     """
     import torch.distributed as dist
 
-    from .engine import Engine, format_table, plot_job, RESULT_FIELDS
+    from bdlora.adapter import LoraFactors
 
     if not dist.is_initialized():
         raise RuntimeError("run_pipeline_distributed needs an initialized process group (see run_pipeline_spawn)")
     P, s = dist.get_world_size(), dist.get_rank()
     if P != run.pipeline_stages:
         raise RuntimeError(f"pipeline_stages={run.pipeline_stages} but {P} processes were launched")
-    engine = Engine(run)
+    engine = StageEngine(run)
     engine.log = (lambda *a, **k: None) if s else print
     if engine.device.type == "cuda":
         torch.cuda.set_device(engine.device)  # NCCL's groups and the *_object collectives use the current device
@@ -381,108 +554,184 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
     decoder.layers = kept
     if s < P - 1:
         decoder.norm = nn.Identity()
-    engine.targets = {n: t for n, t in engine.targets.items() if n in kept_names}
-    for job in engine.jobs:
-        engine._build(job)
-        engine.registry[job.id] = job.adapter
-        job.status = "active"
+    engine.targets = {n: t for n, t in engine.targets.items() if n in kept_names}  # jobs are built for this stage
+    out = Path(run.output_dir)
+    if s == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "run_config.json", "w") as f:
+            json.dump(run.to_dict(), f, indent=2, default=str)
     if engine.device.type == "cuda":  # the peak from here on: this stage's layers (the others' are freed) + activations
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(engine.device)
-    stream, step_targets, mbs_in_step = _build_stream(engine)
-    ops, sim_bubble = simulate_schedule(stream, P)
     st = _Stage(engine, s, P, dist, p2p_groups())
-    dist.barrier()
-    t_start = time.perf_counter()
-    for kind, m in ops[s]:
-        if kind == "F":
-            st.forward(stream[m], step_targets)
-        else:
-            st.backward(stream[m], mbs_in_step)
-    st.finish_sends()
-    wall = time.perf_counter() - t_start
-    # the last step of every job: stage 0 knows its total norm; one broadcast, then every stage applies it
-    vec = torch.tensor([st.norm_total.get(j.id, -1.0) for j in engine.jobs], dtype=torch.float64,
-                       device=engine.device)
-    dist.broadcast(vec, 0)
-    for jid in list(st.pending):
-        st.apply(jid, float(vec[jid]))
-    # final evaluation: forward-only passes over every job's validation set
-    val_stream = []
-    for job in engine.jobs:
-        if job.data.val:
-            for mb in engine._microbatches([(job.id, list(range(len(job.data.val))))], split="val"):
-                # single-job bins (one request), so each micro-batch belongs to this job only
-                val_stream.append(PMB(len(val_stream), job.id, -1, mb))
-    st.loss_sums_train = dict(st.loss_sums)
-    st.loss_sums = {}
-    for pm in val_stream:
-        st.forward(pm, {}, train=False)
-    st.finish_sends()
-    # gather: train/val loss sums (last stage), factors (all stages), timings
-    payload = {
-        "train": st.loss_sums_train, "val": st.loss_sums, "busy": st.busy, "wall": wall,
-        "peak_mem_gib": (torch.cuda.max_memory_allocated(engine.device) / 2**30
-                         if engine.device.type == "cuda" else None),
-        "factors": {j.id: {n: (f.lora_A, f.lora_B, f.layout) for n, f in j.adapter.to_adapter().modules.items()}
-                    for j in engine.jobs},
-    }
-    gathered = [None] * P
-    dist.all_gather_object(gathered, payload)
-    if s != 0:
-        return None
-    last = gathered[-1]
-    out = Path(run.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rows, losses = [], {}
-    for job in engine.jobs:
-        hist = []
-        for k in range(job.total_steps):
-            tot = sum(last["train"][pm.idx] for pm in stream if pm.job == job.id and pm.step == k)
-            hist.append((k + 1, tot / max(step_targets[(job.id, k)], 1)))
-        job.history["train"] = hist
-        job.step = job.total_steps
-        vmbs = [pm for pm in val_stream if pm.job == job.id]
-        if vmbs:
-            vsum = sum(last["val"][pm.idx] for pm in vmbs)
-            vcnt = sum(pm.mb.n_targets(job.id) for pm in vmbs)
-            job.history["val"] = [(job.total_steps, vsum / max(vcnt, 1))]
-        modules = {}
-        for g in gathered:
-            for n, (a, b, layout) in g["factors"][job.id].items():
-                from bdlora.adapter import LoraFactors
 
-                modules[n] = LoraFactors(a, b, layout)
-        job.adapter_path = str(out / "adapters" / job.name)
-        save_adapter(Adapter(AdapterConfig.from_spec(job.cfg.spec(engine.model_type), engine.base_path), modules),
-                     job.adapter_path)
-        job.status, job.reason, job.time_s = "done", "completed", wall
-        if run.save_plots:
-            plot_job(job, out / "plots" / f"{job.name}.png")
-        rows.append(engine._result_row(job))
-        losses[job.name] = [l for _, l in hist]
-    stage_bubbles = [1.0 - g["busy"] / g["wall"] if g["wall"] > 0 else 0.0 for g in gathered]
-    stats = {
-        "stages": P, "jobs": len(engine.jobs), "microbatches": len(stream),
-        "bubble_measured": sum(stage_bubbles) / P, "bubble_measured_per_stage": stage_bubbles,
-        "bubble_schedule_unit_slots": sim_bubble, "bubble_theory_max_D_minus_L_over_D": theory_bubble(P, len(engine.jobs)),
-        "wall_s": wall, "peak_mem_gib_per_stage": [g["peak_mem_gib"] for g in gathered],
-    }
+    engine.stage = st
+    to_save = engine.to_save
+
+    def save_finished():  # collective; to_save is the same list on every rank
+        if not to_save:
+            return
+        mine = {job.id: {n: (f.lora_A, f.lora_B, f.layout) for n, f in ad.to_adapter().modules.items()}
+                for job, ad in to_save}
+        gathered = [None] * P
+        dist.all_gather_object(gathered, mine)
+        if s == 0:
+            for job, _ in to_save:
+                modules = {n: LoraFactors(a, b, layout) for g in gathered for n, (a, b, layout) in g[job.id].items()}
+                save_adapter(Adapter(AdapterConfig.from_spec(job.cfg.spec(engine.model_type), engine.base_path),
+                                     modules), job.adapter_path)
+                if run.save_plots:
+                    plot_job(job, out / "plots" / f"{job.name}.png")
+        to_save.clear()
+
+    def write_results() -> Optional[dict]:  # collective (statistics of every stage); rank 0 writes
+        payload = {"busy": stats["busy"], "wall": stats["wall"],
+                   "peak_mem_gib": (torch.cuda.max_memory_allocated(engine.device) / 2**30
+                                    if engine.device.type == "cuda" else None)}
+        gathered = [None] * P
+        dist.all_gather_object(gathered, payload)
+        if s != 0:
+            return None
+        return _write_results(engine, out, gathered, stats)
+
+    try:
+        # -- segments ---------------------------------------------------------------------------------------------
+        stats = {"busy": 0.0, "wall": 0.0, "microbatches": 0, "sim_busy": 0, "sim_slots": 0.0, "max_active": 0}
+        segment = 0
+        resumed = _load_checkpoint(engine, dist, s, P)
+        if resumed is not None:
+            segment, stats = resumed
+            engine.log(f"[pipeline] resumed from {out / STATE_DIR} at segment {segment} (round {engine.round})")
+        rounds_this_call = 0
+        while True:
+            engine.admit()
+            active = engine.active_jobs()
+            if not active:
+                if any(j.status == "parked" and j.warm_done for j in engine.jobs):
+                    raise RuntimeError("parked warm-up survivors cannot be admitted; raise memory_budget_gb")
+                if any(j.status == "queued" for j in engine.jobs):
+                    raise RuntimeError("queued jobs cannot be admitted (memory model); raise memory_budget_gb")
+                break
+            counts = {j.id: _next_due(engine, j) - j.step for j in active}
+            tokens0 = sum(j.tokens for j in active)
+            stream, step_targets, mbs_in_step = _build_stream(engine, active, counts)
+            ops, sim_bubble = simulate_schedule(stream, P)
+            st.loss_sums = {}
+            dist.barrier()
+            t0, busy0 = time.perf_counter(), st.busy
+            for kind, m in ops[s]:
+                if kind == "F":
+                    st.forward(stream[m], step_targets)
+                else:
+                    st.backward(stream[m], mbs_in_step)
+            st.finish_sends()
+            # drain: every job's last step of the segment; stage 0 knows its total norm; one broadcast, every stage
+            # applies it
+            vec = torch.tensor([st.norm_total.get(j.id, -1.0) for j in engine.jobs], dtype=torch.float64,
+                               device=engine.device)
+            dist.broadcast(vec, 0)
+            for jid in list(st.pending):
+                st.apply(jid, float(vec[jid]))
+            t1 = time.perf_counter()
+            n_ops = sum(len(o) for o in ops)
+            stats["busy"] += st.busy - busy0
+            stats["wall"] += t1 - t0
+            stats["microbatches"] += len(stream)
+            stats["sim_busy"] += n_ops
+            stats["sim_slots"] += n_ops / max(1.0 - sim_bubble, 1e-12)
+            stats["max_active"] = max(stats["max_active"], len(active))
+            # the segment's train losses: the last stage has them; every rank records the same numbers
+            losses = None
+            if s == P - 1:
+                sums: dict = defaultdict(float)
+                for pm in stream:
+                    sums[(pm.job, pm.step)] += st.loss_sums[pm.idx]
+                losses = {key: v / max(step_targets[key], 1) for key, v in sums.items()}
+            box = [losses]
+            dist.broadcast_object_list(box, src=P - 1)
+            losses = box[0]
+            for job in active:  # Engine.train_round's per-step bookkeeping
+                for _ in range(counts[job.id]):
+                    loss = losses[(job.id, job.step)]
+                    job.step += 1
+                    job.history["train"].append((job.step, loss))
+                    job.detector.report_train(job.step, loss)
+                    job.history["ema"].append((job.step, job.detector.ema if job.detector.ema is not None else loss))
+            n_eval = engine.after_step()  # every active job is due: evaluation, early exit, warm-up, completion
+            save_finished()
+            dt = time.perf_counter() - t0
+            for j in active:
+                j.time_s += dt
+                if j.result is not None:
+                    j.result["time_s"] = round(j.time_s, 3)
+            prev_round = engine.round
+            seg_rounds = max(counts.values())
+            engine.round += seg_rounds
+            segment += 1
+            rounds_this_call += seg_rounds
+            info = {"microbatches": len(stream), "tokens": sum(j.tokens for j in active) - tokens0}
+            engine.round_log.append({"round": engine.round, "segment": segment, "time_s": dt, "train_s": t1 - t0,
+                                     "tokens": info["tokens"], "microbatches": len(stream), "active": len(active),
+                                     "jobs": [j.name for j in active], "evals": n_eval,
+                                     "bubble_schedule_unit_slots": sim_bubble})
+            if run.log_every:
+                engine.print_progress(active, info)
+            finished_now = any(j.status == "done" for j in active)
+            ce = run.checkpoint_every
+            stop = run.max_rounds is not None and rounds_this_call >= run.max_rounds
+            if stop or (ce and (engine.round // ce > prev_round // ce or finished_now)):
+                _save_checkpoint(engine, dist, s, P, segment, stats)
+            if stop:
+                result = write_results()
+                engine.log(f"[pipeline] stopped after {rounds_this_call} rounds (max_rounds, segment {segment}); "
+                           "run again to resume")
+                return result
+            if finished_now:
+                write_results()
+        _save_checkpoint(engine, dist, s, P, segment, stats)
+        result = write_results()
+        if result is not None:
+            st_ = result["pipeline"]
+            print(format_table(result["jobs"]))
+            print(f"[pipeline] {P} stages, {len(engine.jobs)} jobs, {segment} segments, {st_['microbatches']} "
+                  f"micro-batches: measured bubble {st_['bubble_measured']:.3f} (per stage "
+                  f"{[round(b, 3) for b in st_['bubble_measured_per_stage']]}), schedule "
+                  f"{st_['bubble_schedule_unit_slots']:.3f}, theory max((D-L)/D,0) = "
+                  f"{st_['bubble_theory_max_D_minus_L_over_D']:.3f}")
+        return result
+    finally:  # break the engine <-> stage cycle: nothing may keep this stage's process groups past their destruction
+        engine.stage = None
+        st.fwd_group = st.bwd_group = None
+
+
+def _write_results(engine, out: Path, gathered: list[dict], stats: dict) -> dict:
+    """Rank 0: results.csv and results.json (rows, per-job train losses, segments, pipeline statistics)."""
     import csv
 
+    from .engine import RESULT_FIELDS
+
+    P = len(gathered)
+    rows = [j.result if j.result is not None else engine._result_row(j) for j in engine.jobs]
+    stage_bubbles = [1.0 - g["busy"] / g["wall"] if g["wall"] > 0 else 0.0 for g in gathered]
+    pstats = {
+        "stages": P, "jobs": len(engine.jobs), "microbatches": stats["microbatches"],
+        "segments": sum(1 for r in engine.round_log if "segment" in r),
+        "bubble_measured": sum(stage_bubbles) / P, "bubble_measured_per_stage": stage_bubbles,
+        "bubble_schedule_unit_slots": (1.0 - stats["sim_busy"] / stats["sim_slots"]) if stats["sim_slots"] else 0.0,
+        "bubble_theory_max_D_minus_L_over_D": theory_bubble(P, max(stats["max_active"], 1)),
+        "wall_s": stats["wall"], "peak_mem_gib_per_stage": [g["peak_mem_gib"] for g in gathered],
+    }
+    out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=RESULT_FIELDS)
         w.writeheader()
         for r in rows:
             w.writerow({k: r.get(k) for k in RESULT_FIELDS})
-    result = {"jobs": rows, "train_losses": losses, "pipeline": stats}
+    result = {"jobs": rows, "train_losses": {j.name: [l for _, l in j.history["train"]] for j in engine.jobs},
+              "rounds": engine.round_log, "pipeline": pstats}
     with open(out / "results.json", "w") as f:
         json.dump(result, f, indent=2)
-    print(format_table(rows))
-    print(f"[pipeline] {P} stages, {len(engine.jobs)} jobs, {len(stream)} micro-batches: measured bubble "
-          f"{stats['bubble_measured']:.3f} (per stage {[round(b, 3) for b in stage_bubbles]}), schedule "
-          f"{sim_bubble:.3f}, theory max((D-L)/D,0) = {stats['bubble_theory_max_D_minus_L_over_D']:.3f}")
     return result
 
 
