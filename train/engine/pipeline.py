@@ -21,8 +21,8 @@ of different jobs fill the pipeline with no flush between jobs.
   early exit, best-validation factors, warm-up parking and top-k selection; :meth:`Engine.admit`: the queue
   backfills freed slots under ``max_active_jobs`` and the memory model, predicted per stage with the stage's
   modules, the worst stage deciding; its analytic shared term still counts the whole base, so it is
-  conservative); finished jobs' factors are gathered to rank 0 and written. ``checkpoint_every`` / ``max_rounds`` / ``resume`` act at boundaries:
-  each stage writes ``pipeline_state/stage{s}.seg{n}.pt`` (its layers' factors, AdamW / LR-schedule states, samplers,
+  conservative); finished jobs' factors are gathered to rank 0 and written. ``checkpoint_every`` /
+  ``max_rounds`` / ``resume`` act at boundaries: each stage writes ``pipeline_state/stage{s}.seg{n}.pt`` (its layers' factors, AdamW / LR-schedule states, samplers,
   early-exit states), rank 0 ``pipeline_state/run_state.pt`` (statuses, histories, segment counter); a resumed run
   ends with the same adapters and losses as an uninterrupted one.
   Differences from the single-process engine: a non-finite train loss is acted on at the next boundary (not at
