@@ -17,14 +17,14 @@ of different jobs fill the pipeline with no flush between jobs.
 * Segments: the run streams each active job's steps up to its next evaluation point (the next multiple of its
   ``eval_every``, its last step, or its warm-up step: where the single-process engine evaluates), then drains the
   pipeline (the broadcast above). At that boundary, identical on every rank, the last stage's train and validation
-  losses are broadcast and the engine's own code decides (:class:`StageEngine`; :meth:`Engine.after_step`: ALTO
-  early exit, best-validation factors, warm-up parking and top-k selection; :meth:`Engine.admit`: the queue
-  backfills freed slots under ``max_active_jobs`` and the memory model, predicted per stage with the stage's
-  modules, the worst stage deciding; its analytic shared term still counts the whole base, so it is
-  conservative); finished jobs' factors are gathered to rank 0 and written. ``checkpoint_every`` /
-  ``max_rounds`` / ``resume`` act at boundaries: each stage writes ``pipeline_state/stage{s}.seg{n}.pt`` (its layers' factors, AdamW / LR-schedule states, samplers,
-  early-exit states), rank 0 ``pipeline_state/run_state.pt`` (statuses, histories, segment counter); a resumed run
-  ends with the same adapters and losses as an uninterrupted one.
+  losses are broadcast and the engine's own code decides (:class:`StageEngine`; :meth:`Engine.after_step`: ALTO early
+  exit, best-validation factors, warm-up parking and top-k selection; :meth:`Engine.admit`: the queue backfills freed
+  slots under ``max_active_jobs`` and the memory model, predicted per stage with the stage's modules, the worst stage
+  deciding; its analytic shared term still counts the whole base, so it is conservative); finished jobs' factors are
+  gathered to rank 0 and written. ``checkpoint_every`` / ``max_rounds`` / ``resume`` act at boundaries: each stage
+  writes ``pipeline_state/stage{s}.seg{n}.pt`` (its layers' factors, AdamW / LR-schedule states, samplers, early-exit
+  states), rank 0 ``pipeline_state/run_state.pt`` (statuses, histories, segment counter); a resumed run ends with the
+  same adapters and losses as an uninterrupted one.
   Differences from the single-process engine: a non-finite train loss is acted on at the next boundary (not at
   once); LoRA-dropout masks are seeded per pipeline micro-batch, so dropout jobs are reproducible (and resume
   exactly) but do not equal the single-process run; the memory model is not refitted from measured peaks.
