@@ -440,6 +440,18 @@ class Engine:
         }
 
     # -- main loop ----------------------------------------------------------------------------------------
+    def admit_next(self) -> list[Job]:
+        """Backfills free slots and returns the active jobs, [] when the run is over; raises when jobs are left that
+        the memory model will never admit (the loop would otherwise end with them unrun)."""
+        self.admit()
+        active = self.active_jobs()
+        if not active:
+            if any(j.status == "parked" and j.warm_done for j in self.jobs):
+                raise RuntimeError("parked warm-up survivors cannot be admitted; raise memory_budget_gb")
+            if any(j.status == "queued" for j in self.jobs):
+                raise RuntimeError("queued jobs cannot be admitted (memory model); raise memory_budget_gb")
+        return active
+
     def run(self) -> list[dict]:
         run = self.run_cfg
         if self.rank == 0:
@@ -451,13 +463,8 @@ class Engine:
             self.log(f"[engine] resumed from {self.out / CHECKPOINT} at round {self.round}")
         rounds_this_call = 0
         while True:
-            self.admit()
-            active = self.active_jobs()
+            active = self.admit_next()
             if not active:
-                if any(j.status == "parked" and j.warm_done for j in self.jobs):
-                    raise RuntimeError("parked warm-up survivors cannot be admitted; raise memory_budget_gb")
-                if any(j.status == "queued" for j in self.jobs):
-                    raise RuntimeError("queued jobs cannot be admitted (memory model); raise memory_budget_gb")
                 break
             t0 = time.perf_counter()
             info = self.train_round()

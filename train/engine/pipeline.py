@@ -605,13 +605,8 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
             engine.log(f"[pipeline] resumed from {out / STATE_DIR} at segment {segment} (round {engine.round})")
         rounds_this_call = 0
         while True:
-            engine.admit()
-            active = engine.active_jobs()
+            active = engine.admit_next()
             if not active:
-                if any(j.status == "parked" and j.warm_done for j in engine.jobs):
-                    raise RuntimeError("parked warm-up survivors cannot be admitted; raise memory_budget_gb")
-                if any(j.status == "queued" for j in engine.jobs):
-                    raise RuntimeError("queued jobs cannot be admitted (memory model); raise memory_budget_gb")
                 break
             counts = {j.id: _next_due(engine, j) - j.step for j in active}
             tokens0 = sum(j.tokens for j in active)
