@@ -40,6 +40,9 @@ from .multilora import BatchContext, JobAdapter, dropout_rng, inject_multilora, 
 from .packing import MicroBatch, build_microbatch, plan_microbatches
 
 CHECKPOINT = "engine_state.pt"
+# a job's run state in checkpoints (the engine's and the pipeline's run_state.pt); its tensors: job_tensor_state
+JOB_RUN_FIELDS = ("status", "reason", "step", "tokens", "time_s", "history", "warm_val", "warm_done", "adapter_path",
+                  "result")
 GPU_PAD_MULTIPLE = 64  # pad_multiple when the run file leaves it out and the engine runs on a GPU (RunConfig)
 RESULTS_CSV = "results.csv"
 RESULT_FIELDS = ["job", "status", "stop_reason", "rank", "alpha", "nblocks", "lr", "batch_size", "steps",
@@ -361,9 +364,16 @@ class Engine:
         return {j.id: float(sums[index[j.id]] / counts[index[j.id]].clamp(min=1)) for j in jobs}
 
     def _eval_due(self, job: Job) -> bool:
+        return job.step >= job.total_steps or self.next_eval_step(job, job.step - 1) == job.step
+
+    def next_eval_step(self, job: Job, after: int) -> int:
+        """The first step after ``after`` at which the job is evaluated: the next multiple of its ``eval_every``, its
+        last step, or its warm-up step when warm-up selection applies."""
         every = job.cfg.eval_every or self.run_cfg.eval_every
-        return (job.step % every == 0 or job.step >= job.total_steps
-                or (self._warmup_applies(job) and job.step == job.warm_steps))
+        due = [(after // every + 1) * every, job.total_steps]
+        if self._warmup_applies(job) and job.warm_steps > after:
+            due.append(job.warm_steps)
+        return min(due)
 
     def _warmup_applies(self, job: Job) -> bool:
         ee = self.run_cfg.early_exit
@@ -525,25 +535,17 @@ class Engine:
     def save_checkpoint(self) -> None:
         if self.rank != 0:
             return
-        jobs = {}
-        for j in self.jobs:
-            s = {"status": j.status, "reason": j.reason, "step": j.step, "tokens": j.tokens, "time_s": j.time_s,
-                 "history": j.history, "warm_val": j.warm_val, "warm_done": j.warm_done,
-                 "adapter_path": j.adapter_path, "result": j.result}
-            if j.adapter is not None:
-                s.update(adapter={k: v.detach().cpu() for k, v in j.adapter.state_dict().items()},
-                         opt=j.opt.state_dict(), sched=j.sched.state_dict(), sampler=j.sampler.state_dict(),
-                         detector=j.detector.state_dict(), best_state=j.best_state)
-            jobs[j.name] = s
+        jobs = {j.name: {**job_run_state(j), **job_tensor_state(j)} for j in self.jobs}
         state = {"round": self.round, "jobs": jobs, "round_log": self.round_log,
                  "memory_points": self.memory.points}
         self.out.mkdir(parents=True, exist_ok=True)
-        tmp = self.out / (CHECKPOINT + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.out / CHECKPOINT)
+        atomic_torch_save(state, self.out / CHECKPOINT)
 
     def load_checkpoint(self, path) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.restore(torch.load(path, map_location="cpu", weights_only=False))
+
+    def restore(self, state: dict) -> None:
+        """Run and job state from a checkpoint's dict (:meth:`save_checkpoint`'s layout)."""
         self.round = state["round"]
         self.round_log = state.get("round_log", [])
         self.memory.points = state.get("memory_points", [])
@@ -551,8 +553,7 @@ class Engine:
             s = state["jobs"].get(j.name)
             if s is None:
                 continue  # a job added to the run file after the checkpoint: queued
-            for k in ("status", "reason", "step", "tokens", "time_s", "history", "warm_val", "warm_done",
-                      "adapter_path", "result"):
+            for k in JOB_RUN_FIELDS:
                 setattr(j, k, s[k])
             if "adapter" in s:
                 self._build(j)
@@ -565,6 +566,28 @@ class Engine:
                 if j.status == "active":
                     self.registry[j.id] = j.adapter
             j.history = {k: [tuple(x) for x in v] for k, v in j.history.items()}
+
+
+def job_run_state(job: Job) -> dict:
+    """The job's run state for a checkpoint (statuses, counters, histories, result row)."""
+    return {k: getattr(job, k) for k in JOB_RUN_FIELDS}
+
+
+def job_tensor_state(job: Job) -> dict:
+    """The job's trainable state for a checkpoint (LoRA factors, AdamW, LR schedule, sampler, early exit, best
+    factors); {} while it has no adapter (queued or finished)."""
+    if job.adapter is None:
+        return {}
+    return {"adapter": {k: v.detach().cpu() for k, v in job.adapter.state_dict().items()},
+            "opt": job.opt.state_dict(), "sched": job.sched.state_dict(), "sampler": job.sampler.state_dict(),
+            "detector": job.detector.state_dict(), "best_state": job.best_state}
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    """torch.save to a temp file renamed into place: a crash leaves the old file or the new one, never half."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
 
 
 def _optimizer_to(opt, device) -> None:

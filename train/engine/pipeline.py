@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import gc
 import inspect
-import io
 import json
 import math
-import os
 import time
 import weakref
 from collections import defaultdict
@@ -55,7 +53,7 @@ import torch.nn as nn
 from bdlora.adapter import Adapter, AdapterConfig, save_adapter
 
 from .config import RunConfig
-from .engine import Engine, format_table, plot_job
+from .engine import Engine, atomic_torch_save, format_table, job_run_state, job_tensor_state, plot_job
 from .multilora import dropout_rng, round_seed
 from .packing import MicroBatch
 
@@ -407,16 +405,6 @@ class StageEngine(Engine):
             self.to_save.append((job, adapter))
 
 
-def _next_due(engine, job) -> int:
-    """The step of the job's next evaluation as the single-process engine would do it (``Engine._eval_due``): the
-    next multiple of its ``eval_every``, its last step, or its warm-up step when warm-up selection applies."""
-    every = job.cfg.eval_every or engine.run_cfg.eval_every
-    due = [(job.step // every + 1) * every, job.total_steps]
-    if engine._warmup_applies(job) and job.warm_steps > job.step:
-        due.append(job.warm_steps)
-    return min(due)
-
-
 def _build_stream(engine, jobs: list, counts: dict[int, int]) -> tuple[list[PMB], dict, dict]:
     """One segment: ``counts[job.id]`` steps of each job of ``jobs`` (from its current step on), packed into
     single-job micro-batches and interleaved round-robin over the jobs."""
@@ -447,18 +435,10 @@ def _build_stream(engine, jobs: list, counts: dict[int, int]) -> tuple[list[PMB]
 # -- checkpoints: <output_dir>/pipeline_state/ ----------------------------------------------------------------
 STATE_DIR = "pipeline_state"
 RUN_STATE = "run_state.pt"  # rank 0: the shared run state (statuses, steps, histories, results, segment counter)
-_RUN_FIELDS = ("status", "reason", "step", "tokens", "time_s", "history", "warm_val", "warm_done", "adapter_path",
-               "result")  # the run-state fields of Engine.save_checkpoint
 
 
 def _stage_file(d: Path, stage: int, segment: int) -> Path:
     return d / f"stage{stage}.seg{segment}.pt"
-
-
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def _save_checkpoint(engine, dist, stage: int, stages: int, segment: int, stats: dict) -> None:
@@ -468,20 +448,14 @@ def _save_checkpoint(engine, dist, stage: int, stages: int, segment: int, stats:
     its older files. A crash at any point leaves a run state whose stage files all exist."""
     d = Path(engine.run_cfg.output_dir) / STATE_DIR
     d.mkdir(parents=True, exist_ok=True)
-    jobs = {}
-    for j in engine.jobs:
-        if j.adapter is not None:
-            jobs[j.name] = {"adapter": {k: v.detach().cpu() for k, v in j.adapter.state_dict().items()},
-                            "opt": j.opt.state_dict(), "sched": j.sched.state_dict(),
-                            "sampler": j.sampler.state_dict(), "detector": j.detector.state_dict(),
-                            "best_state": j.best_state}
-    _atomic_save({"segment": segment, "stage": stage, "stages": stages, "jobs": jobs, "stats": stats},
-                 _stage_file(d, stage, segment))
+    jobs = {j.name: job_tensor_state(j) for j in engine.jobs if j.adapter is not None}
+    atomic_torch_save({"segment": segment, "stage": stage, "stages": stages, "jobs": jobs, "stats": stats},
+                      _stage_file(d, stage, segment))
     dist.barrier()
     if stage == 0:
         shared = {"segment": segment, "stages": stages, "round": engine.round, "round_log": engine.round_log,
-                  "jobs": {j.name: {k: getattr(j, k) for k in _RUN_FIELDS} for j in engine.jobs}}
-        _atomic_save(shared, d / RUN_STATE)
+                  "jobs": {j.name: job_run_state(j) for j in engine.jobs}}
+        atomic_torch_save(shared, d / RUN_STATE)
     dist.barrier()
     keep = _stage_file(d, stage, segment)
     for f in d.glob(f"stage{stage}.seg*.pt"):
@@ -491,7 +465,7 @@ def _save_checkpoint(engine, dist, stage: int, stages: int, segment: int, stats:
 
 def _load_checkpoint(engine, dist, stage: int, stages: int) -> Optional[tuple[int, dict]]:
     """With ``resume``: rank 0 reads ``run_state.pt`` and broadcasts it (every rank resumes, or none), each stage
-    adds its own file of that segment and the engine's own :meth:`Engine.load_checkpoint` restores the jobs.
+    adds its own file of that segment and the engine's own :meth:`Engine.restore` restores the jobs.
     Returns (segment, this stage's statistics) or None."""
     d = Path(engine.run_cfg.output_dir) / STATE_DIR
     box = [None]
@@ -505,12 +479,8 @@ def _load_checkpoint(engine, dist, stage: int, stages: int) -> Optional[tuple[in
         raise RuntimeError(f"{d / RUN_STATE} was written by a {shared['stages']}-stage pipeline, this run has "
                            f"{stages} stages; resume with the same pipeline_stages or set resume: false")
     mine = torch.load(_stage_file(d, stage, shared["segment"]), map_location="cpu", weights_only=False)
-    merged = {"round": shared["round"], "round_log": shared["round_log"], "memory_points": [],
-              "jobs": {n: {**js, **mine["jobs"].get(n, {})} for n, js in shared["jobs"].items()}}
-    buf = io.BytesIO()
-    torch.save(merged, buf)
-    buf.seek(0)
-    engine.load_checkpoint(buf)
+    engine.restore({"round": shared["round"], "round_log": shared["round_log"], "memory_points": [],
+                    "jobs": {n: {**js, **mine["jobs"].get(n, {})} for n, js in shared["jobs"].items()}})
     return shared["segment"], mine["stats"]
 
 
@@ -608,7 +578,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
             active = engine.admit_next()
             if not active:
                 break
-            counts = {j.id: _next_due(engine, j) - j.step for j in active}
+            counts = {j.id: engine.next_eval_step(j, j.step) - j.step for j in active}
             tokens0 = sum(j.tokens for j in active)
             stream, step_targets, mbs_in_step = _build_stream(engine, active, counts)
             ops, sim_bubble = simulate_schedule(stream, P)
