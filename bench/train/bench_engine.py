@@ -934,9 +934,10 @@ def profile_runs(result: dict, k: int, *, out_txt: Path, engine, trainer, jobs: 
                 torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         ka = prof.key_averages()
-        parts.append(f"## {what}: {wall:.1f} s wall under the profiler\n\n### by device time\n"
-                     f"{ka.table(sort_by=sort_dev, row_limit=30, max_name_column_width=70)}\n"
-                     f"### by host time\n{ka.table(sort_by='self_cpu_time_total', row_limit=20, max_name_column_width=70)}\n")
+        by_dev = ka.table(sort_by=sort_dev, row_limit=30, max_name_column_width=70)
+        by_host = ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70)
+        parts.append(f"## {what}: {wall:.1f} s wall under the profiler\n\n### by device time\n{by_dev}\n"
+                     f"### by host time\n{by_host}\n")
         result.setdefault("profile", []).append({"what": what, "wall_s": wall})
         print(f"[bench] profiled {what}: {wall:.1f}s", flush=True)
     out_txt.parent.mkdir(parents=True, exist_ok=True)
@@ -995,6 +996,8 @@ def main(argv=None) -> int:
                     help="the engine's pad_multiple (rows padded to a multiple: fewer distinct shapes per run); "
                          "default: the engine's auto (64 on GPU, 1 on CPU)")
     args = ap.parse_args(argv)
+    if args.profile is not None and args.profile < 1:
+        ap.error(f"--profile K needs K >= 1 jobs, got {args.profile}")
     global LORA_BACKEND, PAD_MULTIPLE
     LORA_BACKEND, PAD_MULTIPLE = args.lora_backend, args.pad_multiple
     _quiet_loading()

@@ -315,7 +315,7 @@ def parse_run(raw: dict, base_dir: str | os.PathLike = ".") -> RunConfig:
     if raw["base_model"] not in ("smollm2", "SmolLM2-135M-Instruct"):
         raw["base_model"] = _path(raw["base_model"])
     run = RunConfig(datasets=datasets, jobs=jobs, early_exit=ee, **raw)
-    if run.pad_multiple is not None and (not isinstance(run.pad_multiple, int) or run.pad_multiple < 1):
+    if run.pad_multiple is not None and (type(run.pad_multiple) is not int or run.pad_multiple < 1):
         raise ConfigError(f"pad_multiple must be a positive integer (or omitted for auto), got {run.pad_multiple!r}")
     longest = max(j.max_seq_len for j in jobs)
     if run.token_budget < longest:
