@@ -188,12 +188,12 @@ def test_dropout_mask_and_eval_mode():
     assert_close(y, oracle(x, [0, 8], [ad], torch.zeros(8, D_OUT))[0])
 
 
-def _decode_case(gen, layout, n, ranks, d_outs, t, idx):
+def _decode_case(gen, layout, n, ranks, d_outs, t, idx, d_in=D_IN):
     na, nb = (n, 1) if layout == "row" else (1, n)
-    per_slice = [[None if r == 0 else (torch.randn(r, D_IN // na, generator=gen), torch.randn(d, r // nb, generator=gen))
+    per_slice = [[None if r == 0 else (torch.randn(r, d_in // na, generator=gen), torch.randn(d, r // nb, generator=gen))
                   for r in ranks] for d in d_outs]
     a, b, rk, offs = K.stack_decode_weights(per_slice, max(ranks), layout, n)
-    x = torch.randn(t, D_IN, generator=gen)
+    x = torch.randn(t, d_in, generator=gen)
     scales = torch.rand(len(ranks), generator=gen) + 0.5
     y0 = torch.randn(t, offs[-1], generator=gen)
     # float64 oracle from the per-slice dense factors
@@ -212,12 +212,13 @@ def _decode_case(gen, layout, n, ranks, d_outs, t, idx):
 @pytest.mark.parametrize("layout,n,slices", [("column", 1, 3), ("column", 2, 3), ("column", 4, 3),
                                              ("row", 1, 1), ("row", 2, 1), ("row", 4, 1)])
 @pytest.mark.parametrize("t", [1, 9])
-def test_decode(layout, n, slices, t):
-    gen = torch.Generator().manual_seed(10 * n + t + (layout == "row"))
+@pytest.mark.parametrize("d_in", [D_IN, 32])  # the CPU tiles split 64 input columns over 2 programs, 32 over 1
+def test_decode(layout, n, slices, t, d_in):
+    gen = torch.Generator().manual_seed(10 * n + t + (layout == "row") + d_in)
     ranks = [8, 16, 0, 64, 32]  # slot 2 empty
     d_outs = [64, 32, 32][:slices] if slices == 3 else [D_OUT]
     idx = torch.tensor([3, -1, 1, 0, 2, 4, 3, 0, -1][:t] if t > 1 else [4])
-    y0, x, a, b, rk, scales, offs, want = _decode_case(gen, layout, n, ranks, d_outs, t, idx.tolist())
+    y0, x, a, b, rk, scales, offs, want = _decode_case(gen, layout, n, ranks, d_outs, t, idx.tolist(), d_in)
     y = y0.clone()
     out = K.decode_lora(y, x, a, b, idx, rk, scales, offs, layout=layout, nblocks=n)
     assert out is y and K.LAST_BACKEND["decode_lora"] == "triton"
@@ -234,6 +235,33 @@ def test_decode_column_chunks():
     assert decode_column_chunks(64, 3, 3584, 128, 528) == 3  # 64 tokens fill the GPU with few chunks
     assert decode_column_chunks(1, 3, 64, 32, 16) == 2
     assert decode_column_chunks(500, 3, 16, 32, 16) == 1
+
+
+def test_decode_split_k_workspace():
+    """The split-K path (4 input splits here) leaves its counters at 0, so one workspace serves call after call and
+    layer after layer (different shapes); a workspace reserved too small is refused with the fix, not overrun."""
+    from bdlora.kernels.decode import decode_grid, decode_tiles
+
+    gen = torch.Generator().manual_seed(5)
+    ws = K.DecodeWorkspace("cpu")
+    cases = [("column", 2, [64, 32, 32], 128, 3), ("row", 4, [D_OUT], 128, 1), ("column", 1, [48], 96, 5)]
+    for layout, n, d_outs, d_in, t in cases:
+        nb = 1 if layout == "row" else n
+        grid = decode_grid(t, len(d_outs), nb, max(d_outs) // nb, d_in, 64, decode_tiles(torch.device("cpu")))
+        assert grid.k_splits == d_in // 32
+        ws.reserve(grid)
+    for rep in range(2):
+        for layout, n, d_outs, d_in, t in cases:
+            idx = torch.tensor([4, 0, -1, 3, 1][:t])
+            y0, x, a, b, rk, scales, offs, want = _decode_case(gen, layout, n, [8, 16, 0, 64, 32], d_outs, t,
+                                                               idx.tolist(), d_in)
+            y = K.decode_lora(y0.clone(), x, a, b, idx, rk, scales, offs, layout=layout, nblocks=n, workspace=ws)
+            assert_close(y, want)
+            assert int(ws.counters.abs().sum()) == 0
+    small = K.DecodeWorkspace("cpu")
+    y0, x, a, b, rk, scales, offs, _ = _decode_case(gen, "column", 1, [8], [32], 2, [0, 0], 128)
+    with pytest.raises(ValueError, match="reserve it for the largest batch"):
+        K.decode_lora(y0, x, a, b, torch.tensor([0, 0]), rk, scales, offs, workspace=small)
 
 
 def test_decode_64_tokens():

@@ -133,6 +133,7 @@ class _FusedState:
     soff: torch.Tensor  # the same, int32 on the device
     ranks: torch.Tensor  # (L,) int32: rank in use per slot, 0 = empty
     scales: torch.Tensor  # (L,) float32: ones (vLLM folds the scale into B)
+    workspace: object = None  # bdlora.kernels.DecodeWorkspace shared by the device's layers, sized for max_tokens
     slots: Optional[_TokenSlots] = None
 
 
@@ -147,7 +148,7 @@ def _lora_linear_impl(y: torch.Tensor, x: torch.Tensor, layer: str) -> None:
         from bdlora.kernels import LAST_BACKEND, decode_lora
 
         decode_lora(y, x, st.lora_a, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
-                    layout="column", nblocks=1, backend=st.backend, soff=st.soff)
+                    layout="column", nblocks=1, backend=st.backend, soff=st.soff, workspace=st.workspace)
         used = LAST_BACKEND.get("decode_lora", "?")
         FUSED_COUNTS["fused:" + used] += 1
         if used == "torch" and x.is_cuda and st.backend == "auto" and not _WARNED:
@@ -173,6 +174,23 @@ def _register_op() -> None:
 
 _LIB = None
 _register_op()
+
+
+#: One split-K decode workspace per device, shared by every fused layer (their launches never overlap).
+_WORKSPACES: dict = {}
+
+
+def _decode_workspace(dev, max_tokens: int, n_slices: int, max_out: int, d_in: int, rank: int):
+    """The device's shared workspace, grown at layer build time (before any CUDA-graph capture) so that every batch
+    of up to ``max_tokens`` tokens through this layer fits."""
+    from bdlora.kernels.decode import DecodeWorkspace, decode_grid, decode_tiles
+
+    dev = torch.device(dev)
+    ws = _WORKSPACES.setdefault(dev, DecodeWorkspace(dev))
+    tiles = decode_tiles(dev)
+    for t in range(1, max_tokens + 1):
+        ws.reserve(decode_grid(t, n_slices, 1, max_out, d_in, rank, tiles))
+    return ws
 
 
 def _buffer_rank(lora_config, tp_size: int) -> int:
@@ -240,7 +258,8 @@ class _BDLoRAMixin:
             lora_b=b_all, b_shared=n_s == 1, offsets=tuple(offsets),
             soff=torch.tensor(offsets, dtype=torch.int32, device=dev),
             ranks=torch.zeros(max_loras, dtype=torch.int32, device=dev),
-            scales=torch.ones(max_loras, dtype=torch.float32, device=dev))
+            scales=torch.ones(max_loras, dtype=torch.float32, device=dev),
+            workspace=_decode_workspace(dev, opts.max_tokens, n_s, max(outs), self.input_size, rank))
         _FUSED_LAYERS[name] = self
         if _can_update_inplace():
             self.bd_fused_name = name

@@ -6,7 +6,7 @@ linear also has a cuBLAS-composed path (``cublas.CublasLoraLinearFn``), its defa
 Orientation and block layouts: see ``bdlora.kernels.layout``.
 """
 from .cublas import CublasLoraLinearFn
-from .decode import decode_lora, stack_decode_weights
+from .decode import DecodeWorkspace, decode_lora, stack_decode_weights
 from .dispatch import LAST_BACKEND
 from .grouped import dropout_keep_mask, fused_lora_linear, grouped_lora
 from .layout import LoraAdapter, from_math, pack_block_diagonal, to_math, unpack_block_diagonal
@@ -15,6 +15,7 @@ from .reference import (bd_matmul, decode_lora_ref, decode_lora_torch, fused_lor
 
 __all__ = [
     "CublasLoraLinearFn",
+    "DecodeWorkspace",
     "LAST_BACKEND",
     "LoraAdapter",
     "bd_matmul",

@@ -15,8 +15,10 @@ Sections
             peft_bd/cublas.
   grouped : LoRA path only (fwd+bwd) for 4-32 adapters of mixed ranks over one batch: grouped kernel vs a loop
             of per-adapter torch LoRA.
-  decode  : LoRA time per layer (q,k,v slices) at 1-64 tokens: decode_lora (one launch) vs batched torch gather,
-            vs vLLM punica ops when importable.
+  decode  : LoRA time per module at 1-64 tokens (8B q/k/v at TP=1 with N 1/4; qkv, o, gate_up, down as one GPU
+            of TP=4 serves them): decode_lora (one split-K launch) vs batched torch gather vs vLLM's punica
+            shrink+expand when importable, each timed eagerly (*_ms) and replayed from a CUDA graph (*_graph_ms,
+            as in serving).
 On a machine without CUDA it prints a message and exits 0.
 """
 from __future__ import annotations
@@ -49,6 +51,22 @@ def timed(fn, warmup=3, iters=10) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def graph_timed(fn, reps=20, iters=10) -> float:
+    """Median milliseconds per fn() call, replayed from one CUDA graph of ``reps`` calls: launch cost as in vLLM's
+    captured decode steps, not Python dispatch (what ``timed`` sees for microsecond kernels)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (Triton compiles, autotuning) outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return timed(graph.replay, iters=iters) / reps
 
 
 def table(title, rows):
@@ -254,51 +272,68 @@ def vllm_punica(max_loras: int, max_rank: int, max_tokens: int):
         return None, f"{type(e).__name__}: {e}"[:120]
 
 
-def bench_decode(K, tokens, d_in, slices, ranks, nbs, max_loras, iters) -> list[dict]:
+def bench_decode(K, tokens, shapes, ranks, nbs, max_loras, iters) -> list[dict]:
+    """Per module shape (name, d_in, output slices): decode_lora vs vLLM's punica shrink+expand vs a batched torch
+    gather, timed eagerly and replayed from a CUDA graph (``graph_timed``, as in serving)."""
+    from bdlora.kernels.decode import decode_grid, decode_tiles
+
     rows = []
     dt = torch.bfloat16
     for r in ranks:
         punica, set_mapping = vllm_punica(max_loras, r, max(tokens))
         if punica is None:
             print(f"vLLM punica column skipped: {set_mapping}")
-        for n in nbs:
-            per = [[(torch.randn(r, d_in, device="cuda", dtype=dt) / 64, torch.randn(d, r // n, device="cuda", dtype=dt))
-                    for _ in range(max_loras)] for d in slices]
-            a, b, rk, offs = K.stack_decode_weights(per, r, "column", n)
-            scales = torch.ones(max_loras, device="cuda")
-            dense_b = [torch.stack([K.unpack_block_diagonal(b[l, lo:hi], n) for l in range(max_loras)])
-                       for lo, hi in zip(offs, offs[1:])]  # (L, d_s, r), zeros materialized (stock LoRA layout)
-            for t in tokens:
-                x = torch.randn(t, d_in, device="cuda", dtype=dt)
-                y = torch.zeros(t, offs[-1], device="cuda", dtype=dt)
-                idx = torch.arange(t, device="cuda") % max_loras
+        for name, d_in, slices in shapes:
+            for n in nbs:
+                per = [[(torch.randn(r, d_in, device="cuda", dtype=dt) / 64,
+                         torch.randn(d, r // n, device="cuda", dtype=dt)) for _ in range(max_loras)] for d in slices]
+                a, b, rk, offs = K.stack_decode_weights(per, r, "column", n)
+                scales = torch.ones(max_loras, device="cuda")
+                soff = torch.tensor(offs, dtype=torch.int32, device="cuda")
+                dense_b = [torch.stack([K.unpack_block_diagonal(b[l, lo:hi], n) for l in range(max_loras)])
+                           for lo, hi in zip(offs, offs[1:])]  # (L, d_s, r), zeros materialized (stock LoRA layout)
+                for t in tokens:
+                    x = torch.randn(t, d_in, device="cuda", dtype=dt)
+                    y = torch.zeros(t, offs[-1], device="cuda", dtype=dt)
+                    idx = (torch.arange(t, device="cuda") % max_loras).to(torch.int32)
+                    grid = decode_grid(t, len(slices), n, max(slices) // n, d_in, r, decode_tiles(x.device))
+                    ws = K.DecodeWorkspace("cuda").reserve(grid)
 
-                def gather():  # batched torch: per-token gathered weights (vLLM's CPU path does this)
-                    for s, (lo, hi) in enumerate(zip(offs, offs[1:])):
-                        sh = torch.einsum("tk,trk->tr", x, a[s][idx])
-                        y[:, lo:hi] += torch.einsum("tr,tor->to", sh, dense_b[s][idx])
+                    def fused():
+                        K.decode_lora(y, x, a, b, idx, rk, scales, offs, nblocks=n, soff=soff, workspace=ws)
 
-                res = dict(tokens=t, r=r, N=n, slices="+".join(map(str, slices)),
-                           decode_ms=timed(lambda: K.decode_lora(y, x, a, b, idx, rk, scales, offs, nblocks=n),
-                                           iters=iters),
-                           torch_gather_ms=timed(gather, iters=iters), vllm_punica_ms="skipped")
-                if punica is not None:
-                    # the stock layer's buffers: A (L, 1, r, d_in), B (L, 1, d_s, r) with the zeros of the
-                    # block-diagonal factor materialized, as vLLM's default LoRA stores a BD adapter
-                    a_st = tuple(a[s].unsqueeze(1).contiguous() for s in range(len(slices)))
-                    b_st = tuple(d.unsqueeze(1).contiguous() for d in dense_b)
-                    set_mapping(idx.tolist())
-                    try:
-                        res["vllm_punica_ms"] = timed(lambda: punica.add_lora_linear(
-                            y, x, a_st, b_st, 1.0, tuple(slices)), iters=iters)
-                        res["speedup_vs_punica"] = res["vllm_punica_ms"] / res["decode_ms"]
-                    except Exception as e:
-                        res["vllm_punica_ms"] = f"error {type(e).__name__}"
-                        print(f"vLLM punica call failed: {type(e).__name__}: {e}"[:300])
-                used = min(t, max_loras)
-                res["min_MB"] = BF16 * (t * d_in + 2 * t * offs[-1] + used * (len(slices) * r * d_in + offs[-1] * r // n)) / 1e6
-                res["GBps"] = res["min_MB"] / res["decode_ms"]
-                rows.append(res)
+                    def gather():  # batched torch: per-token gathered weights (vLLM's CPU path does this)
+                        for s, (lo, hi) in enumerate(zip(offs, offs[1:])):
+                            sh = torch.einsum("tk,trk->tr", x, a[s][idx])
+                            y[:, lo:hi] += torch.einsum("tr,tor->to", sh, dense_b[s][idx])
+
+                    res = dict(module=name, tokens=t, r=r, N=n, slices="+".join(map(str, slices)),
+                               programs=t * grid.n_groups * grid.k_splits, k_splits=grid.k_splits,
+                               decode_ms=timed(fused, iters=iters), decode_graph_ms=graph_timed(fused, iters=iters),
+                               torch_gather_ms=timed(gather, iters=iters), vllm_punica_ms="skipped")
+                    if punica is not None:
+                        # the stock layer's buffers: A (L, 1, r, d_in), B (L, 1, d_s, r) with the zeros of the
+                        # block-diagonal factor materialized, as vLLM's default LoRA stores a BD adapter
+                        a_st = tuple(a[s].unsqueeze(1).contiguous() for s in range(len(slices)))
+                        b_st = tuple(d.unsqueeze(1).contiguous() for d in dense_b)
+                        set_mapping(idx.tolist())
+
+                        def stock():
+                            punica.add_lora_linear(y, x, a_st, b_st, 1.0, tuple(slices))
+
+                        try:
+                            res["vllm_punica_ms"] = timed(stock, iters=iters)
+                            res["vllm_punica_graph_ms"] = graph_timed(stock, iters=iters)
+                            res["speedup_vs_punica"] = res["vllm_punica_ms"] / res["decode_ms"]
+                            res["graph_speedup_vs_punica"] = res["vllm_punica_graph_ms"] / res["decode_graph_ms"]
+                        except Exception as e:
+                            res["vllm_punica_ms"] = f"error {type(e).__name__}"
+                            print(f"vLLM punica call failed: {type(e).__name__}: {e}"[:300])
+                    used = min(t, max_loras)
+                    res["min_MB"] = BF16 * (t * d_in + 2 * t * offs[-1]
+                                            + used * (len(slices) * r * d_in + offs[-1] * r // n)) / 1e6
+                    res["GBps"] = res["min_MB"] / res["decode_graph_ms"]
+                    rows.append(res)
     return rows
 
 
@@ -349,9 +384,14 @@ def main():
               result["grouped"])
         save()
     if "decode" in sections:
-        result["decode"] = bench_decode(K, [1, 4, 16, 64], 4096, [4096, 1024, 1024], [16, 64], [1, 4], 8,
-                                        args.iters)
-        table("decode LoRA per layer (q,k,v in one launch) (ms)", result["decode"])
+        # Llama-3.1-8B: q/k/v at TP=1 with BD blocks on one GPU (N 1, 4), and every LoRA module of one layer at TP=4
+        # as each GPU serves it (its own rank r/4 adapter, N=1 locally)
+        tp1 = [("qkv", 4096, [4096, 1024, 1024])]
+        tp4 = [("qkv", 4096, [1024, 256, 256]), ("o", 1024, [4096]), ("gate_up", 4096, [3584, 3584]),
+               ("down", 3584, [4096])]
+        result["decode"] = (bench_decode(K, [1, 4, 16, 64], tp1, [16, 64], [1, 4], 8, args.iters)
+                            + bench_decode(K, [1, 8, 64], tp4, [8, 16], [1], 8, args.iters))
+        table("decode LoRA per module (all slices in one launch) (ms)", result["decode"])
         save()
     print(f"\nwrote {args.out} in {result['seconds']:.0f} s")
     return 0
