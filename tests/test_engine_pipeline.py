@@ -134,7 +134,8 @@ def test_two_stage_pipeline_equals_single_process(tiny_llama_dir, tmp_path, eval
     assert st["stages"] == 2 and st["microbatches"] > 8
     assert st["segments"] == (1 if eval_every == 10 else 2)
     assert 0.0 <= st["bubble_measured"] < 1.0 and st["bubble_theory_max_D_minus_L_over_D"] == 0.0
-    assert st["peak_mem_gib_per_stage"] == [None, None]  # CPU: no GPU peak
+    peaks = st["peak_mem_gib_per_stage"]  # measured per stage on GPUs (NCCL), none on CPU (gloo)
+    assert all(p > 0 for p in peaks) if torch.cuda.is_available() else peaks == [None, None]
     for job, row_s, row_p in zip(eng.jobs, single, res["jobs"]):
         # per-job, per-step train losses of the pipeline equal the single-process engine's
         assert res["train_losses"][job.name] == pytest.approx([l for _, l in job.history["train"]], rel=1e-5)

@@ -48,8 +48,8 @@ def test_fused_decode_options():
     assert fused_decode_options(cfg()) is None
     assert fused_decode_options(cfg(bdlora=True)) is None
     assert fused_decode_options(cfg(bdlora_fused_decode=False)) is None
-    assert fused_decode_options(cfg(bdlora_fused_decode=True)) == FusedDecodeOptions(64, "auto")
-    assert fused_decode_options(cfg(bdlora_fused_decode=16)) == FusedDecodeOptions(16, "auto")
+    assert fused_decode_options(cfg(bdlora_fused_decode=True)) == FusedDecodeOptions(8, "auto")
+    assert fused_decode_options(cfg(bdlora_fused_decode=16)) == FusedDecodeOptions(8, "auto")
     assert fused_decode_options(cfg(bdlora_fused_decode={"max_tokens": 8, "backend": "torch"})) == \
         FusedDecodeOptions(8, "torch")
     for bad in ({"max_tokens": 0}, {"backend": "cuda"}, {"tokens": 3}, 1.5):
@@ -198,7 +198,7 @@ def test_tp1_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters):
     tokens too) ran the fused kernel (Triton, interpreted on CPU) and never vLLM's punica path. A per-layer self-check
     then compares the fused op with vLLM's punica path for a crafted mapping with padding rows."""
     llm = T.start_llm(tiny_llama_dir, env=INPROC, enable_lora=True, max_lora_rank=16, max_loras=2,
-                      additional_config={"bdlora": True, "bdlora_fused_decode": True})
+                      additional_config={"bdlora": True, "bdlora_fused_decode": {"max_tokens": 64}})
     try:
         llm.collective_rpc(T.reset_fused_decode_counters)
         spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[2], None),

@@ -42,7 +42,7 @@ def patch_engine_args() -> None:
                          "--additional-config '{\"bdlora\": true}'.")
                 group.add_argument(
                     FUSED_FLAG, action="store_true", default=False,
-                    help="Experimental: in BD mode, compute the LoRA term of small batches (<= 64 tokens: decode) "
+                    help="Experimental: in BD mode, compute the LoRA term of small batches (<= 8 tokens: decode) "
                          "with one fused bdlora kernel launch per module instead of vLLM's punica shrink + expand. "
                          "Implies --enable-bdlora; same as --additional-config "
                          "'{\"bdlora_fused_decode\": true}'.")

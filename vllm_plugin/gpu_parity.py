@@ -132,6 +132,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("BDLORA_COUNT_COLLECTIVES", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    # TP > 1 starts worker processes: spawn them, forked ones cannot use CUDA once this process touched it
+    # (seen on an H200 with vLLM 0.26: "Cannot re-initialize CUDA in forked subprocess")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     import vllm
 
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bdlora-gpu-parity-"))

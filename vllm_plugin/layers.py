@@ -13,7 +13,7 @@
   all-reduce already sums; there is no LoRA collective (unlike ``--fully-sharded-loras``).
 
 Experimental fused decode (``additional_config {"bdlora_fused_decode": true}``, ``--bdlora-fused-decode``): the
-LoRA term of a batch of at most ``max_tokens`` (64) tokens is one :func:`bdlora.kernels.decode_lora` launch per
+LoRA term of a batch of at most ``max_tokens`` (8) tokens is one :func:`bdlora.kernels.decode_lora` launch per
 module (all slices: q/k/v, gate/up) instead of vLLM's punica shrink + expand pair; larger batches keep vLLM's path.
 It hooks ``_apply_lora_to_output`` (vLLM 0.26 and 0.32 alike: the LoRA half of ``_apply_sync`` and
 ``_apply_base_forward``) and routes it through the custom op ``torch.ops.bdlora.lora_linear`` (opaque to

@@ -25,8 +25,10 @@ CONFIG_KEY = "bdlora"
 #: ``additional_config`` key of the experimental fused decode path (needs BD mode): ``True``, a token limit, or
 #: ``{"max_tokens": n, "backend": "auto" | "triton" | "torch"}``.
 FUSED_DECODE_KEY = "bdlora_fused_decode"
-#: Largest batch (tokens in one forward) the fused decode kernel takes by default (bdlora.kernels.decode_lora).
-FUSED_DECODE_MAX_TOKENS = 64
+#: Largest batch (tokens in one forward) the fused decode kernel takes by default (bdlora.kernels.decode_lora):
+#: on an H200 it beats or matches vLLM's punica pair on every module up to 8 tokens and loses on o/down_proj at 64
+#: (bench/results/kernels/h200-decode-splitk-2026-11-22.log).
+FUSED_DECODE_MAX_TOKENS = 8
 PEFT_PREFIX = "base_model.model."
 
 SUPPORTED_VLLM = ("0.26.0", "0.33")  # [lo, hi)
@@ -101,7 +103,7 @@ class FusedDecodeOptions:
 def fused_decode_options(vllm_config: Any) -> Optional[FusedDecodeOptions]:
     """The fused decode options of an engine config, or None when off (the default)."""
     value = _config_switch(vllm_config, FUSED_DECODE_KEY, ("max_tokens", "backend"),
-                           "{'max_tokens': 64, 'backend': 'auto'} (or a token count)", int_key="max_tokens")
+                           "{'max_tokens': 8, 'backend': 'auto'} (or a token count)", int_key="max_tokens")
     if value is None:
         return None
     mt = value.get("max_tokens", FUSED_DECODE_MAX_TOKENS)
