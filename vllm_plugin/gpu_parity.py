@@ -121,10 +121,11 @@ def main(argv=None) -> int:
     p.add_argument("--fused-backend", default="auto", choices=("auto", "triton", "torch"))
     p.add_argument("--fused-max-tokens", type=int, default=64)
     args = p.parse_args(argv)
-    if args.dtype == "auto":
-        import torch
+    import torch
 
-        args.dtype = "float16" if torch.cuda.is_available() else "float32"
+    on_gpu = torch.cuda.is_available()
+    if args.dtype == "auto":
+        args.dtype = "float16" if on_gpu else "float32"
     if args.tol is None:
         args.tol = 1e-4 if args.dtype == "float32" else 1e-2
     fused = ({"max_tokens": args.fused_max_tokens, "backend": args.fused_backend} if args.fused_decode else None)
@@ -132,9 +133,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("BDLORA_COUNT_COLLECTIVES", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    # TP > 1 starts worker processes: spawn them, forked ones cannot use CUDA once this process touched it
-    # (seen on an H200 with vLLM 0.26: "Cannot re-initialize CUDA in forked subprocess")
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if on_gpu:
+        # TP > 1 starts worker processes: spawn them, forked ones cannot use CUDA once this process touched it
+        # (seen on an H200 with vLLM 0.26 and torch 2.11: "Cannot re-initialize CUDA in forked subprocess")
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     import vllm
 
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bdlora-gpu-parity-"))

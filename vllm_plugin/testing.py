@@ -187,11 +187,12 @@ def make_peft_adapter(model_dir, out_dir, peft_config, seed: int = 0, std: float
     return out_dir
 
 
-def hf_teacher_forced(model_dir, adapter_dir, prompt_ids, gen_ids, device: str = "cpu"):
+def hf_teacher_forced(model_dir, adapter_dir, prompt_ids, gen_ids, device: str = "cpu", gaps: bool = False):
     """HF (+PEFT) log-probabilities of ``gen_ids`` after ``prompt_ids`` and the greedy token at each step.
 
     Returns (logprobs, argmax); one forward over prompt+generation, so a greedy vLLM generation is correct iff
-    ``argmax == gen_ids`` and its logprobs match.
+    ``argmax == gen_ids`` and its logprobs match. With ``gaps``, also HF's margin at each step: its best logprob
+    minus that of ``gen_ids`` (0 where they agree; small where a low-precision engine flipped a near-tie).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -208,6 +209,8 @@ def hf_teacher_forced(model_dir, adapter_dir, prompt_ids, gen_ids, device: str =
     n = len(prompt_ids)
     rows = logp[n - 1: n - 1 + len(gen_ids)]
     picked = rows.gather(1, torch.tensor(list(gen_ids), device=device).unsqueeze(1)).squeeze(1)
+    if gaps:
+        return picked.cpu().tolist(), rows.argmax(-1).cpu().tolist(), (rows.max(-1).values - picked).cpu().tolist()
     return picked.cpu().tolist(), rows.argmax(-1).cpu().tolist()
 
 
@@ -292,14 +295,17 @@ def generate_mixed(llm, jobs, max_tokens: int = 8):
 
 
 def parity_report(model_dir, jobs, outputs, adapter_dirs) -> list[dict]:
-    """Per job: token equality with HF(+PEFT) greedy and max |logprob diff| (teacher forced)."""
+    """Per job: token equality with HF(+PEFT) greedy, max |logprob diff| (teacher forced), and at the first step
+    where the tokens differ (if any) HF's margin between its own choice and the engine's (``hf_gap_at_flip``)."""
     rows = []
     for (prompt, lr), out, adir in zip(jobs, outputs, adapter_dirs):
-        ref_lp, ref_argmax = hf_teacher_forced(model_dir, adir, prompt, out.token_ids)
+        ref_lp, ref_argmax, gap = hf_teacher_forced(model_dir, adir, prompt, out.token_ids, gaps=True)
         got = vllm_logprobs(out)
+        flips = [i for i, (a, b) in enumerate(zip(ref_argmax, out.token_ids)) if a != b]
         rows.append({"adapter": lr.lora_name if lr else None, "tokens": list(out.token_ids),
-                     "tokens_equal": list(ref_argmax) == list(out.token_ids),
-                     "max_logprob_diff": max(abs(a - b) for a, b in zip(got, ref_lp))})
+                     "tokens_equal": not flips,
+                     "max_logprob_diff": max(abs(a - b) for a, b in zip(got, ref_lp)),
+                     "hf_gap_at_flip": gap[flips[0]] if flips else None})
     return rows
 
 
