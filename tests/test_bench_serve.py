@@ -255,15 +255,43 @@ def test_decode_probe_cpu_smoke(tmp_path):
     # without the Triton interpreter the op takes its torch fallback: seconds instead of many minutes
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/serve/decode_probe.py"), "--cpu-smoke", "--layers", "2",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/serve/decode_probe.py"), "--cpu-smoke", "--layers", "1,2",
+                           "--targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                            "--rank", "16", "--nblocks", "2", "--batch", "2", "--modes", "fused_eager",
                            "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (mode,) = json.loads(out.read_text())["modes"]
-    assert "error" not in mode, mode
-    assert all(mode[k] > 0 for k in ("base_bs1_ms", "lora_bs1_ms", "lora_bs2_ms", "base_bs2_ms"))
-    # one prefill + 64 decode steps, 2 layers x 4 adapted modules (qkv, o, gate_up, down) per forward
-    assert sum(mode["counters_64_decode_steps"].values()) == 65 * 8, mode["counters_64_decode_steps"]
-    bad = subprocess.run([sys.executable, str(ROOT / "bench/serve/decode_probe.py"), "--modes", "fused,turbo"],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "unknown mode(s) ['turbo']" in bad.stderr
+    result = json.loads(out.read_text())
+    assert [m["layers"] for m in result["modes"]] == [1, 2]
+    for mode in result["modes"]:
+        assert "error" not in mode, mode
+        assert all(mode[k] > 0 for k in ("base_bs1_ms", "lora_bs1_ms", "lora_bs2_ms", "base_bs2_ms"))
+        # one prefill + 64 decode steps, layers x 4 adapted modules (qkv, o, gate_up, down) per forward
+        assert sum(mode["counters_64_decode_steps"].values()) == 65 * 4 * mode["layers"], mode
+    assert set(result["fit"]["fused_eager"]) == {"bs1", "bs2"}  # two layer counts: a per-layer fit per batch
+    for args, msg in ((["--modes", "fused,turbo"], "unknown mode(s) ['turbo']"),
+                      (["--layers", "2,0"], "--layers takes positive integers")):
+        bad = subprocess.run([sys.executable, str(ROOT / "bench/serve/decode_probe.py"), *args],
+                             capture_output=True, text=True)
+        assert bad.returncode == 2 and msg in bad.stderr, bad.stderr[-500:]
+
+
+def test_decode_probe_fit_overheads():
+    """LoRA - base = per_step + per_layer x layers, recovered exactly from exact data; modes with one layer count
+    (or an errored run) get no fit."""
+    sys.path.insert(0, str(ROOT / "bench/serve"))
+    try:
+        from decode_probe import fit_overheads
+    finally:
+        sys.path.pop(0)
+    rows = []
+    for layers in (2, 4, 8):
+        for mode, step, per_layer in (("stock", 0.30, 0.050), ("fused", 0.10, 0.020)):
+            base = 1.0 + 0.1 * layers
+            rows.append({"mode": mode, "layers": layers, "base_bs1_ms": base, "lora_bs1_ms": base + step
+                         + per_layer * layers, "base_bs32_ms": base, "lora_bs32_ms": base + 2 * step})
+    rows.append({"mode": "fused_eager", "layers": 2, "base_bs1_ms": 1.0, "lora_bs1_ms": 2.0})
+    fits = fit_overheads(rows, 32)
+    assert set(fits) == {"stock", "fused"}
+    assert fits["stock"]["bs1"] == {"per_layer_us": pytest.approx(50.0), "per_step_us": pytest.approx(300.0)}
+    assert fits["fused"]["bs1"] == {"per_layer_us": pytest.approx(20.0), "per_step_us": pytest.approx(100.0)}
+    assert fits["fused"]["bs32"] == {"per_layer_us": pytest.approx(0.0), "per_step_us": pytest.approx(200.0)}

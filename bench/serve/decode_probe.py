@@ -1,11 +1,11 @@
 """Where does BD-LoRA decode time go in vLLM? One process, one GPU, no server: stock BD layers vs the experimental
 fused decode op (``--bdlora-fused-decode``), each with CUDA graphs and eager.
 
-    python bench/serve/decode_probe.py --out probe.json [--layers 4] [--rank 64] [--nblocks 4]
+    python bench/serve/decode_probe.py --out probe.json [--layers 4] [--rank 64] [--nblocks 4] [--targets q_proj,...]
 
 Builds a random Llama of Llama-3.1-8B layer width (hidden 4096, intermediate 14336, 32/8 heads, vocab 32000) with
-``--layers`` decoder layers in bf16 and one PEFT BD-LoRA adapter on all 7 projections, then per mode starts an
-in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1) and measures, after a warm-up:
+``--layers`` decoder layers in bf16 and one PEFT BD-LoRA adapter on all 7 projections (or ``--targets``), then per
+mode starts an in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1) and measures, after a warm-up:
 
 * decode ms per token at batch 1 and at batch ``--batch`` (difference of two generations of different lengths over
   the extra tokens, so prefill and start-up cancel), for a base request and a LoRA request;
@@ -13,6 +13,11 @@ in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, TP=1) and measure
   with CUDA graphs the op is captured once per graph size and a replay runs no Python, so counters that grow with
   the number of decode steps mean the op runs eagerly in graph mode;
 * a torch.profiler table (host time) of a short LoRA generation.
+
+``--layers 2,8`` (several counts) repeats all of it per layer count and fits, per mode, LoRA minus base decode time
+= per_step + per_layer x layers (``fit``): what vLLM's LoRA path costs per decoder layer (the modules' kernels and
+whatever surrounds them) and once per step (embedding / logits LoRA, metadata), the split serving numbers alone
+cannot give.
 
 Prints a table and writes JSON. Meant for the device machine (vLLM 0.26 bundle on PYTHONPATH); on a CPU-only
 machine it exits with a message.
@@ -32,16 +37,34 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model runs i
 SHAPE = dict(hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=32000)
 
 
-def build(root: Path, layers: int, rank: int, nblocks: int, shape: dict) -> tuple[Path, Path]:
+def build(root: Path, layers: int, rank: int, nblocks: int, shape: dict, targets=None) -> tuple[Path, Path]:
     from bdlora.models import build_random_llama
     from bdlora.spec import BDLoraSpec
     from bdlora.vllm_plugin.testing import make_peft_adapter
 
-    model = build_random_llama(root / "llama8b-width", num_layers=layers, dtype="bfloat16", init_std=0.02,
-                               max_position_embeddings=4096, **shape)
-    adapter = make_peft_adapter(model, root / "bd", BDLoraSpec(nblocks=nblocks, r=rank, lora_alpha=2 * rank)
-                                .to_peft_config(), seed=1, std=0.01)
+    model = build_random_llama(root / f"llama8b-width-l{layers}", num_layers=layers, dtype="bfloat16",
+                               init_std=0.02, max_position_embeddings=4096, **shape)
+    spec = BDLoraSpec.from_preset("llama", nblocks=nblocks, r=rank, lora_alpha=2 * rank, target_modules=targets)
+    adapter = make_peft_adapter(model, root / f"bd-l{layers}", spec.to_peft_config(), seed=1, std=0.01)
     return model, adapter
+
+
+def fit_overheads(rows: list[dict], batch: int) -> dict:
+    """Per mode with results at >= 2 layer counts: least-squares fit of (LoRA - base) decode ms per step against
+    the layer count, at batch 1 and at ``batch``: {mode: {"bs1": {"per_layer_us", "per_step_us"}, ...}}."""
+    fits = {}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        for tag, lora_key, base_key in (("bs1", "lora_bs1_ms", "base_bs1_ms"),
+                                        (f"bs{batch}", f"lora_bs{batch}_ms", f"base_bs{batch}_ms")):
+            pts = [(r["layers"], r[lora_key] - r[base_key]) for r in rows
+                   if r["mode"] == mode and lora_key in r and base_key in r]
+            if len({x for x, _ in pts}) < 2:
+                continue
+            mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+            slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+            fits.setdefault(mode, {})[tag] = {"per_layer_us": round(1000 * slope, 2),
+                                              "per_step_us": round(1000 * (my - slope * mx), 2)}
+    return fits
 
 
 def decode_ms(llm, lora, n_req: int, short: int, long: int, prompt_len: int) -> float:
@@ -105,7 +128,8 @@ def probe_mode(name: str, model: Path, adapter: Path, rank: int, fused, eager: b
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="decode_probe.json")
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", default="4", help="decoder layers; a comma list (e.g. 2,8) fits per-layer costs")
+    ap.add_argument("--targets", help="comma list of adapted projections (default all 7: q,k,v,o,gate,up,down)")
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--nblocks", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32)
@@ -119,6 +143,12 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.modes.split(",")) - set(modes))
     if unknown:
         ap.error(f"unknown mode(s) {unknown}; choose from {', '.join(modes)}")
+    try:
+        layer_counts = [int(v) for v in args.layers.split(",")]
+        assert layer_counts and min(layer_counts) >= 1
+    except (ValueError, AssertionError):
+        ap.error(f"--layers takes positive integers separated by commas, got {args.layers!r}")
+    targets = args.targets.split(",") if args.targets else None
     import torch
 
     shape = SHAPE
@@ -131,20 +161,25 @@ def main(argv=None) -> int:
     import vllm
 
     root = Path(tempfile.mkdtemp(prefix="bdlora-probe-"))
-    model, adapter = build(root, args.layers, args.rank, args.nblocks, shape)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     out = {"vllm": vllm.__version__, "device": device, "args": vars(args), "modes": []}
-    for name in args.modes.split(","):
-        fused, eager = modes[name]
-        try:
-            r = probe_mode(name, model, adapter, args.rank, fused, eager, args.batch, args.profile)
-        except Exception as e:  # keep the other modes
-            r = {"mode": name, "error": f"{type(e).__name__}: {e}"[:500]}
-        out["modes"].append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "profile"}), flush=True)
-        if "profile" in r:
-            print(r["profile"], flush=True)
-        Path(args.out).write_text(json.dumps(out, indent=1))
+    for layers in layer_counts:
+        model, adapter = build(root, layers, args.rank, args.nblocks, shape, targets)
+        for name in args.modes.split(","):
+            fused, eager = modes[name]
+            try:
+                r = probe_mode(name, model, adapter, args.rank, fused, eager, args.batch, args.profile)
+            except Exception as e:  # keep the other modes
+                r = {"mode": name, "error": f"{type(e).__name__}: {e}"[:500]}
+            r["layers"] = layers
+            out["modes"].append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "profile"}), flush=True)
+            if "profile" in r:
+                print(r["profile"], flush=True)
+            out["fit"] = fit_overheads([m for m in out["modes"] if "error" not in m], args.batch)
+            Path(args.out).write_text(json.dumps(out, indent=1))
+    if out.get("fit"):
+        print("LoRA - base per decode step = per_step + per_layer x layers:", json.dumps(out["fit"]), flush=True)
     return 0
 
 
