@@ -61,6 +61,9 @@ _BUILD_RANK: Optional[int] = None
 #: Set likewise when ``bdlora_fused_decode`` is on (with the fused-layer names given out in this build).
 _BUILD_FUSED: Optional[FusedDecodeOptions] = None
 _BUILD_NAMES: set = set()
+#: One split-K decode workspace per device and build, shared by that engine's fused layers (their launches never
+#: overlap); a new build starts new ones, so a later engine never resizes buffers an earlier one's graphs captured.
+_BUILD_WORKSPACES: dict = {}
 
 #: Calls of ``torch.ops.bdlora.lora_linear`` in this process: ``fused:<backend>`` (decode_lora ran; backend triton or
 #: torch) and ``stock`` (batch above max_tokens: vLLM's punica path). Counted on the host, so under CUDA graphs only
@@ -78,6 +81,7 @@ def set_build_fused(opts: Optional[FusedDecodeOptions]) -> None:
     global _BUILD_FUSED
     _BUILD_FUSED = opts
     _BUILD_NAMES.clear()
+    _BUILD_WORKSPACES.clear()
 
 
 class _TokenSlots:
@@ -176,17 +180,15 @@ _LIB = None
 _register_op()
 
 
-#: One split-K decode workspace per device, shared by every fused layer (their launches never overlap).
-_WORKSPACES: dict = {}
 
 
 def _decode_workspace(dev, max_tokens: int, n_slices: int, max_out: int, d_in: int, rank: int):
-    """The device's shared workspace, grown at layer build time (before any CUDA-graph capture) so that every batch
-    of up to ``max_tokens`` tokens through this layer fits."""
+    """This build's workspace for the device, grown at layer build time (before any CUDA-graph capture) so that every
+    batch of up to ``max_tokens`` tokens through this layer fits."""
     from bdlora.kernels.decode import DecodeWorkspace, decode_grid, decode_tiles
 
     dev = torch.device(dev)
-    ws = _WORKSPACES.setdefault(dev, DecodeWorkspace(dev))
+    ws = _BUILD_WORKSPACES.setdefault(dev, DecodeWorkspace(dev))
     tiles = decode_tiles(dev)
     for t in range(1, max_tokens + 1):
         ws.reserve(decode_grid(t, n_slices, 1, max_out, d_in, rank, tiles))
