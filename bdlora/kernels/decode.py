@@ -65,6 +65,7 @@ class DecodeTiles:
 
 
 def decode_tiles(device: torch.device) -> DecodeTiles:
+    """The tiles for ``device``: H200-tuned on CUDA (bench/results/kernels/h200-decode-splitk-2026-11-22.log)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         return DecodeTiles(block_k=128, block_n=64, warps=4, k_split_len=512, min_cols=128, programs=4 * sms)
