@@ -123,6 +123,29 @@ def test_admission_refuses_what_cannot_fit(tiny_llama_dir, data_file, tmp_path):
     assert max(r["active"] for r in eng.round_log) == 1
 
 
+def test_observe_memory_feeds_and_refits_the_model(tiny_llama_dir, data_file, tmp_path, monkeypatch):
+    """Engine.observe_memory (the engine after each step, each pipeline stage after each segment): on a GPU it adds
+    (token budget, the jobs' footprints, measured peak) to the memory model and refits it every 5 points, so
+    admission learns from measured peaks; on CPU it measures nothing. The GPU peak is faked here."""
+    jobs = [{"name": "a", "rank": 4}, {"name": "b", "rank": 8, "nblocks": 2}]
+    eng = _engine(tiny_llama_dir, data_file, tmp_path / "run", jobs, memory_model="auto")
+    assert eng.observe_memory(eng.jobs) is None and eng.memory.points == []  # CPU
+    fp = [j.footprint(eng.targets) for j in eng.jobs]
+    analytic = eng.memory.predict(eng.run_cfg.token_budget, fp)
+    sets = [eng.jobs[: 1 + k % 2] for k in range(5)]
+    want = [int(5e8 + 40 * sum(j.footprint(eng.targets).params for j in js)) for js in sets]  # 40 B per parameter
+    peaks = iter(want)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: next(peaks))
+    eng.device = torch.device("cuda", 0)  # only observe_memory runs with it
+    fitted = []
+    for js, peak in zip(sets, want):
+        assert eng.observe_memory(js) == peak
+        fitted.append(eng.memory.fitted)
+    assert len(eng.memory.points) == 5 and fitted[-1] and not any(fitted[:-1])
+    assert eng.memory.predict(eng.run_cfg.token_budget, fp) != analytic  # admission now uses the refitted model
+    assert eng.observe_memory([]) is None and len(eng.memory.points) == 5
+
+
 def test_cli_yaml_run_and_resume(tiny_llama_dir, data_file, tmp_path):
     from bdlora import load_adapter
 

@@ -237,6 +237,23 @@ class Engine:
     def active_jobs(self) -> list[Job]:
         return [j for j in self.jobs if j.status == "active"]
 
+    def reset_peak_memory(self) -> None:
+        """Start measuring this device's peak memory anew (GPU only)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def observe_memory(self, jobs: list[Job]) -> Optional[int]:
+        """Give the memory model the peak since :meth:`reset_peak_memory` for ``jobs`` at the token budget, and refit
+        it every 5 points when ``memory_model`` is auto (how admission learns from measured peaks, as mLoRA/ALTO
+        do). GPU only: returns the peak in bytes, None on CPU."""
+        if self.device.type != "cuda" or not jobs:
+            return None
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.memory.observe(self.run_cfg.token_budget, [j.footprint(self.targets) for j in jobs], peak)
+        if self.run_cfg.memory_model == "auto" and len(self.memory.points) % 5 == 0:
+            self.memory.fit()
+        return peak
+
     def _fits(self, jobs: list[Job]) -> tuple[bool, float]:
         pred = self.memory.predict(self.run_cfg.token_budget, [j.footprint(self.targets) for j in jobs])
         return (self.mem_budget is None or pred <= self.mem_budget), pred
@@ -281,8 +298,7 @@ class Engine:
         for job_id, idxs in requests:
             step_tokens[job_id] = sum(len(self.jobs[job_id].data.train[i]) for i in idxs)
         loss_sums = {j.id: torch.zeros((), dtype=torch.float64, device=self.device) for j in jobs}
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self.reset_peak_memory()
         if self.model.training:  # model.train(False) walks every module: only when someone switched it on
             self.model.train(False)
         # LoRA dropout: each micro-batch's masks from a seed of (run seed, the dropout jobs' seeds and steps, its
@@ -328,11 +344,7 @@ class Engine:
             job.detector.report_train(job.step, loss)
             job.history["ema"].append((job.step, job.detector.ema if job.detector.ema is not None else loss))
             stats[job.name] = {"loss": loss, "grad_norm": float(gnorm), "targets": step_targets[job.id]}
-        if self.device.type == "cuda" and jobs:
-            self.memory.observe(self.run_cfg.token_budget, [j.footprint(self.targets) for j in jobs],
-                                torch.cuda.max_memory_allocated(self.device))
-            if self.run_cfg.memory_model == "auto" and len(self.memory.points) % 5 == 0:
-                self.memory.fit()
+        self.observe_memory(jobs)
         return {"microbatches": len(mbs), "tokens": sum(step_tokens.values()), "jobs": stats}
 
     @torch.no_grad()

@@ -27,7 +27,8 @@ of different jobs fill the pipeline with no flush between jobs.
   same adapters and losses as an uninterrupted one.
   Differences from the single-process engine: a non-finite train loss is acted on at the next boundary (not at
   once); LoRA-dropout masks are seeded per pipeline micro-batch, so dropout jobs are reproducible (and resume
-  exactly) but do not equal the single-process run; the memory model is not refitted from measured peaks.
+  exactly) but do not equal the single-process run; the memory model is refitted from each stage's measured peak
+  per segment (GPU), not per step.
 
 Activations and gradients travel with ``torch.distributed`` send/recv (gloo on CPU, NCCL on GPU), each direction
 on its own process group (:func:`p2p_groups`). :func:`init_distributed` starts a process group bound to this process's
@@ -555,10 +556,15 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
                     plot_job(job, out / "plots" / f"{job.name}.png")
         to_save.clear()
 
+    def fold_peak() -> None:  # the stage's whole-run peak survives the per-segment resets of the memory model
+        if engine.device.type == "cuda":
+            stats["peak_mem_bytes"] = max(stats.get("peak_mem_bytes", 0),
+                                          torch.cuda.max_memory_allocated(engine.device))
+
     def write_results() -> Optional[dict]:  # collective (statistics of every stage); rank 0 writes
+        fold_peak()
         payload = {"busy": stats["busy"], "wall": stats["wall"],
-                   "peak_mem_gib": (torch.cuda.max_memory_allocated(engine.device) / 2**30
-                                    if engine.device.type == "cuda" else None)}
+                   "peak_mem_gib": stats["peak_mem_bytes"] / 2**30 if engine.device.type == "cuda" else None}
         gathered = [None] * P
         dist.all_gather_object(gathered, payload)
         if s != 0:
@@ -583,6 +589,8 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
             stream, step_targets, mbs_in_step = _build_stream(engine, active, counts)
             ops, sim_bubble = simulate_schedule(stream, P)
             st.loss_sums = {}
+            fold_peak()
+            engine.reset_peak_memory()
             dist.barrier()
             t0, busy0 = time.perf_counter(), st.busy
             for kind, m in ops[s]:
@@ -598,6 +606,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
             dist.broadcast(vec, 0)
             for jid in list(st.pending):
                 st.apply(jid, float(vec[jid]))
+            engine.observe_memory(active)  # this stage's peak over the segment: every stage at the same boundaries
             t1 = time.perf_counter()
             n_ops = sum(len(o) for o in ops)
             stats["busy"] += st.busy - busy0
