@@ -137,7 +137,7 @@ class _FusedState:
     soff: torch.Tensor  # the same, int32 on the device
     ranks: torch.Tensor  # (L,) int32: rank in use per slot, 0 = empty
     scales: torch.Tensor  # (L,) float32: ones (vLLM folds the scale into B)
-    workspace: object = None  # bdlora.kernels.DecodeWorkspace shared by the device's layers, sized for max_tokens
+    workspace: object = None  # bdlora.kernels.DecodeWorkspace shared by this engine's layers on the device
     slots: Optional[_TokenSlots] = None
 
 
@@ -178,8 +178,6 @@ def _register_op() -> None:
 
 _LIB = None
 _register_op()
-
-
 
 
 def _decode_workspace(dev, max_tokens: int, n_slices: int, max_out: int, d_in: int, rank: int):
