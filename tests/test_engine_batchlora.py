@@ -26,7 +26,7 @@ JOBS = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["auto", "engine"])
+@pytest.mark.parametrize("backend", ["auto", "engine", "cublas"])
 def test_batchlora_equals_training_alone(tiny_llama_dir, data_file, tmp_path, backend):
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM

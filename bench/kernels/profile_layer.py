@@ -1,38 +1,76 @@
-"""Per-kernel CUDA times of one fused BD-LoRA layer fwd+bwd (torch.profiler); a diagnosis aid for bench_kernels."""
+"""Per-kernel CUDA times of one BD-LoRA layer fwd+bwd (torch.profiler), ours next to PEFT's; a diagnosis aid for
+bench_kernels' layer section.
+
+    python bench/kernels/profile_layer.py [--backend cublas] [--out profile.txt]
+
+For each case (rank, layout, N, dropout) at 8192 x 4096 -> 4096 bf16: the top CUDA kernels of 5 iterations of
+``fused_lora_linear`` (``--backend``) and of the PEFT-style layer (``bench_kernels.PeftBdLayer``), and the
+wall time per iteration of each.
+"""
+import argparse
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CASES = [(16, "column", 1, 0.1), (16, "column", 4, 0.1), (64, "row", 4, 0.1), (16, "column", 1, 0.0)]
+
+
+def profiled(fn, iters=5) -> tuple[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / 20 * 1000
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), ms
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="cublas")
+    ap.add_argument("--out")
+    args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_layer: no CUDA GPU here")
         return
     import bdlora.kernels as K
-    from torch.profiler import ProfilerActivity, profile
+    from bench_kernels import PeftBdLayer, make_adapter
 
-    t, d_in, d_out = 8192, 4096, 4096
-    for r, layout, n, p in [(16, "column", 1, 0.1), (64, "row", 4, 0.1), (16, "column", 4, 0.0)]:
-        na, nb = (n, 1) if layout == "row" else (1, n)
-        dt = torch.bfloat16
-        ad = K.LoraAdapter((torch.randn(r, d_in // na, device="cuda") / 64).to(dt).requires_grad_(),
-                           (torch.randn(d_out, r // nb, device="cuda") / 8).to(dt).requires_grad_(), 2.0, layout, n, p)
-        w = torch.randn(d_out, d_in, device="cuda", dtype=dt)
+    t, d_in, d_out, dt = 8192, 4096, 4096, torch.bfloat16
+    lines = []
+    for r, layout, n, p in CASES:
+        ad = make_adapter(K, d_in, d_out, r, layout, n, dt, p)
+        w = torch.randn(d_out, d_in, device="cuda", dtype=dt) / 64
         x = torch.randn(t, d_in, device="cuda", dtype=dt, requires_grad=True)
         gy = torch.randn(t, d_out, device="cuda", dtype=dt)
-        fn = lambda: torch.autograd.grad(K.fused_lora_linear(x, w, None, [0, t], [ad]), [x, ad.lora_a, ad.lora_b], gy)
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-        print(f"\n== r={r} layout={layout} N={n} dropout={p} (5 iterations)")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
+        base = torch.nn.Linear(d_in, d_out, bias=False, device="cuda", dtype=dt).requires_grad_(False)
+        base.weight.copy_(w)
+        peft = PeftBdLayer(base, ad, p)
+        ours = lambda: torch.autograd.grad(
+            K.fused_lora_linear(x, w, None, [0, t], [ad], dropout_seed=1 if p else None, backend=args.backend),
+            [x, ad.lora_a, ad.lora_b], gy)
+        theirs = lambda: torch.autograd.grad(peft(x), [x, peft.lora_a.weight, peft.lora_b.weight], gy)
+        for name, fn in (("ours[%s]" % args.backend, ours), ("peft", theirs)):
+            tab, ms = profiled(fn)
+            lines.append(f"\n== {name} r={r} layout={layout} N={n} dropout={p}: {ms:.3f} ms/iter "
+                         f"(5 iterations profiled)\n{tab}")
+            print(lines[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("".join(lines))
 
 
 if __name__ == "__main__":

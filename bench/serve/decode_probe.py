@@ -110,16 +110,19 @@ def probe_mode(name: str, model: Path, adapter: Path, rank: int, fused, eager: b
         sp = SamplingParams(max_tokens=65, ignore_eos=True, temperature=0.0)
         llm.generate([{"prompt_token_ids": list(range(100, 164))}], sp, lora_request=lora, use_tqdm=False)
         res["counters_64_decode_steps"] = T.read_fused_decode_counters()
-        if profile:
+        if profile:  # base and LoRA generations of 16 decode steps: which kernels (and host ops) LoRA adds
             from torch.profiler import ProfilerActivity, profile as prof_ctx
 
-            with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                llm.generate([{"prompt_token_ids": list(range(100, 164))}], SamplingParams(
-                    max_tokens=17, ignore_eos=True, temperature=0.0), lora_request=lora, use_tqdm=False)
-            ka = prof.key_averages()
-            res["profile"] = (ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
-                              + "\n" + ka.table(sort_by="self_cuda_time_total", row_limit=25,
-                                                max_name_column_width=60))
+            res["profile"] = ""
+            for tag, req in (("base", None), ("lora", lora)):
+                with prof_ctx(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    llm.generate([{"prompt_token_ids": list(range(100, 164))}], SamplingParams(
+                        max_tokens=17, ignore_eos=True, temperature=0.0), lora_request=req, use_tqdm=False)
+                ka = prof.key_averages()
+                res["profile"] += (f"\n### {name} {tag}, 16 decode steps, layers={model.name}\n"
+                                   + ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
+                                   + "\n" + ka.table(sort_by="self_cuda_time_total", row_limit=25,
+                                                      max_name_column_width=60))
     finally:
         T.stop_llm(llm)
     return res

@@ -986,9 +986,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pipeline-vs-dp", action="store_true",
                     help="2 processes: the engine's LoRAPP pipeline vs its data parallel mode (NCCL on 2 GPUs, gloo "
                          "on CPU with --cpu-smoke)")
-    ap.add_argument("--lora-backend", default="auto", choices=["auto", "triton", "torch"],
-                    help="the engine's LoRA path: auto (Triton grouped kernel on GPU), triton, or torch (per-job "
-                         "cuBLAS GEMMs on GPU)")
+    ap.add_argument("--lora-backend", default="auto", choices=["auto", "cublas", "triton", "torch"],
+                    help="the engine's LoRA path (lora_backend): auto (cublas on GPU), cublas (base + LoRA as cuBLAS "
+                         "GEMMs in one op), triton (grouped Triton kernels), or torch (per-job loop)")
     ap.add_argument("--profile", type=int, metavar="K",
                     help="instead of the throughput runs: profile the engine with K jobs and the trainer with one "
                          "(torch.profiler tables in OUT.profile.txt)")

@@ -44,6 +44,9 @@ _ALIASES = {"r": "rank", "lora_alpha": "alpha", "N": "nblocks", "n": "nblocks", 
             "lr_scheduler": "schedule", "gradient_accumulation_steps": "grad_accum", "max_steps": "steps"}
 
 
+LORA_BACKENDS = ("auto", "cublas", "triton", "torch", "engine")  # how MultiLoraLinear runs the jobs' LoRA
+
+
 class ConfigError(BDLoraError):
     """A bad run file; the message names the field."""
 
@@ -140,7 +143,7 @@ class RunConfig:
     eval_every: int = 10
     checkpoint_every: int = 10
     log_every: int = 1
-    lora_backend: str = "auto"  # auto | torch | triton (bdlora.kernels.grouped_lora) | engine (local reference)
+    lora_backend: str = "auto"  # auto (cublas on GPU, torch on CPU) | cublas | triton | torch | engine (multilora.py)
     pipeline_stages: int = 1
     resume: bool = True
     save_plots: bool = True
@@ -317,6 +320,8 @@ def parse_run(raw: dict, base_dir: str | os.PathLike = ".") -> RunConfig:
     run = RunConfig(datasets=datasets, jobs=jobs, early_exit=ee, **raw)
     if run.pad_multiple is not None and (type(run.pad_multiple) is not int or run.pad_multiple < 1):
         raise ConfigError(f"pad_multiple must be a positive integer (or omitted for auto), got {run.pad_multiple!r}")
+    if run.lora_backend not in LORA_BACKENDS:
+        raise ConfigError(f"lora_backend must be one of {', '.join(LORA_BACKENDS)}, got {run.lora_backend!r}")
     longest = max(j.max_seq_len for j in jobs)
     if run.token_budget < longest:
         raise ConfigError(f"token_budget={run.token_budget} is smaller than the longest max_seq_len={longest}: "

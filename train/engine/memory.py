@@ -67,12 +67,13 @@ class MemoryModel:
 
     def mask_bytes(self, tokens: int, jobs: list[JobFootprint]) -> float:
         """LoRA-dropout keep-masks saved for backward (one micro-batch in flight), counted over all T tokens of
-        the micro-batch once per module that any dropout job adapts, not per job: the grouped kernel
+        the micro-batch once per module that any dropout job adapts, not per job: the Triton grouped kernel
         (``_LoraLinearFn``) allocates its int8 (T, d_in) mask for every row of a module call as soon as one
-        adapter of the call drops out; the torch paths' masks (``F.dropout`` on a job's rows: bool on CUDA) of
-        the dropout jobs on a module cover disjoint rows, so at most T of them. Jobs without dropout add nothing.
-        Not counted: the torch paths also keep the dropped-out copy of the job's rows (activation dtype) for the
-        x@A backward, and on CPU ``F.dropout``'s mask is in the activation dtype, not bool."""
+        adapter of the call drops out; the cuBLAS path's bool masks and the torch paths' (``F.dropout`` on a job's
+        rows: bool on CUDA) cover the dropout jobs' disjoint rows, so at most T of them. Jobs without dropout add
+        nothing. Not counted (the fit absorbs it per token): the cuBLAS and torch paths also keep the dropped-out
+        copy of the job's rows (activation dtype) for the x@A backward, and on CPU ``F.dropout``'s mask is in the
+        activation dtype, not bool."""
         d_in = dict(m for j in jobs for m in j.dropout_modules)  # module path -> d_in, each module once
         return self.bytes_per_mask_elem * float(tokens) * sum(d_in.values())
 

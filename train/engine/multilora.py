@@ -1,14 +1,16 @@
 """BatchLoRA: one frozen base model, every target ``nn.Linear`` replaced by a multi-adapter module.
 
 The concatenated micro-batch of all active jobs goes through ONE base GEMM per layer; each job's BD-LoRA
-is applied to its own row segment. The grouped op is ``bdlora.kernels.grouped_lora`` (Triton on GPU, its torch
-reference elsewhere); ``backend="engine"`` uses the per-job loop below (``bd_lora_delta``). Both
-compute block-diagonal factors as N packed sub-blocks (no FLOPs on zeros).
+is applied to its own row segment. ``lora_backend``: "cublas" (the default on GPU) runs the base GEMM and every
+job's LoRA as ``bdlora.kernels.fused_lora_linear(backend="cublas")``, one cuBLAS GEMM per product; "triton" the
+grouped Triton kernels (``bdlora.kernels.grouped_lora``, one launch per stage for all jobs); "torch" (the default
+on CPU) and "engine" the per-job loop below (``bd_lora_delta``). All compute block-diagonal factors as N packed
+sub-blocks (no FLOPs on zeros).
 
 LoRA dropout (PEFT semantics): while training (``ctx.training`` and autograd recording), each job's LoRA input
 rows are dropped out with that job's ``lora_dropout`` p (inverted dropout, before A); the base path and evaluation
-(``torch.no_grad``) see no dropout. The torch paths use ``F.dropout`` on the job's rows; the grouped kernel gets the
-job's p in its descriptor and a dropout seed drawn from torch's RNG, so both follow ``torch.manual_seed``
+(``torch.no_grad``) see no dropout. The torch paths use ``F.dropout`` on the job's rows; the kernels get the
+job's p in its descriptor and a dropout seed drawn from torch's RNG, so all follow ``torch.manual_seed``
 (the engine seeds each round from the job seeds and steps: :func:`dropout_rng`).
 
 Factors are stored packed in PEFT orientation (SPEC §2): column layer lora_A (r, d_in), lora_B (d_out, r/N);
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 import zlib
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -33,10 +34,10 @@ from bdlora.kernels.reference import bd_matmul
 from bdlora.spec import COLUMN, ROW, BDLoraSpec
 
 from bdlora.kernels import LoraAdapter as _KAdapter
+from bdlora.kernels import fused_lora_linear as _fused_lora_linear
 from bdlora.kernels import grouped_lora as _grouped_lora
 
 PEFT_PREFIX = "base_model.model."
-_KERNEL_FAILED = False
 
 
 def bd_lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layout: str, nblocks: int,
@@ -170,6 +171,17 @@ def _kaiming_uniform(t: torch.Tensor, a: float, g: torch.Generator) -> None:
         t.uniform_(-bound, bound, generator=g)
 
 
+def _contiguous(segs) -> bool:
+    """The segments follow each other without gaps (what the kernels' seg boundaries describe)."""
+    return all(segs[i][2] == segs[i + 1][1] for i in range(len(segs) - 1))
+
+
+def _kernel_seed() -> int:
+    """The kernels' dropout seed for one call (adapter i draws from seed + i), taken from torch's CPU RNG, which the
+    engine seeds per round (``dropout_rng``): reproducible masks and exact resume."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
 class MultiLoraLinear(nn.Module):
     """A frozen ``nn.Linear`` plus the BD-LoRA of every job in the batch context, each on its row segment."""
 
@@ -185,47 +197,48 @@ class MultiLoraLinear(nn.Module):
         return self.base.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.base.weight, self.base.bias)
         reg, name = self.registry, self.name
         segs = [s for s in self.ctx.segments if s[0] in reg and name in reg[s[0]].keys]
         if not segs:
-            return y
-        shape = y.shape
+            return F.linear(x, self.base.weight, self.base.bias)
         x2 = x.reshape(-1, x.shape[-1])
-        y2 = y.reshape(-1, shape[-1])
         jobs = [reg[j] for j, _, _ in segs]
         fdtype = jobs[0].factors(name)[0].dtype
+        if self._backend(x2) == "cublas" and x2.dtype == fdtype == self.base.weight.dtype and _contiguous(segs):
+            # base GEMM and every job's LoRA in one op, each product one cuBLAS GEMM (bdlora.kernels.cublas)
+            drop = self.ctx.dropout_active() and any(ja.dropout > 0 for ja in jobs)
+            y2 = _fused_lora_linear(x2, self.base.weight, self.base.bias, [segs[0][1]] + [e for _, _, e in segs],
+                                    [ja.kernel_adapter(self.name, drop) for ja in jobs],
+                                    dropout_seed=_kernel_seed() if drop else None, backend="cublas")
+            return y2.reshape(*x.shape[:-1], y2.shape[-1])
+        y = F.linear(x, self.base.weight, self.base.bias)
+        shape = y.shape
+        y2 = y.reshape(-1, shape[-1])
         if x2.dtype != fdtype:  # e.g. a bf16 base with fp32 adapter weights: LoRA path in the adapters' dtype
             delta = self._delta(x2.to(fdtype), segs, jobs, None)
             return (y2 + delta.to(y.dtype)).reshape(shape)
         return self._delta(x2, segs, jobs, y2).reshape(shape)
 
+    def _backend(self, x2: torch.Tensor) -> str:
+        """The context's lora_backend with "auto" resolved: cuBLAS GEMMs on GPU (the Triton grouped kernels drew
+        dropout masks one Philox call per element and summed dB with fp32 atomics: 62% of an 8B-shape engine step
+        on an H200, bench/results/train/*profile*2026-11-22*), the torch reference on CPU (the Triton interpreter,
+        which "auto" would take under TRITON_INTERPRET=1, is ~30x slower)."""
+        backend = self.ctx.backend
+        if backend == "auto":
+            return "cublas" if x2.is_cuda else "torch"
+        return backend
+
     def _delta(self, x2, segs, jobs, out):
         """out + LoRA deltas (or the deltas alone when ``out`` is None), rows outside the segments untouched."""
-        global _KERNEL_FAILED
-        backend = self.ctx.backend
-        if backend == "auto" and not x2.is_cuda:
-            # On CPU "auto" would pick the Triton interpreter when TRITON_INTERPRET=1 (set for the kernel tests):
-            # correct but ~30x slower than the torch reference, which is what CPU training should use.
-            backend = "torch"
-        contiguous = all(segs[i][2] == segs[i + 1][1] for i in range(len(segs) - 1))
         drop = self.ctx.dropout_active() and any(ja.dropout > 0 for ja in jobs)
-        if backend not in ("engine", "torch") and contiguous and not _KERNEL_FAILED:
+        if self._backend(x2) == "triton" and _contiguous(segs):
             seg = [segs[0][1]] + [e for _, _, e in segs]
-            # the kernel's masks come from one seed per call (adapter i: seed + i), drawn from torch's CPU RNG
-            seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if drop else None
-            try:
-                # out= (in-place add) is not used: its backward failed on GPU for row layers (kernels 2026-11)
-                delta = _grouped_lora(x2, seg, [ja.kernel_adapter(self.name, drop) for ja in jobs],
-                                      dropout_seed=seed, backend=backend)
-                return delta if out is None else out + delta
-            except Exception as e:  # pragma: no cover - only on a kernel bug; keep training on the reference
-                if backend != "auto":
-                    raise
-                _KERNEL_FAILED = True
-                warnings.warn(f"bdlora.kernels.grouped_lora failed ({type(e).__name__}: {e}); the engine falls "
-                              "back to its torch reference for the rest of this process")
-        # Reference path (CPU, backend "torch"/"engine", kernel fallback): the same math as
+            # out= (in-place add) is not used: its backward failed on GPU for row layers (kernels 2026-11)
+            delta = _grouped_lora(x2, seg, [ja.kernel_adapter(self.name, drop) for ja in jobs],
+                                  dropout_seed=_kernel_seed() if drop else None, backend="triton")
+            return delta if out is None else out + delta
+        # Reference path (CPU, backend "torch"/"engine", factors in another dtype than the base): the same math as
         # bdlora.kernels.grouped_lora_ref without its per-call checks and without materializing a (T, d_out)
         # delta (zero rows + torch.cat) that is then added to ``out`` in a second pass.
         if len(segs) == 1 and segs[0][1] == 0 and segs[0][2] == x2.shape[0]:  # one job over all rows (K=1)
