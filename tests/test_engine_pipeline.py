@@ -241,8 +241,9 @@ def test_pipeline_resume_equals_uninterrupted(tiny_llama_dir, tmp_path):
     assert [seg(r) for r in rest["rounds"]] == [seg(r) for r in full["rounds"]]  # the same segments
     for r, f in zip(rest["jobs"], full["jobs"]):
         assert (r["stop_reason"], r["steps"], r["tokens"]) == (f["stop_reason"], f["steps"], f["tokens"])
-        assert r["final_eval_loss"] == pytest.approx(f["final_eval_loss"], rel=1e-6)
-        assert rest["train_losses"][r["job"]] == pytest.approx(full["train_losses"][f["job"]], rel=1e-6)
+        # nan_ok: on a GPU the diverging job's loss can reach NaN (2x H200, NCCL, 2026-11-22): then in both runs
+        assert r["final_eval_loss"] == pytest.approx(f["final_eval_loss"], rel=1e-6, nan_ok=True)
+        assert rest["train_losses"][r["job"]] == pytest.approx(full["train_losses"][f["job"]], rel=1e-6, nan_ok=True)
         a, b = load_adapter(r["adapter"]), load_adapter(f["adapter"])
         assert set(a.modules) == set(b.modules)
         for p in a.modules:

@@ -389,11 +389,13 @@ def test_cublas_no_activation_copies():
 
 
 def test_cublas_dispatch_rules():
-    """Documented choice: on CUDA "auto" takes cublas (<= CUBLAS_MAX_SEGMENTS non-empty segments, no fuse_base);
-    on CPU "auto" keeps Triton under the interpreter (torch without it); "cublas" runs anywhere when asked for."""
-    assert dispatch_mod.cublas_preferred("cuda", 1) and dispatch_mod.cublas_preferred("cuda", 4)
-    assert not dispatch_mod.cublas_preferred("cuda", dispatch_mod.CUBLAS_MAX_SEGMENTS + 1)
-    assert not dispatch_mod.cublas_preferred("cpu", 1)
+    """Documented choice: on CUDA "auto" takes cublas for one non-empty segment or a layer of >= CUBLAS_MIN_WEIGHT
+    weights (no fuse_base); on CPU "auto" keeps Triton under the interpreter (torch without it); "cublas" runs
+    anywhere when asked for."""
+    pref = dispatch_mod.cublas_preferred
+    assert pref("cuda", 1, 576, 576) and pref("cuda", 16, 4096, 4096) and pref("cuda", 4, 4096, 1024)
+    assert not pref("cuda", 2, 576, 1536) and not pref("cuda", 8, 576, 576)
+    assert not pref("cpu", 1, 4096, 4096)
     ch = dispatch_mod.choose
     assert ch("op", "auto", True, cublas=True, prefer_cublas=True) == "cublas"
     assert ch("op", "auto", False, cublas=True, prefer_cublas=True) == "cublas"

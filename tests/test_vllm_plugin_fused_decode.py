@@ -273,6 +273,7 @@ def test_gpu_parity_script_runs_on_cpu(tmp_path):
     (mode,) = report["modes"]
     assert len(mode["requests"]) == 10 and mode["max_logprob_diff"] < 1e-4
     assert all(r["tokens_equal"] and r["hf_gap_at_flip"] is None for r in mode["requests"])
+    assert mode["tokens_ok"] and mode["near_tie_flips"] == []
     assert sum(sum(c.values()) for c in mode["fused_counters"]) > 0 and mode["fused_ok"]
 
 
@@ -295,3 +296,7 @@ def test_parity_report_gives_hf_margin_at_a_flip(tiny_llama_dir):
     (row,) = T.parity_report(tiny_llama_dir, [(prompt, None)], [fake], [None])
     assert not row["tokens_equal"] and row["hf_gap_at_flip"] == pytest.approx(gaps[2])
     assert row["max_logprob_diff"] == pytest.approx(0.0, abs=1e-9)
+    # gpu_parity's token rule: a flip passes only where HF's margin is below the tie tolerance
+    assert T.tokens_match(row, tie_tol=gaps[2] * 1.01) and not T.tokens_match(row, tie_tol=gaps[2] * 0.99)
+    assert not T.tokens_match(row, tie_tol=0.0)
+    assert T.tokens_match({"tokens_equal": True, "hf_gap_at_flip": None}, tie_tol=0.0)

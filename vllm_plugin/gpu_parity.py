@@ -6,7 +6,10 @@ Builds the tiny random Llama (hidden 256, 4 heads, 2 KV heads) and PEFT-written 
 BD N=4 r=16, dense r=8) in a temp dir, serves them all at once with vLLM + the plugin (``additional_config
 {"bdlora": True}``) at the given TP degree, in eager mode and with CUDA graphs, and compares every request of one
 mixed batch (base + all adapters) with HF + PEFT on CPU in float32 (teacher forced): greedy token equality and the
-max |logprob| difference. In eager mode it also counts LoRA collectives in the workers (must be 0) and reports the
+max |logprob| difference. Greedy tokens must be equal, except at a near-tie: a request whose first differing token
+had HF's own margin (its choice over the engine's, in logprob) below the logprob tolerance still passes, listed under
+``near_tie_flips`` (with a float16 engine against a float32 reference such a tie can go either way); its later
+tokens are still checked through the logprob bound, teacher forced on the engine's tokens. In eager mode it also counts LoRA collectives in the workers (must be 0) and reports the
 per-rank adapter bytes. Prints a summary and writes JSON; exit status 0 iff every check passed.
 
 ``--fused-decode`` serves with the experimental fused decode path (``additional_config {"bdlora_fused_decode":
@@ -50,7 +53,8 @@ def build(root: Path) -> tuple[Path, dict]:
     return model, adapters
 
 
-def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int, fused=None) -> dict:
+def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int, fused=None,
+             tie_tol: float = 0.0) -> dict:
     from vllm.lora.request import LoRARequest
 
     from bdlora.vllm_plugin import testing as T
@@ -74,9 +78,7 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
             llm.collective_rpc(T.reset_fused_decode_counters)
         outs = T.generate_mixed(llm, jobs, max_tokens=max_tokens)
         rows = T.parity_report(model, jobs, outs, [adapters[lr.lora_name] if lr else None for _, lr in jobs])
-        result = {"eager": eager, "startup_s": round(startup, 1), "requests": rows,
-                  "tokens_equal": all(r["tokens_equal"] for r in rows),
-                  "max_logprob_diff": max(r["max_logprob_diff"] for r in rows)}
+        result = {"eager": eager, "startup_s": round(startup, 1), "requests": rows}
         classes = llm.collective_rpc(T.lora_layer_classes)[0]
         result["layer_classes"] = sorted(set(classes.values()))
         if eager:
@@ -97,8 +99,13 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
             # after the self-check's crafted mapping the engine must still serve correctly
             again = T.parity_report(model, jobs[:3], T.generate_mixed(llm, jobs[:3], max_tokens=max_tokens),
                                     [adapters[lr.lora_name] if lr else None for _, lr in jobs[:3]])
-            result["tokens_equal"] &= all(r["tokens_equal"] for r in again)
-            result["max_logprob_diff"] = max([result["max_logprob_diff"]] + [r["max_logprob_diff"] for r in again])
+            result["requests_after_self_check"] = again
+        every = rows + result.get("requests_after_self_check", [])
+        result["tokens_equal"] = all(r["tokens_equal"] for r in every)
+        result["max_logprob_diff"] = max(r["max_logprob_diff"] for r in every)
+        result["near_tie_flips"] = [{k: r[k] for k in ("adapter", "hf_gap_at_flip", "max_logprob_diff")}
+                                    for r in every if not r["tokens_equal"]]
+        result["tokens_ok"] = all(T.tokens_match(r, tie_tol) for r in every)
         return result
     finally:
         T.stop_llm(llm)
@@ -145,16 +152,24 @@ def main(argv=None) -> int:
               "fused_decode": fused}
     ok = True
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        res = run_mode(model, adapters, args.tp, mode == "eager", args.dtype, args.max_tokens, fused)
-        res["pass"] = (res["tokens_equal"] and res["max_logprob_diff"] < args.tol
-                       and res.get("lora_collectives", 0) == 0 and res.get("fused_ok", True))
+        try:
+            res = run_mode(model, adapters, args.tp, mode == "eager", args.dtype, args.max_tokens, fused, args.tol)
+        except Exception as e:  # keep the other mode's result; the report says what broke
+            res = {"eager": mode == "eager", "error": f"{type(e).__name__}: {e}"[:2000], "pass": False}
+            print(f"[{mode}] ERROR {res['error'][:500]} -> FAIL", flush=True)
+        else:
+            res["pass"] = (res["tokens_ok"] and res["max_logprob_diff"] < args.tol
+                           and res.get("lora_collectives", 0) == 0 and res.get("fused_ok", True))
+            print(f"[{mode}] tokens_equal={res['tokens_equal']} near_tie_flips={res['near_tie_flips']} "
+                  f"max_logprob_diff={res['max_logprob_diff']:.3e} "
+                  f"lora_collectives={res.get('lora_collectives', 'n/a')} startup={res['startup_s']}s "
+                  f"classes={res['layer_classes']}"
+                  + (f" fused_ok={res['fused_ok']} fused_counters={res['fused_counters']}" if fused else "")
+                  + f" -> {'PASS' if res['pass'] else 'FAIL'}", flush=True)
         ok &= res["pass"]
         report["modes"].append(res)
-        print(f"[{mode}] tokens_equal={res['tokens_equal']} max_logprob_diff={res['max_logprob_diff']:.3e} "
-              f"lora_collectives={res.get('lora_collectives', 'n/a')} startup={res['startup_s']}s "
-              f"classes={res['layer_classes']}"
-              + (f" fused_ok={res['fused_ok']} fused_counters={res['fused_counters']}" if fused else "")
-              + f" -> {'PASS' if res['pass'] else 'FAIL'}", flush=True)
+        with open(args.out, "w") as f:  # after every mode: a later crash keeps what was measured
+            json.dump(report, f, indent=2)
     report["pass"] = ok
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

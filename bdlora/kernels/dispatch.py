@@ -24,8 +24,10 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LAST_BACKEND: dict[str, str] = {}
 
 # ``fused_lora_linear`` issues ~8 GEMMs per adapter segment on the cuBLAS path (5 Triton launches in all on the
-# Triton path), so "auto" takes cuBLAS only up to this many non-empty segments. Not yet measured: a guess.
-CUBLAS_MAX_SEGMENTS = 4
+# Triton path): with several segments of a small layer the launches dominate. Measured on an H200 (training engine,
+# bench/results/train/*2026-11-22*): SmolLM2 shape (576 x 576 .. 576 x 1536) cuBLAS 1.7x faster than Triton with one
+# job but 0.80x / 0.53x with 4 / 8; Llama-8B shape (4096 x 4096 .. 4096 x 14336) cuBLAS 1.24x / 1.16x faster with 1 / 4.
+CUBLAS_MIN_WEIGHT = 2048 * 2048  # d_in x d_out from which cuBLAS is preferred for any number of segments
 
 
 def triton_ok(*tensors: torch.Tensor) -> bool:
@@ -45,10 +47,11 @@ def same_float(*tensors: torch.Tensor) -> bool:
             and tensors[0].is_floating_point())
 
 
-def cublas_preferred(device_type: str, n_segments: int) -> bool:
-    """Whether "auto" takes the cuBLAS-composed path (where the op has one and the inputs suit it): on CUDA only,
-    with at most CUBLAS_MAX_SEGMENTS non-empty adapter segments. On CPU "auto" keeps Triton (interpreter) or torch."""
-    return device_type == "cuda" and n_segments <= CUBLAS_MAX_SEGMENTS
+def cublas_preferred(device_type: str, n_segments: int, d_in: int, d_out: int) -> bool:
+    """Whether "auto" takes the cuBLAS-composed path (where the op has one and the inputs suit it): on CUDA, for one
+    non-empty adapter segment or a layer of at least CUBLAS_MIN_WEIGHT weights (measurements above). On CPU "auto"
+    keeps Triton (interpreter) or torch."""
+    return device_type == "cuda" and (n_segments <= 1 or d_in * d_out >= CUBLAS_MIN_WEIGHT)
 
 
 def choose(op: str, backend: str, supported: bool, cublas: bool | None = None, prefer_cublas: bool = False) -> str:

@@ -322,7 +322,8 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     Backends ("auto" picks as listed):
       cublas : ``cublas.CublasLoraLinearFn``, every product one cuBLAS GEMM whose alpha/beta epilogue does the
                scale and the accumulation into the base output / base dX (no Triton). "auto" takes it on CUDA with
-               at most ``dispatch.CUBLAS_MAX_SEGMENTS`` non-empty segments and fuse_base=False, dropout included.
+               one non-empty segment or a large layer (``dispatch.cublas_preferred``) and fuse_base=False, dropout
+               included.
                bd_gemm ("auto" | "dense" | "blocks") says how it runs block-diagonal factors. Explicitly
                requested it also runs on CPU (the same torch ops on the CPU BLAS).
       triton : the LoRA expand added in place into the cuBLAS base output (fuse_base=False) or computed inside
@@ -344,7 +345,7 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     ok = dispatch.triton_ok(*tensors) and x.stride(1) == 1
     n_seg = sum(e > s for s, e in zip(seg, seg[1:]))
     use = dispatch.choose("fused_lora_linear", backend, ok, cublas=not fuse_base and dispatch.same_float(*tensors),
-                          prefer_cublas=dispatch.cublas_preferred(x.device.type, n_seg))
+                          prefer_cublas=dispatch.cublas_preferred(x.device.type, n_seg, *weight.shape[::-1]))
     if use == "torch":
         return fused_lora_linear_ref(x, weight, bias, seg, adapters, torch_keep_masks(x, seg, adapters, seed))
     if use == "cublas":

@@ -1,10 +1,11 @@
 """BatchLoRA: one frozen base model, every target ``nn.Linear`` replaced by a multi-adapter module.
 
 The concatenated micro-batch of all active jobs goes through ONE base GEMM per layer; each job's BD-LoRA
-is applied to its own row segment. ``lora_backend``: "cublas" (the default on GPU) runs the base GEMM and every
-job's LoRA as ``bdlora.kernels.fused_lora_linear(backend="cublas")``, one cuBLAS GEMM per product; "triton" the
-grouped Triton kernels (``bdlora.kernels.grouped_lora``, one launch per stage for all jobs); "torch" (the default
-on CPU) and "engine" the per-job loop below (``bd_lora_delta``). All compute block-diagonal factors as N packed
+is applied to its own row segment. ``lora_backend``: "cublas" runs the base GEMM and every job's LoRA as
+``bdlora.kernels.fused_lora_linear(backend="cublas")``, one cuBLAS GEMM per product; "triton" the grouped Triton
+kernels (``bdlora.kernels.grouped_lora``, one launch per stage for all jobs); "torch" and "engine" the per-job loop
+below (``bd_lora_delta``); "auto" picks per call (``MultiLoraLinear._backend``: cuBLAS or Triton on GPU, torch on
+CPU). All compute block-diagonal factors as N packed
 sub-blocks (no FLOPs on zeros).
 
 LoRA dropout (PEFT semantics): while training (``ctx.training`` and autograd recording), each job's LoRA input
@@ -34,6 +35,7 @@ from bdlora.kernels.reference import bd_matmul
 from bdlora.spec import COLUMN, ROW, BDLoraSpec
 
 from bdlora.kernels import LoraAdapter as _KAdapter
+from bdlora.kernels import dispatch as _dispatch
 from bdlora.kernels import fused_lora_linear as _fused_lora_linear
 from bdlora.kernels import grouped_lora as _grouped_lora
 
@@ -204,7 +206,8 @@ class MultiLoraLinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         jobs = [reg[j] for j, _, _ in segs]
         fdtype = jobs[0].factors(name)[0].dtype
-        if self._backend(x2) == "cublas" and x2.dtype == fdtype == self.base.weight.dtype and _contiguous(segs):
+        backend = self._backend(x2, sum(e > s for _, s, e in segs))
+        if backend == "cublas" and x2.dtype == fdtype == self.base.weight.dtype and _contiguous(segs):
             # base GEMM and every job's LoRA in one op, each product one cuBLAS GEMM (bdlora.kernels.cublas)
             drop = self.ctx.dropout_active() and any(ja.dropout > 0 for ja in jobs)
             y2 = _fused_lora_linear(x2, self.base.weight, self.base.bias, [segs[0][1]] + [e for _, _, e in segs],
@@ -215,24 +218,29 @@ class MultiLoraLinear(nn.Module):
         shape = y.shape
         y2 = y.reshape(-1, shape[-1])
         if x2.dtype != fdtype:  # e.g. a bf16 base with fp32 adapter weights: LoRA path in the adapters' dtype
-            delta = self._delta(x2.to(fdtype), segs, jobs, None)
+            delta = self._delta(x2.to(fdtype), segs, jobs, None, backend)
             return (y2 + delta.to(y.dtype)).reshape(shape)
-        return self._delta(x2, segs, jobs, y2).reshape(shape)
+        return self._delta(x2, segs, jobs, y2, backend).reshape(shape)
 
-    def _backend(self, x2: torch.Tensor) -> str:
-        """The context's lora_backend with "auto" resolved: cuBLAS GEMMs on GPU (the Triton grouped kernels drew
-        dropout masks one Philox call per element and summed dB with fp32 atomics: 62% of an 8B-shape engine step
-        on an H200, bench/results/train/*profile*2026-11-22*), the torch reference on CPU (the Triton interpreter,
-        which "auto" would take under TRITON_INTERPRET=1, is ~30x slower)."""
+    def _backend(self, x2: torch.Tensor, n_segments: int) -> str:
+        """The context's lora_backend with "auto" resolved. On GPU the kernels' own rule
+        (``dispatch.cublas_preferred``): cuBLAS GEMMs for one job or a large layer (at 8B shape the Triton grouped
+        kernels, drawing dropout masks one Philox call per element and summing dB with fp32 atomics, were 62% of an
+        engine step, bench/results/train/*profile*2026-11-22*), the grouped Triton kernels for several jobs on a
+        small layer (fewer launches). On CPU the torch reference (the Triton interpreter, which "auto" would take
+        under TRITON_INTERPRET=1, is ~30x slower)."""
         backend = self.ctx.backend
-        if backend == "auto":
-            return "cublas" if x2.is_cuda else "torch"
-        return backend
+        if backend != "auto":
+            return backend
+        if not x2.is_cuda:
+            return "torch"
+        w = self.base.weight
+        return "cublas" if _dispatch.cublas_preferred("cuda", n_segments, w.shape[1], w.shape[0]) else "triton"
 
-    def _delta(self, x2, segs, jobs, out):
+    def _delta(self, x2, segs, jobs, out, backend: str):
         """out + LoRA deltas (or the deltas alone when ``out`` is None), rows outside the segments untouched."""
         drop = self.ctx.dropout_active() and any(ja.dropout > 0 for ja in jobs)
-        if self._backend(x2) == "triton" and _contiguous(segs):
+        if backend == "triton" and _contiguous(segs):
             seg = [segs[0][1]] + [e for _, _, e in segs]
             # out= (in-place add) is not used: its backward failed on GPU for row layers (kernels 2026-11)
             delta = _grouped_lora(x2, seg, [ja.kernel_adapter(self.name, drop) for ja in jobs],
