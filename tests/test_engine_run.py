@@ -74,6 +74,45 @@ def test_overfitting_exit_keeps_best_checkpoint(tiny_llama_dir, data_file, tmp_p
     assert vals.index(min(vals)) != len(vals) - 1 or True  # best may be last; the folder equals the best anyway
 
 
+def test_diverging_exit_keeps_best_checkpoint(tiny_llama_dir, data_file, tmp_path):
+    """A diverged job's folder holds its best-validation factors, not its latest (on a GPU they were NaN)."""
+    from bdlora.train.engine.early_exit import DIVERGING
+
+    ee = {"enabled": True, "warmup_select": False, "tau_slope": -1e9, "tau_gap": 1e9}
+    eng = _engine(tiny_llama_dir, data_file, tmp_path / "run", [{"name": "d", "lr": 1.0}], early_exit=ee,
+                  eval_every=1, defaults={"steps": 10, "batch_size": 4, "max_seq_len": 64})
+    (row,) = eng.run()
+    assert row["stop_reason"] == DIVERGING and row["steps"] == 3
+    vals = [v for _, v in eng.jobs[0].history["val"]]
+    assert min(vals) != vals[-1]  # the latest state is not the best one: the restore is observable
+    assert _val_loss_of_folder(tiny_llama_dir, row["adapter"], eng.jobs[0].data.val) == pytest.approx(min(vals),
+                                                                                                      rel=1e-4)
+
+
+def test_non_finite_factors_are_never_written(tiny_llama_dir, data_file, tmp_path, capsys):
+    """A job that ends with inf/NaN factors and no best checkpoint gets no folder (adapter None in its row) and a
+    message; the check itself is exact."""
+    from bdlora.adapter import Adapter, AdapterConfig, LoraFactors
+    from bdlora.train.engine.early_exit import DIVERGING
+    from bdlora.train.engine.engine import adapter_is_finite
+
+    eng = _engine(tiny_llama_dir, data_file, tmp_path / "run", [{"name": "n"}], eval_every=100, max_rounds=1,
+                  defaults={"steps": 4, "batch_size": 2, "max_seq_len": 64})
+    eng.run()
+    job = eng.jobs[0]
+    assert job.status == "active" and job.best_state is None
+    with torch.no_grad():
+        next(iter(job.adapter.parameters())).view(-1)[3] = float("nan")
+    eng._finish(job, DIVERGING)
+    assert job.result["adapter"] is None and not (tmp_path / "run" / "adapters" / "n").exists()
+    assert "not finite" in capsys.readouterr().out
+    cfg = AdapterConfig(r=2, lora_alpha=2.0, use_rslora=True, target_modules=["q_proj"])
+    ok = {"m": LoraFactors(torch.ones(2, 4), torch.ones(4, 2), "column")}
+    assert adapter_is_finite(Adapter(cfg, ok), "x", print)
+    bad = {"m": LoraFactors(torch.ones(2, 4), torch.full((4, 2), float("inf")), "column")}
+    assert not adapter_is_finite(Adapter(cfg, bad), "x", lambda msg: None)
+
+
 def test_warmup_selection_keeps_top_quarter(tiny_llama_dir, data_file, tmp_path):
     ee = {"enabled": True, "warmup_ratio": 0.25, "keep_ratio": 0.25, "tau_slope": 1e9, "tau_gap": 1e9}
     search = [{"name": "g", "type": "grid", "space": {"lr": [1e-4, 3e-3, 1e-2, 3e-5]}}]

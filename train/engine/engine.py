@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from bdlora.adapter import save_adapter
 from .config import JobConfig, RunConfig
 from .data import DatasetSplit, EpochSampler, load_split
-from .early_exit import OVERFITTING, UNDERPERFORMING, EarlyExit, select_after_warmup, warmup_steps
+from .early_exit import DIVERGING, OVERFITTING, UNDERPERFORMING, EarlyExit, select_after_warmup, warmup_steps
 from .memory import JobFootprint, MemoryModel, device_budget_bytes
 from .multilora import BatchContext, JobAdapter, dropout_rng, inject_multilora, round_seed
 from .packing import MicroBatch, build_microbatch, plan_microbatches
@@ -436,11 +436,16 @@ class Engine:
         job.reason = reason
         self.registry.pop(job.id, None)
         if write and job.adapter is not None:
-            if reason == OVERFITTING and job.best_state is not None:
-                job.adapter.load_state_dict(job.best_state)  # keep the best-validation checkpoint
+            if reason in (OVERFITTING, DIVERGING) and job.best_state is not None:
+                # keep the best-validation checkpoint: the latest state of a diverged job can be inf/NaN
+                job.adapter.load_state_dict(job.best_state)
             job.adapter_path = str(self.out / "adapters" / job.name)
             if self.rank == 0:
-                save_adapter(job.adapter.to_adapter(self.base_path), job.adapter_path)
+                adapter = job.adapter.to_adapter(self.base_path)
+                if adapter_is_finite(adapter, job.name, self.log):
+                    save_adapter(adapter, job.adapter_path)
+                else:
+                    job.adapter_path = None
                 if self.run_cfg.save_plots:
                     plot_job(job, self.out / "plots" / f"{job.name}.png")
         job.result = self._result_row(job)
@@ -607,6 +612,15 @@ def _optimizer_to(opt, device) -> None:
         for k, v in st.items():
             if torch.is_tensor(v) and k != "step":
                 st[k] = v.to(device)
+
+
+def adapter_is_finite(adapter, job_name: str, log) -> bool:
+    """Whether every factor of ``adapter`` is finite; if not, says so through ``log``: such a folder is never
+    written (a job that diverged before its first evaluation has no best checkpoint to fall back to)."""
+    if all(bool(torch.isfinite(t).all()) for f in adapter.modules.values() for t in (f.lora_A, f.lora_B)):
+        return True
+    log(f"[engine] {job_name}: its factors are not finite and it has no finite best checkpoint; no adapter written")
+    return False
 
 
 def plot_job(job: Job, path: Path) -> Optional[Path]:

@@ -54,7 +54,8 @@ import torch.nn as nn
 from bdlora.adapter import Adapter, AdapterConfig, save_adapter
 
 from .config import RunConfig
-from .engine import Engine, atomic_torch_save, format_table, job_run_state, job_tensor_state, plot_job
+from .engine import (Engine, adapter_is_finite, atomic_torch_save, format_table, job_run_state, job_tensor_state,
+                     plot_job)
 from .multilora import dropout_rng, round_seed
 from .packing import MicroBatch
 
@@ -394,8 +395,8 @@ class StageEngine(Engine):
         return box[0]
 
     def _finish(self, job, reason, write=True):
-        """The engine's own (best-validation restore on overfitting, result row, slot freed) without its rank-0
-        save, which would write only stage 0's layers: the stages' factors are gathered after the decisions."""
+        """The engine's own (best-validation restore on overfitting/divergence, result row, slot freed) without its
+        rank-0 save, which would write only stage 0's layers: the stages' factors are gathered after the decisions."""
         adapter = job.adapter
         rank, self.rank = self.rank, -1
         try:
@@ -550,8 +551,11 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
         if s == 0:
             for job, _ in to_save:
                 modules = {n: LoraFactors(a, b, layout) for g in gathered for n, (a, b, layout) in g[job.id].items()}
-                save_adapter(Adapter(AdapterConfig.from_spec(job.cfg.spec(engine.model_type), engine.base_path),
-                                     modules), job.adapter_path)
+                adapter = Adapter(AdapterConfig.from_spec(job.cfg.spec(engine.model_type), engine.base_path), modules)
+                if adapter_is_finite(adapter, job.name, engine.log):
+                    save_adapter(adapter, job.adapter_path)
+                else:
+                    job.adapter_path = job.result["adapter"] = None
                 if run.save_plots:
                     plot_job(job, out / "plots" / f"{job.name}.png")
         to_save.clear()
