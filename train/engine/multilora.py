@@ -2,10 +2,11 @@
 
 The concatenated micro-batch of all active jobs goes through ONE base GEMM per layer; each job's BD-LoRA
 is applied to its own row segment. ``lora_backend``: "cublas" runs the base GEMM and every job's LoRA as
-``bdlora.kernels.fused_lora_linear(backend="cublas")``, one cuBLAS GEMM per product; "triton" the grouped Triton
-kernels (``bdlora.kernels.grouped_lora``, one launch per stage for all jobs); "torch" and "engine" the per-job loop
-below (``bd_lora_delta``); "auto" picks per call (``MultiLoraLinear._backend``: cuBLAS or Triton on GPU, torch on
-CPU). All compute block-diagonal factors as N packed
+``bdlora.kernels.fused_lora_linear(backend="cublas")``, one cuBLAS GEMM per product, when the base and the factors
+share a dtype (else, e.g. a bf16 base with the usual fp32 factors, the per-job loop below in the factors' dtype,
+whose products are cuBLAS GEMMs too); "triton" the grouped Triton kernels (``bdlora.kernels.grouped_lora``, one
+launch per stage for all jobs); "torch" and "engine" the per-job loop below (``bd_lora_delta``); "auto" picks per
+call (``MultiLoraLinear._backend``: cuBLAS or Triton on GPU, torch on CPU). All compute block-diagonal factors as N packed
 sub-blocks (no FLOPs on zeros).
 
 LoRA dropout (PEFT semantics): while training (``ctx.training`` and autograd recording), each job's LoRA input
