@@ -174,8 +174,9 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     if workspace is None:
         workspace = DecodeWorkspace(x.device).reserve(grid)
     elif not workspace.fits(grid) or workspace.counters.device != x.device:
-        raise ValueError(f"decode_lora: the workspace on {workspace.counters.device} holds {workspace.partials.numel()} "
-                         f"partials / {workspace.counters.numel()} counters, this call needs {grid.partials} / "
+        raise ValueError(f"decode_lora: the workspace on {workspace.counters.device} holds "
+                         f"{workspace.partials.numel()} partials / {workspace.counters.numel()} counters, this call "
+                         f"needs {grid.partials} / "
                          f"{grid.counters} on {x.device}: reserve it for the largest batch first")
     idx = token_lora_indices.to(device=x.device, dtype=torch.int32)
     if soff is None:

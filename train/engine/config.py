@@ -143,7 +143,8 @@ class RunConfig:
     eval_every: int = 10
     checkpoint_every: int = 10
     log_every: int = 1
-    lora_backend: str = "auto"  # auto (cublas on GPU, torch on CPU) | cublas | triton | torch | engine (multilora.py)
+    # auto (per call: cublas or triton on GPU, torch on CPU) | cublas | triton | torch | engine (multilora.py)
+    lora_backend: str = "auto"
     pipeline_stages: int = 1
     resume: bool = True
     save_plots: bool = True

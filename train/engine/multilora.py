@@ -6,8 +6,8 @@ is applied to its own row segment. ``lora_backend``: "cublas" runs the base GEMM
 share a dtype (else, e.g. a bf16 base with the usual fp32 factors, the per-job loop below in the factors' dtype,
 whose products are cuBLAS GEMMs too); "triton" the grouped Triton kernels (``bdlora.kernels.grouped_lora``, one
 launch per stage for all jobs); "torch" and "engine" the per-job loop below (``bd_lora_delta``); "auto" picks per
-call (``MultiLoraLinear._backend``: cuBLAS or Triton on GPU, torch on CPU). All compute block-diagonal factors as N packed
-sub-blocks (no FLOPs on zeros).
+call (``MultiLoraLinear._backend``: cuBLAS or Triton on GPU, torch on CPU). All compute block-diagonal factors as N
+packed sub-blocks (no FLOPs on zeros).
 
 LoRA dropout (PEFT semantics): while training (``ctx.training`` and autograd recording), each job's LoRA input
 rows are dropped out with that job's ``lora_dropout`` p (inverted dropout, before A); the base path and evaluation
@@ -210,10 +210,9 @@ class MultiLoraLinear(nn.Module):
         backend = self._backend(x2, sum(e > s for _, s, e in segs))
         if backend == "cublas" and x2.dtype == fdtype == self.base.weight.dtype and _contiguous(segs):
             # base GEMM and every job's LoRA in one op, each product one cuBLAS GEMM (bdlora.kernels.cublas)
-            drop = self.ctx.dropout_active() and any(ja.dropout > 0 for ja in jobs)
-            y2 = _fused_lora_linear(x2, self.base.weight, self.base.bias, [segs[0][1]] + [e for _, _, e in segs],
-                                    [ja.kernel_adapter(self.name, drop) for ja in jobs],
-                                    dropout_seed=_kernel_seed() if drop else None, backend="cublas")
+            seg, adapters, seed = self._kernel_args(segs, jobs)
+            y2 = _fused_lora_linear(x2, self.base.weight, self.base.bias, seg, adapters, dropout_seed=seed,
+                                    backend="cublas")
             return y2.reshape(*x.shape[:-1], y2.shape[-1])
         y = F.linear(x, self.base.weight, self.base.bias)
         shape = y.shape
@@ -238,15 +237,21 @@ class MultiLoraLinear(nn.Module):
         w = self.base.weight
         return "cublas" if _dispatch.cublas_preferred("cuda", n_segments, w.shape[1], w.shape[0]) else "triton"
 
+    def _kernel_args(self, segs, jobs) -> tuple[list[int], list, Optional[int]]:
+        """(seg boundaries, the jobs' kernel descriptors, dropout seed or None) of a ``bdlora.kernels`` call over
+        contiguous segments: the seed is drawn only when a job drops out in this forward."""
+        drop = self.ctx.dropout_active() and any(ja.dropout > 0 for ja in jobs)
+        return ([segs[0][1]] + [e for _, _, e in segs], [ja.kernel_adapter(self.name, drop) for ja in jobs],
+                _kernel_seed() if drop else None)
+
     def _delta(self, x2, segs, jobs, out, backend: str):
         """out + LoRA deltas (or the deltas alone when ``out`` is None), rows outside the segments untouched."""
-        drop = self.ctx.dropout_active() and any(ja.dropout > 0 for ja in jobs)
         if backend == "triton" and _contiguous(segs):
-            seg = [segs[0][1]] + [e for _, _, e in segs]
             # out= (in-place add) is not used: its backward failed on GPU for row layers (kernels 2026-11)
-            delta = _grouped_lora(x2, seg, [ja.kernel_adapter(self.name, drop) for ja in jobs],
-                                  dropout_seed=_kernel_seed() if drop else None, backend="triton")
+            seg, adapters, seed = self._kernel_args(segs, jobs)
+            delta = _grouped_lora(x2, seg, adapters, dropout_seed=seed, backend="triton")
             return delta if out is None else out + delta
+        drop = self.ctx.dropout_active()  # each job then drops out with its own p (none at p = 0)
         # Reference path (CPU, backend "torch"/"engine", factors in another dtype than the base): the same math as
         # bdlora.kernels.grouped_lora_ref without its per-call checks and without materializing a (T, d_out)
         # delta (zero rows + torch.cat) that is then added to ``out`` in a second pass.
