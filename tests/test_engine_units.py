@@ -179,6 +179,9 @@ def test_config_errors(tmp_path):
         with pytest.raises(ConfigError, match="pad_multiple must be a positive integer"):
             parse_run({**base, "pad_multiple": bad, "jobs": [{"name": "a"}]})
     assert parse_run({**base, "jobs": [{"name": "a"}]}).pad_multiple is None  # auto: the engine picks by device
+    with pytest.raises(ConfigError, match="lora_backend must be one of auto, cublas, triton, torch, engine, got 'cuda'"):
+        parse_run({**base, "lora_backend": "cuda", "jobs": [{"name": "a"}]})
+    assert parse_run({**base, "lora_backend": "cublas", "jobs": [{"name": "a"}]}).lora_backend == "cublas"
     # dropout is supported: a per-job p, parsed as float and carried into the job's spec
     run = parse_run({**base, "jobs": [{"name": "a", "lora_dropout": "0.1"}, {"name": "b"}]})
     assert [j.lora_dropout for j in run.jobs] == [0.1, 0.0]
