@@ -181,6 +181,7 @@ def test_sweep_end_to_end_cpu(tmp_path):
     cfg["adapters_dir"] = str(tmp_path / "adapters")
     methods = ["base", "lora"] + (["bd"] if _bd_flag_available() else [])
     cfg["methods"] = methods
+    cfg["profile"] = {"it": 16, "ot": 8}  # vLLM's torch profiler on one request per server (bench/serve/trace.py)
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     out = tmp_path / "out"
@@ -220,6 +221,12 @@ def test_sweep_end_to_end_cpu(tmp_path):
     for r in rows:
         assert int(r["completed"]) == n and int(r["errors"]) == 0 and float(r["e2e_mean_s"]) > 0
 
+    for sid in {p.parent.parent.name for p in summaries}:  # one profiled request: 8 tokens = 1 prefill + 7 decode steps
+        tsum = json.loads((out / sid / "trace_summary.json").read_text())
+        assert tsum["steps"] == 7 and tsum["tokens_per_step"] == 1 and tsum["traces"], tsum
+        assert tsum["kernels"] == 0 and tsum["per_step_us"] == {"total": 0.0}  # CPU: no GPU kernels in the trace
+        assert (out / sid / "trace_gpu_events.json.gz").is_file()
+
     # resumable: everything is done, so a second run starts no server
     proc2 = subprocess.run([sys.executable, "-m", "bench.serve.sweep", "--config", str(cfg_path), "--out",
                             str(tmp_path / "out2"), "--done-dir", str(out)], cwd=ROOT, env=env, capture_output=True,
@@ -236,6 +243,47 @@ def test_sweep_end_to_end_cpu(tmp_path):
     assert "TPOT" in md and "no LoRA" in md
     if "bd" not in methods:
         pytest.skip("ran base + LoRA only: bdlora.vllm_plugin has no --enable-bdlora yet, BD-LoRA not served")
+
+
+def _kernel(name, ts, dur, stream=7):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_trace_summary_per_decode_step(tmp_path):
+    """summarize_trace on a chrome trace written the way torch.profiler writes one: kernels are assigned to the
+    decode step whose GPU range holds them, by category; a prefill step and kernels between steps are left out;
+    busy time counts overlapping streams once; the period is start-to-start of consecutive steps."""
+    import gzip
+
+    from bench.serve.trace import kernel_category, summarize_trace
+
+    ev = [{"ph": "X", "cat": "gpu_user_annotation", "name": "execute_context_1(128)_generation_0(0)", "ts": 0,
+           "dur": 500},
+          _kernel("nvjet_sm90_tst_256x128_prefill", 10, 400)]
+    for i in range(3):  # three decode steps, 1000 us apart
+        t = 1000 + 1000 * i
+        ev.append({"ph": "X", "cat": "gpu_user_annotation", "name": "execute_context_0(0)_generation_1(1)",
+                   "ts": t, "dur": 600})
+        ev += [_kernel("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", t + 5, 100),
+               _kernel("_lora_shrink_kernel", t + 110, 20), _kernel("_lora_expand_kernel", t + 135, 30),
+               _kernel("void vllm::cross_device_reduce_1stage<__nv_bfloat16, 4>", t + 170, 15),
+               _kernel("void cutlass::device_kernel<flash::enable_sm90_or_later<...>>", t + 190, 40),
+               _kernel("triton_red_fused_add_rms_norm_0", t + 200, 10, stream=9),  # overlaps attention
+               {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": t + 240, "dur": 2}]
+    ev.append(_kernel("nvjet_between_steps", 1700, 50))  # after step 0's range, before step 1's
+    ev.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1000, "dur": 5})
+    path = tmp_path / "rank0.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    s = summarize_trace(path)
+    assert s["steps"] == 3 and s["step_ranges_on"] == "gpu" and s["tokens_per_step"] == 1
+    assert s["per_step_us"] == {"allreduce": 15.0, "attention": 40.0, "gemm": 100.0, "lora": 50.0, "other": 12.0,
+                                "total": 217.0}
+    assert s["busy_us"] == 207.0  # the norm kernel runs inside the attention kernel's interval on another stream
+    assert s["period_us"] == 1000.0
+    assert s["top_kernels"][0] == {"name": "nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", "calls_per_step": 1.0,
+                                   "us_per_step": 100.0}
+    assert kernel_category("_decode_kernel") == "lora" and kernel_category("ncclDevKernel_AllReduce") == "allreduce"
 
 
 def test_sweep_refuses_a_group_size_below_one(tmp_path, capsys):

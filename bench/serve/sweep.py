@@ -42,6 +42,7 @@ from .artifacts import (adapter_num_params, build_model, make_adapter, matched_b
                         vllm_max_lora_rank, VLLM_MAX_LORA_RANKS)
 from .client import llmperf_summary, random_prompts, run_load
 from .server import ServerError, VLLMServer, install_stop_handlers
+from .trace import find_traces, keep_gpu_events, profile_request, profiler_args, summarize_trace
 
 METHODS = ("base", "lora", "slora", "bd")
 METHOD_LABELS = {"base": "no LoRA", "lora": "LoRA (vLLM default, NFS)", "slora": "S-LoRA (--fully-sharded-loras)",
@@ -326,6 +327,8 @@ def open_server(cfg: dict, sc: ServerConfig, out: Path, shape, model_dir: Path, 
     args = server_args(cfg, sc, model_dir, adapters)
     if concurrent:
         args += [str(a) for a in srv_cfg.get("concurrent_args", [])]
+    if cfg.get("profile"):
+        args += profiler_args(sdir / "trace")
     info: dict[str, Any] = {"server_id": sc.id, "args": args, "config": asdict(sc), "loads": {}}
     server = VLLMServer(model_dir, args, sdir / "server.log", env={str(k): str(v) for k, v in
                                                                     srv_cfg.get("env", {}).items()},
@@ -407,11 +410,54 @@ def run_group(cfg: dict, group: list[tuple[ServerConfig, list[Load]]], out: Path
             for sc, todo, server, info, n_names in live:
                 if load in todo and "error" not in info:
                     measure_load(cfg, sc, server, info, n_names, out, load, deadline, meta, log)
+        if cfg.get("profile"):
+            for sc, todo, server, info, n_names in live:
+                if "error" not in info:
+                    profile_server(cfg, sc, server, info, out, deadline, log)
     finally:
         for sc, _, server, info, _ in opened:
             close_server(sc, server, info, out, t0)
     infos = [info for _, _, _, info, _ in opened]
     return infos
+
+
+def profile_server(cfg: dict, sc: ServerConfig, server: VLLMServer, info: dict, out: Path, deadline: float,
+                   log=print) -> None:
+    """``profile: {it, ot}``: one profiled request on a started server, its rank-0 trace reduced to
+    ``OUT/<server_id>/trace_summary.json`` (``bench.serve.trace``). Errors are recorded in ``info``, not raised."""
+    prof = cfg["profile"]
+    it, ot = int(prof.get("it", 128)), int(prof.get("ot", 64))
+    if time.monotonic() > deadline:
+        info["profile"] = "skipped: time budget"
+        return
+    try:
+        model_dir = server.cmd[server.cmd.index("serve") + 1]
+        prompt = random_prompts(model_dir, 1, it, 7_777_777 + it * 31 + ot)[0]
+        resp = profile_request(server.url, "base" if sc.method == "base" else "a0", prompt, ot,
+                               float(cfg.get("request_timeout_s", 600)))
+        trace_dir = out / sc.id / "trace"
+        traces = []
+        for _ in range(int(prof.get("wait_s", 120))):  # the workers write their traces after /stop_profile
+            traces = find_traces(trace_dir)
+            if traces:
+                time.sleep(2.0)  # let every rank finish writing
+                traces = find_traces(trace_dir)
+                break
+            time.sleep(1.0)
+        if not traces:
+            raise ServerError(f"no trace under {trace_dir} after /stop_profile")
+        keep_gpu_events(traces[0], out / sc.id / "trace_gpu_events.json.gz")
+        summary = dict(summarize_trace(traces[0]), server_id=sc.id, method=sc.method, rank=sc.rank, tp=sc.tp,
+                       it=it, ot=ot, traces=[p.name for p in traces],
+                       request_tpot_s=resp.get("tpot_s"), request_e2e_s=resp.get("end_to_end_latency_s"))
+        (out / sc.id / "trace_summary.json").write_text(json.dumps(summary, indent=2))
+        info["profile"] = f"{summary['steps']} decode steps"
+        ps = summary.get("per_step_us", {})
+        log(f"[{sc.id}] profile: {summary['steps']} decode steps, GPU per step {ps}, busy {summary.get('busy_us')} "
+            f"us, period {summary.get('period_us')} us")
+    except Exception as e:  # noqa: BLE001 - recorded per server
+        info["profile"] = f"error: {type(e).__name__}: {e}"
+        log(f"[{sc.id}] profile ERROR {info['profile'][:1000]}")
 
 
 def run_one_load(cfg, sc: ServerConfig, load: Load, server: VLLMServer, out: Path, meta: dict, deadline: float,
@@ -463,15 +509,16 @@ def run_one_load(cfg, sc: ServerConfig, load: Load, server: VLLMServer, out: Pat
 
 
 def pack(out: Path, dest: Path) -> None:
-    """All result files of OUT except server logs (server.json keeps their tail) as one .tar.gz, written atomically:
-    the device tool brings back at most 8 files, at most 2 folders deep."""
+    """All result files of OUT except server logs (server.json keeps their tail) and raw profiler traces
+    (trace_summary.json keeps what they say) as one .tar.gz, written atomically: the device tool brings back at most
+    8 files, at most 2 folders deep."""
     import tarfile
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".tmp")
     with tarfile.open(tmp, "w:gz") as tar:
         for p in sorted(out.rglob("*")):
-            if p.is_file() and p.suffix != ".log":
+            if p.is_file() and p.suffix != ".log" and "trace" not in p.relative_to(out).parts[:2]:
                 tar.add(p, arcname=str(p.relative_to(out)))
     os.replace(tmp, dest)
 
