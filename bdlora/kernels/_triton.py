@@ -216,25 +216,19 @@ def _wgrad_kernel(
 
 
 @triton.jit
-def _decode_kernel(
-    y_ptr, x_ptr, a_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr, soff_ptr, part_ptr, cnt_ptr,
-    stride_y, stride_x, d_in, d_total, n_loras, R, KA, RB, n_chunks, n_groups, k_split_len,
-    NA: tl.constexpr, NB: tl.constexpr, K_SPLITS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+def _decode_shrink_kernel(
+    x_ptr, a_ptr, idx_ptr, ranks_ptr, part_ptr,
+    stride_x, d_in, n_loras, R, KA, n_groups, k_splits,
+    NA: tl.constexpr, NB: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Fused shrink+expand (BGMV style) for one token t, one (slice, output block j, column chunk) group g and one
-    split of the input dimension:
+    """First half of ``decode_lora``: for token t, group g = slice * NB + j and input split k (one program each),
 
-    a = idx[t] (skip if < 0); s = scales[a] * x[t] @ A[slice, a]  (only the rank block j needs, summed over the
-    K_SPLITS input ranges of length k_split_len); y[t, soff[slice] + cols] += s @ B[a, soff[slice] + cols]
+    a = idx[t] (nothing if a < 0 or ranks[a] == 0); ks = k * BLOCK_K + [0, BLOCK_K)
+    part[t, g, k, :ranks[a] / NB] = x[t, ks] @ A[slice, a][j * ranks[a] / NB + :ranks[a] / NB, ks]^T   (fp32)
 
-    With K_SPLITS > 1 each program writes its partial s (fp32) to part[t, g, split] and counts its arrival in
-    cnt[t, g]; the last of the group's K_SPLITS programs sums the partials in split order (deterministic, y rounded
-    once), expands, and puts cnt[t, g] back to 0 for the next call. So a batch-1 decode spreads the input dimension
-    over many programs instead of one long sequential loop, still in one launch (no zeroed buffer, no second kernel).
-
-    A buffer (S, L, R, KA) with KA = d_in/NA, B buffer (L, D_total, RB) with RB = R/NB (packed, PEFT
-    orientation); an adapter of rank r < R uses the leading r (or r/NB) entries of the rank dimension.
+    Row layout (NA > 1): rank block rb of A only reads input block rb (the other products are masked to 0).
+    One load of x and one of A per program, no loop: at batch 1 the latency is one memory round trip, and the
+    d_in / BLOCK_K programs of a slice spread the read of A over the SMs.
     """
     t = tl.program_id(0)
     g = tl.program_id(1)
@@ -242,60 +236,73 @@ def _decode_kernel(
     a = tl.load(idx_ptr + t)
     r = tl.load(ranks_ptr + tl.maximum(a, 0))
     if (a >= 0) & (r > 0):  # -1 = no LoRA; an empty slot (rank 0) adds nothing either
-        sl = g // (NB * n_chunks)
-        j = (g // n_chunks) % NB
-        chunk = g % n_chunks
+        sl = g // NB
+        j = g % NB
+        r_cnt = r // NB
+        rr = tl.arange(0, BLOCK_R)
+        rs = j * r_cnt + rr
+        rmask = rr < r_cnt
+        bs_in = d_in // NA
+        r_blk = rs // (r // NA)
+        ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
+        kmask = ks < d_in
+        k_blk = ks // bs_in
+        xv = tl.load(x_ptr + t * stride_x + ks, mask=kmask, other=0.0).to(tl.float32)
+        a_base = a_ptr + ((sl * n_loras + a) * R).to(tl.int64) * KA
+        amask = rmask[:, None] & kmask[None, :] & (r_blk[:, None] == k_blk[None, :])
+        av = tl.load(a_base + rs[:, None] * KA + (ks - k_blk * bs_in)[None, :], mask=amask, other=0.0)
+        s = tl.sum(av.to(tl.float32) * xv[None, :], axis=1)
+        tl.store(part_ptr + ((t * n_groups + g) * k_splits + split) * BLOCK_R + rr, s)
+
+
+@triton.jit
+def _decode_expand_kernel(
+    y_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr, soff_ptr, part_ptr,
+    stride_y, d_total, RB, n_groups,
+    NB: tl.constexpr, K_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Second half of ``decode_lora``: for token t, group g = slice * NB + j and column tile c (one program each),
+
+    a = idx[t] (nothing if a < 0 or ranks[a] == 0); w = (soff[slice + 1] - soff[slice]) / NB
+    cols = soff[slice] + j * w + c * BLOCK_N + [0, BLOCK_N)  (within output block j)
+    y[t, cols] += scales[a] * (sum over k of part[t, g, k]) @ B[a, cols, :ranks[a] / NB]^T
+
+    The partial shrinks are summed in split order (deterministic; y is rounded once). Every tile sums them again
+    (K_SPLITS x BLOCK_R floats from L2): cheaper than a third launch.
+    """
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    tile = tl.program_id(2)
+    a = tl.load(idx_ptr + t)
+    r = tl.load(ranks_ptr + tl.maximum(a, 0))
+    if (a >= 0) & (r > 0):
+        sl = g // NB
+        j = g % NB
         o_lo = tl.load(soff_ptr + sl)
-        d_s = tl.load(soff_ptr + sl + 1) - o_lo
-        bs_out = d_s // NB
-        width = tl.cdiv(tl.cdiv(bs_out, n_chunks), BLOCK_N) * BLOCK_N
-        c_lo = j * bs_out + chunk * width
-        c_hi = tl.minimum(c_lo + width, (j + 1) * bs_out)
-        if c_lo < c_hi:  # a narrower slice's surplus chunks have no columns: the whole group exits
-            # shrink over this split's input range: only the rank block read by output block j
-            r_cnt = r // NB
+        bs_out = (tl.load(soff_ptr + sl + 1) - o_lo) // NB
+        c_lo = j * bs_out + tile * BLOCK_N
+        c_end = (j + 1) * bs_out
+        if c_lo < c_end:  # a narrower slice's surplus tiles have no columns
             rr = tl.arange(0, BLOCK_R)
-            rs = j * r_cnt + rr
-            rmask = rr < r_cnt
-            bs_in = d_in // NA
-            r_blk = rs // (r // NA)
-            a_base = a_ptr + ((sl * n_loras + a) * R).to(tl.int64) * KA
-            k_lo = split * k_split_len
-            k_hi = tl.minimum(k_lo + k_split_len, d_in)
+            rmask = rr < r // NB
+            base = (t * n_groups + g) * K_SPLITS
             s = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                kmask = ks < k_hi
-                k_blk = ks // bs_in
-                xv = tl.load(x_ptr + t * stride_x + ks, mask=kmask, other=0.0).to(tl.float32)
-                amask = rmask[:, None] & kmask[None, :] & (r_blk[:, None] == k_blk[None, :])
-                av = tl.load(a_base + rs[:, None] * KA + (ks - k_blk * bs_in)[None, :], mask=amask, other=0.0)
-                s += tl.sum(av.to(tl.float32) * xv[None, :], axis=1)
-            last = True
-            if K_SPLITS > 1:
-                grp = t * n_groups + g
-                tl.store(part_ptr + (grp * K_SPLITS + split) * BLOCK_R + rr, s)
-                tl.debug_barrier()  # every thread's partial is written before the (releasing) arrival count
-                arrived = tl.atomic_add(cnt_ptr + grp, 1, sem="acq_rel", scope="gpu")
-                last = arrived == K_SPLITS - 1
-                if last:
-                    s = tl.zeros((BLOCK_R,), dtype=tl.float32)
-                    for i in range(K_SPLITS):  # .cg: read other SMs' partials from L2, not a stale L1 line
-                        s += tl.load(part_ptr + (grp * K_SPLITS + i) * BLOCK_R + rr, cache_modifier=".cg")
-                    tl.store(cnt_ptr + grp, 0)
-            if last:
-                s = s * tl.load(scales_ptr + a)
-                # expand into this chunk of the slice's output columns
-                b_base = b_ptr + (a.to(tl.int64) * d_total) * RB
-                for c0 in range(c_lo, c_hi, BLOCK_N):
-                    cs = c0 + tl.arange(0, BLOCK_N)
-                    cmask = cs < c_hi
-                    bv = tl.load(b_base + (o_lo + cs)[:, None] * RB + rr[None, :],
-                                 mask=cmask[:, None] & rmask[None, :], other=0.0)
-                    upd = tl.sum(bv.to(tl.float32) * s[None, :], axis=1)
-                    yp = y_ptr + t * stride_y + o_lo + cs
-                    yv = tl.load(yp, mask=cmask, other=0.0).to(tl.float32)
-                    tl.store(yp, (yv + upd).to(y_ptr.dtype.element_ty), mask=cmask)
+            for i0 in tl.static_range(0, K_SPLITS, BLOCK_S):
+                ii = i0 + tl.arange(0, BLOCK_S)
+                p = tl.load(part_ptr + (base + ii)[:, None] * BLOCK_R + rr[None, :], mask=(ii < K_SPLITS)[:, None],
+                            other=0.0)
+                s += tl.sum(p, axis=0)
+            s = s * tl.load(scales_ptr + a)
+            cs = c_lo + tl.arange(0, BLOCK_N)
+            cmask = cs < c_end
+            b_base = b_ptr + (a.to(tl.int64) * d_total) * RB
+            bv = tl.load(b_base + (o_lo + cs)[:, None] * RB + rr[None, :], mask=cmask[:, None] & rmask[None, :],
+                         other=0.0)
+            upd = tl.sum(bv.to(tl.float32) * s[None, :], axis=1)
+            yp = y_ptr + t * stride_y + o_lo + cs
+            yv = tl.load(yp, mask=cmask, other=0.0).to(tl.float32)
+            tl.store(yp, (yv + upd).to(y_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit

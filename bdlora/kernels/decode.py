@@ -1,4 +1,4 @@
-"""Serving decode path: fused shrink+expand over several slices of a layer (e.g. q, k, v) in one launch."""
+"""Serving decode path: shrink+expand over several slices of a layer (e.g. q, k, v) in two launches for all slices."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,87 +43,70 @@ def stack_decode_weights(per_slice: Sequence[Sequence[tuple[torch.Tensor, torch.
     return a, b, ranks.to(a.device), offs
 
 
-def decode_column_chunks(tokens: int, slice_blocks: int, max_block: int, min_cols: int, programs: int) -> int:
-    """Output-column chunks per (token, slice, block) for ``decode_lora``'s grid: enough programs to reach
-    ``programs`` (a few per SM), chunks at least ``min_cols`` wide. Sized on the widest slice block: a narrower
-    one's surplus chunks exit at once (sizing on the narrowest gave 2-3 programs per layer at batch 1 at TP=4, where
-    k/v have 256 columns: far slower than vLLM's punica path in serving, bench/results/serve/grid_8b_tp4_fused).
-    Each chunk recomputes its shrink (one rank block of x @ A), the price of a single launch."""
-    return max(1, min(-(-max_block // min_cols), -(-programs // (tokens * slice_blocks))))
-
-
 @dataclass(frozen=True)
 class DecodeTiles:
-    """Tile sizes and grid targets of ``decode_lora``'s Triton kernel on one kind of device."""
+    """Tile sizes of ``decode_lora``'s two Triton kernels on one kind of device."""
 
-    block_k: int  # input columns per step of the shrink loop
-    block_n: int  # output columns per step of the expand loop
+    block_k: int  # input columns per shrink program (one load of x and of A's rank block)
+    block_n: int  # output columns per expand program
+    block_s: int  # partial shrinks the expand kernel sums per load
     warps: int
-    k_split_len: int  # input columns per program: the shrink of d_in is split over ceil(d_in / k_split_len) programs
-    min_cols: int  # narrowest column chunk
-    programs: int  # programs wanted per launch (a few per SM)
 
 
 def decode_tiles(device: torch.device) -> DecodeTiles:
-    """The tiles for ``device``: H200-tuned on CUDA (bench/results/kernels/h200-decode-splitk-2026-11-22.log)."""
+    """The tiles for ``device``. GPU: one memory round trip per program and enough programs at batch 1 to spread
+    the LoRA weights' read over the SMs (bench/results/serve/trace_8b_tp4*: in serving, with the base model's
+    weights streaming through L2 between layers, a kernel's latency chain is what a decode step pays)."""
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return DecodeTiles(block_k=128, block_n=64, warps=4, k_split_len=512, min_cols=128, programs=4 * sms)
-    # small tiles under the interpreter, still several chunks and splits so both paths are tested on CPU
-    return DecodeTiles(block_k=32, block_n=32, warps=1, k_split_len=32, min_cols=32, programs=16)
+        return DecodeTiles(block_k=128, block_n=64, block_s=16, warps=4)
+    # small tiles under the interpreter: several splits and tiles, so both are exercised on CPU
+    return DecodeTiles(block_k=32, block_n=32, block_s=2, warps=1)
 
 
 @dataclass(frozen=True)
 class DecodeGrid:
-    """One ``decode_lora`` launch: grid (tokens, groups, k_splits), groups = slices x blocks x column chunks."""
+    """One ``decode_lora`` call: shrink grid (tokens, groups, k_splits), expand grid (tokens, groups, n_tiles);
+    groups = slices x output blocks."""
 
     tokens: int
-    n_chunks: int
     n_groups: int
     k_splits: int
+    n_tiles: int
     block_r: int
 
     @property
-    def partials(self) -> int:  # fp32 entries of the split-K workspace
-        return self.tokens * self.n_groups * self.k_splits * self.block_r if self.k_splits > 1 else 0
-
-    @property
-    def counters(self) -> int:
-        return self.tokens * self.n_groups if self.k_splits > 1 else 0
+    def partials(self) -> int:  # fp32 entries of the workspace
+        return self.tokens * self.n_groups * self.k_splits * self.block_r
 
 
 def decode_grid(tokens: int, n_slices: int, nb: int, max_block: int, d_in: int, r_max: int,
                 tiles: DecodeTiles) -> DecodeGrid:
-    """The launch ``decode_lora`` makes for these shapes: the input dimension split in k_split_len ranges (one
-    program each), then column chunks (``decode_column_chunks``) until the wanted program count is reached."""
-    k_splits = -(-d_in // tiles.k_split_len)
-    n_chunks = decode_column_chunks(tokens, n_slices * nb * k_splits, max_block, tiles.min_cols, tiles.programs)
-    return DecodeGrid(tokens, n_chunks, n_slices * nb * n_chunks, k_splits, max(16, _next_pow2(r_max // nb)))
+    """The launches ``decode_lora`` makes for these shapes: the input dimension in ``block_k`` splits (shrink), the
+    widest output block in ``block_n`` tiles (expand; a narrower block's surplus tiles exit at once)."""
+    return DecodeGrid(tokens, n_slices * nb, -(-d_in // tiles.block_k), -(-max_block // tiles.block_n),
+                      max(16, _next_pow2(r_max // nb)))
 
 
 class DecodeWorkspace:
-    """Scratch of ``decode_lora``'s split-K path: fp32 partial shrinks and per-group arrival counters.
+    """Scratch of ``decode_lora``: the fp32 partial shrinks the first kernel writes and the second sums.
 
-    The counters are zero between launches (the last program of a group puts its counter back), so one workspace
-    can serve every layer of a model whose launches run one after another on one stream. Size it before CUDA-graph
-    capture (``reserve``): a captured launch keeps the addresses it saw.
+    Every entry a call reads was written by the same call, so one workspace serves every layer of a model whose
+    launches run one after another on one stream. Size it before CUDA-graph capture (``reserve``): a captured
+    launch keeps the addresses it saw.
     """
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self.partials = torch.empty(0, dtype=torch.float32, device=self.device)
-        self.counters = torch.zeros(0, dtype=torch.int32, device=self.device)
 
     def reserve(self, grid: DecodeGrid) -> "DecodeWorkspace":
         """Grow (never shrink) to fit ``grid``."""
         if grid.partials > self.partials.numel():
             self.partials = torch.empty(grid.partials, dtype=torch.float32, device=self.device)
-        if grid.counters > self.counters.numel():
-            self.counters = torch.zeros(grid.counters, dtype=torch.int32, device=self.device)
         return self
 
     def fits(self, grid: DecodeGrid) -> bool:
-        return grid.partials <= self.partials.numel() and grid.counters <= self.counters.numel()
+        return grid.partials <= self.partials.numel()
 
 
 def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -131,7 +114,7 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
                 slice_offsets: Sequence[int], *, layout: str = "column", nblocks: int = 1,
                 backend: str = "auto", soff: torch.Tensor | None = None,
                 workspace: DecodeWorkspace | None = None) -> torch.Tensor:
-    """Multi-slice BGMV, in place, one launch for all slices (Punica/vLLM semantics, -1 = no LoRA):
+    """Multi-slice BGMV, in place, all slices in the same launches (Punica/vLLM semantics, -1 = no LoRA):
 
         for t with a = token_lora_indices[t] >= 0, for each slice s (columns soff[s]:soff[s+1] of y):
             y[t, soff[s]:soff[s+1]] += scales[a] * x[t] @ A[s, a] @ B[s, a]
@@ -141,13 +124,14 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     (block j of a block-diagonal factor = rank block j of ranks[a]/N); scales (L,) float. Meant for 1-64 tokens.
     Returns y.
 
-    The Triton kernel splits the input dimension over programs (``decode_grid``) and combines their partial
-    shrinks inside the launch through ``workspace`` (``DecodeWorkspace``; a temporary one is made when None).
+    Triton: two launches, ``_decode_shrink_kernel`` (partial shrinks over ``block_k`` input splits, into
+    ``workspace``) then ``_decode_expand_kernel`` (sums them, expands one ``block_n`` column tile per program), see
+    ``decode_grid``; ``workspace`` is a ``DecodeWorkspace`` (a temporary one is made when None).
 
     CUDA-graph use (serving): pass ``token_lora_indices`` as int32 and ``ranks``/``scales`` as int32/float32 on
     y's device, ``soff``, the slice offsets as an int32 tensor on that device (else one is built from
     ``slice_offsets`` per call: a host-to-device copy), and a ``workspace`` reserved for the largest batch
-    beforehand. Then a call issues exactly one kernel launch, no allocation and no host sync. Every token index
+    beforehand. Then a call issues exactly two kernel launches, no allocation and no host sync. Every token index
     outside [0, L) must be -1 for the Triton path (it reads ``ranks[idx]``). The torch fallback
     (``decode_lora_torch``) is sync-free too and ignores out-of-range indices.
     """
@@ -162,7 +146,7 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     if dispatch.choose("decode_lora", backend, ok) == "torch":
         return decode_lora_torch(y, x, lora_a, lora_b, token_lora_indices, ranks, scales, slice_offsets, layout,
                                  nblocks)
-    from ._triton import _decode_kernel
+    from ._triton import _decode_expand_kernel, _decode_shrink_kernel
 
     t, d_in = x.shape
     if t == 0:
@@ -173,20 +157,22 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     grid = decode_grid(t, n_s, nb, max_block, d_in, r_max, tiles)
     if workspace is None:
         workspace = DecodeWorkspace(x.device).reserve(grid)
-    elif not workspace.fits(grid) or workspace.counters.device != x.device:
-        raise ValueError(f"decode_lora: the workspace on {workspace.counters.device} holds "
-                         f"{workspace.partials.numel()} partials / {workspace.counters.numel()} counters, this call "
-                         f"needs {grid.partials} / "
-                         f"{grid.counters} on {x.device}: reserve it for the largest batch first")
+    elif not workspace.fits(grid) or workspace.partials.device != x.device:
+        raise ValueError(f"decode_lora: the workspace on {workspace.partials.device} holds "
+                         f"{workspace.partials.numel()} partials, this call needs {grid.partials} on {x.device}: "
+                         f"reserve it for the largest batch first")
     idx = token_lora_indices.to(device=x.device, dtype=torch.int32)
+    ranks = ranks.to(device=x.device, dtype=torch.int32)
     if soff is None:
         soff = torch.tensor(list(slice_offsets), dtype=torch.int32, device=x.device)
-    _decode_kernel[(t, grid.n_groups, grid.k_splits)](
-        y, x, lora_a, lora_b, idx, ranks.to(device=x.device, dtype=torch.int32),
-        scales.to(device=x.device, dtype=torch.float32), soff, workspace.partials, workspace.counters,
-        y.stride(0), x.stride(0), d_in, y.shape[1], n_l, r_max, lora_a.shape[3], lora_b.shape[2], grid.n_chunks,
-        grid.n_groups, tiles.k_split_len,
-        NA=na, NB=nb, K_SPLITS=grid.k_splits, BLOCK_R=grid.block_r, BLOCK_K=tiles.block_k,
-        BLOCK_N=tiles.block_n, num_warps=tiles.warps,
+    _decode_shrink_kernel[(t, grid.n_groups, grid.k_splits)](
+        x, lora_a, idx, ranks, workspace.partials, x.stride(0), d_in, n_l, r_max, lora_a.shape[3], grid.n_groups,
+        grid.k_splits, NA=na, NB=nb, BLOCK_R=grid.block_r, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
+    )
+    _decode_expand_kernel[(t, grid.n_groups, grid.n_tiles)](
+        y, lora_b, idx, ranks, scales.to(device=x.device, dtype=torch.float32), soff, workspace.partials,
+        y.stride(0), y.shape[1], lora_b.shape[2], grid.n_groups,
+        NB=nb, K_SPLITS=grid.k_splits, BLOCK_R=grid.block_r, BLOCK_N=tiles.block_n, BLOCK_S=tiles.block_s,
+        num_warps=tiles.warps,
     )
     return y

@@ -16,7 +16,7 @@ Sections
   grouped : LoRA path only (fwd+bwd) for 4-32 adapters of mixed ranks over one batch: grouped kernel vs a loop
             of per-adapter torch LoRA.
   decode  : LoRA time per module at 1-64 tokens (8B q/k/v at TP=1 with N 1/4; qkv, o, gate_up, down as one GPU
-            of TP=4 serves them): decode_lora (one split-K launch) vs batched torch gather vs vLLM's punica
+            of TP=4 serves them): decode_lora (shrink + expand launches) vs batched torch gather vs vLLM's punica
             shrink+expand when importable, each timed eagerly (*_ms) and replayed from a CUDA graph (*_graph_ms,
             as in serving).
 On a machine without CUDA it prints a message and exits 0.
@@ -174,6 +174,22 @@ def check(K) -> list[dict]:
     yr = K.decode_lora_ref(y0.clone(), xs, a, b, idx, rk, sc, offs, "column", 2)
     err = float((yk - yr).abs().max() / yr.abs().max())
     rows.append(dict(op="decode_lora", backend=K.LAST_BACKEND["decode_lora"], max_rel_err=err, ok=err < 1e-3))
+    # serving shapes in bf16: one GPU of TP=4 (qkv of the 8B model at BD rank 152/4 = 38; down_proj's 3584 inputs)
+    for name, d_in_s, outs, r, t_s in [("qkv", 4096, (1024, 256, 256), 38, 1), ("qkv", 4096, (1024, 256, 256), 38, 8),
+                                       ("down", 3584, (4096,), 38, 3)]:
+        per = [[(torch.randn(r, d_in_s, device="cuda") / d_in_s ** 0.5, torch.randn(d, r, device="cuda"))
+                for _ in range(2)] for d in outs]
+        a, b, rk, offs = K.stack_decode_weights(per, 64, "column", 1)
+        a, b = a.bfloat16(), b.bfloat16()
+        idx = torch.tensor([1, 0, -1, 1, 0, 0, 1, -1][:t_s], device="cuda", dtype=torch.int32)
+        xs = torch.randn(t_s, d_in_s, device="cuda", dtype=torch.bfloat16)
+        y0 = torch.randn(t_s, offs[-1], device="cuda", dtype=torch.bfloat16)
+        sc = torch.rand(2, device="cuda") + 0.5
+        yk = K.decode_lora(y0.clone(), xs, a, b, idx, rk, sc, offs).float()
+        yr = K.decode_lora_ref(y0.float(), xs.float(), a.float(), b.float(), idx, rk, sc, offs, "column", 1)
+        err = float((yk - yr).abs().max() / yr.abs().max())
+        rows.append(dict(op=f"decode_lora[bf16,{name},t={t_s}]", backend=K.LAST_BACKEND["decode_lora"],
+                         max_rel_err=err, ok=err < 1e-2))
     return rows
 
 
@@ -391,7 +407,7 @@ def main():
                ("down", 3584, [4096])]
         result["decode"] = (bench_decode(K, [1, 4, 16, 64], tp1, [16, 64], [1, 4], 8, args.iters)
                             + bench_decode(K, [1, 8, 64], tp4, [8, 16], [1], 8, args.iters))
-        table("decode LoRA per module (all slices in one launch) (ms)", result["decode"])
+        table("decode LoRA per module (all slices in the same launches) (ms)", result["decode"])
         save()
     print(f"\nwrote {args.out} in {result['seconds']:.0f} s")
     return 0

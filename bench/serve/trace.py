@@ -28,7 +28,7 @@ from typing import Iterable
 
 #: Kernel name patterns of each category, checked in this order (first match wins).
 CATEGORIES = (
-    ("lora", re.compile(r"lora|_decode_kernel|bgmv|sgmv|punica", re.I)),
+    ("lora", re.compile(r"lora|_decode_\w*kernel|bgmv|sgmv|punica", re.I)),
     ("allreduce", re.compile(r"allreduce|all_reduce|cross_device_reduce|nccl|one_shot|two_shot", re.I)),
     ("attention", re.compile(r"flash|attn|attention|fmha|reshape_and_cache", re.I)),
     ("gemm", re.compile(r"nvjet|gemm|cutlass|cublas|sm90_xmma|ampere_|splitKreduce|matmul", re.I)),
