@@ -13,7 +13,7 @@ tokens are still checked through the logprob bound, teacher forced on the engine
 counts LoRA collectives in the workers (must be 0) and reports the per-rank adapter bytes. Prints a summary and
 writes JSON; exit status 0 iff every check passed.
 
-``--fused-decode`` serves with the experimental fused decode path (``additional_config {"bdlora_fused_decode":
+``--fused-decode`` serves with the fused decode path (``additional_config {"bdlora_fused_decode":
 ...}``, optionally ``--fused-backend torch`` and ``--fused-max-tokens``) and adds two checks per TP rank: the fused op
 ran (counters; in graph mode only the capture and eager-size runs are counted) and a per-layer self-check
 (``testing.fused_decode_self_check``: fused op vs vLLM's punica path on random inputs with CUDA-graph-style padding
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--tol", type=float, help="max |logprob diff| to pass (default 1e-4 in float32, else 1e-2)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--fused-decode", action="store_true",
-                   help="serve with additional_config bdlora_fused_decode (the experimental fused decode kernel)")
+                   help="serve with additional_config bdlora_fused_decode (bdlora's decode kernels)")
     p.add_argument("--fused-backend", default="auto", choices=("auto", "triton", "torch"))
     p.add_argument("--fused-max-tokens", type=int, default=64)
     args = p.parse_args(argv)

@@ -12,9 +12,10 @@
   ``y_i = x W_i + (x A_i) B_i`` and row layers add ``(x_i A_i) B_i`` to the partial sum that the base model's one
   all-reduce already sums; there is no LoRA collective (unlike ``--fully-sharded-loras``).
 
-Experimental fused decode (``additional_config {"bdlora_fused_decode": true}``, ``--bdlora-fused-decode``): the
-LoRA term of a batch of at most ``max_tokens`` (8) tokens is one :func:`bdlora.kernels.decode_lora` launch per
-module (all slices: q/k/v, gate/up) instead of vLLM's punica shrink + expand pair; larger batches keep vLLM's path.
+Fused decode (``additional_config {"bdlora_fused_decode": true}``, ``--bdlora-fused-decode``): the LoRA term of
+a batch of at most ``max_tokens`` (8) tokens is one :func:`bdlora.kernels.decode_lora` call per module (all slices:
+q/k/v, gate/up; a shrink and an expand launch) instead of vLLM's punica zero-fill + shrink + expand; larger batches
+keep vLLM's path.
 It hooks ``_apply_lora_to_output`` (vLLM 0.26 and 0.32 alike: the LoRA half of ``_apply_sync`` and
 ``_apply_base_forward``) and routes it through the custom op ``torch.ops.bdlora.lora_linear`` (opaque to
 torch.compile, so the token-count branch is taken at run time and each captured CUDA graph holds the kernels of its

@@ -22,12 +22,12 @@ from bdlora.spec import COLUMN, PRESETS, ROW, BDLoraError
 
 #: ``additional_config`` key that switches BD mode on: ``True`` or ``{"min_nblocks": k}``.
 CONFIG_KEY = "bdlora"
-#: ``additional_config`` key of the experimental fused decode path (needs BD mode): ``True``, a token limit, or
+#: ``additional_config`` key of the fused decode path (needs BD mode, off by default): ``True``, a token limit, or
 #: ``{"max_tokens": n, "backend": "auto" | "triton" | "torch"}``.
 FUSED_DECODE_KEY = "bdlora_fused_decode"
-#: Largest batch (tokens in one forward) the fused decode kernel takes by default (bdlora.kernels.decode_lora):
-#: on an H200 it beats or matches vLLM's punica pair on every module up to 8 tokens and loses on o/down_proj at 64
-#: (bench/results/kernels/h200-decode-splitk-2026-11-22.log).
+#: Largest batch (tokens in one forward) the fused decode kernels take by default (bdlora.kernels.decode_lora):
+#: measured in serving at batch 1 (bench/results/serve/trace_8b_tp4_twokernel); larger batches keep vLLM's kernels,
+#: whose tiles suit many tokens.
 FUSED_DECODE_MAX_TOKENS = 8
 PEFT_PREFIX = "base_model.model."
 
@@ -93,7 +93,7 @@ def bd_options(vllm_config: Any) -> Optional[BDOptions]:
 @dataclass(frozen=True)
 class FusedDecodeOptions:
     """``additional_config["bdlora_fused_decode"]``: BD layers compute the LoRA term of batches of at most
-    ``max_tokens`` tokens with one ``bdlora.kernels.decode_lora`` launch per module (``backend`` as there) instead of
+    ``max_tokens`` tokens with one ``bdlora.kernels.decode_lora`` call per module (``backend`` as there) instead of
     vLLM's punica shrink + expand; larger batches keep vLLM's path."""
 
     max_tokens: int = FUSED_DECODE_MAX_TOKENS
