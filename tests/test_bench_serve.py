@@ -241,6 +241,7 @@ def test_sweep_end_to_end_cpu(tmp_path):
     assert list((tmp_path / "plots").glob("*.png"))
     md = (tmp_path / "t.md").read_text()
     assert "TPOT" in md and "no LoRA" in md
+    assert "GPU time per decode step" in md and all(sid in md for sid in {p.parent.parent.name for p in summaries})
     if "bd" not in methods:
         pytest.skip("ran base + LoRA only: bdlora.vllm_plugin has no --enable-bdlora yet, BD-LoRA not served")
 
@@ -283,7 +284,16 @@ def test_trace_summary_per_decode_step(tmp_path):
     assert s["period_us"] == 1000.0
     assert s["top_kernels"][0] == {"name": "nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", "calls_per_step": 1.0,
                                    "us_per_step": 100.0}
-    assert kernel_category("_decode_kernel") == "lora" and kernel_category("ncclDevKernel_AllReduce") == "allreduce"
+    assert kernel_category("_decode_shrink_kernel") == "lora"
+    assert kernel_category("ncclDevKernel_AllReduce") == "allreduce"
+
+    from bench.serve.report import trace_table
+
+    (tmp_path / "srv").mkdir()
+    (tmp_path / "srv" / "trace_summary.json").write_text(json.dumps(s))
+    md = trace_table([tmp_path])
+    assert "| srv | 50 | 100 | 40 | 15 | 12 | 207 | 1000 |" in md, md
+    assert "_lora_expand_kernel 1 x 30.0" in md and "_lora_shrink_kernel 1 x 20.0" in md
 
 
 def test_sweep_refuses_a_group_size_below_one(tmp_path, capsys):
