@@ -240,7 +240,7 @@ def test_sweep_end_to_end_cpu(tmp_path):
     assert report_main([str(out), "--plots", str(tmp_path / "plots"), "--markdown", str(tmp_path / "t.md")]) == 0
     assert list((tmp_path / "plots").glob("*.png"))
     md = (tmp_path / "t.md").read_text()
-    assert "TPOT" in md and "no LoRA" in md
+    assert "TPOT" in md and "no LoRA" in md and "BD E2E speed-up" in md
     assert "GPU time per decode step" in md and all(sid in md for sid in {p.parent.parent.name for p in summaries})
     if "bd" not in methods:
         pytest.skip("ran base + LoRA only: bdlora.vllm_plugin has no --enable-bdlora yet, BD-LoRA not served")
