@@ -62,7 +62,7 @@ _BUILD_RANK: Optional[int] = None
 #: Set likewise when ``bdlora_fused_decode`` is on (with the fused-layer names given out in this build).
 _BUILD_FUSED: Optional[FusedDecodeOptions] = None
 _BUILD_NAMES: set = set()
-#: One split-K decode workspace per device and build, shared by that engine's fused layers (their launches never
+#: One decode workspace (partial shrinks) per device and build, shared by that engine's fused layers (their launches never
 #: overlap); a new build starts new ones, so a later engine never resizes buffers an earlier one's graphs captured.
 _BUILD_WORKSPACES: dict = {}
 
