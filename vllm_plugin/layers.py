@@ -62,8 +62,9 @@ _BUILD_RANK: Optional[int] = None
 #: Set likewise when ``bdlora_fused_decode`` is on (with the fused-layer names given out in this build).
 _BUILD_FUSED: Optional[FusedDecodeOptions] = None
 _BUILD_NAMES: set = set()
-#: One decode workspace (partial shrinks) per device and build, shared by that engine's fused layers (their launches never
-#: overlap); a new build starts new ones, so a later engine never resizes buffers an earlier one's graphs captured.
+#: One decode workspace (partial shrinks) per device and build, shared by that engine's fused layers (their
+#: launches never overlap); a new build starts new ones, so a later engine never resizes buffers an earlier one's
+#: graphs captured.
 _BUILD_WORKSPACES: dict = {}
 
 #: Calls of ``torch.ops.bdlora.lora_linear`` in this process: ``fused:<backend>`` (decode_lora ran; backend triton or

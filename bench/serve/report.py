@@ -168,7 +168,7 @@ def trace_table(dirs: Iterable[Path]) -> str:
         lora = [k for k in t.get("top_kernels", []) if kernel_category(k["name"]) == "lora"]
         calls = ", ".join(f"{k['name']} {k['calls_per_step']:g} x "
                           f"{k['us_per_step'] / max(k['calls_per_step'], 1e-9):.1f}" for k in lora) or "–"
-        lines.append(f"| {sid} | " + " | ".join(_fmt(ps.get(c), 1.0, 0) if c in ps else "–" for c in cats)
+        lines.append(f"| {sid} | " + " | ".join(_fmt(ps.get(c), 1.0, 0) for c in cats)
                      + f" | {_fmt(t.get('busy_us'), 1.0, 0)} | {_fmt(t.get('period_us'), 1.0, 0)} | {calls} |")
     lines.append("\nThe profiler slows each step (~1 ms on an 8B model at TP=4): compare kernel columns, not periods; "
                  "the all-reduce column includes waiting for the other ranks.")

@@ -42,7 +42,7 @@ from .artifacts import (adapter_num_params, build_model, make_adapter, matched_b
                         vllm_max_lora_rank, VLLM_MAX_LORA_RANKS)
 from .client import llmperf_summary, random_prompts, run_load
 from .server import ServerError, VLLMServer, install_stop_handlers
-from .trace import find_traces, keep_gpu_events, profile_request, profiler_args, summarize_trace
+from .trace import find_traces, keep_gpu_events, load_trace, profile_request, profiler_args, summarize_events
 
 METHODS = ("base", "lora", "slora", "bd")
 METHOD_LABELS = {"base": "no LoRA", "lora": "LoRA (vLLM default, NFS)", "slora": "S-LoRA (--fully-sharded-loras)",
@@ -446,9 +446,10 @@ def profile_server(cfg: dict, sc: ServerConfig, server: VLLMServer, info: dict, 
             time.sleep(1.0)
         if not traces:
             raise ServerError(f"no trace under {trace_dir} after /stop_profile")
-        keep_gpu_events(traces[0], out / sc.id / "trace_gpu_events.json.gz")
-        summary = dict(summarize_trace(traces[0]), server_id=sc.id, method=sc.method, rank=sc.rank, tp=sc.tp,
-                       it=it, ot=ot, traces=[p.name for p in traces],
+        events = load_trace(traces[0])  # rank 0; tens of MB of JSON: parsed once for both files
+        keep_gpu_events(events, out / sc.id / "trace_gpu_events.json.gz")
+        summary = dict(summarize_events(events), trace=traces[0].name, server_id=sc.id, method=sc.method,
+                       rank=sc.rank, tp=sc.tp, it=it, ot=ot, traces=[p.name for p in traces],
                        request_tpot_s=resp.get("tpot_s"), request_e2e_s=resp.get("end_to_end_latency_s"))
         (out / sc.id / "trace_summary.json").write_text(json.dumps(summary, indent=2))
         info["profile"] = f"{summary['steps']} decode steps"

@@ -18,6 +18,7 @@ kernels; one whose ``period - busy`` grows pays on the host.
 """
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import re
@@ -126,11 +127,8 @@ def summarize_events(events: list[dict], top: int = 15) -> dict:
     starts = [s[0] for s in steps]
     per_cat: dict = defaultdict(float)
     per_kernel: dict = defaultdict(lambda: [0, 0.0])
-    busy: dict = defaultdict(list)
-    first_kernel: dict = {}
+    busy: dict = defaultdict(list)  # step -> its kernels' (start, end)
     lo, hi = steps[0][0], steps[-1][1]
-    import bisect
-
     for e in gpu:
         ts, dur = float(e["ts"]), float(e["dur"])
         i = bisect.bisect_right(starts, ts) - 1
@@ -145,12 +143,11 @@ def summarize_events(events: list[dict], top: int = 15) -> dict:
         per_kernel[name][0] += 1
         per_kernel[name][1] += dur
         busy[i].append((ts, ts + dur))
-        first_kernel[i] = min(first_kernel.get(i, ts), ts)
     n = len(steps)
     out["per_step_us"] = {k: round(v / n, 2) for k, v in sorted(per_cat.items())}
     out["per_step_us"]["total"] = round(sum(per_cat.values()) / n, 2)
     out["busy_us"] = round(sum(_union_us(v) for v in busy.values()) / n, 2)
-    firsts = [first_kernel[i] for i in sorted(first_kernel)]
+    firsts = [min(busy[i])[0] for i in sorted(busy)]
     if len(firsts) > 1:
         out["period_us"] = round((firsts[-1] - firsts[0]) / (len(firsts) - 1), 2)
     out["top_kernels"] = [{"name": k[:120], "calls_per_step": round(c / n, 2), "us_per_step": round(t / n, 2)}
@@ -158,10 +155,10 @@ def summarize_events(events: list[dict], top: int = 15) -> dict:
     return out
 
 
-def keep_gpu_events(path: Path, dest: Path) -> Path:
-    """The GPU events and step annotations of a worker trace (a few % of its size) as a chrome trace, for a later
-    look in Perfetto or ``summarize_trace``: the raw traces stay on the machine that made them."""
-    keep = [e for e in load_trace(path) if e.get("cat") in GPU_CATS + ("gpu_user_annotation", "user_annotation")]
+def keep_gpu_events(events: list[dict], dest: Path) -> Path:
+    """The GPU events and step annotations of a worker trace's ``events`` (a few % of its size) as a chrome trace,
+    for a later look in Perfetto or ``summarize_trace``: the raw traces stay on the machine that made them."""
+    keep = [e for e in events if e.get("cat") in GPU_CATS + ("gpu_user_annotation", "user_annotation")]
     tmp = dest.with_name(dest.name + ".tmp")
     with gzip.open(tmp, "wt") as f:
         json.dump({"traceEvents": keep}, f)
