@@ -296,6 +296,18 @@ def test_trace_summary_per_decode_step(tmp_path):
     assert "_lora_expand_kernel 1 x 30.0" in md and "_lora_shrink_kernel 1 x 20.0" in md
 
 
+@pytest.mark.parametrize("prof,match", [(True, "not understood"), ({"it": 16, "ot": 8, "steps": 3}, "not understood"),
+                                        ({"it": 16, "ot": 1}, "profile.ot"), ({"it": "16"}, "profile.it")])
+def test_sweep_refuses_a_bad_profile_setting(tmp_path, prof, match):
+    from bench.serve.sweep import load_config, run_sweep
+
+    cfg = load_config(ROOT / "bench/serve/configs/cpu_tiny.yaml")
+    cfg["profile"] = prof
+    with pytest.raises(ValueError, match=match):
+        run_sweep(cfg, tmp_path / "out", dry_run=True)
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
 def test_sweep_refuses_a_group_size_below_one(tmp_path, capsys):
     from bench.serve.sweep import main as sweep_main
 

@@ -421,6 +421,20 @@ def run_group(cfg: dict, group: list[tuple[ServerConfig, list[Load]]], out: Path
     return infos
 
 
+def check_profile(prof) -> None:
+    """A config's ``profile:`` is absent or ``{it, ot[, wait_s]}`` with positive integers; anything else is refused
+    before any server starts."""
+    if prof is None or prof is False:
+        return
+    example = "profile: {it: 128, ot: 64}  (prompt and output tokens of the profiled request; optional wait_s)"
+    if not isinstance(prof, dict) or set(prof) - {"it", "ot", "wait_s"}:
+        raise ValueError(f"profile: {prof!r} is not understood; write e.g. {example}")
+    for k, v in prof.items():
+        if type(v) is not int or v < 1 or (k == "ot" and v < 2):
+            raise ValueError(f"profile.{k} must be a positive integer (ot >= 2: one decode step at least), got {v!r}; "
+                             f"e.g. {example}")
+
+
 def profile_server(cfg: dict, sc: ServerConfig, server: VLLMServer, info: dict, out: Path, deadline: float,
                    log=print) -> None:
     """``profile: {it, ot}``: one profiled request on a started server, its rank-0 trace reduced to
@@ -530,6 +544,7 @@ def run_sweep(cfg: dict, out: Path, done_dirs: list[Path] = (), time_budget_s: O
     log = log or (lambda *a: print(*a, flush=True))
     t_start = time.monotonic()
     deadline = t_start + time_budget_s if time_budget_s else float("inf")
+    check_profile(cfg.get("profile"))
     out.mkdir(parents=True, exist_ok=True)
     grid = expand_grid(cfg, methods, tps, ranks)
     mcfg = cfg.get("model", {})
