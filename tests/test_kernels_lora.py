@@ -276,6 +276,59 @@ def test_decode_64_tokens():
     assert_close(y, want)
 
 
+def _folded_case(gen, ranks, d_outs, t, idx, d_in=D_IN):
+    """Base weight with the A factors folded under it (per slice and slot, ragged ranks), B stacked, and a float64
+    oracle of base + LoRA built from the separate factors."""
+    n_s, n_l, r_max = len(d_outs), len(ranks), max(ranks)
+    w = torch.randn(sum(d_outs), d_in, generator=gen) / d_in ** 0.5
+    per_slice = [[None if r == 0 else (torch.randn(r, d_in, generator=gen), torch.randn(d, r, generator=gen))
+                  for r in ranks] for d in d_outs]
+    _, b, rk, offs = K.stack_decode_weights(per_slice, r_max)
+    folded = K.fold_weight(w, n_s, n_l, r_max)
+    a_view = folded.lora_a(n_s, n_l, r_max)
+    for s, sl in enumerate(per_slice):
+        for slot, pair in enumerate(sl):
+            if pair is not None:
+                a_view[s, slot, : pair[0].shape[0]] = pair[0]
+    x = torch.randn(t, d_in, generator=gen)
+    scales = torch.rand(n_l, generator=gen) + 0.5
+    want = x.double() @ w.double().t()
+    for ti, ai in enumerate(idx):
+        if ai < 0 or ranks[ai] == 0:
+            continue
+        for s, (lo, hi) in enumerate(zip(offs, offs[1:])):
+            la, lb = per_slice[s][ai]
+            want[ti, lo:hi] += float(scales[ai]) * (x[ti].double() @ la.double().t()) @ lb.double().t()
+    return w, folded, x, b, rk, scales, offs, want
+
+
+@pytest.mark.parametrize("d_outs", [[64, 32, 32], [D_OUT], [40, 72]])  # qkv-like, one slice, ragged tiles
+@pytest.mark.parametrize("t", [1, 9])
+def test_decode_folded(d_outs, t):
+    """One GEMM with [W; A] then one launch: equals base + LoRA from the separate factors for tokens of every slot,
+    of an empty slot (rank 0) and without LoRA (-1; their rows are the base output, written by the kernel too)."""
+    gen = torch.Generator().manual_seed(len(d_outs) * 10 + t)
+    ranks = [8, 16, 0, 32, 5]
+    idx = torch.tensor([3, -1, 1, 0, 2, 4, 3, 0, -1][:t] if t > 1 else [4], dtype=torch.int32)
+    w, folded, x, b, rk, scales, offs, want = _folded_case(gen, ranks, d_outs, t, idx.tolist())
+    assert folded.base.data_ptr() == folded.w_ext.data_ptr() and torch.equal(folded.base, w)
+    y = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs)
+    assert K.LAST_BACKEND["decode_lora_folded"] == "triton" and y.shape == (t, sum(d_outs))
+    assert_close(y, want)
+    y_torch = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, backend="torch")
+    assert K.LAST_BACKEND["decode_lora_folded"] == "torch"
+    assert_close(y_torch, want)
+    assert_close(K.decode_lora_folded_ref(x, folded.w_ext, folded.d_out, b, idx, rk, scales, offs), want)
+
+
+def test_decode_folded_refuses_mismatched_fold():
+    gen = torch.Generator().manual_seed(3)
+    w, folded, x, b, rk, scales, offs, _ = _folded_case(gen, [8, 4], [32, 32], 2, [0, 1])
+    wrong = K.fold_weight(w, 2, 3, 8)  # folded for 3 slots, B for 2
+    with pytest.raises(ValueError, match=r"fold_weight\(W, S, L, R\)"):
+        K.decode_lora_folded(x, wrong, b, torch.tensor([0, 1]), rk, scales, offs)
+
+
 # ---- cuBLAS-composed fused linear (backend="cublas"; on CPU the same torch GEMMs on the CPU BLAS) ----------------
 
 def cast_adapter(ad, dtype):

@@ -6,23 +6,28 @@ linear also has a cuBLAS-composed path (``cublas.CublasLoraLinearFn``), its defa
 Orientation and block layouts: see ``bdlora.kernels.layout``.
 """
 from .cublas import CublasLoraLinearFn
-from .decode import DecodeWorkspace, decode_lora, stack_decode_weights
+from .decode import DecodeWorkspace, FoldedWeight, decode_lora, decode_lora_folded, fold_weight, stack_decode_weights
 from .dispatch import LAST_BACKEND
 from .grouped import dropout_keep_mask, fused_lora_linear, grouped_lora
 from .layout import LoraAdapter, from_math, pack_block_diagonal, to_math, unpack_block_diagonal
-from .reference import (bd_matmul, decode_lora_ref, decode_lora_torch, fused_lora_linear_ref, grouped_lora_ref,
-                        lora_delta_ref, segment_keep_mask, torch_keep_masks)
+from .reference import (bd_matmul, decode_lora_folded_ref, decode_lora_folded_torch, decode_lora_ref, decode_lora_torch,
+                        fused_lora_linear_ref, grouped_lora_ref, lora_delta_ref, segment_keep_mask, torch_keep_masks)
 
 __all__ = [
     "CublasLoraLinearFn",
     "DecodeWorkspace",
+    "FoldedWeight",
     "LAST_BACKEND",
     "LoraAdapter",
     "bd_matmul",
     "decode_lora",
+    "decode_lora_folded",
+    "decode_lora_folded_ref",
+    "decode_lora_folded_torch",
     "decode_lora_ref",
     "decode_lora_torch",
     "dropout_keep_mask",
+    "fold_weight",
     "from_math",
     "fused_lora_linear",
     "fused_lora_linear_ref",

@@ -306,6 +306,43 @@ def _decode_expand_kernel(
 
 
 @triton.jit
+def _decode_folded_expand_kernel(
+    y_ptr, h_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr, soff_ptr,
+    stride_y, stride_h, d_out, n_loras, R,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """``decode_lora_folded``'s one launch after the base GEMM: for token t, slice s and column tile c (one program
+    each), with h = x @ [W; A]^T (the shrink of every slice and slot is in h's columns past d_out):
+
+    cols = soff[s] + c * BLOCK_N + [0, BLOCK_N)  (within the slice); a = idx[t]
+    y[t, cols] = h[t, cols] + scales[a] * h[t, d_out + (s * L + a) * R + :ranks[a]] @ B[a, cols, :ranks[a]]^T
+
+    (the second term only for a >= 0 and ranks[a] > 0: every column of y is written, LoRA or not).
+    """
+    t = tl.program_id(0)
+    sl = tl.program_id(1)
+    tile = tl.program_id(2)
+    o_lo = tl.load(soff_ptr + sl)
+    o_hi = tl.load(soff_ptr + sl + 1)
+    c_lo = o_lo + tile * BLOCK_N
+    if c_lo < o_hi:  # a narrower slice's surplus tiles have no columns
+        cs = c_lo + tl.arange(0, BLOCK_N)
+        cmask = cs < o_hi
+        acc = tl.load(h_ptr + t * stride_h + cs, mask=cmask, other=0.0).to(tl.float32)
+        a = tl.load(idx_ptr + t)
+        r = tl.load(ranks_ptr + tl.maximum(a, 0))
+        if (a >= 0) & (r > 0):
+            rr = tl.arange(0, BLOCK_R)
+            rmask = rr < r
+            s = tl.load(h_ptr + t * stride_h + d_out + (sl * n_loras + a) * R + rr, mask=rmask, other=0.0)
+            s = s.to(tl.float32) * tl.load(scales_ptr + a)
+            bv = tl.load(b_ptr + (a.to(tl.int64) * d_out + cs[:, None]) * R + rr[None, :],
+                         mask=cmask[:, None] & rmask[None, :], other=0.0)
+            acc += tl.sum(bv.to(tl.float32) * s[None, :], axis=1)
+        tl.store(y_ptr + t * stride_y + cs, acc.to(y_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
 def _dropout_mask_kernel(out_ptr, seed, n_cols, stride_out, p, BLOCK: tl.constexpr):
     """Materialize the keep-mask the kernels use (for references and debugging)."""
     row = tl.program_id(0)

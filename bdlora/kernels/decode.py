@@ -1,4 +1,6 @@
-"""Serving decode path: shrink+expand over several slices of a layer (e.g. q, k, v) in two launches for all slices."""
+"""Serving decode path: shrink+expand over several slices of a layer (e.g. q, k, v) in two launches for all slices
+(``decode_lora``), or with the shrink folded into the base layer's GEMM and one launch after it
+(``decode_lora_folded``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,7 +10,9 @@ import torch
 
 from . import dispatch
 from .layout import LAYOUTS
-from .reference import decode_lora_torch
+import torch.nn.functional as F
+
+from .reference import decode_lora_folded_torch, decode_lora_torch
 
 
 def _next_pow2(v: int) -> int:
@@ -174,5 +178,79 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
         y.stride(0), y.shape[1], lora_b.shape[2], grid.n_groups,
         NB=nb, K_SPLITS=grid.k_splits, BLOCK_R=grid.block_r, BLOCK_N=tiles.block_n, BLOCK_S=tiles.block_s,
         num_warps=tiles.warps,
+    )
+    return y
+
+
+@dataclass(frozen=True)
+class FoldedWeight:
+    """A base weight W (d_out, d_in) with the LoRA A factors of S slices x L slots of rank R stacked under it in one
+    tensor: ``w_ext`` (d_out + S * L * R, d_in) = [W; A], ``base`` = w_ext[:d_out] (a view: hand it to the base
+    layer in place of W), ``lora_a`` (S, L, R, d_in), a view of the rows after it. One GEMM with w_ext gives the base
+    output and every slot's shrink (see ``decode_lora_folded``)."""
+
+    w_ext: torch.Tensor
+    d_out: int
+
+    @property
+    def base(self) -> torch.Tensor:
+        return self.w_ext[: self.d_out]
+
+    def lora_a(self, n_slices: int, n_loras: int, rank: int) -> torch.Tensor:
+        return self.w_ext[self.d_out:].view(n_slices, n_loras, rank, self.w_ext.shape[1])
+
+
+def fold_weight(weight: torch.Tensor, n_slices: int, n_loras: int, rank: int) -> FoldedWeight:
+    """A copy of ``weight`` (d_out, d_in) with S * L * R zero rows under it for the A factors."""
+    d_out, d_in = weight.shape
+    w_ext = weight.new_empty(d_out + n_slices * n_loras * rank, d_in)
+    w_ext[:d_out].copy_(weight)
+    w_ext[d_out:].zero_()
+    return FoldedWeight(w_ext, d_out)
+
+
+def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tensor, token_lora_indices: torch.Tensor,
+                       ranks: torch.Tensor, scales: torch.Tensor, slice_offsets: Sequence[int], *,
+                       backend: str = "auto", soff: torch.Tensor | None = None) -> torch.Tensor:
+    """Base layer plus multi-slice BGMV with the shrink inside the base GEMM (Punica/vLLM semantics, -1 = no LoRA);
+    returns a new y (T, d_out):
+
+        h = x @ [W; A]^T                                   (one GEMM: base output and every slot's shrink)
+        y[t] = x[t] @ W^T, and for a = token_lora_indices[t] >= 0, for each slice s (columns soff[s]:soff[s+1]):
+        y[t, soff[s]:soff[s+1]] += scales[a] * (x[t] @ A[s, a, :ranks[a]]^T) @ B[a, soff[s]:soff[s+1], :ranks[a]]^T
+
+    ``folded``: W and A (S, L, R, d_in) in one tensor (``fold_weight``); lora_b (L, d_out, R); ranks (L,) int;
+    scales (L,) float. Each slot's factors are plain low rank (BD-LoRA's per-device adapter). Every slot's shrink is
+    computed for every token (S * L * R extra output columns of the GEMM: cheap when they are few next to d_out, at
+    the few tokens of a decode step). Triton: the GEMM (cuBLAS via torch) and ``_decode_folded_expand_kernel``, no
+    workspace, no host sync (CUDA-graph safe with int32 ``token_lora_indices``, ``ranks``, float32 ``scales`` and
+    ``soff`` on the device). The shrink is rounded to x's dtype by the GEMM, as in PEFT's ``lora_B(lora_A(x))``.
+    """
+    d_out = folded.d_out
+    n_l, b_out, r = lora_b.shape
+    n_s = len(slice_offsets) - 1
+    if b_out != d_out or slice_offsets[-1] != d_out or folded.w_ext.shape[0] != d_out + n_s * n_l * r:
+        raise ValueError(f"decode_lora_folded: w_ext has {folded.w_ext.shape[0]} rows, lora_b {tuple(lora_b.shape)} "
+                         f"and slice offsets end at {slice_offsets[-1]}; expected d_out={d_out} rows of W plus "
+                         f"S*L*R = {n_s}*{n_l}*{r} of A (fold_weight(W, S, L, R))")
+    h = F.linear(x, folded.w_ext)
+    ok = dispatch.triton_ok(h, lora_b) and h.stride(1) == 1 and lora_b.is_contiguous()
+    if dispatch.choose("decode_lora_folded", backend, ok) == "torch":
+        return decode_lora_folded_torch(h, d_out, lora_b, token_lora_indices, ranks, scales, slice_offsets)
+    from ._triton import _decode_folded_expand_kernel
+
+    t = x.shape[0]
+    y = h.new_empty(t, d_out)
+    if t == 0:
+        return y
+    if soff is None:
+        soff = torch.tensor(list(slice_offsets), dtype=torch.int32, device=x.device)
+    block_n = decode_tiles(x.device).block_n
+    widest = max(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_s))
+    _decode_folded_expand_kernel[(t, n_s, -(-widest // block_n))](
+        y, h, lora_b, token_lora_indices.to(device=x.device, dtype=torch.int32),
+        ranks.to(device=x.device, dtype=torch.int32), scales.to(device=x.device, dtype=torch.float32), soff,
+        y.stride(0), h.stride(0), d_out, n_l, r,
+        BLOCK_R=max(16, _next_pow2(r)), BLOCK_N=block_n, num_warps=decode_tiles(x.device).warps,
     )
     return y

@@ -104,6 +104,19 @@ def decode_lora_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
     return y
 
 
+def _slot_weights(token_lora_indices: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor, n_l: int, r_max: int,
+                  dev: torch.device):
+    """Sync-free slot selection of the decode ops: onehot (T, L) float, each token's slot (an all-zero row for -1 or
+    an out-of-range index); rk (L,) long ranks; row_w (L, R) float, the rank rows in use times the slot's scale
+    (an empty slot, rank 0: all zero)."""
+    idx = token_lora_indices.to(device=dev, dtype=torch.long)
+    onehot = (idx[:, None] == torch.arange(n_l, device=dev)[None, :]).float()
+    rk = ranks.to(device=dev, dtype=torch.long)
+    rr = torch.arange(r_max, device=dev)
+    row_w = (rr[None, :] < rk[:, None]).float() * scales.to(device=dev, dtype=torch.float32)[:, None]
+    return onehot, rk, row_w
+
+
 def decode_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                       token_lora_indices: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
                       slice_offsets: Sequence[int], layout: str = "column", nblocks: int = 1) -> torch.Tensor:
@@ -121,13 +134,8 @@ def decode_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lo
     rb_max = lora_b.shape[2]
     na, nb = (nblocks, 1) if layout == "row" else (1, nblocks)
     dev = x.device
-    idx = token_lora_indices.to(device=dev, dtype=torch.long)
-    slots = torch.arange(n_l, device=dev)
-    onehot = (idx[:, None] == slots[None, :]).float()  # (T, L); all-zero row for -1 / out-of-range
-    rk = ranks.to(device=dev, dtype=torch.long)
+    onehot, rk, row_w = _slot_weights(token_lora_indices, ranks, scales, n_l, r_max, dev)
     rr = torch.arange(r_max, device=dev)
-    # (L, R): rank rows in use, times the slot's scale (empty slots: rank 0 -> all zero)
-    row_w = (rr[None, :] < rk[:, None]).float() * scales.to(device=dev, dtype=torch.float32)[:, None]
     xf, af = x.float(), lora_a.float()
     if na == 1:
         s_all = torch.einsum("tk,slrk->tslr", xf, af)
@@ -154,3 +162,33 @@ def decode_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lo
             upd_all = upd_all.reshape(t, n_l, d_s)
         y[:, lo:hi] += torch.einsum("tl,tld->td", onehot, upd_all).to(y.dtype)
     return y
+
+
+def decode_lora_folded_ref(x: torch.Tensor, w_ext: torch.Tensor, d_out: int, lora_b: torch.Tensor,
+                           token_lora_indices: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
+                           slice_offsets: Sequence[int]) -> torch.Tensor:
+    """``decode_lora_folded`` unfolded: y = x @ W^T, then ``decode_lora_ref`` with W = w_ext[:d_out] and the LoRA A
+    factors A[s, a] = w_ext[d_out:] viewed (S, L, R, d_in)."""
+    n_l, _, r = lora_b.shape
+    lora_a = w_ext[d_out:].reshape(len(slice_offsets) - 1, n_l, r, w_ext.shape[1])
+    y = F.linear(x, w_ext[:d_out])
+    return decode_lora_ref(y, x, lora_a, lora_b, token_lora_indices, ranks, scales, slice_offsets)
+
+
+def decode_lora_folded_torch(h: torch.Tensor, d_out: int, lora_b: torch.Tensor, token_lora_indices: torch.Tensor,
+                             ranks: torch.Tensor, scales: torch.Tensor, slice_offsets: Sequence[int]) -> torch.Tensor:
+    """``decode_lora_folded``'s step after the base GEMM with tensor ops only (sync-free; its torch fallback): from
+    h = x @ [W; A]^T (T, d_out + S * L * R) returns a new y (T, d_out) = h[:, :d_out] plus, per token with slot
+    a >= 0 and per slice s, scales[a] * h[:, d_out:][s, a, :ranks[a]] @ B[a, slice columns, :ranks[a]]^T."""
+    t = h.shape[0]
+    n_l, _, r = lora_b.shape
+    n_s = len(slice_offsets) - 1
+    onehot, _, row_w = _slot_weights(token_lora_indices, ranks, scales, n_l, r, h.device)
+    s = torch.einsum("tl,tslr->tsr", onehot, h[:, d_out:].float().reshape(t, n_s, n_l, r) * row_w)
+    y = h[:, :d_out].to(torch.float32, copy=True)
+    bf = lora_b.float()
+    for sl in range(n_s):
+        lo, hi = int(slice_offsets[sl]), int(slice_offsets[sl + 1])
+        upd_all = torch.einsum("tr,ldr->tld", s[:, sl], bf[:, lo:hi])
+        y[:, lo:hi] += torch.einsum("tl,tld->td", onehot, upd_all)
+    return y.to(h.dtype)
