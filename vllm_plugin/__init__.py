@@ -49,6 +49,7 @@ def register() -> None:
     loader.patch_worker_manager()
     loader.patch_peft_helper()
     cpu_fix.patch_cpu_lora_ops()
+    cpu_fix.keep_cpu_weights_for_fold()
     if os.environ.get("BDLORA_COUNT_COLLECTIVES") == "1":
         from .testing import install_collective_counters
 

