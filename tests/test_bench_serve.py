@@ -143,6 +143,14 @@ def test_client_batches_and_llmperf_summary(use_aiohttp, monkeypatch):
     assert LLMPERF_RESPONSE_FIELDS <= set(responses[0])
 
 
+def test_warmup_covers_one_batch_of_the_load_shape():
+    from bench.serve.sweep import Load, warmup_plan
+
+    assert warmup_plan({"warmup_requests": 2}, Load(64, 1024, 128, 64)) == (64, 1024, 16, 64)
+    assert warmup_plan({"warmup_requests": 2}, Load(1, 1024, 128, 128)) == (2, 1024, 16, 1)
+    assert warmup_plan({}, Load(1, 128, 8, 4)) == (1, 128, 8, 1)
+
+
 def test_client_flags_wrong_token_counts_and_connection_errors():
     url, _, loop = _fake_server(8)
     try:

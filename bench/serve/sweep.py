@@ -475,13 +475,23 @@ def profile_server(cfg: dict, sc: ServerConfig, server: VLLMServer, info: dict, 
         log(f"[{sc.id}] profile ERROR {info['profile'][:1000]}")
 
 
+def warmup_plan(cfg: dict, load: Load) -> tuple[int, int, int, int]:
+    """(requests, input tokens, output tokens, concurrency) of the unrecorded warm-up before a load: at least one
+    batch in the load's shape (BS concurrent prompts of IT tokens; ``warmup_requests`` if more), up to 16 output
+    tokens. A shape's one-time costs (kernel compilation for large prefill chunks and mixed prefill/decode steps)
+    otherwise land in the measurement: with 2 short warm-up prompts, a one-time ~1 s stall sat inside BS=64 runs
+    (bench/results/serve/grid_8b_tp4_bs64_*)."""
+    n = max(int(cfg.get("warmup_requests", 1)), load.bs)
+    return n, load.it, min(load.ot, 16), load.bs
+
+
 def run_one_load(cfg, sc: ServerConfig, load: Load, server: VLLMServer, out: Path, meta: dict, deadline: float,
                  n_names: int, log) -> str:
     model_dir = server.cmd[server.cmd.index("serve") + 1]
     # prompts depend only on the load setting: identical across servers (methods) and across resumed calls
     seed = int(cfg.get("seed", 0)) * 1_000_003 + load.bs * 100_003 + load.it * 31 + load.ot
-    n_warm = int(cfg.get("warmup_requests", max(1, min(load.bs, 4))))
-    warm_prompts = random_prompts(model_dir, n_warm, min(load.it, 64), seed + 999_983)
+    n_warm, warm_it, warm_ot, warm_bs = warmup_plan(cfg, load)
+    warm_prompts = random_prompts(model_dir, n_warm, warm_it, seed + 999_983)
     prompts = random_prompts(model_dir, load.num_requests, load.it, seed)
     if sc.method == "base":
         names = ["base"]
@@ -493,7 +503,7 @@ def run_one_load(cfg, sc: ServerConfig, load: Load, server: VLLMServer, out: Pat
         warm_names = names[-1:]  # the measured run starts with a0, which the warm-up just evicted
     timeout_s = float(cfg.get("request_timeout_s", 600))
     # warm-up (not recorded): first-request costs, and in single mode the adapter is then cached, as in the paper
-    run_load(server.url, warm_names, warm_prompts, min(load.ot, 16), max(1, min(load.bs, n_warm)), timeout_s)
+    run_load(server.url, warm_names, warm_prompts, warm_ot, warm_bs, timeout_s)
     responses, t0, t1 = run_load(server.url, names, prompts, load.ot, load.bs, timeout_s, deadline=deadline)
     complete = len(responses) == load.num_requests
     summ_meta = dict(meta, server_id=sc.id, method=sc.method, method_label=METHOD_LABELS[sc.method], tp=sc.tp,
