@@ -1,6 +1,6 @@
-"""Front-end patches: the ``--enable-bdlora``, ``--bdlora-fused-decode`` and ``--bdlora-fold-shrink`` flags, engine-config checks, and adapter
-checks where requests and ``/v1/load_lora_adapter`` calls arrive (so a bad adapter never reaches, and never kills, the
-engine)."""
+"""Front-end patches: the ``--enable-bdlora``, ``--bdlora-fused-decode`` and ``--bdlora-fold-shrink`` flags,
+engine-config checks, and adapter checks where requests and ``/v1/load_lora_adapter`` calls arrive (so a bad adapter
+never reaches, and never kills, the engine)."""
 
 from __future__ import annotations
 
