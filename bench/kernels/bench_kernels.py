@@ -286,8 +286,10 @@ def vllm_punica(max_loras: int, max_rank: int, max_tokens: int):
         from vllm.lora.layers import LoRAMapping
         from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
+        # LoRAConfig accepts only vLLM's rank sizes (8, 16, 32, 64, ...); the kernels take the rank from the tensors
+        allowed_rank = max(8, 1 << (max_rank - 1).bit_length())
         wrapper = PunicaWrapperGPU(max_tokens, 256, "cuda",
-                                   lora_config=LoRAConfig(max_lora_rank=max_rank, max_loras=max_loras))
+                                   lora_config=LoRAConfig(max_lora_rank=allowed_rank, max_loras=max_loras))
 
         def set_mapping(slots: list[int]) -> None:  # token i -> LoRA slot slots[i] (ids are slot + 1)
             ids = tuple(s + 1 for s in slots)
@@ -371,6 +373,8 @@ def bench_module(K, tokens, shapes, r, max_loras, iters) -> list[dict]:
     from bdlora.kernels.decode import decode_grid, decode_tiles
 
     punica, set_mapping = vllm_punica(max_loras, r, max(tokens))
+    if punica is None:
+        print(f"vLLM punica column skipped: {set_mapping}")
     dt, rows = torch.bfloat16, []
     for name, d_in, slices in shapes:
         d_out = sum(slices)
