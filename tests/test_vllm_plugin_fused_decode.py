@@ -208,17 +208,24 @@ def test_fold_base_weight_moves_the_weight_or_says_why_not(caplog):
     class Fp8LinearMethod:
         pass
 
-    def fake(weight, method=UnquantizedLinearMethod):
+    def fake(weight, method=UnquantizedLinearMethod, n_slices=2):
         base = SimpleNamespace(weight=torch.nn.Parameter(weight, requires_grad=False), quant_method=method())
-        return SimpleNamespace(base_layer=base, input_size=8, n_slices=2)
+        return SimpleNamespace(base_layer=base, input_size=8, n_slices=n_slices)
 
     w = torch.randn(10, 8)
     layer = fake(w.clone())
-    folded = L._BDLoRAMixin._fold_base_weight(layer, 3, 4, 10, torch.float32)
+    L._WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
+        folded = L._BDLoRAMixin._fold_base_weight(layer, 3, 4, 10, torch.float32)
     assert folded.w_ext.shape == (10 + 2 * 3 * 4, 8) and torch.equal(layer.base_layer.weight, w)
     assert layer.base_layer.weight.data_ptr() == folded.w_ext.data_ptr()
     assert not folded.lora_a(2, 3, 4).any()
+    assert "24 LoRA rows next to its 10 (+240%" in caplog.text and "--max-loras" in caplog.text  # still folded
+    caplog.clear()
     L._WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
+        assert L._BDLoRAMixin._fold_base_weight(fake(torch.randn(96, 8), n_slices=1), 1, 8, 96, torch.float32) is not None
+    assert not caplog.text  # 8 rows next to 96 (+8%): no warning
     with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
         assert L._BDLoRAMixin._fold_base_weight(fake(w.clone(), Fp8LinearMethod), 3, 4, 10, torch.float32) is None
         assert L._BDLoRAMixin._fold_base_weight(fake(torch.empty(0)), 3, 4, 10, torch.float32) is None

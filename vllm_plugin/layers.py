@@ -337,6 +337,13 @@ class _BDLoRAMixin:
         else:
             folded = fold_weight(w.data, self.n_slices, max_loras, rank)
             w.data = folded.base
+            extra = folded.w_ext.shape[0] - d_out
+            if extra * 4 > d_out and "fold-wide" not in _WARNED:
+                _WARNED.add("fold-wide")
+                logger.warning("bdlora fold_shrink: %s's decode GEMM gets %d LoRA rows next to its %d (+%d%%; slices x "
+                               "--max-loras x per-GPU rank), read at every decode step: lower --max-loras or "
+                               "--max-lora-rank, or serve without --bdlora-fold-shrink", type(self).__name__, extra,
+                               d_out, round(100 * extra / d_out))
             return folded
         key = ("fold", reason)
         if key not in _WARNED:
