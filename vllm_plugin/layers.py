@@ -153,12 +153,17 @@ class _FusedState:
     folded: object = None  # bdlora.kernels.FoldedWeight ([W; A]) in fold mode, else None
 
 
+def _warn_once(key, msg: str, *args) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(msg, *args)
+
+
 def _count_fused(kind: str, used: str, x: torch.Tensor, st: _FusedState) -> None:
     FUSED_COUNTS[kind + used] += 1
-    if used == "torch" and x.is_cuda and st.backend == "auto" and "torch-on-gpu" not in _WARNED:
-        _WARNED.add("torch-on-gpu")
-        logger.warning("bdlora fused decode runs the torch fallback on GPU (x %s, LoRA buffers %s, or no Triton): "
-                       "correct but slow", x.dtype, st.lora_a.dtype)
+    if used == "torch" and x.is_cuda and st.backend == "auto":
+        _warn_once("torch-on-gpu", "bdlora fused decode runs the torch fallback on GPU (x %s, LoRA buffers %s, or no "
+                   "Triton): correct but slow", x.dtype, st.lora_a.dtype)
 
 
 def _lora_linear_impl(y: torch.Tensor, x: torch.Tensor, layer: str) -> None:
@@ -175,6 +180,11 @@ def _lora_linear_impl(y: torch.Tensor, x: torch.Tensor, layer: str) -> None:
                     layout="column", nblocks=1, backend=st.backend, soff=st.soff, workspace=st.workspace)
         _count_fused("fused:", LAST_BACKEND.get("decode_lora", "?"), x, st)
         return
+    _stock_lora(layer, y, x)
+
+
+def _stock_lora(layer, y: torch.Tensor, x: torch.Tensor) -> None:
+    """vLLM's punica path for a batch above ``max_tokens``: y += the layer's LoRA term, in place."""
     layer.punica_wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0,
                                          layer.output_slices)
     FUSED_COUNTS["stock"] += 1
@@ -196,9 +206,7 @@ def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
         _count_fused("folded:", LAST_BACKEND.get("decode_lora_folded", "?"), x, st)
         return y
     y = layer._get_quant_method().apply(layer.base_layer, x, bias)
-    layer.punica_wrapper.add_lora_linear(y, x, layer.lora_a_stacked, layer.lora_b_stacked, 1.0,
-                                         layer.output_slices)
-    FUSED_COUNTS["stock"] += 1
+    _stock_lora(layer, y, x)
     return y
 
 
@@ -338,18 +346,14 @@ class _BDLoRAMixin:
             folded = fold_weight(w.data, self.n_slices, max_loras, rank)
             w.data = folded.base
             extra = folded.w_ext.shape[0] - d_out
-            if extra * 4 > d_out and "fold-wide" not in _WARNED:
-                _WARNED.add("fold-wide")
-                logger.warning("bdlora fold_shrink: %s's decode GEMM gets %d LoRA rows next to its %d (+%d%%; slices x "
-                               "--max-loras x per-GPU rank), read at every decode step: lower --max-loras or "
-                               "--max-lora-rank, or serve without --bdlora-fold-shrink", type(self).__name__, extra,
-                               d_out, round(100 * extra / d_out))
+            if extra * 4 > d_out:
+                _warn_once("fold-wide", "bdlora fold_shrink: %s's decode GEMM gets %d LoRA rows next to its %d (+%d%%; "
+                           "slices x --max-loras x per-GPU rank), read at every decode step: lower --max-loras or "
+                           "--max-lora-rank, or serve without --bdlora-fold-shrink", type(self).__name__, extra,
+                           d_out, round(100 * extra / d_out))
             return folded
-        key = ("fold", reason)
-        if key not in _WARNED:
-            _WARNED.add(key)
-            logger.warning("bdlora fold_shrink: %s keeps the shrink out of the base GEMM: %s", type(self).__name__,
-                           reason)
+        _warn_once(("fold", reason), "bdlora fold_shrink: %s keeps the shrink out of the base GEMM: %s",
+                   type(self).__name__, reason)
         return None
 
     def _apply_sync(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

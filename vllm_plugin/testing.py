@@ -100,7 +100,8 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     n = len(lora_ids)
     gen = torch.Generator().manual_seed(seed)
     out = {"layers": 0, "max_abs_diff": 0.0, "max_abs_lora": 0.0, "padding_untouched": True, "slots_ok": True,
-           "slot_map": want, "fold_layers": 0, "fold_max_abs_diff": 0.0}
+           "slot_map": want, "fold_layers": 0, "fold_max_abs_diff": 0.0, "fold_max_abs_out": 0.0,
+           "fold_shares_weight": True}
 
     def calls(kind):
         return sum(v for k, v in FUSED_COUNTS.items() if k.startswith(kind + ":"))
@@ -131,9 +132,8 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
             out["fold_layers"] += 1
             out["fold_max_abs_diff"] = max(out["fold_max_abs_diff"],
                                            float((y_fold[:n] - (base[:n] + y_stock)).abs().max()))
-            out["fold_max_abs_out"] = max(out.get("fold_max_abs_out", 0.0), float(y_fold.abs().max()))
-            out["fold_shares_weight"] = (out.get("fold_shares_weight", True)
-                                         and layer.base_layer.weight.data_ptr() == st.folded.w_ext.data_ptr())
+            out["fold_max_abs_out"] = max(out["fold_max_abs_out"], float(y_fold.abs().max()))
+            out["fold_shares_weight"] &= layer.base_layer.weight.data_ptr() == st.folded.w_ext.data_ptr()
             out["padding_untouched"] &= bool(torch.allclose(y_fold[n:], base[n:], rtol=1e-5, atol=1e-5))
     out["fused_calls"] = calls("fused") - before["fused"]
     out["folded_calls"] = calls("folded") - before["folded"]

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from . import dispatch
 from .layout import LAYOUTS
-import torch.nn.functional as F
-
 from .reference import decode_lora_folded_torch, decode_lora_torch
 
 
@@ -245,12 +244,12 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         return y
     if soff is None:
         soff = torch.tensor(list(slice_offsets), dtype=torch.int32, device=x.device)
-    block_n = decode_tiles(x.device).block_n
+    tiles = decode_tiles(x.device)
     widest = max(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_s))
-    _decode_folded_expand_kernel[(t, n_s, -(-widest // block_n))](
+    _decode_folded_expand_kernel[(t, n_s, -(-widest // tiles.block_n))](
         y, h, lora_b, token_lora_indices.to(device=x.device, dtype=torch.int32),
         ranks.to(device=x.device, dtype=torch.int32), scales.to(device=x.device, dtype=torch.float32), soff,
         y.stride(0), h.stride(0), d_out, n_l, r,
-        BLOCK_R=max(16, _next_pow2(r)), BLOCK_N=block_n, num_warps=decode_tiles(x.device).warps,
+        BLOCK_R=max(16, _next_pow2(r)), BLOCK_N=tiles.block_n, num_warps=tiles.warps,
     )
     return y
