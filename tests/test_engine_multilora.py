@@ -85,3 +85,36 @@ def test_kernel_adapter_is_reused_until_the_parameters_change():
     ja.a["m0"] = nn.Parameter(ja.a["m0"].detach().clone())  # a new parameter object: rebuilt
     second = ja.kernel_adapter(mod.name)
     assert second is not first and second.lora_a is ja.a["m0"]
+
+
+@pytest.mark.parametrize("layout", ["column", "row"])
+def test_bf16_base_with_fp32_factors_takes_one_cublas_op(layout):
+    """The usual GPU setting: a bf16 base and fp32 job factors. lora_backend "cublas" runs base + every job's LoRA
+    as one op with bf16 products (autocast numerics: the oracle on bf16-rounded factors), fp32 factor gradients."""
+    from bdlora.kernels import dispatch
+
+    mod, ctx, registry = _setup(3, layout)
+    mod.base.to(torch.bfloat16)
+    ctx.backend, T = "cublas", 40
+    segs = [(0, 0, 10), (1, 10, 25), (2, 25, 32)]  # rows 32.. in no segment
+    x = torch.randn(T, D_IN).to(torch.bfloat16).requires_grad_(True)
+    ctx.segments = segs
+    dispatch.LAST_BACKEND.pop("fused_lora_linear", None)
+    y = mod(x)
+    ctx.segments = []
+    assert dispatch.LAST_BACKEND["fused_lora_linear"] == "cublas" and y.dtype == torch.bfloat16
+    g = torch.randn(T, D_OUT).to(torch.bfloat16)
+    y.backward(g)
+    ads = [registry[j].kernel_adapter(mod.name) for j, _, _ in segs]
+    assert all(t.grad.dtype == torch.float32 and t.grad.abs().max() > 0 for ad in ads for t in (ad.lora_a, ad.lora_b))
+    # oracle in fp64 on what the GEMMs read: bf16 x, weight, bias and bf16-rounded factors
+    rounded = [type(ad)(*(t.detach().to(torch.bfloat16).double().requires_grad_() for t in (ad.lora_a, ad.lora_b)),
+                        ad.scale, ad.layout, ad.nblocks) for ad in ads]
+    x64 = x.detach().double().requires_grad_()
+    y64 = (x64 @ mod.base.weight.double().t() + mod.base.bias.double()
+           + grouped_lora_ref(x64, [0, 10, 25, 32], rounded))
+    y64.backward(g.double())
+    for got, want in [(y, y64), (x.grad, x64.grad)] + [(getattr(ad, f).grad, getattr(r, f).grad)
+                                                       for ad, r in zip(ads, rounded) for f in ("lora_a", "lora_b")]:
+        err = float((got.double() - want).abs().max())
+        assert err <= 0.02 * max(1.0, float(want.abs().max())), err

@@ -394,6 +394,34 @@ def test_cublas_fused_linear_dropout_bias_weight_grad(dtype, bias, bd_gemm):
     assert_close(y_eval, oracle(x, seg, adapters, grad, weight, b)[0])
 
 
+@pytest.mark.parametrize("bd_gemm", ["dense", "blocks"])
+@pytest.mark.parametrize("compute,master", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32)])
+def test_cublas_fused_linear_wider_factors(compute, master, bd_gemm):
+    """Factors stored wider than x and the weight (fp32 master weights beside a bf16 base): the products run in the
+    compute dtype, as under torch.autocast, i.e. equal to the oracle on the factors rounded to that dtype; the
+    factors' gradients come back in their own dtype. Dropout and an empty segment included."""
+    gen, seg, t, adapters, x, weight, _ = _cublas_case(compute, "both", "mixed", 4, "multi", dropout=0.3)
+    adapters[3].dropout = 0.0
+    wide = [cast_adapter(make_adapter(gen, ad.rank, ad.layout, 4, dropout=ad.dropout), master) for ad in adapters]
+    y = K.fused_lora_linear(x, weight, None, seg, wide, dropout_seed=5, backend="cublas", bd_gemm=bd_gemm)
+    assert K.LAST_BACKEND["fused_lora_linear"] == "cublas" and y.dtype == compute
+    grad = torch.randn(t, D_OUT, generator=gen).to(compute)
+    grads = torch.autograd.grad(y, [x, *adapter_params(wide)], grad)
+    assert [g.dtype for g in grads] == [compute] + [master] * (2 * len(wide))
+    rounded = [cast_adapter(ad, compute) for ad in wide]  # what autocast feeds the GEMMs
+    y64, grads64 = oracle(x, seg, rounded, grad, weight, masks=K.torch_keep_masks(x, seg, rounded, 5))
+    if compute == torch.float32:
+        assert_close(y, y64)
+        for g, g64 in zip(grads, [grads64[0], *grads64[2:]]):
+            assert_close(g.to(compute), g64)  # computed in fp32: fp32's tolerance
+    else:  # bf16 products: within bf16 rounding of the oracle (rel. to each tensor's scale)
+        for g, g64 in zip([y, *grads], [y64, grads64[0], *grads64[2:]]):
+            scale = max(1.0, float(g64.abs().max()))
+            assert float((g.double() - g64).abs().max()) <= 0.03 * scale
+    live = [g for i in range(len(wide)) if seg[i + 1] > seg[i] for g in grads[1 + 2 * i:3 + 2 * i]]
+    assert live and all(float(g.abs().max()) > 0 for g in live)  # gradients reach the non-empty segments' factors
+
+
 def test_cublas_no_activation_copies():
     """The only ops that produce or write activation-sized tensors are GEMMs (plus the dropout mask ops and the
     NaN poisoning of fresh buffers): no copy, cat, add or scale kernels on activations, in either bd_gemm mode;
@@ -478,7 +506,7 @@ def test_cublas_dispatch_rules():
         K.fused_lora_linear(x, w, None, [0, 6], [ad], backend="cublas", bd_gemm="sparse")
     with pytest.raises(ValueError):
         K.grouped_lora(x, [0, 6], [ad], backend="cublas")
-    with pytest.raises(RuntimeError):  # mixed dtypes
+    with pytest.raises(RuntimeError, match="x/weight/bias dtypes differ"):  # x and the weight in different dtypes
         K.fused_lora_linear(x.double(), w, None, [0, 6], [ad], backend="cublas")
 
 

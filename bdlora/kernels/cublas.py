@@ -59,18 +59,21 @@ def _new(ref: torch.Tensor, *shape: int) -> torch.Tensor:
     return out.fill_(float("nan")) if POISON_OUTPUTS else out
 
 
-def unpack_dense(w: torch.Tensor, nb: int) -> torch.Tensor:
-    """Packed (M, K/nb) -> block-diagonal (M, K) with zeros: one zero fill and one strided copy."""
+def unpack_dense(w: torch.Tensor, nb: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Packed (M, K/nb) -> block-diagonal (M, K) with zeros, in ``dtype`` (default w's): one zero fill and one
+    strided copy (which also casts)."""
     m, kb = w.shape
-    full = w.new_zeros(m, kb * nb)
+    full = w.new_zeros(m, kb * nb, dtype=dtype)
     full.view(nb, m // nb, nb, kb).diagonal(dim1=0, dim2=2).copy_(w.view(nb, m // nb, kb).permute(1, 2, 0))
     return full
 
 
-def pack_dense(full: torch.Tensor, nb: int) -> torch.Tensor:
-    """(M, K) -> its nb diagonal blocks packed (M, K/nb) (one small copy)."""
+def pack_dense(full: torch.Tensor, nb: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(M, K) -> its nb diagonal blocks packed (M, K/nb), in ``dtype`` (default full's): one small copy."""
     m, k = full.shape
-    return full.view(nb, m // nb, nb, k // nb).diagonal(dim1=0, dim2=2).permute(2, 0, 1).reshape(m, k // nb)
+    out = full.new_empty(nb, m // nb, k // nb, dtype=dtype)
+    out.copy_(full.view(nb, m // nb, nb, k // nb).diagonal(dim1=0, dim2=2).permute(2, 0, 1))
+    return out.view(m, k // nb)
 
 
 def bd_mm_(out: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, nb: int, alpha: float, beta: float) -> None:
@@ -93,17 +96,20 @@ def bd_mm_t_(out: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, nb: int, alp
         inp.view(t, nb, m // nb).transpose(0, 1), w.view(nb, m // nb, kb), beta=beta, alpha=alpha)
 
 
-def bd_wgrad(gout: torch.Tensor, inp: torch.Tensor, nb: int, alpha: float, dense: bool) -> torch.Tensor:
+def bd_wgrad(gout: torch.Tensor, inp: torch.Tensor, nb: int, alpha: float, dense: bool,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
     """Gradient of a packed (M, K/nb) factor w used as gout-side of ``bd_mm_``: the nb diagonal blocks of
-    alpha * gout (T, M)^T @ inp (T, K) -- dense (one GEMM, then gather the blocks) or per block (strided batch)."""
+    alpha * gout (T, M)^T @ inp (T, K) -- dense (one GEMM, then gather the blocks) or per block (strided batch);
+    returned in ``dtype`` (the factor's; default gout's), cast by the gather where there is one."""
     t, m, k = gout.shape[0], gout.shape[1], inp.shape[1]
+    dtype = dtype or gout.dtype
     if nb == 1 or dense:
         full = _new(gout, m, k).addmm_(gout.t(), inp, beta=0.0, alpha=alpha)
-        return full if nb == 1 else pack_dense(full, nb)
+        return full.to(dtype) if nb == 1 else pack_dense(full, nb, dtype)
     out = _new(gout, m, k // nb)
     out.view(nb, m // nb, k // nb).baddbmm_(gout.view(t, nb, m // nb).permute(1, 2, 0),
                                             inp.view(t, nb, k // nb).transpose(0, 1), beta=0.0, alpha=alpha)
-    return out
+    return out.to(dtype)
 
 
 class _Cfg:
@@ -121,11 +127,13 @@ class _Cfg:
         self.dense = [bd_gemm == "dense" or (bd_gemm == "auto" and ad.rank <= DENSE_MAX_RANK) for ad in adapters]
         self.a_shapes = [tuple(ad.lora_a.shape) for ad in adapters]
         self.b_shapes = [tuple(ad.lora_b.shape) for ad in adapters]
+        self.factor_dtypes = [(ad.lora_a.dtype, ad.lora_b.dtype) for ad in adapters]
 
 
-def _eff(w: torch.Tensor, nb: int, dense: bool) -> tuple[torch.Tensor, int]:
-    """The factor as the GEMMs read it: dense block-diagonal (blocks 1) or packed (nb blocks)."""
-    return (unpack_dense(w, nb), 1) if dense and nb > 1 else (w, nb)
+def _eff(w: torch.Tensor, nb: int, dense: bool, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """The factor as the GEMMs read it, in the compute dtype: dense block-diagonal (blocks 1) or packed (nb
+    blocks). The cast rides on the unpacking copy where there is one."""
+    return (unpack_dense(w, nb, dtype), 1) if dense and nb > 1 else (w.to(dtype), nb)
 
 
 class CublasLoraLinearFn(torch.autograd.Function):
@@ -147,6 +155,9 @@ class CublasLoraLinearFn(torch.autograd.Function):
         dL/dweight  = g^T x,   dL/dbias = sum over rows of g
 
     Every product is one GEMM with its scale in alpha and its accumulation in beta (module docstring).
+    Factors may be stored in another floating dtype than x and weight (fp32 master weights beside a bf16 base):
+    the products then run in x's dtype, as under ``torch.autocast``, and the factors' gradients come back in the
+    factors' own dtype (the cast rides on the block gather / unpack copies where there is one).
     Adapters of empty segments get zero gradients. Not twice differentiable.
     """
 
@@ -157,8 +168,8 @@ class CublasLoraLinearFn(torch.autograd.Function):
         nig = ctx.needs_input_grad
         lora_s, lora_b, saved = [], [], []
         for i in range(len(cfg.c)):
-            a_eff, na = _eff(factors[2 * i], cfg.nb_a[i], cfg.dense[i])
-            b_eff, nb = _eff(factors[2 * i + 1], cfg.nb_b[i], cfg.dense[i])
+            a_eff, na = _eff(factors[2 * i], cfg.nb_a[i], cfg.dense[i], x.dtype)
+            b_eff, nb = _eff(factors[2 * i + 1], cfg.nb_b[i], cfg.dense[i], x.dtype)
             s0, s1 = seg[i], seg[i + 1]
             s = xin = drop = None
             if s1 > s0:
@@ -208,19 +219,21 @@ class CublasLoraLinearFn(torch.autograd.Function):
             a_eff, b_eff, s, xin, drop = saved[5 * i:5 * i + 5]
             need_da, need_db = nig[4 + 2 * i], nig[5 + 2 * i]
             s0, s1 = seg[i], seg[i + 1]
+            a_dtype, b_dtype = cfg.factor_dtypes[i]
             if s1 == s0:
-                grads += [dy.new_zeros(cfg.a_shapes[i]) if need_da else None,
-                          dy.new_zeros(cfg.b_shapes[i]) if need_db else None]
+                grads += [dy.new_zeros(cfg.a_shapes[i], dtype=a_dtype) if need_da else None,
+                          dy.new_zeros(cfg.b_shapes[i], dtype=b_dtype) if need_db else None]
                 continue
             na, nb = (1 if cfg.dense[i] else cfg.nb_a[i]), (1 if cfg.dense[i] else cfg.nb_b[i])
             dyi = dy[s0:s1]
-            db = bd_wgrad(dyi, s, cfg.nb_b[i], 1.0, cfg.dense[i]) if need_db else None
+            db = bd_wgrad(dyi, s, cfg.nb_b[i], 1.0, cfg.dense[i], b_dtype) if need_db else None
             da = None
             if need_da or dx is not None:
                 ds = _new(dy, s1 - s0, cfg.rank[i])
                 bd_mm_t_(ds, dyi, b_eff, nb, 1.0, 0.0)
                 if need_da:
-                    da = bd_wgrad(ds, x[s0:s1] if xin is None else xin, cfg.nb_a[i], cfg.c[i], cfg.dense[i])
+                    da = bd_wgrad(ds, x[s0:s1] if xin is None else xin, cfg.nb_a[i], cfg.c[i], cfg.dense[i],
+                                  a_dtype)
                 if dx is not None:
                     dxi = dx[s0:s1]
                     bd_mm_t_(dxi, ds, a_eff, na, cfg.c[i], 0.0)

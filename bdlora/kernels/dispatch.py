@@ -42,10 +42,12 @@ def triton_ok(*tensors: torch.Tensor) -> bool:
     return dev == "cuda" or (dev == "cpu" and INTERPRET)
 
 
-def same_float(*tensors: torch.Tensor) -> bool:
-    """True when the tensors share one device and one floating dtype (what the cuBLAS-composed path needs)."""
-    return (len({t.device for t in tensors}) == 1 and len({t.dtype for t in tensors}) == 1
-            and tensors[0].is_floating_point())
+def cublas_ok(compute: list[torch.Tensor], factors: list[torch.Tensor]) -> bool:
+    """Whether the cuBLAS-composed path can run these inputs: every tensor on one device, ``compute`` (x, weight,
+    bias) in one floating dtype, the LoRA ``factors`` floating in any precision (the products run in the compute
+    dtype, the factors' gradients come back in theirs: fp32 master weights beside a bf16 base)."""
+    return (len({t.device for t in compute + factors}) == 1 and len({t.dtype for t in compute}) == 1
+            and all(t.is_floating_point() for t in compute + factors))
 
 
 def cublas_preferred(device_type: str, n_segments: int, d_in: int, d_out: int) -> bool:
@@ -67,7 +69,8 @@ def choose(op: str, backend: str, supported: bool, cublas: bool | None = None, p
     if backend == "triton" and not supported:
         raise RuntimeError(f"{op}: the Triton backend cannot run these inputs (device/dtype/triton missing)")
     if backend == "cublas" and not cublas:
-        raise RuntimeError(f"{op}: the cuBLAS path cannot run these inputs (devices/dtypes differ or not floating)")
+        raise RuntimeError(f"{op}: the cuBLAS path cannot run these inputs (devices differ, x/weight/bias dtypes "
+                           "differ, or not floating)")
     if backend != "auto":
         use = backend
     elif cublas and prefer_cublas:

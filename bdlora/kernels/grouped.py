@@ -344,15 +344,17 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     tensors = _tensors(x, adapters, weight, bias)
     ok = dispatch.triton_ok(*tensors) and x.stride(1) == 1
     n_seg = sum(e > s for s, e in zip(seg, seg[1:]))
-    use = dispatch.choose("fused_lora_linear", backend, ok, cublas=not fuse_base and dispatch.same_float(*tensors),
+    factors = [t for ad in adapters for t in (ad.lora_a, ad.lora_b)]
+    compute = [x, weight] + ([bias] if bias is not None else [])
+    cublas = not fuse_base and dispatch.cublas_ok(compute, factors)
+    use = dispatch.choose("fused_lora_linear", backend, ok, cublas=cublas,
                           prefer_cublas=dispatch.cublas_preferred(x.device.type, n_seg, *weight.shape[::-1]))
     if use == "torch":
         return fused_lora_linear_ref(x, weight, bias, seg, adapters, torch_keep_masks(x, seg, adapters, seed))
     if use == "cublas":
         return cublas_lora_linear(x, weight, bias, seg, adapters, seed, bd_gemm)
     plan = _Plan(x, seg, adapters, seed, fuse_base=fuse_base)
-    factors = [t.contiguous() for ad in adapters for t in (ad.lora_a, ad.lora_b)]
-    return _LoraLinearFn.apply(plan, x, None, weight, bias, *factors)
+    return _LoraLinearFn.apply(plan, x, None, weight, bias, *[t.contiguous() for t in factors])
 
 
 def dropout_keep_mask(seed: int, shape: tuple[int, int], p: float, device="cpu") -> torch.Tensor:

@@ -2,12 +2,13 @@
 
 The concatenated micro-batch of all active jobs goes through ONE base GEMM per layer; each job's BD-LoRA
 is applied to its own row segment. ``lora_backend``: "cublas" runs the base GEMM and every job's LoRA as
-``bdlora.kernels.fused_lora_linear(backend="cublas")``, one cuBLAS GEMM per product, when the base and the factors
-share a dtype (else, e.g. a bf16 base with the usual fp32 factors, the per-job loop below in the factors' dtype,
-whose products are cuBLAS GEMMs too); "triton" the grouped Triton kernels (``bdlora.kernels.grouped_lora``, one
-launch per stage for all jobs); "torch" and "engine" the per-job loop below (``bd_lora_delta``); "auto" picks per
-call (``MultiLoraLinear._backend``: cuBLAS or Triton on GPU, torch on CPU). All compute block-diagonal factors as N
-packed sub-blocks (no FLOPs on zeros).
+``bdlora.kernels.fused_lora_linear(backend="cublas")``, one autograd node, one cuBLAS GEMM per product, in the
+base's dtype (a bf16 base with the usual fp32 factors: bf16 products and fp32 gradients, the numerics of the
+single-job trainer's bf16 autocast); "triton" the grouped Triton kernels (``bdlora.kernels.grouped_lora``, one
+launch per stage for all jobs); "torch" and "engine" the per-job loop below (``bd_lora_delta``, in the factors'
+dtype: fp32 LoRA products beside a bf16 base); "auto" picks per call (``MultiLoraLinear._backend``: cuBLAS or
+Triton on GPU, torch on CPU). Block-diagonal factors stay packed (N sub-blocks) in storage; the Triton and torch
+paths also compute them per block, the cuBLAS path as one dense GEMM up to rank 128 (``bdlora.kernels.cublas``).
 
 LoRA dropout (PEFT semantics): while training (``ctx.training`` and autograd recording), each job's LoRA input
 rows are dropped out with that job's ``lora_dropout`` p (inverted dropout, before A); the base path and evaluation
@@ -208,8 +209,11 @@ class MultiLoraLinear(nn.Module):
         jobs = [reg[j] for j, _, _ in segs]
         fdtype = jobs[0].factors(name)[0].dtype
         backend = self._backend(x2, sum(e > s for _, s, e in segs))
-        if backend == "cublas" and x2.dtype == fdtype == self.base.weight.dtype and _contiguous(segs):
-            # base GEMM and every job's LoRA in one op, each product one cuBLAS GEMM (bdlora.kernels.cublas)
+        if backend == "cublas" and x2.dtype == self.base.weight.dtype and _contiguous(segs):
+            # base GEMM and every job's LoRA in one autograd node, each product one cuBLAS GEMM in the base's dtype
+            # (fp32 factors beside a bf16 base: bf16 products as under the single-job trainer's bf16 autocast, fp32
+            # gradients); a per-job loop of autograd ops launched ~3x more kernels, which bound an 8B-shape step
+            # on the host (bench/results/train/*2026-11-2[23]*)
             seg, adapters, seed = self._kernel_args(segs, jobs)
             y2 = _fused_lora_linear(x2, self.base.weight, self.base.bias, seg, adapters, dropout_seed=seed,
                                     backend="cublas")
