@@ -45,6 +45,23 @@ def test_ffd_deterministic_and_order_independent_of_python_hash():
     assert bin_cost({0: 5, 1: 5}, 8) == 16 and bin_cost({0: 10}, 8) == 16
 
 
+def test_ffd_keeps_each_job_that_fits_in_one_microbatch():
+    """Jobs whose step fits a bin are never split (segments = jobs: each segment costs LoRA launches per layer);
+    a job larger than a bin spans about as few bins as its tokens need, and the others fill its last bin."""
+    rng = random.Random(1)
+    items = [Item(j, i, rng.randint(60, 130)) for j in range(8) for i in range(8)]  # ~760 tokens a job
+    bins = pack_ffd(items, budget=4096, pad_multiple=64)
+    segments = [(b_i, it.job) for b_i, b in enumerate(bins) for it in b]
+    assert len(set(segments)) == 8 and len(bins) == 2
+    big = [Item(9, i, 100) for i in range(25)]  # 2500 tokens, budget 1024: 3 bins at best, the last 500 tokens
+    small = [Item(5, i, 100) for i in range(4)]  # 400 tokens: fits beside it (2 rows x 500 <= 1024)
+    bins = pack_ffd(items[:16] + big + small, budget=1024, pad_multiple=1)
+    assert sum(any(it.job == 9 for it in b) for b in bins) == 3
+    for j in (0, 1, 5):  # each in one bin
+        assert sum(any(it.job == j for it in b) for b in bins) == 1
+    assert any({it.job for it in b} == {5, 9} for b in bins)
+
+
 def test_epoch_sampler_uses_every_sample_once_per_epoch():
     s = EpochSampler(23, batch_size=5, seed=7)
     for epoch in range(3):

@@ -17,7 +17,8 @@
    round's training part, which ends on a host sync; evaluation excluded), the trainer's optimizer steps after the
    first, timed by its per-step metrics records (model load, tokenization, final evaluation and adapter save
    excluded; ``sequential_trainer_wall_s`` has the whole calls). Job i is the same in every K, so each sequential
-   job runs once and the baseline of K is the first K jobs: their tokens over their step seconds. Extra column:
+   job runs once and the baseline of K is the first K jobs: their tokens over their step seconds (cut by the
+   time limit, the jobs that ran, when they cover every rank; ``sequential_trainer_jobs_run``). Extra column:
    the engine itself with one active job at a time (``max_active_jobs=1``), for the first ``--engine-seq-jobs``
    jobs. Known differences that are the trainer's design: it keeps an fp32 base and autocasts to bf16 (the engine
    stores the base in bf16), pads each batch to its longest example, computes logits at every position, and
@@ -566,10 +567,13 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
     per_trainer_job = None
 
     def agg(stats: dict, k: int):
-        if any(i not in stats for i in range(k)):
+        """Rate of the first k jobs back to back. Cut by the time limit, the jobs that ran stand for the rest when
+        they cover every rank (job i has rank ranks[i % len(ranks)]; the entry records how many ran)."""
+        done = [i for i in range(k) if i in stats]
+        if len(done) < k and len(done) < len(ranks):
             return None
-        tok = sum(stats[i]["tokens"] for i in range(k))
-        sec = sum(stats[i]["seconds"] for i in range(k))
+        tok = sum(stats[i]["tokens"] for i in done)
+        sec = sum(stats[i]["seconds"] for i in done)
         return tok / sec if sec else None
 
     def ratio(a, b):
@@ -615,11 +619,15 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
         e1 = agg(seq_engine1, k)
         entry.update(sequential_tokens_per_s=tr, speedup=ratio(together, tr),
                      sequential_trainer_tokens_per_s=tr, speedup_vs_trainer=ratio(together, tr),
-                     sequential_trainer_wall_s=(sum(seq_trainer[i]["wall_s"] for i in range(k)) if tr else None),
+                     sequential_trainer_jobs_run=sum(i in seq_trainer for i in range(k)),
+                     sequential_trainer_wall_s=(sum(seq_trainer[i]["wall_s"] for i in range(k) if i in seq_trainer)
+                                                if tr else None),
                      engine_one_job_tokens_per_s=e1, speedup_vs_engine_one_job=ratio(together, e1))
         result["throughput"].append(entry)
         save()
+        ran = entry["sequential_trainer_jobs_run"]
         print(f"[bench] K={k}: engine {together:,.0f} tok/s | trainer sequential {tr or float('nan'):,.0f} tok/s "
+              f"{'' if ran == k else f'(first {ran} of {k} jobs) '}"
               f"({entry['speedup_vs_trainer'] or float('nan'):.2f}x) | engine at one job "
               f"{e1 or float('nan'):,.0f} tok/s ({entry['speedup_vs_engine_one_job'] or float('nan'):.2f}x) | "
               f"{time.perf_counter() - t_start:.0f}s", flush=True)

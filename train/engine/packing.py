@@ -1,4 +1,4 @@
-"""Token-budget packing of samples from several jobs into micro-batches (first-fit decreasing).
+"""Token-budget packing of samples from several jobs into micro-batches (first-fit decreasing, job by job).
 
 A micro-batch holds one row per job (jobs in a fixed order): a job's samples are packed one after another in its
 row, each sample its own sequence (position ids restart, attention is block-causal), and every row is padded to the
@@ -37,28 +37,53 @@ def bin_cost(job_tokens: dict[int, int], pad_multiple: int = 1) -> int:
 
 
 def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1) -> list[list[Item]]:
-    """First-fit decreasing bin packing of ``items`` under ``budget`` padded tokens per bin.
+    """First-fit decreasing bin packing of ``items`` under ``budget`` padded tokens per bin, job by job:
 
+    1. a job whose items together exceed one bin is packed alone first (its items by decreasing length into the
+       first of its own bins with room), so it spans as few micro-batches as it can;
+    2. every other job is one unit (one row, all its items): units by decreasing size into the first bin with room
+       (the partly filled bins of step 1 included), else a new bin.
+
+    Keeping a job in one micro-batch keeps the (job, micro-batch) segments near the number of jobs, and each
+    segment costs a set of LoRA launches per layer, what bounds an 8B-shape step on the host (item-by-item FFD
+    spread 8 jobs over 2 micro-batches as 16 segments; bench/results/train/*2026-11-22*).
     Returns bins whose items are ordered by (job, original order); every item appears exactly once. An item longer
     than the budget gets a bin of its own (callers truncate samples to at most the budget).
     """
-    order = sorted(range(len(items)), key=lambda i: (-items[i].length, items[i].job, i))
+    by_job: dict[int, list[int]] = {}
+    for i, it in enumerate(items):
+        by_job.setdefault(it.job, []).append(i)
+    job_tokens = {j: sum(items[i].length for i in idxs) for j, idxs in by_job.items()}
     bins: list[list[int]] = []
     tokens: list[dict[int, int]] = []
-    for i in order:
-        it = items[i]
-        placed = False
-        for b in range(len(bins)):
+
+    def first_fit(idxs: list[int], job: int, among: range) -> bool:
+        add = sum(items[i].length for i in idxs)
+        for b in among:
             trial = dict(tokens[b])
-            trial[it.job] = trial.get(it.job, 0) + it.length
+            trial[job] = trial.get(job, 0) + add
             if bin_cost(trial, pad_multiple) <= budget:
-                bins[b].append(i)
+                bins[b].extend(idxs)
                 tokens[b] = trial
-                placed = True
-                break
-        if not placed:
-            bins.append([i])
-            tokens.append({it.job: it.length})
+                return True
+        return False
+
+    def new_bin(idxs: list[int], job: int) -> None:
+        bins.append(list(idxs))
+        tokens.append({job: sum(items[i].length for i in idxs)})
+
+    units = []
+    for job in sorted(by_job, key=lambda j: (-job_tokens[j], j)):
+        if bin_cost({job: job_tokens[job]}, pad_multiple) <= budget:
+            units.append(job)
+            continue
+        own = len(bins)  # this job's bins start here
+        for i in sorted(by_job[job], key=lambda i: (-items[i].length, i)):
+            if not first_fit([i], job, range(own, len(bins))):
+                new_bin([i], job)
+    for job in units:  # already in decreasing size
+        if not first_fit(by_job[job], job, range(len(bins))):
+            new_bin(by_job[job], job)
     # micro-batch order: by the first (job, position) they hold; items inside by (job, original order)
     out = [sorted(b, key=lambda i: (items[i].job, i)) for b in bins]
     out.sort(key=lambda b: (items[b[0]].job, b[0]))
