@@ -136,6 +136,8 @@ def test_two_stage_pipeline_equals_single_process(tiny_llama_dir, tmp_path, eval
     assert 0.0 <= st["bubble_measured"] < 1.0 and st["bubble_theory_max_D_minus_L_over_D"] == 0.0
     peaks = st["peak_mem_gib_per_stage"]  # measured per stage on GPUs (NCCL), none on CPU (gloo)
     assert all(p > 0 for p in peaks) if torch.cuda.is_available() else peaks == [None, None]
+    # each stage gives its memory model one measured peak per segment (GPU; CPU measures none)
+    assert st["memory_points_per_stage"] == [st["segments"] if torch.cuda.is_available() else 0] * 2
     for job, row_s, row_p in zip(eng.jobs, single, res["jobs"]):
         # per-job, per-step train losses of the pipeline equal the single-process engine's
         assert res["train_losses"][job.name] == pytest.approx([l for _, l in job.history["train"]], rel=1e-5)
@@ -219,6 +221,12 @@ def test_pipeline_early_exit_and_backfill_match_single_process(tiny_llama_dir, t
     assert segs[:exit_step] == [["good", "bad"]] * exit_step
     assert segs[exit_step] == ["good", "late"]
     assert len(segs) == exit_step + 6  # "late" runs its 6 steps after "bad" left
+    # GPU: >= 5 segments of measured per-stage peaks refit each stage's memory model (admission learns from them)
+    st = res["pipeline"]
+    if torch.cuda.is_available():
+        assert st["memory_points_per_stage"] == [len(segs)] * 2 and st["memory_fitted_per_stage"] == [True, True]
+    else:
+        assert st["memory_points_per_stage"] == [0, 0] and st["memory_fitted_per_stage"] == [False, False]
 
 
 @pytest.mark.slow

@@ -568,7 +568,8 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
     def write_results() -> Optional[dict]:  # collective (statistics of every stage); rank 0 writes
         fold_peak()
         payload = {"busy": stats["busy"], "wall": stats["wall"],
-                   "peak_mem_gib": stats["peak_mem_bytes"] / 2**30 if engine.device.type == "cuda" else None}
+                   "peak_mem_gib": stats["peak_mem_bytes"] / 2**30 if engine.device.type == "cuda" else None,
+                   "memory_points": len(engine.memory.points), "memory_fitted": engine.memory.fitted}
         gathered = [None] * P
         dist.all_gather_object(gathered, payload)
         if s != 0:
@@ -699,6 +700,9 @@ def _write_results(engine, out: Path, gathered: list[dict], stats: dict) -> dict
         "bubble_schedule_unit_slots": (1.0 - stats["sim_busy"] / stats["sim_slots"]) if stats["sim_slots"] else 0.0,
         "bubble_theory_max_D_minus_L_over_D": theory_bubble(P, max(stats["max_active"], 1)),
         "wall_s": stats["wall"], "peak_mem_gib_per_stage": [g["peak_mem_gib"] for g in gathered],
+        # the memory model's measured peaks (one per segment on GPUs) and whether they refitted it (every 5 points)
+        "memory_points_per_stage": [g["memory_points"] for g in gathered],
+        "memory_fitted_per_stage": [g["memory_fitted"] for g in gathered],
     }
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.csv", "w", newline="") as f:
