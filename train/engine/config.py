@@ -143,7 +143,8 @@ class RunConfig:
     eval_every: int = 10
     checkpoint_every: int = 10
     log_every: int = 1
-    # auto (per call: cublas or triton on GPU, torch on CPU) | cublas | triton | torch | engine (multilora.py)
+    # auto (per call: cublas or triton on GPU, torch on CPU) | cublas | triton | torch | engine (multilora.py);
+    # cublas runs its products in the base's dtype (fp32 factors beside a bf16 base: bf16 GEMMs, fp32 gradients)
     lora_backend: str = "auto"
     pipeline_stages: int = 1
     resume: bool = True
