@@ -1,13 +1,14 @@
 #!/bin/bash
 # Multi-LoRA engine benchmarks in one device call (bench/train/bench_engine.py; its docstring has the details).
 #
-#   Call 3, 4-GPU machine, beside a vLLM server on GPUs 0,1 (about 430 s of wall; GPU 2 is the long one):
-#     MODE=engine ENGINE_GPUS="2 3" bash bench/train/gpu_run.sh
-#       GPU 2 (first id):  SmolLM2-135M shape (random weights), K=1,4,8,16 engine vs the sequential single-job
+#   Two GPUs (about 430 s of wall), each process pinned to its own half of the host's cores:
+#     MODE=engine ENGINE_GPUS="0 1" bash bench/train/gpu_run.sh
+#       GPU 0 (first id):  SmolLM2-135M shape (random weights), K=1,4,8,16 engine vs the sequential single-job
 #                          trainer + the 16-config early-exit sweep, --time-limit 420
 #                          -> $OUT/train_engine_smollm2.json  $OUT/train_engine_smollm2.log
-#       GPU 3 (second id): Llama-3.1-8B shape (32 layers, random bf16 built on the GPU, no checkpoint), K=1,4,8
-#                          engine vs sequential trainer, --time-limit 240 (estimated 150-180 s)
+#       GPU 1 (second id): Llama-3.1-8B shape (32 layers, random bf16 built on the GPU, no checkpoint), K=1,4,8
+#                          engine vs sequential trainer, --time-limit 420 (about 260 s; K=16 alone needs ~280 s:
+#                          LLAMA8B_ARGS="--ks 16")
 #                          -> $OUT/train_engine_llama8b.json  $OUT/train_engine_llama8b.log
 #       (one id only: both on that GPU one after the other, 8B first, the SmolLM2 run gets the time left)
 #   Call 4, 2 GPUs (about 120-200 s):
@@ -18,8 +19,8 @@
 # Extra bench arguments: SMOLLM2_ARGS, LLAMA8B_ARGS, PVD_ARGS (e.g. LLAMA8B_ARGS="--num-layers 16").
 # CALL_LIMIT_S (default 590): every python run is killed (timeout) before the device call's limit; the JSON files
 # are written after each experiment ("partial": true until the run ends), so a killed run still returns numbers.
-# Needs python3 with torch; transformers/peft/accelerate/safetensors from /tmp/site (the vLLM bundle, extracted by
-# an earlier command); no network. Installs this checkout (pip -e, no deps) if bdlora.train.engine is not importable.
+# Needs python3 with torch, transformers, peft, accelerate and safetensors (the GPU image has them; /tmp/site, the
+# extracted vLLM bundle, is put first on PYTHONPATH when present); no network. Installs this checkout (pip -e, no deps) if bdlora.train.engine is not importable.
 set -uo pipefail
 T0=$(date +%s)
 LIMIT=${CALL_LIMIT_S:-590}
@@ -57,18 +58,27 @@ if ! python3 -c "import bdlora.train.engine, bdlora.train.trainer" 2>/dev/null; 
   rm -f "$O/train_pip.log"
 fi
 
-run_smollm2() {  # $1 = GPU id, $2 = time limit (s)
+# Two benchmark processes side by side each get their own half of the host's cores (and OMP_NUM_THREADS): unpinned,
+# two 8B-shape runs took 4x longer to warm up and ran their K=1 rounds up to 3x slower (2026-11-22, 2x H200).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+half() {  # $1 = 0 or 1: "taskset -c <that half of the cores>" (nothing when taskset is missing)
+  command -v taskset >/dev/null || return 0
+  local h=$(( $(nproc) / 2 ))
+  [ "$1" = 0 ] && echo "taskset -c 0-$(( h - 1 ))" || echo "taskset -c $h-$(( 2 * h - 1 ))"
+}
+
+run_smollm2() {  # $1 = GPU id, $2 = time limit (s), $3 = core half (0/1)
   local log="$O/train_engine_smollm2.log"
   CUDA_VISIBLE_DEVICES=$1 env_report "$log"
-  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(kill_after)" python3 bench/train/bench_engine.py \
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(kill_after)" $(half "${3:-0}") python3 bench/train/bench_engine.py \
     --random-smollm2-shape --time-limit "$2" --out "$O/train_engine_smollm2.json" ${SMOLLM2_ARGS:-} >>"$log" 2>&1
   echo "smollm2 (GPU $1) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
 }
 
-run_llama8b() {  # $1 = GPU id, $2 = time limit (s)
+run_llama8b() {  # $1 = GPU id, $2 = time limit (s), $3 = core half (0/1)
   local log="$O/train_engine_llama8b.log"
   CUDA_VISIBLE_DEVICES=$1 env_report "$log"
-  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(kill_after)" python3 bench/train/bench_engine.py \
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$(kill_after)" $(half "${3:-1}") python3 bench/train/bench_engine.py \
     --shape llama8b --time-limit "$2" --out "$O/train_engine_llama8b.json" ${LLAMA8B_ARGS:-} >>"$log" 2>&1
   echo "llama8b (GPU $1) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
 }
@@ -77,14 +87,14 @@ case "$MODE" in
   engine)
     read -r -a G <<<"${ENGINE_GPUS:-2 3}"
     if [ "${#G[@]}" -ge 2 ]; then
-      run_smollm2 "${G[0]}" 420 &
+      run_smollm2 "${G[0]}" 420 0 &
       P1=$!
-      run_llama8b "${G[1]}" 240 &
+      run_llama8b "${G[1]}" 420 1 &
       P2=$!
       wait "$P1" "$P2"
     else
-      run_llama8b "${G[0]}" 240
-      run_smollm2 "${G[0]}" $(( $(left) - 40 ))
+      run_llama8b "${G[0]}" 280 0
+      run_smollm2 "${G[0]}" $(( $(left) - 40 )) 0
     fi
     ;;
   pvd)
