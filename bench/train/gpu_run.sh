@@ -64,6 +64,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 half() {  # $1 = 0 or 1: "taskset -c <that half of the cores>" (nothing when taskset is missing)
   command -v taskset >/dev/null || return 0
   local h=$(( $(nproc) / 2 ))
+  [ "$h" -ge 1 ] || return 0
   [ "$1" = 0 ] && echo "taskset -c 0-$(( h - 1 ))" || echo "taskset -c $h-$(( 2 * h - 1 ))"
 }
 
