@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 
@@ -197,6 +198,9 @@ def test_cli_yaml_run_and_resume(tiny_llama_dir, data_file, tmp_path):
     p = subprocess.run(cmd + ["--max-rounds", "1"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "round 1" in p.stdout and "max_rounds" in p.stdout
+    # progress: a line for the round and one per active job with its step, losses and tokens/s
+    assert re.search(r"round 1: 1 active, \d+ micro-batches, \d+ tokens, [\d,]+ tok/s", p.stdout), p.stdout
+    assert re.search(r"\n  x +1/3 +train +\d+\.\d+ val +\S+ +[\d,]+ tok/s active", p.stdout), p.stdout
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "resumed" in p.stdout and "completed" in p.stdout

@@ -524,14 +524,20 @@ class Engine:
         return rows
 
     def print_progress(self, active: list[Job], info: dict) -> None:
+        """One header line for the round (its tokens/s over its training time, from ``round_log``), then one line
+        per active job: step, last train and validation loss, the job's tokens/s over its time in the engine
+        (rounds it shared, evaluations included), status."""
+        last = self.round_log[-1] if self.round_log else {}
+        rate = f", {info['tokens'] / last['train_s']:,.0f} tok/s" if last.get("train_s") else ""
         lines = [f"round {self.round}: {len(active)} active, {info['microbatches']} micro-batches, "
-                 f"{info['tokens']} tokens"]
+                 f"{info['tokens']} tokens{rate}"]
         for j in active:
             val = f"{j.history['val'][-1][1]:.4f}" if j.history["val"] else "-"
             tr = j.history["train"][-1][1] if j.history["train"] else float("nan")
+            tps = f"{j.tokens / j.time_s:,.0f}" if j.time_s > 0 else "-"
             status = j.status if j.status != "done" else f"done:{j.reason}"
             lines.append(f"  {j.name[:40]:40s} {j.step:5d}/{j.total_steps:<5d} train {tr:8.4f} val {val:>8s} "
-                         f"{status}")
+                         f"{tps:>8s} tok/s {status}")
         self.log("\n".join(lines))
 
     def write_results(self) -> list[dict]:
