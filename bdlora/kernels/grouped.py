@@ -341,11 +341,10 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if fuse_base and backend == "cublas":
         raise ValueError("fuse_base=True runs the base GEMM in a Triton tile; the cublas backend does not have it")
     seed = _seed(adapters, dropout_seed)
-    tensors = _tensors(x, adapters, weight, bias)
-    ok = dispatch.triton_ok(*tensors) and x.stride(1) == 1
-    n_seg = sum(e > s for s, e in zip(seg, seg[1:]))
     factors = [t for ad in adapters for t in (ad.lora_a, ad.lora_b)]
     compute = [x, weight] + ([bias] if bias is not None else [])
+    ok = dispatch.triton_ok(*compute, *factors) and x.stride(1) == 1
+    n_seg = sum(e > s for s, e in zip(seg, seg[1:]))
     cublas = not fuse_base and dispatch.cublas_ok(compute, factors)
     use = dispatch.choose("fused_lora_linear", backend, ok, cublas=cublas,
                           prefer_cublas=dispatch.cublas_preferred(x.device.type, n_seg, *weight.shape[::-1]))

@@ -213,7 +213,7 @@ class MultiLoraLinear(nn.Module):
             # base GEMM and every job's LoRA in one autograd node, each product one cuBLAS GEMM in the base's dtype
             # (fp32 factors beside a bf16 base: bf16 products as under the single-job trainer's bf16 autocast, fp32
             # gradients); a per-job loop of autograd ops launched ~3x more kernels, which bound an 8B-shape step
-            # on the host (bench/results/train/*2026-11-2[23]*)
+            # on the host (bench/results/train/*onefn*2026-11-22*)
             seg, adapters, seed = self._kernel_args(segs, jobs)
             y2 = _fused_lora_linear(x2, self.base.weight, self.base.bias, seg, adapters, dropout_seed=seed,
                                     backend="cublas")

@@ -57,20 +57,17 @@ def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1) -> list[
     bins: list[list[int]] = []
     tokens: list[dict[int, int]] = []
 
-    def first_fit(idxs: list[int], job: int, among: range) -> bool:
-        add = sum(items[i].length for i in idxs)
+    def place(idxs: list[int], job: int, n_tokens: int, among: range) -> None:
+        """Into the first bin of ``among`` with room for ``n_tokens`` more of ``job``, else a new bin."""
         for b in among:
             trial = dict(tokens[b])
-            trial[job] = trial.get(job, 0) + add
+            trial[job] = trial.get(job, 0) + n_tokens
             if bin_cost(trial, pad_multiple) <= budget:
                 bins[b].extend(idxs)
                 tokens[b] = trial
-                return True
-        return False
-
-    def new_bin(idxs: list[int], job: int) -> None:
+                return
         bins.append(list(idxs))
-        tokens.append({job: sum(items[i].length for i in idxs)})
+        tokens.append({job: n_tokens})
 
     units = []
     for job in sorted(by_job, key=lambda j: (-job_tokens[j], j)):
@@ -79,11 +76,9 @@ def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1) -> list[
             continue
         own = len(bins)  # this job's bins start here
         for i in sorted(by_job[job], key=lambda i: (-items[i].length, i)):
-            if not first_fit([i], job, range(own, len(bins))):
-                new_bin([i], job)
+            place([i], job, items[i].length, range(own, len(bins)))
     for job in units:  # already in decreasing size
-        if not first_fit(by_job[job], job, range(len(bins))):
-            new_bin(by_job[job], job)
+        place(by_job[job], job, job_tokens[job], range(len(bins)))
     # micro-batch order: by the first (job, position) they hold; items inside by (job, original order)
     out = [sorted(b, key=lambda i: (items[i].job, i)) for b in bins]
     out.sort(key=lambda b: (items[b[0]].job, b[0]))
