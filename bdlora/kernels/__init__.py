@@ -8,10 +8,11 @@ Orientation and block layouts: see ``bdlora.kernels.layout``.
 from .cublas import CublasLoraLinearFn
 from .decode import DecodeWorkspace, FoldedWeight, decode_lora, decode_lora_folded, fold_weight, stack_decode_weights
 from .dispatch import LAST_BACKEND
-from .grouped import dropout_keep_mask, fused_lora_linear, grouped_lora
+from .dropout import dropout_keep_mask, keep_mask_torch, segment_keep_mask
+from .grouped import fused_lora_linear, grouped_lora
 from .layout import LoraAdapter, from_math, pack_block_diagonal, to_math, unpack_block_diagonal
 from .reference import (bd_matmul, decode_lora_folded_ref, decode_lora_folded_torch, decode_lora_ref, decode_lora_torch,
-                        fused_lora_linear_ref, grouped_lora_ref, lora_delta_ref, segment_keep_mask, torch_keep_masks)
+                        fused_lora_linear_ref, grouped_lora_ref, lora_delta_ref, torch_keep_masks)
 
 __all__ = [
     "CublasLoraLinearFn",
@@ -33,6 +34,7 @@ __all__ = [
     "fused_lora_linear_ref",
     "grouped_lora",
     "grouped_lora_ref",
+    "keep_mask_torch",
     "lora_delta_ref",
     "pack_block_diagonal",
     "segment_keep_mask",

@@ -17,9 +17,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _keep(seed, offs, p):
-    """Dropout keep-mask of element offset row * d_in + col (forward shrink and ``dropout_keep_mask``)."""
-    return tl.rand(seed, offs) >= p
+def _fmix32(h):
+    """MurmurHash3's 32-bit finalizer on uint32 (wrapping products)."""
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def _keep(key0, key1, offs, p):
+    """Dropout keep-mask of element counter offs (int32, row * cols + col) under keys (key0, key1): the counter
+    hash of ``dropout.py`` (its torch twin ``keep_mask_torch`` gives the same bits)."""
+    h = (offs.to(tl.uint32) * 0x9E3779B1) ^ key0.to(tl.uint32)
+    h = _fmix32(_fmix32(h) ^ key1.to(tl.uint32))
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0) >= p
 
 
 @triton.jit
@@ -38,7 +52,7 @@ def _tile_meta(tiles_ptr, meta_ptr, tile):
 @triton.jit
 def _sgmm_kernel(
     out_ptr, in_ptr, w_ptr, tiles_ptr, meta_ptr, fmeta_ptr,
-    base_in_ptr, base_w_ptr, bias_ptr, mask_ptr, seed,
+    base_in_ptr, base_w_ptr, bias_ptr, mask_ptr, key0, key1,
     stride_out, stride_in, stride_bin, base_sw_c, base_sw_k, base_K, drop_cols,
     HAS_BASE: tl.constexpr, HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, TRANS_W: tl.constexpr,
     DROP_IN: tl.constexpr, DROP_OUT: tl.constexpr,
@@ -49,7 +63,7 @@ def _sgmm_kernel(
 
     meta[i] = (K_i, M_i, nb_i, woff_i) (int32), fmeta[i] = (alpha_i, p_i).  TRANS_W reads W_i as stored
     (K, M/nb) instead of (M, K/nb) (used for dS = dY B and dX = dS A). DROP_IN draws the dropout mask from
-    ``seed`` and stores it (int8, (T, drop_cols)) at mask_ptr; DROP_OUT reads that stored mask.
+    the keys and stores it (int8, (T, drop_cols)) at mask_ptr; DROP_OUT reads that stored mask.
     """
     tile = tl.program_id(0)
     adapter, row0, row_end, K, M, nb, woff = _tile_meta(tiles_ptr, meta_ptr, tile)
@@ -90,7 +104,7 @@ def _sgmm_kernel(
             k_blk = ks // bs_in
             if DROP_IN:  # draw the mask once; the tile holding its block's first column stores it (int8)
                 moffs = rows[:, None] * drop_cols + ks[None, :]
-                keep = _keep(seed, moffs, p)
+                keep = _keep(key0, key1, moffs, p)
                 first = k_blk * bs_out
                 owner = (first >= c0) & (first < c0 + BLOCK_M)
                 tl.store(mask_ptr + moffs, keep.to(tl.int8), mask=rmask[:, None] & (kmask & owner)[None, :])
@@ -343,9 +357,75 @@ def _decode_folded_expand_kernel(
 
 
 @triton.jit
-def _dropout_mask_kernel(out_ptr, seed, n_cols, stride_out, p, BLOCK: tl.constexpr):
-    """Materialize the keep-mask the kernels use (for references and debugging)."""
+def _dropout_mask_kernel(out_ptr, key0, key1, n_cols, stride_out, p, BLOCK: tl.constexpr):
+    """out[row, c] = keep(row * n_cols + c) as int8: materialize a mask (``dropout.keep_mask_triton``)."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    keep = _keep(seed, row * n_cols + cols, p)
+    keep = _keep(key0, key1, row * n_cols + cols, p)
     tl.store(out_ptr + row * stride_out + cols, keep.to(tl.int8), mask=cols < n_cols)
+
+
+# ---- dropout fused into the cuBLAS path's LoRA-A products (dropout.py; keep = _keep over t * d_in + k) ----------
+
+@triton.jit
+def _drop_shrink_kernel(x_ptr, a_ptr, s_ptr, rows, d_in, r, stride_x, key0, key1, p, alpha,
+                        R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """s[t, j] = alpha * sum_k keep(t, k) * x[t, k] * a[j, k]   for t < rows, j < r; a (r, d_in), s (rows, r)
+    contiguous. Grid: (cdiv(rows, BLOCK_T),)."""
+    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = ts < rows
+    js = tl.arange(0, R)
+    jmask = js < r
+    acc = tl.zeros((BLOCK_T, R), dtype=tl.float32)
+    for k0 in range(0, d_in, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < d_in
+        xt = tl.load(x_ptr + ts[:, None] * stride_x + ks[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        xt = tl.where(_keep(key0, key1, ts[:, None] * d_in + ks[None, :], p), xt, tl.zeros_like(xt))
+        at = tl.load(a_ptr + js[None, :] * d_in + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
+        acc += tl.dot(xt, at, input_precision=PREC)
+    tl.store(s_ptr + ts[:, None] * r + js[None, :], (acc * alpha).to(s_ptr.dtype.element_ty),
+             mask=tmask[:, None] & jmask[None, :])
+
+
+@triton.jit
+def _drop_expand_t_kernel(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0, key1, p, alpha,
+                          R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """dx[t, k] = alpha * keep(t, k) * sum_j ds[t, j] * a[j, k]   (written); ds (rows, r), a (r, d_in) contiguous.
+    Grid: (cdiv(rows, BLOCK_T), cdiv(d_in, BLOCK_K))."""
+    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tmask = ts < rows
+    kmask = ks < d_in
+    js = tl.arange(0, R)
+    jmask = js < r
+    dst = tl.load(ds_ptr + ts[:, None] * r + js[None, :], mask=tmask[:, None] & jmask[None, :], other=0.0)
+    at = tl.load(a_ptr + js[:, None] * d_in + ks[None, :], mask=jmask[:, None] & kmask[None, :], other=0.0)
+    acc = tl.dot(dst, at, input_precision=PREC) * alpha
+    acc = tl.where(_keep(key0, key1, ts[:, None] * d_in + ks[None, :], p), acc, 0.0)
+    tl.store(dx_ptr + ts[:, None] * stride_dx + ks[None, :], acc.to(dx_ptr.dtype.element_ty),
+             mask=tmask[:, None] & kmask[None, :])
+
+
+@triton.jit
+def _drop_wgrad_a_kernel(x_ptr, ds_ptr, part_ptr, rows, d_in, r, stride_x, key0, key1, p, rows_per_split,
+                         R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """part[sp, j, k] = sum_{t in split sp} ds[t, j] * keep(t, k) * x[t, k]   (fp32; split sp = rows
+    [sp * rows_per_split, (sp + 1) * rows_per_split)); ds (rows, r), part (splits, r, d_in) contiguous.
+    Grid: (cdiv(d_in, BLOCK_K), splits)."""
+    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = ks < d_in
+    sp = tl.program_id(1)
+    js = tl.arange(0, R)
+    jmask = js < r
+    t_lo = sp * rows_per_split
+    t_hi = tl.minimum(rows, t_lo + rows_per_split)
+    acc = tl.zeros((R, BLOCK_K), dtype=tl.float32)
+    for t0 in range(t_lo, t_hi, BLOCK_T):
+        ts = t0 + tl.arange(0, BLOCK_T)
+        tmask = ts < t_hi
+        xt = tl.load(x_ptr + ts[:, None] * stride_x + ks[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        xt = tl.where(_keep(key0, key1, ts[:, None] * d_in + ks[None, :], p), xt, tl.zeros_like(xt))
+        dst = tl.load(ds_ptr + ts[None, :] * r + js[:, None], mask=jmask[:, None] & tmask[None, :], other=0.0)
+        acc += tl.dot(dst, xt, input_precision=PREC)
+    tl.store(part_ptr + sp * r * d_in + js[:, None] * d_in + ks[None, :], acc, mask=jmask[:, None] & kmask[None, :])

@@ -23,8 +23,12 @@ Per adapter i with rows R_i = seg[i]:seg[i+1] and c_i = scale_i / (1 - p_i) (p_i
     dX[R_i] *= keep_i              only with dropout: masked_fill_(drop_i, 0)   read dX + drop, write dX
     dX    += dY @ W                addmm_(beta=1)
   Saved for backward: X (only without dropout or for dW), Xin_i and drop_i (dropout), S_i, the factors.
-  (masked_fill with the bool mask: `X * keep` promotes bool to X's dtype per element, and that unvectorized kernel
-  took 0.24 ms of a 1.1 ms layer at 8192 x 4096 bf16 on an H200, bench/results/kernels/*profile*2026-11-22*.)
+  With dropout on CUDA (dense A_i, r_i <= 128; ``FUSED_DROPOUT``), the three products that touch the mask are
+  Triton kernels of ``dropout.py`` that draw it from its counter hash where they read or write the element:
+  S_i (drop_shrink: reads X once, no Xin, no mask), the LoRA dX (drop_expand_t: written masked, then the base
+  GEMM adds onto it as above) and dA_i (drop_wgrad_a: reads X again); only X is saved. The materialized route
+  (bernoulli, `logical_not`, masked_fill twice) took ~0.25 ms of a ~1 ms layer at 8192 x 4096 bf16 on an H200
+  (bench/results/kernels/*profile*2026-11-22*).
 
 Block-diagonal factors (see ``layout``: column layout has B block-diagonal, row layout A), bd_gemm:
   "dense"  expand the packed factor into its (M, K) block-diagonal matrix with zeros, once per call (r x d
@@ -44,14 +48,18 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .dispatch import LAST_BACKEND
+from .dropout import drop_expand_t, drop_shrink, drop_wgrad_a, dropout_keys, fused_ok, segment_keep_mask
 from .layout import LoraAdapter
-from .reference import segment_keep_mask
 
 BD_GEMMS = ("auto", "dense", "blocks")
 DENSE_MAX_RANK = 128
 
 # Tests set this to fill every output buffer with NaN first, so elements a GEMM forgets (or reads with beta=0) fail.
 POISON_OUTPUTS = False
+# Dropout inside the LoRA-A products (``dropout.py`` kernels) instead of a materialized mask: None = on CUDA where
+# they apply (dense A of rank <= 128), True = also under the CPU Triton interpreter (tests), False = never.
+FUSED_DROPOUT: bool | None = None
 
 
 def _new(ref: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -128,6 +136,8 @@ class _Cfg:
         self.a_shapes = [tuple(ad.lora_a.shape) for ad in adapters]
         self.b_shapes = [tuple(ad.lora_b.shape) for ad in adapters]
         self.factor_dtypes = [(ad.lora_a.dtype, ad.lora_b.dtype) for ad in adapters]
+        self.keys = [dropout_keys(seed, i) if p > 0 else None for i, p in enumerate(self.p)]
+        self.fused = [False] * len(adapters)  # set by forward: adapter i's dropout runs in the Triton kernels
 
 
 def _eff(w: torch.Tensor, nb: int, dense: bool, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
@@ -174,11 +184,18 @@ class CublasLoraLinearFn(torch.autograd.Function):
             s = xin = drop = None
             if s1 > s0:
                 xin = x[s0:s1]
-                if cfg.p[i] > 0:
-                    drop = segment_keep_mask(cfg.seed, i, s1 - s0, d_in, cfg.p[i], x.device).logical_not_()
-                    xin = xin.masked_fill(drop, 0)
                 s = _new(x, s1 - s0, cfg.rank[i])
-                bd_mm_(s, xin, a_eff, na, cfg.c[i], 0.0)
+                cfg.fused[i] = cfg.p[i] > 0 and fused_ok(x, a_eff, FUSED_DROPOUT)
+                if cfg.p[i] > 0:
+                    LAST_BACKEND["cublas_dropout"] = "triton" if cfg.fused[i] else "mask"
+                if cfg.fused[i]:  # mask drawn in the kernel, again in backward: nothing but x saved
+                    drop_shrink(s, xin, a_eff, cfg.keys[i], cfg.p[i], cfg.c[i])
+                    xin = None
+                else:
+                    if cfg.p[i] > 0:
+                        drop = segment_keep_mask(cfg.seed, i, s1 - s0, d_in, cfg.p[i], x.device).logical_not_()
+                        xin = xin.masked_fill(drop, 0)
+                    bd_mm_(s, xin, a_eff, na, cfg.c[i], 0.0)
             lora_s.append(s)
             lora_b.append((b_eff, nb))
             saved += [a_eff, b_eff, s, xin if drop is not None else None, drop]
@@ -195,8 +212,8 @@ class CublasLoraLinearFn(torch.autograd.Function):
             for i, s in enumerate(lora_s):
                 if s is not None:
                     bd_mm_(y[seg[i]:seg[i + 1]], s, *lora_b[i], 1.0, 1.0)
-        # x itself is needed for dW, and for dA of adapters without dropout
-        need_x = nig[2] or any(nig[4 + 2 * i] and cfg.p[i] == 0 for i in range(len(cfg.c)))
+        # x itself is needed for dW, and for dA of adapters without dropout or with it fused
+        need_x = nig[2] or any(nig[4 + 2 * i] and (cfg.p[i] == 0 or cfg.fused[i]) for i in range(len(cfg.c)))
         ctx.cfg, ctx.x_shape, ctx.has_bias = cfg, (t, d_in), bias is not None
         ctx.save_for_backward(x if need_x else None, weight, *saved)
         return y
@@ -231,10 +248,15 @@ class CublasLoraLinearFn(torch.autograd.Function):
             if need_da or dx is not None:
                 ds = _new(dy, s1 - s0, cfg.rank[i])
                 bd_mm_t_(ds, dyi, b_eff, nb, 1.0, 0.0)
-                if need_da:
+                if need_da and cfg.fused[i]:
+                    da = drop_wgrad_a(x[s0:s1], ds, cfg.keys[i], cfg.p[i], cfg.c[i])  # fp32 (r, d_in)
+                    da = da.to(a_dtype) if cfg.nb_a[i] == 1 else pack_dense(da, cfg.nb_a[i], a_dtype)
+                elif need_da:
                     da = bd_wgrad(ds, x[s0:s1] if xin is None else xin, cfg.nb_a[i], cfg.c[i], cfg.dense[i],
                                   a_dtype)
-                if dx is not None:
+                if dx is not None and cfg.fused[i]:
+                    drop_expand_t(dx[s0:s1], ds, a_eff, cfg.keys[i], cfg.p[i], cfg.c[i])
+                elif dx is not None:
                     dxi = dx[s0:s1]
                     bd_mm_t_(dxi, ds, a_eff, na, cfg.c[i], 0.0)
                     if drop is not None:

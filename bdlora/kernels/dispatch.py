@@ -20,7 +20,8 @@ except Exception:  # pragma: no cover - triton is an optional extra
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Which backend each op used last ("triton", "cublas" or "torch"); tests assert on it, benchmarks print it.
+# Which backend each op used last ("triton", "cublas" or "torch"; for "cublas_dropout", the cuBLAS path's dropout,
+# "triton" when fused into its kernels, "mask" when materialized); tests assert on it, benchmarks print it.
 LAST_BACKEND: dict[str, str] = {}
 
 # ``fused_lora_linear`` issues ~8 GEMMs per adapter segment on the cuBLAS path (5 Triton launches in all on the
@@ -29,6 +30,11 @@ LAST_BACKEND: dict[str, str] = {}
 # (576 x 576 .. 576 x 1536) 1.7x faster than Triton with one job but 0.80x / 0.53x with 4 / 8; Llama-8B shape
 # (4096 x 4096 .. 4096 x 14336) 1.24x / 1.16x faster with 1 / 4.
 CUBLAS_MIN_WEIGHT = 2048 * 2048  # d_in x d_out from which cuBLAS is preferred for any number of segments
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for grid sizes (what triton.cdiv does, without importing triton)."""
+    return -(-a // b)
 
 
 def triton_ok(*tensors: torch.Tensor) -> bool:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
+from .dispatch import cdiv
+from .dropout import check_counters, dropout_keys
 from .cublas import cublas_lora_linear
 from .layout import LoraAdapter
 from .reference import fused_lora_linear_ref, grouped_lora_ref, torch_keep_masks
@@ -85,6 +87,9 @@ class _Plan:
             bo += ad.lora_b.numel()
         self.a_numel, self.b_numel = ao, bo
         self.has_dropout = seed is not None and any(ad.dropout > 0 for ad in adapters)
+        self.keys = dropout_keys(seed, 0) if self.has_dropout else (0, 0)
+        if self.has_dropout:
+            check_counters(self.t, self.d_in)
         # (K, M, nb, woff) per adapter and stage: kernel-input width, kernel-output width, blocks, offset
         rows = {
             self.SHRINK: [(self.d_in, r, ad.blocks_a, a_off[i]) for i, (ad, r) in enumerate(zip(adapters, ranks))],
@@ -115,7 +120,7 @@ class _Plan:
         # two fp32 (rows x BLOCK_R) accumulators of BLOCK_R = 128 spilled registers on the H200 (2026-11-22 profile:
         # 4 ms a call at the 8B shape with rank 128)
         self.dsdb_block_r = min(self.block_r, 64 if x.is_cuda else 32)
-        self.dsdb_rank_chunks = triton_cdiv(self.block_r, self.dsdb_block_r)
+        self.dsdb_rank_chunks = cdiv(self.block_r, self.dsdb_block_r)
         # per-stage (BLOCK_M, BLOCK_K): the rank side of a tile is sized to the rank (block), not padded to 128
         rb_a = max(r // ad.blocks_a for ad, r in zip(adapters, ranks))
         self.tile_mk = {
@@ -146,10 +151,10 @@ class _Plan:
         else:
             base_in, base_w, sw_c, sw_k, base_k = inp, w, 0, 0, 0
         block_m, block_k = self.tile_mk[stage]
-        grid = (self.n_tiles, triton_cdiv(m_max, block_m))
+        grid = (self.n_tiles, cdiv(m_max, block_m))
         _sgmm_kernel[grid](
             out, inp, w, self.tiles, self.meta[stage], self.fmeta[fstage],
-            base_in, base_w, bias if bias is not None else w, mask if mask is not None else w, self.seed or 0,
+            base_in, base_w, bias if bias is not None else w, mask if mask is not None else w, *self.keys,
             out.stride(0), inp.stride(0), base_in.stride(0), sw_c, sw_k, base_k, self.d_in,
             HAS_BASE=has_base, HAS_BIAS=bias is not None, ACCUMULATE=accumulate, TRANS_W=trans,
             DROP_IN=drop_in, DROP_OUT=drop_out,
@@ -183,7 +188,7 @@ class _Plan:
             return
         cfg = self.cfg
         bs_in_max = self.d_in  # upper bound of K/nb over adapters
-        grid = (self.n_wtiles, triton_cdiv(self.r_max, self.br_w), triton_cdiv(bs_in_max, self.bk_w))
+        grid = (self.n_wtiles, cdiv(self.r_max, self.br_w), cdiv(bs_in_max, self.bk_w))
         _wgrad_kernel[grid](
             da32, ds, x, self.wtiles, self.meta[self.WGRAD], self.fmeta[0], mask if mask is not None else x,
             ds.stride(0), x.stride(0), self.d_in,
@@ -198,10 +203,6 @@ class _Plan:
             out.append(flat[off:off + n].view(shp).to(dtype))
             off += n
         return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class _LoraLinearFn(torch.autograd.Function):
@@ -332,7 +333,8 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                CPU under TRITON_INTERPRET=1.
       torch  : ``fused_lora_linear_ref`` (autograd), "auto" on CPU without the interpreter.
     Dropout masks come from ``dropout_seed`` (drawn from torch's RNG if None) and differ by backend: Triton draws
-    ``dropout_keep_mask``, cublas and torch draw ``reference.segment_keep_mask``.
+    ``dropout_keep_mask`` (one mask over the call's rows), cublas and torch ``segment_keep_mask`` (one per segment;
+    both in ``dropout.py``).
     """
     _check(x, adapters)
     seg = _seg_list(seg, len(adapters), x.shape[0])
@@ -355,13 +357,3 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     plan = _Plan(x, seg, adapters, seed, fuse_base=fuse_base)
     return _LoraLinearFn.apply(plan, x, None, weight, bias, *[t.contiguous() for t in factors])
 
-
-def dropout_keep_mask(seed: int, shape: tuple[int, int], p: float, device="cpu") -> torch.Tensor:
-    """The (T, d_in) keep-mask the Triton kernels draw for dropout p from ``seed`` (bool)."""
-    from ._triton import _dropout_mask_kernel
-
-    out = torch.empty(shape, dtype=torch.int8, device=device)
-    block = 128
-    _dropout_mask_kernel[(shape[0], triton_cdiv(shape[1], block))](out, int(seed), shape[1], out.stride(0), float(p),
-                                                                   BLOCK=block)
-    return out.bool()

@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from .dropout import segment_keep_mask
 from .layout import LoraAdapter
 
 
@@ -21,15 +22,6 @@ def bd_matmul(x: torch.Tensor, w: torch.Tensor, nblocks: int) -> torch.Tensor:
     m = w.shape[0]
     out = torch.einsum("tnk,nmk->tnm", x.reshape(t, nblocks, k // nblocks), w.reshape(nblocks, m // nblocks, -1))
     return out.reshape(t, m)
-
-
-def segment_keep_mask(seed: int, index: int, rows: int, d_in: int, p: float, device) -> torch.Tensor:
-    """Dropout keep-mask of the torch backends (reference fallback and the cuBLAS path) for adapter ``index``:
-    (rows, d_in) bool over its segment's rows, element kept where a Bernoulli(1 - p) draw is 1, drawn by
-    ``bernoulli_`` from ``torch.Generator(device).manual_seed(seed + index)`` (one fused RNG kernel on CUDA).
-    The Triton kernels draw a different mask from the same seed (``dropout_keep_mask``)."""
-    gen = torch.Generator(device=device).manual_seed(int(seed) + int(index))
-    return torch.empty((rows, d_in), dtype=torch.bool, device=device).bernoulli_(1.0 - p, generator=gen)
 
 
 def torch_keep_masks(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[LoraAdapter],

@@ -9,7 +9,9 @@ Sections
             LoRA added in place), fused_base (base GEMM inside the Triton tile), cublas (the layer composed of
             cuBLAS GEMMs with alpha/beta epilogues, block-diagonal factors as dense GEMMs: backend="cublas", its
             default bd_gemm), cublas_blocks (the same, block-diagonal factors as strided-batched GEMMs over the
-            blocks). Every column does the same work: fwd + bwd with grads of x, A, B, dropout as --dropout.
+            blocks), cublas_maskdrop (the cublas default with its dropout materialized as a bool mask instead of
+            drawn inside the Triton dropout kernels, i.e. the route before those kernels). Every column does the
+            same work: fwd + bwd with grads of x, A, B, dropout as --dropout.
             min_MB = theoretical minimum bytes; cublas_MB = bytes the cublas path moves by its design (every GEMM's
             activation reads/writes, base GEMM included). speedup_vs_peft = peft_bd/fused, cublas_vs_peft =
             peft_bd/cublas.
@@ -165,6 +167,12 @@ def check(K) -> list[dict]:
         err = max([float((y - yr).detach().abs().max() / yr.detach().abs().max())] +
                   [float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(g, gr)])
         rows.append(dict(op=name, backend=backend, max_rel_err=err, ok=err < 1e-3))
+    rows[-1]["backend"] += "+dropout:" + K.LAST_BACKEND.get("cublas_dropout", "none")
+    from bdlora.kernels import dropout as D  # the compiled counter hash gives the torch twin's bits
+    keys = D.dropout_keys(7, 3)
+    same = torch.equal(D.keep_mask_triton(keys, 1000, 4099, 0.1, "cuda"), D.keep_mask_torch(keys, 1000, 4099, 0.1,
+                                                                                          "cuda"))
+    rows.append(dict(op="keep_mask[triton==torch]", backend="triton", max_rel_err=0.0 if same else 1.0, ok=same))
     per = [[(torch.randn(r, d_in, device="cuda"), torch.randn(d, r // 2, device="cuda")) for r in (16, 64, 8)]
            for d in (256, 64, 64)]
     a, b, rk, offs = K.stack_decode_weights(per, 64, "column", 2)
@@ -205,6 +213,8 @@ def check(K) -> list[dict]:
 
 
 def bench_layer(K, t, shapes, ranks, nbs, dropout, iters) -> list[dict]:
+    from bdlora.kernels import cublas as cublas_mod
+
     rows = []
     dt = torch.bfloat16
     for d_in, d_out in shapes:
@@ -224,25 +234,31 @@ def bench_layer(K, t, shapes, ranks, nbs, dropout, iters) -> list[dict]:
                     for name, kw in (("fused_ms", dict(backend="triton")),
                                      ("fused_base_ms", dict(backend="triton", fuse_base=True)),
                                      ("cublas_ms", dict(backend="cublas")),
-                                     ("cublas_blocks_ms", dict(backend="cublas", bd_gemm="blocks"))):
+                                     ("cublas_blocks_ms", dict(backend="cublas", bd_gemm="blocks")),
+                                     ("cublas_maskdrop_ms", dict(backend="cublas"))):
+                        cublas_mod.FUSED_DROPOUT = False if name == "cublas_maskdrop_ms" else None
                         res[name] = timed(lambda: torch.autograd.grad(
                             K.fused_lora_linear(x, base.weight, None, [0, t], [ad], **kw), kp, gy), iters=iters)
+                        cublas_mod.FUSED_DROPOUT = None
+                    res["cublas_dropout"] = K.LAST_BACKEND.get("cublas_dropout", "none") if dropout > 0 else "none"
                     # minimum traffic: fwd reads x, W, writes y; bwd reads dY, W, x (for dA), writes dX; + S, dS
                     lora_w = ad.lora_a.numel() + ad.lora_b.numel()
                     min_bytes = BF16 * (2 * t * d_in + 2 * d_in * d_out + 2 * t * d_out + t * d_in + 4 * t * r
                                         + 3 * lora_w)
                     # cublas path (cublas.py docstring): x read by shrink, base, dA; y written by the expand, read
                     # and written by the base epilogue; dY read by dS, dB, base dX; dX written by the LoRA dX, read
-                    # and written by the base epilogue; dropout adds x read, Xin write, keep (1 B) write + read, and
-                    # the dX read + write of the masking
+                    # and written by the base epilogue; dropout drawn inside the shrink, LoRA-dX and dA kernels adds
+                    # nothing (the materialized route added x read, Xin write, keep (1 B) write + read, and the dX
+                    # read + write of the masking)
                     cublas_bytes = (BF16 * (6 * t * d_in + 6 * t * d_out + 2 * d_in * d_out + 4 * t * r + 3 * lora_w)
-                                    + (10 * t * d_in if dropout > 0 else 0))
+                                    + (10 * t * d_in if dropout > 0 and res["cublas_dropout"] != "triton" else 0))
                     flops = 4 * t * d_in * d_out + 6 * t * r * (d_in // ad.blocks_a + d_out // ad.blocks_b)
                     res["min_MB"] = min_bytes / 1e6
                     res["cublas_MB"] = cublas_bytes / 1e6
                     res["fused_TFLOPs"] = flops / res["fused_ms"] / 1e9
                     res["speedup_vs_peft"] = res["peft_bd_ms"] / res["fused_ms"]
                     res["cublas_vs_peft"] = res["peft_bd_ms"] / res["cublas_ms"]
+                    res["maskdrop_vs_peft"] = res["peft_bd_ms"] / res["cublas_maskdrop_ms"]
                     res["blocks_vs_peft"] = res["peft_bd_ms"] / res["cublas_blocks_ms"]
                     rows.append(res)
     return rows

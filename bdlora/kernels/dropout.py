@@ -1,0 +1,206 @@
+"""LoRA dropout: one counter-based mask that every backend draws, and the cuBLAS path's kernels that apply it
+inside the LoRA products instead of materializing it.
+
+The mask. Dropout p on a (rows, cols) input under the keys (k0, k1) = ``dropout_keys(seed, index)`` keeps element
+(t, c) iff
+
+    u(n) >= p,   n = t * cols + c,   u(n) = (h(n) >> 8) / 2^24   (fp32; p rounded to fp32)
+    h(n) = fmix32(fmix32((n * 0x9E3779B1 mod 2^32) xor k0) xor k1)            (fmix32: MurmurHash3's finalizer)
+
+a pure function of (seed, index, t, c): Triton kernels recompute it wherever they need it (``_triton._keep``),
+torch computes the same bits (``keep_mask_torch``, tests check bit equality), and no mask is ever stored for
+backward. Two rounds of fmix32 cost ~14 integer ops per element, a fraction of the memory time of reading the
+element; Philox (``tl.rand``, 10 rounds for 4 words, one word used per element) and torch's ``bernoulli_`` cost
+several times that (the latter 55 us + a 33 us copy + a 21 us ``logical_not`` for an 8192 x 4096 mask on an H200,
+``bench/results/kernels/*profile*``). Counters must stay below 2^31 (rows * cols < 2^31).
+
+Who draws which mask: the cuBLAS path and the torch references use ``segment_keep_mask(seed, i, ...)`` for adapter
+i over its own segment's rows (local row t); the grouped Triton kernels use index 0 over the rows of the whole call
+(``dropout_keep_mask``).
+
+The kernels (cuBLAS path, CUDA; on CPU only under TRITON_INTERPRET=1 when tests switch them on). With keep the mask
+above of the segment (rows x d_in), alpha = scale / (1 - p), a (r, d_in) the dense LoRA-A factor in the compute
+dtype, s/ds (rows, r):
+
+    drop_shrink      s  = alpha * (keep * x) @ a^T                     replaces mask draw + masked_fill + GEMM
+    drop_expand_t    dx = alpha * keep * (ds @ a)        (written)     replaces GEMM + masked_fill_ of the LoRA dX
+    drop_wgrad_a     da = alpha * ds^T @ (keep * x)      (fp32, (r, d_in))   replaces the GEMM on a saved x * keep
+"""
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+from .dispatch import cdiv
+
+M32, M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
+GOLDEN32 = 0x9E3779B1
+FMIX_MULS = (0x85EBCA6B, 0xC2B2AE35)
+MAX_RANK = 128  # the fused kernels keep an (rows, r) tile in registers; wider ranks materialize the mask
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def dropout_keys(seed: int, index: int) -> tuple[int, int]:
+    """The two 31-bit hash keys of adapter ``index``'s mask under ``seed`` (host ints; 31 bits so they pass to
+    Triton as int32)."""
+    z = _splitmix64((int(seed) & M64) ^ _splitmix64(int(index)))
+    return z & 0x7FFFFFFF, (z >> 32) & 0x7FFFFFFF
+
+
+def check_counters(rows: int, cols: int) -> None:
+    if rows * cols >= 2**31:
+        raise ValueError(f"dropout mask of {rows} x {cols} elements: counters must stay below 2^31; "
+                         "split the call into fewer rows")
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """h * c mod 2^32 for int64 h in [0, 2^32), in two 16-bit halves of c so no product leaves int64."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, FMIX_MULS[0])
+    h = h ^ (h >> 13)
+    h = _mul32(h, FMIX_MULS[1])
+    return h ^ (h >> 16)
+
+
+def keep_mask_torch(keys: tuple[int, int], rows: int, cols: int, p: float, device="cpu") -> torch.Tensor:
+    """The (rows, cols) bool keep-mask of the module docstring, in torch (int64 arithmetic): the twin of
+    ``_triton._keep``, bit for bit."""
+    check_counters(rows, cols)
+    n = torch.arange(rows * cols, dtype=torch.int64, device=device)
+    h = _fmix32(_fmix32(_mul32(n, GOLDEN32) ^ keys[0]) ^ keys[1])
+    u = (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
+    return (u >= torch.tensor(p, dtype=torch.float32, device=device)).view(rows, cols)
+
+
+def keep_mask_triton(keys: tuple[int, int], rows: int, cols: int, p: float, device) -> torch.Tensor:
+    """The same mask from the Triton hash (one kernel; the materializer of the GPU fallbacks)."""
+    from ._triton import _dropout_mask_kernel
+
+    check_counters(rows, cols)
+    out = torch.empty((rows, cols), dtype=torch.int8, device=device)
+    block = 1024 if out.is_cuda else 128
+    if rows and cols:
+        _dropout_mask_kernel[(rows, cdiv(cols, block))](out, keys[0], keys[1], cols, out.stride(0), float(p),
+                                                               BLOCK=block)
+    return out.bool()
+
+
+def segment_keep_mask(seed: int, index: int, rows: int, d_in: int, p: float, device) -> torch.Tensor:
+    """Adapter ``index``'s (rows, d_in) bool keep-mask over its segment (module docstring); drawn by the Triton
+    hash on CUDA, by its torch twin elsewhere (the same bits)."""
+    keys = dropout_keys(seed, index)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dispatch.HAS_TRITON:
+        return keep_mask_triton(keys, rows, d_in, p, dev)
+    return keep_mask_torch(keys, rows, d_in, p, dev)
+
+
+def dropout_keep_mask(seed: int, shape: tuple[int, int], p: float, device="cpu") -> torch.Tensor:
+    """The (T, d_in) keep-mask the grouped Triton kernels draw for dropout p from ``seed`` over a whole call's
+    rows: ``segment_keep_mask`` with index 0."""
+    return segment_keep_mask(seed, 0, shape[0], shape[1], p, device)
+
+
+# ---- the cuBLAS path's fused dropout kernels ---------------------------------------------------------------------
+
+def fused_ok(x: torch.Tensor, a: torch.Tensor, enabled: bool | None) -> bool:
+    """Whether the kernels below can run: Triton usable on x's device, a dense (r, d_in) with r <= MAX_RANK.
+    ``enabled`` None takes them on CUDA only; True also under the CPU interpreter; False never."""
+    if enabled is False or not dispatch.triton_ok(x, a) or a.shape[0] > MAX_RANK or a.shape[1] != x.shape[1]:
+        return False
+    return x.is_cuda or bool(enabled)
+
+
+def _tiles(x: torch.Tensor, rank: int) -> dict:
+    """Tile sizes: measured on an H200 (bench/kernels) for GPUs; small under the interpreter."""
+    rp = max(16, 1 << (rank - 1).bit_length())
+    if not x.is_cuda:
+        return dict(R=rp, BT=16, BK=32, num_warps=4, num_stages=1)
+    return dict(R=rp, BT=64, BK=64 if rp <= 64 else 32, num_warps=4, num_stages=3)
+
+
+def _prec(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def drop_shrink(s: torch.Tensor, x: torch.Tensor, a: torch.Tensor, keys, p: float, alpha: float) -> None:
+    """s (rows, r) = alpha * (keep * x) @ a^T, keep = the (rows, d_in) mask under ``keys``; x (rows, d_in) with unit
+    column stride, a (r, d_in) contiguous, s contiguous (written in its dtype)."""
+    from ._triton import _drop_shrink_kernel
+
+    rows, d_in = x.shape
+    check_counters(rows, d_in)
+    if rows == 0:
+        return
+    cfg = _tiles(x, a.shape[0])
+    _drop_shrink_kernel[(cdiv(rows, cfg["BT"]),)](
+        x, a, s, rows, d_in, a.shape[0], x.stride(0), keys[0], keys[1], float(p), float(alpha),
+        R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=cfg["BK"], PREC=_prec(x),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def drop_expand_t(dx: torch.Tensor, ds: torch.Tensor, a: torch.Tensor, keys, p: float, alpha: float) -> None:
+    """dx (rows, d_in) = alpha * keep * (ds @ a), written (not accumulated); ds (rows, r) and a (r, d_in) contiguous,
+    dx with unit column stride."""
+    from ._triton import _drop_expand_t_kernel
+
+    rows, d_in = dx.shape
+    check_counters(rows, d_in)
+    if rows == 0:
+        return
+    cfg = _tiles(dx, a.shape[0])
+    bk = 128 if dx.is_cuda else cfg["BK"]
+    _drop_expand_t_kernel[(cdiv(rows, cfg["BT"]), cdiv(d_in, bk))](
+        ds, a, dx, rows, d_in, a.shape[0], dx.stride(0), keys[0], keys[1], float(p), float(alpha),
+        R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=bk, PREC=_prec(dx),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def drop_wgrad_a(x: torch.Tensor, ds: torch.Tensor, keys, p: float, alpha: float) -> torch.Tensor:
+    """alpha * ds^T @ (keep * x) as an fp32 (r, d_in) tensor; x (rows, d_in) with unit column stride, ds (rows, r)
+    contiguous. Rows are split across programs (fp32 partials, summed here) so the grid fills the GPU."""
+    from ._triton import _drop_wgrad_a_kernel
+
+    rows, d_in = x.shape
+    r = ds.shape[1]
+    check_counters(rows, d_in)
+    cfg = _tiles(x, r)
+    bk = cfg["BK"]
+    n_k = cdiv(d_in, bk)
+    target = 264 if x.is_cuda else 2  # programs: two per SM of an H100/H200
+    splits = max(1, min(cdiv(rows, 4 * cfg["BT"]), target // n_k))
+    per_split = cdiv(cdiv(rows, splits), cfg["BT"]) * cfg["BT"] if rows else cfg["BT"]
+    splits = max(1, cdiv(rows, per_split))
+    part = torch.zeros((splits, r, d_in), dtype=torch.float32, device=x.device)
+    if rows:
+        _drop_wgrad_a_kernel[(n_k, splits)](
+            x, ds, part, rows, d_in, r, x.stride(0), keys[0], keys[1], float(p), per_split,
+            R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=bk, PREC=_prec(x),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return part.sum(0).mul_(alpha) if splits > 1 else part[0].mul_(alpha)
+
+
+def drop_shrink_ref(x, a, keep, alpha):
+    """Torch reference of ``drop_shrink`` (float64 in tests)."""
+    return alpha * (x * keep) @ a.t()
+
+
+def drop_expand_t_ref(ds, a, keep, alpha):
+    """Torch reference of ``drop_expand_t``."""
+    return alpha * keep * (ds @ a)
+
+
+def drop_wgrad_a_ref(x, ds, keep, alpha):
+    """Torch reference of ``drop_wgrad_a``."""
+    return alpha * ds.t() @ (x * keep)
+
