@@ -17,8 +17,8 @@ from bdlora.kernels import dropout as D  # noqa: E402
 
 
 def test_triton_hash_equals_torch_twin_bit_for_bit():
-    for seed, index, rows, cols, p in [(0, 0, 1, 1, 0.1), (77, 3, 37, 130, 0.25), (2**40 + 5, 11, 5, 1000, 0.5),
-                                       (123, 0, 64, 64, 0.9)]:
+    for seed, index, rows, cols, p in [(0, 0, 1, 1, 0.1), (77, 3, 37, 130, 0.25), (2**40 + 5, 11, 5, 1001, 0.5),
+                                       (123, 0, 64, 64, 0.9), (5, 2, 3, 7, 1.0), (5, 2, 3, 7, 0.0)]:
         keys = D.dropout_keys(seed, index)
         assert all(0 <= k < 2**31 for k in keys)
         want = D.keep_mask_torch(keys, rows, cols, p)
@@ -45,20 +45,22 @@ def test_mask_statistics():
     for other in (D.dropout_keys(2, 0), D.dropout_keys(1, 1)):  # another seed, another adapter
         agree = (m == D.keep_mask_torch(other, 64, 64, 0.5)).float().mean().item()
         assert 0.45 < agree < 0.55
+    assert D.keep_threshold(0.1) == 6554 and D.keep_threshold(0.0) == 0 and D.keep_threshold(1.0) == 65536
     assert D.keep_mask_torch(D.dropout_keys(1, 0), 8, 8, 0.0).all()
     assert not D.keep_mask_torch(D.dropout_keys(1, 0), 8, 8, 1.0).any()
 
 
 def test_counters_beyond_int31_are_refused():
     with pytest.raises(ValueError, match="2\\^31"):
-        K.segment_keep_mask(1, 0, 2**16, 2**15, 0.1, "cpu")
+        K.segment_keep_mask(1, 0, 2**17, 2**15, 0.1, "cpu")
 
 
 @pytest.mark.parametrize("rows", [0, 1, 37, 130])
 @pytest.mark.parametrize("rank", [8, 16, 64, 100])
-def test_fused_dropout_kernels_match_float64_references(rows, rank):
-    gen = torch.Generator().manual_seed(rows * 1000 + rank)
-    d_in, p, alpha = 72, 0.3, 1.7  # d_in not a multiple of the tile
+@pytest.mark.parametrize("d_in", [72, 75])  # not a multiple of the tile; odd: a last column without its pair
+def test_fused_dropout_kernels_match_float64_references(rows, rank, d_in):
+    gen = torch.Generator().manual_seed(rows * 1000 + rank + d_in)
+    p, alpha = 0.3, 1.7
     keys = D.dropout_keys(5, 1)
     keep = D.keep_mask_torch(keys, rows, d_in, p).double()
     x = torch.randn(rows + 3, d_in, generator=gen)[2:rows + 2]  # a row-offset view, as a segment of x

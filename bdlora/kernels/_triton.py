@@ -17,23 +17,37 @@ import triton.language as tl
 
 
 @triton.jit
-def _fmix32(h):
-    """MurmurHash3's 32-bit finalizer on uint32 (wrapping products)."""
+def _lowbias32(h):
+    """A 32-bit integer hash (xorshift-multiply, two rounds; constants of C. Wellons' lowbias32) on uint32."""
     h ^= h >> 16
-    h *= 0x85EBCA6B
-    h ^= h >> 13
-    h *= 0xC2B2AE35
+    h *= 0x7FEB352D
+    h ^= h >> 15
+    h *= 0x846CA68B
     h ^= h >> 16
     return h
 
 
 @triton.jit
-def _keep(key0, key1, offs, p):
-    """Dropout keep-mask of element counter offs (int32, row * cols + col) under keys (key0, key1): the counter
-    hash of ``dropout.py`` (its torch twin ``keep_mask_torch`` gives the same bits)."""
-    h = (offs.to(tl.uint32) * 0x9E3779B1) ^ key0.to(tl.uint32)
-    h = _fmix32(_fmix32(h) ^ key1.to(tl.uint32))
-    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0) >= p
+def _pair_hash(key0, key1, pc):
+    """The 32 random bits of pair counter pc (int32): two 16-bit draws, columns 2j (low half) and 2j + 1."""
+    return _lowbias32((pc.to(tl.uint32) * 0x9E3779B1 + key1.to(tl.uint32)) ^ key0.to(tl.uint32))
+
+
+@triton.jit
+def _keep(key0, key1, rows, cols, half_w, thr):
+    """Dropout keep-mask of elements (rows, cols) (broadcast int32 tensors) of a mask whose rows hold half_w
+    column pairs, kept iff their 16-bit draw >= thr (``dropout.py``; one hash per element, any alignment)."""
+    h = _pair_hash(key0, key1, rows * half_w + cols // 2)
+    return ((h >> ((cols & 1) * 16).to(tl.uint32)) & 0xFFFF) >= thr.to(tl.uint32)
+
+
+@triton.jit
+def _keep_tile(key0, key1, ts, k0, half_w, thr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The same mask on rows ts (BLOCK_T) x columns k0 .. k0 + BLOCK_K (k0 even): one hash per column pair, its
+    two halves interleaved back into columns (half the hashing of ``_keep``)."""
+    h = _pair_hash(key0, key1, ts[:, None] * half_w + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
+    u = tl.reshape(tl.join(h & 0xFFFF, h >> 16), (BLOCK_T, BLOCK_K))
+    return u >= thr.to(tl.uint32)
 
 
 @triton.jit
@@ -104,7 +118,8 @@ def _sgmm_kernel(
             k_blk = ks // bs_in
             if DROP_IN:  # draw the mask once; the tile holding its block's first column stores it (int8)
                 moffs = rows[:, None] * drop_cols + ks[None, :]
-                keep = _keep(key0, key1, moffs, p)
+                keep = _keep(key0, key1, rows[:, None], ks[None, :], (drop_cols + 1) // 2,
+                             tl.math.ceil(p * 65536.0).to(tl.int32))
                 first = k_blk * bs_out
                 owner = (first >= c0) & (first < c0 + BLOCK_M)
                 tl.store(mask_ptr + moffs, keep.to(tl.int8), mask=rmask[:, None] & (kmask & owner)[None, :])
@@ -357,18 +372,18 @@ def _decode_folded_expand_kernel(
 
 
 @triton.jit
-def _dropout_mask_kernel(out_ptr, key0, key1, n_cols, stride_out, p, BLOCK: tl.constexpr):
-    """out[row, c] = keep(row * n_cols + c) as int8: materialize a mask (``dropout.keep_mask_triton``)."""
+def _dropout_mask_kernel(out_ptr, key0, key1, n_cols, stride_out, thr, BLOCK: tl.constexpr):
+    """out[row, c] = keep(row, c) as int8: materialize a mask (``dropout.keep_mask_triton``)."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    keep = _keep(key0, key1, row * n_cols + cols, p)
+    keep = _keep(key0, key1, row, cols, (n_cols + 1) // 2, thr)
     tl.store(out_ptr + row * stride_out + cols, keep.to(tl.int8), mask=cols < n_cols)
 
 
-# ---- dropout fused into the cuBLAS path's LoRA-A products (dropout.py; keep = _keep over t * d_in + k) ----------
+# ---- dropout fused into the cuBLAS path's LoRA-A products (dropout.py); BLOCK_K even, tiles start at even k ----
 
 @triton.jit
-def _drop_shrink_kernel(x_ptr, a_ptr, s_ptr, rows, d_in, r, stride_x, key0, key1, p, alpha,
+def _drop_shrink_kernel(x_ptr, a_ptr, s_ptr, rows, d_in, r, stride_x, key0, key1, thr, alpha,
                         R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     """s[t, j] = alpha * sum_k keep(t, k) * x[t, k] * a[j, k]   for t < rows, j < r; a (r, d_in), s (rows, r)
     contiguous. Grid: (cdiv(rows, BLOCK_T),)."""
@@ -381,7 +396,8 @@ def _drop_shrink_kernel(x_ptr, a_ptr, s_ptr, rows, d_in, r, stride_x, key0, key1
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < d_in
         xt = tl.load(x_ptr + ts[:, None] * stride_x + ks[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-        xt = tl.where(_keep(key0, key1, ts[:, None] * d_in + ks[None, :], p), xt, tl.zeros_like(xt))
+        keep = _keep_tile(key0, key1, ts, k0, (d_in + 1) // 2, thr, BLOCK_T, BLOCK_K)
+        xt = tl.where(keep, xt, tl.zeros_like(xt))
         at = tl.load(a_ptr + js[None, :] * d_in + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
         acc += tl.dot(xt, at, input_precision=PREC)
     tl.store(s_ptr + ts[:, None] * r + js[None, :], (acc * alpha).to(s_ptr.dtype.element_ty),
@@ -389,7 +405,7 @@ def _drop_shrink_kernel(x_ptr, a_ptr, s_ptr, rows, d_in, r, stride_x, key0, key1
 
 
 @triton.jit
-def _drop_expand_t_kernel(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0, key1, p, alpha,
+def _drop_expand_t_kernel(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0, key1, thr, alpha,
                           R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     """dx[t, k] = alpha * keep(t, k) * sum_j ds[t, j] * a[j, k]   (written); ds (rows, r), a (r, d_in) contiguous.
     Grid: (cdiv(rows, BLOCK_T), cdiv(d_in, BLOCK_K))."""
@@ -402,13 +418,14 @@ def _drop_expand_t_kernel(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0,
     dst = tl.load(ds_ptr + ts[:, None] * r + js[None, :], mask=tmask[:, None] & jmask[None, :], other=0.0)
     at = tl.load(a_ptr + js[:, None] * d_in + ks[None, :], mask=jmask[:, None] & kmask[None, :], other=0.0)
     acc = tl.dot(dst, at, input_precision=PREC) * alpha
-    acc = tl.where(_keep(key0, key1, ts[:, None] * d_in + ks[None, :], p), acc, 0.0)
+    keep = _keep_tile(key0, key1, ts, tl.program_id(1) * BLOCK_K, (d_in + 1) // 2, thr, BLOCK_T, BLOCK_K)
+    acc = tl.where(keep, acc, 0.0)
     tl.store(dx_ptr + ts[:, None] * stride_dx + ks[None, :], acc.to(dx_ptr.dtype.element_ty),
              mask=tmask[:, None] & kmask[None, :])
 
 
 @triton.jit
-def _drop_wgrad_a_kernel(x_ptr, ds_ptr, part_ptr, rows, d_in, r, stride_x, key0, key1, p, rows_per_split,
+def _drop_wgrad_a_kernel(x_ptr, ds_ptr, part_ptr, rows, d_in, r, stride_x, key0, key1, thr, rows_per_split,
                          R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     """part[sp, j, k] = sum_{t in split sp} ds[t, j] * keep(t, k) * x[t, k]   (fp32; split sp = rows
     [sp * rows_per_split, (sp + 1) * rows_per_split)); ds (rows, r), part (splits, r, d_in) contiguous.
@@ -425,7 +442,8 @@ def _drop_wgrad_a_kernel(x_ptr, ds_ptr, part_ptr, rows, d_in, r, stride_x, key0,
         ts = t0 + tl.arange(0, BLOCK_T)
         tmask = ts < t_hi
         xt = tl.load(x_ptr + ts[:, None] * stride_x + ks[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-        xt = tl.where(_keep(key0, key1, ts[:, None] * d_in + ks[None, :], p), xt, tl.zeros_like(xt))
+        keep = _keep_tile(key0, key1, ts, tl.program_id(0) * BLOCK_K, (d_in + 1) // 2, thr, BLOCK_T, BLOCK_K)
+        xt = tl.where(keep, xt, tl.zeros_like(xt))
         dst = tl.load(ds_ptr + ts[None, :] * r + js[:, None], mask=jmask[:, None] & tmask[None, :], other=0.0)
         acc += tl.dot(dst, xt, input_precision=PREC)
     tl.store(part_ptr + sp * r * d_in + js[:, None] * d_in + ks[None, :], acc, mask=jmask[:, None] & kmask[None, :])

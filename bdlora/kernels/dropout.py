@@ -1,18 +1,20 @@
 """LoRA dropout: one counter-based mask that every backend draws, and the cuBLAS path's kernels that apply it
 inside the LoRA products instead of materializing it.
 
-The mask. Dropout p on a (rows, cols) input under the keys (k0, k1) = ``dropout_keys(seed, index)`` keeps element
-(t, c) iff
+The mask. Dropout p on a (rows, cols) input under the keys (k0, k1) = ``dropout_keys(seed, index)``: each row is
+cut into W = ceil(cols / 2) column pairs; pair j of row t has the counter m = t * W + j and 32 random bits
 
-    u(n) >= p,   n = t * cols + c,   u(n) = (h(n) >> 8) / 2^24   (fp32; p rounded to fp32)
-    h(n) = fmix32(fmix32((n * 0x9E3779B1 mod 2^32) xor k0) xor k1)            (fmix32: MurmurHash3's finalizer)
+    h(m) = lowbias32(((m * 0x9E3779B1 + k1) mod 2^32) xor k0)      (a xorshift-multiply hash, two rounds)
 
-a pure function of (seed, index, t, c): Triton kernels recompute it wherever they need it (``_triton._keep``),
-torch computes the same bits (``keep_mask_torch``, tests check bit equality), and no mask is ever stored for
-backward. Two rounds of fmix32 cost ~14 integer ops per element, a fraction of the memory time of reading the
-element; Philox (``tl.rand``, 10 rounds for 4 words, one word used per element) and torch's ``bernoulli_`` cost
-several times that (the latter 55 us + a 33 us copy + a 21 us ``logical_not`` for an 8192 x 4096 mask on an H200,
-``bench/results/kernels/*profile*``). Counters must stay below 2^31 (rows * cols < 2^31).
+whose low 16 bits are the draw of column 2j and high 16 bits that of column 2j + 1. Element (t, c) is kept iff its
+draw u >= thr = ceil(fp32(p) * 2^16), i.e. iff u / 2^16 >= p in fp32: P(keep) = 1 - thr / 2^16 (p to within
+2^-16). A pure function of (seed, index, t, c): Triton kernels recompute it wherever they need it
+(``_triton._keep`` per element, ``_keep_tile`` one hash per pair), torch computes the same bits
+(``keep_mask_torch``; tests check bit equality), and no mask is stored for backward. Hashing is the cost of these
+kernels (the element itself is one 2-byte read): one 16-bit draw per element and ~5 integer ops each keep it near
+the memory time; Philox (``tl.rand``: 10 rounds for 4 words, one used per element) and torch's ``bernoulli_``
+(55 us + a 33 us copy + a 21 us ``logical_not`` for an 8192 x 4096 mask on an H200,
+``bench/results/kernels/*profile*``) cost several times that. Pair counters must stay below 2^31.
 
 Who draws which mask: the cuBLAS path and the torch references use ``segment_keep_mask(seed, i, ...)`` for adapter
 i over its own segment's rows (local row t); the grouped Triton kernels use index 0 over the rows of the whole call
@@ -28,6 +30,9 @@ dtype, s/ds (rows, r):
 """
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 
 from . import dispatch
@@ -35,7 +40,7 @@ from .dispatch import cdiv
 
 M32, M64 = 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF
 GOLDEN32 = 0x9E3779B1
-FMIX_MULS = (0x85EBCA6B, 0xC2B2AE35)
+LOWBIAS_MULS = (0x7FEB352D, 0x846CA68B)
 MAX_RANK = 128  # the fused kernels keep an (rows, r) tile in registers; wider ranks materialize the mask
 
 
@@ -46,6 +51,11 @@ def _splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def keep_threshold(p: float) -> int:
+    """The 16-bit draw from which an element is kept: ceil(fp32(p) * 2^16) (exact: a power-of-two scaling)."""
+    return math.ceil(struct.unpack("f", struct.pack("f", p))[0] * 65536)
+
+
 def dropout_keys(seed: int, index: int) -> tuple[int, int]:
     """The two 31-bit hash keys of adapter ``index``'s mask under ``seed`` (host ints; 31 bits so they pass to
     Triton as int32)."""
@@ -54,8 +64,8 @@ def dropout_keys(seed: int, index: int) -> tuple[int, int]:
 
 
 def check_counters(rows: int, cols: int) -> None:
-    if rows * cols >= 2**31:
-        raise ValueError(f"dropout mask of {rows} x {cols} elements: counters must stay below 2^31; "
+    if rows * ((cols + 1) // 2) >= 2**31:
+        raise ValueError(f"dropout mask of {rows} x {cols} elements: its pair counters must stay below 2^31; "
                          "split the call into fewer rows")
 
 
@@ -64,22 +74,23 @@ def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
     return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & M32
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
+def _lowbias32(h: torch.Tensor) -> torch.Tensor:
     h = h ^ (h >> 16)
-    h = _mul32(h, FMIX_MULS[0])
-    h = h ^ (h >> 13)
-    h = _mul32(h, FMIX_MULS[1])
+    h = _mul32(h, LOWBIAS_MULS[0])
+    h = h ^ (h >> 15)
+    h = _mul32(h, LOWBIAS_MULS[1])
     return h ^ (h >> 16)
 
 
 def keep_mask_torch(keys: tuple[int, int], rows: int, cols: int, p: float, device="cpu") -> torch.Tensor:
     """The (rows, cols) bool keep-mask of the module docstring, in torch (int64 arithmetic): the twin of
-    ``_triton._keep``, bit for bit."""
+    ``_triton._keep`` / ``_keep_tile``, bit for bit."""
     check_counters(rows, cols)
-    n = torch.arange(rows * cols, dtype=torch.int64, device=device)
-    h = _fmix32(_fmix32(_mul32(n, GOLDEN32) ^ keys[0]) ^ keys[1])
-    u = (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
-    return (u >= torch.tensor(p, dtype=torch.float32, device=device)).view(rows, cols)
+    half_w = (cols + 1) // 2
+    m = torch.arange(rows * half_w, dtype=torch.int64, device=device)
+    h = _lowbias32(((_mul32(m, GOLDEN32) + keys[1]) & M32) ^ keys[0])
+    draws = torch.stack([h & 0xFFFF, h >> 16], dim=-1).view(rows, 2 * half_w)[:, :cols]
+    return draws >= keep_threshold(p)
 
 
 def keep_mask_triton(keys: tuple[int, int], rows: int, cols: int, p: float, device) -> torch.Tensor:
@@ -90,8 +101,8 @@ def keep_mask_triton(keys: tuple[int, int], rows: int, cols: int, p: float, devi
     out = torch.empty((rows, cols), dtype=torch.int8, device=device)
     block = 1024 if out.is_cuda else 128
     if rows and cols:
-        _dropout_mask_kernel[(rows, cdiv(cols, block))](out, keys[0], keys[1], cols, out.stride(0), float(p),
-                                                               BLOCK=block)
+        _dropout_mask_kernel[(rows, cdiv(cols, block))](out, keys[0], keys[1], cols, out.stride(0), keep_threshold(p),
+                                                              BLOCK=block)
     return out.bool()
 
 
@@ -121,12 +132,19 @@ def fused_ok(x: torch.Tensor, a: torch.Tensor, enabled: bool | None) -> bool:
     return x.is_cuda or bool(enabled)
 
 
-def _tiles(x: torch.Tensor, rank: int) -> dict:
-    """Tile sizes: measured on an H200 (bench/kernels) for GPUs; small under the interpreter."""
+# Tiles per kernel on GPUs: the best of a sweep at 8192 rows x 4096 / 14336 columns, r 16 / 64, bf16, on an H200
+# (2026-11-22; ``target`` = programs wanted for drop_wgrad_a's row splits).
+GPU_TILES = {"shrink": dict(BT=32, BK=128, num_warps=4, num_stages=4),
+             "expand_t": dict(BT=32, BK=128, num_warps=4, num_stages=1),
+             "wgrad_a": dict(BT=64, BK=64, num_warps=8, num_stages=3, target=528)}
+
+
+def _tiles(x: torch.Tensor, rank: int, kernel: str) -> dict:
+    """Tile sizes of ``kernel``: GPU_TILES on GPUs; small ones under the interpreter. R = rank padded for tl.dot."""
     rp = max(16, 1 << (rank - 1).bit_length())
     if not x.is_cuda:
-        return dict(R=rp, BT=16, BK=32, num_warps=4, num_stages=1)
-    return dict(R=rp, BT=64, BK=64 if rp <= 64 else 32, num_warps=4, num_stages=3)
+        return dict(R=rp, BT=16, BK=32, num_warps=4, num_stages=1, target=2)
+    return dict(R=rp, **GPU_TILES[kernel])
 
 
 def _prec(x: torch.Tensor) -> str:
@@ -142,9 +160,9 @@ def drop_shrink(s: torch.Tensor, x: torch.Tensor, a: torch.Tensor, keys, p: floa
     check_counters(rows, d_in)
     if rows == 0:
         return
-    cfg = _tiles(x, a.shape[0])
+    cfg = _tiles(x, a.shape[0], "shrink")
     _drop_shrink_kernel[(cdiv(rows, cfg["BT"]),)](
-        x, a, s, rows, d_in, a.shape[0], x.stride(0), keys[0], keys[1], float(p), float(alpha),
+        x, a, s, rows, d_in, a.shape[0], x.stride(0), keys[0], keys[1], keep_threshold(p), float(alpha),
         R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=cfg["BK"], PREC=_prec(x),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
@@ -158,10 +176,10 @@ def drop_expand_t(dx: torch.Tensor, ds: torch.Tensor, a: torch.Tensor, keys, p: 
     check_counters(rows, d_in)
     if rows == 0:
         return
-    cfg = _tiles(dx, a.shape[0])
-    bk = 128 if dx.is_cuda else cfg["BK"]
+    cfg = _tiles(dx, a.shape[0], "expand_t")
+    bk = cfg["BK"]
     _drop_expand_t_kernel[(cdiv(rows, cfg["BT"]), cdiv(d_in, bk))](
-        ds, a, dx, rows, d_in, a.shape[0], dx.stride(0), keys[0], keys[1], float(p), float(alpha),
+        ds, a, dx, rows, d_in, a.shape[0], dx.stride(0), keys[0], keys[1], keep_threshold(p), float(alpha),
         R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=bk, PREC=_prec(dx),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
@@ -174,19 +192,19 @@ def drop_wgrad_a(x: torch.Tensor, ds: torch.Tensor, keys, p: float, alpha: float
     rows, d_in = x.shape
     r = ds.shape[1]
     check_counters(rows, d_in)
-    cfg = _tiles(x, r)
+    if rows == 0:
+        return torch.zeros((r, d_in), dtype=torch.float32, device=x.device)
+    cfg = _tiles(x, r, "wgrad_a")
     bk = cfg["BK"]
     n_k = cdiv(d_in, bk)
-    target = 264 if x.is_cuda else 2  # programs: two per SM of an H100/H200
-    splits = max(1, min(cdiv(rows, 4 * cfg["BT"]), target // n_k))
-    per_split = cdiv(cdiv(rows, splits), cfg["BT"]) * cfg["BT"] if rows else cfg["BT"]
-    splits = max(1, cdiv(rows, per_split))
-    part = torch.zeros((splits, r, d_in), dtype=torch.float32, device=x.device)
-    if rows:
-        _drop_wgrad_a_kernel[(n_k, splits)](
-            x, ds, part, rows, d_in, r, x.stride(0), keys[0], keys[1], float(p), per_split,
-            R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=bk, PREC=_prec(x),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    splits = max(1, min(cdiv(rows, 4 * cfg["BT"]), cfg["target"] // n_k))
+    per_split = cdiv(cdiv(rows, splits), cfg["BT"]) * cfg["BT"]
+    splits = cdiv(rows, per_split)
+    part = torch.empty((splits, r, d_in), dtype=torch.float32, device=x.device)  # every element written
+    _drop_wgrad_a_kernel[(n_k, splits)](
+        x, ds, part, rows, d_in, r, x.stride(0), keys[0], keys[1], keep_threshold(p), per_split,
+        R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=bk, PREC=_prec(x),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return part.sum(0).mul_(alpha) if splits > 1 else part[0].mul_(alpha)
 
 
