@@ -41,8 +41,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 BF16 = 2  # bytes
 
 
-def timed(fn, warmup=3, iters=10) -> float:
-    """Median milliseconds of fn() by CUDA events."""
+def timed(fn, warmup=3, iters=10, batch=1) -> float:
+    """Median milliseconds per fn() by CUDA events over ``iters`` samples of ``batch`` back-to-back calls each.
+    batch=1 synchronizes after every call (host launch time included in full); batch > 1 lets the host run ahead
+    of the GPU between calls as it does across the layers of a training step."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -50,10 +52,11 @@ def timed(fn, warmup=3, iters=10) -> float:
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(batch):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / batch)
     return sorted(times)[len(times) // 2]
 
 
@@ -212,7 +215,7 @@ def check(K) -> list[dict]:
     return rows
 
 
-def bench_layer(K, t, shapes, ranks, nbs, dropout, iters) -> list[dict]:
+def bench_layer(K, t, shapes, ranks, nbs, dropout, iters, batch=1) -> list[dict]:
     from bdlora.kernels import cublas as cublas_mod
 
     rows = []
@@ -221,7 +224,7 @@ def bench_layer(K, t, shapes, ranks, nbs, dropout, iters) -> list[dict]:
         base = nn.Linear(d_in, d_out, bias=False, device="cuda", dtype=dt).requires_grad_(False)
         x = torch.randn(t, d_in, device="cuda", dtype=dt, requires_grad=True)
         gy = torch.randn(t, d_out, device="cuda", dtype=dt)
-        t_base = timed(lambda: torch.autograd.grad(base(x), [x], gy), iters=iters)
+        t_base = timed(lambda: torch.autograd.grad(base(x), [x], gy), iters=iters, batch=batch)
         for layout in ("column", "row"):
             for r in ranks:
                 for n in nbs:
@@ -230,7 +233,8 @@ def bench_layer(K, t, shapes, ranks, nbs, dropout, iters) -> list[dict]:
                     lp = [x, peft_layer.lora_a.weight, peft_layer.lora_b.weight]
                     kp = [x, ad.lora_a, ad.lora_b]
                     res = dict(d_in=d_in, d_out=d_out, layout=layout, r=r, N=n, base_only_ms=t_base)
-                    res["peft_bd_ms"] = timed(lambda: torch.autograd.grad(peft_layer(x), lp, gy), iters=iters)
+                    res["peft_bd_ms"] = timed(lambda: torch.autograd.grad(peft_layer(x), lp, gy), iters=iters,
+                                              batch=batch)
                     for name, kw in (("fused_ms", dict(backend="triton")),
                                      ("fused_base_ms", dict(backend="triton", fuse_base=True)),
                                      ("cublas_ms", dict(backend="cublas")),
@@ -238,9 +242,11 @@ def bench_layer(K, t, shapes, ranks, nbs, dropout, iters) -> list[dict]:
                                      ("cublas_maskdrop_ms", dict(backend="cublas"))):
                         cublas_mod.FUSED_DROPOUT = False if name == "cublas_maskdrop_ms" else None
                         res[name] = timed(lambda: torch.autograd.grad(
-                            K.fused_lora_linear(x, base.weight, None, [0, t], [ad], **kw), kp, gy), iters=iters)
+                            K.fused_lora_linear(x, base.weight, None, [0, t], [ad], **kw), kp, gy), iters=iters,
+                            batch=batch)
                         cublas_mod.FUSED_DROPOUT = None
-                    res["cublas_dropout"] = K.LAST_BACKEND.get("cublas_dropout", "none") if dropout > 0 else "none"
+                        if name == "cublas_ms":  # the default route's dropout (the byte model below depends on it)
+                            res["cublas_dropout"] = K.LAST_BACKEND.get("cublas_dropout", "none") if dropout else "none"
                     # minimum traffic: fwd reads x, W, writes y; bwd reads dY, W, x (for dA), writes dX; + S, dS
                     lora_w = ad.lora_a.numel() + ad.lora_b.numel()
                     min_bytes = BF16 * (2 * t * d_in + 2 * d_in * d_out + 2 * t * d_out + t * d_in + 4 * t * r
@@ -443,6 +449,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--dropout", type=float, default=0.1, help="LoRA dropout in the layer benchmark")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=5, help="layer section: back-to-back calls per timing sample "
+                    "(1 = synchronize after each call, host launch time included in full)")
     ap.add_argument("--quick", action="store_true", help="a smaller sweep (smoke test)")
     ap.add_argument("--sections", default="check,layer,grouped,decode,module",
                     help="comma-separated sections to run (default all; decode's vLLM column needs vLLM importable)")
@@ -474,8 +482,9 @@ def main():
     shapes = [(4096, 4096), (4096, 14336)]
     ranks, nbs = [16, 64], ([1, 4] if args.quick else [1, 4, 8])
     if "layer" in sections:
-        result["layer"] = bench_layer(K, args.tokens, shapes, ranks, nbs, args.dropout, args.iters)
-        table(f"layer fwd+bwd, T={args.tokens}, dropout={args.dropout} (ms)", result["layer"])
+        result["layer"] = bench_layer(K, args.tokens, shapes, ranks, nbs, args.dropout, args.iters, args.batch)
+        table(f"layer fwd+bwd, T={args.tokens}, dropout={args.dropout}, {args.batch} calls per sample (ms)",
+              result["layer"])
         save()
     if "grouped" in sections:
         result["grouped"] = bench_grouped(K, args.tokens, 4096, [4, 8] if args.quick else [4, 8, 16, 32], 4,

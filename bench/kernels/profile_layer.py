@@ -3,7 +3,7 @@ bench_kernels' layer section.
 
     python bench/kernels/profile_layer.py [--backend cublas] [--out profile.txt]
 
-For each case (rank, layout, N, dropout) at 8192 x 4096 -> 4096 bf16: the top CUDA kernels of 5 iterations of
+For each case (rank, layout, N, dropout) at 8192 x 4096 -> 4096 bf16: the top CUDA kernels of 5 iterations (and their summed GPU time) of
 ``fused_lora_linear`` (``--backend``) and of the PEFT-style layer (``bench_kernels.PeftBdLayer``), and the
 wall time per iteration of each.
 """
@@ -35,7 +35,10 @@ def profiled(fn, iters=5) -> tuple[str, float]:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60), ms
+    events = prof.key_averages()
+    gpu_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
+    table = events.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+    return table, ms, gpu_us / iters / 1000
 
 
 def main():
@@ -64,9 +67,9 @@ def main():
             [x, ad.lora_a, ad.lora_b], gy)
         theirs = lambda: torch.autograd.grad(peft(x), [x, peft.lora_a.weight, peft.lora_b.weight], gy)
         for name, fn in (("ours[%s]" % args.backend, ours), ("peft", theirs)):
-            tab, ms = profiled(fn)
-            lines.append(f"\n== {name} r={r} layout={layout} N={n} dropout={p}: {ms:.3f} ms/iter "
-                         f"(5 iterations profiled)\n{tab}")
+            tab, ms, gpu_ms = profiled(fn)
+            lines.append(f"\n== {name} r={r} layout={layout} N={n} dropout={p}: {ms:.3f} ms/iter wall, "
+                         f"{gpu_ms:.3f} ms/iter of GPU kernels (5 iterations profiled)\n{tab}")
             print(lines[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
