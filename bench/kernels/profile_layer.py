@@ -2,10 +2,15 @@
 bench_kernels' layer section.
 
     python bench/kernels/profile_layer.py [--backend cublas] [--out profile.txt]
+    python bench/kernels/profile_layer.py --grid --out grid.json
 
-For each case (rank, layout, N, dropout) at 8192 x 4096 -> 4096 bf16: the top CUDA kernels of 5 iterations (and their summed GPU time) of
+For each case (rank, layout, N, dropout) at 8192 x 4096 -> 4096 bf16: the top CUDA kernels of 5 iterations of
 ``fused_lora_linear`` (``--backend``) and of the PEFT-style layer (``bench_kernels.PeftBdLayer``), and the
-wall time per iteration of each.
+wall time per iteration of each. ``--grid``: bench_kernels' layer grid (4096 -> 4096 and 4096 -> 14336, column and
+row, r 16/64, N 1/4/8, dropout 0.1) with, per layer, the summed GPU kernel time of an iteration (what the layer
+costs a GPU that never waits for the host, as in a training step whose host runs ahead) and the wall time per
+iteration over back-to-back calls (which a slow host inflates), for PEFT, the cuBLAS layer, and the cuBLAS layer
+with its dropout materialized (``cublas.FUSED_DROPOUT = False``).
 """
 import argparse
 import os
@@ -41,14 +46,65 @@ def profiled(fn, iters=5) -> tuple[str, float]:
     return table, ms, gpu_us / iters / 1000
 
 
+def grid(out: str | None) -> None:
+    import json
+
+    import bdlora.kernels as K
+    from bdlora.kernels import cublas as cublas_mod
+    from bench_kernels import PeftBdLayer, make_adapter, timed
+
+    t, dt, p, rows = 8192, torch.bfloat16, 0.1, []
+    print("d_in d_out layout r N | GPU ms: peft cublas maskdrop | wall ms: peft cublas maskdrop | "
+          "GPU x vs peft: cublas maskdrop | wall x: cublas", flush=True)
+    for d_in, d_out in ((4096, 4096), (4096, 14336)):
+        x = torch.randn(t, d_in, device="cuda", dtype=dt, requires_grad=True)
+        gy = torch.randn(t, d_out, device="cuda", dtype=dt)
+        base = torch.nn.Linear(d_in, d_out, bias=False, device="cuda", dtype=dt).requires_grad_(False)
+        for layout in ("column", "row"):
+            for r in (16, 64):
+                for n in (1, 4, 8):
+                    ad = make_adapter(K, d_in, d_out, r, layout, n, dt, p)
+                    peft = PeftBdLayer(base, ad, p)
+                    fns = {
+                        "peft": lambda: torch.autograd.grad(peft(x), [x, peft.lora_a.weight, peft.lora_b.weight], gy),
+                        "cublas": lambda: torch.autograd.grad(K.fused_lora_linear(
+                            x, base.weight, None, [0, t], [ad], dropout_seed=1, backend="cublas"),
+                            [x, ad.lora_a, ad.lora_b], gy)}
+                    fns["maskdrop"] = fns["cublas"]
+                    res = dict(d_in=d_in, d_out=d_out, layout=layout, r=r, N=n)
+                    for name, fn in fns.items():
+                        cublas_mod.FUSED_DROPOUT = False if name == "maskdrop" else None
+                        res[f"{name}_gpu_ms"] = profiled(fn)[2]
+                        res[f"{name}_wall_ms"] = timed(fn, iters=10, batch=5)
+                        cublas_mod.FUSED_DROPOUT = None
+                    for name in ("cublas", "maskdrop"):
+                        res[f"{name}_gpu_x"] = res["peft_gpu_ms"] / res[f"{name}_gpu_ms"]
+                        res[f"{name}_wall_x"] = res["peft_wall_ms"] / res[f"{name}_wall_ms"]
+                    rows.append(res)
+                    print(f"{d_in} {d_out} {layout} {r} {n} | {res['peft_gpu_ms']:.3f} {res['cublas_gpu_ms']:.3f} "
+                          f"{res['maskdrop_gpu_ms']:.3f} | {res['peft_wall_ms']:.3f} {res['cublas_wall_ms']:.3f} "
+                          f"{res['maskdrop_wall_ms']:.3f} | {res['cublas_gpu_x']:.2f} {res['maskdrop_gpu_x']:.2f} | "
+                          f"{res['cublas_wall_x']:.2f}", flush=True)
+    for d_out in (4096, 14336):
+        sel = sorted(r["cublas_gpu_x"] for r in rows if r["d_out"] == d_out)
+        print(f"4096 -> {d_out}: cuBLAS layer vs PEFT, GPU time: min {sel[0]:.2f} / median "
+              f"{(sel[5] + sel[6]) / 2:.2f} / max {sel[-1]:.2f}x")
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="cublas")
+    ap.add_argument("--grid", action="store_true", help="GPU and wall time over the layer grid (JSON to --out)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_layer: no CUDA GPU here")
         return
+    if args.grid:
+        return grid(args.out)
     import bdlora.kernels as K
     from bench_kernels import PeftBdLayer, make_adapter
 

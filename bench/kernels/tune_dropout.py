@@ -42,7 +42,7 @@ def sweep(rows, d_in, r, dt=torch.bfloat16):
     def run(kind, cfg, launch, out):
         try:
             result = launch()
-            got = out if result is None else result
+            got = result if out is None else out
             err = float((got.float() - refs[kind]).abs().max() / refs[kind].abs().max())
             res[kind].append(dict(cfg, ms=do_bench(launch), err=err))
         except Exception as e:  # a config that does not compile (shared memory) is recorded, not fatal
