@@ -3,14 +3,15 @@ bench_kernels' layer section.
 
     python bench/kernels/profile_layer.py [--backend cublas] [--out profile.txt]
     python bench/kernels/profile_layer.py --grid --out grid.json
+    python bench/kernels/profile_layer.py --host-profile     # cProfile of the host side of each case
 
 For each case (rank, layout, N, dropout) at 8192 x 4096 -> 4096 bf16: the top CUDA kernels of 5 iterations of
 ``fused_lora_linear`` (``--backend``) and of the PEFT-style layer (``bench_kernels.PeftBdLayer``), and the
 wall time per iteration of each. ``--grid``: bench_kernels' layer grid (4096 -> 4096 and 4096 -> 14336, column and
 row, r 16/64, N 1/4/8, dropout 0.1) with, per layer, the summed GPU kernel time of an iteration (what the layer
 costs a GPU that never waits for the host, as in a training step whose host runs ahead) and the wall time per
-iteration over back-to-back calls (which a slow host inflates), for PEFT, the cuBLAS layer, and the cuBLAS layer
-with its dropout materialized (``cublas.FUSED_DROPOUT = False``).
+iteration over back-to-back calls (which a slow host inflates) and the host time to issue one, for PEFT,
+the cuBLAS layer, and the cuBLAS layer with its dropout materialized (``cublas.FUSED_DROPOUT = False``).
 """
 import argparse
 import os
@@ -43,7 +44,22 @@ def profiled(fn, iters=5) -> tuple[str, float]:
     events = prof.key_averages()
     gpu_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
     table = events.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+    table += "\n" + events.table(sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=60)
     return table, ms, gpu_us / iters / 1000
+
+
+def host_ms(fn, calls=5, samples=10) -> float:
+    """Median host milliseconds to issue one fn() (``calls`` back-to-back, no synchronization inside a sample):
+    the rate at which a host running ahead could keep the GPU fed."""
+    times = []
+    for _ in range(samples):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1000)
+        torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
 
 
 def grid(out: str | None) -> None:
@@ -55,7 +71,7 @@ def grid(out: str | None) -> None:
 
     t, dt, p, rows = 8192, torch.bfloat16, 0.1, []
     print("d_in d_out layout r N | GPU ms: peft cublas maskdrop | wall ms: peft cublas maskdrop | "
-          "GPU x vs peft: cublas maskdrop | wall x: cublas", flush=True)
+          "GPU x vs peft: cublas maskdrop | wall x: cublas | host ms: peft cublas maskdrop", flush=True)
     for d_in, d_out in ((4096, 4096), (4096, 14336)):
         x = torch.randn(t, d_in, device="cuda", dtype=dt, requires_grad=True)
         gy = torch.randn(t, d_out, device="cuda", dtype=dt)
@@ -76,6 +92,7 @@ def grid(out: str | None) -> None:
                         cublas_mod.FUSED_DROPOUT = False if name == "maskdrop" else None
                         res[f"{name}_gpu_ms"] = profiled(fn)[2]
                         res[f"{name}_wall_ms"] = timed(fn, iters=10, batch=5)
+                        res[f"{name}_host_ms"] = host_ms(fn)
                         cublas_mod.FUSED_DROPOUT = None
                     for name in ("cublas", "maskdrop"):
                         res[f"{name}_gpu_x"] = res["peft_gpu_ms"] / res[f"{name}_gpu_ms"]
@@ -84,7 +101,8 @@ def grid(out: str | None) -> None:
                     print(f"{d_in} {d_out} {layout} {r} {n} | {res['peft_gpu_ms']:.3f} {res['cublas_gpu_ms']:.3f} "
                           f"{res['maskdrop_gpu_ms']:.3f} | {res['peft_wall_ms']:.3f} {res['cublas_wall_ms']:.3f} "
                           f"{res['maskdrop_wall_ms']:.3f} | {res['cublas_gpu_x']:.2f} {res['maskdrop_gpu_x']:.2f} | "
-                          f"{res['cublas_wall_x']:.2f}", flush=True)
+                          f"{res['cublas_wall_x']:.2f} | host ms: {res['peft_host_ms']:.3f} "
+                          f"{res['cublas_host_ms']:.3f} {res['maskdrop_host_ms']:.3f}", flush=True)
     for d_out in (4096, 14336):
         sel = sorted(r["cublas_gpu_x"] for r in rows if r["d_out"] == d_out)
         print(f"4096 -> {d_out}: cuBLAS layer vs PEFT, GPU time: min {sel[0]:.2f} / median "
@@ -98,6 +116,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="cublas")
     ap.add_argument("--grid", action="store_true", help="GPU and wall time over the layer grid (JSON to --out)")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of each case instead")
     ap.add_argument("--out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -123,6 +142,24 @@ def main():
             [x, ad.lora_a, ad.lora_b], gy)
         theirs = lambda: torch.autograd.grad(peft(x), [x, peft.lora_a.weight, peft.lora_b.weight], gy)
         for name, fn in (("ours[%s]" % args.backend, ours), ("peft", theirs)):
+            if args.host_profile:  # Python-level host time (cProfile) instead of kernels
+                import cProfile
+                import io
+                import pstats
+
+                fn()
+                torch.cuda.synchronize()
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(50):
+                    fn()
+                prof.disable()
+                torch.cuda.synchronize()
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+                lines.append(f"\n== host {name} r={r} layout={layout} N={n} dropout={p} (50 calls)\n{buf.getvalue()}")
+                print(lines[-1], flush=True)
+                continue
             tab, ms, gpu_ms = profiled(fn)
             lines.append(f"\n== {name} r={r} layout={layout} N={n} dropout={p}: {ms:.3f} ms/iter wall, "
                          f"{gpu_ms:.3f} ms/iter of GPU kernels (5 iterations profiled)\n{tab}")
