@@ -116,6 +116,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="cublas")
     ap.add_argument("--grid", action="store_true", help="GPU and wall time over the layer grid (JSON to --out)")
+    ap.add_argument("--d-out", type=int, default=4096, help="output width of the cases (14336: the MLP shape)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of each case instead")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -127,7 +128,7 @@ def main():
     import bdlora.kernels as K
     from bench_kernels import PeftBdLayer, make_adapter
 
-    t, d_in, d_out, dt = 8192, 4096, 4096, torch.bfloat16
+    t, d_in, d_out, dt = 8192, 4096, args.d_out, torch.bfloat16
     lines = []
     for r, layout, n, p in CASES:
         ad = make_adapter(K, d_in, d_out, r, layout, n, dt, p)
@@ -161,7 +162,7 @@ def main():
                 print(lines[-1], flush=True)
                 continue
             tab, ms, gpu_ms = profiled(fn)
-            lines.append(f"\n== {name} r={r} layout={layout} N={n} dropout={p}: {ms:.3f} ms/iter wall, "
+            lines.append(f"\n== {name} {d_in}->{d_out} r={r} layout={layout} N={n} dropout={p}: {ms:.3f} ms/iter wall, "
                          f"{gpu_ms:.3f} ms/iter of GPU kernels (5 iterations profiled)\n{tab}")
             print(lines[-1], flush=True)
     if args.out:
