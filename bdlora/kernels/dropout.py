@@ -64,6 +64,7 @@ def dropout_keys(seed: int, index: int) -> tuple[int, int]:
 
 
 def check_counters(rows: int, cols: int) -> None:
+    """Refuse masks whose pair counters would overflow the kernels' int32 arithmetic."""
     if rows * ((cols + 1) // 2) >= 2**31:
         raise ValueError(f"dropout mask of {rows} x {cols} elements: its pair counters must stay below 2^31; "
                          "split the call into fewer rows")
@@ -101,8 +102,8 @@ def keep_mask_triton(keys: tuple[int, int], rows: int, cols: int, p: float, devi
     out = torch.empty((rows, cols), dtype=torch.int8, device=device)
     block = 1024 if out.is_cuda else 128
     if rows and cols:
-        _dropout_mask_kernel[(rows, cdiv(cols, block))](out, keys[0], keys[1], cols, out.stride(0), keep_threshold(p),
-                                                              BLOCK=block)
+        _dropout_mask_kernel[(rows, cdiv(cols, block))](out, *keys, cols, out.stride(0), keep_threshold(p),
+                                                        BLOCK=block)
     return out.bool()
 
 
@@ -134,8 +135,8 @@ def fused_ok(x: torch.Tensor, a: torch.Tensor, enabled: bool | None) -> bool:
 
 # Tiles per kernel on GPUs: the best of a sweep at 8192 rows x 4096 / 14336 columns, r 16 / 64, bf16, on an H200
 # (2026-11-22, bench/kernels/tune_dropout.py; bench/results/kernels/h200-dropout-tiles-2026-11-22.*; ``target`` =
-# programs wanted for drop_wgrad_a's row splits). At 8192 x 4096, r 16: shrink 34 us, LoRA dX 27 us, dA 40 us (one GEMM on a
-# saved x * keep: 30 us; the bernoulli draw alone: 58 us).
+# programs wanted for drop_wgrad_a's row splits). At 8192 x 4096, r 16: shrink 34 us, LoRA dX 27 us, dA 40 us
+# (one GEMM on a saved x * keep: 30 us; the bernoulli draw alone: 58 us).
 GPU_TILES = {"shrink": dict(BT=32, BK=128, num_warps=4, num_stages=4),
              "expand_t": dict(BT=64, BK=128, num_warps=4, num_stages=1),
              "wgrad_a": dict(BT=64, BK=64, num_warps=4, num_stages=3, target=528)}

@@ -73,9 +73,10 @@ class MemoryModel:
         rows: bool on CUDA) cover the dropout jobs' disjoint rows, so at most T of them. Jobs without dropout add
         nothing. On CUDA the cuBLAS path draws the mask inside its kernels (``bdlora.kernels.dropout``) and stores
         none for jobs of rank <= 128: there the term is an upper bound, which the refit on measured peaks absorbs
-        (``observe`` subtracts exactly what ``predict`` adds). Not counted (the fit absorbs it per token): the cuBLAS and torch paths also keep the dropped-out
-        copy of the job's rows (activation dtype) for the x@A backward, and on CPU ``F.dropout``'s mask is in the
-        activation dtype, not bool."""
+        (``observe`` subtracts exactly what ``predict`` adds). Not counted (the fit absorbs it per token): the
+        cuBLAS path's materialized route and the torch paths also keep the dropped-out copy of the job's rows
+        (activation dtype) for the x@A backward, and on CPU ``F.dropout``'s mask is in the activation dtype, not
+        bool."""
         d_in = dict(m for j in jobs for m in j.dropout_modules)  # module path -> d_in, each module once
         return self.bytes_per_mask_elem * float(tokens) * sum(d_in.values())
 
