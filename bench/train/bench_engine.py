@@ -482,6 +482,7 @@ def run_throughput(args) -> int:
                      "sweep_ranks": sweep_ranks, "engine_seq_jobs": args.engine_seq_jobs,
                      "time_limit_s": time_limit, "cpu_smoke": bool(args.cpu_smoke),
                      "token_budget_fit": budget_fit, "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE,
+                     "lora_dropout": args.lora_dropout, "dropout_route": args.dropout_route,
                      "argv": sys.argv[1:]},
         "throughput": [], "sweep": {}, "skipped": [],
     }
@@ -519,7 +520,7 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
 
     def job(name, i, rank, n_steps):
         return {"name": name, "rank": rank, "nblocks": nblocks, "lr": 1e-4, "batch_size": bs, "steps": n_steps,
-                "seed": i}
+                "seed": i, "lora_dropout": args.lora_dropout}
 
     def parsed(jobs, out):
         return engine_run_config(model, data, out, jobs, dtype=dtype, budget=budget, max_seq_len=seq).jobs
@@ -997,6 +998,10 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-backend", default="auto", choices=["auto", "cublas", "triton", "torch"],
                     help="the engine's LoRA path (lora_backend): auto (cublas on GPU), cublas (base + LoRA as cuBLAS "
                          "GEMMs in one op), triton (grouped Triton kernels), or torch (per-job loop)")
+    ap.add_argument("--lora-dropout", type=float, default=0.0, help="every job's lora_dropout (and the trainer's)")
+    ap.add_argument("--dropout-route", default="auto", choices=["auto", "mask"],
+                    help="the cuBLAS path's dropout: auto (drawn inside its Triton kernels on GPU) or mask "
+                         "(materialized bool mask and masked copies, the route before those kernels)")
     ap.add_argument("--profile", type=int, metavar="K",
                     help="instead of the throughput runs: profile the engine with K jobs and the trainer with one "
                          "(torch.profiler tables in OUT.profile.txt)")
@@ -1008,6 +1013,10 @@ def main(argv=None) -> int:
         ap.error(f"--profile K needs K >= 1 jobs, got {args.profile}")
     global LORA_BACKEND, PAD_MULTIPLE
     LORA_BACKEND, PAD_MULTIPLE = args.lora_backend, args.pad_multiple
+    if args.dropout_route == "mask":
+        from bdlora.kernels import cublas
+
+        cublas.FUSED_DROPOUT = False
     _quiet_loading()
     if args.out is None:
         suffix = "_pipeline_vs_dp" if args.pipeline_vs_dp else ("_llama8b" if args.shape == "llama8b" else "")
