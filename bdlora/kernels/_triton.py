@@ -16,6 +16,12 @@ import triton
 import triton.language as tl
 
 
+# Dropout keys and threshold change with every seed: never specialize a compiled kernel on their values (Triton
+# otherwise compiles a variant per "divisible by 16" / "equals 1" pattern of each int argument, i.e. a new compile
+# whenever a fresh seed's key happens to be a multiple of 16).
+_RANDOM_INTS = ["key0", "key1", "thr"]  # argument names; each kernel below names exactly the ones it has
+
+
 @triton.jit
 def _lowbias32(h):
     """A 32-bit integer hash (xorshift-multiply, two rounds; constants of C. Wellons' lowbias32) on uint32."""
@@ -63,7 +69,7 @@ def _tile_meta(tiles_ptr, meta_ptr, tile):
     return adapter, row0, row_end, m0, m1, m2, m3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RANDOM_INTS[:2])  # no threshold argument: it derives it from p
 def _sgmm_kernel(
     out_ptr, in_ptr, w_ptr, tiles_ptr, meta_ptr, fmeta_ptr,
     base_in_ptr, base_w_ptr, bias_ptr, mask_ptr, key0, key1,
@@ -371,7 +377,7 @@ def _decode_folded_expand_kernel(
         tl.store(y_ptr + t * stride_y + cs, acc.to(y_ptr.dtype.element_ty), mask=cmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RANDOM_INTS)
 def _dropout_mask_kernel(out_ptr, key0, key1, n_cols, stride_out, thr, BLOCK: tl.constexpr):
     """out[row, c] = keep(row, c) as int8: materialize a mask (``dropout.keep_mask_triton``)."""
     row = tl.program_id(0)
@@ -382,7 +388,7 @@ def _dropout_mask_kernel(out_ptr, key0, key1, n_cols, stride_out, thr, BLOCK: tl
 
 # ---- dropout fused into the cuBLAS path's LoRA-A products (dropout.py); BLOCK_K even, tiles start at even k ----
 
-@triton.jit
+@triton.jit(do_not_specialize=_RANDOM_INTS)
 def _drop_shrink_kernel(x_ptr, a_ptr, s_ptr, rows, d_in, r, stride_x, key0, key1, thr, alpha,
                         R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     """s[t, j] = alpha * sum_k keep(t, k) * x[t, k] * a[j, k]   for t < rows, j < r; a (r, d_in), s (rows, r)
@@ -404,7 +410,7 @@ def _drop_shrink_kernel(x_ptr, a_ptr, s_ptr, rows, d_in, r, stride_x, key0, key1
              mask=tmask[:, None] & jmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RANDOM_INTS)
 def _drop_expand_t_kernel(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0, key1, thr, alpha,
                           R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     """dx[t, k] = alpha * keep(t, k) * sum_j ds[t, j] * a[j, k]   (written); ds (rows, r), a (r, d_in) contiguous.
@@ -424,7 +430,7 @@ def _drop_expand_t_kernel(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0,
              mask=tmask[:, None] & kmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RANDOM_INTS)
 def _drop_wgrad_a_kernel(x_ptr, ds_ptr, part_ptr, rows, d_in, r, stride_x, key0, key1, thr, rows_per_split,
                          R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     """part[sp, j, k] = sum_{t in split sp} ds[t, j] * keep(t, k) * x[t, k]   (fp32; split sp = rows
