@@ -70,10 +70,7 @@ def test_fused_dropout_kernels_match_float64_references(rows, rank, d_in):
     D.drop_shrink(s, x, a, keys, p, alpha)
     dx = torch.full((rows + 2, d_in), float("nan"))
     D.drop_expand_t(dx[1:rows + 1], ds, a, keys, p, alpha)
-    da = D.drop_wgrad_a(x, ds, a, keys, p, alpha)
-    dx_both = torch.full((rows, d_in), float("nan"))  # both products in one launch: the same numbers
-    da_both = D.drop_backward(ds, a, keys, p, alpha, dx=dx_both, x=x)
-    assert torch.equal(dx_both, dx[1:rows + 1]) and torch.equal(da_both, da)
+    da = D.drop_wgrad_a(x, ds, keys, p, alpha)
     x64, a64, ds64 = x.double(), a.double(), ds.double()
     tol = dict(rtol=2e-5, atol=2e-5 * max(1.0, rows ** 0.5))
     torch.testing.assert_close(s.double(), D.drop_shrink_ref(x64, a64, keep, alpha), **tol)

@@ -410,13 +410,13 @@ def _drop_shrink_kernel(x_ptr, a_ptr, s_ptr, rows, d_in, r, stride_x, key0, key1
              mask=tmask[:, None] & jmask[None, :])
 
 
-@triton.jit
-def _drop_expand_tile(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0, key1, thr, alpha, tile_t, tile_k,
-                      R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
-    """dx[t, k] = alpha * keep(t, k) * sum_j ds[t, j] * a[j, k]   (written) on rows tile_t * BLOCK_T + [0, BLOCK_T),
-    columns tile_k * BLOCK_K + [0, BLOCK_K); ds (rows, r), a (r, d_in) contiguous."""
-    ts = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    ks = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+@triton.jit(do_not_specialize=_RANDOM_INTS)
+def _drop_expand_t_kernel(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0, key1, thr, alpha,
+                          R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """dx[t, k] = alpha * keep(t, k) * sum_j ds[t, j] * a[j, k]   (written); ds (rows, r), a (r, d_in) contiguous.
+    Grid: (cdiv(rows, BLOCK_T), cdiv(d_in, BLOCK_K))."""
+    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     tmask = ts < rows
     kmask = ks < d_in
     js = tl.arange(0, R)
@@ -424,20 +424,21 @@ def _drop_expand_tile(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0, key
     dst = tl.load(ds_ptr + ts[:, None] * r + js[None, :], mask=tmask[:, None] & jmask[None, :], other=0.0)
     at = tl.load(a_ptr + js[:, None] * d_in + ks[None, :], mask=jmask[:, None] & kmask[None, :], other=0.0)
     acc = tl.dot(dst, at, input_precision=PREC) * alpha
-    keep = _keep_tile(key0, key1, ts, tile_k * BLOCK_K, (d_in + 1) // 2, thr, BLOCK_T, BLOCK_K)
+    keep = _keep_tile(key0, key1, ts, tl.program_id(1) * BLOCK_K, (d_in + 1) // 2, thr, BLOCK_T, BLOCK_K)
     acc = tl.where(keep, acc, 0.0)
     tl.store(dx_ptr + ts[:, None] * stride_dx + ks[None, :], acc.to(dx_ptr.dtype.element_ty),
              mask=tmask[:, None] & kmask[None, :])
 
 
-@triton.jit
-def _drop_wgrad_tile(x_ptr, ds_ptr, part_ptr, rows, d_in, r, stride_x, key0, key1, thr, alpha, rows_per_split,
-                     tile_k, sp, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
-    """part[sp, j, k] = alpha * sum_{t in split sp} ds[t, j] * keep(t, k) * x[t, k]   (fp32) for columns
-    tile_k * BLOCK_K + [0, BLOCK_K); split sp = rows [sp * rows_per_split, (sp + 1) * rows_per_split); ds (rows, r),
-    part (splits, r, d_in) contiguous."""
-    ks = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
+@triton.jit(do_not_specialize=_RANDOM_INTS)
+def _drop_wgrad_a_kernel(x_ptr, ds_ptr, part_ptr, rows, d_in, r, stride_x, key0, key1, thr, rows_per_split,
+                         R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """part[sp, j, k] = sum_{t in split sp} ds[t, j] * keep(t, k) * x[t, k]   (fp32; split sp = rows
+    [sp * rows_per_split, (sp + 1) * rows_per_split)); ds (rows, r), part (splits, r, d_in) contiguous.
+    Grid: (cdiv(d_in, BLOCK_K), splits)."""
+    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = ks < d_in
+    sp = tl.program_id(1)
     js = tl.arange(0, R)
     jmask = js < r
     t_lo = sp * rows_per_split
@@ -447,27 +448,8 @@ def _drop_wgrad_tile(x_ptr, ds_ptr, part_ptr, rows, d_in, r, stride_x, key0, key
         ts = t0 + tl.arange(0, BLOCK_T)
         tmask = ts < t_hi
         xt = tl.load(x_ptr + ts[:, None] * stride_x + ks[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
-        keep = _keep_tile(key0, key1, ts, tile_k * BLOCK_K, (d_in + 1) // 2, thr, BLOCK_T, BLOCK_K)
+        keep = _keep_tile(key0, key1, ts, tl.program_id(0) * BLOCK_K, (d_in + 1) // 2, thr, BLOCK_T, BLOCK_K)
         xt = tl.where(keep, xt, tl.zeros_like(xt))
         dst = tl.load(ds_ptr + ts[None, :] * r + js[:, None], mask=jmask[:, None] & tmask[None, :], other=0.0)
         acc += tl.dot(dst, xt, input_precision=PREC)
-    tl.store(part_ptr + sp * r * d_in + js[:, None] * d_in + ks[None, :], acc * alpha,
-             mask=jmask[:, None] & kmask[None, :])
-
-
-@triton.jit(do_not_specialize=_RANDOM_INTS)
-def _drop_backward_kernel(ds_ptr, a_ptr, dx_ptr, x_ptr, part_ptr, rows, d_in, r, stride_dx, stride_x,
-                          key0, key1, thr, alpha, rows_per_split, n_dx_k, n_dx, n_da_k,
-                          R: tl.constexpr, BT_DX: tl.constexpr, BK_DX: tl.constexpr, BT_DA: tl.constexpr,
-                          BK_DA: tl.constexpr, PREC: tl.constexpr):
-    """Both dropout backward products in one launch (one launch's host cost instead of two): programs
-    [0, n_dx) are ``_drop_expand_tile`` tiles (row tile pid // n_dx_k, column tile pid % n_dx_k), the rest
-    ``_drop_wgrad_tile`` tiles (q = pid - n_dx: column tile q % n_da_k, split q // n_da_k). Grid: (n_dx + n_da,)."""
-    pid = tl.program_id(0)
-    if pid < n_dx:
-        _drop_expand_tile(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0, key1, thr, alpha,
-                          pid // n_dx_k, pid % n_dx_k, R, BT_DX, BK_DX, PREC)
-    else:
-        q = pid - n_dx
-        _drop_wgrad_tile(x_ptr, ds_ptr, part_ptr, rows, d_in, r, stride_x, key0, key1, thr, alpha, rows_per_split,
-                         q % n_da_k, q // n_da_k, R, BT_DA, BK_DA, PREC)
+    tl.store(part_ptr + sp * r * d_in + js[:, None] * d_in + ks[None, :], acc, mask=jmask[:, None] & kmask[None, :])

@@ -25,10 +25,10 @@ Per adapter i with rows R_i = seg[i]:seg[i+1] and c_i = scale_i / (1 - p_i) (p_i
   Saved for backward: X (only without dropout or for dW), Xin_i and drop_i (dropout), S_i, the factors.
   With dropout on CUDA (dense A_i, r_i <= 128; ``FUSED_DROPOUT``), the three products that touch the mask are
   Triton kernels of ``dropout.py`` that draw it from its counter hash where they read or write the element:
-  S_i (drop_shrink: reads X once, no Xin, no mask), then in one backward launch (drop_backward) the LoRA dX
-  (written masked, then the base GEMM adds onto it as above) and dA_i (reads X again); only X is saved. The
-  materialized route (bernoulli, `logical_not`, masked_fill twice) took ~0.25 ms of a ~1 ms layer at 8192 x 4096
-  bf16 on an H200 (bench/results/kernels/*profile*2026-11-22*).
+  S_i (drop_shrink: reads X once, no Xin, no mask), the LoRA dX (drop_expand_t: written masked, then the base
+  GEMM adds onto it as above) and dA_i (drop_wgrad_a: reads X again); only X is saved. The materialized route
+  (bernoulli, `logical_not`, masked_fill twice) took ~0.25 ms of a ~1 ms layer at 8192 x 4096 bf16 on an H200
+  (bench/results/kernels/*profile*2026-11-22*).
 
 Block-diagonal factors (see ``layout``: column layout has B block-diagonal, row layout A), bd_gemm:
   "dense"  expand the packed factor into its (M, K) block-diagonal matrix with zeros, once per call (r x d
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .dispatch import LAST_BACKEND
-from .dropout import drop_backward, drop_shrink, dropout_keys, fused_ok, segment_keep_mask
+from .dropout import drop_expand_t, drop_shrink, drop_wgrad_a, dropout_keys, fused_ok, segment_keep_mask
 from .layout import LoraAdapter
 
 BD_GEMMS = ("auto", "dense", "blocks")
@@ -248,15 +248,15 @@ class CublasLoraLinearFn(torch.autograd.Function):
             if need_da or dx is not None:
                 ds = _new(dy, s1 - s0, cfg.rank[i])
                 bd_mm_t_(ds, dyi, b_eff, nb, 1.0, 0.0)
-                if cfg.fused[i]:  # LoRA dX (written masked) and dA (fp32 (r, d_in)) in one launch
-                    da = drop_backward(ds, a_eff, cfg.keys[i], cfg.p[i], cfg.c[i],
-                                       dx=None if dx is None else dx[s0:s1], x=x[s0:s1] if need_da else None)
-                    if da is not None:
-                        da = da.to(a_dtype) if cfg.nb_a[i] == 1 else pack_dense(da, cfg.nb_a[i], a_dtype)
+                if need_da and cfg.fused[i]:
+                    da = drop_wgrad_a(x[s0:s1], ds, cfg.keys[i], cfg.p[i], cfg.c[i])  # fp32 (r, d_in)
+                    da = da.to(a_dtype) if cfg.nb_a[i] == 1 else pack_dense(da, cfg.nb_a[i], a_dtype)
                 elif need_da:
                     da = bd_wgrad(ds, x[s0:s1] if xin is None else xin, cfg.nb_a[i], cfg.c[i], cfg.dense[i],
                                   a_dtype)
-                if dx is not None and not cfg.fused[i]:
+                if dx is not None and cfg.fused[i]:
+                    drop_expand_t(dx[s0:s1], ds, a_eff, cfg.keys[i], cfg.p[i], cfg.c[i])
+                elif dx is not None:
                     dxi = dx[s0:s1]
                     bd_mm_t_(dxi, ds, a_eff, na, cfg.c[i], 0.0)
                     if drop is not None:

@@ -27,7 +27,6 @@ dtype, s/ds (rows, r):
     drop_shrink      s  = alpha * (keep * x) @ a^T                     replaces mask draw + masked_fill + GEMM
     drop_expand_t    dx = alpha * keep * (ds @ a)        (written)     replaces GEMM + masked_fill_ of the LoRA dX
     drop_wgrad_a     da = alpha * ds^T @ (keep * x)      (fp32, (r, d_in))   replaces the GEMM on a saved x * keep
-    drop_backward    both of these in one launch (the cuBLAS path's backward)
 """
 from __future__ import annotations
 
@@ -171,49 +170,45 @@ def drop_shrink(s: torch.Tensor, x: torch.Tensor, a: torch.Tensor, keys, p: floa
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def drop_backward(ds: torch.Tensor, a: torch.Tensor, keys, p: float, alpha: float, *, dx: torch.Tensor | None = None,
-                  x: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The two backward products of one adapter segment in one launch: with ``dx``, dx (rows, d_in) =
-    alpha * keep * (ds @ a) (written, not accumulated; unit column stride); with ``x`` (rows, d_in, unit column
-    stride), returns dA = alpha * ds^T @ (keep * x) as an fp32 (r, d_in) tensor, its rows split across programs
-    (fp32 partials summed here) so the grid fills the GPU. ds (rows, r) and a (r, d_in) contiguous."""
-    from ._triton import _drop_backward_kernel
+def drop_expand_t(dx: torch.Tensor, ds: torch.Tensor, a: torch.Tensor, keys, p: float, alpha: float) -> None:
+    """dx (rows, d_in) = alpha * keep * (ds @ a), written (not accumulated); ds (rows, r) and a (r, d_in) contiguous,
+    dx with unit column stride."""
+    from ._triton import _drop_expand_t_kernel
 
-    rows, r = ds.shape
-    d_in = a.shape[1]
+    rows, d_in = dx.shape
     check_counters(rows, d_in)
     if rows == 0:
-        return None if x is None else torch.zeros((r, d_in), dtype=torch.float32, device=ds.device)
-    ref = dx if dx is not None else x
-    t_dx, t_da = _tiles(ref, r, "expand_t"), _tiles(ref, r, "wgrad_a")
-    n_dx_k = cdiv(d_in, t_dx["BK"])
-    n_dx = cdiv(rows, t_dx["BT"]) * n_dx_k if dx is not None else 0
-    n_da_k = cdiv(d_in, t_da["BK"])
-    part, per_split, splits = ds, t_da["BT"], 0  # ds: a placeholder pointer when dA is not wanted
-    if x is not None:
-        splits = max(1, min(cdiv(rows, 4 * t_da["BT"]), t_da["target"] // n_da_k))
-        per_split = cdiv(cdiv(rows, splits), t_da["BT"]) * t_da["BT"]
-        splits = cdiv(rows, per_split)
-        part = torch.empty((splits, r, d_in), dtype=torch.float32, device=x.device)  # every element written
-    _drop_backward_kernel[(n_dx + splits * n_da_k,)](
-        ds, a, dx if dx is not None else ds, x if x is not None else ds, part, rows, d_in, r,
-        dx.stride(0) if dx is not None else 0, x.stride(0) if x is not None else 0, keys[0], keys[1],
-        keep_threshold(p), float(alpha), per_split, n_dx_k, n_dx, n_da_k,
-        R=t_dx["R"], BT_DX=t_dx["BT"], BK_DX=t_dx["BK"], BT_DA=t_da["BT"], BK_DA=t_da["BK"], PREC=_prec(ds),
-        num_warps=t_da["num_warps"], num_stages=t_da["num_stages"])
-    if x is None:
-        return None
-    return part.sum(0) if splits > 1 else part[0]
+        return
+    cfg = _tiles(dx, a.shape[0], "expand_t")
+    bk = cfg["BK"]
+    _drop_expand_t_kernel[(cdiv(rows, cfg["BT"]), cdiv(d_in, bk))](
+        ds, a, dx, rows, d_in, a.shape[0], dx.stride(0), keys[0], keys[1], keep_threshold(p), float(alpha),
+        R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=bk, PREC=_prec(dx),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def drop_expand_t(dx: torch.Tensor, ds: torch.Tensor, a: torch.Tensor, keys, p: float, alpha: float) -> None:
-    """dx (rows, d_in) = alpha * keep * (ds @ a), written (``drop_backward`` without dA)."""
-    drop_backward(ds, a, keys, p, alpha, dx=dx)
+def drop_wgrad_a(x: torch.Tensor, ds: torch.Tensor, keys, p: float, alpha: float) -> torch.Tensor:
+    """alpha * ds^T @ (keep * x) as an fp32 (r, d_in) tensor; x (rows, d_in) with unit column stride, ds (rows, r)
+    contiguous. Rows are split across programs (fp32 partials, summed here) so the grid fills the GPU."""
+    from ._triton import _drop_wgrad_a_kernel
 
-
-def drop_wgrad_a(x: torch.Tensor, ds: torch.Tensor, a: torch.Tensor, keys, p: float, alpha: float) -> torch.Tensor:
-    """alpha * ds^T @ (keep * x) as an fp32 (r, d_in) tensor (``drop_backward`` without dX; a gives d_in)."""
-    return drop_backward(ds, a, keys, p, alpha, x=x)
+    rows, d_in = x.shape
+    r = ds.shape[1]
+    check_counters(rows, d_in)
+    if rows == 0:
+        return torch.zeros((r, d_in), dtype=torch.float32, device=x.device)
+    cfg = _tiles(x, r, "wgrad_a")
+    bk = cfg["BK"]
+    n_k = cdiv(d_in, bk)
+    splits = max(1, min(cdiv(rows, 4 * cfg["BT"]), cfg["target"] // n_k))
+    per_split = cdiv(cdiv(rows, splits), cfg["BT"]) * cfg["BT"]
+    splits = cdiv(rows, per_split)
+    part = torch.empty((splits, r, d_in), dtype=torch.float32, device=x.device)  # every element written
+    _drop_wgrad_a_kernel[(n_k, splits)](
+        x, ds, part, rows, d_in, r, x.stride(0), keys[0], keys[1], keep_threshold(p), per_split,
+        R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=bk, PREC=_prec(x),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return part.sum(0).mul_(alpha) if splits > 1 else part[0].mul_(alpha)
 
 
 def drop_shrink_ref(x, a, keep, alpha):

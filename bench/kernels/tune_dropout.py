@@ -3,9 +3,8 @@
     python bench/kernels/tune_dropout.py      # writes $OUT/tune.json (or ./tune.json), prints the best tiles
 
 For d_in x r in (4096 x 16, 4096 x 64, 14336 x 16): the plain GEMMs the kernels replace, torch's bernoulli mask
-draw and masked_fill, then every tile config of drop_shrink and of the backward kernel's dX and dA tiles (checked
-against an fp32 reference), fastest first; then the defaults as shipped, dX + dA in one launch included.
-``dropout.GPU_TILES`` holds the pick. Needs CUDA.
+draw and masked_fill, then every tile config of drop_shrink / drop_expand_t / drop_wgrad_a (checked against an fp32
+reference), fastest first. ``dropout.GPU_TILES`` holds the pick. Needs CUDA.
 """
 import itertools
 import json
@@ -53,29 +52,27 @@ def sweep(rows, d_in, r, dt=torch.bfloat16):
         run("shrink", dict(bt=bt, bk=bk, w=w, st=st), lambda: KT._drop_shrink_kernel[(triton.cdiv(rows, bt),)](
             x, a, s, rows, d_in, r, x.stride(0), *keys, thr, alpha, BLOCK_T=bt, BLOCK_K=bk, num_warps=w,
             num_stages=st, **common), s)
-    n_k = {bk: triton.cdiv(d_in, bk) for bk in (32, 64, 128, 256)}
-    for bt, bk in itertools.product([32, 64, 128], [64, 128, 256]):  # the backward kernel with dX tiles only
-        grid = (triton.cdiv(rows, bt) * n_k[bk],)
-        run("expand", dict(bt=bt, bk=bk), lambda: KT._drop_backward_kernel[grid](
-            ds, a, dx, ds, ds, rows, d_in, r, dx.stride(0), 0, *keys, thr, alpha, 64, n_k[bk], grid[0], 1,
-            BT_DX=bt, BK_DX=bk, BT_DA=64, BK_DA=64, num_warps=4, num_stages=1, **common), dx)
+    for bt, bk in itertools.product([32, 64, 128], [64, 128, 256]):
+        grid = (triton.cdiv(rows, bt), triton.cdiv(d_in, bk))
+        run("expand", dict(bt=bt, bk=bk), lambda: KT._drop_expand_t_kernel[grid](
+            ds, a, dx, rows, d_in, r, dx.stride(0), *keys, thr, alpha, BLOCK_T=bt, BLOCK_K=bk, num_warps=4,
+            num_stages=1, **common), dx)
     for bt, bk, w, target in itertools.product([32, 64, 128], [32, 64, 128], [4, 8], [264, 528, 1056]):
-        splits = max(1, min(triton.cdiv(rows, 4 * bt), target // n_k[bk]))  # ... and with dA tiles only
+        n_k = triton.cdiv(d_in, bk)
+        splits = max(1, min(triton.cdiv(rows, 4 * bt), target // n_k))
         per = triton.cdiv(triton.cdiv(rows, splits), bt) * bt
         splits = triton.cdiv(rows, per)
         part = torch.empty(splits, r, d_in, device="cuda")
 
         def wgrad():
-            KT._drop_backward_kernel[(splits * n_k[bk],)](
-                ds, a, ds, x, part, rows, d_in, r, 0, x.stride(0), *keys, thr, alpha, per, 1, 0, n_k[bk],
-                BT_DX=64, BK_DX=128, BT_DA=bt, BK_DA=bk, num_warps=w, num_stages=3, **common)
-            return part.sum(0)
+            KT._drop_wgrad_a_kernel[(n_k, splits)](x, ds, part, rows, d_in, r, x.stride(0), *keys, thr, per,
+                                                   BLOCK_T=bt, BLOCK_K=bk, num_warps=w, num_stages=3, **common)
+            return part.sum(0).mul_(alpha)
         run("wgrad", dict(bt=bt, bk=bk, w=w, target=target), wgrad, None)
     sd = torch.empty(rows, r, device="cuda", dtype=dt)
     res["default"] = dict(shrink=do_bench(lambda: D.drop_shrink(sd, x, a, keys, p, alpha)),
                           expand=do_bench(lambda: D.drop_expand_t(dx, ds, a, keys, p, alpha)),
-                          wgrad=do_bench(lambda: D.drop_wgrad_a(x, ds, a, keys, p, alpha)),
-                          both=do_bench(lambda: D.drop_backward(ds, a, keys, p, alpha, dx=dx, x=x)))
+                          wgrad=do_bench(lambda: D.drop_wgrad_a(x, ds, keys, p, alpha)))
     return res
 
 
