@@ -229,8 +229,8 @@ class MultiLoraLinear(nn.Module):
     def _backend(self, x2: torch.Tensor, n_segments: int) -> str:
         """The context's lora_backend with "auto" resolved. On GPU the kernels' own rule
         (``dispatch.cublas_preferred``): cuBLAS GEMMs for one job or a large layer (at 8B shape the Triton grouped
-        kernels, drawing dropout masks one Philox call per element and summing dB with fp32 atomics, were 62% of an
-        engine step, bench/results/train/*profile*2026-11-22*), the grouped Triton kernels for several jobs on a
+        kernels, then drawing dropout masks one Philox call per element and summing dB with fp32 atomics, were 62%
+        of an engine step, bench/results/train/*profile*2026-11-22*), the grouped Triton kernels for several jobs on a
         small layer (fewer launches). On CPU the torch reference (the Triton interpreter, which "auto" would take
         under TRITON_INTERPRET=1, is ~30x slower)."""
         backend = self.ctx.backend
