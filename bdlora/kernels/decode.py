@@ -10,12 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
+from .dispatch import next_pow2
 from .layout import LAYOUTS
 from .reference import decode_lora_folded_torch, decode_lora_torch
-
-
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
 
 
 def stack_decode_weights(per_slice: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor] | None]],
@@ -87,7 +84,7 @@ def decode_grid(tokens: int, n_slices: int, nb: int, max_block: int, d_in: int, 
     """The launches ``decode_lora`` makes for these shapes: the input dimension in ``block_k`` splits (shrink), the
     widest output block in ``block_n`` tiles (expand; a narrower block's surplus tiles exit at once)."""
     return DecodeGrid(tokens, n_slices * nb, -(-d_in // tiles.block_k), -(-max_block // tiles.block_n),
-                      max(16, _next_pow2(r_max // nb)))
+                      max(16, next_pow2(r_max // nb)))
 
 
 class DecodeWorkspace:
@@ -250,6 +247,6 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         y, h, lora_b, token_lora_indices.to(device=x.device, dtype=torch.int32),
         ranks.to(device=x.device, dtype=torch.int32), scales.to(device=x.device, dtype=torch.float32), soff,
         y.stride(0), h.stride(0), d_out, n_l, r,
-        BLOCK_R=max(16, _next_pow2(r)), BLOCK_N=tiles.block_n, num_warps=tiles.warps,
+        BLOCK_R=max(16, next_pow2(r)), BLOCK_N=tiles.block_n, num_warps=tiles.warps,
     )
     return y

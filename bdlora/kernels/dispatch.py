@@ -37,6 +37,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_pow2(v: int) -> int:
+    """The smallest power of two >= v (1 for v <= 1): Triton block sizes."""
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision for inputs of ``dtype``: exact IEEE products for fp32 (tests compare against fp64
+    references), tf32 otherwise (ignored for 16-bit inputs)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def triton_ok(*tensors: torch.Tensor) -> bool:
     """True when Triton can run on these tensors' device with these dtypes."""
     if not HAS_TRITON:

@@ -36,7 +36,7 @@ import struct
 import torch
 
 from . import dispatch
-from .dispatch import cdiv
+from .dispatch import cdiv, dot_precision, next_pow2
 
 M64 = 0xFFFFFFFFFFFFFFFF
 GOLDEN32 = 0x9E3779B1
@@ -154,14 +154,10 @@ GPU_TILES = {"shrink": dict(BT=32, BK=128, num_warps=4, num_stages=4),
 
 def _tiles(x: torch.Tensor, rank: int, kernel: str) -> dict:
     """Tile sizes of ``kernel``: GPU_TILES on GPUs; small ones under the interpreter. R = rank padded for tl.dot."""
-    rp = max(16, 1 << (rank - 1).bit_length())
+    rp = max(16, next_pow2(rank))
     if not x.is_cuda:
         return dict(R=rp, BT=16, BK=32, num_warps=4, num_stages=1, target=2)
     return dict(R=rp, **GPU_TILES[kernel])
-
-
-def _prec(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def drop_shrink(s: torch.Tensor, x: torch.Tensor, a: torch.Tensor, keys, p: float, alpha: float) -> None:
@@ -176,7 +172,7 @@ def drop_shrink(s: torch.Tensor, x: torch.Tensor, a: torch.Tensor, keys, p: floa
     cfg = _tiles(x, a.shape[0], "shrink")
     _drop_shrink_kernel[(cdiv(rows, cfg["BT"]),)](
         x, a, s, rows, d_in, a.shape[0], x.stride(0), keys[0], keys[1], keep_threshold(p), float(alpha),
-        R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=cfg["BK"], PREC=_prec(x),
+        R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=cfg["BK"], PREC=dot_precision(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -193,7 +189,7 @@ def drop_expand_t(dx: torch.Tensor, ds: torch.Tensor, a: torch.Tensor, keys, p: 
     bk = cfg["BK"]
     _drop_expand_t_kernel[(cdiv(rows, cfg["BT"]), cdiv(d_in, bk))](
         ds, a, dx, rows, d_in, a.shape[0], dx.stride(0), keys[0], keys[1], keep_threshold(p), float(alpha),
-        R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=bk, PREC=_prec(dx),
+        R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=bk, PREC=dot_precision(dx.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -216,7 +212,7 @@ def drop_wgrad_a(x: torch.Tensor, ds: torch.Tensor, keys, p: float, alpha: float
     part = torch.empty((splits, r, d_in), dtype=torch.float32, device=x.device)  # every element written
     _drop_wgrad_a_kernel[(n_k, splits)](
         x, ds, part, rows, d_in, r, x.stride(0), keys[0], keys[1], keep_threshold(p), per_split,
-        R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=bk, PREC=_prec(x),
+        R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=bk, PREC=dot_precision(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return part.sum(0).mul_(alpha) if splits > 1 else part[0].mul_(alpha)
 

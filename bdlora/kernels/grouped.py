@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
-from .dispatch import cdiv
+from .dispatch import cdiv, dot_precision, next_pow2
 from .dropout import check_counters, dropout_keys
 from .cublas import cublas_lora_linear
 from .layout import LoraAdapter
@@ -34,10 +34,6 @@ def _new(x: torch.Tensor, *shape: int) -> torch.Tensor:
     return out.fill_(float("nan")) if POISON_OUTPUTS else out
 
 
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, int(v) - 1).bit_length()
-
-
 def _config(x: torch.Tensor, fuse_base: bool) -> dict:
     """Tile sizes: big tiles on GPU (bigger still when the tile also runs the base GEMM); small ones under
     the (slow, per-program) interpreter."""
@@ -49,7 +45,7 @@ def _config(x: torch.Tensor, fuse_base: bool) -> dict:
 
 
 def _clamp_pow2(v: int, lo: int, hi: int) -> int:
-    return min(hi, max(lo, _next_pow2(v)))
+    return min(hi, max(lo, next_pow2(v)))
 
 
 def _seg_list(seg, n: int, t: int) -> list[int]:
@@ -107,15 +103,15 @@ class _Plan:
         self.n_tiles = len(tiles)
         self.tiles = torch.tensor(tiles or [(0, 0, 0)], dtype=torch.int32).to(dev, non_blocking=True)
         # weight-gradient tiles: longer row chunks (split-K over tokens), enough programs to fill the GPU
-        self.br_w = min(64, max(16, _next_pow2(max(r // ad.blocks_a for ad, r in zip(adapters, ranks)))))
+        self.br_w = min(64, max(16, next_pow2(max(r // ad.blocks_a for ad, r in zip(adapters, ranks)))))
         self.bk_w = cfg["BK"]
         per_tile = -(-self.r_max // self.br_w) * -(-max(self.d_in // ad.blocks_a for ad in adapters) // self.bk_w)
         want = max(1, 1024 // per_tile)
-        chunk = max(cfg["BT"], _next_pow2(max(1, (seg[-1] - seg[0]) // want)))
+        chunk = max(cfg["BT"], next_pow2(max(1, (seg[-1] - seg[0]) // want)))
         wtiles = _tiles(seg, min(chunk, 4096))
         self.n_wtiles = len(wtiles)
         self.wtiles = torch.tensor(wtiles or [(0, 0, 0)], dtype=torch.int32).to(dev, non_blocking=True)
-        self.block_r = max(16, _next_pow2(max(r // ad.blocks_b for ad, r in zip(adapters, ranks))))
+        self.block_r = max(16, next_pow2(max(r // ad.blocks_b for ad, r in zip(adapters, ranks))))
         # dS/dB kernel: ranks in chunks of at most 64 (32 under the interpreter, so CPU tests cover several chunks):
         # two fp32 (rows x BLOCK_R) accumulators of BLOCK_R = 128 spilled registers on the H200 (2026-11-22 profile:
         # 4 ms a call at the 8B shape with rank 128)
@@ -128,7 +124,7 @@ class _Plan:
             self.EXPAND: (cfg["BM"], _clamp_pow2(self.block_r, 16, cfg["BK"])),
             self.DX: (cfg["BM"], _clamp_pow2(rb_a, 16, cfg["BK"])),
         }
-        self.prec = "ieee" if x.dtype == torch.float32 else "tf32"
+        self.prec = dot_precision(x.dtype)
 
     def zero_gaps(self, t: torch.Tensor) -> None:
         """Rows outside every segment get no LoRA; kernels never touch them."""
