@@ -77,7 +77,10 @@ def unpack_dense(w: torch.Tensor, nb: int, dtype: torch.dtype | None = None) -> 
 
 
 def pack_dense(full: torch.Tensor, nb: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(M, K) -> its nb diagonal blocks packed (M, K/nb), in ``dtype`` (default full's): one small copy."""
+    """(M, K) -> its nb diagonal blocks packed (M, K/nb), in ``dtype`` (default full's): one small copy (none for
+    nb = 1 in full's dtype)."""
+    if nb == 1:
+        return full.to(dtype or full.dtype)
     m, k = full.shape
     out = full.new_empty(nb, m // nb, k // nb, dtype=dtype)
     out.copy_(full.view(nb, m // nb, nb, k // nb).diagonal(dim1=0, dim2=2).permute(2, 0, 1))
@@ -112,8 +115,7 @@ def bd_wgrad(gout: torch.Tensor, inp: torch.Tensor, nb: int, alpha: float, dense
     t, m, k = gout.shape[0], gout.shape[1], inp.shape[1]
     dtype = dtype or gout.dtype
     if nb == 1 or dense:
-        full = _new(gout, m, k).addmm_(gout.t(), inp, beta=0.0, alpha=alpha)
-        return full.to(dtype) if nb == 1 else pack_dense(full, nb, dtype)
+        return pack_dense(_new(gout, m, k).addmm_(gout.t(), inp, beta=0.0, alpha=alpha), nb, dtype)
     out = _new(gout, m, k // nb)
     out.view(nb, m // nb, k // nb).baddbmm_(gout.view(t, nb, m // nb).permute(1, 2, 0),
                                             inp.view(t, nb, k // nb).transpose(0, 1), beta=0.0, alpha=alpha)
@@ -249,8 +251,7 @@ class CublasLoraLinearFn(torch.autograd.Function):
                 ds = _new(dy, s1 - s0, cfg.rank[i])
                 bd_mm_t_(ds, dyi, b_eff, nb, 1.0, 0.0)
                 if need_da and cfg.fused[i]:
-                    da = drop_wgrad_a(x[s0:s1], ds, cfg.keys[i], cfg.p[i], cfg.c[i])  # fp32 (r, d_in)
-                    da = da.to(a_dtype) if cfg.nb_a[i] == 1 else pack_dense(da, cfg.nb_a[i], a_dtype)
+                    da = pack_dense(drop_wgrad_a(x[s0:s1], ds, cfg.keys[i], cfg.p[i], cfg.c[i]), cfg.nb_a[i], a_dtype)
                 elif need_da:
                     da = bd_wgrad(ds, x[s0:s1] if xin is None else xin, cfg.nb_a[i], cfg.c[i], cfg.dense[i],
                                   a_dtype)

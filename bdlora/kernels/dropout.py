@@ -92,7 +92,8 @@ def _lowbias32(h: torch.Tensor) -> torch.Tensor:
 def keep_mask_torch(keys: tuple[int, int], rows: int, cols: int, p: float, device="cpu") -> torch.Tensor:
     """The (rows, cols) bool keep-mask of the module docstring, in torch: the twin of ``_triton._keep`` /
     ``_keep_tile``, bit for bit (tests compare them). int32 arithmetic in place, products wrapping modulo 2^32 as
-    uint32 ones do (a third of the memory traffic of an int64 emulation; ~4x torch's bernoulli_ on a CPU)."""
+    uint32 ones do (a third of the memory traffic of an int64 emulation; on a CPU about the time of torch's
+    bernoulli_, BENCHMARKS.md)."""
     check_counters(rows, cols)
     half_w = (cols + 1) // 2
     h = torch.arange(rows * half_w, dtype=torch.int32, device=device)
