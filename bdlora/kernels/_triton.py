@@ -69,7 +69,7 @@ def _tile_meta(tiles_ptr, meta_ptr, tile):
     return adapter, row0, row_end, m0, m1, m2, m3
 
 
-@triton.jit(do_not_specialize=_RANDOM_INTS[:2])  # no threshold argument: it derives it from p
+@triton.jit(do_not_specialize=["key0", "key1"])  # its threshold comes from p in fmeta
 def _sgmm_kernel(
     out_ptr, in_ptr, w_ptr, tiles_ptr, meta_ptr, fmeta_ptr,
     base_in_ptr, base_w_ptr, bias_ptr, mask_ptr, key0, key1,
