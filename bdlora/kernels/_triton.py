@@ -19,7 +19,7 @@ import triton.language as tl
 # Dropout keys and threshold change with every seed: never specialize a compiled kernel on their values (Triton
 # otherwise compiles a variant per "divisible by 16" / "equals 1" pattern of each int argument, i.e. a new compile
 # whenever a fresh seed's key happens to be a multiple of 16).
-_RANDOM_INTS = ["key0", "key1", "thr"]  # argument names; each kernel below names exactly the ones it has
+_RANDOM_INTS = ["key0", "key1", "thr"]  # argument names of the dropout-fused kernels below
 
 
 @triton.jit
