@@ -1,6 +1,7 @@
 """LoRA dropout (bdlora.kernels.dropout): the counter-hash mask (Triton == torch twin, bit for bit; statistics),
 the cuBLAS path's three fused dropout kernels against float64 references, and that path end to end with the
-kernels on (Triton interpreter) and off (materialized mask): same masks, so both equal the float64 oracle."""
+kernels on (Triton interpreter) and off (materialized mask), and with its dS/dB kernel on and off: same masks, so
+all equal the float64 oracle."""
 import os
 import sys
 
@@ -87,13 +88,17 @@ def _adapter(gen, r, layout, n, d_in, d_out, dropout):
     return K.LoraAdapter(a.requires_grad_(), b.requires_grad_(), 1.5, layout, n, dropout)
 
 
+@pytest.mark.parametrize("dsdb", [True, False])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("bd_gemm", ["dense", "blocks"])
-def test_cublas_path_with_and_without_fused_dropout(fused, bd_gemm, monkeypatch):
+def test_cublas_path_with_and_without_fused_dropout(fused, bd_gemm, dsdb, monkeypatch):
     """Both routes draw the same masks: outputs and every gradient equal the float64 oracle with those masks. Mixed
     layouts/ranks, an empty and a one-row segment, rows in no segment, one adapter without dropout. With
-    bd_gemm="blocks" the row-layout adapter's A stays packed, so its dropout takes the mask route either way."""
+    bd_gemm="blocks" the row-layout adapter's A stays packed, so its dropout takes the mask route either way.
+    ``dsdb``: dS and dB from the one-read Triton kernel (fp32 dS into the dropout kernels, or cast for the GEMMs)
+    where B is dense as the GEMMs see it, else the two GEMMs."""
     monkeypatch.setattr(cublas_mod, "FUSED_DROPOUT", fused)
+    monkeypatch.setattr(cublas_mod, "FUSED_DSDB", dsdb)
     monkeypatch.setattr(cublas_mod, "POISON_OUTPUTS", True)
     gen = torch.Generator().manual_seed(11 + fused)
     d_in, d_out, t = 64, 48, 40
@@ -108,6 +113,8 @@ def test_cublas_path_with_and_without_fused_dropout(fused, bd_gemm, monkeypatch)
     g = torch.randn(t, d_out, generator=gen)
     params = [x] + [p for ad in ads for p in (ad.lora_a, ad.lora_b)]
     grads = torch.autograd.grad(y, params, g)
+    # the last adapter: column layout, B in 2 blocks: dense for bd_gemm="dense", packed (two GEMMs) for "blocks"
+    assert K.LAST_BACKEND["cublas_dsdb"] == ("triton" if dsdb and bd_gemm == "dense" else "cublas")
     # float64 oracle: dense factors, the same masks
     masks = K.torch_keep_masks(x, seg, ads, 21)
     leaves = [x.detach().double().requires_grad_()]

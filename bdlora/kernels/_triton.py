@@ -152,6 +152,33 @@ def _sgmm_kernel(
 
 
 @triton.jit
+def _dsdb_chunks(db_ptr, dy_ptr, b_ptr, s_tile, rows, rmask, rr, rrmask, stride_dy, o_lo, width, rb, boff,
+                 first, step, rot, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                 PREC: tl.constexpr):
+    """The shared body of the dS/dB kernels: over the BLOCK_N column chunks c = first, first + step, ... of output
+    columns [o_lo, o_lo + width) (visited rotated by ``rot``, so concurrent programs add into different dB rows):
+
+        returns sum_c dY[rows, c] @ B[c, rr]               (fp32 (BLOCK_T, BLOCK_R), the caller stores it)
+        dB[c, rr] += dY[rows, c]^T @ s_tile                 (fp32 atomics; s_tile = S[rows, rr])
+
+    with B stored (d_out, rb) row-major at b_ptr + boff (dB alike at db_ptr + boff)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    n_ch = tl.cdiv(width, BLOCK_N)
+    for it in range(first, n_ch, step):
+        os_ = o_lo + ((it + rot) % n_ch) * BLOCK_N + tl.arange(0, BLOCK_N)
+        omask = os_ < o_lo + width
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + os_[None, :],
+                     mask=rmask[:, None] & omask[None, :], other=0.0)
+        bmask = omask[:, None] & rrmask[None, :]
+        bidx = boff + os_[:, None] * rb + rr[None, :]
+        b = tl.load(b_ptr + bidx, mask=bmask, other=0.0)
+        acc += tl.dot(dy, b, input_precision=PREC)
+        db = tl.dot(tl.trans(dy), s_tile, input_precision=PREC)
+        tl.atomic_add(db_ptr + bidx, db, mask=bmask, sem="relaxed")
+    return acc
+
+
+@triton.jit
 def _dsdb_kernel(
     ds_ptr, db_ptr, dy_ptr, s_ptr, b_ptr, tiles_ptr, meta_ptr,
     stride_ds, stride_dy, stride_s, col_split,
@@ -180,23 +207,30 @@ def _dsdb_kernel(
     for j in range(0, nb):
         smask = rmask[:, None] & rrmask[None, :]
         s_j = tl.load(s_ptr + rows[:, None] * stride_s + (j * rb + rr)[None, :], mask=smask, other=0.0)
-        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        o_end = (j + 1) * bs_out
-        n_ch = tl.cdiv(bs_out, BLOCK_N)
-        for it in range(tl.program_id(1), n_ch, col_split):
-            # rotate the chunk order per tile: concurrent tiles then add into different dB rows
-            o0 = j * bs_out + ((it + tile) % n_ch) * BLOCK_N
-            os_ = o0 + tl.arange(0, BLOCK_N)
-            omask = os_ < o_end
-            dy = tl.load(dy_ptr + rows[:, None] * stride_dy + os_[None, :],
-                         mask=rmask[:, None] & omask[None, :], other=0.0)
-            bmask = omask[:, None] & rrmask[None, :]
-            bidx = boff + os_[:, None] * rb + rr[None, :]
-            b = tl.load(b_ptr + bidx, mask=bmask, other=0.0)
-            acc += tl.dot(dy, b, input_precision=PREC)
-            db = tl.dot(tl.trans(dy), s_j, input_precision=PREC)
-            tl.atomic_add(db_ptr + bidx, db, mask=bmask)
-        tl.atomic_add(ds_ptr + rows[:, None] * stride_ds + (j * rb + rr)[None, :], acc, mask=smask)
+        acc = _dsdb_chunks(db_ptr, dy_ptr, b_ptr, s_j, rows, rmask, rr, rrmask, stride_dy, j * bs_out, bs_out, rb,
+                           boff, tl.program_id(1), col_split, tile, BLOCK_T, BLOCK_N, BLOCK_R, PREC)
+        tl.atomic_add(ds_ptr + rows[:, None] * stride_ds + (j * rb + rr)[None, :], acc, mask=smask, sem="relaxed")
+
+
+@triton.jit
+def _dsdb_dense_kernel(ds_ptr, db_ptr, dy_ptr, s_ptr, b_ptr, rows_total, d_out, r, stride_dy, col_split,
+                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
+    """One adapter, dense B (d_out, r), every row (the cuBLAS layer's segment): dY read once for both products,
+
+    dS[t, :] += dY[t, :] @ B          dB += dY^T @ S            (fp32 atomics into zeroed ds (rows, r), db (d_out, r))
+
+    Program (row tile, c) takes every col_split-th BLOCK_N column chunk. dy has unit column stride; s and b
+    are contiguous. Grid: (cdiv(rows, BLOCK_T), col_split)."""
+    tile = tl.program_id(0)
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < rows_total
+    rr = tl.arange(0, BLOCK_R)
+    rrmask = rr < r
+    smask = rmask[:, None] & rrmask[None, :]
+    s_tile = tl.load(s_ptr + rows[:, None] * r + rr[None, :], mask=smask, other=0.0)
+    acc = _dsdb_chunks(db_ptr, dy_ptr, b_ptr, s_tile, rows, rmask, rr, rrmask, stride_dy, 0, d_out, r, 0,
+                       tl.program_id(1), col_split, tile, BLOCK_T, BLOCK_N, BLOCK_R, PREC)
+    tl.atomic_add(ds_ptr + rows[:, None] * r + rr[None, :], acc, mask=smask, sem="relaxed")
 
 
 @triton.jit
@@ -413,7 +447,8 @@ def _drop_shrink_kernel(x_ptr, a_ptr, s_ptr, rows, d_in, r, stride_x, key0, key1
 @triton.jit(do_not_specialize=_RANDOM_INTS)
 def _drop_expand_t_kernel(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0, key1, thr, alpha,
                           R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
-    """dx[t, k] = alpha * keep(t, k) * sum_j ds[t, j] * a[j, k]   (written); ds (rows, r), a (r, d_in) contiguous.
+    """dx[t, k] = alpha * keep(t, k) * sum_j ds[t, j] * a[j, k]   (written); ds (rows, r), a (r, d_in) contiguous
+    (ds rounded to a's dtype first).
     Grid: (cdiv(rows, BLOCK_T), cdiv(d_in, BLOCK_K))."""
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -422,6 +457,7 @@ def _drop_expand_t_kernel(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0,
     js = tl.arange(0, R)
     jmask = js < r
     dst = tl.load(ds_ptr + ts[:, None] * r + js[None, :], mask=tmask[:, None] & jmask[None, :], other=0.0)
+    dst = dst.to(a_ptr.dtype.element_ty)  # ds may come in fp32 (the fused dS/dB kernel's output)
     at = tl.load(a_ptr + js[:, None] * d_in + ks[None, :], mask=jmask[:, None] & kmask[None, :], other=0.0)
     acc = tl.dot(dst, at, input_precision=PREC) * alpha
     keep = _keep_tile(key0, key1, ts, tl.program_id(1) * BLOCK_K, (d_in + 1) // 2, thr, BLOCK_T, BLOCK_K)
@@ -434,7 +470,8 @@ def _drop_expand_t_kernel(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0,
 def _drop_wgrad_a_kernel(x_ptr, ds_ptr, part_ptr, rows, d_in, r, stride_x, key0, key1, thr, rows_per_split,
                          R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
     """part[sp, j, k] = sum_{t in split sp} ds[t, j] * keep(t, k) * x[t, k]   (fp32; split sp = rows
-    [sp * rows_per_split, (sp + 1) * rows_per_split)); ds (rows, r), part (splits, r, d_in) contiguous.
+    [sp * rows_per_split, (sp + 1) * rows_per_split)); ds (rows, r; rounded to x's dtype first), part
+    (splits, r, d_in) contiguous.
     Grid: (cdiv(d_in, BLOCK_K), splits)."""
     ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = ks < d_in
@@ -451,5 +488,5 @@ def _drop_wgrad_a_kernel(x_ptr, ds_ptr, part_ptr, rows, d_in, r, stride_x, key0,
         keep = _keep_tile(key0, key1, ts, tl.program_id(0) * BLOCK_K, (d_in + 1) // 2, thr, BLOCK_T, BLOCK_K)
         xt = tl.where(keep, xt, tl.zeros_like(xt))
         dst = tl.load(ds_ptr + ts[None, :] * r + js[:, None], mask=jmask[:, None] & tmask[None, :], other=0.0)
-        acc += tl.dot(dst, xt, input_precision=PREC)
+        acc += tl.dot(dst.to(xt.dtype), xt, input_precision=PREC)
     tl.store(part_ptr + sp * r * d_in + js[:, None] * d_in + ks[None, :], acc, mask=jmask[:, None] & kmask[None, :])

@@ -29,6 +29,9 @@ Per adapter i with rows R_i = seg[i]:seg[i+1] and c_i = scale_i / (1 - p_i) (p_i
   GEMM adds onto it as above) and dA_i (drop_wgrad_a: reads X again); only X is saved. The materialized route
   (bernoulli, `logical_not`, masked_fill twice) took ~0.25 ms of a ~1 ms layer at 8192 x 4096 bf16 on an H200
   (bench/results/kernels/*profile*2026-11-22*).
+  On CUDA, for B_i dense as the GEMMs see it and r_i <= 64 (``FUSED_DSDB``), dS_i and dB_i come from one Triton
+  kernel that reads dY once (``dsdb_dense``, fp32 atomics; dY is the widest operand of an MLP up-projection:
+  8192 x 14336, r 16 on an H200: 80 us vs 129 us for the two GEMMs).
 
 Block-diagonal factors (see ``layout``: column layout has B block-diagonal, row layout A), bd_gemm:
   "dense"  expand the packed factor into its (M, K) block-diagonal matrix with zeros, once per call (r x d
@@ -48,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from . import dispatch
 from .dispatch import LAST_BACKEND
 from .dropout import drop_expand_t, drop_shrink, drop_wgrad_a, dropout_keys, fused_ok, segment_keep_mask
 from .layout import LoraAdapter
@@ -60,6 +64,16 @@ POISON_OUTPUTS = False
 # Dropout inside the LoRA-A products (``dropout.py`` kernels) instead of a materialized mask: None = on CUDA where
 # they apply (dense A of rank <= 128), True = also under the CPU Triton interpreter (tests), False = never.
 FUSED_DROPOUT: bool | None = None
+# dS and dB of an adapter from one Triton kernel reading dY once (``dsdb_dense``) instead of two GEMMs that read it
+# twice: None = on CUDA for B dense as the GEMMs see it and rank <= DSDB_MAX_RANK, True = also under the interpreter,
+# False = never (dB then sums in a fixed order: the kernel's fp32 atomics are not bit-reproducible run to run).
+FUSED_DSDB: bool | None = None
+# Tiles and splits: the best of a sweep at 8192 rows x 4096 / 14336 columns, r 16 / 32 / 64 (H200, 2026-11-22;
+# bench/kernels/tune_dsdb.py; bench/results/kernels/h200-dsdb-dense-sweep-shipped-*), as shipped: 8192 x 14336:
+# r 16 80 us vs 129 us for the two GEMMs, r 32 92 vs 130, r 64 122 vs 133; 8192 x 4096: r 16 34 vs 50, r 64 45 vs
+# 51. Above rank 64 its fp32 (rows x rank) accumulators outgrow the registers.
+DSDB_MAX_RANK = 64
+DSDB_TILES = dict(BT=128, BN=128, num_warps=8, num_stages=3)
 
 
 def _new(ref: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -120,6 +134,40 @@ def bd_wgrad(gout: torch.Tensor, inp: torch.Tensor, nb: int, alpha: float, dense
     out.view(nb, m // nb, k // nb).baddbmm_(gout.view(t, nb, m // nb).permute(1, 2, 0),
                                             inp.view(t, nb, k // nb).transpose(0, 1), beta=0.0, alpha=alpha)
     return out.to(dtype)
+
+
+def dsdb_ok(dy: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``dsdb_dense`` runs for dY and a dense B (d_out, r) (see FUSED_DSDB)."""
+    if FUSED_DSDB is False or b.shape[1] > DSDB_MAX_RANK or not dispatch.triton_ok(dy, b):
+        return False
+    return dy.is_cuda or bool(FUSED_DSDB)
+
+
+def dsdb_dense(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dS, dB) = (dy @ b, dy^T @ s) in fp32 from one read of dy: dy (rows, d_out) with unit column stride, s (rows,
+    r) and b (d_out, r) contiguous (``_dsdb_dense_kernel``; reference ``dsdb_dense_ref``)."""
+    from ._triton import _dsdb_dense_kernel
+
+    rows, (d_out, r) = dy.shape[0], b.shape
+    ds = torch.zeros((rows, r), dtype=torch.float32, device=dy.device)
+    db = torch.zeros((d_out, r), dtype=torch.float32, device=dy.device)
+    if rows == 0:
+        return ds, db
+    if dy.is_cuda:  # at most one wave of programs (row tiles x column splits; 64 x 2 at 8192 rows was best)
+        tiles, sms = DSDB_TILES, torch.cuda.get_device_properties(dy.device).multi_processor_count
+        split = max(2, min(16, sms // dispatch.cdiv(rows, tiles["BT"])))
+    else:  # small tiles under the interpreter, several splits and chunks per program
+        tiles, split = dict(BT=16, BN=32, num_warps=4, num_stages=1), 2
+    _dsdb_dense_kernel[(dispatch.cdiv(rows, tiles["BT"]), split)](
+        ds, db, dy, s, b, rows, d_out, r, dy.stride(0), split,
+        BLOCK_T=tiles["BT"], BLOCK_N=tiles["BN"], BLOCK_R=max(16, dispatch.next_pow2(r)),
+        PREC=dispatch.dot_precision(dy.dtype), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+    return ds, db
+
+
+def dsdb_dense_ref(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of ``dsdb_dense`` (float64 in tests)."""
+    return dy @ b, dy.t() @ s
 
 
 class _Cfg:
@@ -245,11 +293,20 @@ class CublasLoraLinearFn(torch.autograd.Function):
                 continue
             na, nb = (1 if cfg.dense[i] else cfg.nb_a[i]), (1 if cfg.dense[i] else cfg.nb_b[i])
             dyi = dy[s0:s1]
-            db = bd_wgrad(dyi, s, cfg.nb_b[i], 1.0, cfg.dense[i], b_dtype) if need_db else None
-            da = None
-            if need_da or dx is not None:
-                ds = _new(dy, s1 - s0, cfg.rank[i])
-                bd_mm_t_(ds, dyi, b_eff, nb, 1.0, 0.0)
+            need_ds = need_da or dx is not None
+            da = db = ds = None
+            if need_ds and need_db and nb == 1 and dsdb_ok(dyi, b_eff):  # dS and dB from one read of dY
+                LAST_BACKEND["cublas_dsdb"] = "triton"
+                ds, db = dsdb_dense(dyi, s, b_eff)
+                db = pack_dense(db, cfg.nb_b[i], b_dtype)
+                ds = ds if cfg.fused[i] else ds.to(dy.dtype)  # the dropout kernels round fp32 dS themselves
+            else:
+                LAST_BACKEND["cublas_dsdb"] = "cublas"
+                db = bd_wgrad(dyi, s, cfg.nb_b[i], 1.0, cfg.dense[i], b_dtype) if need_db else None
+                if need_ds:
+                    ds = _new(dy, s1 - s0, cfg.rank[i])
+                    bd_mm_t_(ds, dyi, b_eff, nb, 1.0, 0.0)
+            if need_ds:
                 if need_da and cfg.fused[i]:
                     da = pack_dense(drop_wgrad_a(x[s0:s1], ds, cfg.keys[i], cfg.p[i], cfg.c[i]), cfg.nb_a[i], a_dtype)
                 elif need_da:

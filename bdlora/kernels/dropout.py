@@ -179,7 +179,7 @@ def drop_shrink(s: torch.Tensor, x: torch.Tensor, a: torch.Tensor, keys, p: floa
 
 def drop_expand_t(dx: torch.Tensor, ds: torch.Tensor, a: torch.Tensor, keys, p: float, alpha: float) -> None:
     """dx (rows, d_in) = alpha * keep * (ds @ a), written (not accumulated); ds (rows, r) and a (r, d_in) contiguous,
-    dx with unit column stride."""
+    dx with unit column stride; ds may be fp32 (rounded to a's dtype in the kernel)."""
     from ._triton import _drop_expand_t_kernel
 
     rows, d_in = dx.shape
@@ -196,7 +196,8 @@ def drop_expand_t(dx: torch.Tensor, ds: torch.Tensor, a: torch.Tensor, keys, p: 
 
 def drop_wgrad_a(x: torch.Tensor, ds: torch.Tensor, keys, p: float, alpha: float) -> torch.Tensor:
     """alpha * ds^T @ (keep * x) as an fp32 (r, d_in) tensor; x (rows, d_in) with unit column stride, ds (rows, r)
-    contiguous. Rows are split across programs (fp32 partials, summed here) so the grid fills the GPU."""
+    contiguous (fp32 or x's dtype; rounded to x's in the kernel). Rows are split across programs (fp32 partials,
+    summed here) so the grid fills the GPU."""
     from ._triton import _drop_wgrad_a_kernel
 
     rows, d_in = x.shape
