@@ -170,7 +170,8 @@ def check(K) -> list[dict]:
         err = max([float((y - yr).detach().abs().max() / yr.detach().abs().max())] +
                   [float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(g, gr)])
         rows.append(dict(op=name, backend=backend, max_rel_err=err, ok=err < 1e-3))
-    rows[-1]["backend"] += "+dropout:" + K.LAST_BACKEND.get("cublas_dropout", "none")
+    rows[-1]["backend"] += ("+dropout:" + K.LAST_BACKEND.get("cublas_dropout", "none")
+                            + "+dsdb(last adapter):" + K.LAST_BACKEND.get("cublas_dsdb", "none"))
     from bdlora.kernels import dropout as D  # the compiled counter hash gives the torch twin's bits
     keys = D.dropout_keys(7, 3)
     same = torch.equal(D.keep_mask_triton(keys, 1000, 4099, 0.1, "cuda"), D.keep_mask_torch(keys, 1000, 4099, 0.1,
@@ -245,18 +246,21 @@ def bench_layer(K, t, shapes, ranks, nbs, dropout, iters, batch=1) -> list[dict]
                             K.fused_lora_linear(x, base.weight, None, [0, t], [ad], **kw), kp, gy), iters=iters,
                             batch=batch)
                         cublas_mod.FUSED_DROPOUT = None
-                        if name == "cublas_ms":  # the default route's dropout (the byte model below depends on it)
+                        if name == "cublas_ms":  # the default route's dropout and dS/dB (the byte model uses them)
                             res["cublas_dropout"] = K.LAST_BACKEND.get("cublas_dropout", "none") if dropout else "none"
+                            res["cublas_dsdb"] = K.LAST_BACKEND.get("cublas_dsdb", "none")
                     # minimum traffic: fwd reads x, W, writes y; bwd reads dY, W, x (for dA), writes dX; + S, dS
                     lora_w = ad.lora_a.numel() + ad.lora_b.numel()
                     min_bytes = BF16 * (2 * t * d_in + 2 * d_in * d_out + 2 * t * d_out + t * d_in + 4 * t * r
                                         + 3 * lora_w)
                     # cublas path (cublas.py docstring): x read by shrink, base, dA; y written by the expand, read
-                    # and written by the base epilogue; dY read by dS, dB, base dX; dX written by the LoRA dX, read
-                    # and written by the base epilogue; dropout drawn inside the shrink, LoRA-dX and dA kernels adds
-                    # nothing (the materialized route added x read, Xin write, keep (1 B) write + read, and the dX
-                    # read + write of the masking)
-                    cublas_bytes = (BF16 * (6 * t * d_in + 6 * t * d_out + 2 * d_in * d_out + 4 * t * r + 3 * lora_w)
+                    # and written by the base epilogue; dY read by dS, dB (once for both with the dS/dB kernel),
+                    # base dX; dX written by the LoRA dX, read and written by the base epilogue; dropout drawn inside
+                    # the shrink, LoRA-dX and dA kernels adds nothing (the materialized route added x read, Xin
+                    # write, keep (1 B) write + read, and the dX read + write of the masking)
+                    y_passes = 5 if res["cublas_dsdb"] == "triton" else 6
+                    cublas_bytes = (BF16 * (6 * t * d_in + y_passes * t * d_out + 2 * d_in * d_out + 4 * t * r
+                                            + 3 * lora_w)
                                     + (10 * t * d_in if dropout > 0 and res["cublas_dropout"] != "triton" else 0))
                     flops = 4 * t * d_in * d_out + 6 * t * r * (d_in // ad.blocks_a + d_out // ad.blocks_b)
                     res["min_MB"] = min_bytes / 1e6

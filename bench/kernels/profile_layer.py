@@ -10,8 +10,11 @@ For each case (rank, layout, N, dropout) at 8192 x 4096 -> 4096 bf16: the top CU
 wall time per iteration of each. ``--grid``: bench_kernels' layer grid (4096 -> 4096 and 4096 -> 14336, column and
 row, r 16/64, N 1/4/8, dropout 0.1) with, per layer, the summed GPU kernel time of an iteration (what the layer
 costs a GPU that never waits for the host, as in a training step whose host runs ahead) and the wall time per
-iteration over back-to-back calls (which a slow host inflates) and the host time to issue one, for PEFT,
-the cuBLAS layer, and the cuBLAS layer with its dropout materialized (``cublas.FUSED_DROPOUT = False``).
+iteration over back-to-back calls (which a slow host inflates) and the host time to issue one, for PEFT and
+the cuBLAS layer; GPU time also for the cuBLAS layer with its dropout materialized (``cublas.FUSED_DROPOUT =
+False``) and with dS/dB as two GEMMs (``cublas.FUSED_DSDB = False``), and of the frozen GEMMs alone (forward and
+dX; ``ceiling_x`` = PEFT / that: the speed-up of a layer whose LoRA path were free; ``lora_path_x`` = PEFT's LoRA
+path over ours, each the layer minus the frozen GEMMs).
 """
 import argparse
 import os
@@ -62,7 +65,11 @@ def host_ms(fn, calls=5, samples=10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def grid(out: str | None) -> None:
+# The cuBLAS layer's switches per grid variant: (cublas.FUSED_DROPOUT, cublas.FUSED_DSDB)
+VARIANTS = {"cublas": (None, None), "twogemm": (None, False), "maskdrop": (False, None)}
+
+
+def grid(out: str | None, rounds: int, variants: list[str]) -> None:
     import json
 
     import bdlora.kernels as K
@@ -70,8 +77,8 @@ def grid(out: str | None) -> None:
     from bench_kernels import PeftBdLayer, make_adapter, timed
 
     t, dt, p, rows = 8192, torch.bfloat16, 0.1, []
-    print("d_in d_out layout r N | GPU ms: peft cublas maskdrop | wall ms: peft cublas maskdrop | "
-          "GPU x vs peft: cublas maskdrop | wall x: cublas | host ms: peft cublas maskdrop", flush=True)
+    print("d_in d_out layout r N | GPU ms: base peft " + " ".join(variants) + " | wall ms: peft cublas | "
+          "GPU x vs peft: " + " ".join(variants) + " ceiling | LoRA-path x | host ms: peft cublas", flush=True)
     for d_in, d_out in ((4096, 4096), (4096, 14336)):
         x = torch.randn(t, d_in, device="cuda", dtype=dt, requires_grad=True)
         gy = torch.randn(t, d_out, device="cuda", dtype=dt)
@@ -81,35 +88,50 @@ def grid(out: str | None) -> None:
                 for n in (1, 4, 8):
                     ad = make_adapter(K, d_in, d_out, r, layout, n, dt, p)
                     peft = PeftBdLayer(base, ad, p)
-                    fns = {
-                        "peft": lambda: torch.autograd.grad(peft(x), [x, peft.lora_a.weight, peft.lora_b.weight], gy),
-                        "cublas": lambda: torch.autograd.grad(K.fused_lora_linear(
-                            x, base.weight, None, [0, t], [ad], dropout_seed=1, backend="cublas"),
-                            [x, ad.lora_a, ad.lora_b], gy)}
-                    fns["maskdrop"] = fns["cublas"]
+                    ours = lambda: torch.autograd.grad(K.fused_lora_linear(
+                        x, base.weight, None, [0, t], [ad], dropout_seed=1, backend="cublas"),
+                        [x, ad.lora_a, ad.lora_b], gy)
+                    fns = {"base": lambda: torch.autograd.grad(base(x), [x], gy),  # the frozen GEMMs alone
+                           "peft": lambda: torch.autograd.grad(peft(x), [x, peft.lora_a.weight,
+                                                                         peft.lora_b.weight], gy)}
+                    fns.update({name: ours for name in variants})
                     res = dict(d_in=d_in, d_out=d_out, layout=layout, r=r, N=n)
-                    for name, fn in fns.items():
-                        cublas_mod.FUSED_DROPOUT = False if name == "maskdrop" else None
-                        res[f"{name}_gpu_ms"] = profiled(fn)[2]
-                        res[f"{name}_wall_ms"] = timed(fn, iters=10, batch=5)
-                        res[f"{name}_host_ms"] = host_ms(fn)
-                        cublas_mod.FUSED_DROPOUT = None
-                    for name in ("cublas", "maskdrop"):
+                    samples = {name: [] for name in fns}
+                    for rnd in range(rounds):  # variants interleaved: GEMM clocks drift by ~10% over a run
+                        for name, fn in fns.items():
+                            cublas_mod.FUSED_DROPOUT, cublas_mod.FUSED_DSDB = VARIANTS.get(name, VARIANTS["cublas"])
+                            samples[name].append(profiled(fn)[2])
+                            if rnd == 0 and name in ("peft", "cublas"):
+                                res[f"{name}_wall_ms"] = timed(fn, iters=10, batch=5)
+                                res[f"{name}_host_ms"] = host_ms(fn)
+                            cublas_mod.FUSED_DROPOUT, cublas_mod.FUSED_DSDB = VARIANTS["cublas"]
+                    for name, v in samples.items():
+                        res[f"{name}_gpu_ms"] = sorted(v)[len(v) // 2]
+                        res[f"{name}_gpu_ms_rounds"] = v
+                    base_gpu_ms = res["base_gpu_ms"]
+                    for name in variants:
                         res[f"{name}_gpu_x"] = res["peft_gpu_ms"] / res[f"{name}_gpu_ms"]
-                        res[f"{name}_wall_x"] = res["peft_wall_ms"] / res[f"{name}_wall_ms"]
+                    res["cublas_wall_x"] = res["peft_wall_ms"] / res["cublas_wall_ms"]
+                    res["ceiling_x"] = res["peft_gpu_ms"] / base_gpu_ms
+                    res["lora_path_x"] = (res["peft_gpu_ms"] - base_gpu_ms) / (res["cublas_gpu_ms"] - base_gpu_ms)
                     rows.append(res)
-                    print(f"{d_in} {d_out} {layout} {r} {n} | {res['peft_gpu_ms']:.3f} {res['cublas_gpu_ms']:.3f} "
-                          f"{res['maskdrop_gpu_ms']:.3f} | {res['peft_wall_ms']:.3f} {res['cublas_wall_ms']:.3f} "
-                          f"{res['maskdrop_wall_ms']:.3f} | {res['cublas_gpu_x']:.2f} {res['maskdrop_gpu_x']:.2f} | "
-                          f"{res['cublas_wall_x']:.2f} | host ms: {res['peft_host_ms']:.3f} "
-                          f"{res['cublas_host_ms']:.3f} {res['maskdrop_host_ms']:.3f}", flush=True)
+                    print(f"{d_in} {d_out} {layout} {r} {n} | {base_gpu_ms:.3f} {res['peft_gpu_ms']:.3f} "
+                          + " ".join(f"{res[f'{v}_gpu_ms']:.3f}" for v in variants)
+                          + f" | {res['peft_wall_ms']:.3f} {res['cublas_wall_ms']:.3f} | "
+                          + " ".join(f"{res[f'{v}_gpu_x']:.2f}" for v in variants)
+                          + f" {res['ceiling_x']:.2f} | {res['lora_path_x']:.2f} | "
+                          f"{res['peft_host_ms']:.3f} {res['cublas_host_ms']:.3f}", flush=True)
+                    if out:  # after every layer: a run cut short keeps what it measured
+                        with open(out, "w") as f:
+                            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows),
+                                      f, indent=1)
     for d_out in (4096, 14336):
-        sel = sorted(r["cublas_gpu_x"] for r in rows if r["d_out"] == d_out)
-        print(f"4096 -> {d_out}: cuBLAS layer vs PEFT, GPU time: min {sel[0]:.2f} / median "
-              f"{(sel[5] + sel[6]) / 2:.2f} / max {sel[-1]:.2f}x")
-    if out:
-        with open(out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+        sel = [r for r in rows if r["d_out"] == d_out]
+        for key, what in ([(f"{v}_gpu_x", f"{v} vs PEFT, GPU time") for v in variants]
+                          + [("ceiling_x", "ceiling (PEFT / frozen GEMMs alone)"),
+                             ("lora_path_x", "LoRA path alone (layer minus frozen GEMMs) vs PEFT's")]):
+            v = sorted(r[key] for r in sel)
+            print(f"4096 -> {d_out}: {what}: min {v[0]:.2f} / median {(v[5] + v[6]) / 2:.2f} / max {v[-1]:.2f}x")
 
 
 def main():
@@ -117,6 +139,9 @@ def main():
     ap.add_argument("--backend", default="cublas")
     ap.add_argument("--grid", action="store_true", help="GPU and wall time over the layer grid (JSON to --out)")
     ap.add_argument("--d-out", type=int, default=4096, help="output width of the cases (14336: the MLP shape)")
+    ap.add_argument("--rounds", type=int, default=3, help="grid: GPU-time samples per layer (median kept)")
+    ap.add_argument("--variants", default="cublas,twogemm,maskdrop",
+                    help="grid: the cuBLAS-layer variants to time beside PEFT (of %s)" % ",".join(VARIANTS))
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of each case instead")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -124,12 +149,20 @@ def main():
         print("profile_layer: no CUDA GPU here")
         return
     if args.grid:
-        return grid(args.out)
+        return grid(args.out, args.rounds, args.variants.split(","))
     import bdlora.kernels as K
     from bench_kernels import PeftBdLayer, make_adapter
 
     t, d_in, d_out, dt = 8192, 4096, args.d_out, torch.bfloat16
     lines = []
+    if not args.host_profile:  # the frozen GEMMs alone (forward, dX), for the kernels both layers share
+        w = torch.randn(d_out, d_in, device="cuda", dtype=dt) / 64  # the cases' weights, data alike
+        x = torch.randn(t, d_in, device="cuda", dtype=dt, requires_grad=True)
+        gy = torch.randn(t, d_out, device="cuda", dtype=dt)
+        tab, ms, gpu_ms = profiled(lambda: torch.autograd.grad(torch.nn.functional.linear(x, w), [x], gy))
+        lines.append(f"\n== frozen base alone {d_in}->{d_out}: {ms:.3f} ms/iter wall, {gpu_ms:.3f} ms/iter of GPU "
+                     f"kernels\n{tab}")
+        print(lines[-1], flush=True)
     for r, layout, n, p in CASES:
         ad = make_adapter(K, d_in, d_out, r, layout, n, dt, p)
         w = torch.randn(d_out, d_in, device="cuda", dtype=dt) / 64

@@ -1,0 +1,70 @@
+"""Tile sweep of the cuBLAS layer's dS/dB kernel (``cublas.dsdb_dense``: dS = dY @ B and dB = dY^T @ S from one
+read of dY) against the two GEMMs it replaces, at 8192 rows, bf16, one GPU.
+
+    python bench/kernels/tune_dsdb.py      # writes $OUT/tune_dsdb.json (or ./tune_dsdb.json), prints the best
+
+For d_out in (4096, 14336) and r in (16, 32, 64): the two GEMMs (dY @ B, dY^T @ S), every (row tile, column chunk,
+column splits, warps) of ``_dsdb_dense_kernel`` (checked against an fp32 reference), fastest first, and
+``dsdb_dense`` as shipped. ``cublas.DSDB_TILES`` / ``DSDB_MAX_RANK`` hold the pick. Needs CUDA.
+"""
+import itertools
+import json
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from triton.testing import do_bench  # noqa: E402
+
+from bdlora.kernels import _triton as KT  # noqa: E402
+from bdlora.kernels import cublas as C  # noqa: E402
+
+
+def sweep(rows, d_out, r, dt=torch.bfloat16):
+    dy = torch.randn(rows, d_out, device="cuda", dtype=dt)
+    s = torch.randn(rows, r, device="cuda", dtype=dt)
+    b = torch.randn(d_out, r, device="cuda", dtype=dt) / 8
+    ref_ds, ref_db = C.dsdb_dense_ref(dy.float(), s.float(), b.float())
+    res = dict(two_gemms=do_bench(lambda: (dy @ b, dy.t() @ s)), tiles=[])
+    ds = torch.empty(rows, r, device="cuda")
+    db = torch.empty(d_out, r, device="cuda")
+    for bt, bn, split, w in itertools.product([64, 128], [64, 128], [2, 4, 8], [4, 8]):
+        def launch():
+            ds.zero_()
+            db.zero_()
+            KT._dsdb_dense_kernel[(triton.cdiv(rows, bt), split)](
+                ds, db, dy, s, b, rows, d_out, r, dy.stride(0), split, BLOCK_T=bt, BLOCK_N=bn,
+                BLOCK_R=max(16, r), PREC="tf32", num_warps=w, num_stages=3)
+        cfg = dict(bt=bt, bn=bn, split=split, w=w)
+        try:
+            launch()
+            err = max(float((ds - ref_ds).abs().max() / ref_ds.abs().max()),
+                      float((db - ref_db).abs().max() / ref_db.abs().max()))
+            res["tiles"].append(dict(cfg, ms=do_bench(launch), err=err))
+        except Exception as e:  # a config that does not compile (shared memory) is recorded, not fatal
+            res["tiles"].append(dict(cfg, error=str(e)[:100]))
+    res["default"] = do_bench(lambda: C.dsdb_dense(dy, s, b))
+    return res
+
+
+def main():
+    out = {}
+    for d_out, r in itertools.product([4096, 14336], [16, 32, 64]):
+        res = out[f"{d_out}_r{r}"] = sweep(8192, d_out, r)
+        ok = sorted([c for c in res["tiles"] if "ms" in c and c["err"] < 1e-2], key=lambda c: c["ms"])
+        best = [(round(c["ms"] * 1000, 1), {k: v for k, v in c.items() if k not in ("ms", "err")}) for c in ok[:3]]
+        print(f"== 8192 x {d_out} r {r}: two GEMMs {res['two_gemms'] * 1000:.1f} us, dsdb_dense as shipped "
+              f"{res['default'] * 1000:.1f} us; best (us, tiles): {best} | wrong: "
+              f"{sum('ms' in c and c['err'] >= 1e-2 for c in res['tiles'])} | failed: "
+              f"{sum('error' in c for c in res['tiles'])}", flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "tune_dsdb.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        print("tune_dsdb: no CUDA GPU here")
+        sys.exit(0)
+    main()
