@@ -7,7 +7,6 @@ draw and masked_fill, then every tile config of drop_shrink / drop_expand_t / dr
 reference), fastest first. ``dropout.GPU_TILES`` holds the pick. Needs CUDA.
 """
 import itertools
-import json
 import os
 import sys
 
@@ -15,7 +14,9 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from triton.testing import do_bench  # noqa: E402
+from tune_common import run_on_gpu, summarize, write_out  # noqa: E402
 
 from bdlora.kernels import _triton as KT  # noqa: E402
 from bdlora.kernels import dropout as D  # noqa: E402
@@ -83,17 +84,10 @@ def main():
         us = lambda d: {k: round(v * 1000, 1) for k, v in d.items()}  # noqa: E731
         print(f"== {d_in}_r{r} torch ops (us) {us(res['base'])}; defaults (us) {us(res['default'])}")
         for kind in ("shrink", "expand", "wgrad"):
-            ok = sorted([c for c in res[kind] if "ms" in c and c["err"] < 2e-2], key=lambda c: c["ms"])
-            bad = sum("ms" in c and c["err"] >= 2e-2 for c in res[kind])
-            best = [(round(c["ms"] * 1000, 1), {k: v for k, v in c.items() if k not in ("ms", "err")}) for c in ok[:4]]
-            print(kind, "best (us, tiles):", best, "| wrong:", bad, "| failed:", sum("error" in c for c in res[kind]),
-                  flush=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "tune.json"), "w") as f:
-        json.dump(out, f, indent=1)
+            best, wrong, failed = summarize(res[kind], 2e-2, 4)
+            print(kind, "best (us, tiles):", best, "| wrong:", wrong, "| failed:", failed, flush=True)
+    write_out("tune.json", out)
 
 
 if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        print("tune_dropout: no CUDA GPU here")
-        sys.exit(0)
-    main()
+    run_on_gpu(main, "tune_dropout")

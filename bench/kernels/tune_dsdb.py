@@ -8,7 +8,6 @@ column splits, warps) of ``_dsdb_dense_kernel`` (checked against an fp32 referen
 ``dsdb_dense`` as shipped. ``cublas.DSDB_TILES`` / ``DSDB_MAX_RANK`` hold the pick. Needs CUDA.
 """
 import itertools
-import json
 import os
 import sys
 
@@ -16,7 +15,9 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from triton.testing import do_bench  # noqa: E402
+from tune_common import run_on_gpu, summarize, write_out  # noqa: E402
 
 from bdlora.kernels import _triton as KT  # noqa: E402
 from bdlora.kernels import cublas as C  # noqa: E402
@@ -53,18 +54,12 @@ def main():
     out = {}
     for d_out, r in itertools.product([4096, 14336], [16, 32, 64]):
         res = out[f"{d_out}_r{r}"] = sweep(8192, d_out, r)
-        ok = sorted([c for c in res["tiles"] if "ms" in c and c["err"] < 1e-2], key=lambda c: c["ms"])
-        best = [(round(c["ms"] * 1000, 1), {k: v for k, v in c.items() if k not in ("ms", "err")}) for c in ok[:3]]
+        best, wrong, failed = summarize(res["tiles"], 1e-2, 3)
         print(f"== 8192 x {d_out} r {r}: two GEMMs {res['two_gemms'] * 1000:.1f} us, dsdb_dense as shipped "
-              f"{res['default'] * 1000:.1f} us; best (us, tiles): {best} | wrong: "
-              f"{sum('ms' in c and c['err'] >= 1e-2 for c in res['tiles'])} | failed: "
-              f"{sum('error' in c for c in res['tiles'])}", flush=True)
-    with open(os.path.join(os.environ.get("OUT", "."), "tune_dsdb.json"), "w") as f:
-        json.dump(out, f, indent=1)
+              f"{res['default'] * 1000:.1f} us; best (us, tiles): {best} | wrong: {wrong} | failed: {failed}",
+              flush=True)
+    write_out("tune_dsdb.json", out)
 
 
 if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        print("tune_dsdb: no CUDA GPU here")
-        sys.exit(0)
-    main()
+    run_on_gpu(main, "tune_dsdb")
