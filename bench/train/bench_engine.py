@@ -482,7 +482,7 @@ def run_throughput(args) -> int:
                      "sweep_ranks": sweep_ranks, "engine_seq_jobs": args.engine_seq_jobs,
                      "time_limit_s": time_limit, "cpu_smoke": bool(args.cpu_smoke),
                      "token_budget_fit": budget_fit, "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE,
-                     "lora_dropout": args.lora_dropout, "dropout_route": args.dropout_route,
+                     "lora_dropout": args.lora_dropout, "dropout_route": args.dropout_route, "dsdb": args.dsdb,
                      "argv": sys.argv[1:]},
         "throughput": [], "sweep": {}, "skipped": [],
     }
@@ -1002,6 +1002,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dropout-route", default="auto", choices=["auto", "mask"],
                     help="the cuBLAS path's dropout: auto (drawn inside its Triton kernels on GPU) or mask "
                          "(materialized bool mask and masked copies, the route before those kernels)")
+    ap.add_argument("--dsdb", default="auto", choices=["auto", "off"],
+                    help="the cuBLAS path's dS/dB: auto (one Triton kernel reading dY once on GPU, ranks <= 64) or "
+                         "off (two GEMMs)")
     ap.add_argument("--profile", type=int, metavar="K",
                     help="instead of the throughput runs: profile the engine with K jobs and the trainer with one "
                          "(torch.profiler tables in OUT.profile.txt)")
@@ -1013,10 +1016,12 @@ def main(argv=None) -> int:
         ap.error(f"--profile K needs K >= 1 jobs, got {args.profile}")
     global LORA_BACKEND, PAD_MULTIPLE
     LORA_BACKEND, PAD_MULTIPLE = args.lora_backend, args.pad_multiple
-    if args.dropout_route == "mask":
-        from bdlora.kernels import cublas
+    from bdlora.kernels import cublas
 
+    if args.dropout_route == "mask":
         cublas.FUSED_DROPOUT = False
+    if args.dsdb == "off":
+        cublas.FUSED_DSDB = False
     _quiet_loading()
     if args.out is None:
         suffix = "_pipeline_vs_dp" if args.pipeline_vs_dp else ("_llama8b" if args.shape == "llama8b" else "")
