@@ -212,7 +212,8 @@ def _dsdb_kernel(
         tl.atomic_add(ds_ptr + rows[:, None] * stride_ds + (j * rb + rr)[None, :], acc, mask=smask, sem="relaxed")
 
 
-@triton.jit
+# rows and splits change with every micro-batch: a variant per divisibility pattern would compile mid-run
+@triton.jit(do_not_specialize=["rows_total", "col_split"])
 def _dsdb_dense_kernel(ds_ptr, db_ptr, dy_ptr, s_ptr, b_ptr, rows_total, d_out, r, stride_dy, col_split,
                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
     """One adapter, dense B (d_out, r), every row (the cuBLAS layer's segment): dY read once for both products,
