@@ -71,7 +71,7 @@ FUSED_DSDB: bool | None = None
 # Tiles and splits: the best of a sweep at 8192 rows x 4096 / 14336 columns, r 16 / 32 / 64 (H200, 2026-11-22;
 # bench/kernels/tune_dsdb.py; bench/results/kernels/h200-dsdb-dense-sweep-shipped-*), as shipped: 8192 x 14336:
 # r 16 80 us vs 129 us for the two GEMMs, r 32 92 vs 130, r 64 122 vs 133; 8192 x 4096: r 16 34 vs 50, r 64 45 vs
-# 51. Above rank 64 its fp32 (rows x rank) accumulators outgrow the registers.
+# 51. Not taken above rank 64 (not swept; the grouped path's dS/dB kernel spilled registers at rank 128, grouped.py).
 DSDB_MAX_RANK = 64
 DSDB_TILES = dict(BT=128, BN=128, num_warps=8, num_stages=3)
 
@@ -150,7 +150,7 @@ def dsdb_dense(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> tuple[torc
 
     rows, (d_out, r) = dy.shape[0], b.shape
     ds = torch.zeros((rows, r), dtype=torch.float32, device=dy.device)
-    db = torch.zeros((d_out, r), dtype=torch.float32, device=dy.device)
+    db = torch.zeros((d_out, r), dtype=torch.float32, device=dy.device)  # its own storage: it may be returned as dB
     if rows == 0:
         return ds, db
     if dy.is_cuda:  # at most one wave of programs (row tiles x column splits; 64 x 2 at 8192 rows was best)
