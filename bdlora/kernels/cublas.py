@@ -138,9 +138,7 @@ def bd_wgrad(gout: torch.Tensor, inp: torch.Tensor, nb: int, alpha: float, dense
 
 def dsdb_ok(dy: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``dsdb_dense`` runs for dY and a dense B (d_out, r) (see FUSED_DSDB)."""
-    if FUSED_DSDB is False or b.shape[1] > DSDB_MAX_RANK or not dispatch.triton_ok(dy, b):
-        return False
-    return dy.is_cuda or bool(FUSED_DSDB)
+    return b.shape[1] <= DSDB_MAX_RANK and dispatch.gpu_kernel_on(FUSED_DSDB, dy, b)
 
 
 def dsdb_dense(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,8 +152,8 @@ def dsdb_dense(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> tuple[torc
     if rows == 0:
         return ds, db
     if dy.is_cuda:  # at most one wave of programs (row tiles x column splits; 64 x 2 at 8192 rows was best)
-        tiles, sms = DSDB_TILES, torch.cuda.get_device_properties(dy.device).multi_processor_count
-        split = max(2, min(16, sms // dispatch.cdiv(rows, tiles["BT"])))
+        tiles = DSDB_TILES
+        split = max(2, min(16, dispatch.sm_count(dy.device) // dispatch.cdiv(rows, tiles["BT"])))
     else:  # small tiles under the interpreter, several splits and chunks per program
         tiles, split = dict(BT=16, BN=32, num_warps=4, num_stages=1), 2
     _dsdb_dense_kernel[(dispatch.cdiv(rows, tiles["BT"]), split)](

@@ -59,6 +59,20 @@ def triton_ok(*tensors: torch.Tensor) -> bool:
     return dev == "cuda" or (dev == "cpu" and INTERPRET)
 
 
+def gpu_kernel_on(enabled: bool | None, *tensors: torch.Tensor) -> bool:
+    """The switch of a Triton kernel that replaces torch/cuBLAS ops on GPUs only (``cublas.FUSED_DROPOUT``,
+    ``cublas.FUSED_DSDB``): None = on CUDA, True = also under the CPU interpreter (tests), False = never; and
+    Triton must run on these tensors."""
+    if enabled is False or not triton_ok(*tensors):
+        return False
+    return tensors[0].is_cuda or bool(enabled)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (grid sizing)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def cublas_ok(compute: list[torch.Tensor], factors: list[torch.Tensor]) -> bool:
     """Whether the cuBLAS-composed path can run these inputs: every tensor on one device, ``compute`` (x, weight,
     bias) in one floating dtype, the LoRA ``factors`` floating in any precision (the products run in the compute

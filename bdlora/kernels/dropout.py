@@ -139,9 +139,7 @@ def dropout_keep_mask(seed: int, shape: tuple[int, int], p: float, device="cpu")
 def fused_ok(x: torch.Tensor, a: torch.Tensor, enabled: bool | None) -> bool:
     """Whether the kernels below can run: Triton usable on x's device, a dense (r, d_in) with r <= MAX_RANK.
     ``enabled`` None takes them on CUDA only; True also under the CPU interpreter; False never."""
-    if enabled is False or not dispatch.triton_ok(x, a) or a.shape[0] > MAX_RANK or a.shape[1] != x.shape[1]:
-        return False
-    return x.is_cuda or bool(enabled)
+    return a.shape[0] <= MAX_RANK and a.shape[1] == x.shape[1] and dispatch.gpu_kernel_on(enabled, x, a)
 
 
 # Tiles per kernel on GPUs: the best of a sweep at 8192 rows x 4096 / 14336 columns, r 16 / 64, bf16, on an H200

@@ -166,8 +166,7 @@ class _Plan:
         cfg = self.cfg
         # split each row tile's output columns over a few programs (dS partials meet in fp32 atomics)
         if dy.is_cuda:
-            sms = torch.cuda.get_device_properties(dy.device).multi_processor_count
-            split = max(1, min(8, -(-4 * sms // self.n_tiles)))
+            split = max(1, min(8, cdiv(4 * dispatch.sm_count(dy.device), self.n_tiles)))
         else:
             split = 2  # exercises the split path under the interpreter
         _dsdb_kernel[(self.n_tiles, split, self.dsdb_rank_chunks)](
