@@ -8,10 +8,14 @@ Dense PEFT LoRA folders load through the same code (``nblocks`` is then ``None``
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+import re
+import secrets
 import shutil
-import tempfile
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -25,6 +29,35 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 _A_SUFFIX = ".lora_A.weight"
 _B_SUFFIX = ".lora_B.weight"
+
+
+class AdapterFileError(BDLoraError):
+    """An adapter folder that cannot be read as a PEFT LoRA adapter (missing, truncated or malformed files, bad
+    values, factors that do not fit together)."""
+
+
+class UnsupportedAdapterError(BDLoraError):
+    """A valid PEFT adapter using a feature bdlora cannot read or convert exactly (the message names it)."""
+
+
+class OutputPathError(BDLoraError):
+    """An output path bdlora refuses to write (it would replace something that is not ours to replace)."""
+
+
+def _positive_int(value, what: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AdapterFileError(f"{source}: {what} must be a positive integer, got {value!r}")
+    return value
+
+
+def _name_list(value, what: str, source: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise AdapterFileError(f"{source}: {what} must be a list of module names, got {value!r}")
+    return list(value)
 
 
 @dataclass
@@ -65,27 +98,35 @@ class AdapterConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "adapter config") -> "AdapterConfig":
+        """Parses and type-checks a PEFT config dict; raises :class:`AdapterFileError` naming ``source``."""
+        if not isinstance(raw, dict):
+            raise AdapterFileError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         if raw.get("peft_type", "LORA") != "LORA":
-            raise BDLoraError(f"{source}: peft_type is {raw.get('peft_type')!r}, expected 'LORA'")
+            raise AdapterFileError(f"{source}: peft_type is {raw.get('peft_type')!r}, expected 'LORA'")
         for key in ("r", "lora_alpha"):
             if key not in raw:
-                raise BDLoraError(f"{source}: missing {key!r}")
-        target = raw.get("target_modules") or []
-        target = [target] if isinstance(target, str) else list(target)
+                raise AdapterFileError(f"{source}: missing {key!r}")
+        r = _positive_int(raw["r"], "'r' (the LoRA rank)", source)
+        alpha = raw["lora_alpha"]
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise AdapterFileError(f"{source}: 'lora_alpha' must be a finite number, got {alpha!r}")
+        target = _name_list(raw.get("target_modules"), "'target_modules'", source)
         bd = raw.get("use_bdlora")
-        cfg = cls(r=int(raw["r"]), lora_alpha=float(raw["lora_alpha"]), use_rslora=bool(raw.get("use_rslora")),
-                  target_modules=target, raw=raw)
+        if bd is not None and not isinstance(bd, dict):
+            raise AdapterFileError(f"{source}: 'use_bdlora' must be an object "
+                                   "{target_modules_bd_a, target_modules_bd_b, nblocks} or null, got {bd!r}")
+        cfg = cls(r=r, lora_alpha=float(alpha), use_rslora=bool(raw.get("use_rslora")), target_modules=target, raw=raw)
         if bd:
-            nblocks = int(bd.get("nblocks", 1))
+            nblocks = _positive_int(bd.get("nblocks", 1), "use_bdlora.nblocks (the number of blocks)", source)
             cfg.nblocks = nblocks
-            cfg.column_modules = list(bd.get("target_modules_bd_b") or [])
-            cfg.row_modules = list(bd.get("target_modules_bd_a") or [])
+            cfg.column_modules = _name_list(bd.get("target_modules_bd_b"), "use_bdlora.target_modules_bd_b", source)
+            cfg.row_modules = _name_list(bd.get("target_modules_bd_a"), "use_bdlora.target_modules_bd_a", source)
             if cfg.r % nblocks:
-                raise BDLoraError(f"{source}: r={cfg.r} is not divisible by use_bdlora.nblocks={nblocks}; "
-                                  "every block needs rank r/nblocks")
+                raise AdapterFileError(f"{source}: r={cfg.r} is not divisible by use_bdlora.nblocks={nblocks}; "
+                                       "every block needs rank r/nblocks")
             overlap = set(cfg.column_modules) & set(cfg.row_modules)
             if overlap:
-                raise BDLoraError(f"{source}: {sorted(overlap)} listed as both block-diagonal A and B")
+                raise AdapterFileError(f"{source}: {sorted(overlap)} listed as both block-diagonal A and B")
         return cfg
 
     @classmethod
@@ -104,8 +145,13 @@ def read_config(path: str | os.PathLike) -> AdapterConfig:
     cfg_file = path / CONFIG_NAME
     if not cfg_file.is_file():
         raise BDLoraError(f"{path}: no {CONFIG_NAME}; expected a PEFT LoRA adapter folder")
-    with open(cfg_file) as f:
-        return AdapterConfig.from_dict(json.load(f), source=str(cfg_file))
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise AdapterFileError(f"{cfg_file}: not valid JSON ({e}); the file is truncated or corrupt, re-save the "
+                               "adapter") from None
+    return AdapterConfig.from_dict(raw, source=str(cfg_file))
 
 
 @dataclass
@@ -141,87 +187,319 @@ class Adapter:
 
 
 def module_paths(keys) -> list[str]:
-    """Module paths that carry a LoRA pair, in file order; raises on a half pair."""
+    """Module paths that carry a LoRA pair, sorted; raises on a half pair. Other keys are ignored here (see
+    :func:`check_tensor_names`)."""
     a = {k[: -len(_A_SUFFIX)] for k in keys if k.endswith(_A_SUFFIX)}
     b = {k[: -len(_B_SUFFIX)] for k in keys if k.endswith(_B_SUFFIX)}
     if a != b:
-        raise BDLoraError(f"adapter has lora_A without lora_B (or the reverse) for {sorted(a ^ b)[:4]}")
+        raise AdapterFileError(f"adapter has lora_A without lora_B (or the reverse) for {sorted(a ^ b)[:4]}")
     if not a:
-        raise BDLoraError("adapter_model.safetensors holds no '*.lora_A.weight' / '*.lora_B.weight' tensors")
+        raise AdapterFileError("adapter_model.safetensors holds no '*.lora_A.weight' / '*.lora_B.weight' tensors")
     return sorted(a)
+
+
+# Tensors PEFT writes beside lora_A/lora_B for features bdlora does not read: why each is refused.
+_EXTRA_TENSOR_REASONS = (
+    (".lora_B.bias", "a LoRA bias (PEFT lora_bias=True)"),
+    (".lora_magnitude_vector", "a DoRA magnitude vector (PEFT use_dora=True)"),
+    (".lora_embedding_A", "an embedding LoRA"),
+    (".lora_embedding_B", "an embedding LoRA"),
+    ("modules_to_save", "a fully trained module (PEFT modules_to_save)"),
+    ("trainable_tokens", "trainable token embeddings (PEFT trainable_token_indices)"),
+)
+
+
+def check_tensor_names(keys, source: str) -> None:
+    """Refuses tensors that are not a ``lora_A.weight``/``lora_B.weight`` factor: bdlora's conversions would drop
+    them and change the adapter's outputs (or leave a config PEFT cannot load)."""
+    extra = sorted(k for k in keys if not (k.endswith(_A_SUFFIX) or k.endswith(_B_SUFFIX)))
+    if not extra:
+        return
+    first = extra[0]
+    why = next((what for key, what in _EXTRA_TENSOR_REASONS if key in first), "not a LoRA factor")
+    more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+    raise UnsupportedAdapterError(
+        f"{source}: tensor {first!r} ({why}){more} is not a lora_A/lora_B factor; bdlora reads, converts and serves "
+        "only the LoRA factors and would silently drop it. Remove it from the file (and the feature from "
+        "adapter_config.json) if the adapter works without it; otherwise use the adapter with PEFT directly")
+
+
+def check_supported_features(cfg: AdapterConfig, source: str) -> None:
+    """Refuses PEFT config features bdlora cannot reproduce exactly (empty ``rank_pattern``/``alpha_pattern`` are
+    fine). Each would otherwise change the adapter's outputs after a conversion or leave a folder PEFT cannot load."""
+    raw = cfg.raw or {}
+    reasons = []
+    if raw.get("rank_pattern"):
+        reasons.append(f"rank_pattern={raw['rank_pattern']!r} (per-module ranks; bdlora reads one rank r per adapter)")
+    if raw.get("alpha_pattern"):
+        reasons.append(f"alpha_pattern={raw['alpha_pattern']!r} (per-module scales; bdlora's conversions write one "
+                       "scale for all modules and would change the outputs)")
+    if raw.get("lora_bias"):
+        reasons.append("lora_bias=true (lora_B biases; bdlora's conversions would drop them)")
+    if raw.get("use_dora"):
+        reasons.append("use_dora=true (DoRA magnitude vectors; not a plain LoRA)")
+    if raw.get("modules_to_save"):
+        reasons.append(f"modules_to_save={raw['modules_to_save']!r} (fully trained modules; bdlora would drop their "
+                       "weights and keep the config, which PEFT then cannot load)")
+    if raw.get("trainable_token_indices"):
+        reasons.append("trainable_token_indices (trained embedding rows; bdlora would drop them)")
+    if reasons:
+        raise UnsupportedAdapterError(
+            f"{source}: bdlora does not support " + "; ".join(reasons) + ". Use this adapter with PEFT directly, or "
+            "retrain it without these options")
 
 
 def check_factor_shapes(cfg: AdapterConfig, path: str, a_shape: tuple, b_shape: tuple) -> Optional[Layout]:
     """Validates one module's stored shapes against the config; returns its layout."""
+    if len(a_shape) != 2 or len(b_shape) != 2 or 0 in a_shape or 0 in b_shape:
+        raise AdapterFileError(f"{path}: factor shapes A{tuple(a_shape)} B{tuple(b_shape)} are not two non-empty "
+                               "matrices; the adapter was written for a layer or tensor-parallel size it does not fit")
     layout = cfg.layout_of(path)
     if a_shape[0] != cfg.r or b_shape[1] * (cfg.nblocks if layout == COLUMN else 1) != cfg.r:
         if layout == COLUMN and b_shape[1] == cfg.r and cfg.nblocks > 1:
-            raise BDLoraError(
+            raise AdapterFileError(
                 f"{path}: lora_B has shape {b_shape}, a dense (d_out, r) factor, but use_bdlora says it is "
                 f"block-diagonal and packed (d_out, r/nblocks)=({b_shape[0]}, {cfg.r // cfg.nblocks}): this is a "
                 "dense adapter with a BD config; convert it with `bdlora convert to-bd`"
             )
-        raise BDLoraError(f"{path}: factor shapes A{a_shape} B{b_shape} do not fit r={cfg.r}"
-                          + (f", nblocks={cfg.nblocks} ({layout} layout)" if layout else ""))
+        raise AdapterFileError(f"{path}: factor shapes A{a_shape} B{b_shape} do not fit r={cfg.r}"
+                               + (f", nblocks={cfg.nblocks} ({layout} layout)" if layout else ""))
     if layout is not None:
         n = cfg.nblocks
         d_out = b_shape[0]
         d_in = a_shape[1] * (n if layout == ROW else 1)
         if d_out % n:
-            raise BDLoraError(f"{path}: d_out={d_out} is not divisible by nblocks={n}")
+            raise AdapterFileError(f"{path}: d_out={d_out} is not divisible by nblocks={n}")
         expect = packed_shapes(layout, d_in, d_out, cfg.r, n)
         if (tuple(a_shape), tuple(b_shape)) != expect:
-            raise BDLoraError(f"{path}: stored shapes A{a_shape} B{b_shape}, expected packed {expect} "
-                              f"for a {layout}-parallel layer with nblocks={n}")
+            raise AdapterFileError(f"{path}: stored shapes A{a_shape} B{b_shape}, expected packed {expect} "
+                                   f"for a {layout}-parallel layer with nblocks={n}")
     return layout
 
 
+def layer_dims(cfg: AdapterConfig, path: str, a_shape: tuple, b_shape: tuple) -> tuple[int, int]:
+    """(d_in, d_out) of the layer a (packed) factor pair adapts."""
+    return a_shape[1] * (cfg.nblocks if cfg.layout_of(path) == ROW else 1), b_shape[0]
+
+
+# Llama-style projection names: which read the residual stream (d_in = hidden) and which write it (d_out = hidden).
+_READS_HIDDEN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_WRITES_HIDDEN = ("o_proj", "down_proj")
+
+
+def check_layer_widths(dims: dict[str, tuple[int, int]], source: str) -> None:
+    """Factors that must agree on a width do: every q/k/v/gate/up input and o/down output is the model's hidden size,
+    and in one block gate/up outputs equal down's input and q's output equals o's input. ``dims`` maps module paths to
+    (d_in, d_out). Other module names are not checked (their widths are not known from the names)."""
+    hidden: dict[int, list[str]] = {}
+    for p, (d_in, d_out) in dims.items():
+        leaf = p.rsplit(".", 1)[-1]
+        if leaf in _READS_HIDDEN:
+            hidden.setdefault(d_in, []).append(f"{p} input")
+        elif leaf in _WRITES_HIDDEN:
+            hidden.setdefault(d_out, []).append(f"{p} output")
+    if len(hidden) > 1:
+        common = max(hidden, key=lambda w: len(hidden[w]))
+        odd_w = next(w for w in hidden if w != common)
+        raise AdapterFileError(
+            f"{source}: {hidden[odd_w][0]} is {odd_w} wide but {hidden[common][0]} (and {len(hidden[common]) - 1} "
+            f"more) is {common}: all of them are the model's hidden size. The factors come from different models or "
+            "the file is corrupt; re-export the adapter")
+    pairs = (("gate_proj", 1, "down_proj", 0), ("up_proj", 1, "down_proj", 0), ("q_proj", 1, "o_proj", 0))
+    for p, d in dims.items():
+        parent, leaf = p.rsplit(".", 1) if "." in p else ("", p)
+        for src, si, dst, di in pairs:
+            other = f"{parent}.{dst}"
+            if leaf == src and other in dims and d[si] != dims[other][di]:
+                raise AdapterFileError(
+                    f"{source}: {p} has {d[si]} outputs but {other} reads {dims[other][di]} inputs; in one block they "
+                    "are the same width. The factors come from different models or the file is corrupt")
+
+
 def load_adapter(path: str | os.PathLike, device: str = "cpu") -> Adapter:
-    """Loads and validates a PEFT LoRA folder (BD or dense)."""
+    """Loads and validates a PEFT LoRA folder (BD or dense); the strict reader every bdlora command uses.
+
+    Refused, with :class:`AdapterFileError` or :class:`UnsupportedAdapterError` naming the file and the problem:
+    unreadable or malformed config/weights, tensors that are not lora_A/lora_B factors, non-floating or NaN/Inf
+    factors, zero-sized or mis-shaped factors, widths that disagree between modules (:func:`check_layer_widths`),
+    and config features bdlora cannot reproduce (:func:`check_supported_features`).
+    """
     from safetensors.torch import load_file
 
     path = Path(path)
     cfg = read_config(path)
+    check_supported_features(cfg, str(path / CONFIG_NAME))
     weights = path / WEIGHTS_NAME
     if not weights.is_file():
-        raise BDLoraError(f"{path}: no {WEIGHTS_NAME}")
-    tensors = load_file(str(weights), device=device)
-    modules = {}
+        hint = (" (found adapter_model.bin: re-save it with safe_serialization=True)"
+                if (path / "adapter_model.bin").is_file() else "")
+        raise AdapterFileError(f"{path}: no {WEIGHTS_NAME}{hint}")
+    try:
+        tensors = load_file(str(weights), device=device)
+    except Exception as e:  # safetensors raises its own SafetensorError, OSError or ValueError on a bad file
+        raise AdapterFileError(f"{weights}: cannot read it as safetensors ({type(e).__name__}: {e}); the file is "
+                               "truncated or corrupt, re-save or re-download the adapter") from None
+    check_tensor_names(tensors, str(weights))
+    modules, dims = {}, {}
     for p in module_paths(tensors):
         a, b = tensors[p + _A_SUFFIX], tensors[p + _B_SUFFIX]
+        for name, t in ((p + _A_SUFFIX, a), (p + _B_SUFFIX, b)):
+            if not t.is_floating_point():
+                raise AdapterFileError(f"{weights}: tensor {name!r} has dtype {t.dtype}; LoRA factors are floating "
+                                       "point (quantized factors are not supported)")
+            if not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise AdapterFileError(f"{weights}: tensor {name!r} has {bad} NaN/Inf values; the adapter is broken "
+                                       "(training diverged?), use an earlier checkpoint")
         layout = check_factor_shapes(cfg, p, tuple(a.shape), tuple(b.shape))
+        dims[p] = layer_dims(cfg, p, tuple(a.shape), tuple(b.shape))
         modules[p] = LoraFactors(a, b, layout)
+    check_layer_widths(dims, str(weights))
     return Adapter(cfg, modules)
 
 
-def _atomic_dir(dest: Path):
-    """Temporary sibling directory renamed onto ``dest`` on success; never leaves a half-written folder."""
+# Temporary and replaced folders of the atomic writer: `.{name}.bdlora-tmp-{host}-{pid}-{hex}` (and `-old-`). The
+# host hash and pid say who owns one, so a later write can remove those whose process is gone, and nothing else.
+_NAME_KEEP = 100  # characters of the destination name kept in these names (file names are limited to 255 bytes)
 
-    class _Ctx:
-        def __enter__(self):
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            self.tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-            return self.tmp
 
-        def __exit__(self, exc_type, exc, tb):
-            if exc_type is not None:
+def _host_tag() -> str:
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's live process / not a pid we can ask about
+        return pid > 0
+    return True
+
+
+def _work_name(dest: Path, kind: str) -> str:
+    return f".{dest.name[:_NAME_KEEP]}.bdlora-{kind}-{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def clean_stale_work_dirs(dest: str | os.PathLike) -> list[Path]:
+    """Removes the temporary/replaced folders that interrupted atomic writes of ``dest`` left next to it: only folders
+    named by this writer, on this host, whose process is no longer running. Returns what it removed."""
+    dest = Path(os.path.abspath(dest))
+    pattern = re.compile(rf"^\.{re.escape(dest.name[:_NAME_KEEP])}\.bdlora-(?:tmp|old)-{_host_tag()}-(\d+)-[0-9a-f]+$")
+    removed = []
+    try:
+        entries = list(dest.parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = pattern.match(entry.name)
+        if not m or entry.is_symlink() or not entry.is_dir():
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _contains(outer: Path, inner: Path) -> bool:
+    """True when ``inner`` is ``outer`` or lies inside it (both absolute, symlinks resolved)."""
+    return inner == outer or outer in inner.parents
+
+
+class _AtomicDir:
+    """Temporary sibling directory renamed onto ``dest`` on success; never leaves a half-written folder or a
+    temporary one behind (on failure or interrupt the temporary folder is removed; stale ones of dead writers are
+    removed on the next write)."""
+
+    def __init__(self, dest: str | os.PathLike, overwrite: bool):
+        self.dest = Path(os.path.abspath(dest))
+        self.overwrite = overwrite
+
+    def __enter__(self) -> Path:
+        dest = self.dest
+        real = Path(os.path.realpath(dest))
+        if dest.parent == dest or _contains(real, Path(os.path.realpath(os.getcwd()))):
+            raise OutputPathError(f"refusing to write to {dest}: it is the current directory or contains it; give a "
+                                  "new folder name as the output")
+        if os.path.lexists(dest):
+            if not dest.is_dir():
+                raise OutputPathError(f"refusing to write to {dest}: it exists and is not a folder; remove it or "
+                                      "choose another output path")
+            if not self.overwrite:
+                raise OutputPathError(f"refusing to write to {dest}: it already exists; choose a new output path")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale_work_dirs(dest)
+        self.tmp = dest.parent / _work_name(dest, "tmp")
+        self.tmp.mkdir()
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        dest, old = self.dest, None
+        try:
+            if exc_type is None:
+                if os.path.lexists(dest):
+                    old = dest.parent / _work_name(dest, "old")
+                    os.replace(dest, old)
+                try:
+                    os.replace(self.tmp, dest)
+                except BaseException:
+                    if old is not None:
+                        os.replace(old, dest)  # put the previous folder back
+                        old = None
+                    raise
+        finally:
+            if self.tmp.exists():
                 shutil.rmtree(self.tmp, ignore_errors=True)
-                return False
-            old = None
-            if dest.exists():
-                old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-                os.replace(dest, old)
-            os.replace(self.tmp, dest)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-            return False
-
-    return _Ctx()
+        return False
 
 
-def atomic_output_dir(dest: str | os.PathLike):
-    """Context manager yielding a temp dir that atomically becomes ``dest`` when the block succeeds."""
-    return _atomic_dir(Path(dest))
+def atomic_output_dir(dest: str | os.PathLike, overwrite: bool = True):
+    """Context manager yielding a temp dir (next to ``dest``) that atomically becomes ``dest`` when the block succeeds.
+
+    ``overwrite=True`` (the trainer's and model cache's outputs) replaces an existing ``dest`` folder;
+    ``overwrite=False`` refuses an existing ``dest``. Always refused (:class:`OutputPathError`): a ``dest`` that
+    exists and is not a folder, and one that is or contains the current directory. Callers that replace user
+    folders check them first with :func:`check_output_path`.
+    """
+    return _AtomicDir(dest, overwrite)
+
+
+def check_output_path(output: str | os.PathLike, inputs=(), force: bool = False) -> None:
+    """Refuses an output path a conversion must not replace; raises :class:`OutputPathError` saying why.
+
+    A missing ``output`` is fine. An existing one is refused unless ``force``; with ``force`` it is replaced only if it
+    is an adapter folder (has ``adapter_config.json``, no subfolders) that is not the current directory or one of its
+    ancestors, and is neither one of ``inputs`` nor contains one of them.
+    """
+    out = Path(os.path.abspath(output))
+    if not os.path.lexists(out):
+        return
+    if not force:
+        raise OutputPathError(f"output {output} already exists; bdlora does not overwrite it. Choose a new path, or "
+                              "pass --force to replace an existing adapter folder")
+    real = Path(os.path.realpath(out))
+    if not out.is_dir():
+        raise OutputPathError(f"output {output} is a file, not an adapter folder; --force replaces only adapter "
+                              "folders, remove it yourself if it should go")
+    if _contains(real, Path(os.path.realpath(os.getcwd()))):
+        raise OutputPathError(f"output {output} is the current directory or contains it; --force never replaces "
+                              "that, give a new folder name")
+    for inp in inputs:
+        if _contains(real, Path(os.path.realpath(inp))):
+            what = "is the input adapter" if real == Path(os.path.realpath(inp)) else "contains the input adapter"
+            raise OutputPathError(f"output {output} {what} {inp}; --force never replaces an input, write to a new "
+                                  "folder")
+    if not (out / CONFIG_NAME).is_file():
+        raise OutputPathError(f"output {output} is not an adapter folder (no {CONFIG_NAME}); --force replaces only "
+                              "adapter folders, choose another path")
+    subdirs = sorted(p.name for p in out.iterdir() if p.is_dir())
+    if subdirs:
+        raise OutputPathError(f"output {output} holds subfolders {subdirs[:4]}, so it is more than an adapter folder; "
+                              "--force does not replace it, choose another path")
 
 
 def config_dict(cfg: AdapterConfig) -> dict:
@@ -242,8 +520,9 @@ def config_dict(cfg: AdapterConfig) -> dict:
     return raw
 
 
-def save_adapter(adapter: Adapter, path: str | os.PathLike) -> Path:
-    """Writes a PEFT folder atomically. Validates shapes first so a bad adapter is never written."""
+def save_adapter(adapter: Adapter, path: str | os.PathLike, overwrite: bool = True) -> Path:
+    """Writes a PEFT folder atomically (:func:`atomic_output_dir`, ``overwrite`` as there). Validates shapes first so
+    a bad adapter is never written."""
     from safetensors.torch import save_file
 
     cfg = adapter.config
@@ -253,7 +532,7 @@ def save_adapter(adapter: Adapter, path: str | os.PathLike) -> Path:
         tensors[p + _A_SUFFIX] = f.lora_A.detach().contiguous().cpu()
         tensors[p + _B_SUFFIX] = f.lora_B.detach().contiguous().cpu()
     path = Path(path)
-    with atomic_output_dir(path) as tmp:
+    with atomic_output_dir(path, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         with open(tmp / CONFIG_NAME, "w") as fh:
             json.dump(config_dict(cfg), fh, indent=2, sort_keys=True)
@@ -261,7 +540,8 @@ def save_adapter(adapter: Adapter, path: str | os.PathLike) -> Path:
 
 
 __all__ = [
-    "Adapter", "AdapterConfig", "LoraFactors", "CONFIG_NAME", "WEIGHTS_NAME", "atomic_output_dir",
-    "check_factor_shapes", "config_dict", "load_adapter", "module_paths", "read_config", "save_adapter",
-    "shape_of",
+    "Adapter", "AdapterConfig", "AdapterFileError", "LoraFactors", "CONFIG_NAME", "OutputPathError",
+    "UnsupportedAdapterError", "WEIGHTS_NAME", "atomic_output_dir", "check_factor_shapes", "check_layer_widths",
+    "check_output_path", "check_supported_features", "check_tensor_names", "clean_stale_work_dirs", "config_dict",
+    "layer_dims", "load_adapter", "module_paths", "read_config", "save_adapter", "shape_of",
 ]

@@ -1,9 +1,12 @@
 """``bdlora`` command line: inspect and convert adapters, train, serve.
 
-    bdlora inspect ADAPTER
-    bdlora convert to-dense IN OUT
-    bdlora convert to-bd IN OUT --nblocks N [--rank R] [--preset llama | --column ... --row ...]
-    bdlora convert reblock IN OUT --tp M
+    bdlora inspect ADAPTER [--model MODEL]
+    bdlora convert to-dense IN OUT [--force]
+    bdlora convert to-bd IN OUT --nblocks N [--rank R] [--preset llama | --column ... --row ...] [--force]
+    bdlora convert reblock IN OUT --tp M [--force]
+
+Every expected failure is a BDLoraError (or an OSError) printed as ``bdlora: error: ...``, exit status 2; the
+refusals and ``--force`` are listed in docs/adapters.md.
     bdlora train --config job.yaml          (same as python -m bdlora.train)
     bdlora serve MODEL [vllm serve args]    (vllm serve with --enable-lora --enable-bdlora)
 """
@@ -11,30 +14,85 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
-from .spec import COLUMN, PRESETS, ROW, BDLoraError
+from .spec import COLUMN, PRESETS, ROW, BDLoraError, servable_tp_degrees
 
 
 def _divisors_and_multiples(n: int, limit: int = 16) -> list[int]:
     return sorted({m for m in range(1, limit + 1) if n % m == 0 or m % n == 0})
 
 
-def inspect_text(path: str) -> str:
+def model_config_dict(model: str) -> dict:
+    """``config.json`` of ``model``: a local model folder (or the config file itself), else a hub id resolved from the
+    local Hugging Face cache only (never downloads)."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise BDLoraError(f"--model {model}: the folder has no config.json; pass a Hugging Face model folder or "
+                              "hub id")
+    elif p.is_file():
+        cfg_file = p
+    else:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            cfg_file = Path(hf_hub_download(model, "config.json", local_files_only=True))
+        except Exception as e:  # not cached, or not a valid repo id: both mean "not available here"
+            raise BDLoraError(
+                f"--model {model!r} is neither a local folder nor a model in the local Hugging Face cache "
+                f"({type(e).__name__}); on a machine with internet access run `huggingface-cli download {model}` "
+                "(and copy the cache here), or pass the model's folder") from None
+    try:
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise BDLoraError(f"{cfg_file}: cannot read it as a model config.json ({e})") from None
+    if not isinstance(raw, dict):
+        raise BDLoraError(f"{cfg_file}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def _hidden_width(ad) -> int | None:
+    from .adapter import layer_dims
+
+    for p, f in ad.modules.items():
+        if p.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            return layer_dims(ad.config, p, tuple(f.lora_A.shape), tuple(f.lora_B.shape))[0]
+    return None
+
+
+def inspect_text(path: str, model: str | None = None) -> str:
+    """What ``bdlora inspect`` prints. With ``model`` (folder or cached hub id), the tensor-parallel sizes listed are
+    those vLLM can serve the model at (:func:`bdlora.spec.servable_tp_degrees`) that also fit the adapter's blocks."""
     from .adapter import load_adapter
 
     ad = load_adapter(path)
     cfg = ad.config
+    model_cfg = model_config_dict(model) if model is not None else None
     layouts = {COLUMN: 0, ROW: 0, None: 0}
     for f in ad.modules.values():
         layouts[f.layout] += 1
+    tp_note = ""
+    if model_cfg is not None:
+        hidden, width = model_cfg.get("hidden_size"), _hidden_width(ad)
+        if isinstance(hidden, int) and width is not None and width != hidden:
+            raise BDLoraError(f"adapter {path} reads {width}-wide hidden states but --model {model} has "
+                              f"hidden_size={hidden}: the adapter was trained on another model")
+        kv_lora = cfg.is_bd and any(p.rsplit(".", 1)[-1] in ("k_proj", "v_proj") for p in ad.modules)
+        tps = servable_tp_degrees(model_cfg, cfg.nblocks, kv_lora=kv_lora)
+        tp_note = f"serve on {model} at tensor-parallel size {tps}"
     lines = [f"adapter:        {path}"]
     if cfg.is_bd:
         n = cfg.nblocks
+        tp = (f"({tp_note} without LoRA communication)" if model_cfg is not None else
+              f"(serve at tensor-parallel size {_divisors_and_multiples(n)} without LoRA communication, where the "
+              "model allows; --model MODEL checks its heads)")
         lines += [
             "type:           BD-LoRA (block-diagonal, PEFT use_bdlora)",
-            f"nblocks:        {n}  (serve at tensor-parallel size {_divisors_and_multiples(n)} without LoRA "
-            "communication)",
+            f"nblocks:        {n}  {tp}",
             f"rank r:         {cfg.r}  (rank per block r/N = {cfg.r // n})",
             f"column-parallel (B block-diagonal): {cfg.column_modules}  [{layouts[COLUMN]} modules]",
             f"row-parallel    (A block-diagonal): {cfg.row_modules}  [{layouts[ROW]} modules]",
@@ -42,16 +100,21 @@ def inspect_text(path: str) -> str:
     else:
         lines += ["type:           dense LoRA (no use_bdlora)", f"rank r:         {cfg.r}",
                   f"modules:        {layouts[None]}"]
+        if model_cfg is not None:
+            lines.append(f"tensor-parallel: {tp_note}")
     alpha_note = ""
     if cfg.is_bd and cfg.use_rslora:
         alpha_note = f"  (= block alpha {cfg.lora_alpha / cfg.nblocks ** 0.5:g} x sqrt(N))"
     stored = ad.num_parameters()
     dense = ad.dense_num_parameters()
+    # Exact zeros are counted, not assumed: to-dense expands blocks with zeros, to-bd above the exact rank pads them.
+    zeros = sum(int((f.lora_A == 0).sum()) + int((f.lora_B == 0).sum()) for f in ad.modules.values())
+    zero_note = f"{zeros:,} zero ({100 * zeros / stored:.1f}%)" if zeros else "none zero"
     lines += [
         f"lora_alpha:     {cfg.lora_alpha:g}{alpha_note}",
         f"use_rslora:     {cfg.use_rslora}",
         f"scale:          {cfg.scale:.6g}  ({'lora_alpha/sqrt(r)' if cfg.use_rslora else 'lora_alpha/r'})",
-        f"parameters:     {stored:,} stored (all non-zero)"
+        f"parameters:     {stored:,} stored, {zero_note}"
         + (f"; a dense LoRA of rank {cfg.r} on the same modules has {dense:,} ({stored / dense:.3f}x)"
            if cfg.is_bd else ""),
     ]
@@ -59,14 +122,16 @@ def inspect_text(path: str) -> str:
 
 
 def _convert(args) -> None:
-    from .adapter import load_adapter, save_adapter
+    from .adapter import check_output_path, load_adapter, save_adapter
     from .convert import bd_to_dense, dense_to_bd, reblock
 
+    # Refused before any work: an output that exists (without --force) or that --force must not replace.
+    check_output_path(args.output, [args.input], force=args.force)
     ad = load_adapter(args.input)
     if args.kind == "to-dense":
         out = bd_to_dense(ad)
     elif args.kind == "reblock":
-        out = reblock(ad, args.tp)
+        out = reblock(ad, args.tp, src=args.input, dst=args.output)
     else:
         if args.column or args.row:
             cols, rows = args.column or [], args.row or []
@@ -76,7 +141,11 @@ def _convert(args) -> None:
         worst = max(report.per_module.items(), key=lambda kv: kv[1])
         print(f"relative error of the weight delta: {report.total:.3e} overall; worst module {worst[0]} "
               f"{worst[1]:.3e}")
-    save_adapter(out, args.output)
+        exact = args.nblocks * ad.config.r
+        if args.rank is not None and args.rank > exact:
+            print(f"note: --rank {args.rank} is above the exact rank nblocks x r = {exact}: the extra rank is stored as "
+                  f"zeros; --rank {exact} (or no --rank) gives the same outputs in fewer bytes")
+    save_adapter(out, args.output, overwrite=args.force)
     print(f"wrote {args.output}")
     print(inspect_text(args.output))
 
@@ -86,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="print rank, blocks, parameter count and scale of an adapter folder")
     ins.add_argument("adapter")
+    ins.add_argument("--model", default=None, help="model folder or hub id (local HF cache only): list only the "
+                     "tensor-parallel sizes vLLM can serve this model at")
     conv = sub.add_parser("convert", help="convert between dense LoRA and BD-LoRA, or re-block for another TP size")
     csub = conv.add_subparsers(dest="kind", required=True)
     td = csub.add_parser("to-dense", help="BD-LoRA -> standard LoRA of the same rank (zeros expanded)")
@@ -99,7 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("--tp", type=int, required=True, help="target tensor-parallel size M")
     for c in (td, tb, rb):
         c.add_argument("input")
-        c.add_argument("output")
+        c.add_argument("output", help="new folder to write (refused if it exists, see --force)")
+        c.add_argument("--force", action="store_true", help="replace OUT if it is an existing adapter folder (never "
+                       "a file, another folder, the input, or the current directory)")
     sub.add_parser("train", help="fine-tune a BD-LoRA adapter (bdlora train --config job.yaml)", add_help=False)
     sub.add_parser("serve", help="vllm serve with the BD-LoRA plugin enabled", add_help=False)
     return p
@@ -119,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "inspect":
-            print(inspect_text(args.adapter))
+            print(inspect_text(args.adapter, model=args.model))
         elif args.command == "convert":
             _convert(args)
-    except BDLoraError as e:
+    except (BDLoraError, OSError) as e:  # OSError: unreadable input, unwritable output, disk full
         print(f"bdlora: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -16,9 +16,46 @@ from typing import Iterable, Optional
 
 import torch
 
-from .adapter import Adapter, AdapterConfig, LoraFactors
-from .sharding import check_tp_compatible, reblock_factors, unpack_factors
+from .adapter import Adapter, AdapterConfig, LoraFactors, layer_dims
+from .sharding import reblock_factors, unpack_factors
 from .spec import COLUMN, PRESETS, ROW, BDLoraError, Layout
+
+
+class ConversionError(BDLoraError):
+    """A conversion that cannot be done as asked (bad argument, a block count the layers or the adapter do not
+    allow); the message says what would work."""
+
+
+def _check_count(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConversionError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def reblock_route(nblocks: int, tp_size: int, src: str = "IN", dst: str = "OUT") -> str:
+    """Why ``reblock`` cannot go from ``nblocks`` to ``tp_size`` blocks, and the two commands that can."""
+    dense = f"{dst.rstrip('/')}-dense"
+    return (f"cannot re-block an adapter with nblocks={nblocks} to {tp_size} blocks: reblock only merges or splits "
+            f"whole blocks, so one of {nblocks} and {tp_size} must divide the other. Go through a dense adapter "
+            f"instead (exact, rank {tp_size} x r; add --rank R to to-bd for a smaller, truncated one):\n"
+            f"  bdlora convert to-dense {src} {dense}\n"
+            f"  bdlora convert to-bd {dense} {dst} --nblocks {tp_size}")
+
+
+def check_block_split(adapter: Adapter, layout_of, nblocks: int) -> None:
+    """Refuses ``nblocks`` unless it divides the dimension every module of ``adapter`` splits into blocks: d_out of
+    column-parallel layers (B block-diagonal), d_in of row-parallel ones (A block-diagonal); ``layout_of(path)`` gives
+    the layout in the result. Checked before anything is written, so no adapter with empty or uneven blocks is made."""
+    for p, f in adapter.modules.items():
+        d_in, d_out = layer_dims(adapter.config, p, tuple(f.lora_A.shape), tuple(f.lora_B.shape))
+        layout = layout_of(p)
+        dim, name = (d_out, "d_out (outputs)") if layout == COLUMN else (d_in, "d_in (inputs)")
+        if dim % nblocks:
+            ok = [m for m in range(1, min(dim, 64) + 1) if dim % m == 0]
+            raise ConversionError(
+                f"{p}: {layout}-parallel layer with {name}={dim} cannot be split into {nblocks} blocks; the block "
+                f"count must divide it (this layer allows {ok}{' ...' if dim > 64 else ''}). Pick a tensor-parallel "
+                "size the model supports")
 
 
 def _with_scale(cfg: AdapterConfig, r: int, scale: float, **changes) -> AdapterConfig:
@@ -46,11 +83,18 @@ def bd_to_dense(adapter: Adapter) -> Adapter:
     return Adapter(new, modules)
 
 
-def reblock(adapter: Adapter, tp_size: int) -> Adapter:
-    """The same adapter with ``tp_size`` blocks (rank grows by M/N when M > N); outputs are unchanged."""
+def reblock(adapter: Adapter, tp_size: int, src: str = "IN", dst: str = "OUT") -> Adapter:
+    """The same adapter with ``tp_size`` blocks (rank grows by M/N when M > N); outputs are unchanged.
+
+    Needs M | N or N | M, and M dividing every dimension the blocks split (:func:`check_block_split`); ``src`` and
+    ``dst`` only fill in the commands the error message suggests otherwise (:func:`reblock_route`).
+    """
     require_bd(adapter, "reblock")
     cfg = adapter.config
-    check_tp_compatible(cfg.nblocks, tp_size)
+    _check_count(tp_size, "the target tensor-parallel size (--tp)")
+    if tp_size % cfg.nblocks and cfg.nblocks % tp_size:
+        raise ConversionError(reblock_route(cfg.nblocks, tp_size, src, dst))
+    check_block_split(adapter, cfg.layout_of, tp_size)
     modules = {p: LoraFactors(*reblock_factors(f.lora_A, f.lora_B, f.layout, cfg.nblocks, tp_size), f.layout)
                for p, f in adapter.modules.items()}
     new_r = cfg.r * max(1, tp_size // cfg.nblocks)
@@ -92,21 +136,21 @@ def dense_to_bd(adapter: Adapter, nblocks: int, rank: Optional[int] = None,
     if cfg.is_bd:
         raise BDLoraError("to-bd expects a dense LoRA adapter, but this one already has use_bdlora; "
                           "use `bdlora convert reblock --tp M` to change its number of blocks")
-    n = nblocks
+    n = _check_count(nblocks, "nblocks (--nblocks)")
+    if rank is not None:
+        _check_count(rank, "the target rank (--rank)")
     target = rank if rank is not None else n * cfg.r
     if target % n:
-        raise BDLoraError(f"target rank {target} is not divisible by nblocks={n}")
+        raise ConversionError(f"target rank {target} is not divisible by nblocks={n}; every block needs rank "
+                              f"rank/nblocks, use --rank {max(n, target - target % n)} or {target - target % n + n}")
     cols, rows = list(column_modules), list(row_modules)
     new_cfg = _with_scale(cfg, target, cfg.scale, nblocks=n, column_modules=cols, row_modules=rows)
+    check_block_split(adapter, new_cfg.layout_of, n)  # also: every module must be column- or row-parallel
     per_module, kept_all, total_all = {}, 0.0, 0.0
     modules = {}
     for p, f in adapter.modules.items():
         layout: Layout = new_cfg.layout_of(p)
         a, b = f.lora_A, f.lora_B
-        split = b.shape[0] if layout == COLUMN else a.shape[1]
-        if split % n:
-            raise BDLoraError(f"{p}: {'d_out' if layout == COLUMN else 'd_in'}={split} is not divisible by "
-                              f"nblocks={n}")
         if rank is None:
             if layout == COLUMN:
                 new = LoraFactors(a.repeat(n, 1), b.clone(), layout)
@@ -142,4 +186,5 @@ def delta_weight(factors: LoraFactors, nblocks: Optional[int], scale: float) -> 
     return scale * (b.double() @ a.double())
 
 
-__all__ = ["TruncationReport", "bd_to_dense", "delta_weight", "dense_to_bd", "reblock", "require_bd"]
+__all__ = ["ConversionError", "TruncationReport", "bd_to_dense", "check_block_split", "delta_weight", "dense_to_bd",
+           "reblock", "reblock_route", "require_bd"]

@@ -216,7 +216,67 @@ def matched_lora_rank(r: int, hidden: int, intermediate: int, nblocks: int) -> f
     return r * (hidden + intermediate) / (hidden + intermediate / nblocks)
 
 
+def _model_dims(model_config) -> dict:
+    """``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``hidden_size`` of a transformers
+    config object or its ``config.json`` dict; a multimodal config's ``text_config`` is used when present."""
+    get = (lambda c, k: c.get(k)) if isinstance(model_config, dict) else (lambda c, k: getattr(c, k, None))
+    text = get(model_config, "text_config")
+    if text is not None and get(model_config, "num_attention_heads") is None:
+        model_config = text
+        get = (lambda c, k: c.get(k)) if isinstance(model_config, dict) else (lambda c, k: getattr(c, k, None))
+    heads = get(model_config, "num_attention_heads")
+    if not isinstance(heads, int) or heads < 1:
+        raise BDLoraError(f"model config has no usable num_attention_heads (got {heads!r}); is it a decoder LLM "
+                          "config.json?")
+    kv = get(model_config, "num_key_value_heads") or heads  # absent: multi-head attention, one KV head per head
+    return {"num_attention_heads": heads, "num_key_value_heads": kv,
+            "intermediate_size": get(model_config, "intermediate_size"),
+            "hidden_size": get(model_config, "hidden_size")}
+
+
+def vllm_can_serve_tp(model_config, tp: int, nblocks: int | None = None, kv_lora: bool = False) -> str | None:
+    """Why vLLM cannot serve ``model_config`` (a BD-LoRA adapter of ``nblocks`` blocks on it) at tensor-parallel
+    degree ``tp``; None when it can.
+
+    The rule, in one place (vLLM: ``ModelConfig.verify_with_parallel_config``, ``QKVParallelLinear``,
+    ``MergedColumnParallelLinear``/``RowParallelLinear``):
+
+    * ``num_attention_heads % tp == 0``;
+    * KV heads: ``num_key_value_heads % tp == 0``, or ``tp % num_key_value_heads == 0`` (vLLM then replicates each KV
+      head on ``tp / kv`` devices);
+    * ``intermediate_size % tp == 0`` (gate/up outputs and down's input are split);
+    * ``hidden_size`` is never split by tensor parallelism (only the heads are), so it adds no condition;
+    * with ``nblocks`` (a BD-LoRA adapter): ``tp | nblocks`` or ``nblocks | tp`` (each device holds whole blocks or
+      a slice of one, no LoRA communication);
+    * with ``nblocks`` and ``kv_lora`` (the adapter has k_proj/v_proj factors): ``tp <= num_key_value_heads``, because
+      replicated KV shards cannot hold different blocks (the vLLM plugin refuses that case).
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        return f"tensor-parallel degree must be a positive integer, got {tp!r}"
+    d = _model_dims(model_config)
+    heads, kv, inter = d["num_attention_heads"], d["num_key_value_heads"], d["intermediate_size"]
+    if heads % tp:
+        return f"num_attention_heads={heads} is not divisible by tp={tp}"
+    if kv % tp and tp % kv:
+        return f"num_key_value_heads={kv} neither divides nor is divisible by tp={tp}"
+    if isinstance(inter, int) and inter % tp:
+        return f"intermediate_size={inter} is not divisible by tp={tp}"
+    if nblocks is not None:
+        if tp % nblocks and nblocks % tp:
+            return f"the adapter's nblocks={nblocks} neither divides nor is divisible by tp={tp}"
+        if kv_lora and tp > kv:
+            return (f"tp={tp} exceeds num_key_value_heads={kv}: vLLM replicates k_proj/v_proj, so their block-diagonal "
+                    "LoRA blocks cannot follow the shards")
+    return None
+
+
+def servable_tp_degrees(model_config, nblocks: int | None = None, limit: int = 16, kv_lora: bool = False) -> list[int]:
+    """Tensor-parallel degrees ``1..limit`` at which vLLM can serve the model (and the adapter with ``nblocks``
+    blocks, ``kv_lora`` as in :func:`vllm_can_serve_tp`), ascending."""
+    return [tp for tp in range(1, limit + 1) if vllm_can_serve_tp(model_config, tp, nblocks, kv_lora) is None]
+
+
 __all__ = [
     "BDLoraError", "BDLoraSpec", "COLUMN", "ROW", "Layout", "PRESETS", "matched_lora_rank", "peft_scaling",
-    "preset_for", "rslora_block_scale",
+    "preset_for", "rslora_block_scale", "servable_tp_degrees", "vllm_can_serve_tp",
 ]

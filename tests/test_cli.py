@@ -49,7 +49,11 @@ def test_convert_roundtrip_via_cli(peft_bd_adapter, tmp_path, capsys):
 def test_cli_errors_are_clear(peft_bd_adapter, tmp_path, capsys):
     assert main(["convert", "reblock", str(peft_bd_adapter), str(tmp_path / "x"), "--tp", "3"]) == 2
     err = capsys.readouterr().err
-    assert "nblocks=2 but tensor-parallel size is 3" in err and not (tmp_path / "x").exists()
+    assert "nblocks=2 to 3 blocks" in err and not (tmp_path / "x").exists()
+    # the route that works, not the command that just failed
+    assert f"bdlora convert to-dense {peft_bd_adapter} {tmp_path / 'x'}-dense" in err
+    assert f"bdlora convert to-bd {tmp_path / 'x'}-dense {tmp_path / 'x'} --nblocks 3" in err
+    assert "reblock --tp 3" not in err
     assert main(["convert", "to-bd", str(peft_bd_adapter), str(tmp_path / "y"), "--nblocks", "2"]) == 2
     assert "already has use_bdlora" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path)]) == 2
