@@ -58,7 +58,7 @@ def test_truncation_and_bad_records(tok, tmp_path):
     ex = encode(tok, to_messages({"instruction": "hi", "output": "one two three four five six seven"}), 20)
     assert ex is not None and len(ex.input_ids) == 20
     with pytest.raises(DataError, match="neither a chat record"):
-        to_messages({"prompt": "x", "completion": "y"}, where="f.jsonl record 3")
+        to_messages({"question": "x", "answer": "y"}, where="f.jsonl record 3")
     with pytest.raises(DataError, match="no assistant message"):
         to_messages({"messages": [{"role": "user", "content": "x"}]})
     with pytest.raises(DataError, match="role 'bot'"):
