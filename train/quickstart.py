@@ -135,7 +135,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     del base
 
     # 3. train through the same trainer as `bdlora train`.
-    for stale in ("checkpoints", "adapter", "metrics.jsonl", "tensorboard"):
+    for stale in ("checkpoints", "adapter", "metrics.jsonl", "runs"):
         p = out / stale
         if p.is_dir():
             shutil.rmtree(p)
@@ -146,7 +146,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         train_file=str(data_dir / "train.jsonl"), eval_file=str(data_dir / "eval.jsonl"), max_length=128,
         lr=args.lr, scheduler="cosine", warmup_ratio=0.1, batch_size=args.batch_size, grad_accum=1,
         max_steps=args.steps, seed=args.seed, eval_every=0, eval_batch_size=16, log_every=1,
-        output_dir=str(out), tensorboard=True,
+        output_dir=str(out), report_to=["tensorboard"],
     )
     _log(f"training BD-LoRA N={cfg.nblocks} r={cfg.r} for {cfg.max_steps} steps of {cfg.batch_size} examples")
     result = run_training(cfg)

@@ -1,28 +1,33 @@
-"""Fine-tune one BD-LoRA adapter with PEFT on a causal LM.
+"""Fine-tune one BD-LoRA adapter: transformers' ``Trainer`` + PEFT, with bdlora adding only what is BD-specific.
 
     python -m bdlora.train --config job.yaml [--set key=value ...]
-    accelerate launch --multi_gpu --num_processes K -m bdlora.train --config job.yaml   (K GPUs, or K CPU
-        processes over gloo on a machine without GPUs; `torchrun --nproc_per_node K -m bdlora.train` is the same)
+    accelerate launch -m bdlora.train --config job.yaml          (GPUs: data parallel, FSDP/DeepSpeed configs)
+    accelerate launch --multi_gpu --num_processes K -m bdlora.train --config job.yaml   (K CPU processes, gloo)
     bdlora train --config job.yaml
 
-Note: ``accelerate launch --cpu --num_processes K`` starts ONE process unless an MPI hostfile is given (accelerate's
-simple launcher); for data parallelism over local CPU processes use ``--multi_gpu`` (torchrun) as above; the
-trainer then uses gloo because no GPU is present (or ``ACCELERATE_USE_CPU=1`` forces CPU).
+The loop, optimizer, schedule, mixed precision, gradient accumulation and checkpointing, data parallelism, trackers
+(``report_to``) and progress bars are transformers' ``Trainer`` (any other ``TrainingArguments`` field is reachable
+through the config's ``training_args``). bdlora contributes:
 
-The adapter is PEFT's ``use_bdlora`` LoRA built from :meth:`bdlora.BDLoraSpec.to_peft_config` (rsLoRA with
-``lora_alpha * sqrt(N)``, so each of the N blocks is an independent rank ``r/N`` rsLoRA adapter of one weight shard;
-``tests/test_train_equivalence.py`` checks exactly that). ``accelerate`` provides the device, data parallelism
-(DDP; gloo on CPU) and gradient accumulation. The data order is a deterministic function of the seed and the step
-(:mod:`bdlora.train.data`), so a checkpoint (adapter weights, optimizer, scheduler, per-process RNG, step) resumes
-bit-exactly.
+* the adapter: PEFT's ``use_bdlora`` LoRA from :meth:`bdlora.BDLoraSpec.to_peft_config` (rsLoRA with
+  ``lora_alpha * sqrt(N)``, so each of the N blocks is an independent rank ``r/N`` rsLoRA adapter of one weight
+  shard; ``tests/test_train_equivalence.py`` checks exactly that), exact module-name validation and the per-shard
+  A initialisation;
+* the data: :mod:`bdlora.train.data` (every record format, response-only labels for any prefix-consistent chat
+  template, tokenised once per run);
+* atomic checkpoints (written to a staging folder, renamed when complete) and a resume that skips an unreadable
+  newest checkpoint, naming it; a run killed at any moment resumes to a bit-identical adapter;
+* the final PEFT folder ``adapter/``: refused if any weight is non-finite, checked by bdlora's strict reader, written
+  atomically with a model card (what the adapter is, how to serve it).
 
 Output folder::
 
     output_dir/
-      adapter/               final PEFT LoRA folder (save_pretrained), validated with bdlora.load_adapter
-      checkpoints/step-N/    resumable checkpoints (written atomically); also PEFT folders
-      metrics.jsonl          one JSON object per log/eval event
-      tensorboard/           the same scalars, when tensorboard is installed
+      adapter/               final PEFT LoRA folder + README.md model card
+      checkpoint-N/          resumable Trainer checkpoints (PEFT folder, optimizer, scheduler, RNG, trainer state)
+      metrics.jsonl          one JSON object per log/eval event (deduplicated across resumes)
+      loss.png               train/eval loss curves (when matplotlib is installed)
+      runs/                  tensorboard (the default tracker, when installed)
       train_config.yaml      the resolved job
 """
 
@@ -34,7 +39,6 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import shutil
 import sys
@@ -48,33 +52,34 @@ import torch
 from bdlora.adapter import atomic_output_dir
 from bdlora.spec import COLUMN, ROW, BDLoraError, BDLoraSpec
 
-from .config import ConfigError, TrainConfig
-from .data import IGNORE_INDEX, DataStream, Example, collate, load_datasets
+from .config import ConfigError, TrainConfig, parse_override
+from .data import IGNORE_INDEX, DataError, Example, collate, load_datasets
 
 log = logging.getLogger("bdlora.train")
 
-STATE_NAME = "trainer_state.pt"
-STATE_JSON = "trainer_state.json"
-_CKPT_RE = re.compile(r"^step-(\d+)$")
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+STAGING_PREFIX = ".staging-"
+CONFIG_NAME = "train_config.yaml"
+
+
+class TrainingError(BDLoraError):
+    """Training cannot go on or its result cannot be saved (e.g. non-finite weights); the message says why."""
 
 
 # ---------------------------------------------------------------------------------------------------- model
 def resolve_model_path(name: str) -> Path:
-    """A model folder for ``name``: a path, or the shortcuts ``smollm2`` / ``tiny-random`` (built offline)."""
-    from bdlora.models import DEFAULT_CACHE, build_random_llama, smollm2_path
+    """A model folder for ``name`` (see :func:`bdlora.models.resolve_model`)."""
+    return resolve_model_and_id(name)[0]
 
-    if name == "smollm2":
-        return smollm2_path()
-    if name == "tiny-random":
-        path = DEFAULT_CACHE / "tiny-random-llama"
-        if not (path / "config.json").is_file():
-            build_random_llama(path, init_std=0.05)
-        return path
-    path = Path(name).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model: {name!r} is neither a model folder with config.json nor one of the shortcuts "
-                          "'smollm2', 'tiny-random' (no hub downloads)")
-    return path
+
+def resolve_model_and_id(name: str) -> tuple[Path, str]:
+    """(folder, the id the adapter records as its base); a ConfigError naming the model when it cannot be found."""
+    from bdlora.models import ModelNotFound, resolve_model
+
+    try:
+        return resolve_model(name)
+    except ModelNotFound as e:
+        raise ConfigError(f"model: {e}") from None
 
 
 def load_tokenizer(model_dir: Path):
@@ -86,7 +91,7 @@ def load_tokenizer(model_dir: Path):
     return tok
 
 
-def _init_block_a_like_lora(peft_model) -> None:
+def init_block_a_like_lora(peft_model) -> None:
     """Re-initialize block-diagonal A factors as N independent standard LoRA A's (kaiming-uniform, a=sqrt(5)).
 
     PEFT's BlockDiagonalLinear draws its packed (r, d_in/N) weight with a=0; a standard LoRA A of one shard,
@@ -126,20 +131,52 @@ def check_bd_structure(peft_model, spec: BDLoraSpec, expected: dict[str, str]) -
                           f"{missing[:5]}, wrong block-diagonal factor {wrong[:5]}")
 
 
+def load_base_model(cfg: TrainConfig, model_dir: Path, device_type: Optional[str] = None):
+    """The frozen base for ``cfg``: loaded in the precision's dtype (bf16/fp16 without an fp32 copy)."""
+    from bdlora.models import ModelNotFound, load_causal_lm, torch_dtype_of
+
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return load_causal_lm(model_dir, torch_dtype_of(cfg.precision, device_type), cfg.attn_implementation)
+    except ModelNotFound as e:
+        raise ConfigError(f"attn_implementation: {e}") from None
+
+
 def build_peft_model(cfg: TrainConfig, model_dir: Path):
     """(peft_model, spec). Validates names and shapes exactly before PEFT touches the model."""
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    base = load_base_model(cfg, model_dir)
     spec = cfg.spec(getattr(base.config, "model_type", None))
     expected = spec.matching_modules(base)
-    base.config.use_cache = False
     model = get_peft_model(base, spec.to_peft_config(task_type="CAUSAL_LM"))
     check_bd_structure(model, spec, expected)
     if cfg.a_init == "lora":
-        _init_block_a_like_lora(model)
+        init_block_a_like_lora(model)
     return model, spec
+
+
+def warn_unservable_nblocks(cfg: TrainConfig, model_config) -> Optional[str]:
+    """A warning when vLLM cannot serve the model at tensor-parallel size ``nblocks`` (heads or widths do not
+    split), so the adapter could not be served the way it is blocked; None when it can."""
+    n = cfg.nblocks
+    if n == 1:
+        return None
+    reasons = []
+    for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "hidden_size"):
+        v = getattr(model_config, attr, None)
+        if not isinstance(v, int):
+            continue
+        if attr == "num_key_value_heads":
+            if v % n and n % v:
+                reasons.append(f"{attr}={v}")
+        elif v % n:
+            reasons.append(f"{attr}={v}")
+    if not reasons:
+        return None
+    return (f"nblocks={n}: vLLM cannot serve this model at tensor-parallel size {n} ({', '.join(reasons)} do not "
+            f"split {n} ways); the adapter still serves at a TP size M with M | {n} or {n} | M that the model "
+            "allows, or choose nblocks from the model's servable TP sizes (bdlora inspect ADAPTER --model MODEL)")
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
@@ -154,71 +191,92 @@ def params_digest(model) -> str:
     return h.hexdigest()
 
 
-# ---------------------------------------------------------------------------------------------------- helpers
-def _rng_state() -> dict:
-    import numpy as np
-
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def nonfinite_parameters(model) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
 
 
-def _set_rng_state(st: dict) -> None:
-    import numpy as np
-
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    torch.set_rng_state(st["torch"])
-
-
+# ---------------------------------------------------------------------------------------------------- checkpoints
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    d = Path(output_dir) / "checkpoints"
+    """Complete checkpoint folders in ``output_dir`` (oldest first); staging folders of interrupted saves are not
+    checkpoints."""
+    d = Path(output_dir)
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _CKPT_RE.match(p.name)) and (p / STATE_NAME).is_file()]
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 
-def _make_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
-    from transformers import get_scheduler
+def checkpoint_problem(path: Path) -> Optional[str]:
+    """None if ``path`` is a readable Trainer checkpoint, else what is wrong with it (naming the file)."""
+    state = path / "trainer_state.json"
+    try:
+        json.loads(state.read_text())
+    except (OSError, ValueError) as e:
+        return f"{state}: {type(e).__name__}: {e}"
+    for name in ("optimizer.pt", "scheduler.pt"):
+        f = path / name
+        try:
+            torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated / garbage: torch raises many kinds
+            return f"{f}: unreadable ({type(e).__name__}: {str(e)[:120]})"
+    for f in sorted(path.glob("rng_state*.pth")):
+        try:
+            torch.load(f, map_location="cpu", weights_only=False)
+        except Exception as e:
+            return f"{f}: unreadable ({type(e).__name__}: {str(e)[:120]})"
+    weights = path / "adapter_model.safetensors"
+    try:
+        from safetensors import safe_open
 
-    name = {"linear": "linear", "cosine": "cosine", "constant": "constant_with_warmup"}[cfg.scheduler]
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_for(total_steps),
-                         num_training_steps=total_steps)
-
-
-class _MetricsLog:
-    """metrics.jsonl (+ tensorboard when installed) on the main process."""
-
-    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool):
-        self.enabled = enabled
-        self.tb = None
-        if not enabled:
-            return
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self.path = output_dir / "metrics.jsonl"
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(output_dir / "tensorboard"))
-            except Exception:  # tensorboard not installed (or broken): JSONL only
-                self.tb = None
-
-    def write(self, step: int, **values) -> None:
-        if not self.enabled:
-            return
-        rec = {"step": step, "time": round(time.time(), 3), **values}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        if self.tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(k, v, step)
-
-    def close(self):
-        if self.tb is not None:
-            self.tb.close()
+        with safe_open(str(weights), "pt") as fh:
+            for k in fh.keys():
+                fh.get_tensor(k)
+    except Exception as e:
+        return f"{weights}: unreadable ({type(e).__name__}: {str(e)[:120]})"
+    if not (path / CONFIG_NAME).is_file():
+        return f"{path / CONFIG_NAME}: missing"
+    return None
 
 
+def resume_checkpoint(cfg: TrainConfig) -> Optional[Path]:
+    """The checkpoint to resume from: ``resume: auto`` takes the newest readable one (an unreadable one is skipped
+    with a warning naming the file), a folder must be readable, unset starts fresh."""
+    if cfg.resume in (None, ""):
+        return None
+    if cfg.resume == "auto":
+        for ckpt in reversed(list_checkpoints(cfg.output_dir)):
+            problem = checkpoint_problem(ckpt)
+            if problem is None:
+                return ckpt
+            log.warning("resume: skipping checkpoint %s: %s; trying the previous one", ckpt, problem)
+            print(f"bdlora train: warning: skipping unreadable checkpoint {ckpt} ({problem})", file=sys.stderr)
+        return None
+    p = Path(cfg.resume).expanduser()
+    if not p.is_dir():
+        raise ConfigError(f"resume: {p} is not a checkpoint folder; use 'auto' or an "
+                          f"{Path(cfg.output_dir) / 'checkpoint-N'} folder")
+    problem = checkpoint_problem(p)
+    if problem is not None:
+        raise ConfigError(f"resume: {p} is not a usable checkpoint: {problem}")
+    return p
+
+
+def check_resume_compatible(ckpt: Path, cfg: TrainConfig, world_size: int) -> None:
+    import yaml
+
+    old = yaml.safe_load((ckpt / CONFIG_NAME).read_text()) or {}
+    diffs = [k for k in TrainConfig.RESUME_INVARIANT if old.get(k) != getattr(cfg, k)]
+    if diffs:
+        detail = ", ".join(f"{k}: {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in diffs)
+        raise ConfigError(f"cannot resume from {ckpt}: the job changed ({detail}); these keys must match the "
+                          "checkpoint for an exact resume (start a new output_dir instead)")
+    n_rng = len(list(ckpt.glob("rng_state_*.pth"))) or 1
+    if n_rng != world_size:
+        raise ConfigError(f"cannot resume from {ckpt}: it was written by {n_rng} process(es), this run has "
+                          f"{world_size}; the data order depends on the process count")
+
+
+# ---------------------------------------------------------------------------------------------------- results
 @dataclass
 class TrainResult:
     adapter_dir: Optional[Path]
@@ -230,118 +288,179 @@ class TrainResult:
     model: Any = None  # the unwrapped PeftModel (in memory, eval mode)
     tokenizer: Any = None
     spec: Optional[BDLoraSpec] = None
+    tokens_per_s: Optional[float] = None
+    peak_memory_gb: Optional[float] = None
 
 
-def _new_accelerator(cfg: TrainConfig):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
+def _default_report_to() -> list[str]:
+    import importlib.util
 
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        # Several jobs in one process (tests, notebooks): start from a clean accelerate state so the mixed
-        # precision and accumulation settings of an earlier job do not leak in.
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-    # accelerate only goes data parallel on CPUs (gloo) when told cpu=True; without an accelerator there is no other
-    # choice, and ACCELERATE_USE_CPU (set by `accelerate launch --cpu`) asks for it explicitly.
-    cpu = (os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
-           or not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
-                   or torch.backends.mps.is_available()))
-    return Accelerator(cpu=cpu, gradient_accumulation_steps=cfg.grad_accum,
-                       mixed_precision="bf16" if cfg.precision == "bf16" else "no")
+    return ["tensorboard"] if (importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")) \
+        else []
 
 
-# ---------------------------------------------------------------------------------------------------- evaluation
-@torch.no_grad()
-def evaluate(model, examples: list[Example], pad_id: int, batch_size: int, accelerator) -> dict:
-    """Token-weighted loss on the response tokens over ``examples`` (sharded over processes), and perplexity."""
-    was_training = model.training
-    model.eval()
-    mine = examples[accelerator.process_index::accelerator.num_processes]
-    nll = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    count = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    for i in range(0, len(mine), batch_size):
-        batch = {k: v.to(accelerator.device) for k, v in collate(mine[i:i + batch_size], pad_id).items()}
-        with accelerator.autocast():
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        labels = batch["labels"][:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                                                 labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
-        nll += loss.double()
-        count += (labels != IGNORE_INDEX).sum().double()
-    nll = accelerator.reduce(nll, "sum")
-    count = accelerator.reduce(count, "sum")
-    if was_training:
-        model.train()
-    loss = (nll / count.clamp(min=1)).item()
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(count.item())}
+def _use_cpu() -> bool:
+    forced = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    return forced or not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
 
 
-# ---------------------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(path: Path, *, model, optimizer, scheduler, step: int, cfg: TrainConfig, accelerator,
-                    metrics: dict) -> None:
-    """Atomic checkpoint: PEFT folder + trainer_state.pt (trainable weights, optimizer, scheduler, RNG of every
-    process, step, config). All processes must call it (the RNG states are gathered)."""
-    from accelerate.utils import gather_object
+def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool):
+    """transformers ``TrainingArguments`` for ``cfg`` (bdlora's keys mapped to theirs, ``training_args`` on top)."""
+    from transformers import TrainingArguments
 
-    rngs = gather_object([_rng_state()])
-    if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        with atomic_output_dir(path) as tmp:
-            unwrapped.save_pretrained(str(tmp))
-            torch.save({
-                "step": step,
-                "trainable": trainable_state(unwrapped),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": rngs,
-                "world_size": accelerator.num_processes,
-                "config": cfg.to_dict(),
-            }, tmp / STATE_NAME)
-            with open(tmp / STATE_JSON, "w") as f:
-                json.dump({"step": step, "world_size": accelerator.num_processes, "metrics": metrics,
-                           "config": cfg.to_dict()}, f, indent=2)
-        keep = list_checkpoints(cfg.output_dir)
-        for old in keep[:-cfg.save_total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    from bdlora.models import torch_dtype_of
 
-
-def load_checkpoint(path: Path, *, model, optimizer, scheduler, cfg: TrainConfig, accelerator) -> int:
-    """Restores a checkpoint written by :func:`save_checkpoint`; returns its step."""
-    state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=False)
-    old = state["config"]
-    diffs = [k for k in TrainConfig.RESUME_INVARIANT if old.get(k) != getattr(cfg, k)]
-    if diffs:
-        detail = ", ".join(f"{k}: {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in diffs)
-        raise ConfigError(f"cannot resume from {path}: the job changed ({detail}); these keys must match the "
-                          "checkpoint for an exact resume (start a new output_dir instead)")
-    if state["world_size"] != accelerator.num_processes:
-        raise ConfigError(f"cannot resume from {path}: it was written by {state['world_size']} process(es), this "
-                          f"run has {accelerator.num_processes}; the data order depends on the process count")
-    unwrapped = accelerator.unwrap_model(model)
-    params = dict(unwrapped.named_parameters())
-    with torch.no_grad():
-        for name, value in state["trainable"].items():
-            if name not in params:
-                raise ConfigError(f"checkpoint {path} has parameter {name} the model does not have")
-            params[name].copy_(value.to(params[name].device))
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"][accelerator.process_index])
-    return int(state["step"])
+    dtype = torch_dtype_of(cfg.precision, "cpu" if _use_cpu() else "cuda")
+    report_to = cfg.report_to if cfg.report_to is not None else _default_report_to()
+    eval_on = has_eval and cfg.eval_every > 0
+    kwargs = dict(
+        output_dir=cfg.output_dir, per_device_train_batch_size=cfg.batch_size,
+        per_device_eval_batch_size=cfg.eval_batch_size or cfg.batch_size,
+        gradient_accumulation_steps=cfg.grad_accum, learning_rate=cfg.lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1], adam_epsilon=cfg.adam_eps,
+        max_grad_norm=cfg.max_grad_norm, lr_scheduler_type=cfg.scheduler, warmup_steps=cfg.warmup_for(total_steps),
+        max_steps=total_steps, seed=cfg.seed, data_seed=cfg.seed,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, use_cpu=_use_cpu(),
+        logging_steps=cfg.log_every, logging_first_step=False,
+        eval_strategy="steps" if eval_on else "no", eval_steps=cfg.eval_every if eval_on else None,
+        save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
+        save_total_limit=cfg.save_total_limit, report_to=report_to or "none", disable_tqdm=not cfg.progress,
+        remove_unused_columns=False, ddp_find_unused_parameters=False,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
+        include_num_input_tokens_seen="non_padding",
+    )
+    kwargs.update(cfg.training_args)
+    try:
+        return TrainingArguments(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"training_args: transformers refused the arguments: {e}") from None
 
 
-def _resume_path(cfg: TrainConfig) -> Optional[Path]:
-    if cfg.resume in (None, "", False):
-        return None
-    if cfg.resume == "auto":
-        found = list_checkpoints(cfg.output_dir)
-        return found[-1] if found else None
-    p = Path(cfg.resume)
-    if not (p / STATE_NAME).is_file():
-        raise ConfigError(f"resume: {p} is not a checkpoint folder (no {STATE_NAME}); use 'auto' or a "
-                          f"{Path(cfg.output_dir) / 'checkpoints' / 'step-N'} folder")
-    return p
+class _Collator:
+    """Our collate (padded, or padding-free when ``packing``), recording each micro-batch's example indices when
+    asked (``record_samples``)."""
+
+    def __init__(self, pad_id: int, packing: bool, record: Optional[Path], rank: int):
+        from . import data
+
+        self.inner = data.make_collator(pad_id, packing) if hasattr(data, "make_collator") else (
+            lambda exs: collate(exs, pad_id))
+        self.record, self.rank = record, rank
+
+    def __call__(self, rows: list[dict]) -> dict:
+        exs = [Example(list(r["input_ids"]), list(r["labels"]), int(r["index"])) for r in rows]
+        if self.record is not None:
+            with open(self.record, "a") as f:
+                f.write(json.dumps({"rank": self.rank, "records": [e.index for e in exs]}) + "\n")
+        return self.inner(exs)
+
+
+def _as_dataset(examples: list[Example]):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"input_ids": [e.input_ids for e in examples], "labels": [e.labels for e in examples],
+                              "index": [e.index for e in examples]})
+
+
+def _make_trainer_class():
+    from transformers import Trainer, TrainerCallback
+
+    class BDLoraTrainer(Trainer):
+        """transformers' Trainer whose checkpoints appear atomically and never hold non-finite weights."""
+
+        def _save_checkpoint(self, model, trial):
+            bad = nonfinite_parameters(self.accelerator.unwrap_model(self.model))
+            if bad:
+                raise TrainingError(f"step {self.state.global_step}: the adapter has non-finite values ({bad[0]} "
+                                    f"and {len(bad) - 1} more); not saving it. Lower lr or enable max_grad_norm.")
+            run_dir = self.args.output_dir
+            name = f"checkpoint-{self.state.global_step}"
+            staging = os.path.join(run_dir, f"{STAGING_PREFIX}{name}")
+            if self.args.should_save:
+                shutil.rmtree(staging, ignore_errors=True)
+            self.accelerator.wait_for_everyone()
+            self.args.output_dir = staging
+            try:
+                super()._save_checkpoint(model, trial)
+            finally:
+                self.args.output_dir = run_dir
+            self.accelerator.wait_for_everyone()
+            if self.args.should_save:
+                src, dest = Path(staging) / name, Path(run_dir) / name
+                shutil.copy2(Path(run_dir) / CONFIG_NAME, src / CONFIG_NAME)
+                _fsync_tree(src)
+                if dest.exists():  # a re-save of the same step (resumed run): replace our own checkpoint
+                    shutil.rmtree(dest)
+                os.replace(src, dest)
+                shutil.rmtree(staging, ignore_errors=True)
+                for old in list_checkpoints(run_dir)[:-self.args.save_total_limit]:
+                    shutil.rmtree(old, ignore_errors=True)
+            self.accelerator.wait_for_everyone()
+
+    class StopAfter(TrainerCallback):
+        """Stops after ``step`` (saving a checkpoint first), as a crash would right after one."""
+
+        def __init__(self, step: int):
+            self.step = step
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step >= self.step:
+                control.should_save = True
+                control.should_training_stop = True
+
+    class MetricsLog(TrainerCallback):
+        """metrics.jsonl on the main process (bdlora's names: train_loss, eval_loss, eval_ppl, lr, grad_norm), no
+        step twice after a resume; and a non-finite loss stops the run with a clear error."""
+
+        def __init__(self, path: Path):
+            self.path = path
+
+        def on_train_begin(self, args, state, control, **kw):
+            if not state.is_world_process_zero or not self.path.exists():
+                return
+            # A resumed run redoes the steps after its checkpoint: drop their old records (atomic rewrite).
+            keep = [l for l in self.path.read_text().splitlines()
+                    if l.strip() and json.loads(l).get("step", 0) <= state.global_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(l + "\n" for l in keep))
+            os.replace(tmp, self.path)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            logs = dict(logs or {})
+            loss = logs.get("loss")
+            if loss is not None and not math.isfinite(loss):
+                raise TrainingError(f"step {state.global_step}: the train loss is {loss}; training diverged. Lower "
+                                    "lr (or enable max_grad_norm) and start again; no adapter was saved.")
+            if not state.is_world_process_zero:
+                return
+            rec: dict[str, Any] = {"step": state.global_step, "time": round(time.time(), 3)}
+            names = {"loss": "train_loss", "learning_rate": "lr", "grad_norm": "grad_norm", "eval_loss": "eval_loss",
+                     "num_input_tokens_seen": "tokens_seen", "train_tokens_per_second": "tokens_per_s"}
+            for k, v in logs.items():
+                if k in names:
+                    rec[names[k]] = v
+            if "eval_loss" in rec:
+                rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
+            if len(rec) > 2:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+
+    return BDLoraTrainer, StopAfter, MetricsLog
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in path.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _world() -> tuple[int, int]:
+    from accelerate import PartialState
+
+    st = PartialState(cpu=_use_cpu())
+    return st.num_processes, st.process_index
 
 
 # ---------------------------------------------------------------------------------------------------- training
@@ -349,143 +468,127 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
                  ) -> TrainResult:
     """Runs one job. ``stop_after_steps`` interrupts the run after that step (checkpointing it first), as a crash
     would after a checkpoint; the job's schedule still spans all its steps. Returns a :class:`TrainResult`."""
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
+    import yaml
+    from accelerate import PartialState
+    from transformers import set_seed
 
     t0 = time.time()
     cfg.validate()
-    accelerator = _new_accelerator(cfg)
-    main = accelerator.is_main_process
     out = Path(cfg.output_dir)
-
-    with accelerator.main_process_first():
-        model_dir = resolve_model_path(cfg.model)
-    tokenizer = load_tokenizer(model_dir)
-    pad_id = tokenizer.pad_token_id
-    train_ex, eval_ex = load_datasets(cfg, tokenizer)
+    world, rank = _world()
+    state = PartialState()
+    main = state.is_main_process
+    if main:
+        _prepare_output_dir(out)
+    with state.main_process_first():
+        model_dir, base_id = resolve_model_and_id(cfg.model)
+        tokenizer = load_tokenizer(model_dir)
+        train_ex, eval_ex = load_datasets(cfg, tokenizer)
+    if cfg.batch_size > len(train_ex):
+        raise ConfigError(f"batch_size: {cfg.batch_size} is larger than the training set ({len(train_ex)} examples "
+                          f"in {cfg.train_file}); lower batch_size or add data")
+    total_steps = cfg.total_steps(len(train_ex), world)
+    ckpt = resume_checkpoint(cfg)
+    if ckpt is not None:
+        check_resume_compatible(ckpt, cfg, world)
 
     set_seed(cfg.seed)  # same adapter init on every process
     model, spec = build_peft_model(cfg, model_dir)
-    model.train()
-    world, rank = accelerator.num_processes, accelerator.process_index
-    per_step = cfg.batch_size * cfg.grad_accum * world
-    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * len(train_ex) / per_step))
-
-    model = accelerator.prepare(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = _make_scheduler(cfg, optimizer, total_steps)
-    set_seed(cfg.seed + 7919 * rank)  # dropout streams differ per process
-
-    step = 0
-    ckpt = _resume_path(cfg)
-    if ckpt is not None:
-        step = load_checkpoint(ckpt, model=model, optimizer=optimizer, scheduler=scheduler, cfg=cfg,
-                               accelerator=accelerator)
-    metrics = _MetricsLog(out, main, cfg.tensorboard)
+    model.peft_config["default"].base_model_name_or_path = base_id  # the id the user gave, not a cache path
     if main:
-        out.mkdir(parents=True, exist_ok=True)
-        import yaml
+        warning = warn_unservable_nblocks(cfg, model.config)
+        if warning:
+            print(f"bdlora train: warning: {warning}", file=sys.stderr)
+        (out / CONFIG_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
-        (out / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        n_train = sum(p.numel() for p in params)
+    args = training_arguments(cfg, total_steps, bool(eval_ex))
+    BDLoraTrainer, StopAfter, MetricsLog = _make_trainer_class()
+    callbacks = [MetricsLog(out / "metrics.jsonl")]
+    if stop_after_steps is not None:
+        callbacks.append(StopAfter(stop_after_steps))
+    record = out / f"samples.rank{rank}.jsonl" if cfg.record_samples else None
+    trainer = BDLoraTrainer(model=model, args=args, train_dataset=_as_dataset(train_ex),
+                            eval_dataset=_as_dataset(eval_ex) if eval_ex else None,
+                            data_collator=_Collator(tokenizer.pad_token_id, cfg.packing, record, rank),
+                            processing_class=tokenizer, callbacks=callbacks)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if main:
         msg = (f"bdlora train: {cfg.model} | N={spec.nblocks} r={spec.r} (r/N={spec.block_rank}) "
                f"scale={spec.scale:.4g} | {len(spec.column_modules)} column + {len(spec.row_modules)} row module "
                f"names, {n_train:,} trainable params | {len(train_ex)} train / {len(eval_ex)} eval examples | "
-               f"{total_steps} steps x {per_step} examples ({world} process(es)) on {accelerator.device}")
+               f"{total_steps} steps x {cfg.batch_size * cfg.grad_accum * world} examples ({world} process(es)) on "
+               f"{args.device} in {next(model.parameters()).dtype}")
         if ckpt is not None:
-            msg += f" | resumed from {ckpt} at step {step}"
+            msg += f" | resuming from {ckpt}"
         print(msg, flush=True)
-        metrics.write(step, event="start", resumed_from=str(ckpt) if ckpt else None, total_steps=total_steps,
-                      world_size=world)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    done = ckpt is not None and json.loads((ckpt / "trainer_state.json").read_text())["global_step"] >= total_steps
+    if done:  # a finished run's last checkpoint: nothing to train (Trainer would run one step more)
+        from transformers import TrainerState
 
-    stream = DataStream(len(train_ex), cfg.seed)
-    eval_bs = cfg.eval_batch_size or cfg.batch_size
-    samples_file = out / f"samples.rank{rank}.jsonl" if cfg.record_samples else None
-    if samples_file is not None:
-        out.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
-               disable=not (main and cfg.progress))
-    last_loss, last_eval = None, {}
-    stop_at = min(total_steps, stop_after_steps) if stop_after_steps is not None else total_steps
-    try:
-        while step < stop_at:
-            losses = []
-            for micro in range(cfg.grad_accum):
-                idx = stream.micro_batch(step, micro, cfg.batch_size, cfg.grad_accum, world, rank)
-                exs = [train_ex[i] for i in idx]
-                if samples_file is not None:
-                    with open(samples_file, "a") as f:
-                        f.write(json.dumps({"step": step, "micro": micro, "rank": rank,
-                                            "records": [e.index for e in exs]}) + "\n")
-                batch = {k: v.to(accelerator.device) for k, v in collate(exs, pad_id).items()}
-                with accelerator.accumulate(model):
-                    with accelerator.autocast():
-                        loss = model(**batch).loss
-                    accelerator.backward(loss)
-                    losses.append(loss.detach().float())
-            if not accelerator.sync_gradients:  # cannot happen: every step has exactly grad_accum micro-batches
-                raise RuntimeError("gradient accumulation out of step")
-            grad_norm = None
-            if cfg.max_grad_norm > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
+        trainer._load_from_checkpoint(str(ckpt))
+        trainer.state = TrainerState.load_from_json(str(ckpt / "trainer_state.json"))
+        tokens_per_s = None
+    else:
+        train_out = trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+        tokens_per_s = train_out.metrics.get("train_tokens_per_second")
+    step = trainer.state.global_step
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    last_loss = losses[-1] if losses else None
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
-            if step % cfg.log_every == 0 or step == total_steps:
-                mean = accelerator.reduce(torch.stack(losses).mean().to(accelerator.device), "mean")
-                last_loss = float(mean)
-                lr = scheduler.get_last_lr()[0]
-                bar.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}")
-                metrics.write(step, train_loss=last_loss, lr=lr,
-                              **({"grad_norm": grad_norm} if grad_norm is not None else {}))
-            bar.update(1)
-            if eval_ex and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
-                last_eval = evaluate(model, eval_ex, pad_id, eval_bs, accelerator)
-                metrics.write(step, **last_eval)
-                bar.write(f"step {step}: eval_loss {last_eval['eval_loss']:.4f} ppl {last_eval['eval_ppl']:.3f}")
-            interrupted = stop_after_steps is not None and step == stop_at < total_steps
-            periodic = cfg.save_every and (step % cfg.save_every == 0 or step == total_steps)
-            if interrupted or periodic:  # the final one makes re-running a finished job (resume: auto) a no-op
-                save_checkpoint(out / "checkpoints" / f"step-{step:07d}", model=model, optimizer=optimizer,
-                                scheduler=scheduler, step=step, cfg=cfg, accelerator=accelerator,
-                                metrics={"train_loss": last_loss, **last_eval})
-    finally:
-        bar.close()
-
-    unwrapped = accelerator.unwrap_model(model)
-    adapter_dir = None
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    adapter_dir, last_eval = None, {}
     if step >= total_steps:
         if eval_ex:
-            last_eval = evaluate(model, eval_ex, pad_id, eval_bs, accelerator)
-            metrics.write(step, **last_eval)
+            metrics = trainer.evaluate()
+            last_eval = {"eval_loss": metrics["eval_loss"], "eval_ppl": math.exp(min(metrics["eval_loss"], 50.0))}
+        bad = nonfinite_parameters(unwrapped)
+        if bad:
+            raise TrainingError(f"the trained adapter has non-finite values ({bad[0]} and {len(bad) - 1} more); not "
+                                "saving it. Lower lr (or enable max_grad_norm) and start again.")
         adapter_dir = out / "adapter"
         if main:
             with atomic_output_dir(adapter_dir) as tmp:
                 unwrapped.save_pretrained(str(tmp))
+                write_model_card(tmp, spec, cfg, base_id, tokens_per_s=tokens_per_s, eval_metrics=last_eval, steps=step)
             if validate_adapter:
                 _validate_saved(adapter_dir, spec)
-        accelerator.wait_for_everyone()
-    if samples_file is not None:
-        with open(samples_file, "a") as f:
+            _plot_losses(trainer.state.log_history, out / "loss.png")
+        trainer.accelerator.wait_for_everyone()
+    if record is not None:
+        with open(record, "a") as f:
             f.write(json.dumps({"final_step": step, "rank": rank, "params_sha256": params_digest(unwrapped)}) + "\n")
     wall = time.time() - t0
     if main:
-        metrics.write(step, event="end", wall_s=round(wall, 2), **({"adapter": str(adapter_dir)} if adapter_dir else {}))
         if adapter_dir is not None:
             ev = (f"; eval loss {last_eval['eval_loss']:.4f} (ppl {last_eval['eval_ppl']:.3f})" if last_eval else "")
             print(f"bdlora train: done in {wall:.1f}s, step {step}/{total_steps}, train loss "
                   f"{last_loss if last_loss is None else round(last_loss, 4)}{ev}; adapter saved to {adapter_dir}",
                   flush=True)
         else:
-            print(f"bdlora train: stopped at step {step}/{total_steps} after {wall:.1f}s (checkpoint in "
-                  f"{out / 'checkpoints'})", flush=True)
-    metrics.close()
+            print(f"bdlora train: stopped at step {step}/{total_steps} after {wall:.1f}s (checkpoints in {out})",
+                  flush=True)
     unwrapped.eval()
     return TrainResult(adapter_dir=adapter_dir, step=step, total_steps=total_steps, train_loss=last_loss,
-                       eval=last_eval, wall_s=wall, model=unwrapped, tokenizer=tokenizer, spec=spec)
+                       eval=last_eval, wall_s=wall, model=unwrapped, tokenizer=tokenizer, spec=spec,
+                       tokens_per_s=tokens_per_s, peak_memory_gb=peak)
+
+
+def _prepare_output_dir(out: Path) -> None:
+    """Create ``out`` (a clear error when it cannot be written) and drop staging folders of interrupted saves."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"output_dir: cannot write to {out} ({e.strerror or e}); choose a writable folder") from None
+    if not out.is_dir():
+        raise ConfigError(f"output_dir: {out} is not a folder")
+    for stale in out.glob(f"{STAGING_PREFIX}checkpoint-*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _validate_saved(adapter_dir: Path, spec: BDLoraSpec) -> None:
@@ -501,22 +604,75 @@ def _validate_saved(adapter_dir: Path, spec: BDLoraSpec) -> None:
         raise BDLoraError(f"{adapter_dir}: saved adapter scale {cfg.scale} != training scale {spec.scale}")
 
 
+def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str, **facts) -> None:
+    """README.md of the adapter folder: what the adapter is and the exact command that serves it."""
+    n = spec.nblocks
+    tp = f" --tensor-parallel-size {n}" if n > 1 else ""
+    rank_flag = next(v for v in (1, 8, 16, 32, 64, 128, 256, 320, 512) if v >= spec.r)
+    name = Path(cfg.output_dir).name or "adapter"
+    ev = facts.get("eval_metrics") or {}
+    lines = [
+        "---", f"base_model: {base}", "library_name: peft", "tags: [bdlora, bd-lora, lora, block-diagonal, peft]",
+        "---", "", f"# BD-LoRA adapter for {base}", "",
+        f"A Block-Diagonal LoRA (BD-LoRA) adapter trained with bdlora: {n} blocks, total rank {spec.r} "
+        f"({spec.block_rank} per block), rsLoRA scale {spec.scale:.6g} (alpha {spec.lora_alpha:g} per block; saved as "
+        f"PEFT `lora_alpha` {spec.peft_lora_alpha:g} with `use_rslora`). Served at tensor-parallel size {n}, every "
+        f"GPU runs an independent rank-{spec.block_rank} adapter on its own weight shard with no LoRA communication.",
+        "",
+        f"- column-parallel modules (B block-diagonal): {', '.join(spec.column_modules) or '-'}",
+        f"- row-parallel modules (A block-diagonal): {', '.join(spec.row_modules) or '-'}",
+        f"- data: {cfg.train_file} ({cfg.data_format}), {facts.get('steps')} steps, lr {cfg.lr:g}, "
+        f"batch {cfg.batch_size} x {cfg.grad_accum}",
+    ]
+    if ev:
+        lines.append(f"- held-out loss {ev['eval_loss']:.4f} (perplexity {ev['eval_ppl']:.3f})")
+    lines += [
+        "", "## Serve with vLLM", "", "```bash", "pip install bdlora vllm",
+        f"vllm serve {base} --enable-lora --enable-bdlora{tp} --max-lora-rank {rank_flag} \\",
+        f"    --lora-modules {name}=/path/to/this/folder", "```", "",
+        "The plugin also serves it at any tensor-parallel size M with M | N or N | M. It loads in PEFT as it is "
+        "(`PeftModel.from_pretrained(base, folder)`, peft >= 0.21); for engines without BD support, "
+        "`bdlora convert to-dense` gives an equivalent standard LoRA.", "",
+    ]
+    (folder / "README.md").write_text("\n".join(lines))
+
+
+def _plot_losses(history: list[dict], path: Path) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    train = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    ev = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
+    if not train and not ev:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if ev:
+        ax.plot(*zip(*ev), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
 # ---------------------------------------------------------------------------------------------------- CLI
-def _parse_override(item: str) -> tuple[str, Any]:
-    import yaml
-
-    if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected key=value")
-    k, v = item.split("=", 1)
-    return k.strip(), yaml.safe_load(v)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bdlora train", description="Fine-tune one BD-LoRA adapter (PEFT + accelerate).")
+    p = argparse.ArgumentParser(prog="bdlora train", description="Fine-tune one BD-LoRA adapter (transformers "
+                                "Trainer + PEFT).")
     p.add_argument("--config", help="YAML job file (keys: see --print-config)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (YAML value), e.g. --set max_steps=10; repeatable")
-    p.add_argument("--print-config", action="store_true", help="print every config key with its default and exit")
+    p.add_argument("--print-config", action="store_true", help="print every config key with its default and help")
     return p
 
 
@@ -532,14 +688,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        overrides = dict(_parse_override(s) for s in args.set)
+        overrides = dict(parse_override(s) for s in args.set)
         cfg = TrainConfig.from_yaml(args.config, overrides)
         run_training(cfg)
-    except BDLoraError as e:  # ConfigError / DataError are BDLoraErrors
+    except BDLoraError as e:  # ConfigError / DataError / TrainingError
         print(f"bdlora train: error: {e}", file=sys.stderr)
         return 2
     return 0
 
 
-__all__ = ["TrainResult", "build_peft_model", "evaluate", "list_checkpoints", "load_checkpoint", "main",
-           "resolve_model_path", "run_training", "save_checkpoint"]
+__all__ = ["TrainResult", "TrainingError", "build_peft_model", "list_checkpoints", "load_base_model", "main",
+           "resolve_model_path", "resume_checkpoint", "run_training", "write_model_card"]

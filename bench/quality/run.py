@@ -258,7 +258,7 @@ def one_run(task: str, method: str, nblocks: int, rank: int, seed: int, p: dict,
         train_file=str(files["train"]), eval_file=str(files["eval"]), max_length=p["max_length"], lr=p["lr"],
         scheduler="linear", warmup_ratio=0.05, batch_size=p["batch_size"], max_steps=p["max_steps"],
         precision=p["precision"], seed=seed, eval_batch_size=p["eval_batch_size"], output_dir=str(out / "runs" / rid),
-        tensorboard=False, progress=False, log_every=max(1, p["max_steps"] // 5),
+        report_to=[], progress=False, log_every=max(1, p["max_steps"] // 5),
     )
     t0 = time.time()
     ctx = dense_lora_builder(rank, 16.0) if method == "lora" else contextlib.nullcontext()

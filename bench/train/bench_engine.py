@@ -217,7 +217,7 @@ def trainer_config(job, *, model_path, data, out, dtype, val_fraction, steps=Non
         grad_accum=int(job.grad_accum), max_steps=int(steps or job.steps),
         # the trainer keeps fp32 base weights and autocasts to bf16; the engine stores the base in bf16
         precision="bf16" if dtype == "bfloat16" else "fp32", seed=int(job.seed),
-        eval_every=0, save_every=0, log_every=1, output_dir=str(out), resume=None, tensorboard=False,
+        eval_every=0, save_every=0, log_every=1, output_dir=str(out), resume=None, report_to=[],
         progress=False, record_samples=True)
 
 
