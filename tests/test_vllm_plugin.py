@@ -238,6 +238,51 @@ def test_frontend_refusals_unit(vllm_adapters, tiny_llama_dir, tmp_path):
         validate_adapter(str(vllm_adapters["bd2_r16"]), _fake_config(tiny_llama_dir, tp=2, max_rank=8))
 
 
+def test_frontend_refusals_name_adapter_and_file(vllm_adapters, tiny_llama_dir, tmp_path):
+    """Every refusal names the adapter and the file at fault; factor shapes are checked against the served model's own
+    layer shapes (full d_out x d_in), and a missing path is a not-found error, all before any worker is asked."""
+    from bdlora.vllm_plugin.validate import AdapterNotFound, validate_adapter
+
+    cfg_tp2 = _fake_config(tiny_llama_dir, tp=2)
+    cases = T.make_bad_adapters(vllm_adapters["bd2_r8"], vllm_adapters["dense_r16"], tmp_path)
+    assert len(cases) == 9
+    for name, path, status, needles in cases:
+        with pytest.raises(BDLoraError) as info:
+            validate_adapter(path, cfg_tp2, name)
+        assert isinstance(info.value, AdapterNotFound) == (status == 404), (name, info.value)
+        for needle in needles:
+            assert needle in str(info.value), (name, needle, str(info.value))
+    # The model's shapes come from its config when the checkpoint is not a local folder (a hub id).
+    hub = _fake_config(tiny_llama_dir, tp=2)
+    hub.model_config.model = "someone/tiny-llama"
+    wrong = dict((c[0], c[1]) for c in cases)["wrong-shape"]
+    with pytest.raises(BDLoraError, match=r"q_proj.*384 x 256.*256 x 256.*another model"):
+        validate_adapter(wrong, hub, "wrong")
+    validate_adapter(str(vllm_adapters["bd2_r8"]), hub, "good")
+    # Stock LoRA mode (no BD) also refuses the other model's shapes and missing folders, and serves good adapters.
+    stock = _fake_config(tiny_llama_dir, tp=2, bd=False)
+    with pytest.raises(BDLoraError, match="trained for another model"):
+        validate_adapter(_copy_adapter(vllm_adapters["dense_r8"], tmp_path / "dense-wrong", rename=None) and
+                         _widen_q(tmp_path / "dense-wrong"), stock, "dense-wrong")
+    with pytest.raises(AdapterNotFound):
+        validate_adapter(str(tmp_path / "nope"), stock, "nope")
+    assert validate_adapter(str(vllm_adapters["dense_r8"]), stock).nblocks is None
+    # A relative name that may be a hub id is left to vLLM's workers.
+    assert validate_adapter("someone/some-adapter", cfg_tp2) is None
+
+
+def _widen_q(path):
+    from safetensors.torch import load_file, save_file
+
+    w = os.path.join(path, "adapter_model.safetensors")
+    tensors = load_file(w)
+    for k in list(tensors):
+        if "q_proj.lora_B" in k:
+            tensors[k] = torch.cat([tensors[k], tensors[k]])
+    save_file(tensors, w)
+    return str(path)
+
+
 # ---------------------------------------------------------------------------------------------------- TP=1 engine
 
 INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}

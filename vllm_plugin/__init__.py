@@ -42,10 +42,12 @@ def register() -> None:
             logger.warning("bdlora: cannot add --enable-bdlora to this vLLM: %s", patch_error)
         _REGISTERED = True
         return
-    from . import cpu_fix, loader
+    from . import cpu_fix, loader, rpc_fix
 
     frontend.patch_engine_args()
     frontend.patch_request_validation()
+    frontend.patch_openai_lora_errors()
+    rpc_fix.patch_executor_add_lora()
     loader.patch_worker_manager()
     loader.patch_peft_helper()
     cpu_fix.patch_cpu_lora_ops()

@@ -4,9 +4,11 @@ never reaches, and never kills, the engine)."""
 
 from __future__ import annotations
 
+import contextvars
 import functools
+from typing import Any, Optional
 
-from .validate import CONFIG_KEY, FUSED_DECODE_KEY, validate_adapter, validate_engine_config
+from .validate import AdapterNotFound, CONFIG_KEY, FUSED_DECODE_KEY, validate_adapter, validate_engine_config
 
 FLAG = "--enable-bdlora"
 FUSED_FLAG = "--bdlora-fused-decode"
@@ -98,6 +100,111 @@ def patch_engine_args() -> None:
         EngineArgs.create_engine_config = create_engine_config
 
 
+# ------------------------------------------------------------------------------------------- adapter refusals
+
+#: While vLLM's ``/v1/load_lora_adapter`` handler runs: a list that the ``add_lora`` wrapper appends its refusal to,
+#: so that the handler's answer can carry the refusal's HTTP status (see :func:`patch_openai_lora_errors`).
+_REFUSALS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("bdlora_refusals", default=None)
+
+
+@functools.lru_cache(maxsize=None)
+def _not_found_cls():
+    try:
+        from vllm.exceptions import VLLMNotFoundError  # vLLM 0.32; absent on older versions
+    except ImportError:  # pragma: no cover - vLLM 0.26
+        return None
+    return type("AdapterNotFoundError", (VLLMNotFoundError, AdapterNotFound), {"__module__": __name__})
+
+
+def _not_found_error(e: AdapterNotFound) -> Exception:
+    """``e`` as an exception vLLM maps to 404 everywhere: on vLLM >= 0.27 also a ``VLLMNotFoundError`` (typed
+    error handling of the OpenAI server); its message keeps vLLM's not-found sentence (the string match of
+    ``/v1/load_lora_adapter`` in vLLM 0.26-0.32)."""
+    cls = _not_found_cls()
+    return e if cls is None else cls(str(e))
+
+
+def check_adapter(lora_request, vllm_config: Any) -> None:
+    """Runs :func:`validate_adapter` for a ``LoRARequest``; records the refusal for the HTTP answer and raises it
+    (``BDLoraError``, a ``ValueError``: HTTP 400; a not-found error: HTTP 404)."""
+    try:
+        validate_adapter(lora_request.lora_path, vllm_config, lora_request.lora_name)
+    except AdapterNotFound as e:
+        err = _not_found_error(e)
+        _record(err)
+        raise err from None
+    except ValueError as e:
+        _record(e)
+        raise
+
+
+def _record(err: Exception) -> None:
+    box = _REFUSALS.get()
+    if box is not None:
+        box.append(err)
+
+
+def refusal_status(err: Exception) -> tuple[int, str]:
+    """(HTTP status, error type) of a plugin refusal: 404 NotFoundError for a missing adapter, else 400."""
+    if isinstance(err, AdapterNotFound):
+        return 404, "NotFoundError"
+    return 400, "BadRequestError"
+
+
+def _set_error(resp: Any, err: Exception) -> Any:
+    """Rewrites vLLM's ``ErrorResponse`` (pydantic) in place with the refusal's status, type and message."""
+    code, kind = refusal_status(err)
+    info = getattr(resp, "error", None) or resp  # vLLM 0.32: ErrorResponse.error (ErrorInfo); older: flat fields
+    for field, value in (("code", code), ("type", kind), ("message", str(err))):
+        if not hasattr(info, field):
+            raise AttributeError(f"bdlora: vLLM's ErrorResponse has no '{field}' field (checked on vLLM 0.32)")
+        setattr(info, field, value)
+    return resp
+
+
+def patch_openai_lora_errors() -> None:
+    """HTTP status of ``/v1/load_lora_adapter`` refusals.
+
+    vLLM 0.32's ``OpenAIServingModels.load_lora_adapter`` (``vllm/entrypoints/openai/models/serving.py``; vLLM 0.26:
+    ``vllm/entrypoints/openai/serving_models.py``) turns every exception of ``engine_client.add_lora`` into HTTP 500
+    ``InternalServerError`` except its own not-found error (404, matched by message). The wrapper gives the plugin's
+    refusals (recorded by :func:`check_adapter`) their status: 400 ``BadRequestError`` (a bad adapter is the
+    client's error) or 404 ``NotFoundError``. Requests (completions, chat) that name an adapter raise the same
+    ``ValueError`` / not-found error, which the server's exception handlers already map to 400 / 404.
+    """
+    cls = None
+    for mod_name in ("vllm.entrypoints.openai.models.serving",  # vLLM 0.32
+                     "vllm.entrypoints.openai.serving_models"):  # vLLM 0.26
+        try:
+            mod = __import__(mod_name, fromlist=["OpenAIServingModels"])
+        except ImportError:
+            continue
+        cls = getattr(mod, "OpenAIServingModels", None)
+        if cls is not None:
+            break
+    if cls is None or not hasattr(cls, "load_lora_adapter"):
+        raise ImportError("bdlora: vLLM's OpenAIServingModels.load_lora_adapter not found (checked on vLLM 0.26 and "
+                          "0.32); this vLLM is not supported")
+    orig = cls.load_lora_adapter
+    if _patched(orig):
+        return
+
+    @_mark
+    @functools.wraps(orig)
+    async def load_lora_adapter(self, request, *args, **kwargs):
+        box: list = []
+        token = _REFUSALS.set(box)
+        try:
+            resp = await orig(self, request, *args, **kwargs)
+        finally:
+            _REFUSALS.reset(token)
+        if box and not isinstance(resp, str):  # an ErrorResponse caused by a plugin refusal
+            return _set_error(resp, box[-1])
+        return resp
+
+    cls.load_lora_adapter = load_lora_adapter
+
+
 def patch_request_validation() -> None:
     """``InputProcessor._validate_lora`` (every generate/chat/completion request) and ``add_lora`` of the
     engine clients (``LLMEngine``, ``AsyncLLM``: ``/v1/load_lora_adapter``, ``--lora-modules``)."""
@@ -114,7 +221,7 @@ def patch_request_validation() -> None:
         def _validate_lora(self, lora_request):
             result = orig_validate(self, lora_request)
             if lora_request is not None and getattr(lora_request, "lora_path", None):
-                validate_adapter(lora_request.lora_path, self.vllm_config, lora_request.lora_name)
+                check_adapter(lora_request, self.vllm_config)
             return result
 
         InputProcessor._validate_lora = _validate_lora
@@ -127,7 +234,7 @@ def patch_request_validation() -> None:
         @_mark
         @functools.wraps(orig_add)
         def add_lora(self, lora_request):
-            validate_adapter(lora_request.lora_path, self.vllm_config, lora_request.lora_name)
+            check_adapter(lora_request, self.vllm_config)
             return orig_add(self, lora_request)
 
         LLMEngine.add_lora = add_lora
@@ -140,7 +247,7 @@ def patch_request_validation() -> None:
         @_mark
         @functools.wraps(orig_async_add)
         async def add_lora_async(self, lora_request):
-            validate_adapter(lora_request.lora_path, self.vllm_config, lora_request.lora_name)
+            check_adapter(lora_request, self.vllm_config)
             return await orig_async_add(self, lora_request)
 
         AsyncLLM.add_lora = add_lora_async

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from bdlora.adapter import CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, check_factor_shapes, module_paths, read_config
-from bdlora.sharding import check_tp_compatible
+from bdlora.sharding import check_tp_compatible, packed_shapes
 from bdlora.spec import COLUMN, PRESETS, ROW, BDLoraError
 
 #: ``additional_config`` key that switches BD mode on: ``True`` or ``{"min_nblocks": k}``.
@@ -195,29 +195,55 @@ def validate_engine_config(vllm_config: Any) -> None:
 # ----------------------------------------------------------------------------------------------- adapter checks
 
 _cache_lock = threading.Lock()
-_model_keys_cache: dict[str, Optional[frozenset]] = {}
+_model_keys_cache: dict[str, Optional[dict]] = {}
 _adapter_cache: dict[tuple, Optional[BDLoraError]] = {}
 
 
-def _model_weight_names(model_path: str) -> Optional[frozenset]:
-    """Parameter names of a local safetensors checkpoint (headers only); None when not local."""
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def _model_weights(model_path: str) -> Optional[dict]:
+    """{parameter name: shape or None} of a local safetensors checkpoint (headers only; shape None for non-float
+    tensors such as packed quantized weights, whose stored shape is not the layer's); None when not local."""
     with _cache_lock:
         if model_path in _model_keys_cache:
             return _model_keys_cache[model_path]
-    names: Optional[frozenset] = None
+    weights: Optional[dict] = None
     if model_path and os.path.isdir(model_path):
         files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
         if files:
             from safetensors import safe_open
 
-            keys: set[str] = set()
+            weights = {}
             for fn in files:
                 with safe_open(fn, framework="pt") as f:
-                    keys.update(f.keys())
-            names = frozenset(keys)
+                    for k in f.keys():
+                        sl = f.get_slice(k)
+                        weights[k] = tuple(sl.get_shape()) if sl.get_dtype() in _FLOAT_DTYPES else None
     with _cache_lock:
-        _model_keys_cache[model_path] = names
-    return names
+        _model_keys_cache[model_path] = weights
+    return weights
+
+
+def _model_weight_names(model_path: str) -> Optional[frozenset]:
+    """Parameter names of a local safetensors checkpoint (headers only); None when not local."""
+    weights = _model_weights(model_path)
+    return None if weights is None else frozenset(weights)
+
+
+def config_module_shapes(text_config: Any) -> dict:
+    """{projection leaf: (d_out, d_in)} of a dense Llama-like decoder from its config (q/k/v/o, gate/up/down), used
+    when the checkpoint is not a local folder; {} when the config lacks the sizes."""
+    h = getattr(text_config, "hidden_size", None)
+    inter = getattr(text_config, "intermediate_size", None)
+    nh = getattr(text_config, "num_attention_heads", None)
+    if not (h and inter and nh):
+        return {}
+    nkv = getattr(text_config, "num_key_value_heads", None) or nh
+    hd = getattr(text_config, "head_dim", None) or h // nh
+    q, kv = nh * hd, nkv * hd
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
 
 
 def _stat(path: str) -> tuple:
@@ -239,6 +265,7 @@ class EngineFacts:
     model_path: str
     model_type: str
     num_kv_heads: Optional[int]
+    config_shapes: tuple = ()  # ((leaf, (d_out, d_in)), ...) from the model config (config_module_shapes)
 
     @classmethod
     def of(cls, vllm_config: Any) -> "EngineFacts":
@@ -255,7 +282,41 @@ class EngineFacts:
             device_rank=device_rank(max_rank, tp, opts.min_nblocks) if (opts and max_rank) else max_rank,
             model_path=str(getattr(mc, "model", "") or ""), model_type=str(getattr(text, "model_type", "") or ""),
             num_kv_heads=int(kv) if kv else None,
+            config_shapes=tuple(sorted(config_module_shapes(text).items())) if text is not None else (),
         )
+
+
+class AdapterNotFound(BDLoraError):
+    """The adapter path does not exist (HTTP 404). The message contains vLLM's own not-found sentence
+    (``LoRAAdapterNotFoundError``: "Loading lora NAME failed: No adapter found for PATH"), which vLLM's
+    ``/v1/load_lora_adapter`` handler maps to 404 by itself."""
+
+
+def not_found_message(name: Optional[str], lora_path: str) -> str:
+    return f"Loading lora {name} failed: No adapter found for {lora_path}"
+
+
+def resolve_adapter_path(lora_path: str, name: Optional[str] = None) -> Optional[str]:
+    """The absolute folder of a local adapter; None for a Hugging Face hub id (the workers resolve and check those).
+
+    Raises :class:`AdapterNotFound` for a local path that does not exist (absolute, ``~``, ``./``, ``../`` or with
+    more than one ``/``, which no hub id has) and :class:`BDLoraError` for a path that is not an adapter folder."""
+    if not lora_path:
+        return None
+    expanded = os.path.expanduser(lora_path)
+    p = os.path.abspath(expanded)
+    if os.path.exists(expanded):
+        if not os.path.isdir(p):
+            raise BDLoraError(f"{p} is a file; expected the adapter's folder (holding {CONFIG_NAME} and "
+                              f"{WEIGHTS_NAME})")
+        if not os.path.isfile(os.path.join(p, CONFIG_NAME)):
+            raise BDLoraError(f"{p}: no {CONFIG_NAME}; expected a PEFT LoRA adapter folder")
+        return p
+    local = (os.path.isabs(expanded) or lora_path.startswith(("~", "./", "../")) or lora_path in (".", "..")
+             or lora_path.strip("/").count("/") > 1)
+    if local:
+        raise AdapterNotFound(f"{not_found_message(name, lora_path)} (no such folder: {p})")
+    return None
 
 
 def local_adapter_dir(lora_path: str) -> Optional[str]:
@@ -278,11 +339,19 @@ def refuse_bd_without_mode(cfg: AdapterConfig, path: str) -> None:
 
 
 def validate_adapter(lora_path: str, vllm_config: Any, name: Optional[str] = None) -> Optional[AdapterConfig]:
-    """Checks an adapter folder against an engine config; raises :class:`BDLoraError` with the reason.
+    """Checks an adapter folder against an engine config; raises :class:`BDLoraError` (a ``ValueError``: the
+    client's error, HTTP 400) or :class:`AdapterNotFound` (HTTP 404) whose message names the adapter, its folder
+    and the file at fault.
 
-    Returns the adapter config (None for non-local adapters, which the workers check when they load them).
+    Returns the adapter config (None for hub adapters, which the workers check when they load them).
     """
-    path = local_adapter_dir(lora_path)
+    label = f"LoRA adapter {name!r}" if name else "LoRA adapter"
+    try:
+        path = resolve_adapter_path(lora_path, name)
+    except AdapterNotFound:
+        raise
+    except BDLoraError as e:
+        raise BDLoraError(f"{label} refused: {e}") from None
     if path is None:
         return None
     facts = EngineFacts.of(vllm_config)
@@ -295,22 +364,97 @@ def validate_adapter(lora_path: str, vllm_config: Any, name: Optional[str] = Non
             cached = None
         except BDLoraError as e:
             cached = e
+        except Exception as e:  # never a bare library message: name the folder
+            cached = BDLoraError(f"{path}: {type(e).__name__}: {e}")
         with _cache_lock:
             if len(_adapter_cache) > 4096:
                 _adapter_cache.clear()
             _adapter_cache[key] = cached
     if cached is not None:
-        label = f"LoRA adapter {name!r}" if name else "LoRA adapter"
-        raise BDLoraError(f"{label} refused: {cached}")
+        msg = str(cached)
+        where = "" if path in msg else f" ({path})"
+        raise BDLoraError(f"{label}{where} refused: {msg}")
     return read_config(path)
 
 
+def _read_config(path: str) -> AdapterConfig:
+    cfg_file = os.path.join(path, CONFIG_NAME)
+    try:
+        return read_config(path)
+    except BDLoraError as e:
+        if CONFIG_NAME in str(e):
+            raise
+        raise BDLoraError(f"{cfg_file}: {e}") from None
+    except Exception as e:  # JSONDecodeError, UnicodeDecodeError, OSError
+        raise BDLoraError(f"{cfg_file}: cannot be read as a PEFT adapter config ({type(e).__name__}: {e}); the file "
+                          "is truncated or corrupt, re-save the adapter") from None
+
+
+def _read_header(weights: str) -> dict:
+    """{tensor name: shape} from a safetensors header; a clear error naming the file when it is not readable."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(weights, framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # SafetensorError ("incomplete metadata, file not fully covered"), OSError
+        raise BDLoraError(f"{weights}: not a readable safetensors file ({type(e).__name__}: {e}); it is truncated or "
+                          "corrupt (an interrupted copy or save?), re-save or re-copy the adapter") from None
+
+
+def _check_model_shapes(path: str, cfg: AdapterConfig, shapes: dict, paths: list, facts: EngineFacts) -> None:
+    """Every factor against the served model's own layer shapes: full (d_out, d_in) per module from the checkpoint
+    header (or, for a hub model, from its config), then the per-device shards at the engine's tensor-parallel size.
+    """
+    weights = _model_weights(facts.model_path)
+    conf = dict(facts.config_shapes)
+    n = (cfg.nblocks or 1) if cfg.is_bd else 1
+    m = facts.tp_size
+    for p in paths:
+        inner = p[len(PEFT_PREFIX):] if p.startswith(PEFT_PREFIX) else p
+        leaf = inner.rsplit(".", 1)[-1]
+        a, b = shapes[p + ".lora_A.weight"], shapes[p + ".lora_B.weight"]
+        if len(a) != 2 or len(b) != 2:
+            raise BDLoraError(f"{WEIGHTS_NAME}: {inner}: lora_A {a} / lora_B {b} are not matrices")
+        layout = cfg.layout_of(p)
+        d_in, d_out = a[1] * (n if layout == ROW else 1), b[0]
+        want = None
+        if weights is not None:
+            w = weights.get(inner + ".weight", weights.get(p + ".weight"))
+            want = tuple(w) if w is not None and len(w) == 2 else None
+        elif "expert" not in inner:
+            want = conf.get(leaf)
+        if want is not None and (d_out, d_in) != want:
+            r = cfg.r
+            ea, eb = ((r, want[1]), (want[0], r)) if layout is None else packed_shapes(layout, want[1], want[0], r, n)
+            raise BDLoraError(
+                f"{WEIGHTS_NAME}: module {inner}: the adapter's factors are for a layer of d_out x d_in = "
+                f"{d_out} x {d_in} (found lora_A {tuple(a)}, lora_B {tuple(b)}), but the served model "
+                f"{facts.model_path} has {leaf} of {want[0]} x {want[1]} (expected lora_A {ea}, lora_B {eb}). "
+                "The adapter was trained for another model: serve it with the base model it was trained on")
+        if layout is not None or facts.bd:
+            split = d_out if (layout or (COLUMN if leaf in _COLUMN_LEAVES else ROW)) == COLUMN else d_in
+            what = "d_out" if split == d_out else "d_in"
+            if split % max(n, m):
+                raise BDLoraError(
+                    f"{WEIGHTS_NAME}: module {inner}: {what}={split} cannot be split into {max(n, m)} equal parts "
+                    f"(nblocks={n}, tensor-parallel size {m}), so no device can hold a whole shard of it")
+
+
+_COLUMN_LEAVES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
+
+
 def _check_adapter(path: str, facts: EngineFacts) -> None:
-    cfg = read_config(path)
+    cfg = _read_config(path)
+    weights = os.path.join(path, WEIGHTS_NAME)
     if not facts.bd:
         refuse_bd_without_mode(cfg, path)
+        if os.path.isfile(weights):  # stock mode: the header must be readable and fit the model
+            shapes = _read_header(weights)
+            lora = {k: v for k, v in shapes.items() if k.endswith((".lora_A.weight", ".lora_B.weight"))}
+            if lora:
+                _check_model_shapes(path, cfg, shapes, module_paths(lora), facts)
         return
-    weights = os.path.join(path, WEIGHTS_NAME)
     if not os.path.isfile(weights):
         raise BDLoraError(f"{path}: no {WEIGHTS_NAME}. BD mode reads only each device's blocks, which needs "
                           "safetensors; re-save the adapter with safe_serialization=True")
@@ -332,16 +476,16 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
             f"min(min_nblocks, tp)). Restart with --additional-config '{{\"bdlora\": {{\"min_nblocks\": {n}}}}}' "
             f"or a larger --max-lora-rank"
         )
-    from safetensors import safe_open
-
-    with safe_open(weights, framework="pt") as f:
-        keys = list(f.keys())
-        other = [k for k in keys if not (k.endswith(".lora_A.weight") or k.endswith(".lora_B.weight"))]
-        if other:
-            raise BDLoraError(f"{path}: tensors {other[:4]} are not LoRA factors; BD mode serves lora_A/lora_B only "
-                              "(no modules_to_save, embeddings or biases)")
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
-    paths = module_paths(shapes)
+    shapes = _read_header(weights)
+    keys = list(shapes)
+    other = [k for k in keys if not (k.endswith(".lora_A.weight") or k.endswith(".lora_B.weight"))]
+    if other:
+        raise BDLoraError(f"{weights}: tensors {other[:4]} are not LoRA factors; BD mode serves lora_A/lora_B only "
+                          "(no modules_to_save, embeddings or biases)")
+    try:
+        paths = module_paths(shapes)
+    except BDLoraError as e:
+        raise BDLoraError(f"{weights}: {e}") from None
     preset = PRESETS.get(facts.model_type)
     for p in paths:
         a, b = shapes[p + ".lora_A.weight"], shapes[p + ".lora_B.weight"]
@@ -370,7 +514,7 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
         missing = []
         for p in paths:
             inner = p[len(PEFT_PREFIX):] if p.startswith(PEFT_PREFIX) else p
-            if inner + ".weight" not in names and p + ".weight" not in names:
+            if not any(k.startswith(inner + ".") or k.startswith(p + ".") for k in names):
                 missing.append(inner)
         if missing:
             leaves = sorted({k.rsplit(".", 2)[-2] for k in names if k.endswith(".weight") and k.count(".") >= 1})
@@ -378,10 +522,11 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
                 f"{path}: modules {missing[:4]}{' ...' if len(missing) > 4 else ''} do not exist in the base model "
                 f"{facts.model_path} (its weights are named like {leaves[:12]}); was the adapter trained on "
                 "another model?")
+    _check_model_shapes(path, cfg, shapes, paths, facts)
 
 
 __all__ = [
-    "BDOptions", "CONFIG_KEY", "EngineFacts", "SUPPORTED_VLLM", "bd_options", "check_vllm_version", "device_rank",
-    "engine_device_rank", "local_adapter_dir", "local_rank_of", "refuse_bd_without_mode", "tp_size_of",
+    "AdapterNotFound", "BDOptions", "CONFIG_KEY", "EngineFacts", "SUPPORTED_VLLM", "bd_options", "check_vllm_version", "device_rank",
+    "engine_device_rank", "local_adapter_dir", "local_rank_of", "refuse_bd_without_mode", "resolve_adapter_path", "tp_size_of",
     "validate_adapter", "validate_engine_config",
 ]
