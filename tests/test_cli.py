@@ -1,5 +1,6 @@
 """`bdlora inspect` / `bdlora convert` on real adapter folders."""
 
+import json
 import math
 import subprocess
 import sys
@@ -65,3 +66,68 @@ def test_console_script_installed(peft_bd_adapter):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "nblocks:        2" in res.stdout
+
+
+def _zeros(folder):
+    from safetensors.torch import load_file
+
+    t = load_file(str(folder / "adapter_model.safetensors"))
+    return sum(int((v == 0).sum()) for v in t.values()), sum(v.numel() for v in t.values())
+
+
+def test_inspect_counts_real_zeros(peft_bd_adapter, tmp_path, capsys):
+    """to-dense expands the blocks with zeros and to-bd above the exact rank pads with zeros: inspect says how many
+    (it used to print "(all non-zero)")."""
+    assert main(["inspect", str(peft_bd_adapter)]) == 0
+    assert "none zero" in capsys.readouterr().out
+    assert main(["convert", "to-dense", str(peft_bd_adapter), str(tmp_path / "dense")]) == 0
+    assert main(["convert", "to-bd", str(tmp_path / "dense"), str(tmp_path / "padded"), "--nblocks", "2",
+                 "--rank", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "note: --rank 64 is above the exact rank nblocks x r = 16" in out
+    for name, at_least in (("dense", 0.25), ("padded", 0.7)):
+        zeros, total = _zeros(tmp_path / name)
+        assert zeros > at_least * total
+        assert main(["inspect", str(tmp_path / name)]) == 0
+        text = capsys.readouterr().out
+        assert f"{total:,} stored, {zeros:,} zero ({100 * zeros / total:.1f}%)" in text and "non-zero" not in text
+
+
+SMOL = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "intermediate_size": 1536}
+
+
+def test_servable_tp_degrees_follow_vllm_rules():
+    from transformers import LlamaConfig
+
+    from bdlora.spec import servable_tp_degrees, vllm_can_serve_tp
+
+    assert servable_tp_degrees(SMOL) == [1, 3]  # SPEC §5: SmolLM2 allows TP 1 and 3
+    assert servable_tp_degrees(LlamaConfig(**{k: v for k, v in SMOL.items() if k != "model_type"})) == [1, 3]
+    assert servable_tp_degrees(SMOL, nblocks=2) == [1]
+    assert "num_attention_heads=9" in vllm_can_serve_tp(SMOL, 6)
+    assert "intermediate_size=1536" in vllm_can_serve_tp(SMOL, 9)
+    gqa = {"num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 4800, "hidden_size": 768}
+    assert "num_key_value_heads=4" in vllm_can_serve_tp(gqa, 6)  # neither 4 % 6 nor 6 % 4
+    assert vllm_can_serve_tp(gqa, 12) is None  # vLLM replicates each KV head on 3 devices
+    assert "exceeds num_key_value_heads=4" in vllm_can_serve_tp(gqa, 12, nblocks=4, kv_lora=True)
+    mha = {"num_attention_heads": 12, "intermediate_size": 4800}  # no num_key_value_heads: one per head
+    assert vllm_can_serve_tp(mha, 3) is None and "nblocks=4" in vllm_can_serve_tp(mha, 3, nblocks=4)
+    assert servable_tp_degrees({"text_config": gqa}, nblocks=2) == [1, 2, 4, 12]
+
+
+def test_inspect_with_model_lists_only_servable_tp(peft_bd_adapter, tiny_llama_dir, tmp_path, capsys):
+    # 4 heads, 2 KV heads, nblocks=2 with k/v adapted: TP 4 would replicate k/v, which BD blocks cannot follow
+    assert main(["inspect", str(peft_bd_adapter), "--model", str(tiny_llama_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"serve on {tiny_llama_dir} at tensor-parallel size [1, 2] without LoRA communication" in out
+    smol = tmp_path / "smol"
+    smol.mkdir()
+    (smol / "config.json").write_text(json.dumps(SMOL))
+    assert main(["inspect", str(peft_bd_adapter), "--model", str(smol)]) == 2
+    assert "hidden_size=576" in capsys.readouterr().err
+    assert main(["inspect", str(peft_bd_adapter), "--model", "nobody-bdlora/not-a-cached-model"]) == 2
+    err = capsys.readouterr().err
+    assert "nobody-bdlora/not-a-cached-model" in err and "huggingface-cli download" in err
+    assert main(["inspect", str(peft_bd_adapter), "--model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
