@@ -92,9 +92,9 @@ def reblock(adapter: Adapter, tp_size: int, src: str = "IN", dst: str = "OUT") -
     require_bd(adapter, "reblock")
     cfg = adapter.config
     _check_count(tp_size, "the target tensor-parallel size (--tp)")
+    check_block_split(adapter, cfg.layout_of, tp_size)  # first: if the layers cannot split, no route can help
     if tp_size % cfg.nblocks and cfg.nblocks % tp_size:
         raise ConversionError(reblock_route(cfg.nblocks, tp_size, src, dst))
-    check_block_split(adapter, cfg.layout_of, tp_size)
     modules = {p: LoraFactors(*reblock_factors(f.lora_A, f.lora_B, f.layout, cfg.nblocks, tp_size), f.layout)
                for p, f in adapter.modules.items()}
     new_r = cfg.r * max(1, tp_size // cfg.nblocks)

@@ -143,3 +143,28 @@ def test_dense_to_bd_refusals():
         dense_to_bd(bd, 2)
     with pytest.raises(BDLoraError, match="needs a BD-LoRA adapter"):
         reblock(dense, 2)
+
+
+def test_reblock_checks_layer_splits_before_anything_else(peft_bd_adapter):
+    from bdlora.convert import ConversionError
+
+    ad = load_adapter(peft_bd_adapter)  # k_proj/v_proj have 128 outputs, q/o 256, gate/up/down 512
+    with pytest.raises(ConversionError, match=r"k_proj: column-parallel layer with d_out \(outputs\)=128 cannot be "
+                                              r"split into 256 blocks"):
+        reblock(ad, 256)
+    # a TP that splits every layer but not the blocks: the route through a dense adapter, with both commands
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"q_proj": (48, 48), "k_proj": (24, 48), "o_proj": (48, 48), "down_proj": (48, 96)}
+    dense = Adapter(AdapterConfig(r=4, lora_alpha=8.0, use_rslora=True, target_modules=list(shapes)),
+                    {f"m.layers.0.x.{n}": LoraFactors(torch.randn(4, din, generator=gen), torch.randn(dout, 4, generator=gen))
+                     for n, (dout, din) in shapes.items()})
+    bd2, _ = dense_to_bd(dense, 2)
+    with pytest.raises(ConversionError, match=r"(?s)nblocks=2 to 3 blocks.*"
+                       r"bdlora convert to-dense in out-dense\n  bdlora convert to-bd out-dense out --nblocks 3") as e:
+        reblock(bd2, 3, "in", "out")
+    assert "reblock --tp" not in str(e.value)
+    bd3, _ = dense_to_bd(bd_to_dense(bd2), 3)  # ... and that route works, exactly
+    for p, f in bd2.modules.items():
+        torch.testing.assert_close(delta_weight(bd3.modules[p], 3, bd3.config.scale), delta_weight(f, 2, bd2.config.scale))
+    with pytest.raises(ConversionError, match="must be a positive integer"):
+        reblock(ad, 0)
