@@ -277,19 +277,21 @@ def _resolve_hub(repo_id: str, split: Optional[str]) -> Source:
         snap = snapshot_download(repo_id, repo_type="dataset", local_files_only=True)
     except Exception:  # noqa: BLE001 - not in the hub cache
         snap = None
+    if snap is not None:
+        # The snapshot's data files for the split by datasets' naming rules, each read on its own (so splits may
+        # differ in schema; a README `configs:` section is not read).
+        files = _folder_files(Path(snap), split)
+        return Source(where, "hub", split, {"hub": repo_id, "revision": Path(snap).name, "split": split,
+                                            "files": [f.relative_to(snap).as_posix() for f in files]}, files=files)
     try:
-        if snap is not None:
-            ds = datasets.load_dataset(snap, split=split)
-            ident = {"hub": repo_id, "revision": Path(snap).name, "split": split}
-        else:
-            ds = datasets.load_dataset(repo_id, split=split)
-            ident = {"hub": repo_id, "fingerprint": ds._fingerprint, "split": split}
+        ds = datasets.load_dataset(repo_id, split=split)
+        ident = {"hub": repo_id, "fingerprint": ds._fingerprint, "split": split}
     except ValueError as e:
         if "split" in str(e).lower():
             raise DataError(f"{where}: {e}") from None
         raise DataError(f"{where}: cannot be loaded ({e})") from None
     except Exception as e:  # noqa: BLE001
-        if snap is None and (_offline() or isinstance(e, (ConnectionError, FileNotFoundError))):
+        if _offline() or isinstance(e, (ConnectionError, FileNotFoundError)):
             raise DataError(_hub_help(repo_id)) from None
         raise DataError(f"{where}: cannot be loaded ({type(e).__name__}: {e})") from None
     return Source(where, "hub", split, ident, dataset=ds)

@@ -1,8 +1,10 @@
-"""Datasets of the engine: local JSON/JSONL in alpaca or chat format, tokenized with a response-token mask,
-and a per-job epoch sampler that uses every sample exactly once per epoch.
+"""Datasets of the engine, tokenized with a response-token mask, and a per-job epoch sampler that uses every sample
+exactly once per epoch.
 
-Reading and tokenization are the single-job trainer's (``bdlora.train.data``: chat template, loss on the assistant
-responses only); this module only adapts them to packing and adds the per-job epoch sampler.
+Reading and tokenization are the single-job trainer's (``bdlora.train.data``): every source (JSON/JSONL, parquet,
+CSV, saved datasets, folders, cached hub ids ``ORG/NAME[:SPLIT]``) and format (alpaca, sharegpt, messages/chat,
+prompt_completion, text; ``auto`` per record) it reads; chat formats are rendered with the chat template, loss on
+the assistant responses only. This module only adapts them to packing and adds the per-job epoch sampler.
 """
 
 from __future__ import annotations
@@ -31,21 +33,21 @@ class Sample:
         return int(sum(self.loss_mask[1:]))
 
 
-def read_records(path: str | Path) -> list[dict]:
+def read_records(path: str | Path, split: Optional[str] = None) -> list[dict]:
     from bdlora.train.data import read_records as _read
 
-    return _read(path)
+    return _read(path, split)
 
 
 def tokenize_records(records: list[dict], tok, max_len: int, fmt: str = "auto", source: str = "dataset"
                      ) -> list[Sample]:
-    """Tokenized samples via the single-job trainer's chat-template encoding (``bdlora.train.data.encode``):
-    alpaca records become user/assistant turns; loss on the assistant responses only."""
-    from bdlora.train.data import IGNORE_INDEX, encode, to_messages
+    """Tokenized samples via the single-job trainer's encoding (``bdlora.train.data.encode_record``, any format);
+    records are numbered from 1 in messages."""
+    from bdlora.train.data import IGNORE_INDEX, encode_record
 
     out = []
     for i, rec in enumerate(records):
-        ex = encode(tok, to_messages(rec, fmt, where=f"{source} record {i}"), max_len, index=i)
+        ex = encode_record(tok, rec, fmt, max_len, index=i, where=f"{source} record {i + 1}")
         if ex is None or len(ex.input_ids) < 2:
             continue
         s = Sample(list(ex.input_ids), [l != IGNORE_INDEX for l in ex.labels])
@@ -61,21 +63,27 @@ class DatasetSplit:
 
 
 def load_split(ds, tok, max_len: int) -> DatasetSplit:
-    """Train/val samples of a :class:`~bdlora.train.engine.config.DatasetConfig` (seeded, deterministic split)."""
-    recs = read_records(ds.path)
-    if ds.max_samples:
-        recs = recs[: ds.max_samples]
-    if ds.val_path:
-        train = tokenize_records(recs, tok, max_len, ds.format, ds.path)
-        val = tokenize_records(read_records(ds.val_path), tok, max_len, ds.format, ds.val_path)
-    else:
-        from bdlora.train.data import split_indices
+    """Train/val samples of a :class:`~bdlora.train.engine.config.DatasetConfig` (seeded, deterministic split).
 
-        tr_idx, ev_idx = split_indices(len(recs), ds.val_fraction, int(ds.seed))
-        val = tokenize_records([recs[i] for i in ev_idx], tok, max_len, ds.format, ds.path)
-        train = tokenize_records([recs[i] for i in tr_idx], tok, max_len, ds.format, ds.path)
+    A source or record that cannot be used raises :class:`~bdlora.train.data.DataError` naming the dataset."""
+    from bdlora.train.data import DataError, split_indices
+
+    try:
+        recs = read_records(ds.path)
+        if ds.max_samples:
+            recs = recs[: ds.max_samples]
+        if ds.val_path:
+            train = tokenize_records(recs, tok, max_len, ds.format, ds.path)
+            val = tokenize_records(read_records(ds.val_path), tok, max_len, ds.format, ds.val_path)
+        else:
+            tr_idx, ev_idx = split_indices(len(recs), ds.val_fraction, int(ds.seed))
+            val = tokenize_records([recs[i] for i in ev_idx], tok, max_len, ds.format, ds.path)
+            train = tokenize_records([recs[i] for i in tr_idx], tok, max_len, ds.format, ds.path)
+    except DataError as e:
+        raise DataError(f"dataset {ds.name!r}: {e}") from None
     if not train:
-        raise ValueError(f"dataset {ds.name!r} ({ds.path}) has no usable training samples")
+        raise DataError(f"dataset {ds.name!r} ({ds.path}) has no usable training samples (max_seq_len={max_len} "
+                        f"may be too small)")
     return DatasetSplit(train, val)
 
 
