@@ -818,7 +818,9 @@ def make_collator(pad_id: int, padding_free: bool = False) -> Collator:
     """Batches of Examples (or dataset rows): right-padded ``{input_ids, attention_mask, labels}`` (B, T), or with
     ``padding_free`` one flattened row ``{input_ids, labels, position_ids}`` (1, sum of lengths) for attention that
     reads the sequence boundaries from position_ids (flash-attention; transformers' sdpa/eager derive a block-causal
-    mask from them)."""
+    mask from them). Caution (transformers 5.19): sdpa/eager detect the packed examples only when the forward has no
+    KV cache, so the model must run with ``use_cache=False`` (``model.config.use_cache = False``); with the default
+    cache the examples silently attend to each other."""
     return Collator(pad_id, padding_free)
 
 
