@@ -285,26 +285,33 @@ def layer_dims(cfg: AdapterConfig, path: str, a_shape: tuple, b_shape: tuple) ->
 # Llama-style projection names: which read the residual stream (d_in = hidden) and which write it (d_out = hidden).
 _READS_HIDDEN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _WRITES_HIDDEN = ("o_proj", "down_proj")
+_LAYER_INDEX = re.compile(r"\.\d+\.")  # the first numeric path component is the layer index
 
 
 def check_layer_widths(dims: dict[str, tuple[int, int]], source: str) -> None:
     """Factors that must agree on a width do: every q/k/v/gate/up input and o/down output is the model's hidden size,
     and in one block gate/up outputs equal down's input and q's output equals o's input. ``dims`` maps module paths to
-    (d_in, d_out). Other module names are not checked (their widths are not known from the names)."""
-    hidden: dict[int, list[str]] = {}
+    (d_in, d_out). The hidden size is compared within one stack of layers (the path before its layer index), so a
+    vision tower may differ from the language model. Other module names are not checked (their widths are not known
+    from the names)."""
+    # One hidden size per stack of layers: a VLM's vision tower and its language model have their own.
+    stacks: dict[str, dict[int, list[str]]] = {}
     for p, (d_in, d_out) in dims.items():
         leaf = p.rsplit(".", 1)[-1]
+        m = _LAYER_INDEX.search(p)
+        hidden = stacks.setdefault(p[: m.start()] if m else "", {})
         if leaf in _READS_HIDDEN:
             hidden.setdefault(d_in, []).append(f"{p} input")
         elif leaf in _WRITES_HIDDEN:
             hidden.setdefault(d_out, []).append(f"{p} output")
-    if len(hidden) > 1:
-        common = max(hidden, key=lambda w: len(hidden[w]))
-        odd_w = next(w for w in hidden if w != common)
-        raise AdapterFileError(
-            f"{source}: {hidden[odd_w][0]} is {odd_w} wide but {hidden[common][0]} (and {len(hidden[common]) - 1} "
-            f"more) is {common}: all of them are the model's hidden size. The factors come from different models or "
-            "the file is corrupt; re-export the adapter")
+    for hidden in stacks.values():
+        if len(hidden) > 1:
+            common = max(hidden, key=lambda w: len(hidden[w]))
+            odd_w = next(w for w in hidden if w != common)
+            raise AdapterFileError(
+                f"{source}: {hidden[odd_w][0]} is {odd_w} wide but {hidden[common][0]} (and "
+                f"{len(hidden[common]) - 1} more) is {common}: all of them are the model's hidden size. The factors "
+                "come from different models or the file is corrupt; re-export the adapter")
     pairs = (("gate_proj", 1, "down_proj", 0), ("up_proj", 1, "down_proj", 0), ("q_proj", 1, "o_proj", 0))
     for p, d in dims.items():
         parent, leaf = p.rsplit(".", 1) if "." in p else ("", p)
@@ -403,6 +410,14 @@ def clean_stale_work_dirs(dest: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def _remove(path: Path) -> None:
+    """Removes a replaced destination: a folder's tree, or a symlink itself (never what it points to)."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _contains(outer: Path, inner: Path) -> bool:
     """True when ``inner`` is ``outer`` or lies inside it (both absolute, symlinks resolved)."""
     return inner == outer or outer in inner.parents
@@ -453,7 +468,7 @@ class _AtomicDir:
             if self.tmp.exists():
                 shutil.rmtree(self.tmp, ignore_errors=True)
             if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+                _remove(old)
         return False
 
 

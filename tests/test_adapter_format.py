@@ -104,3 +104,16 @@ def test_config_errors(tmp_path, peft_bd_adapter):
     (tmp_path / WEIGHTS_NAME).write_bytes((peft_bd_adapter / WEIGHTS_NAME).read_bytes())
     with pytest.raises(BDLoraError, match="up_proj.*in neither use_bdlora.target_modules_bd_b"):
         load_adapter(tmp_path)
+
+
+def test_layer_widths_are_checked_per_stack_of_layers():
+    """A VLM's vision tower has its own hidden size: only modules of one stack of layers must agree."""
+    from bdlora.adapter import AdapterFileError, check_layer_widths
+
+    lm, vis = "base_model.model.language_model.layers.{}.self_attn.", "base_model.model.vision_tower.layers.{}.attn."
+    dims = {lm.format(0) + "q_proj": (256, 256), lm.format(1) + "k_proj": (256, 128), lm.format(1) + "o_proj": (256, 256),
+            vis.format(0) + "q_proj": (1152, 1152), vis.format(0) + "o_proj": (1152, 1152)}
+    check_layer_widths(dims, "x")
+    dims[lm.format(1) + "v_proj"] = (200, 128)
+    with pytest.raises(AdapterFileError, match=r"layers.1.self_attn.v_proj input is 200 wide .* is 256"):
+        check_layer_widths(dims, "x")

@@ -129,6 +129,17 @@ def test_force_replaces_an_adapter_folder(peft_bd_adapter, tmp_path, capsys):
     _fails(["convert", "to-dense", peft_bd_adapter, out, "--force"], capsys, "subfolders", "checkpoint-1")
 
 
+def test_force_replaces_a_symlinked_adapter_folder_not_its_target(peft_bd_adapter, tmp_path):
+    target = tmp_path / "real"
+    assert main(["convert", "to-dense", str(peft_bd_adapter), str(target)]) == 0
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    assert main(["convert", "reblock", str(peft_bd_adapter), str(link), "--tp", "4", "--force"]) == 0
+    assert not link.is_symlink() and load_adapter(link).config.nblocks == 4
+    assert not load_adapter(target).config.is_bd  # the folder it pointed to is untouched
+    assert _listing(tmp_path) == ["link", "real"]
+
+
 def test_writer_keeps_overwrite_for_its_own_outputs_and_cleans_up(tmp_path):
     """The trainer and the model cache replace their own folders (default overwrite=True); an exception or an
     interrupt inside the block leaves neither a temporary folder nor a changed destination."""
