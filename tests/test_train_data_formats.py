@@ -374,8 +374,15 @@ def test_padding_free_collator_matches_padded_loss(tok, tiny_llama_dir):
 
 
 # ---------------------------------------------------------------------------------------------------- engine
+def DatasetConfig(name, path, val_fraction=0.1, seed=0, format="auto", val_path=None, max_samples=None):
+    """The attributes load_split reads (the engine's dataset entry)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, path=path, val_fraction=val_fraction, seed=seed, format=format,
+                           val_path=val_path, max_samples=max_samples)
+
+
 def test_engine_reads_every_format(tok, tmp_path):
-    from bdlora.train.engine.config import DatasetConfig
     from bdlora.train.engine.data import load_split, tokenize_records
 
     recs = [r for rs in RECORDS.values() for r in rs]
