@@ -252,6 +252,7 @@ def test_frontend_refusals_name_adapter_and_file(vllm_adapters, tiny_llama_dir, 
         assert isinstance(info.value, AdapterNotFound) == (status == 404), (name, info.value)
         for needle in needles:
             assert needle in str(info.value), (name, needle, str(info.value))
+        assert str(path) in str(info.value) or os.path.dirname(str(path)) in str(info.value), (name, info.value)
     # The model's shapes come from its config when the checkpoint is not a local folder (a hub id).
     hub = _fake_config(tiny_llama_dir, tp=2)
     hub.model_config.model = "someone/tiny-llama"

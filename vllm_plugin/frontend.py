@@ -8,6 +8,8 @@ import contextvars
 import functools
 from typing import Any, Optional
 
+from bdlora.spec import BDLoraError
+
 from .validate import AdapterNotFound, CONFIG_KEY, FUSED_DECODE_KEY, validate_adapter, validate_engine_config
 
 FLAG = "--enable-bdlora"
@@ -108,34 +110,41 @@ _REFUSALS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("bdlo
 
 
 @functools.lru_cache(maxsize=None)
-def _not_found_cls():
+def _typed_cls(kind: str):
+    """A subclass of the plugin's error and of vLLM's typed client error (vLLM >= 0.27: ``vllm.exceptions``), so that
+    the OpenAI server answers 404 (``VLLMNotFoundError``) or 400 (``VLLMClientError``). vLLM 0.32's
+    ``AsyncLLM.generate`` turns any other exception, a plain ``ValueError`` included, into ``EngineGenerateError``:
+    HTTP 500 with an empty message. None on vLLM 0.26 (no typed errors: plain ``ValueError``s are 400 there)."""
     try:
-        from vllm.exceptions import VLLMNotFoundError  # vLLM 0.32; absent on older versions
+        from vllm import exceptions as vexc  # checked on vLLM 0.32
     except ImportError:  # pragma: no cover - vLLM 0.26
         return None
-    return type("AdapterNotFoundError", (VLLMNotFoundError, AdapterNotFound), {"__module__": __name__})
+    if kind == "not_found":
+        base, ours, name = getattr(vexc, "VLLMNotFoundError", None), AdapterNotFound, "AdapterNotFoundError"
+    else:
+        base, ours, name = getattr(vexc, "VLLMClientError", None), BDLoraError, "AdapterRefusedError"
+    if base is None:
+        return None
+    return type(name, (base, ours), {"__module__": __name__})
 
 
-def _not_found_error(e: AdapterNotFound) -> Exception:
-    """``e`` as an exception vLLM maps to 404 everywhere: on vLLM >= 0.27 also a ``VLLMNotFoundError`` (typed
-    error handling of the OpenAI server); its message keeps vLLM's not-found sentence (the string match of
-    ``/v1/load_lora_adapter`` in vLLM 0.26-0.32)."""
-    cls = _not_found_cls()
-    return e if cls is None else cls(str(e))
+def _typed(e: Exception) -> Exception:
+    cls = _typed_cls("not_found" if isinstance(e, AdapterNotFound) else "refused")
+    if cls is None or isinstance(e, cls):
+        return e
+    return cls(str(e))
 
 
 def check_adapter(lora_request, vllm_config: Any) -> None:
     """Runs :func:`validate_adapter` for a ``LoRARequest``; records the refusal for the HTTP answer and raises it
-    (``BDLoraError``, a ``ValueError``: HTTP 400; a not-found error: HTTP 404)."""
+    (a ``BDLoraError``, i.e. a ``ValueError``, that is also vLLM's ``VLLMClientError``: HTTP 400; a missing folder
+    also ``VLLMNotFoundError``: HTTP 404)."""
     try:
         validate_adapter(lora_request.lora_path, vllm_config, lora_request.lora_name)
-    except AdapterNotFound as e:
-        err = _not_found_error(e)
+    except BDLoraError as e:
+        err = _typed(e)
         _record(err)
         raise err from None
-    except ValueError as e:
-        _record(e)
-        raise
 
 
 def _record(err: Exception) -> None:
@@ -154,8 +163,15 @@ def refusal_status(err: Exception) -> tuple[int, str]:
 def _set_error(resp: Any, err: Exception) -> Any:
     """Rewrites vLLM's ``ErrorResponse`` (pydantic) in place with the refusal's status, type and message."""
     code, kind = refusal_status(err)
+    message = str(err)
+    try:  # vLLM 0.32 strips file paths from client-facing messages; do the same (the file's name stays)
+        from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
+
+        message = sanitize_message(message)
+    except ImportError:  # pragma: no cover - vLLM 0.26
+        pass
     info = getattr(resp, "error", None) or resp  # vLLM 0.32: ErrorResponse.error (ErrorInfo); older: flat fields
-    for field, value in (("code", code), ("type", kind), ("message", str(err))):
+    for field, value in (("code", code), ("type", kind), ("message", message)):
         if not hasattr(info, field):
             raise AttributeError(f"bdlora: vLLM's ErrorResponse has no '{field}' field (checked on vLLM 0.32)")
         setattr(info, field, value)

@@ -350,7 +350,8 @@ def assert_parity(llm, model_dir, jobs, adapter_dirs, tol: float) -> list[dict]:
 
 def make_bad_adapters(good_bd2: str, too_big: str, root) -> list[tuple[str, str, int, tuple[str, ...]]]:
     """Broken copies of a good BD adapter (nblocks=2, r=8, on the tests' tiny Llama: q_proj 256 x 256) for refusal
-    tests: [(name, path, expected HTTP status, substrings the message must contain)]. ``too_big``: an adapter that
+    tests: [(name, path, expected HTTP status, substrings the message must contain, also after the OpenAI server
+    replaced file paths in it by "<path>")]. ``too_big``: an adapter that
     does not fit the engine's per-device buffers (a dense r=16 one at TP=2, max_lora_rank 16)."""
     import json
     import os
@@ -391,7 +392,7 @@ def make_bad_adapters(good_bd2: str, too_big: str, root) -> list[tuple[str, str,
     out.append(("wrong-shape", p, 400, ("wrong-shape", w_name, "model.layers.0.self_attn.q_proj", "384 x 256",
                                         "256 x 256", "trained for another model")))
     missing = os.path.join(root, "does-not-exist")
-    out.append(("missing", missing, 404, ("missing", missing, "No adapter found")))
+    out.append(("missing", missing, 404, ("missing", "No adapter found")))
     p = copy("nblocks3")
     with open(os.path.join(p, cfg_name)) as f:
         cfg = json.load(f)
@@ -409,3 +410,80 @@ def make_bad_adapters(good_bd2: str, too_big: str, root) -> list[tuple[str, str,
     out.append(("ghost", p, 400, ("ghost", "do not exist in the base model")))
     out.append(("a-file", os.path.join(good_bd2, w_name), 400, ("a-file", "is a file")))
     return out
+
+
+# ------------------------------------------------------------------------------------ the OpenAI server in tests
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_call(url: str, payload=None, timeout: float = 120) -> tuple[int, str]:
+    """(status, body) of a GET (payload None) or JSON POST; HTTP errors are returned, not raised."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def start_server(model_dir, args, log_path, env: dict | None = None, startup_s: float = 300):
+    """``bdlora serve MODEL args`` on 127.0.0.1 (a new session); returns (process, base URL) once /health answers."""
+    import os
+    import subprocess
+    import time
+
+    port = free_port()
+    full_env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+                    VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+    full_env.pop("BDLORA_COUNT_COLLECTIVES", None)
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "bdlora.cli", "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+           *args]
+    with open(log_path, "w") as fh:
+        proc = subprocess.Popen(cmd, env=full_env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + startup_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{open(log_path).read()[-4000:]}")
+            try:
+                if http_call(base + "/health", timeout=5)[0] == 200:
+                    return proc, base
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"server not up after {startup_s}s:\n{open(log_path).read()[-4000:]}")
+            time.sleep(1)
+    except BaseException:
+        stop_server(proc)
+        raise
+
+
+def stop_server(proc) -> None:
+    """SIGTERM to the server's process group (the server and the engine processes it started), then SIGKILL."""
+    import os
+    import signal
+    import subprocess
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)

@@ -378,16 +378,16 @@ def validate_adapter(lora_path: str, vllm_config: Any, name: Optional[str] = Non
 
 
 def _read_config(path: str) -> AdapterConfig:
-    cfg_file = os.path.join(path, CONFIG_NAME)
+    """The adapter config; errors start with the file's name (the OpenAI server strips paths from messages)."""
     try:
         return read_config(path)
     except BDLoraError as e:
-        if CONFIG_NAME in str(e):
+        if str(e).startswith(CONFIG_NAME):
             raise
-        raise BDLoraError(f"{cfg_file}: {e}") from None
+        raise BDLoraError(f"{CONFIG_NAME}: {e}") from None
     except Exception as e:  # JSONDecodeError, UnicodeDecodeError, OSError
-        raise BDLoraError(f"{cfg_file}: cannot be read as a PEFT adapter config ({type(e).__name__}: {e}); the file "
-                          "is truncated or corrupt, re-save the adapter") from None
+        raise BDLoraError(f"{CONFIG_NAME} in {path}: cannot be read as a PEFT adapter config ({type(e).__name__}: "
+                          f"{e}); the file is truncated or corrupt, re-save the adapter") from None
 
 
 def _read_header(weights: str) -> dict:
@@ -398,8 +398,9 @@ def _read_header(weights: str) -> dict:
         with safe_open(weights, framework="pt") as f:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as e:  # SafetensorError ("incomplete metadata, file not fully covered"), OSError
-        raise BDLoraError(f"{weights}: not a readable safetensors file ({type(e).__name__}: {e}); it is truncated or "
-                          "corrupt (an interrupted copy or save?), re-save or re-copy the adapter") from None
+        raise BDLoraError(f"{os.path.basename(weights)} in {os.path.dirname(weights)}: not a readable safetensors "
+                          f"file ({type(e).__name__}: {e}); it is truncated or corrupt (an interrupted copy or save?), "
+                          "re-save or re-copy the adapter") from None
 
 
 def _check_model_shapes(path: str, cfg: AdapterConfig, shapes: dict, paths: list, facts: EngineFacts) -> None:
@@ -480,12 +481,12 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
     keys = list(shapes)
     other = [k for k in keys if not (k.endswith(".lora_A.weight") or k.endswith(".lora_B.weight"))]
     if other:
-        raise BDLoraError(f"{weights}: tensors {other[:4]} are not LoRA factors; BD mode serves lora_A/lora_B only "
-                          "(no modules_to_save, embeddings or biases)")
+        raise BDLoraError(f"{WEIGHTS_NAME} in {path}: tensors {other[:4]} are not LoRA factors; BD mode serves "
+                          "lora_A/lora_B only (no modules_to_save, embeddings or biases)")
     try:
         paths = module_paths(shapes)
     except BDLoraError as e:
-        raise BDLoraError(f"{weights}: {e}") from None
+        raise BDLoraError(f"{WEIGHTS_NAME} in {path}: {e}") from None
     preset = PRESETS.get(facts.model_type)
     for p in paths:
         a, b = shapes[p + ".lora_A.weight"], shapes[p + ".lora_B.weight"]
@@ -526,7 +527,7 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
 
 
 __all__ = [
-    "AdapterNotFound", "BDOptions", "CONFIG_KEY", "EngineFacts", "SUPPORTED_VLLM", "bd_options", "check_vllm_version", "device_rank",
-    "engine_device_rank", "local_adapter_dir", "local_rank_of", "refuse_bd_without_mode", "resolve_adapter_path", "tp_size_of",
-    "validate_adapter", "validate_engine_config",
+    "AdapterNotFound", "BDOptions", "CONFIG_KEY", "EngineFacts", "SUPPORTED_VLLM", "bd_options", "check_vllm_version",
+    "config_module_shapes", "device_rank", "engine_device_rank", "local_adapter_dir", "local_rank_of",
+    "refuse_bd_without_mode", "resolve_adapter_path", "tp_size_of", "validate_adapter", "validate_engine_config",
 ]
