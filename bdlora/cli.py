@@ -8,6 +8,7 @@
 Every expected failure is a BDLoraError (or an OSError) printed as ``bdlora: error: ...``, exit status 2; the
 refusals and ``--force`` are listed in docs/adapters.md.
     bdlora train --config job.yaml          (same as python -m bdlora.train)
+    bdlora sweep --config run.yaml          (same as python -m bdlora.train.engine; many adapters, one base)
     bdlora serve MODEL [vllm serve args]    (vllm serve with --enable-lora --enable-bdlora)
 """
 
@@ -174,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--force", action="store_true", help="replace OUT if it is an existing adapter folder (never "
                        "a file, another folder, the input, or the current directory)")
     sub.add_parser("train", help="fine-tune a BD-LoRA adapter (bdlora train --config job.yaml)", add_help=False)
+    sub.add_parser("sweep", help="train many adapters on one base (bdlora sweep --config run.yaml)", add_help=False)
     sub.add_parser("serve", help="vllm serve with the BD-LoRA plugin enabled", add_help=False)
     return p
 
@@ -185,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         from bdlora.train.trainer import main as train_main
 
         return train_main(argv[1:]) or 0
+    if argv and argv[0] == "sweep":
+        from bdlora.train.engine.__main__ import main as sweep_main
+
+        return sweep_main(argv[1:]) or 0
     if argv and argv[0] == "serve":
         from bdlora.vllm_plugin.serve import main as serve_main
 

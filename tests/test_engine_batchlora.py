@@ -18,10 +18,10 @@ def data_file(tmp_path_factory):
 
 
 JOBS = [
-    {"name": "r4-n1", "rank": 4, "nblocks": 1, "lr": 2e-3, "schedule": "cosine", "seed": 1},
-    {"name": "r8-n2", "rank": 8, "nblocks": 2, "lr": 1e-3, "batch_size": 2, "grad_accum": 2, "seed": 2,
+    {"name": "r4-n1", "r": 4, "nblocks": 1, "lr": 2e-3, "scheduler": "cosine", "seed": 1},
+    {"name": "r8-n2", "r": 8, "nblocks": 2, "lr": 1e-3, "batch_size": 2, "grad_accum": 2, "seed": 2,
      "max_grad_norm": 0.05, "a_init": "peft"},
-    {"name": "r8-n4", "rank": 8, "nblocks": 4, "lr": 3e-3, "schedule": "linear", "warmup_steps": 1, "seed": 3,
+    {"name": "r8-n4", "r": 8, "nblocks": 4, "lr": 3e-3, "scheduler": "linear", "warmup_steps": 1, "seed": 3,
      "target_modules": ["q_proj", "v_proj", "down_proj"]},
 ]
 
@@ -46,7 +46,7 @@ def test_batchlora_equals_training_alone(tiny_llama_dir, data_file, tmp_path, ba
     assert any(r["microbatches"] > 1 for r in eng.round_log)
     for job in eng.jobs:
         cfg = job.cfg
-        spec = cfg.spec()
+        spec = cfg.spec("llama")
         targets = {n: t for n, t in eng.targets.items() if n.rsplit(".", 1)[-1] in spec.target_modules}
         init = JobAdapter(spec, targets, seed=cfg.seed, a_init=cfg.a_init)
         init_dir = tmp_path / f"init-{cfg.name}"
@@ -94,7 +94,7 @@ def test_a_diverging_job_cannot_contaminate_the_others(tiny_llama_dir, data_file
     from bdlora.train.engine import parse_run
     from bdlora.train.engine.engine import Engine
 
-    jobs = [{"name": "bad", "rank": 4, "seed": 1, "lr": 1e-3}, {"name": "good", "rank": 8, "nblocks": 2, "seed": 2}]
+    jobs = [{"name": "bad", "r": 4, "seed": 1, "lr": 1e-3}, {"name": "good", "r": 8, "nblocks": 2, "seed": 2}]
     eng = Engine(parse_run(run_dict(tiny_llama_dir, data_file, tmp_path / "a", jobs, eval_every=1)))
     eng.admit()
     with torch.no_grad():

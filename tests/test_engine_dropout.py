@@ -169,8 +169,8 @@ def test_engine_trains_with_dropout(tiny_llama_dir, data_file, tmp_path):
     from bdlora import load_adapter
 
     def jobs(p):
-        return [{"name": "a", "rank": 4, "nblocks": 2, "seed": 1, "lora_dropout": p},
-                {"name": "b", "rank": 8, "nblocks": 4, "seed": 2}]
+        return [{"name": "a", "r": 4, "nblocks": 2, "seed": 1, "lora_dropout": p},
+                {"name": "b", "r": 8, "nblocks": 4, "seed": 2}]
 
     runs = {}
     for tag, p in (("p0", 0.0), ("drop", 0.3), ("drop-again", 0.3)):
@@ -197,7 +197,7 @@ def test_engine_trains_with_dropout(tiny_llama_dir, data_file, tmp_path):
 
 
 def test_evaluation_has_no_dropout(tiny_llama_dir, data_file, tmp_path):
-    eng = _engine(tiny_llama_dir, data_file, tmp_path / "e", [{"name": "a", "rank": 4, "lora_dropout": 0.5}])
+    eng = _engine(tiny_llama_dir, data_file, tmp_path / "e", [{"name": "a", "r": 4, "lora_dropout": 0.5}])
     eng.admit()
     eng.train_round()
     job = eng.jobs[0]
@@ -220,13 +220,13 @@ def test_dropout_equals_peft_with_the_same_masks(tiny_llama_dir, data_file, tmp_
     from bdlora.train.engine.data import EpochSampler
     from bdlora.train.engine.multilora import JobAdapter, round_seed
 
-    job_d = {"name": "d", "rank": 8, "nblocks": 2, "seed": 5, "lora_dropout": 0.3, "batch_size": 1, "steps": 4,
+    job_d = {"name": "d", "r": 8, "nblocks": 2, "seed": 5, "lora_dropout": 0.3, "batch_size": 1, "max_steps": 4,
              "lr": 3e-3}
     eng = _engine(tiny_llama_dir, data_file, tmp_path / "run", [job_d], lora_backend="torch")
     rows = eng.run()
     job = eng.jobs[0]
     cfg = job.cfg
-    spec = cfg.spec()
+    spec = cfg.spec("llama")
     targets = {n: t for n, t in eng.targets.items() if n.rsplit(".", 1)[-1] in spec.target_modules}
     init_dir = tmp_path / "init"
     save_adapter(JobAdapter(spec, targets, seed=cfg.seed).to_adapter(str(tiny_llama_dir)), init_dir)
@@ -248,9 +248,9 @@ def test_dropout_equals_peft_with_the_same_masks(tiny_llama_dir, data_file, tmp_
 def test_resume_with_dropout_equals_uninterrupted(tiny_llama_dir, data_file, tmp_path):
     from bdlora import load_adapter
 
-    jobs = [{"name": "a", "rank": 4, "nblocks": 2, "lora_dropout": 0.2, "steps": 4}]
+    jobs = [{"name": "a", "r": 4, "nblocks": 2, "lora_dropout": 0.2, "max_steps": 4}]
     full = _engine(tiny_llama_dir, data_file, tmp_path / "full", jobs).run()
-    kw = dict(resume=True, checkpoint_every=1)
+    kw = dict(resume="auto", save_every=1)
     _engine(tiny_llama_dir, data_file, tmp_path / "part", jobs, max_rounds=2, **kw).run()
     rows = _engine(tiny_llama_dir, data_file, tmp_path / "part", jobs, **kw).run()
     a, b = load_adapter(rows[0]["adapter"]), load_adapter(full[0]["adapter"])

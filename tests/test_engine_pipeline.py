@@ -121,11 +121,11 @@ def test_two_stage_pipeline_equals_single_process(tiny_llama_dir, tmp_path, eval
     from bdlora.train.engine.pipeline import run_pipeline_spawn
 
     data = write_alpaca(tmp_path / "d.jsonl", n=30)
-    jobs = [{"name": "a", "rank": 4, "nblocks": 1, "seed": 1, "max_grad_norm": 0.05},
-            {"name": "b", "rank": 8, "nblocks": 2, "seed": 2, "schedule": "cosine", "batch_size": 2, "grad_accum": 2},
-            {"name": "c", "rank": 8, "nblocks": 4, "seed": 3, "steps": 2}]
+    jobs = [{"name": "a", "r": 4, "nblocks": 1, "seed": 1, "max_grad_norm": 0.05},
+            {"name": "b", "r": 8, "nblocks": 2, "seed": 2, "scheduler": "cosine", "batch_size": 2, "grad_accum": 2},
+            {"name": "c", "r": 8, "nblocks": 4, "seed": 3, "max_steps": 2}]
     kw = dict(token_budget=96, eval_every=eval_every,
-              defaults={"steps": 3, "batch_size": 4, "lr": 1e-3, "max_seq_len": 64})
+              defaults={"max_steps": 3, "batch_size": 4, "lr": 1e-3, "max_length": 64})
     eng = Engine(parse_run(run_dict(tiny_llama_dir, data, tmp_path / "single", jobs, **kw)))
     single = eng.run()
     res = run_pipeline_spawn(parse_run(run_dict(tiny_llama_dir, data, tmp_path / "pipe", jobs, pipeline_stages=2,
@@ -161,8 +161,8 @@ def test_data_parallel_two_processes_equal_one(tiny_llama_dir, tmp_path):
     from bdlora.train.engine.engine import Engine
 
     data = write_alpaca(tmp_path / "d.jsonl", n=30)
-    jobs = [{"name": "a", "rank": 4, "nblocks": 2, "seed": 1}, {"name": "b", "rank": 8, "nblocks": 4, "seed": 2}]
-    kw = dict(token_budget=96, defaults={"steps": 3, "batch_size": 4, "lr": 1e-3, "max_seq_len": 64})
+    jobs = [{"name": "a", "r": 4, "nblocks": 2, "seed": 1}, {"name": "b", "r": 8, "nblocks": 4, "seed": 2}]
+    kw = dict(token_budget=96, defaults={"max_steps": 3, "batch_size": 4, "lr": 1e-3, "max_length": 64})
     one = Engine(parse_run(run_dict(tiny_llama_dir, data, tmp_path / "one", jobs, **kw))).run()
     spawn(parse_run(run_dict(tiny_llama_dir, data, tmp_path / "two", jobs, **kw)), 2)
     two = json.loads((tmp_path / "two" / "results.json").read_text())["jobs"]
@@ -175,11 +175,11 @@ def test_data_parallel_two_processes_equal_one(tiny_llama_dir, tmp_path):
 # a job with a huge learning rate: its validation loss climbs at once (window 2, patience 1: the first evaluation
 # at which both the EMA-train and the validation slopes rise exits it); two slots, so "late" waits in the queue
 DIVERGE_EE = {"enabled": True, "warmup_select": False, "tau_gap": 1e9, "patience": 1}
-DIVERGE_JOBS = [{"name": "good", "seed": 1, "schedule": "cosine"},
+DIVERGE_JOBS = [{"name": "good", "seed": 1, "scheduler": "cosine"},
                 {"name": "bad", "seed": 2, "lr": 5.0},
-                {"name": "late", "seed": 3, "rank": 4, "nblocks": 2}]
+                {"name": "late", "seed": 3, "r": 4, "nblocks": 2}]
 DIVERGE_KW = dict(early_exit=DIVERGE_EE, eval_every=1, max_active_jobs=2, token_budget=96,
-                  defaults={"steps": 6, "batch_size": 2, "lr": 1e-3, "max_seq_len": 64})
+                  defaults={"max_steps": 6, "batch_size": 2, "lr": 1e-3, "max_length": 64})
 
 
 def _pipeline(tiny_llama_dir, data, out, jobs=DIVERGE_JOBS, **kw):
@@ -238,7 +238,7 @@ def test_pipeline_resume_equals_uninterrupted(tiny_llama_dir, tmp_path):
     jobs = DIVERGE_JOBS[:2] + [{**DIVERGE_JOBS[2], "lora_dropout": 0.1}]
     full = _pipeline(tiny_llama_dir, data, tmp_path / "full", jobs)
     assert [r["stop_reason"] for r in full["jobs"]] == ["completed", "diverging", "completed"]
-    kw = dict(jobs=jobs, resume=True, checkpoint_every=1)
+    kw = dict(jobs=jobs, resume="auto", save_every=1)
     part = _pipeline(tiny_llama_dir, data, tmp_path / "part", max_rounds=2, **kw)  # stops after segment 2
     assert [r["status"] for r in part["jobs"]] == ["active", "active", "queued"]
     assert [r["steps"] for r in part["jobs"]] == [2, 2, 0]

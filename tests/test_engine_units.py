@@ -161,48 +161,52 @@ def test_search_space_grid_and_random(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"instruction": "x", "output": "y"}\n')
     run = parse_run({
-        "base_model": "m", "output_dir": "out", "datasets": {"d": str(data)},
-        "defaults": {"steps": 5, "max_seq_len": 64},
-        "jobs": [{"name": "fixed", "r": 4, "N": 2}],
-        "search": [{"name": "g", "type": "grid", "space": {"lr": [1e-4, 1e-3], "rank": [4, 8], "nblocks": [1, 2]}},
+        "model": "m", "output_dir": "out", "train_file": str(data), "max_steps": 5, "max_length": 64,
+        "jobs": [{"name": "fixed", "r": 4, "nblocks": 2}],
+        "search": [{"name": "g", "type": "grid", "space": {"lr": [1e-4, 1e-3], "r": [4, 8], "nblocks": [1, 2]}},
                    {"name": "rnd", "type": "random", "num_samples": 5, "seed": 1,
-                    "space": {"lr": {"low": 1e-5, "high": 1e-3, "log": True}, "rank": [8, 16]}}],
-    }, base_dir=tmp_path)
+                    "space": {"lr": {"low": 1e-5, "high": 1e-3, "log": True}, "r": [8, 16]}}],
+    })
     assert len(run.jobs) == 1 + 8 + 5
-    assert run.jobs[0].rank == 4 and run.jobs[0].nblocks == 2
+    assert run.jobs[0].r == 4 and run.jobs[0].nblocks == 2
     grid = [j for j in run.jobs if j.group == "g"]
-    assert {(j.lr, j.rank, j.nblocks) for j in grid} == {(a, b, c) for a in (1e-4, 1e-3) for b in (4, 8)
-                                                       for c in (1, 2)}
+    assert {(j.lr, j.r, j.nblocks) for j in grid} == {(a, b, c) for a in (1e-4, 1e-3) for b in (4, 8)
+                                                    for c in (1, 2)}
     rnd = [j for j in run.jobs if j.group == "rnd"]
-    assert all(1e-5 <= j.lr <= 1e-3 and j.rank in (8, 16) for j in rnd)
-    assert run.datasets["d"].path == str(data)
+    assert all(1e-5 <= j.lr <= 1e-3 and j.r in (8, 16) for j in rnd)
+    assert all(j.train_file == str(data) and j.max_steps == 5 for j in run.jobs)
 
 
 def test_config_errors(tmp_path):
     from bdlora.train.engine import ConfigError
 
-    base = {"base_model": "m", "output_dir": "o", "datasets": {"d": "x.jsonl"}}
-    with pytest.raises(ConfigError, match="unknown job fields"):
-        parse_run({**base, "jobs": [{"name": "a", "rnak": 3}]})
+    base = {"model": "m", "output_dir": "o", "train_file": "x.jsonl"}
+
+    def parse(d):
+        return parse_run(d, check_paths=False)
+
+    with pytest.raises(ConfigError, match="unknown key.*'rnak'"):
+        parse({**base, "jobs": [{"name": "a", "rnak": 3}]})
     with pytest.raises(ConfigError, match="not divisible"):
-        parse_run({**base, "jobs": [{"name": "a", "rank": 6, "nblocks": 4}]})
+        parse({**base, "jobs": [{"name": "a", "r": 6, "nblocks": 4}]})
     with pytest.raises(ConfigError, match="token_budget"):
-        parse_run({**base, "token_budget": 100, "jobs": [{"name": "a", "max_seq_len": 512}]})
+        parse({**base, "token_budget": 100, "jobs": [{"name": "a", "max_length": 512}]})
     with pytest.raises(ConfigError, match="duplicate"):
-        parse_run({**base, "jobs": [{"name": "a"}, {"name": "a"}]})
-    with pytest.raises(ConfigError, match="lora_dropout must be in"):
-        parse_run({**base, "jobs": [{"name": "a", "lora_dropout": 1.0}]})
-    for bad in (0, -64, 1.5, "64", True):
-        with pytest.raises(ConfigError, match="pad_multiple must be a positive integer"):
-            parse_run({**base, "pad_multiple": bad, "jobs": [{"name": "a"}]})
-    assert parse_run({**base, "jobs": [{"name": "a"}]}).pad_multiple is None  # auto: the engine picks by device
-    with pytest.raises(ConfigError, match="lora_backend must be one of auto, cublas, triton, torch, engine, got 'cuda'"):
-        parse_run({**base, "lora_backend": "cuda", "jobs": [{"name": "a"}]})
-    assert parse_run({**base, "lora_backend": "cublas", "jobs": [{"name": "a"}]}).lora_backend == "cublas"
+        parse({**base, "jobs": [{"name": "a"}, {"name": "a"}]})
+    with pytest.raises(ConfigError, match="lora_dropout: must be in"):
+        parse({**base, "jobs": [{"name": "a", "lora_dropout": 1.0}]})
+    for bad in (0, -64, 1.5, True):
+        with pytest.raises(ConfigError, match="pad_multiple: must be"):
+            parse({**base, "pad_multiple": bad, "jobs": [{"name": "a"}]})
+    assert parse({**base, "jobs": [{"name": "a"}]}).pad_multiple is None  # auto: the engine picks by device
+    with pytest.raises(ConfigError, match=r"lora_backend: must be one of \['auto', 'cublas', 'triton', 'torch', "
+                                          r"'engine'\], got 'cuda'"):
+        parse({**base, "lora_backend": "cuda", "jobs": [{"name": "a"}]})
+    assert parse({**base, "lora_backend": "cublas", "jobs": [{"name": "a"}]}).lora_backend == "cublas"
     # dropout is supported: a per-job p, parsed as float and carried into the job's spec
-    run = parse_run({**base, "jobs": [{"name": "a", "lora_dropout": "0.1"}, {"name": "b"}]})
+    run = parse({**base, "jobs": [{"name": "a", "lora_dropout": "0.1"}, {"name": "b"}]})
     assert [j.lora_dropout for j in run.jobs] == [0.1, 0.0]
-    assert run.jobs[0].spec().lora_dropout == 0.1
+    assert run.jobs[0].spec("llama").lora_dropout == 0.1
 
 
 # ---------------------------------------------------------------------------------------------- memory model
@@ -228,11 +232,12 @@ def test_memory_model_counts_lora_dropout_keep_masks():
     # T * sum(d_in) bytes per module that any dropout job adapts, once per module, not per job
     from bdlora.train.engine.engine import Job
 
-    base = {"base_model": "m", "output_dir": "o", "datasets": {"d": "x.jsonl"}}
+    base = {"model": "m", "output_dir": "o", "train_file": "x.jsonl", "nblocks": 1}
     run = parse_run({**base, "jobs": [{"name": "drop", "lora_dropout": 0.1}, {"name": "nodrop"},
-                                      {"name": "drop2", "lora_dropout": 0.2, "rank": 16},
-                                      {"name": "nodrop2", "rank": 16},
-                                      {"name": "drop_q", "lora_dropout": 0.1, "target_modules": ["q_proj"]}]})
+                                      {"name": "drop2", "lora_dropout": 0.2, "r": 16},
+                                      {"name": "nodrop2", "r": 16},
+                                      {"name": "drop_q", "lora_dropout": 0.1, "target_modules": ["q_proj"]}]},
+                    check_paths=False)
     targets = {"model.layers.0.self_attn.q_proj": ("column", 64, 64),
                "model.layers.0.mlp.down_proj": ("row", 176, 64),
                "model.layers.1.self_attn.q_proj": ("column", 64, 64)}

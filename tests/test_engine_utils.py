@@ -26,10 +26,14 @@ def write_alpaca(path: Path, n: int = 40, seed: int = 0, chat: bool = False) -> 
     return path
 
 
-def run_dict(model_dir, data, out, jobs, **kw) -> dict:
-    d = {"base_model": str(model_dir), "output_dir": str(out), "token_budget": 256, "eval_every": 2,
-         "datasets": {"d": {"path": str(data), "val_fraction": 0.2}}, "resume": False, "log_every": 0,
-         "save_plots": False, "defaults": {"steps": 3, "batch_size": 4, "lr": 1e-3, "max_seq_len": 64},
+def run_dict(model_dir, data, out, jobs, defaults=None, **kw) -> dict:
+    """A run file's mapping: ``defaults`` (job keys, default: 3 steps of 4 examples at lr 1e-3, max_length 64) and
+    ``kw`` at the top level. nblocks 1 and a constant schedule without warm-up: the jobs these tests were written
+    for (TrainConfig's defaults are nblocks 2 and a linear schedule with a 5% warm-up)."""
+    d = {"model": str(model_dir), "output_dir": str(out), "token_budget": 256, "eval_every": 2,
+         "train_file": str(data), "eval_fraction": 0.2, "log_every": 10**6, "save_plots": False,
+         "nblocks": 1, "scheduler": "constant", "warmup_ratio": 0.0,
+         **(defaults if defaults is not None else {"max_steps": 3, "batch_size": 4, "lr": 1e-3, "max_length": 64}),
          "jobs": jobs}
     d.update(kw)
     return d
@@ -58,7 +62,8 @@ def peft_train_alone(model_dir, init_adapter_dir, job, samples, total_steps: int
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=job.lr, betas=tuple(job.adam_betas), eps=job.adam_eps,
                             weight_decay=job.weight_decay)
-    sched = get_scheduler(job.schedule, opt, num_warmup_steps=job.warmup_steps, num_training_steps=total_steps)
+    sched = get_scheduler(job.scheduler, opt, num_warmup_steps=job.warmup_for(total_steps),
+                          num_training_steps=total_steps)
     losses = []
     for step in range(total_steps):
         rng = dropout_rng(step_seed(step)) if step_seed is not None else contextlib.nullcontext()

@@ -1,4 +1,5 @@
-"""``python -m bdlora.train.engine --config run.yaml`` (also under ``accelerate launch`` / ``torchrun``)."""
+"""``bdlora sweep --config run.yaml`` = ``python -m bdlora.train.engine --config run.yaml`` (also under ``accelerate
+launch`` / ``torchrun``)."""
 
 from __future__ import annotations
 
@@ -37,29 +38,54 @@ def run_engine(run, model=None, tokenizer=None):
     return Engine(run, model=model, tokenizer=tokenizer).run()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bdlora.train.engine", description=__doc__)
-    ap.add_argument("--config", required=True, help="YAML run file")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="bdlora sweep", description=(
+        "Train many BD-LoRA adapters on one frozen base (the multi-LoRA engine). The run file uses the keys of "
+        "`bdlora train`: top-level keys are every job's defaults, `jobs:` / `search:` add jobs; a `bdlora train` "
+        "job file runs unchanged as a one-job sweep. See --print-config."))
+    ap.add_argument("--config", help="YAML run file (or a bdlora train job file)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a top-level key (value read as YAML), e.g. --set lr=1e-4; repeatable")
+    ap.add_argument("--print-config", action="store_true", help="print every key with its default and help")
     ap.add_argument("--output-dir", help="override output_dir")
     ap.add_argument("--max-rounds", type=int, help="stop (resumably) after this many rounds")
-    ap.add_argument("--no-resume", action="store_true", help="ignore an existing run checkpoint")
-    args = ap.parse_args(argv)
-    from .config import ConfigError, load_run
+    ap.add_argument("--no-resume", action="store_true", help="start fresh even when the file says resume: auto")
+    return ap
 
-    try:
-        run = load_run(args.config)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+
+def main(argv=None) -> int:
+    """``bdlora sweep``: 0 on success; 2 with ``bdlora sweep: error: <message>`` on a bad run file, data file or
+    model (no traceback)."""
+    args = build_parser().parse_args(argv)
+    from bdlora.models import ModelNotFound
+    from bdlora.spec import BDLoraError
+    from bdlora.train.config import parse_override
+
+    from .config import describe_run_keys, load_run
+
+    if args.print_config:
+        print(describe_run_keys(), end="")
+        return 0
+    if not args.config:
+        print("bdlora sweep: error: --config run.yaml is required (see --print-config)", file=sys.stderr)
         return 2
-    if args.output_dir:
-        run.output_dir = args.output_dir
-    if args.max_rounds is not None:
-        run.max_rounds = args.max_rounds
-    if args.no_resume:
-        run.resume = False
-    dist = _init_distributed()
+    dist = None
     try:
+        overrides = dict(parse_override(s) for s in args.set)
+        if args.output_dir:
+            overrides["output_dir"] = args.output_dir
+        run = load_run(args.config, overrides)
+        if args.max_rounds is not None:
+            if args.max_rounds < 1:
+                raise BDLoraError(f"--max-rounds must be >= 1, got {args.max_rounds}")
+            run.max_rounds = args.max_rounds
+        if args.no_resume:
+            run.resume = False
+        dist = _init_distributed()
         run_engine(run)
+    except (BDLoraError, ModelNotFound) as e:  # ConfigError, DataError, EngineError; a model that is not there
+        print(f"bdlora sweep: error: {e}", file=sys.stderr)
+        return 2
     finally:
         if dist is not None and dist.is_initialized():
             dist.destroy_process_group()

@@ -1,58 +1,103 @@
-"""The run file of the multi-LoRA engine: base model, datasets, jobs and search spaces (YAML).
+"""The run file of the multi-LoRA engine (``bdlora sweep --config run.yaml``), in the one vocabulary of
+:mod:`bdlora.train.config`.
 
-Example::
+* Top level: any :class:`~bdlora.train.config.TrainConfig` key (``model``, ``r``, ``lora_alpha``, ``nblocks``, ``lr``,
+  ``scheduler``, ``max_steps``, ``max_length``, ``train_file``, ``eval_file``, ``data_format``, ``eval_fraction``,
+  ``precision``, ``seed``, ``output_dir``, ``eval_every``, ...) is the default of every job, with TrainConfig's own
+  defaults (nblocks 2, linear schedule with a 5% warm-up, batch_size 8, ...). Engine keys (:class:`EngineKeys`:
+  ``token_budget``, ``pad_multiple``, ``max_active_jobs``, ``memory_budget_gb``, ``memory_model``, ``lora_backend``,
+  ``pipeline_stages``, ``max_rounds``, ``save_plots``, ``device``, ``early_exit``) set the run.
+* ``jobs:`` is a list of jobs: the same keys plus ``name``, ``group`` (warm-up selection ranks the jobs of one
+  group) and ``priority`` (admitted first; ties keep file order). ``search:`` entries expand into jobs: ``name``
+  (a prefix), ``type`` (grid | random), ``space`` (key -> list of values; random also ``{low, high, log?, int?}``),
+  ``base`` (keys shared by its jobs), ``num_samples`` and ``seed`` (random).
+* Run-level keys are shared by all jobs (one base model, one output folder, one checkpoint cadence): ``model``,
+  ``precision``, ``attn_implementation``, ``output_dir``, ``save_every`` and ``log_every`` (in rounds) and
+  ``resume``; they are refused inside ``jobs:``/``search:``.
+* A file with neither ``jobs:`` nor ``search:`` -- a ``bdlora train`` job file -- runs unchanged as a one-job sweep;
+  the job is named after ``output_dir``'s last component (or ``job``) and its adapter is
+  ``<output_dir>/adapters/<name>/``.
 
-    base_model: smollm2            # a folder, or "smollm2" (bdlora.models.smollm2_path())
-    output_dir: runs/sweep1
-    token_budget: 4096             # tokens per packed micro-batch (all jobs together)
-    max_active_jobs: 8
-    datasets:
-      alpaca: {path: data/alpaca.jsonl, format: alpaca, val_fraction: 0.1}
-    defaults: {rank: 16, alpha: 16, nblocks: 2, lr: 2.0e-4, batch_size: 8, steps: 200, dataset: alpaca}
-    jobs:
-      - {name: r8-n1, rank: 8, nblocks: 1}
-    search:
-      - name: lr-grid
-        type: grid                 # or random (with num_samples)
-        space: {lr: [1.0e-4, 3.0e-4], rank: [8, 16]}
-    early_exit: {enabled: true}    # ALTO defaults: w=2, p=2, tau_slope=0.001, tau_gap=0.1, 5% warm-up, keep 25%
+Every job is validated as a TrainConfig (same checks and messages: ``max_steps: 0``, ``lr: 0``, negative warm-up
+are refused; ``target_modules: q_proj`` is one name) and its paths follow TrainConfig's rule (relative to the
+working directory). Its data goes through :func:`bdlora.train.data.load_datasets` (every source and format of
+``bdlora train``); the held-out split is drawn from the job's ``seed`` as in ``bdlora train``, so jobs whose
+validation losses are compared (early exit's warm-up selection) should share ``seed`` or give ``eval_file``.
 
-Key aliases: ``r`` -> ``rank``, ``lora_alpha`` -> ``alpha``, ``N`` -> ``nblocks``.
+Keys of TrainConfig the engine reads but has no use for: ``packing`` (the engine always packs), ``progress``,
+``report_to``, ``record_samples``, ``save_total_limit`` (one resumable ``engine_state.pt``) and
+``eval_batch_size`` (evaluation is packed under ``token_budget``). Refused: ``gradient_checkpointing: true``,
+``training_args`` (the engine runs its own loop) and ``precision: fp16`` (no loss scaling: use bf16). ``resume``:
+unset starts fresh, ``auto`` continues from ``<output_dir>/engine_state.pt`` when it exists (a checkpoint folder is
+the trainer's and is refused).
+
+Deprecated names, still read with a FutureWarning naming the new key: TrainConfig's ``DEPRECATED_KEYS`` (``rank``
+-> ``r``, ``alpha`` -> ``lora_alpha``, ``N`` -> ``nblocks``, ``steps`` -> ``max_steps``, ``schedule`` ->
+``scheduler``, ``max_seq_len`` -> ``max_length``, ``learning_rate`` -> ``lr``, ...) and the engine's old run-file
+names: ``base_model`` -> ``model``; ``dtype`` -> ``precision`` (float32 -> fp32, bfloat16 -> bf16);
+``checkpoint_every`` -> ``save_every``; ``defaults:`` -> its keys at the top level; ``datasets:`` (``{name: {path,
+format, val_path, val_fraction}}``) with a job's ``dataset: name`` -> that job's ``train_file``, ``data_format``,
+``eval_file``, ``eval_fraction``; ``resume: true/false`` -> ``auto`` / unset.
 
 ``lora_dropout`` (per job, in [0, 1)) follows PEFT: while training, the job's LoRA input is dropped out (inverted
 dropout) before its A factor, the base path unaffected; evaluation runs without dropout. Masks are drawn from torch's
-RNG seeded per micro-batch from the run seed and the dropout jobs' seeds and steps (reproducible, exact resume).
-The saved PEFT folder records the job's ``lora_dropout`` in ``adapter_config.json``.
+RNG seeded per micro-batch from the run seed (the top-level ``seed``) and the dropout jobs' seeds and steps
+(reproducible, exact resume). The saved PEFT folder records the job's ``lora_dropout`` in ``adapter_config.json``.
+
+Example::
+
+    model: smollm2
+    output_dir: runs/sweep1
+    train_file: data/alpaca.jsonl
+    nblocks: 3
+    r: 12
+    max_steps: 200
+    token_budget: 4096             # tokens per packed micro-batch (all jobs together)
+    jobs:
+      - {name: r6, r: 6}
+    search:
+      - name: lr-grid
+        type: grid
+        space: {lr: [1.0e-4, 3.0e-4], r: [12, 24]}
+    early_exit: {enabled: true}    # ALTO defaults: w=2, p=2, tau_slope=0.001, tau_gap=0.1, 5% warm-up, keep 25%
 """
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import os
 import random
+import re
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
-from bdlora.spec import BDLoraError, BDLoraSpec
-
-_ALIASES = {"r": "rank", "lora_alpha": "alpha", "N": "nblocks", "n": "nblocks", "learning_rate": "lr",
-            "lr_scheduler": "schedule", "gradient_accumulation_steps": "grad_accum", "max_steps": "steps"}
-
+from bdlora.train.config import (ConfigError, TrainConfig, canonical_keys, describe_keys, read_yaml,
+                                 unknown_keys_message)
 
 LORA_BACKENDS = ("auto", "cublas", "triton", "torch", "engine")  # how MultiLoraLinear runs the jobs' LoRA
+MEMORY_MODELS = ("auto", "analytic")
+#: TrainConfig keys that are one value for the whole run (one base, one output folder, one checkpoint cadence)
+RUN_LEVEL_KEYS = ("model", "precision", "attn_implementation", "output_dir", "save_every", "log_every", "resume")
+#: the engine's old run-file names -> the one vocabulary's
+OLD_RUN_KEYS = {"base_model": "model", "dtype": "precision", "checkpoint_every": "save_every"}
+OLD_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32": "fp32", "bf16": "bf16",
+              "fp16": "fp16", "auto": "auto"}
+OLD_DATASET_KEYS = {"path": "train_file", "format": "data_format", "val_path": "eval_file",
+                    "val_fraction": "eval_fraction"}
+_NAME_RE = re.compile(r"[A-Za-z0-9_+=@,-][A-Za-z0-9._+=@,-]*")
 
 
-class ConfigError(BDLoraError):
-    """A bad run file; the message names the field."""
+def _help(text: str, **kw) -> dict:
+    return {"metadata": {"help": " ".join(text.split())}, **kw}
 
 
 @dataclass
 class EarlyExitConfig:
+    """ALTO early exit (paper defaults)."""
+
     enabled: bool = False
     window: int = 2  # w: points in the loss-slope regression
     patience: int = 2  # p: consecutive evaluations a rule must hold
@@ -63,166 +108,279 @@ class EarlyExitConfig:
     keep_ratio: float = 0.25  # share of a group's jobs kept after warm-up (top-k by val loss)
     warmup_select: bool = True
 
+    #: (kind, check, what) per field: kind int/float/bool; check on the coerced value
+    _CHECKS = {"enabled": ("bool", None, ""), "warmup_select": ("bool", None, ""),
+               "window": ("int", lambda v: v >= 2, ">= 2"), "patience": ("int", lambda v: v >= 1, ">= 1"),
+               "tau_slope": ("float", None, ""), "tau_gap": ("float", None, ""),  # a negative one disables its rule
+               "ema_alpha": ("float", lambda v: 0 < v <= 1, "in (0, 1]"),
+               "warmup_ratio": ("float", lambda v: 0 <= v < 1, "in [0, 1)"),
+               "keep_ratio": ("float", lambda v: 0 < v <= 1, "in (0, 1]")}
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str) -> "EarlyExitConfig":
+        if raw is None:
+            raw = {}
+        if isinstance(raw, bool):
+            raw = {"enabled": raw}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: early_exit: expected a mapping (e.g. {{enabled: true}}), got {raw!r}")
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in raw if k not in valid)
+        if unknown:
+            raise ConfigError(f"{source}: early_exit: {unknown_keys_message(unknown, valid).split('; valid')[0]}; "
+                              f"valid keys are: {', '.join(valid)}")
+        out = {}
+        for k, v in raw.items():
+            kind, ok, what = cls._CHECKS[k]
+            out[k] = _coerce_engine(v, kind, f"{source}: early_exit.{k}")
+            if ok is not None and not ok(out[k]):
+                raise ConfigError(f"{source}: early_exit.{k}: must be {what}, got {v!r}")
+        return cls(**out)
+
 
 @dataclass
-class DatasetConfig:
-    name: str
-    path: str
-    format: str = "auto"  # alpaca | chat | auto
-    val_path: Optional[str] = None
-    val_fraction: float = 0.1
-    max_samples: Optional[int] = None
-    seed: int = 0
+class EngineKeys:
+    """The engine's own keys (top level only); each field's ``help`` is its documentation (``--print-config``)."""
+
+    token_budget: int = field(default=2048, **_help("""Tokens per packed micro-batch, all jobs together (rows padded
+        to pad_multiple); at least every job's max_length, so any example fits."""))
+    pad_multiple: Optional[int] = field(default=None, **_help("""Each job's segment of a micro-batch is padded to a
+        multiple of this. Unset: 64 on a GPU (the grouped kernel's row tile, and few distinct shapes: ragged rows
+        made round times vary up to 10x on an H200), 1 on CPU."""))
+    max_active_jobs: int = field(default=16, **_help("""Jobs trained at once; finished or exited jobs free their
+        slot for the queue (by priority, then file order)."""))
+    memory_budget_gb: Optional[float] = field(default=None, **_help("""Admission limit of the memory model in GiB.
+        Unset: 90% of the GPU (unlimited on CPU)."""))
+    memory_model: str = field(default="auto", **_help("""auto (the analytic model refitted from measured peaks on a
+        GPU, as mLoRA/ALTO) or analytic."""))
+    lora_backend: str = field(default="auto", **_help("""How the jobs' LoRA products run: auto (per call: cuBLAS or
+        grouped Triton kernels on a GPU, torch on CPU), cublas (products in the base's dtype), triton, torch (fp32
+        products) or engine (multilora.py's reference)."""))
+    pipeline_stages: int = field(default=1, **_help("""LoRAPP: the base split into this many pipeline stages, one
+        process each (spawned locally, or one per launched process under accelerate/torchrun); 1: no pipeline."""))
+    max_rounds: Optional[int] = field(default=None, **_help("""Stop (resumably) after this many rounds in this
+        invocation: tests, time-boxed runs. Unset: run to the end."""))
+    save_plots: bool = field(default=True, **_help("Write plots/<job>.png loss curves (needs matplotlib)."))
+    device: str = field(default="auto", **_help("""auto (this process's GPU, else CPU), cpu, cuda or cuda:K."""))
+    early_exit: dict = field(default_factory=lambda: asdict(EarlyExitConfig()), **_help("""ALTO early exit: enabled
+        (false), window (2), patience (2), tau_slope (0.001), tau_gap (0.1), ema_alpha (0.3), warmup_ratio (0.05 of
+        a job's steps), keep_ratio (0.25 of a group kept after warm-up), warmup_select (true). Needs eval_every >
+        0."""))
+
+
+ENGINE_KEYS = tuple(f.name for f in fields(EngineKeys))
 
 
 @dataclass
-class JobConfig:
-    name: str
-    dataset: str
-    rank: int = 8
-    alpha: float = 16.0
-    nblocks: int = 1
-    target_modules: Optional[list[str]] = None  # None: every column/row projection of the model's preset
-    lr: float = 2e-4
-    schedule: str = "constant"  # any transformers.get_scheduler name: constant, linear, cosine, ...
-    warmup_steps: int = 0  # LR warm-up
-    batch_size: int = 4  # samples per micro-step
-    grad_accum: int = 1  # an optimizer step consumes batch_size * grad_accum samples
-    steps: Optional[int] = None
-    epochs: Optional[float] = None
-    max_seq_len: int = 512
-    weight_decay: float = 0.0
-    max_grad_norm: Optional[float] = 1.0
-    lora_dropout: float = 0.0  # PEFT semantics: dropout on this job's LoRA input while training, none at eval
-    a_init: str = "lora"  # lora | peft (see bdlora.train.config.TrainConfig.a_init)
-    adam_betas: tuple = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    seed: int = 0
-    eval_every: Optional[int] = None  # None: the run's eval_every
-    group: str = "default"  # warm-up top-k selection ranks the jobs of one group
-    priority: int = 0  # higher is admitted first; ties keep file order
+class JobConfig(TrainConfig):
+    """One job of a sweep: a :class:`~bdlora.train.config.TrainConfig` plus its name, group and priority."""
+
+    name: str = field(default="job", **_help("""The job's name (a folder name: adapters/<name>/); in jobs: entries.
+        A one-job file's job is named after output_dir's last component."""))
+    group: str = field(default="default", **_help("""Early exit's warm-up selection ranks the jobs of one group
+        (a search entry's jobs default to its name)."""))
+    priority: int = field(default=0, **_help("Higher is admitted first; ties keep file order."))
+
+    def validate(self, source: str = "config") -> None:
+        super().validate(source)
+        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
+            raise ConfigError(f"{source}: name: {self.name!r} is not a usable folder name (letters, digits and "
+                              "._+=@,- ; not starting with '.')")
+        if not isinstance(self.group, str) or not self.group:
+            raise ConfigError(f"{source}: group: must be a non-empty string, got {self.group!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ConfigError(f"{source}: priority: must be an integer, got {self.priority!r}")
 
     @property
     def step_samples(self) -> int:
+        """Examples one optimizer step consumes."""
         return self.batch_size * self.grad_accum
 
-    def total_steps(self, n_train: int) -> int:
-        if self.steps is not None:
-            return int(self.steps)
-        per_epoch = math.ceil(n_train / self.step_samples)
-        return max(1, int(math.ceil((self.epochs or 1.0) * per_epoch)))
-
-    def spec(self, model_type: str = "llama") -> BDLoraSpec:
-        return BDLoraSpec.from_preset(model_type, nblocks=int(self.nblocks), r=int(self.rank),
-                                      lora_alpha=float(self.alpha), target_modules=self.target_modules,
-                                      lora_dropout=float(self.lora_dropout))
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["adam_betas"] = list(self.adam_betas)
-        return d
+    def data_key(self) -> tuple:
+        """What decides the job's tokenized (train, eval) examples: jobs with equal keys share them."""
+        return (self.train_file, self.eval_file, self.eval_fraction if self.eval_file is None else None,
+                self.data_format, self.max_length, self.seed if self.eval_file is None else None)
 
 
 @dataclass
-class RunConfig:
-    base_model: str
-    output_dir: str
-    datasets: dict[str, DatasetConfig]
-    jobs: list[JobConfig]
-    seed: int = 0
-    dtype: str = "float32"
-    device: str = "auto"
-    token_budget: int = 2048
-    # each job's segment in a micro-batch is padded to a multiple of this; None = auto: 64 on GPU (the grouped
-    # kernel's row tile, and few distinct shapes: on an H200 ragged rows made round times vary up to 10x from
-    # per-shape set-up costs, bench/results/train/*_2026-11-22*), 1 on CPU
-    pad_multiple: Optional[int] = None
-    max_active_jobs: int = 16
-    memory_budget_gb: Optional[float] = None  # None: 90% of the GPU (unlimited on CPU)
-    memory_model: str = "auto"  # auto (fit measured peaks on GPU) | analytic
-    eval_every: int = 10
-    checkpoint_every: int = 10
-    log_every: int = 1
-    # auto (per call: cublas or triton on GPU, torch on CPU) | cublas | triton | torch | engine (multilora.py);
-    # cublas runs its products in the base's dtype (fp32 factors beside a bf16 base: bf16 GEMMs, fp32 gradients)
-    lora_backend: str = "auto"
-    pipeline_stages: int = 1
-    resume: bool = True
-    save_plots: bool = True
-    max_rounds: Optional[int] = None  # stop (resumably) after this many rounds: tests, time-boxed runs
-    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
+class RunConfig(EngineKeys):
+    """A parsed run file: the engine keys, the run-level TrainConfig keys and the jobs."""
 
-    def resolve_base_model(self) -> str:
-        if self.base_model in ("smollm2", "SmolLM2-135M-Instruct"):
-            from bdlora.models import smollm2_path
+    jobs: list = field(default_factory=list)
+    model: str = TrainConfig.model
+    precision: str = TrainConfig.precision
+    attn_implementation: Optional[str] = None
+    output_dir: str = TrainConfig.output_dir
+    seed: int = 0  # the run's seed (LoRA-dropout masks): the top-level seed
+    save_every: int = 0  # rounds between run checkpoints (and whenever a job finishes); 0: at the end only
+    log_every: int = 1  # rounds between progress lines; 0: none
+    resume: bool = False  # continue from <output_dir>/engine_state.pt when it exists
+    source: str = "run file"
 
-            return str(smollm2_path())
-        return self.base_model
+    def __post_init__(self):
+        if isinstance(self.early_exit, dict):
+            self.early_exit = EarlyExitConfig.from_dict(self.early_exit, self.source)
 
     def to_dict(self) -> dict:
-        return {
-            **{f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("datasets", "jobs", "early_exit")},
-            "datasets": {k: asdict(v) for k, v in self.datasets.items()},
-            "jobs": [j.to_dict() for j in self.jobs],
-            "early_exit": asdict(self.early_exit),
-        }
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("jobs", "early_exit", "source")}
+        d["early_exit"] = asdict(self.early_exit)
+        d["jobs"] = [j.to_dict() for j in self.jobs]
+        return d
 
 
-def _canon(d: dict, where: str) -> dict:
+# ---------------------------------------------------------------------------------------------------- coercion
+def _coerce_engine(v: Any, kind: str, where: str) -> Any:
+    """A top-level engine value as ``kind`` (numeric strings accepted, as TrainConfig's)."""
+    if kind == "bool":
+        if not isinstance(v, bool):
+            raise ConfigError(f"{where}: must be true or false, got {v!r}")
+        return v
+    if kind == "str":
+        if not isinstance(v, str) or not v:
+            raise ConfigError(f"{where}: must be a non-empty string, got {v!r}")
+        return v
+    if isinstance(v, bool):
+        raise ConfigError(f"{where}: must be a number, got {v!r}")
+    x = v
+    if isinstance(x, str):
+        try:
+            x = float(x.strip())
+        except ValueError:
+            raise ConfigError(f"{where}: must be a number, got {v!r}") from None
+    if not isinstance(x, (int, float)):
+        raise ConfigError(f"{where}: must be a number, got {v!r}")
+    if not math.isfinite(x):
+        raise ConfigError(f"{where}: must be a finite number, got {v!r}")
+    if kind == "int":
+        if not float(x).is_integer():
+            raise ConfigError(f"{where}: must be an integer, got {v!r}")
+        return int(x)
+    return float(x)
+
+
+def _check_engine_keys(raw: dict, source: str) -> dict:
+    """The engine keys of ``raw`` coerced and range-checked; raises ConfigError naming the key."""
     out = {}
-    for k, v in (d or {}).items():
-        k2 = _ALIASES.get(k, k)
-        if k2 in out:
-            raise ConfigError(f"{where}: {k!r} given twice (alias of {k2!r})")
-        out[k2] = v
+    spec = {  # key: (kind, optional, check, what)
+        "token_budget": ("int", False, lambda v: v >= 1, ">= 1"),
+        "pad_multiple": ("int", True, lambda v: v >= 1, ">= 1 (1: no padding)"),
+        "max_active_jobs": ("int", False, lambda v: v >= 1, ">= 1"),
+        "memory_budget_gb": ("float", True, lambda v: v > 0, "> 0 GiB"),
+        "memory_model": ("str", False, lambda v: v in MEMORY_MODELS, f"one of {list(MEMORY_MODELS)}"),
+        "lora_backend": ("str", False, lambda v: v in LORA_BACKENDS, f"one of {list(LORA_BACKENDS)}"),
+        "pipeline_stages": ("int", False, lambda v: v >= 1, ">= 1 (1: no pipeline)"),
+        "max_rounds": ("int", True, lambda v: v >= 1, ">= 1 (unset: run to the end)"),
+        "save_plots": ("bool", False, None, ""),
+        "device": ("str", False, _valid_device, "auto, cpu, cuda or cuda:K"),
+    }
+    for k, (kind, optional, ok, what) in spec.items():
+        if k not in raw:
+            continue
+        v = raw[k]
+        if v is None and optional:
+            out[k] = None
+            continue
+        out[k] = _coerce_engine(v, kind, f"{source}: {k}")
+        if ok is not None and not ok(out[k]):
+            raise ConfigError(f"{source}: {k}: must be {what}, got {v!r}")
+    if "early_exit" in raw:
+        out["early_exit"] = EarlyExitConfig.from_dict(raw["early_exit"], source)
     return out
 
 
-_JOB_FIELDS = {f.name for f in fields(JobConfig)}
+def _valid_device(v: str) -> bool:
+    return bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v))
 
 
-def _make_job(d: dict, where: str) -> JobConfig:
-    unknown = sorted(set(d) - _JOB_FIELDS)
-    if unknown:
-        raise ConfigError(f"{where}: unknown job fields {unknown}; known: {sorted(_JOB_FIELDS)}")
-    if "name" not in d:
-        raise ConfigError(f"{where}: a job needs a name")
-    if "dataset" not in d:
-        raise ConfigError(f"{where}: job {d['name']!r} has no dataset")
-    d = dict(d)
-    for k in ("lr", "alpha", "weight_decay", "adam_eps", "lora_dropout"):
-        if k in d and d[k] is not None:
-            d[k] = float(d[k])
-    if d.get("max_grad_norm") is not None:
-        d["max_grad_norm"] = float(d["max_grad_norm"])
-    if "adam_betas" in d:
-        d["adam_betas"] = tuple(float(b) for b in d["adam_betas"])
-    job = JobConfig(**d)
-    if job.steps is None and job.epochs is None:
-        job.epochs = 1.0
-    for k in ("rank", "nblocks", "batch_size", "grad_accum", "max_seq_len"):
-        if int(getattr(job, k)) < 1:
-            raise ConfigError(f"{where}: job {job.name!r}: {k} must be >= 1")
-    if not 0.0 <= job.lora_dropout < 1.0:
-        raise ConfigError(f"{where}: job {job.name!r}: lora_dropout must be in [0, 1), got {job.lora_dropout}")
-    if job.a_init not in ("lora", "peft"):
-        raise ConfigError(f"{where}: job {job.name!r}: a_init must be 'lora' or 'peft'")
-    if job.rank % job.nblocks:
-        raise ConfigError(f"{where}: job {job.name!r}: rank={job.rank} is not divisible by nblocks={job.nblocks}")
-    return job
+# ---------------------------------------------------------------------------------------------------- old names
+def _deprecated(source: str, old: str, new: str) -> None:
+    warnings.warn(f"{source}: {old!r} is deprecated, use {new!r}", FutureWarning, stacklevel=4)
 
 
-def _sample_value(spec: Any, rng: random.Random):
+def _upgrade_top(raw: dict, source: str) -> dict:
+    """The engine's old top-level names replaced (a FutureWarning each): base_model, dtype, checkpoint_every,
+    defaults:, resume: true/false; TrainConfig's DEPRECATED_KEYS via canonical_keys."""
+    out: dict = {}
+    for k, v in raw.items():
+        if k in OLD_RUN_KEYS:
+            new = OLD_RUN_KEYS[k]
+            _deprecated(source, k, new)
+            if new in raw:
+                raise ConfigError(f"{source}: {k!r} and {new!r} both given ({k!r} is the old name of {new!r}); "
+                                  f"keep {new!r}")
+            if k == "dtype":
+                if not isinstance(v, str) or v not in OLD_DTYPES:
+                    raise ConfigError(f"{source}: dtype: {v!r} is not one of float32, bfloat16, float16 (use "
+                                      "precision: fp32 | bf16 | fp16 | auto)")
+                v = OLD_DTYPES[v]
+            k = new
+        out[k] = v
+    if "defaults" in out:
+        d = out.pop("defaults")
+        warnings.warn(f"{source}: 'defaults:' is deprecated: write its keys at the top level (every top-level job "
+                      "key is a default of every job)", FutureWarning, stacklevel=3)
+        if d is not None and not isinstance(d, dict):
+            raise ConfigError(f"{source}: defaults: expected a mapping of job keys, got {type(d).__name__}")
+        d = canonical_keys(dict(d or {}), f"{source}: defaults")
+        both = sorted(set(d) & set(out))
+        if both:
+            raise ConfigError(f"{source}: {both} given both at the top level and under 'defaults:'; keep one")
+        out.update(d)
+    return canonical_keys(out, source)
+
+
+def _parse_datasets(raw: Any, source: str) -> dict[str, dict]:
+    """Old ``datasets:`` -> {name: job keys}."""
+    warnings.warn(f"{source}: 'datasets:' and per-job 'dataset:' are deprecated: give train_file (and eval_file, "
+                  "data_format, eval_fraction) at the top level or per job", FutureWarning, stacklevel=3)
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{source}: datasets: expected a mapping of names to {{path, format, val_path, "
+                          f"val_fraction}}, got {raw!r}")
+    out = {}
+    for name, d in raw.items():
+        if isinstance(d, str):
+            d = {"path": d}
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: datasets.{name}: expected a path or a mapping, got {d!r}")
+        unknown = sorted(str(k) for k in d if k not in OLD_DATASET_KEYS)
+        if unknown:
+            raise ConfigError(f"{source}: datasets.{name}: unknown key(s) {unknown}; known: "
+                              f"{sorted(OLD_DATASET_KEYS)} (max_samples and seed are gone: the split is drawn "
+                              "from the job's seed; truncate the file instead)")
+        if "path" not in d:
+            raise ConfigError(f"{source}: datasets.{name}: 'path' is required")
+        out[str(name)] = {OLD_DATASET_KEYS[k]: v for k, v in d.items() if v is not None}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- search
+def _sample_value(spec: Any, rng: random.Random, where: str):
     if isinstance(spec, list):
         return rng.choice(spec)
-    if isinstance(spec, dict) and "low" in spec and "high" in spec:
-        lo, hi = float(spec["low"]), float(spec["high"])
-        if spec.get("log"):
-            v = math.exp(rng.uniform(math.log(lo), math.log(hi)))
-        else:
-            v = rng.uniform(lo, hi)
-        return int(round(v)) if spec.get("int") else v
-    return spec
+    lo = _coerce_engine(spec["low"], "float", f"{where}.low")
+    hi = _coerce_engine(spec["high"], "float", f"{where}.high")
+    v = math.exp(rng.uniform(math.log(lo), math.log(hi))) if spec.get("log") else rng.uniform(lo, hi)
+    return int(round(v)) if spec.get("int") else v
+
+
+def _check_space_value(k: str, v: Any, kind: str, where: str) -> None:
+    if isinstance(v, list):
+        if not v:
+            raise ConfigError(f"{where}: space.{k}: an empty list of values gives no jobs")
+        return
+    if kind == "random" and isinstance(v, dict):
+        bad = sorted(set(v) - {"low", "high", "log", "int"})
+        if bad or "low" not in v or "high" not in v:
+            raise ConfigError(f"{where}: space.{k}: a range is {{low, high, log?, int?}}, got {v!r}")
+        lo = _coerce_engine(v["low"], "float", f"{where}: space.{k}.low")
+        hi = _coerce_engine(v["high"], "float", f"{where}: space.{k}.high")
+        if lo > hi:
+            raise ConfigError(f"{where}: space.{k}: low={lo:g} is above high={hi:g}")
+        if v.get("log") and lo <= 0:
+            raise ConfigError(f"{where}: space.{k}: a log range needs low > 0, got {lo:g}")
+        return
+    raise ConfigError(f"{where}: space.{k}: {'grid values' if kind == 'grid' else 'values'} must be a list"
+                      + ("" if kind == "grid" else " or {low, high, log?, int?}") + f", got {v!r}")
 
 
 def _fmt(v) -> str:
@@ -233,37 +391,44 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def expand_search(search: dict, defaults: dict, where: str) -> list[dict]:
-    """Jobs of one search-space entry: the grid's cartesian product or ``num_samples`` random draws."""
+def expand_search(search: Any, defaults: dict, where: str) -> list[dict]:
+    """Job dicts of one ``search:`` entry: the grid's cartesian product or ``num_samples`` random draws (keys in
+    the one vocabulary; deprecated names accepted with a FutureWarning)."""
+    if not isinstance(search, dict):
+        raise ConfigError(f"{where}: expected a mapping {{name, type, space, ...}}, got {search!r}")
     search = dict(search)
-    kind = search.pop("type", "grid")
-    prefix = search.pop("name", "search")
-    space = _canon(search.pop("space", {}), where)
-    base = {**defaults, **_canon(search.pop("base", {}), where)}
-    num = int(search.pop("num_samples", 0) or 0)
-    seed = int(search.pop("seed", 0))
-    if search:
-        raise ConfigError(f"{where}: unknown search fields {sorted(search)} (type, name, space, base, num_samples, "
-                          "seed)")
-    if not space:
-        raise ConfigError(f"{where}: empty search space")
+    allowed = ("type", "name", "space", "base", "num_samples", "seed")
+    unknown = sorted(str(k) for k in search if k not in allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown search key(s) {unknown}; valid: {list(allowed)}")
+    kind = search.get("type", "grid")
+    if kind not in ("grid", "random"):
+        raise ConfigError(f"{where}: type: must be grid or random, got {kind!r}")
+    prefix = search.get("name", "search")
+    if not isinstance(prefix, str) or not _NAME_RE.fullmatch(prefix):
+        raise ConfigError(f"{where}: name: {prefix!r} is not a usable job-name prefix")
+    space = search.get("space")
+    if not isinstance(space, dict) or not space:
+        raise ConfigError(f"{where}: space: expected a non-empty mapping of job keys to lists of values, got "
+                          f"{space!r}")
+    space = canonical_keys(space, f"{where}: space")
+    base = search.get("base") or {}
+    if not isinstance(base, dict):
+        raise ConfigError(f"{where}: base: expected a mapping of job keys, got {base!r}")
+    base = {**defaults, **canonical_keys(base, f"{where}: base")}
+    for k, v in space.items():
+        _check_space_value(k, v, kind, where)
     keys = list(space)
-    combos: list[dict] = []
     if kind == "grid":
-        lists = []
-        for k in keys:
-            v = space[k]
-            if not isinstance(v, list):
-                raise ConfigError(f"{where}: grid values of {k!r} must be a list, got {v!r}")
-            lists.append(v)
-        combos = [dict(zip(keys, vals)) for vals in itertools.product(*lists)]
-    elif kind == "random":
-        if num < 1:
-            raise ConfigError(f"{where}: random search needs num_samples >= 1")
-        rng = random.Random(seed)
-        combos = [{k: _sample_value(space[k], rng) for k in keys} for _ in range(num)]
+        combos = [dict(zip(keys, vals)) for vals in itertools.product(*(space[k] for k in keys))]
     else:
-        raise ConfigError(f"{where}: search type must be grid or random, got {kind!r}")
+        num = _coerce_engine(search.get("num_samples"), "int", f"{where}: num_samples") \
+            if search.get("num_samples") is not None else 0
+        if num < 1:
+            raise ConfigError(f"{where}: num_samples: random search needs num_samples >= 1, got {num}")
+        seed = _coerce_engine(search.get("seed", 0), "int", f"{where}: seed")
+        rng = random.Random(seed)
+        combos = [{k: _sample_value(space[k], rng, f"{where}: space.{k}") for k in keys} for _ in range(num)]
     jobs = []
     for i, c in enumerate(combos):
         name = f"{prefix}-{i:03d}-" + "-".join(f"{k}{_fmt(v)}" for k, v in c.items())
@@ -271,72 +436,164 @@ def expand_search(search: dict, defaults: dict, where: str) -> list[dict]:
     return jobs
 
 
-def parse_run(raw: dict, base_dir: str | os.PathLike = ".") -> RunConfig:
-    raw = copy.deepcopy(raw or {})
-    base_dir = Path(base_dir)
-    for key in ("base_model", "output_dir", "datasets"):
-        if key not in raw:
-            raise ConfigError(f"run file: missing {key!r}")
+# ---------------------------------------------------------------------------------------------------- parsing
+def _job_dict(d: Any, where: str) -> dict:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a mapping of job keys, got {d!r}")
+    return canonical_keys(d, where)
 
-    def _path(p: Optional[str]) -> Optional[str]:
-        if p is None:
-            return None
-        q = Path(os.path.expanduser(p))
-        return str(q if q.is_absolute() else base_dir / q)
 
-    datasets = {}
-    for name, d in (raw.pop("datasets") or {}).items():
-        if isinstance(d, str):
-            d = {"path": d}
-        d = dict(d)
-        d["path"] = _path(d["path"])
-        d["val_path"] = _path(d.get("val_path"))
-        datasets[name] = DatasetConfig(name=name, **d)
-    defaults = _canon(raw.pop("defaults", {}) or {}, "defaults")
-    job_dicts = []
-    for i, j in enumerate(raw.pop("jobs", []) or []):
-        job_dicts.append({**defaults, **_canon(j, f"jobs[{i}]")})
-    for i, s in enumerate(raw.pop("search", []) or []):
-        job_dicts.extend(expand_search(s, defaults, f"search[{i}]"))
-    if not job_dicts:
-        raise ConfigError("run file: no jobs (give `jobs:` and/or `search:`)")
-    if len(datasets) == 1:
-        for j in job_dicts:
-            j.setdefault("dataset", next(iter(datasets)))
-    jobs = [_make_job(j, f"job {j.get('name', i)!r}") for i, j in enumerate(job_dicts)]
+def _check_job_level(d: dict, where: str) -> None:
+    for k in d:
+        if k in RUN_LEVEL_KEYS or k in OLD_RUN_KEYS:
+            key = OLD_RUN_KEYS.get(k, k)
+            raise ConfigError(f"{where}: {k}: is shared by every job of a run (one base model, one output folder, "
+                              f"one checkpoint cadence); set {key!r} at the top level")
+        if k in ENGINE_KEYS:
+            raise ConfigError(f"{where}: {k}: is an engine key; set it at the top level")
+
+
+def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.PathLike] = None,
+              check_paths: bool = True) -> RunConfig:
+    """A :class:`RunConfig` from a run file's mapping; every error is a ConfigError naming the key (and ``source``).
+
+    ``yaml_dir``: the run file's folder, only for the hint when a relative data path misses the working directory
+    but exists there. ``check_paths``: whether data files must exist (TrainConfig.check_paths)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys to values at the top level, got "
+                          f"{type(raw).__name__}")
+    raw = _upgrade_top(dict(raw), source)
+    datasets = _parse_datasets(raw.pop("datasets"), source) if "datasets" in raw else None
+    jobs_raw = raw.pop("jobs", None)
+    search_raw = raw.pop("search", None)
+    single = jobs_raw is None and search_raw is None
+    top_valid = [k for k in TrainConfig.valid_keys()] + list(ENGINE_KEYS) + ["jobs", "search"]
+    unknown = sorted(str(k) for k in raw if k not in top_valid and k not in ("name", "group", "priority", "dataset"))
+    if unknown:
+        raise ConfigError(f"{source}: {unknown_keys_message(unknown, top_valid)}")
+    if not single and "name" in raw:
+        raise ConfigError(f"{source}: name: is a key of one job: put it under jobs: (or leave jobs: out for a "
+                          "one-job file)")
+    engine = _check_engine_keys({k: raw.pop(k) for k in list(raw) if k in ENGINE_KEYS}, source)
+
+    # run-level TrainConfig keys: validated with the defaults below (as a job's), then read off the first job
+    resume = raw.get("resume")
+    if isinstance(resume, bool):  # the engine's old form
+        raw["resume"] = "auto" if resume else None
+    elif resume is not None and resume != "auto":
+        raise ConfigError(f"{source}: resume: the engine resumes from its own output_dir: 'auto' (continue from "
+                          f"<output_dir>/engine_state.pt when it exists) or unset (start fresh), got {resume!r}")
+    if raw.get("gradient_checkpointing"):
+        raise ConfigError(f"{source}: gradient_checkpointing: not supported by the engine; leave it out")
+    if raw.get("training_args"):
+        raise ConfigError(f"{source}: training_args: the engine runs its own training loop (no transformers "
+                          "Trainer); these apply to `bdlora train` only")
+    if raw.get("precision") == "fp16":
+        raise ConfigError(f"{source}: precision: fp16 is not supported by the engine (no loss scaling); use bf16 "
+                          "or fp32")
+
+    defaults = dict(raw)
+    own_dicts: list[tuple[str, dict]] = []  # (where, the job's own keys): defaults and its dataset go under them
+    if single:
+        name = Path(str(defaults.get("output_dir", TrainConfig.output_dir))).name or "job"
+        own_dicts.append((source, {"name": name if _NAME_RE.fullmatch(name) else "job"}))
+    else:
+        if jobs_raw is not None and not isinstance(jobs_raw, list):
+            raise ConfigError(f"{source}: jobs: expected a list of jobs (- {{name: ..., r: ...}}), got "
+                              f"{type(jobs_raw).__name__}")
+        if search_raw is not None and not isinstance(search_raw, list):
+            raise ConfigError(f"{source}: search: expected a list of search spaces (- {{name, type, space}}), got "
+                              f"{type(search_raw).__name__}")
+        for i, j in enumerate(jobs_raw or []):
+            where = f"{source}: jobs[{i}]"
+            j = _job_dict(j, where)
+            _check_job_level(j, where)
+            if "name" not in j:
+                raise ConfigError(f"{where}: name: every job needs a name (its adapter folder)")
+            own_dicts.append((f"{where} ({j['name']})", j))
+        for i, s in enumerate(search_raw or []):
+            where = f"{source}: search[{i}]"
+            if isinstance(s, dict):
+                for part in ("space", "base"):
+                    if isinstance(s.get(part), dict):
+                        _check_job_level(canonical_keys(s[part], f"{where}: {part}"), f"{where}: {part}")
+            for j in expand_search(s, {}, where):
+                own_dicts.append((f"{where} ({j['name']})", j))
+        if not own_dicts:
+            raise ConfigError(f"{source}: jobs: no jobs (give jobs: and/or search:, or leave both out for a "
+                              "one-job file)")
+    jobs = []
+    top_ref = defaults.pop("dataset", None)
+    for where, own in own_dicts:
+        own = dict(own)
+        ref = own.pop("dataset", top_ref)
+        data_keys: dict = {}
+        if datasets is not None:
+            if ref is None and len(datasets) == 1:
+                ref = next(iter(datasets))
+            if ref is None:
+                raise ConfigError(f"{where}: dataset: which of {sorted(datasets)}? (or give train_file)")
+            if ref not in datasets:
+                raise ConfigError(f"{where}: dataset: {ref!r} is not defined under datasets: {sorted(datasets)}")
+            data_keys = datasets[ref]
+        elif ref is not None:
+            raise ConfigError(f"{where}: dataset: {ref!r} refers to a datasets: section this file does not have; "
+                              "give train_file instead")
+        job = JobConfig.from_dict({**defaults, **data_keys, **own}, source=where)
+        if check_paths:
+            job.check_paths(Path(yaml_dir) if yaml_dir is not None else None, where)
+        jobs.append(job)
     names = [j.name for j in jobs]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
-        raise ConfigError(f"run file: duplicate job names {dup}")
-    for j in jobs:
-        if j.dataset not in datasets:
-            raise ConfigError(f"job {j.name!r}: dataset {j.dataset!r} is not defined (datasets: {sorted(datasets)})")
-    ee = EarlyExitConfig(**(raw.pop("early_exit", {}) or {}))
-    known = {f.name for f in fields(RunConfig)} - {"datasets", "jobs", "early_exit"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"run file: unknown fields {unknown}; known: {sorted(known)}")
-    raw["output_dir"] = os.path.expanduser(str(raw["output_dir"]))  # relative to the working directory
-    if raw["base_model"] not in ("smollm2", "SmolLM2-135M-Instruct"):
-        raw["base_model"] = _path(raw["base_model"])
-    run = RunConfig(datasets=datasets, jobs=jobs, early_exit=ee, **raw)
-    if run.pad_multiple is not None and (type(run.pad_multiple) is not int or run.pad_multiple < 1):
-        raise ConfigError(f"pad_multiple must be a positive integer (or omitted for auto), got {run.pad_multiple!r}")
-    if run.lora_backend not in LORA_BACKENDS:
-        raise ConfigError(f"lora_backend must be one of {', '.join(LORA_BACKENDS)}, got {run.lora_backend!r}")
-    longest = max(j.max_seq_len for j in jobs)
+        raise ConfigError(f"{source}: name: duplicate job names {dup}; every job needs its own (its adapter "
+                          "folder)")
+    first = jobs[0]  # run-level keys are only at the top level, so every job has the same
+    run = RunConfig(**engine, jobs=jobs, model=first.model, precision=first.precision,
+                    attn_implementation=first.attn_implementation, output_dir=first.output_dir,
+                    seed=_coerce_engine(raw["seed"], "int", f"{source}: seed") if "seed" in raw else 0,
+                    save_every=first.save_every, log_every=first.log_every, resume=first.resume == "auto",
+                    source=source)
+    longest = max(j.max_length for j in jobs)
     if run.token_budget < longest:
-        raise ConfigError(f"token_budget={run.token_budget} is smaller than the longest max_seq_len={longest}: "
-                          "a sample would not fit any micro-batch")
+        raise ConfigError(f"{source}: token_budget: {run.token_budget} is smaller than the longest max_length "
+                          f"({longest}): an example would fit no micro-batch; raise token_budget to >= {longest} "
+                          "or lower max_length")
+    if run.early_exit.enabled:
+        none = [j.name for j in jobs if j.eval_every == 0]
+        if none:
+            raise ConfigError(f"{source}: eval_every: early_exit needs evaluations, but jobs {none[:5]} have "
+                              "eval_every 0 (only at the end); set eval_every > 0")
     return run
 
 
-def load_run(path: str | os.PathLike) -> RunConfig:
-    path = Path(path)
-    with open(path) as f:
-        raw = yaml.safe_load(f)
-    return parse_run(raw, base_dir=path.parent)
+def load_run(path: str | os.PathLike, overrides: Optional[dict[str, Any]] = None) -> RunConfig:
+    """Reads and parses a run file (strict YAML: duplicate keys and syntax errors with line numbers); ``overrides``
+    (``--set``) replace top-level keys."""
+    raw = read_yaml(path)
+    if overrides:
+        raw.update(overrides)
+    return parse_run(raw, source=str(path), yaml_dir=Path(path).parent)
 
 
-__all__ = ["ConfigError", "DatasetConfig", "EarlyExitConfig", "JobConfig", "RunConfig", "expand_search",
-           "load_run", "parse_run"]
+def describe_run_keys() -> str:
+    """Every key of a run file with its default and help, as commented YAML (``bdlora sweep --print-config``)."""
+    job = describe_keys(JobConfig, {"train_file": "data/train.jsonl"})
+    import yaml
+
+    ee = yaml.safe_dump({"early_exit": asdict(EarlyExitConfig())}, default_flow_style=True, sort_keys=False,
+                        width=200).strip()[1:-1]
+    # describe_keys strips the outer braces of a flow mapping, which would cut a nested one's closing brace
+    engine = "\n".join(ee if line.startswith("early_exit:") else line
+                       for line in describe_keys(EngineKeys).splitlines()) + "\n"
+    return ("# ---- job keys: at the top level, the defaults of every job; under jobs:/search:, one job's (name,\n"
+            "# group and priority only there). model, precision, attn_implementation, output_dir, save_every,\n"
+            "# log_every (in rounds) and resume are the run's, top level only.\n" + job
+            + "# ---- engine keys (top level only)\n" + engine
+            + "# ---- jobs (optional; without jobs:/search: the file is one job)\n"
+            + "# jobs:\n#   - {name: r8, r: 8}\n# search:\n#   - {name: lr-grid, type: grid, space: {lr: [1.0e-4, "
+              "3.0e-4]}}\n")
+
+
+__all__ = ["ConfigError", "EarlyExitConfig", "EngineKeys", "JobConfig", "RunConfig", "describe_run_keys",
+           "expand_search", "load_run", "parse_run"]

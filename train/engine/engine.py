@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from bdlora.adapter import save_adapter
-from .config import JobConfig, RunConfig
-from .data import DatasetSplit, EpochSampler, load_split
+from bdlora.spec import BDLoraError
+from .config import ConfigError, JobConfig, RunConfig
+from .data import DatasetSplit, EpochSampler, Sample
 from .early_exit import DIVERGING, OVERFITTING, UNDERPERFORMING, EarlyExit, select_after_warmup, warmup_steps
 from .memory import JobFootprint, MemoryModel, device_budget_bytes
 from .multilora import BatchContext, JobAdapter, dropout_rng, inject_multilora, round_seed
@@ -45,9 +46,13 @@ JOB_RUN_FIELDS = ("status", "reason", "step", "tokens", "time_s", "history", "wa
                   "result")
 GPU_PAD_MULTIPLE = 64  # pad_multiple when the run file leaves it out and the engine runs on a GPU (RunConfig)
 RESULTS_CSV = "results.csv"
-RESULT_FIELDS = ["job", "status", "stop_reason", "rank", "alpha", "nblocks", "lr", "batch_size", "steps",
+RESULT_FIELDS = ["job", "status", "stop_reason", "r", "lora_alpha", "nblocks", "lr", "batch_size", "steps",
                  "total_steps", "final_train_loss", "final_eval_loss", "best_eval_loss", "best_step", "tokens",
                  "time_s", "adapter"]
+
+
+class EngineError(BDLoraError):
+    """A run that cannot go on (jobs the memory budget can never admit); the message says what to change."""
 
 
 def _dist():
@@ -56,16 +61,47 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def load_base(path: str, dtype: str = "float32", device="cpu"):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_base(path: str | os.PathLike, precision: str = "fp32", device="cpu", attn_implementation=None):
+    """The frozen base and its tokenizer, loaded like ``bdlora train`` does (:func:`bdlora.models.load_causal_lm`):
+    straight in ``precision``'s dtype (bf16: no fp32 copy), from a folder ``path``."""
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    model.config.use_cache = False
-    tok = AutoTokenizer.from_pretrained(path)
+    from bdlora.models import load_causal_lm, torch_dtype_of
+
+    device = torch.device(device)
+    model = load_causal_lm(path, torch_dtype_of(precision, device.type), attn_implementation)
+    tok = AutoTokenizer.from_pretrained(str(path))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model.to(device).eval()  # eval(): no base-model dropout, like a frozen base in PEFT
     return model, tok
+
+
+def load_job_data(cfg: JobConfig, tok) -> DatasetSplit:
+    """The job's train/validation samples through ``bdlora train``'s data pipeline
+    (:func:`bdlora.train.data.load_datasets`: every source and format, the seeded eval_fraction split, the
+    tokenized cache), as packing samples. A data problem raises DataError naming the job and its files."""
+    from bdlora.train.data import IGNORE_INDEX, DataError, load_datasets
+
+    try:
+        train, ev = load_datasets(cfg, tok)
+    except DataError as e:
+        files = f"train_file={cfg.train_file}" + (f", eval_file={cfg.eval_file}" if cfg.eval_file else "")
+        raise DataError(f"job {cfg.name!r} ({files}): {e}") from None
+
+    def samples(examples):
+        out = []
+        for ex in examples:
+            s = Sample(list(ex.input_ids), [lab != IGNORE_INDEX for lab in ex.labels])
+            if len(s) >= 2 and s.n_targets > 0:  # a target needs a token before it
+                out.append(s)
+        return out
+
+    split = DatasetSplit(samples(train), samples(ev))
+    if not split.train:
+        raise DataError(f"job {cfg.name!r}: train_file {cfg.train_file} has no usable training examples "
+                        f"(max_length={cfg.max_length} may be too small)")
+    return split
 
 
 def decoder_and_head(model):
@@ -113,6 +149,7 @@ class Job:
     warm_done: bool = False
     adapter_path: Optional[str] = None
     result: Optional[dict] = None
+    model_type: str = "llama"
     _footprint: Optional[tuple] = field(default=None, repr=False)
 
     @property
@@ -123,7 +160,7 @@ class Job:
         # memoized: the memory model asks every round (GPU) and the answer depends only on the config and targets
         if self._footprint is not None and self._footprint[0] is targets:
             return self._footprint[1]
-        spec = self.cfg.spec()
+        spec = self.cfg.spec(self.model_type)
         params, rank_sum, dropped = 0, 0, []
         for name, (layout, d_in, d_out) in targets.items():
             if name.rsplit(".", 1)[-1] not in spec.target_modules:
@@ -153,15 +190,19 @@ class Engine:
                 self.device = torch.device("cpu")
         else:
             self.device = torch.device(run.device)
-        self.base_path = run.resolve_base_model()
+        from bdlora.models import resolve_model
+
+        # the folder to load and the name adapters record as their base (a hub id where there is one)
+        folder, self.base_id = resolve_model(run.model)
+        self.base_path = str(folder)
         self.pad_multiple = run.pad_multiple or (GPU_PAD_MULTIPLE if self.device.type == "cuda" else 1)
         if model is None:
-            model, tokenizer = load_base(self.base_path, run.dtype, self.device)
+            model, tokenizer = load_base(folder, run.precision, self.device, run.attn_implementation)
         self.model, self.tok = model, tokenizer
         model_type = getattr(model.config, "model_type", "llama")
         cols, rows = set(), set()
         for j in run.jobs:
-            s = j.spec(model_type)
+            s = job_spec(j, model_type, model)
             cols |= set(s.column_modules)
             rows |= set(s.row_modules)
         self.ctx = BatchContext(backend=run.lora_backend)
@@ -170,7 +211,7 @@ class Engine:
         self.model_type = model_type
         self._splits: dict[tuple, DatasetSplit] = {}
         self._len_cache: dict[tuple, list[int]] = {}
-        self.jobs = [Job(i, j, self._split(j), 0) for i, j in enumerate(run.jobs)]
+        self.jobs = [Job(i, j, self._split(j), 0, model_type=model_type) for i, j in enumerate(run.jobs)]
         for job in self.jobs:
             job.total_steps = job.cfg.total_steps(len(job.data.train))
             if run.early_exit.enabled:
@@ -187,9 +228,9 @@ class Engine:
 
     # -- data ------------------------------------------------------------------------------------------
     def _split(self, j: JobConfig) -> DatasetSplit:
-        key = (j.dataset, j.max_seq_len)
+        key = j.data_key()  # jobs with the same data settings share one tokenized split
         if key not in self._splits:
-            self._splits[key] = load_split(self.run_cfg.datasets[j.dataset], self.tok, j.max_seq_len)
+            self._splits[key] = load_job_data(j, self.tok)
         return self._splits[key]
 
     def _lengths(self, job_id: int, split: str = "train") -> list[int]:
@@ -211,7 +252,7 @@ class Engine:
         job.adapter = JobAdapter(spec, targets, seed=cfg.seed, device=self.device, a_init=cfg.a_init)
         job.opt = torch.optim.AdamW(job.adapter.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
                                     eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-        job.sched = get_scheduler(cfg.schedule, job.opt, num_warmup_steps=cfg.warmup_steps,
+        job.sched = get_scheduler(cfg.scheduler, job.opt, num_warmup_steps=cfg.warmup_for(job.total_steps),
                                   num_training_steps=job.total_steps)
         job.sampler = EpochSampler(len(job.data.train), cfg.step_samples, seed=cfg.seed)
         ee = self.run_cfg.early_exit
@@ -270,7 +311,7 @@ class Engine:
             ok_alone, pred_alone = self._fits([job])
             if not ok_alone:
                 msg = (f"refused: needs ~{pred_alone / 2**30:.2f} GiB alone (memory model) but the budget is "
-                       f"{self.mem_budget / 2**30:.2f} GiB; lower its rank, max_seq_len or the token_budget")
+                       f"{self.mem_budget / 2**30:.2f} GiB; lower its r, max_length or the token_budget")
                 self.log(f"[engine] job {job.name}: {msg}")
                 self._finish(job, msg, write=False)
                 continue
@@ -381,8 +422,8 @@ class Engine:
     def next_eval_step(self, job: Job, after: int) -> int:
         """The first step after ``after`` at which the job is evaluated: the next multiple of its ``eval_every``, its
         last step, or its warm-up step when warm-up selection applies."""
-        every = job.cfg.eval_every or self.run_cfg.eval_every
-        due = [(after // every + 1) * every, job.total_steps]
+        every = job.cfg.eval_every  # 0: at the end only (and at the warm-up step)
+        due = [job.total_steps] + ([(after // every + 1) * every] if every else [])
         if self._warmup_applies(job) and job.warm_steps > after:
             due.append(job.warm_steps)
         return min(due)
@@ -441,7 +482,7 @@ class Engine:
                 job.adapter.load_state_dict(job.best_state)
             job.adapter_path = str(self.out / "adapters" / job.name)
             if self.rank == 0:
-                adapter = job.adapter.to_adapter(self.base_path)
+                adapter = job.adapter.to_adapter(self.base_id)
                 if adapter_is_finite(adapter, job.name, self.log):
                     save_adapter(adapter, job.adapter_path)
                 else:
@@ -458,7 +499,7 @@ class Engine:
         best = min(vals) if vals else None
         best_step = job.history["val"][vals.index(best)][0] if vals else None
         return {
-            "job": job.name, "status": job.status, "stop_reason": job.reason, "rank": c.rank, "alpha": c.alpha,
+            "job": job.name, "status": job.status, "stop_reason": job.reason, "r": c.r, "lora_alpha": c.lora_alpha,
             "nblocks": c.nblocks, "lr": c.lr, "batch_size": c.step_samples, "steps": job.step,
             "total_steps": job.total_steps,
             "final_train_loss": job.history["train"][-1][1] if job.history["train"] else None,
@@ -474,9 +515,9 @@ class Engine:
         active = self.active_jobs()
         if not active:
             if any(j.status == "parked" and j.warm_done for j in self.jobs):
-                raise RuntimeError("parked warm-up survivors cannot be admitted; raise memory_budget_gb")
+                raise EngineError("parked warm-up survivors cannot be admitted; raise memory_budget_gb")
             if any(j.status == "queued" for j in self.jobs):
-                raise RuntimeError("queued jobs cannot be admitted (memory model); raise memory_budget_gb")
+                raise EngineError("queued jobs cannot be admitted (memory model); raise memory_budget_gb")
         return active
 
     def run(self) -> list[dict]:
@@ -509,7 +550,7 @@ class Engine:
             if run.log_every and self.round % run.log_every == 0:
                 self.print_progress(active, info)
             finished_now = any(j.status == "done" for j in active)
-            if run.checkpoint_every and (self.round % run.checkpoint_every == 0 or finished_now):
+            if run.save_every and (self.round % run.save_every == 0 or finished_now):
                 self.save_checkpoint()
             if self.rank == 0 and finished_now:
                 self.write_results()
@@ -620,6 +661,26 @@ def _optimizer_to(opt, device) -> None:
                 st[k] = v.to(device)
 
 
+def job_spec(cfg: JobConfig, model_type: str, model=None):
+    """The job's BDLoraSpec for the model; a target or block count the model cannot take is a ConfigError naming
+    the job and the key (never a reshape error deep in the first forward)."""
+    from bdlora.spec import BDLoraError
+
+    try:
+        spec = cfg.spec(model_type)
+    except BDLoraError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"job {cfg.name!r}: target_modules: {e}") from None
+    if model is not None:
+        try:
+            spec.matching_modules(model)
+        except BDLoraError as e:
+            key = "nblocks" if "divisible" in str(e) else "target_modules"
+            raise ConfigError(f"job {cfg.name!r}: {key}: {e}") from None
+    return spec
+
+
 def adapter_is_finite(adapter, job_name: str, log) -> bool:
     """Whether every factor of ``adapter`` is finite; if not, says so through ``log``: such a folder is never
     written (a job that diverged before its first evaluation has no best checkpoint to fall back to)."""
@@ -658,7 +719,7 @@ def plot_job(job: Job, path: Path) -> Optional[Path]:
 
 
 def format_table(rows: list[dict]) -> str:
-    cols = ["job", "stop_reason", "rank", "nblocks", "lr", "steps", "final_eval_loss", "best_eval_loss", "tokens",
+    cols = ["job", "stop_reason", "r", "nblocks", "lr", "steps", "final_eval_loss", "best_eval_loss", "tokens",
             "time_s"]
 
     def fmt(v):
@@ -675,4 +736,5 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(t) for t in table])
 
 
-__all__ = ["Engine", "Job", "format_table", "job_losses", "load_base", "plot_job"]
+__all__ = ["Engine", "EngineError", "Job", "adapter_is_finite", "format_table", "job_losses", "job_spec", "load_base", "load_job_data",
+           "plot_job"]

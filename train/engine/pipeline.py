@@ -21,7 +21,7 @@ of different jobs fill the pipeline with no flush between jobs.
   exit, best-validation factors, warm-up parking and top-k selection; :meth:`Engine.admit`: the queue backfills freed
   slots under ``max_active_jobs`` and the memory model, predicted per stage with the stage's modules, the worst stage
   deciding; its analytic shared term still counts the whole base, so it is conservative); finished jobs' factors are
-  gathered to rank 0 and written. ``checkpoint_every`` / ``max_rounds`` / ``resume`` act at boundaries: each stage
+  gathered to rank 0 and written. ``save_every`` / ``max_rounds`` / ``resume`` act at boundaries: each stage
   writes ``pipeline_state/stage{s}.seg{n}.pt`` (its layers' factors, AdamW / LR-schedule states, samplers, early-exit
   states), rank 0 ``pipeline_state/run_state.pt`` (statuses, histories, segment counter); a resumed run ends with the
   same adapters and losses as an uninterrupted one.
@@ -54,7 +54,7 @@ import torch.nn as nn
 from bdlora.adapter import Adapter, AdapterConfig, save_adapter
 
 from .config import RunConfig
-from .engine import (Engine, adapter_is_finite, atomic_torch_save, format_table, job_run_state, job_tensor_state,
+from .engine import (Engine, EngineError, adapter_is_finite, atomic_torch_save, format_table, job_run_state, job_tensor_state,
                      plot_job)
 from .multilora import dropout_rng, round_seed
 from .packing import MicroBatch
@@ -478,7 +478,7 @@ def _load_checkpoint(engine, dist, stage: int, stages: int) -> Optional[tuple[in
     if shared is None:
         return None
     if shared["stages"] != stages:
-        raise RuntimeError(f"{d / RUN_STATE} was written by a {shared['stages']}-stage pipeline, this run has "
+        raise EngineError(f"{d / RUN_STATE} was written by a {shared['stages']}-stage pipeline, this run has "
                            f"{stages} stages; resume with the same pipeline_stages or set resume: false")
     mine = torch.load(_stage_file(d, stage, shared["segment"]), map_location="cpu", weights_only=False)
     engine.restore({"round": shared["round"], "round_log": shared["round_log"], "memory_points": [],
@@ -496,7 +496,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
     them (:meth:`Engine.after_step`: evaluation history, ALTO early exit, best-validation factors, warm-up
     parking and top-k selection; :meth:`Engine.admit`: backfill of freed slots from the queue under
     ``max_active_jobs`` and the memory model, whose prediction is made per stage and the worst stage decides), so
-    all ranks decide identically. Finished jobs' factors are gathered and written by rank 0. ``checkpoint_every``
+    all ranks decide identically. Finished jobs' factors are gathered and written by rank 0. ``save_every``
     / ``max_rounds`` / ``resume`` work at segment boundaries (see :func:`_save_checkpoint`; a segment counts as
     many rounds as its longest job advanced).
 
@@ -512,7 +512,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
         raise RuntimeError("run_pipeline_distributed needs an initialized process group (see run_pipeline_spawn)")
     P, s = dist.get_world_size(), dist.get_rank()
     if P != run.pipeline_stages:
-        raise RuntimeError(f"pipeline_stages={run.pipeline_stages} but {P} processes were launched")
+        raise EngineError(f"pipeline_stages={run.pipeline_stages} but {P} processes were launched")
     engine = StageEngine(run)
     engine.log = (lambda *a, **k: None) if s else print
     if engine.device.type == "cuda":
@@ -551,7 +551,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
         if s == 0:
             for job, _ in to_save:
                 modules = {n: LoraFactors(a, b, layout) for g in gathered for n, (a, b, layout) in g[job.id].items()}
-                adapter = Adapter(AdapterConfig.from_spec(job.cfg.spec(engine.model_type), engine.base_path), modules)
+                adapter = Adapter(AdapterConfig.from_spec(job.cfg.spec(engine.model_type), engine.base_id), modules)
                 if adapter_is_finite(adapter, job.name, engine.log):
                     save_adapter(adapter, job.adapter_path)
                 else:
@@ -657,7 +657,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
             if run.log_every:
                 engine.print_progress(active, info)
             finished_now = any(j.status == "done" for j in active)
-            ce = run.checkpoint_every
+            ce = run.save_every
             stop = run.max_rounds is not None and rounds_this_call >= run.max_rounds
             if stop or (ce and (engine.round // ce > prev_round // ce or finished_now)):
                 _save_checkpoint(engine, dist, s, P, segment, stats)
