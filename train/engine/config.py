@@ -21,8 +21,10 @@
 Every job is validated as a TrainConfig (same checks and messages: ``max_steps: 0``, ``lr: 0``, negative warm-up
 are refused; ``target_modules: q_proj`` is one name) and its paths follow TrainConfig's rule (relative to the
 working directory). Its data goes through :func:`bdlora.train.data.load_datasets` (every source and format of
-``bdlora train``); the held-out split is drawn from the job's ``seed`` as in ``bdlora train``, so jobs whose
-validation losses are compared (early exit's warm-up selection) should share ``seed`` or give ``eval_file``.
+``bdlora train``). The held-out ``eval_fraction`` split is drawn from the run's ``seed`` (the top-level one; for a
+one-job file the job's, as in ``bdlora train``), not from each job's, so every job of a sweep is validated on the
+same examples and their losses compare (early exit's warm-up selection); a job's own ``seed`` sets its adapter
+init, data order and dropout.
 
 Keys of TrainConfig the engine reads but has no use for: ``packing`` (the engine always packs), ``progress``,
 ``report_to``, ``record_samples``, ``save_total_limit`` (one resumable ``engine_state.pt``) and
@@ -199,7 +201,7 @@ class JobConfig(TrainConfig):
     def data_key(self) -> tuple:
         """What decides the job's tokenized (train, eval) examples: jobs with equal keys share them."""
         return (self.train_file, self.eval_file, self.eval_fraction if self.eval_file is None else None,
-                self.data_format, self.max_length, self.seed if self.eval_file is None else None)
+                self.data_format, self.max_length)  # the split's seed is the run's, the same for every job
 
 
 @dataclass

@@ -77,17 +77,23 @@ def load_base(path: str | os.PathLike, precision: str = "fp32", device="cpu", at
     return model, tok
 
 
-def load_job_data(cfg: JobConfig, tok) -> DatasetSplit:
+def load_job_data(cfg: JobConfig, tok, source: str = "run file", split_seed: Optional[int] = None) -> DatasetSplit:
     """The job's train/validation samples through ``bdlora train``'s data pipeline
     (:func:`bdlora.train.data.load_datasets`: every source and format, the seeded eval_fraction split, the
-    tokenized cache), as packing samples. A data problem raises DataError naming the job and its files."""
+    tokenized cache), as packing samples. ``split_seed`` (default: the job's seed) draws the eval_fraction split:
+    the engine passes the run's seed, so the jobs of a sweep are validated on the same examples. A data problem
+    raises DataError naming the job and its files."""
+    import dataclasses
+
     from bdlora.train.data import IGNORE_INDEX, DataError, load_datasets
 
+    if split_seed is not None and split_seed != cfg.seed:
+        cfg = dataclasses.replace(cfg, seed=split_seed)
     try:
         train, ev = load_datasets(cfg, tok)
     except DataError as e:
         files = f"train_file={cfg.train_file}" + (f", eval_file={cfg.eval_file}" if cfg.eval_file else "")
-        raise DataError(f"job {cfg.name!r} ({files}): {e}") from None
+        raise DataError(f"{source}: job {cfg.name!r} ({files}): {e}") from None
 
     def samples(examples):
         out = []
@@ -99,7 +105,7 @@ def load_job_data(cfg: JobConfig, tok) -> DatasetSplit:
 
     split = DatasetSplit(samples(train), samples(ev))
     if not split.train:
-        raise DataError(f"job {cfg.name!r}: train_file {cfg.train_file} has no usable training examples "
+        raise DataError(f"{source}: job {cfg.name!r}: train_file {cfg.train_file} has no usable training examples "
                         f"(max_length={cfg.max_length} may be too small)")
     return split
 
@@ -190,10 +196,13 @@ class Engine:
                 self.device = torch.device("cpu")
         else:
             self.device = torch.device(run.device)
-        from bdlora.models import resolve_model
+        from bdlora.models import ModelNotFound, resolve_model
 
         # the folder to load and the name adapters record as their base (a hub id where there is one)
-        folder, self.base_id = resolve_model(run.model)
+        try:
+            folder, self.base_id = resolve_model(run.model)
+        except ModelNotFound as e:
+            raise ConfigError(f"{run_source(run)}: model: {e}") from None
         self.base_path = str(folder)
         self.pad_multiple = run.pad_multiple or (GPU_PAD_MULTIPLE if self.device.type == "cuda" else 1)
         if model is None:
@@ -202,7 +211,7 @@ class Engine:
         model_type = getattr(model.config, "model_type", "llama")
         cols, rows = set(), set()
         for j in run.jobs:
-            s = job_spec(j, model_type, model)
+            s = job_spec(j, model_type, model, run_source(run))
             cols |= set(s.column_modules)
             rows |= set(s.row_modules)
         self.ctx = BatchContext(backend=run.lora_backend)
@@ -230,7 +239,7 @@ class Engine:
     def _split(self, j: JobConfig) -> DatasetSplit:
         key = j.data_key()  # jobs with the same data settings share one tokenized split
         if key not in self._splits:
-            self._splits[key] = load_job_data(j, self.tok)
+            self._splits[key] = load_job_data(j, self.tok, run_source(self.run_cfg), split_seed=self.run_cfg.seed)
         return self._splits[key]
 
     def _lengths(self, job_id: int, split: str = "train") -> list[int]:
@@ -661,7 +670,7 @@ def _optimizer_to(opt, device) -> None:
                 st[k] = v.to(device)
 
 
-def job_spec(cfg: JobConfig, model_type: str, model=None):
+def job_spec(cfg: JobConfig, model_type: str, model=None, source: str = "run file"):
     """The job's BDLoraSpec for the model; a target or block count the model cannot take is a ConfigError naming
     the job and the key (never a reshape error deep in the first forward)."""
     from bdlora.spec import BDLoraError
@@ -671,14 +680,18 @@ def job_spec(cfg: JobConfig, model_type: str, model=None):
     except BDLoraError as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"job {cfg.name!r}: target_modules: {e}") from None
+        raise ConfigError(f"{source}: job {cfg.name!r}: target_modules: {e}") from None
     if model is not None:
         try:
             spec.matching_modules(model)
         except BDLoraError as e:
             key = "nblocks" if "divisible" in str(e) else "target_modules"
-            raise ConfigError(f"job {cfg.name!r}: {key}: {e}") from None
+            raise ConfigError(f"{source}: job {cfg.name!r}: {key}: {e}") from None
     return spec
+
+
+def run_source(run) -> str:
+    return getattr(run, "source", "run file")
 
 
 def adapter_is_finite(adapter, job_name: str, log) -> bool:

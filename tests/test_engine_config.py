@@ -1,0 +1,240 @@
+"""The engine's run file in the one vocabulary (bdlora.train.config): bad files refused through ``bdlora sweep``
+with a message naming the key (exit 2, no traceback), old names read with a FutureWarning, a ``bdlora train`` job
+file run unchanged as a one-job sweep, --print-config / --set."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import yaml
+
+from test_engine_utils import write_alpaca
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_alpaca(tmp_path_factory.mktemp("data") / "rev.jsonl", n=30)
+
+
+def _good(model_dir, data, out) -> dict:
+    return {"model": str(model_dir), "train_file": str(data), "output_dir": str(out), "max_steps": 2,
+            "batch_size": 2, "max_length": 64, "token_budget": 256, "log_every": 1000, "save_plots": False}
+
+
+def _sweep(argv, capsys):
+    from bdlora.cli import main
+
+    rc = main(["sweep", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# (case id, top-level changes (None removes a key) or a callable(good dict, tmp_path) -> YAML text, what stderr names)
+BAD = [
+    ("unknown-top-key", {"lrr": 4}, "unknown key(s) 'lrr' (did you mean 'lr'?)"),
+    ("unknown-job-key", {"jobs": [{"name": "a", "rnk": 3}]}, "jobs[0] (a): unknown key(s) 'rnk'"),
+    ("unknown-search-key", {"search": [{"name": "g", "spcae": {"lr": [1e-3]}}]}, "unknown search key(s) ['spcae']"),
+    ("unknown-space-key", {"search": [{"name": "g", "space": {"lrr": [1e-3]}}]}, "unknown key(s) 'lrr'"),
+    ("unknown-early-exit-key", {"early_exit": {"enabld": True}}, "early_exit: unknown key(s) 'enabld'"),
+    ("unknown-dataset-key", {"train_file": None, "datasets": {"d": {"path": "DATA", "max_samples": 3}}},
+     "datasets.d: unknown key(s) ['max_samples']"),
+    ("trainer-name", {"learning_rate_x": 1, "num_train_epochs": 2}, "'num_train_epochs' (bdlora's key for it is 'epochs')"),
+    ("r-not-int", {"r": "eight"}, "r: must be an integer, got 'eight'"),
+    ("lr-not-number", {"lr": "fast"}, "lr: must be a number, got 'fast'"),
+    ("save-plots-not-bool", {"save_plots": "yes"}, "save_plots: must be true or false"),
+    ("max-steps-0", {"max_steps": 0}, "max_steps: must be >= 1, got 0"),
+    ("epochs-0", {"max_steps": None, "epochs": 0}, "epochs: must be > 0"),
+    ("lr-0", {"lr": 0}, "lr: must be > 0"),
+    ("negative-warmup-steps", {"warmup_steps": -1}, "warmup_steps: must be >= 0"),
+    ("negative-warmup-ratio", {"warmup_ratio": -0.1}, "warmup_ratio: must be in [0, 1)"),
+    ("lr-inf", {"lr": float("inf")}, "lr: must be a finite number"),
+    ("nblocks-0", {"nblocks": 0}, "nblocks: must be >= 1"),
+    ("r-not-divisible", {"r": 6, "nblocks": 4}, "r: rank 6 is not divisible by nblocks=4"),
+    ("nblocks-bad-for-model", {"r": 6, "nblocks": 3}, "nblocks: model.layers.0.self_attn.q_proj: out_features=256 is not "
+                                                      "divisible by nblocks=3"),
+    ("unknown-target-module", {"target_modules": "qq_proj"}, "target_modules: unknown target modules ['qq_proj']"),
+    ("missing-data-file", {"train_file": "/nonexistent/train.jsonl"}, "train_file: /nonexistent/train.jsonl does not exist"),
+    ("data-file-is-directory", {"train_file": "EMPTYDIR"}, "train_file=EMPTYDIR"),
+    ("missing-train-file", {"train_file": None}, "train_file: is required"),
+    ("grid-value-not-list", {"search": [{"name": "g", "space": {"lr": 1e-3}}]}, "space.lr: grid values must be a list"),
+    ("grid-empty-list", {"search": [{"name": "g", "space": {"lr": []}}]}, "space.lr: an empty list of values"),
+    ("search-bad-type", {"search": [{"name": "g", "type": "bayes", "space": {"lr": [1e-3]}}]}, "type: must be grid or random"),
+    ("random-no-samples", {"search": [{"name": "g", "type": "random", "space": {"lr": [1e-3]}}]}, "num_samples"),
+    ("random-log-range-0", {"search": [{"name": "g", "type": "random", "num_samples": 2,
+                                        "space": {"lr": {"low": 0, "high": 1e-3, "log": True}}}]}, "space.lr: a log range"),
+    ("search-bad-value", {"search": [{"name": "g", "space": {"r": [8, "x"]}}]}, "r: must be an integer, got 'x'"),
+    ("duplicate-job-names", {"jobs": [{"name": "a"}, {"name": "a"}]}, "name: duplicate job names ['a']"),
+    ("unknown-dataset-ref", {"train_file": None, "datasets": {"d": {"path": "DATA"}}, "jobs": [{"name": "a", "dataset": "x"}]},
+     "dataset: 'x' is not defined under datasets: ['d']"),
+    ("dataset-ref-without-datasets", {"jobs": [{"name": "a", "dataset": "x"}]}, "dataset: 'x' refers to a datasets:"),
+    ("yaml-syntax-error", lambda good, tmp: "model: [unclosed\nr: 8\n", "YAML syntax error"),
+    ("duplicate-yaml-key", lambda good, tmp: yaml.safe_dump(good) + "r: 8\nr: 16\n", "key 'r' given twice"),
+    ("non-mapping-top-level", lambda good, tmp: "- r: 8\n- r: 16\n", "expected a YAML mapping"),
+    ("token-budget-below-max-length", {"token_budget": 32}, "token_budget: 32 is smaller than the longest max_length (64)"),
+    ("bad-lora-backend", {"lora_backend": "cuda"}, "lora_backend: must be one of"),
+    ("pipeline-stages-0", {"pipeline_stages": 0}, "pipeline_stages: must be >= 1"),
+    ("pipeline-stages-text", {"pipeline_stages": "two"}, "pipeline_stages: must be a number"),
+    ("missing-model-folder", {"model": "/nonexistent/model"}, "model '/nonexistent/model' is neither"),
+    ("uncached-hub-model", {"model": "no-such-org/no-such-model"}, "'no-such-org/no-such-model' is not in the local"),
+    ("jobs-not-a-list", {"jobs": {"name": "a"}}, "jobs: expected a list of jobs"),
+    ("run-level-key-in-job", {"jobs": [{"name": "a", "model": "x"}]}, "jobs[0]: model: is shared by every job"),
+    ("engine-key-in-job", {"jobs": [{"name": "a", "token_budget": 9}]}, "jobs[0]: token_budget: is an engine key"),
+    ("early-exit-window", {"early_exit": {"enabled": True, "window": 1}, "eval_every": 1}, "early_exit.window: must be >= 2"),
+    ("early-exit-without-evals", {"early_exit": {"enabled": True}}, "eval_every: early_exit needs evaluations"),
+    ("max-active-jobs-0", {"max_active_jobs": 0}, "max_active_jobs: must be >= 1"),
+    ("memory-budget-negative", {"memory_budget_gb": -1}, "memory_budget_gb: must be > 0"),
+    ("old-dtype-unknown", {"dtype": "float64"}, "dtype: 'float64' is not one of"),
+    ("precision-fp16", {"precision": "fp16"}, "precision: fp16 is not supported by the engine"),
+    ("job-name-path", {"jobs": [{"name": "../escape"}]}, "name: '../escape' is not a usable folder name"),
+    ("resume-folder", {"resume": "some/checkpoint-3"}, "resume: the engine resumes from its own output_dir"),
+    ("training-args", {"training_args": {"optim": "adamw_torch"}}, "training_args: the engine runs its own"),
+    ("old-and-new-name", {"rank": 8}, "'rank' and 'r' both given"),
+    ("eval-fraction", {"eval_fraction": 1.5}, "eval_fraction: must be in [0, 1)"),
+    ("no-jobs", {"jobs": []}, "jobs: no jobs"),
+    ("bad-device", {"device": "gpu0"}, "device: must be auto, cpu, cuda or cuda:K"),
+]
+
+
+@pytest.mark.parametrize("case,change,expected", BAD, ids=[c[0] for c in BAD])
+def test_bad_run_file_is_refused_with_the_key(case, change, expected, tiny_llama_dir, data_file, tmp_path, capsys):
+    good = _good(tiny_llama_dir, data_file, tmp_path / "out")
+    if case == "old-and-new-name":
+        good["r"] = 8
+    if callable(change):
+        text = change(good, tmp_path)
+    else:
+        raw = dict(good)
+        for k, v in change.items():
+            if v is None:
+                raw.pop(k, None)
+            else:
+                raw[k] = v
+        text = yaml.safe_dump(raw, sort_keys=False)
+    empty = tmp_path / "emptydir"
+    empty.mkdir()
+    text = text.replace("EMPTYDIR", str(empty)).replace("DATA", str(data_file))
+    expected = expected.replace("EMPTYDIR", str(empty))
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        rc, out, err = _sweep(["--config", str(path)], capsys)
+    assert rc == 2, (case, out[-500:], err[-1000:])
+    last = err.strip().splitlines()[-1]  # (model loading may draw a progress bar first)
+    assert last.startswith(f"bdlora sweep: error: {path}"), err  # names the file
+    assert expected in last, err
+    assert "Traceback" not in err and "RuntimeError" not in err
+    assert not (tmp_path / "out" / "adapters").exists()  # nothing trained
+
+
+def test_a_bdlora_train_job_file_runs_as_a_one_job_sweep(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    """A flat job file (no jobs:/search:), written for `bdlora train`, runs unchanged; relative paths are relative
+    to the working directory; the job is named after output_dir and its adapter has the file's nblocks and r."""
+    from bdlora import load_adapter
+    from bdlora.train.tasks import toy_chat_records, write_jsonl
+
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(toy_chat_records(24), tmp_path / "data" / "train.jsonl")
+    job = {"model": str(tiny_llama_dir), "train_file": "data/train.jsonl", "output_dir": "runs/my-job",
+           "nblocks": 4, "r": 8, "lora_alpha": 8, "target_modules": "q_proj", "max_steps": 3, "batch_size": 4,
+           "max_length": 64, "lr": 1e-3, "eval_fraction": 0.2, "seed": 3, "report_to": ["none"], "progress": False}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    rc, out, err = _sweep(["--config", "job.yaml", "--set", "log_every=100", "--set", "save_plots=false"], capsys)
+    assert rc == 0, err[-2000:]
+    folder = tmp_path / "runs" / "my-job" / "adapters" / "my-job"
+    ad = load_adapter(folder)
+    assert ad.config.nblocks == 4 and ad.config.r == 8
+    # target_modules: q_proj is one module, not its characters
+    assert {name.rsplit(".", 1)[-1] for name in ad.modules} == {"q_proj"}
+    assert any(f.lora_B.abs().max() > 0 for f in ad.modules.values())  # it trained
+    assert "completed" in out
+
+
+def test_set_overrides_and_print_config(tiny_llama_dir, data_file, tmp_path, capsys):
+    from bdlora.train.config import TrainConfig
+    from bdlora.train.engine.config import ENGINE_KEYS, load_run
+
+    rc, out, err = _sweep(["--print-config"], capsys)
+    assert rc == 0
+    printed = yaml.safe_load(out)  # valid YAML: every key once, with its default
+    for key in TrainConfig.valid_keys() + ["name", "group", "priority"] + list(ENGINE_KEYS):
+        assert key in printed, key
+    assert printed["nblocks"] == 2 and printed["scheduler"] == "linear" and printed["token_budget"] == 2048
+    assert "# Tokens per packed micro-batch" in out and "# Total LoRA rank" in out
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**_good(tiny_llama_dir, data_file, tmp_path / "o"),
+                                    "jobs": [{"name": "a"}, {"name": "b", "r": 16}]}))
+    run = load_run(path, {"r": 4, "token_budget": 512})
+    assert [j.r for j in run.jobs] == [4, 16] and run.token_budget == 512
+    rc, out, err = _sweep(["--config", str(path), "--set", "lr=0"], capsys)
+    assert rc == 2 and "jobs[0] (a): lr: must be > 0" in err
+    rc, out, err = _sweep(["--config", str(path), "--set", "lr"], capsys)
+    assert rc == 2 and "--set 'lr': expected key=value" in err
+    rc, out, err = _sweep([], capsys)
+    assert rc == 2 and "--config run.yaml is required" in err
+
+
+def test_old_engine_names_are_read_with_a_warning(tmp_path, data_file):
+    """The engine's former run file (base_model, dtype, datasets/dataset, defaults, rank/alpha/steps/...,
+    checkpoint_every, resume: true) parses to the same jobs as the new names, each old name warned about."""
+    from bdlora.train.engine.config import parse_run
+
+    old = {"base_model": "m", "output_dir": str(tmp_path / "o"), "dtype": "bfloat16", "checkpoint_every": 5,
+           "resume": True, "datasets": {"d": {"path": str(data_file), "format": "alpaca", "val_fraction": 0.2}},
+           "defaults": {"dataset": "d", "rank": 8, "alpha": 8, "steps": 4, "schedule": "cosine", "max_seq_len": 64},
+           "jobs": [{"name": "a", "N": 4}, {"name": "b", "learning_rate": 1e-3}]}
+    new = {"model": "m", "output_dir": str(tmp_path / "o"), "precision": "bf16", "save_every": 5, "resume": "auto",
+           "train_file": str(data_file), "data_format": "alpaca", "eval_fraction": 0.2, "r": 8, "lora_alpha": 8,
+           "max_steps": 4, "scheduler": "cosine", "max_length": 64,
+           "jobs": [{"name": "a", "nblocks": 4}, {"name": "b", "lr": 1e-3}]}
+    with pytest.warns(FutureWarning) as rec:
+        a = parse_run(old)
+    msgs = " | ".join(str(w.message) for w in rec)
+    for old_name, new_name in (("base_model", "model"), ("dtype", "precision"), ("checkpoint_every", "save_every"),
+                               ("rank", "r"), ("alpha", "lora_alpha"), ("steps", "max_steps"),
+                               ("schedule", "scheduler"), ("max_seq_len", "max_length"), ("N", "nblocks"),
+                               ("learning_rate", "lr")):
+        assert f"'{old_name}' is deprecated, use '{new_name}'" in msgs
+    assert "'defaults:' is deprecated" in msgs and "'datasets:'" in msgs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the new names warn about nothing
+        b = parse_run(new)
+    assert [j.to_dict() for j in a.jobs] == [j.to_dict() for j in b.jobs]
+    assert (a.precision, a.save_every, a.resume) == (b.precision, b.save_every, b.resume) == ("bf16", 5, True)
+    # the job defaults are TrainConfig's
+    c = parse_run({"train_file": str(data_file), "jobs": [{"name": "x"}]})
+    assert (c.jobs[0].nblocks, c.jobs[0].scheduler, c.jobs[0].warmup_ratio, c.model) == (2, "linear", 0.05,
+                                                                                        "tiny-random")
+
+
+def test_engine_config_error_is_the_trainers():
+    from bdlora.train.config import ConfigError
+    from bdlora.train.engine import ConfigError as EngineConfigError
+
+    assert EngineConfigError is ConfigError
+
+
+def test_tiny_random_shortcut_never_asks_the_hub(tmp_path, data_file, monkeypatch):
+    """model: tiny-random resolves to the locally built model (the engine used to hand the string to
+    from_pretrained, which retried the hub for ~50 s)."""
+    import huggingface_hub
+
+    import bdlora.models as models
+    from bdlora.train.engine.config import parse_run
+    from bdlora.train.engine.engine import Engine
+
+    def no_hub(*a, **k):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_hub)
+    monkeypatch.setattr(models, "DEFAULT_CACHE", tmp_path / "cache")
+    run = parse_run({"model": "tiny-random", "train_file": str(data_file), "output_dir": str(tmp_path / "o"),
+                     "max_length": 64, "max_steps": 1})
+    eng = Engine(run)
+    assert eng.base_path == str(tmp_path / "cache" / "tiny-random-llama")
+    assert next(eng.model.parameters()).dtype == torch.float32  # precision auto on CPU
