@@ -417,9 +417,12 @@ class _BDLoRAMixin:
             r = a.shape[0]
             if a.shape[1] != d_in or b.shape[0] != d_out or b.shape[1] != r:
                 raise BDLoraError(
-                    f"{type(self).__name__} (tp rank {self.tp_rank}/{self.tp_size}), slice {i}: factors A{tuple(a.shape)} "
-                    f"B{tuple(b.shape)} are not this rank's shard (expected A(r, {d_in}) B({d_out}, r)); BD mode loads "
-                    "adapters through bdlora's per-rank loader only")
+                    f"{type(self).__name__} slice {i}: this device's shard of the adapter is A{tuple(a.shape)} "
+                    f"B{tuple(b.shape)}, but the served model's layer takes A(r, {d_in}) B({d_out}, r) on each of "
+                    f"the {self.tp_size} devices (full layer: d_in x d_out = "
+                    f"{d_in * (self.tp_size if getattr(self, 'bd_layout', None) == ROW else 1)} x "
+                    f"{d_out * (self.tp_size if getattr(self, 'bd_layout', None) == COLUMN else 1)}): the adapter "
+                    "was trained for another model; serve it with the base model it was trained on")
             if r > cap:
                 if a.any() or b.any():
                     raise BDLoraError(
