@@ -46,7 +46,10 @@ def register() -> None:
 
     frontend.patch_engine_args()
     frontend.patch_request_validation()
-    frontend.patch_openai_lora_errors()
+    try:
+        frontend.patch_openai_lora_errors()
+    except (ImportError, AttributeError) as e:  # loud, not fatal: only the HTTP status of refusals depends on it
+        logger.warning("%s: /v1/load_lora_adapter refusals stay HTTP 500 on this vLLM", e)
     rpc_fix.patch_executor_add_lora()
     loader.patch_worker_manager()
     loader.patch_peft_helper()
