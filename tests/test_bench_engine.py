@@ -85,3 +85,29 @@ def test_pipeline_vs_dp_cpu_smoke(tmp_path):
     # one job on 2 stages: the pipeline waits for the job's own previous step (formula 0.5); the unit-slot
     # schedule of one job is exactly that
     assert res["experiments"][0]["pipeline"]["bubble_schedule_unit_slots"] == pytest.approx(0.5)
+
+
+def test_sequential_trainer_baseline_runs_the_engine_jobs_on_the_trainer(tiny_llama_dir, tmp_path):
+    """trainer_config turns a parsed engine job into the single-job trainer's TrainConfig (same r, nblocks, alpha,
+    lr, schedule, batch, steps, seed); run_trainer times its steps 2..n from metrics.jsonl and counts their tokens
+    from tokens_seen, which the per-micro-batch sample records confirm."""
+    from bdlora import load_adapter
+
+    data = B.make_data(tmp_path / "d.jsonl", 40, min_words=2, max_words=8)
+    jobs = [{"name": "j0", "r": 8, "nblocks": 2, "lora_alpha": 8, "lr": 1e-3, "batch_size": 2, "grad_accum": 2,
+             "max_steps": 3, "seed": 4, "scheduler": "cosine"}]
+    (job,) = B.engine_run_config(tiny_llama_dir, data, tmp_path / "eng", jobs, dtype="float32", budget=256,
+                                 max_seq_len=64, val_fraction=0.1).jobs
+    cfg = B.trainer_config(job, model_path=tiny_llama_dir, data=data, out=tmp_path / "tr", dtype="float32",
+                           val_fraction=0.1)
+    assert (cfg.r, cfg.nblocks, cfg.lora_alpha, cfg.lr, cfg.scheduler, cfg.batch_size, cfg.grad_accum, cfg.max_steps,
+            cfg.seed, cfg.max_length, cfg.precision) == (8, 2, 8.0, 1e-3, "cosine", 2, 2, 3, 4, 64, "fp32")
+    lengths = B.TokenLengths(tiny_llama_dir, data, 64)
+    res = B.run_trainer(cfg, lengths)
+    assert res["steps"] == 3 and res["seconds"] >= 0
+    lines = [json.loads(line) for line in (tmp_path / "tr" / "samples.rank0.jsonl").read_text().splitlines()]
+    micro = [rec["records"] for rec in lines if "records" in rec]
+    assert len(micro) >= 3 * 2  # grad_accum micro-batches per step (then evaluation's)
+    assert res["tokens"] == sum(lengths.lengths[i] for recs in micro[2:6] for i in recs) > 0
+    ad = load_adapter(tmp_path / "tr" / "adapter")
+    assert ad.config.nblocks == 2 and ad.config.r == 8

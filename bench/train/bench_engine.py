@@ -12,7 +12,7 @@
 1. Throughput: K = 1, 4, 8, 16 jobs (mixed ranks, BD N=3, SmolLM2's TP degree) trained together by the engine
    (one base GEMM per layer over all jobs' tokens, grouped BD-LoRA kernel) vs the same K jobs run one after another
    with the single-job PEFT trainer (``bdlora.train.run_training``, a TrainConfig made from each job: same model,
-   rank, nblocks, alpha, init, lr, schedule, batch size, max_seq_len, steps, seed and data file). Tokens/s counts
+   r, nblocks, lora_alpha, init, lr, scheduler, batch size, max_length, max_steps, seed and data file). Tokens/s counts
    the jobs' real (unpadded) input tokens over training time only: the engine's rounds after the first (each
    round's training part, which ends on a host sync; evaluation excluded), the trainer's optimizer steps after the
    first, timed by its per-step metrics records (model load, tokenization, final evaluation and adapter save
@@ -105,23 +105,25 @@ def make_data(path: Path, n: int, seed: int = 0, min_words: int = 8, max_words: 
     return path
 
 
+PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16"}  # this script's --dtype names -> the config's precision
 LORA_BACKEND = "auto"  # the engine's lora_backend in every run of this process (--lora-backend)
 PAD_MULTIPLE = None  # the engine's pad_multiple in every run of this process (--pad-multiple; None = its auto)
 
 
 def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=None, max_active=64,
                       eval_every=10**9, max_seq_len=256, val_fraction=0.02, **extra):
-    """A parsed RunConfig; ``extra``: further RunConfig fields (device, pipeline_stages, ...)."""
+    """A parsed RunConfig (the run file's keys, bdlora.train.config's vocabulary); ``dtype`` float32 | bfloat16,
+    the base's; ``extra``: further top-level keys (device, pipeline_stages, ...). Jobs default to nblocks 1 and a
+    constant schedule without warm-up unless they say otherwise (the settings these benchmarks were defined with)."""
     from bdlora.train.engine import parse_run
 
     return parse_run({
-        "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE,
+        "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE, "nblocks": 1, "scheduler": "constant",
+        "warmup_ratio": 0.0,
         **extra,
-        "base_model": str(model_path), "output_dir": str(out), "dtype": dtype, "token_budget": budget,
-        "max_active_jobs": max_active, "eval_every": eval_every, "log_every": 0, "save_plots": False,
-        "checkpoint_every": 0, "resume": False,
-        "datasets": {"task": {"path": str(data), "val_fraction": val_fraction}},
-        "defaults": {"max_seq_len": max_seq_len, "dataset": "task"},
+        "model": str(model_path), "output_dir": str(out), "precision": PRECISION_OF[dtype], "token_budget": budget,
+        "max_active_jobs": max_active, "eval_every": eval_every, "log_every": 10**9, "save_plots": False,
+        "save_every": 0, "train_file": str(data), "eval_fraction": val_fraction, "max_length": max_seq_len,
         "jobs": jobs, "early_exit": early_exit or {"enabled": False},
     })
 
@@ -187,13 +189,13 @@ class TokenLengths:
     truncation to max_length): the trainer's non-pad tokens of a batch are the sum over its records."""
 
     def __init__(self, model_path, data, max_len: int):
-        from bdlora.train.data import encode, read_records, to_messages
+        from bdlora.train.data import encode_record, read_records
         from bdlora.train.trainer import load_tokenizer
 
         tok = load_tokenizer(Path(model_path))
         self.lengths = {}
         for i, rec in enumerate(read_records(data)):
-            ex = encode(tok, to_messages(rec, "auto"), max_len, index=i)
+            ex = encode_record(tok, rec, "auto", max_len, index=i)
             if ex is not None:
                 self.lengths[i] = len(ex.input_ids)
 
@@ -204,27 +206,28 @@ def trainer_config(job, *, model_path, data, out, dtype, val_fraction, steps=Non
     from bdlora.train.config import TrainConfig
 
     sched = {"constant": "constant", "constant_with_warmup": "constant", "linear": "linear",
-             "cosine": "cosine"}.get(job.schedule)
+             "cosine": "cosine"}.get(job.scheduler)
     if sched is None or tuple(job.adam_betas) != (0.9, 0.999) or job.adam_eps != 1e-8:
-        raise ValueError(f"job {job.name}: schedule {job.schedule!r} / AdamW betas {job.adam_betas} eps "
+        raise ValueError(f"job {job.name}: scheduler {job.scheduler!r} / AdamW betas {job.adam_betas} eps "
                          f"{job.adam_eps} have no single-job trainer equivalent")
-    return TrainConfig(
-        model=str(model_path), nblocks=int(job.nblocks), r=int(job.rank), lora_alpha=float(job.alpha),
-        lora_dropout=float(job.lora_dropout), a_init=job.a_init, target_modules=job.target_modules,
-        train_file=str(data), eval_fraction=val_fraction, max_length=int(job.max_seq_len),
-        lr=float(job.lr), weight_decay=float(job.weight_decay), max_grad_norm=float(job.max_grad_norm or 0.0),
-        scheduler=sched, warmup_steps=int(job.warmup_steps), batch_size=int(job.batch_size),
-        grad_accum=int(job.grad_accum), max_steps=int(steps or job.steps),
-        # the trainer keeps fp32 base weights and autocasts to bf16; the engine stores the base in bf16
-        precision="bf16" if dtype == "bfloat16" else "fp32", seed=int(job.seed),
-        eval_every=0, save_every=0, log_every=1, output_dir=str(out), resume=None, report_to=[],
-        progress=False, record_samples=True)
+    n_steps = int(steps or job.max_steps)
+    # the job's own keys, with the run's data and output and one metrics record per step
+    keys = {f: getattr(job, f) for f in TrainConfig.valid_keys()}
+    keys.update(model=str(model_path), train_file=str(data), eval_file=None, eval_fraction=val_fraction,
+                scheduler=sched, warmup_steps=job.warmup_for(n_steps), max_steps=n_steps,
+                # both load the base in bf16 (no fp32 copy) and keep the adapter and AdamW states in fp32
+                precision=PRECISION_OF[dtype], eval_every=0, save_every=0, log_every=1, output_dir=str(out),
+                resume=None, report_to=["none"], progress=False, record_samples=True, training_args={})
+    return TrainConfig.from_dict(keys, source=f"trainer config of job {job.name}")
 
 
 def run_trainer(cfg, lengths: TokenLengths) -> dict:
     """One ``run_training`` call; tokens/s over its optimizer steps after the first (model load, tokenization,
     the final evaluation and the adapter save are outside), timed by the trainer's own per-step metrics records
-    (written after each step's loss reaches the host, so the device work of the step is done)."""
+    (``{"step", "time", "train_loss", "tokens_seen", ...}``, written after each step's loss reaches the host, so
+    the device work of the step is done). Tokens: the records' ``tokens_seen`` (non-padding input tokens so far);
+    where a record lacks it, the ``samples.rank0.jsonl`` lines (``{"rank", "records"}``, one per micro-batch in
+    order, grad_accum of them per step) counted with ``lengths``."""
     from bdlora.train.trainer import run_training
 
     free_memory()
@@ -232,25 +235,30 @@ def run_trainer(cfg, lengths: TokenLengths) -> dict:
     res = run_training(cfg, validate_adapter=False)
     wall = time.perf_counter() - t0
     out = Path(cfg.output_dir)
-    times = {}
+    times, seen = {}, {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if "train_loss" in rec:
             times[rec["step"]] = rec["time"]
-    step_tokens = {}
-    for line in (out / "samples.rank0.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "records" in rec:
-            step_tokens[rec["step"]] = step_tokens.get(rec["step"], 0) + sum(lengths.lengths[i]
-                                                                              for i in rec["records"])
+            if "tokens_seen" in rec:
+                seen[rec["step"]] = rec["tokens_seen"]
     n = res.step
     if n < 2 or sorted(times) != list(range(1, n + 1)):
         raise RuntimeError(f"trainer run {out}: expected one metrics record per step 1..{n}")
+    if sorted(seen) == list(range(1, n + 1)):
+        tokens = seen[n] - seen[1]  # steps 2..n
+    else:
+        lines = [json.loads(line) for line in (out / "samples.rank0.jsonl").read_text().splitlines()]
+        # the first n*grad_accum micro-batches are the training's (the data loader may fetch one more ahead, and the
+        # final evaluation's follow)
+        micro = [rec["records"] for rec in lines if "records" in rec]
+        g = cfg.grad_accum
+        if len(micro) < n * g:
+            raise RuntimeError(f"trainer run {out}: {len(micro)} micro-batch sample records for {n} steps of {g}")
+        tokens = sum(lengths.lengths[i] for recs in micro[g:n * g] for i in recs)
     del res
     free_memory()
-    # metrics step s is written after optimizer step s; samples step s (0-based) is consumed by optimizer step s+1
-    return {"tokens": sum(step_tokens[s] for s in range(1, n)), "seconds": times[n] - times[1],
-            "steps": n, "wall_s": wall}
+    return {"tokens": tokens, "seconds": times[n] - times[1], "steps": n, "wall_s": wall}
 
 
 def _fmt(v, fmt: str) -> str:
@@ -519,7 +527,7 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
     val_fraction = 0.02
 
     def job(name, i, rank, n_steps):
-        return {"name": name, "rank": rank, "nblocks": nblocks, "lr": 1e-4, "batch_size": bs, "steps": n_steps,
+        return {"name": name, "r": rank, "nblocks": nblocks, "lr": 1e-4, "batch_size": bs, "max_steps": n_steps,
                 "seed": i, "lora_dropout": args.lora_dropout}
 
     def parsed(jobs, out):
@@ -606,7 +614,7 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
             seq_trainer[i] = run_trainer(trainer_config(trainer_jobs[i], model_path=model, data=data,
                                                         out=tmp / f"trainer-{i}", dtype=dtype,
                                                         val_fraction=val_fraction), lengths)
-            seq_trainer[i].update(job=i, rank=trainer_jobs[i].rank)
+            seq_trainer[i].update(job=i, rank=trainer_jobs[i].r)
             per_trainer_job = seq_trainer[i]["wall_s"]
         # the engine with one active job at a time (extra column; the first n_engine1 jobs only)
         todo = [i for i in range(min(k, n_engine1)) if i not in seq_engine1]
@@ -614,7 +622,7 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
             eng1, _, _ = run_engine(model, data, tmp / f"engine1-{todo[0]}", [all_jobs[i] for i in todo],
                                     dtype=dtype, budget=budget, max_seq_len=seq, max_active=1)
             for i, st in zip(todo, engine_one_job_stats(eng1.round_log, len(todo), steps)):
-                seq_engine1[i] = dict(st, job=i, rank=all_jobs[i]["rank"])
+                seq_engine1[i] = dict(st, job=i, rank=all_jobs[i]["r"])
             del eng1
         tr = agg(seq_trainer, k)
         e1 = agg(seq_engine1, k)
@@ -649,8 +657,8 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
         k_max_round = last["engine_wall_s"] / steps * (len(set(sweep_ranks)) * len(lrs) / last["k"])
 
     # -- 2. sweep with vs without early exit ---------------------------------------------------------------
-    grid = [{"name": f"lr{lr:g}-r{r}", "lr": lr, "rank": r, "nblocks": nblocks, "batch_size": bs,
-             "steps": sweep_steps, "group": "sweep", "seed": 0} for lr in lrs for r in sweep_ranks]
+    grid = [{"name": f"lr{lr:g}-r{r}", "lr": lr, "r": r, "nblocks": nblocks, "batch_size": bs,
+             "max_steps": sweep_steps, "group": "sweep", "seed": 0} for lr in lrs for r in sweep_ranks]
     ee = {"enabled": True}  # paper defaults
     for label, early in (("with_early_exit", ee), ("without_early_exit", None)):
         est = k_max_round * sweep_steps * (0.6 if early else 1.0) if k_max_round else 0.0
@@ -730,8 +738,8 @@ def _pvd_experiments(dist, rank: int, world: int, plan: dict) -> dict:
             print(f"[pvd] {msg} | {time.time() - plan['t_start']:.0f}s", flush=True)
 
     def jobs_of(names_ranks, steps):
-        return [{"name": n, "rank": r, "nblocks": plan["nblocks"], "lr": plan["lr"], "batch_size": plan["batch_size"],
-                 "steps": steps, "seed": i} for i, (n, r) in enumerate(names_ranks)]
+        return [{"name": n, "r": r, "nblocks": plan["nblocks"], "lr": plan["lr"], "batch_size": plan["batch_size"],
+                 "max_steps": steps, "seed": i} for i, (n, r) in enumerate(names_ranks)]
 
     def go(what: str, mode: str, k: int) -> bool:
         """Rank 0 decides from the elapsed time and the last run of the same mode; every rank follows."""
