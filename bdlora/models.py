@@ -53,10 +53,12 @@ def build_tokenizer(path: str | os.PathLike, vocab_size: int = 512, corpus=None)
 def build_random_llama(path: str | os.PathLike, *, hidden_size: int = 256, num_layers: int = 2,
                        num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 512,
                        vocab_size: int = 512, max_position_embeddings: int = 2048, dtype: str = "float32",
-                       seed: int = 0, tokenizer: bool = True, init_std: float = 0.02) -> Path:
+                       seed: int = 0, tokenizer: bool = True, init_std: float = 0.02,
+                       device: Optional[str] = None) -> Path:
     """Saves a random-weight ``LlamaForCausalLM`` (safetensors + config + tokenizer) at ``path``; returns it.
 
-    The default is the tiny TP=2-capable model of the tests (hidden 256, 4 heads, 2 KV heads).
+    The default is the tiny TP=2-capable model of the tests (hidden 256, 4 heads, 2 KV heads). ``device="cuda"``
+    initializes big shapes on the GPU (an 8B shape in seconds instead of minutes on CPU cores).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -69,7 +71,8 @@ def build_random_llama(path: str | os.PathLike, *, hidden_size: int = 256, num_l
                          pad_token_id=0, torch_dtype=dtype)
     torch.manual_seed(seed)
     with atomic_output_dir(path) as tmp:
-        model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+        with torch.device(device or "cpu"):
+            model = LlamaForCausalLM(config).to(getattr(torch, dtype))
         model.save_pretrained(str(tmp), safe_serialization=True)
         if tokenizer:
             build_tokenizer(tmp, vocab_size=vocab_size)

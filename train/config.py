@@ -333,6 +333,8 @@ def _number(v: Any, fail) -> float:
     if isinstance(v, bool):
         fail(f"must be a number, got {v!r}")
     if isinstance(v, str):
+        if v.strip().lower().lstrip("+-") in (".inf", ".nan", "inf", "nan", "infinity"):  # YAML's spellings too
+            fail(f"must be a finite number, got {v!r}")
         try:
             v = float(v.strip())
         except ValueError:

@@ -75,11 +75,10 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-from .config import ConfigError
+from .config import DATA_FORMATS, ConfigError
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
-DATA_FORMATS = ("auto", "alpaca", "sharegpt", "messages", "chat", "prompt_completion", "text")
 FILE_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 # Bump when the encoding of a record changes, so tokenized caches written by older code are not reused.
 ENCODING_VERSION = 2

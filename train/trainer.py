@@ -156,27 +156,20 @@ def build_peft_model(cfg: TrainConfig, model_dir: Path):
     return model, spec
 
 
-def warn_unservable_nblocks(cfg: TrainConfig, model_config) -> Optional[str]:
-    """A warning when vLLM cannot serve the model at tensor-parallel size ``nblocks`` (heads or widths do not
-    split), so the adapter could not be served the way it is blocked; None when it can."""
-    n = cfg.nblocks
-    if n == 1:
+def warn_unservable_nblocks(spec: BDLoraSpec, model_config) -> Optional[str]:
+    """A warning when vLLM cannot serve the model at tensor-parallel size ``nblocks`` (the adapter could not be
+    served the way it is blocked); None when it can or when N = 1."""
+    from bdlora.spec import servable_tp_degrees, vllm_can_serve_tp
+
+    n = spec.nblocks
+    kv_lora = any(m in spec.column_modules for m in ("k_proj", "v_proj"))
+    why = vllm_can_serve_tp(model_config, n, n, kv_lora) if n > 1 else None
+    if why is None:
         return None
-    reasons = []
-    for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "hidden_size"):
-        v = getattr(model_config, attr, None)
-        if not isinstance(v, int):
-            continue
-        if attr == "num_key_value_heads":
-            if v % n and n % v:
-                reasons.append(f"{attr}={v}")
-        elif v % n:
-            reasons.append(f"{attr}={v}")
-    if not reasons:
-        return None
-    return (f"nblocks={n}: vLLM cannot serve this model at tensor-parallel size {n} ({', '.join(reasons)} do not "
-            f"split {n} ways); the adapter still serves at a TP size M with M | {n} or {n} | M that the model "
-            "allows, or choose nblocks from the model's servable TP sizes (bdlora inspect ADAPTER --model MODEL)")
+    ok = servable_tp_degrees(model_config, n, kv_lora=kv_lora)
+    return (f"nblocks={n}: vLLM cannot serve this model at tensor-parallel size {n} ({why}); this adapter serves at "
+            f"TP {ok or 'none'} (M | {n} or {n} | M that the model allows); for TP={n} serving choose nblocks from "
+            f"the model's servable sizes {servable_tp_degrees(model_config)}")
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
@@ -496,7 +489,7 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     model, spec = build_peft_model(cfg, model_dir)
     model.peft_config["default"].base_model_name_or_path = base_id  # the id the user gave, not a cache path
     if main:
-        warning = warn_unservable_nblocks(cfg, model.config)
+        warning = warn_unservable_nblocks(spec, model.config)
         if warning:
             print(f"bdlora train: warning: {warning}", file=sys.stderr)
         (out / CONFIG_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""The single-job trainer (``bdlora train``) against the plain PEFT bf16 loop a user would write, side by side.
+
+One process per run (fresh GPU memory statistics). The model is a random-weight Llama of the chosen shape written
+once as bf16 safetensors; the data is plain text records whose lengths follow the engine benchmark's job mix
+(about 30-250 tokens, batches of 8), so both sides see the same token counts per batch. The plain loop is
+``bench/train/peft_bf16_loop.py`` (a copy of the measured anchor script), run with the same shape, rank and N.
+
+    python bench/train/bench_trainer.py --shape llama8b --out results.jsonl            # trainer vs loop
+    python bench/train/bench_trainer.py --shape llama8b --seq 2048 --grad-ckpt ...     # long sequences
+
+Each run appends one JSON line to ``--out``: which side, tokens/s over the timed steps (real, unpadded tokens),
+median step time, peak GPU memory (torch.cuda.max_memory_allocated), device and versions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {
+    "llama8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                    vocab_size=32000),
+    "smollm2": dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
+                    vocab_size=49152),
+    "tiny": dict(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512, vocab_size=512),
+}
+HERE = Path(__file__).resolve().parent
+
+
+def build_model(shape: str, path: Path) -> Path:
+    from bdlora.models import build_random_llama
+
+    if not (path / "config.json").is_file():
+        import torch
+
+        build_random_llama(path, **SHAPES[shape], dtype="bfloat16", max_position_embeddings=4096,
+                           device="cuda" if torch.cuda.is_available() else None)
+    return path
+
+
+def build_data(path: Path, tokenizer_dir: Path, n: int, min_len: int, max_len: int, seed: int = 0) -> Path:
+    """Plain-text records of min_len..max_len tokens (exact: sampled from the tokenizer's own vocabulary)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    rng = random.Random(seed)
+    words = [w for w in tok.get_vocab() if w.isalpha() and w.isascii() and len(w) > 1][:400] or ["a"]
+    with open(path, "w") as f:
+        for _ in range(n):
+            target = rng.randint(min_len, max_len)
+            text = " ".join(rng.choice(words) for _ in range(target))
+            ids = tok(text, add_special_tokens=False)["input_ids"][: target - 1]
+            f.write(json.dumps({"text": tok.decode(ids)}) + "\n")
+    return path
+
+
+def run_trainer(a) -> dict:
+    import torch
+
+    from bdlora.train.config import TrainConfig
+    from bdlora.train.trainer import run_training
+
+    out = Path(a.workdir) / f"trainer-{a.tag}"
+    cfg = TrainConfig(model=str(a.model), precision="bf16", nblocks=a.nblocks, r=a.rank, lora_alpha=16,
+                      train_file=str(a.data), data_format="text", eval_fraction=0.0, max_length=a.max_len + 8,
+                      lr=1e-4, scheduler="constant", warmup_steps=0, batch_size=a.batch, grad_accum=1,
+                      max_steps=a.warmup + a.steps, log_every=1, output_dir=str(out), report_to=[], progress=False,
+                      gradient_checkpointing=a.grad_ckpt, attn_implementation="sdpa", packing=a.packing,
+                      training_args={"dataloader_num_workers": 0})
+    res = run_training(cfg, validate_adapter=False)
+    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if "tokens_seen" in r and "train_loss" in r]
+    t = {r["step"]: (r["time"], r["tokens_seen"]) for r in recs}
+    s0, s1 = a.warmup, a.warmup + a.steps
+    dt, dtok = t[s1][0] - t[s0][0], t[s1][1] - t[s0][1]
+    steps = sorted(t)
+    step_times = [t[b][0] - t[a_][0] for a_, b in zip(steps, steps[1:]) if a_ >= s0]
+    return {"side": "bdlora trainer", "tok_per_s": round(dtok / dt, 1),
+            "step_s_median": round(sorted(step_times)[len(step_times) // 2], 4),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+            "final_loss": res.train_loss}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
+    ap.add_argument("--side", default="both", choices=["both", "trainer", "loop"])
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--nblocks", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=None, help="fixed sequence length (default: 30-250 tokens)")
+    ap.add_argument("--grad-ckpt", action="store_true")
+    ap.add_argument("--packing", action="store_true")
+    ap.add_argument("--workdir", default="/tmp/bdlora-bench-trainer")
+    ap.add_argument("--out", default="bench_trainer.jsonl")
+    ap.add_argument("--tag", default="run")
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    a.min_len, a.max_len = (a.seq, a.seq) if a.seq else (30, 250)
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    base = {"shape": a.shape, "rank": a.rank, "nblocks": a.nblocks, "batch": a.batch, "seq": a.seq or "30-250",
+            "grad_ckpt": a.grad_ckpt, "packing": a.packing, "timed_steps": a.steps, "warmup_steps": a.warmup,
+            "date": time.strftime("%Y-%m-%d")}
+    if a.model is None:  # parent: prepare model + data once, then one child process per side
+        model = build_model(a.shape, work / f"model-{a.shape}")
+        n = (a.warmup + a.steps + 2) * a.batch
+        data = build_data(work / f"data-{a.min_len}-{a.max_len}.jsonl", model, n, a.min_len, a.max_len)
+        sides = ["loop", "trainer"] if a.side == "both" else [a.side]
+        for side in sides:
+            if side == "loop":
+                cmd = [sys.executable, str(HERE / "peft_bf16_loop.py"), "--shape", a.shape, "--rank", str(a.rank),
+                       "--nblocks", str(a.nblocks), "--steps", str(a.steps), "--warmup", str(a.warmup),
+                       "--batch", str(a.batch), "--min-len", str(a.min_len), "--max-len", str(a.max_len)]
+                if a.grad_ckpt:
+                    cmd.append("--grad-ckpt")
+            else:
+                cmd = [sys.executable, __file__, *sys.argv[1:], "--side", "trainer", "--model", str(model),
+                       "--data", str(data)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
+            rec = {**base, "side": "plain PEFT loop" if side == "loop" else "bdlora trainer"}
+            if proc.returncode or line is None:
+                rec["error"] = (proc.stderr or proc.stdout)[-1500:]
+            else:
+                rec.update(json.loads(line))
+                rec["side"] = "plain PEFT loop" if side == "loop" else "bdlora trainer"
+            print(json.dumps(rec), flush=True)
+            with open(a.out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        return 0
+    import torch
+    import transformers
+    import peft
+
+    rec = run_trainer(a)
+    rec.update(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
+               transformers=transformers.__version__, peft=peft.__version__)
+    print(json.dumps(rec), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
