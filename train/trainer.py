@@ -331,22 +331,22 @@ def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool):
 
 
 class _Collator:
-    """Our collate (padded, or padding-free when ``packing``), recording each micro-batch's example indices when
-    asked (``record_samples``)."""
+    """Our collate (padded, or padding-free when ``packing``); with ``record_samples`` each batch also carries its
+    example indices (``sample_index``), recorded by the trainer when the micro-batch is trained on (the dataloader
+    prefetches batches ahead, so the collator cannot know which are used)."""
 
-    def __init__(self, pad_id: int, packing: bool, record: Optional[Path], rank: int):
-        from . import data
+    def __init__(self, pad_id: int, packing: bool, record: bool):
+        from .data import make_collator
 
-        self.inner = data.make_collator(pad_id, packing) if hasattr(data, "make_collator") else (
-            lambda exs: collate(exs, pad_id))
-        self.record, self.rank = record, rank
+        self.inner = make_collator(pad_id, packing)
+        self.record = record
 
     def __call__(self, rows: list[dict]) -> dict:
         exs = [Example(list(r["input_ids"]), list(r["labels"]), int(r["index"])) for r in rows]
-        if self.record is not None:
-            with open(self.record, "a") as f:
-                f.write(json.dumps({"rank": self.rank, "records": [e.index for e in exs]}) + "\n")
-        return self.inner(exs)
+        batch = self.inner(exs)
+        if self.record:
+            batch["sample_index"] = torch.tensor([e.index for e in exs])
+        return batch
 
 
 def _as_dataset(examples: list[Example]):
@@ -360,7 +360,18 @@ def _make_trainer_class():
     from transformers import Trainer, TrainerCallback
 
     class BDLoraTrainer(Trainer):
-        """transformers' Trainer whose checkpoints appear atomically and never hold non-finite weights."""
+        """transformers' Trainer whose checkpoints appear atomically and never hold non-finite weights; with
+        ``record_path`` set, each trained micro-batch's example indices are appended there."""
+
+        record_path: Optional[Path] = None
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            idx = inputs.pop("sample_index", None)
+            if idx is not None and self.record_path is not None and model.training:
+                with open(self.record_path, "a") as f:
+                    f.write(json.dumps({"rank": self.args.process_index, "step": self.state.global_step,
+                                        "records": idx.tolist()}) + "\n")
+            return super().compute_loss(model, inputs, *args, **kwargs)
 
         def _save_checkpoint(self, model, trial):
             bad = nonfinite_parameters(self.accelerator.unwrap_model(self.model))
@@ -502,8 +513,9 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     record = out / f"samples.rank{rank}.jsonl" if cfg.record_samples else None
     trainer = BDLoraTrainer(model=model, args=args, train_dataset=_as_dataset(train_ex),
                             eval_dataset=_as_dataset(eval_ex) if eval_ex else None,
-                            data_collator=_Collator(tokenizer.pad_token_id, cfg.packing, record, rank),
+                            data_collator=_Collator(tokenizer.pad_token_id, cfg.packing, record is not None),
                             processing_class=tokenizer, callbacks=callbacks)
+    trainer.record_path = record
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if main:
         msg = (f"bdlora train: {cfg.model} | N={spec.nblocks} r={spec.r} (r/N={spec.block_rank}) "
