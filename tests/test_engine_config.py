@@ -238,3 +238,17 @@ def test_tiny_random_shortcut_never_asks_the_hub(tmp_path, data_file, monkeypatc
     eng = Engine(run)
     assert eng.base_path == str(tmp_path / "cache" / "tiny-random-llama")
     assert next(eng.model.parameters()).dtype == torch.float32  # precision auto on CPU
+
+
+def test_sweep_example_parses_in_the_new_vocabulary(monkeypatch):
+    from pathlib import Path
+
+    from bdlora.train.engine.config import load_run
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # its paths are relative to the working directory: the repository root
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # no deprecated name left in the example
+        run = load_run(root / "bdlora" / "configs" / "sweep_example.yaml")
+    assert len(run.jobs) == 1 + 16 + 4 and run.resume and run.early_exit.enabled
+    assert {j.nblocks for j in run.jobs} == {3} and all(j.r % 3 == 0 for j in run.jobs)
