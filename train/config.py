@@ -536,7 +536,7 @@ def describe_keys(cls=TrainConfig, defaults: Optional[dict] = None) -> str:
         help_text = f.metadata.get("help", "")
         for line in textwrap.wrap(help_text, 110):
             lines.append(f"# {line}")
-        lines.append(yaml.safe_dump({f.name: default}, default_flow_style=True, width=200).strip().strip("{}"))
+        lines.append(yaml.safe_dump({f.name: default}, sort_keys=False, width=200).rstrip())
     return "\n".join(lines) + "\n"
 
 

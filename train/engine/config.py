@@ -581,13 +581,7 @@ def load_run(path: str | os.PathLike, overrides: Optional[dict[str, Any]] = None
 def describe_run_keys() -> str:
     """Every key of a run file with its default and help, as commented YAML (``bdlora sweep --print-config``)."""
     job = describe_keys(JobConfig, {"train_file": "data/train.jsonl"})
-    import yaml
-
-    ee = yaml.safe_dump({"early_exit": asdict(EarlyExitConfig())}, default_flow_style=True, sort_keys=False,
-                        width=200).strip()[1:-1]
-    # describe_keys strips the outer braces of a flow mapping, which would cut a nested one's closing brace
-    engine = "\n".join(ee if line.startswith("early_exit:") else line
-                       for line in describe_keys(EngineKeys).splitlines()) + "\n"
+    engine = describe_keys(EngineKeys)
     return ("# ---- job keys: at the top level, the defaults of every job; under jobs:/search:, one job's (name,\n"
             "# group and priority only there). model, precision, attn_implementation, output_dir, save_every,\n"
             "# log_every (in rounds) and resume are the run's, top level only.\n" + job

@@ -62,31 +62,6 @@ class DatasetSplit:
     val: list[Sample]
 
 
-def load_split(ds, tok, max_len: int) -> DatasetSplit:
-    """Train/val samples of a :class:`~bdlora.train.engine.config.DatasetConfig` (seeded, deterministic split).
-
-    A source or record that cannot be used raises :class:`~bdlora.train.data.DataError` naming the dataset."""
-    from bdlora.train.data import DataError, split_indices
-
-    try:
-        recs = read_records(ds.path)
-        if ds.max_samples:
-            recs = recs[: ds.max_samples]
-        if ds.val_path:
-            train = tokenize_records(recs, tok, max_len, ds.format, ds.path)
-            val = tokenize_records(read_records(ds.val_path), tok, max_len, ds.format, ds.val_path)
-        else:
-            tr_idx, ev_idx = split_indices(len(recs), ds.val_fraction, int(ds.seed))
-            val = tokenize_records([recs[i] for i in ev_idx], tok, max_len, ds.format, ds.path)
-            train = tokenize_records([recs[i] for i in tr_idx], tok, max_len, ds.format, ds.path)
-    except DataError as e:
-        raise DataError(f"dataset {ds.name!r}: {e}") from None
-    if not train:
-        raise DataError(f"dataset {ds.name!r} ({ds.path}) has no usable training samples (max_seq_len={max_len} "
-                        f"may be too small)")
-    return DatasetSplit(train, val)
-
-
 class EpochSampler:
     """Batches of sample indices: a fresh seeded permutation per epoch, each index exactly once per epoch.
 
