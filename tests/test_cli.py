@@ -50,11 +50,29 @@ def test_convert_roundtrip_via_cli(peft_bd_adapter, tmp_path, capsys):
 def test_cli_errors_are_clear(peft_bd_adapter, tmp_path, capsys):
     assert main(["convert", "reblock", str(peft_bd_adapter), str(tmp_path / "x"), "--tp", "3"]) == 2
     err = capsys.readouterr().err
-    assert "nblocks=2 to 3 blocks" in err and not (tmp_path / "x").exists()
-    # the route that works, not the command that just failed
-    assert f"bdlora convert to-dense {peft_bd_adapter} {tmp_path / 'x'}-dense" in err
-    assert f"bdlora convert to-bd {tmp_path / 'x'}-dense {tmp_path / 'x'} --nblocks 3" in err
+    # 3 splits none of the tiny model's layers (128/256/512 wide): that is said first, since no route helps
+    assert "cannot be split into 3 blocks" in err and not (tmp_path / "x").exists()
     assert "reblock --tp 3" not in err
+    # layers 48/24/96 wide split into 2 or 3 blocks, but reblock cannot go from 2 blocks to 3: the error gives the
+    # route that works (to-dense, then to-bd), with both commands, not the reblock command that just failed
+    from bdlora import save_adapter
+    from bdlora.adapter import Adapter, AdapterConfig, LoraFactors
+    from bdlora.convert import dense_to_bd
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"q_proj": (48, 48), "k_proj": (24, 48), "o_proj": (48, 48), "down_proj": (48, 96)}
+    dense = Adapter(AdapterConfig(r=4, lora_alpha=8.0, use_rslora=True, target_modules=list(shapes)),
+                    {f"m.layers.0.x.{n}": LoraFactors(torch.randn(4, din, generator=gen), torch.randn(dout, 4, generator=gen))
+                     for n, (dout, din) in shapes.items()})
+    n2, out = save_adapter(dense_to_bd(dense, 2)[0], tmp_path / "n2"), tmp_path / "n3"
+    assert main(["convert", "reblock", str(n2), str(out), "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "nblocks=2 to 3 blocks" in err and "reblock --tp 3" not in err
+    first = f"bdlora convert to-dense {n2} {out}-dense"
+    second = f"bdlora convert to-bd {out}-dense {out} --nblocks 3"
+    assert first in err and second in err
+    assert main(first.split()[1:]) == 0 and main(second.split()[1:]) == 0  # ... and the route works
+    capsys.readouterr()
     assert main(["convert", "to-bd", str(peft_bd_adapter), str(tmp_path / "y"), "--nblocks", "2"]) == 2
     assert "already has use_bdlora" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path)]) == 2
