@@ -38,8 +38,9 @@ def check_tp_compatible(nblocks: int, tp_size: int) -> None:
         raise BDLoraError(
             f"adapter has nblocks={nblocks} but tensor-parallel size is {tp_size}: BD-LoRA serves without extra "
             f"communication only when one divides the other; use --tensor-parallel-size in {divisors} or a multiple "
-            f"of {nblocks}, or re-block the adapter with `bdlora convert reblock --tp {tp_size}` if {tp_size} "
-            f"divides the layer sizes"
+            f"of {nblocks}, or make a {tp_size}-block adapter through a dense one (reblock cannot: neither block "
+            f"count divides the other): `bdlora convert to-dense ADAPTER ADAPTER-dense` then `bdlora convert to-bd "
+            f"ADAPTER-dense ADAPTER-tp{tp_size} --nblocks {tp_size}`"
         )
 
 
