@@ -44,7 +44,7 @@ def test_yaml_roundtrip_and_overrides(tmp_path, data_file):
     (dict(nblocks=3, r=8), "r: rank 8 is not divisible by nblocks=3"),
     (dict(nblocks=0), "nblocks"),
     (dict(scheduler="step"), "scheduler"),
-    (dict(precision="fp16"), "precision"),
+    (dict(precision="fp8"), "precision"),
     (dict(lr=0), "lr"),
     (dict(r="eight"), "r: must be an integer"),
     (dict(batch_size=0), "batch_size"),

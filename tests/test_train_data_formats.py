@@ -374,27 +374,25 @@ def test_padding_free_collator_matches_padded_loss(tok, tiny_llama_dir):
 
 
 # ---------------------------------------------------------------------------------------------------- engine
-def DatasetConfig(name, path, val_fraction=0.1, seed=0, format="auto", val_path=None, max_samples=None):
-    """The attributes load_split reads (the engine's dataset entry)."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(name=name, path=path, val_fraction=val_fraction, seed=seed, format=format,
-                           val_path=val_path, max_samples=max_samples)
-
-
 def test_engine_reads_every_format(tok, tmp_path):
-    from bdlora.train.engine.data import load_split, tokenize_records
+    from bdlora.train.engine.config import JobConfig
+    from bdlora.train.engine.data import tokenize_records
+    from bdlora.train.engine.engine import load_job_data
+
+    def job(name, path, **kw):
+        return JobConfig.from_dict({"name": name, "train_file": str(path), "eval_fraction": 0.2, **kw})
 
     recs = [r for rs in RECORDS.values() for r in rs]
     path = _write(recs, tmp_path / "all.jsonl")
-    split = load_split(DatasetConfig(name="mix", path=str(path), val_fraction=0.2, seed=0), tok, 128)
+    split = load_job_data(job("mix", path, max_length=128), tok)
     assert len(split.train) + len(split.val) == len(recs)
     assert all(s.n_targets > 0 for s in split.train + split.val)
     text = tokenize_records(RECORDS["text"], tok, 128)
     assert all(all(s.loss_mask) for s in text)
     bad = _write(RECORDS["text"] + [{"foo": 1}], tmp_path / "bad.jsonl")
-    with pytest.raises(DataError, match=r"dataset 'broken': .*bad.jsonl record 5: neither"):
-        load_split(DatasetConfig(name="broken", path=str(bad), val_fraction=0.0), tok, 128)
-    with pytest.raises(DataError, match=r"dataset .tiny. .*no usable"):
-        load_split(DatasetConfig(name="tiny", path=str(_write(RECORDS["alpaca"], tmp_path / "a.jsonl")),
-                                 val_fraction=0.0), tok, 2)
+    with pytest.raises(DataError, match=r"job 'broken' .*bad.jsonl record 5: neither"):
+        load_job_data(job("broken", bad, eval_fraction=0.0, max_length=128), tok)
+    with pytest.raises(DataError, match=r"job 'tiny'.*no usable"):
+        load_job_data(job("tiny", _write(RECORDS["alpaca"], tmp_path / "a.jsonl"), eval_fraction=0.0,
+                          max_length=8), tok)
+
