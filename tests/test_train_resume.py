@@ -109,3 +109,58 @@ def test_bf16_autocast_and_epochs(tiny_llama_dir, data_file, tmp_path):
     assert again.step == 3
     for (n, a), (_, b) in zip(res.model.named_parameters(), again.model.named_parameters()):
         assert torch.equal(a, b), n
+
+
+def _adapter_tensors(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["inside-a-checkpoint-write", "between-steps"])
+def test_kill_9_then_resume_is_bit_identical(tiny_llama_dir, data_file, tmp_path, moment):
+    """SIGKILL the `bdlora train` process (a checkpoint half-written, or mid-training), then run the same command
+    again with resume: auto: the final adapter equals an uninterrupted run's tensor for tensor."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    def job(out):
+        p = tmp_path / f"{out}.yaml"
+        p.write_text(yaml.safe_dump(dict(
+            model=str(tiny_llama_dir), nblocks=2, r=8, lora_dropout=0.1, train_file=data_file, eval_fraction=0.0,
+            lr=3e-3, scheduler="cosine", warmup_steps=1, batch_size=3, grad_accum=2, max_steps=6, seed=11,
+            save_every=1, save_total_limit=2, output_dir=str(tmp_path / out), progress=False, report_to=[],
+            resume="auto")))
+        return [sys.executable, "-m", "bdlora.train", "--config", str(p)]
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    subprocess.run(job("straight"), env=env, check=True, capture_output=True, timeout=300)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(job("killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    killed_at = None
+    while time.time() < deadline and proc.poll() is None:
+        staging = list(out.glob(".staging-checkpoint-*/*")) if out.is_dir() else []
+        done = (out / "checkpoint-3").is_dir()
+        if (moment == "inside-a-checkpoint-write" and staging) or (moment == "between-steps" and done):
+            os.kill(proc.pid, signal.SIGKILL)
+            killed_at = [p.name for p in out.iterdir()]
+            break
+        time.sleep(0.002)
+    proc.wait(timeout=30)
+    assert killed_at is not None, "the run ended before the kill moment came"
+    assert not (out / "adapter").exists()
+    resumed = subprocess.run(job("killed"), env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout or moment == "inside-a-checkpoint-write"
+    want, got = _adapter_tensors(tmp_path / "straight" / "adapter"), _adapter_tensors(out / "adapter")
+    assert want.keys() == got.keys() and len(want) == 28
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    assert not list(out.glob(".staging-*"))  # the interrupted write's staging folder was cleaned up
