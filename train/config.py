@@ -51,6 +51,8 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DATA_FORMATS = ("auto", "alpaca", "sharegpt", "messages", "chat", "prompt_completion", "text")
 A_INITS = ("lora", "peft")
 MODEL_SHORTCUTS = ("smollm2", "tiny-random")
+BNB_4BIT_QUANT_TYPES = ("nf4", "fp4")
+KBIT_COMPUTE_DTYPES = ("bf16", "fp16", "fp32")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
@@ -75,6 +77,25 @@ class TrainConfig:
         eager, flash_attention_2 (needs flash-attn installed), flex_attention."""))
     gradient_checkpointing: bool = field(default=False, **_help("""Recompute activations in the backward pass
         (less memory, ~30% more compute); for long sequences and big models."""))
+
+    # ---- k-bit base (QLoRA-style; bitsandbytes, `pip install 'bdlora[quant]'`)
+    load_in_4bit: bool = field(default=False, **_help("""Quantize the frozen base to 4 bits at load (bitsandbytes
+        Linear4bit, QLoRA). The adapter is still a genuine BD-LoRA (N packed rank r/N blocks, bdlora.quant makes
+        PEFT's 4-bit LoRA layers build it), trains in fp32 and is saved in the same PEFT format: it loads on the
+        unquantized base. Runs on GPUs (bitsandbytes' CUDA kernels) and, slowly, on CPU."""))
+    load_in_8bit: bool = field(default=False, **_help("""Quantize the frozen base to 8 bits at load (bitsandbytes
+        LLM.int8 Linear8bitLt); same adapter and format as load_in_4bit. Not with load_in_4bit."""))
+    bnb_4bit_quant_type: Optional[str] = field(default=None, **_help("""With load_in_4bit: nf4 (default, QLoRA's
+        NormalFloat4) or fp4."""))
+    bnb_4bit_use_double_quant: Optional[bool] = field(default=None, **_help("""With load_in_4bit: also quantize the
+        quantization constants (QLoRA's double quantization, ~0.4 bit per weight less). Default true."""))
+    bnb_4bit_compute_dtype: Optional[str] = field(default=None, **_help("""With load_in_4bit: dtype the 4-bit
+        weights are dequantized to for the matmul: bf16, fp16 or fp32. Default: the precision's dtype (bf16 on a
+        GPU)."""))
+    kbit_upcast_fp32: bool = field(default=False, **_help("""With load_in_4bit/load_in_8bit: run PEFT's
+        prepare_model_for_kbit_training, which upcasts the base's non-quantized weights (embeddings, norms,
+        lm_head) to fp32. Off by default: they stay in the precision's dtype (autocast computes in it anyway;
+        on a Llama-70B shape the upcast costs ~4 GB more and an fp32 lm_head)."""))
 
     # ---- adapter
     target_modules: Optional[list[str]] = field(default=None, **_help("""Projection names to adapt (exact last name
@@ -176,6 +197,17 @@ class TrainConfig:
         cfg.check_paths(Path(path).parent, str(path))
         return cfg
 
+    @classmethod
+    def field_defaults(cls) -> dict[str, Any]:
+        """{key: default} of every field (a checkpoint written before a key existed had its default)."""
+        out = {}
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                out[f.name] = f.default_factory()  # type: ignore[misc]
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -211,6 +243,7 @@ class TrainConfig:
         for name, allowed in (("precision", PRECISIONS), ("data_format", DATA_FORMATS), ("a_init", A_INITS)):
             if getattr(self, name) not in allowed:
                 bad(name, f"{getattr(self, name)!r} is not one of {list(allowed)}")
+        self._validate_kbit(bad)
         if self.attn_implementation is not None and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             bad("attn_implementation", f"{self.attn_implementation!r} is not one of {list(ATTN_IMPLEMENTATIONS)}")
         schedulers = scheduler_names()
@@ -263,6 +296,37 @@ class TrainConfig:
             bad("training_args", f"must be a mapping of TrainingArguments fields, got {self.training_args!r}")
         check_training_args(self.training_args, source)
 
+    def _validate_kbit(self, bad) -> None:
+        """The k-bit keys: one quantization at a time, 4-bit options only with load_in_4bit (a key that would do
+        nothing is an error, never silently ignored)."""
+        if self.load_in_4bit and self.load_in_8bit:
+            bad("load_in_8bit", "load_in_4bit and load_in_8bit are both true; choose one")
+        for key in ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype"):
+            if getattr(self, key) is not None and not self.load_in_4bit:
+                bad(key, "only applies with load_in_4bit: true" + (" (load_in_8bit has no 4-bit options)"
+                                                                   if self.load_in_8bit else ""))
+        if self.bnb_4bit_quant_type is not None and self.bnb_4bit_quant_type not in BNB_4BIT_QUANT_TYPES:
+            bad("bnb_4bit_quant_type", f"{self.bnb_4bit_quant_type!r} is not one of {list(BNB_4BIT_QUANT_TYPES)}")
+        if self.bnb_4bit_compute_dtype is not None and self.bnb_4bit_compute_dtype not in KBIT_COMPUTE_DTYPES:
+            bad("bnb_4bit_compute_dtype", f"{self.bnb_4bit_compute_dtype!r} is not one of {list(KBIT_COMPUTE_DTYPES)}")
+        if self.kbit_upcast_fp32 and not self.quantized:
+            bad("kbit_upcast_fp32", "only applies with load_in_4bit or load_in_8bit")
+        if self.quantized:
+            for k in ("fsdp", "deepspeed"):
+                if self.training_args.get(k) if isinstance(self.training_args, dict) else False:
+                    bad(f"training_args.{k}", f"{k} over a {self.quant_bits}-bit base is not supported by bdlora "
+                        "train (sharding bitsandbytes weights needs a matching quant storage dtype and is untested "
+                        "here); use data parallelism (accelerate launch) or an unquantized base")
+
+    @property
+    def quantized(self) -> bool:
+        """True when the base is loaded in 4 or 8 bits (load_in_4bit / load_in_8bit)."""
+        return bool(self.load_in_4bit or self.load_in_8bit)
+
+    @property
+    def quant_bits(self) -> Optional[int]:
+        return 4 if self.load_in_4bit else 8 if self.load_in_8bit else None
+
     def check_paths(self, yaml_dir: Optional[Path], source: str) -> None:
         """Relative paths are relative to the working directory; a miss that exists next to the YAML gets a hint."""
         for key in ("train_file", "eval_file"):
@@ -307,7 +371,8 @@ class TrainConfig:
                         "lora_dropout", "a_init", "train_file", "eval_file", "eval_fraction", "data_format",
                         "max_length", "packing", "lr", "weight_decay", "adam_betas", "adam_eps", "max_grad_norm",
                         "scheduler", "warmup_ratio", "warmup_steps", "batch_size", "grad_accum", "epochs",
-                        "max_steps", "precision", "seed")
+                        "max_steps", "precision", "seed", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type",
+                        "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "kbit_upcast_fp32")
 
 
 # ---------------------------------------------------------------------------------------------------- value kinds
@@ -319,13 +384,16 @@ _KINDS = {
     "lora_alpha": _FLOAT, "lora_dropout": _FLOAT, "eval_fraction": _FLOAT, "lr": _FLOAT, "weight_decay": _FLOAT,
     "adam_eps": _FLOAT, "max_grad_norm": _FLOAT, "warmup_ratio": _FLOAT, "epochs": _FLOAT,
     "gradient_checkpointing": _BOOL, "packing": _BOOL, "progress": _BOOL, "record_samples": _BOOL,
+    "load_in_4bit": _BOOL, "load_in_8bit": _BOOL, "bnb_4bit_use_double_quant": _BOOL, "kbit_upcast_fp32": _BOOL,
+    "bnb_4bit_quant_type": _STR, "bnb_4bit_compute_dtype": _STR,
     "model": _STR, "a_init": _STR, "data_format": _STR, "scheduler": _STR, "precision": _STR, "output_dir": _STR,
     "train_file": _STR, "eval_file": _STR, "attn_implementation": _STR,
     "target_modules": _STRLIST, "column_modules": _STRLIST, "row_modules": _STRLIST, "report_to": _STRLIST,
     "adam_betas": _FLOATLIST,
 }
 _OPTIONAL = {"max_steps", "warmup_steps", "eval_batch_size", "train_file", "eval_file", "attn_implementation",
-             "target_modules", "column_modules", "row_modules", "report_to"}
+             "target_modules", "column_modules", "row_modules", "report_to", "bnb_4bit_quant_type",
+             "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype"}
 
 
 def _number(v: Any, fail) -> float:

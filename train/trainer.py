@@ -119,6 +119,12 @@ def check_bd_structure(peft_model, spec: BDLoraSpec, expected: dict[str, str]) -
             a, b = module.lora_A["default"], module.lora_B["default"]
             layout = ROW if isinstance(a, BlockDiagonalLinear) else COLUMN if isinstance(b, BlockDiagonalLinear) else None
             key = name.removeprefix("base_model.model.")
+            bd = a if layout == ROW else b if layout == COLUMN else None
+            if bd is not None and (bd.nblocks != spec.nblocks or not bd.weight.is_floating_point()
+                                   or tuple(bd.weight.shape) != (bd.out_features, bd.in_features // spec.nblocks)):
+                raise BDLoraError(f"{key}: block-diagonal factor of {bd.nblocks} blocks, shape "
+                                  f"{tuple(bd.weight.shape)}, {bd.weight.dtype}; expected {spec.nblocks} blocks packed "
+                                  f"as ({bd.out_features}, {bd.in_features // spec.nblocks}) float")
             seen[key] = layout
     want = dict(expected)
     if spec.nblocks == 1:  # one block: PEFT may or may not wrap a 1-block matrix; layout is moot
@@ -132,25 +138,105 @@ def check_bd_structure(peft_model, spec: BDLoraSpec, expected: dict[str, str]) -
 
 
 def load_base_model(cfg: TrainConfig, model_dir: Path, device_type: Optional[str] = None):
-    """The frozen base for ``cfg``: loaded in the precision's dtype (bf16/fp16 without an fp32 copy)."""
+    """The frozen base for ``cfg``: loaded in the precision's dtype (bf16/fp16 without an fp32 copy); with
+    load_in_4bit / load_in_8bit quantized by bitsandbytes at load (:func:`load_kbit_base_model`)."""
     from bdlora.models import ModelNotFound, load_causal_lm, torch_dtype_of
 
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.quantized:
+        return load_kbit_base_model(cfg, model_dir, device_type)
     try:
         return load_causal_lm(model_dir, torch_dtype_of(cfg.precision, device_type), cfg.attn_implementation)
     except ModelNotFound as e:
         raise ConfigError(f"attn_implementation: {e}") from None
 
 
+def kbit_quantization_config(cfg: TrainConfig, device_type: str):
+    """transformers' ``BitsAndBytesConfig`` for a k-bit ``cfg`` (None when the base is not quantized)."""
+    if not cfg.quantized:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    from bdlora.models import torch_dtype_of
+
+    if cfg.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = torch_dtype_of(cfg.bnb_4bit_compute_dtype or cfg.precision, device_type)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=cfg.bnb_4bit_quant_type or "nf4",
+        bnb_4bit_use_double_quant=True if cfg.bnb_4bit_use_double_quant is None else cfg.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=compute)
+
+
+def load_kbit_base_model(cfg: TrainConfig, model_dir: Path, device_type: str):
+    """The frozen base quantized by bitsandbytes at load (4-bit or 8-bit), on this process's device.
+
+    Non-quantized weights (embeddings, norms, lm_head) stay in the precision's dtype unless ``kbit_upcast_fp32``,
+    which runs PEFT's ``prepare_model_for_kbit_training`` (fp32 upcast of those, QLoRA's recipe). Gradient
+    checkpointing is the Trainer's (``gradient_checkpointing``, non-reentrant: no input-grad hook needed). On CPU,
+    bitsandbytes' inference repacking of 4-bit weights is switched off (it breaks training after an evaluation:
+    :func:`bdlora.quant.disable_cpu_inference_packing`)."""
+    from accelerate import PartialState
+    from transformers import AutoModelForCausalLM
+
+    from bdlora.models import torch_dtype_of
+    from bdlora.quant import bnb_problem, disable_cpu_inference_packing
+
+    key = "load_in_4bit" if cfg.load_in_4bit else "load_in_8bit"
+    problem = bnb_problem()
+    if problem is not None:
+        raise ConfigError(f"{key}: {problem}")
+    attn = cfg.attn_implementation
+    if attn and attn.startswith("flash_attention"):
+        import importlib.util
+
+        pkg = "flash_attn_interface" if attn == "flash_attention_3" else "flash_attn"
+        if importlib.util.find_spec(pkg) is None:
+            raise ConfigError(f"attn_implementation: {attn!r} needs the {pkg} package, which is not installed; use "
+                              "sdpa or install flash-attn")
+    kwargs: dict[str, Any] = {"dtype": torch_dtype_of(cfg.precision, device_type),
+                              "quantization_config": kbit_quantization_config(cfg, device_type)}
+    if attn:
+        kwargs["attn_implementation"] = attn
+    if device_type == "cuda":  # bitsandbytes weights cannot be moved later: load on this process's GPU
+        kwargs["device_map"] = {"": PartialState().device}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    except (ImportError, RuntimeError, ValueError) as e:
+        raise ConfigError(f"{key}: transformers/bitsandbytes could not load {model_dir} quantized: "
+                          f"{type(e).__name__}: {e}") from None
+    model.config.use_cache = False
+    if device_type == "cpu":
+        disable_cpu_inference_packing(model)
+    if cfg.kbit_upcast_fp32:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
 def build_peft_model(cfg: TrainConfig, model_dir: Path):
-    """(peft_model, spec). Validates names and shapes exactly before PEFT touches the model."""
+    """(peft_model, spec). Validates names and shapes exactly before PEFT touches the model. On a k-bit base,
+    PEFT's bitsandbytes LoRA layers are made to build BD-LoRA (:func:`bdlora.quant.enable_bdlora_on_kbit`) and the
+    result is checked layer by layer (:func:`bdlora.quant.check_kbit_bd`): never PEFT's silent dense fallback."""
     from peft import get_peft_model
 
     base = load_base_model(cfg, model_dir)
     spec = cfg.spec(getattr(base.config, "model_type", None))
     expected = spec.matching_modules(base)
+    if cfg.quantized:
+        from bdlora.quant import enable_bdlora_on_kbit
+
+        enable_bdlora_on_kbit()
     model = get_peft_model(base, spec.to_peft_config(task_type="CAUSAL_LM"))
     check_bd_structure(model, spec, expected)
+    if cfg.quantized:
+        from bdlora.quant import check_kbit_bd
+
+        check_kbit_bd(model, spec.nblocks)
     if cfg.a_init == "lora":
         init_block_a_like_lora(model)
     return model, spec
@@ -258,7 +344,8 @@ def check_resume_compatible(ckpt: Path, cfg: TrainConfig, world_size: int) -> No
     import yaml
 
     old = yaml.safe_load((ckpt / CONFIG_NAME).read_text()) or {}
-    diffs = [k for k in TrainConfig.RESUME_INVARIANT if old.get(k) != getattr(cfg, k)]
+    defaults = TrainConfig.field_defaults()
+    diffs = [k for k in TrainConfig.RESUME_INVARIANT if old.get(k, defaults.get(k)) != getattr(cfg, k)]
     if diffs:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in diffs)
         raise ConfigError(f"cannot resume from {ckpt}: the job changed ({detail}); these keys must match the "
@@ -631,6 +718,13 @@ def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str
     ]
     if ev:
         lines.append(f"- held-out loss {ev['eval_loss']:.4f} (perplexity {ev['eval_ppl']:.3f})")
+    if getattr(cfg, "quantized", False):
+        what = (f"4-bit ({cfg.bnb_4bit_quant_type or 'nf4'}"
+                f"{'' if cfg.bnb_4bit_use_double_quant is False else ', double quantization'})"
+                if cfg.load_in_4bit else "8-bit (LLM.int8)")
+        lines.append(f"- trained on a bitsandbytes {what} quantized base (QLoRA-style); the adapter weights are full "
+                     "precision in the same format as any BD-LoRA adapter and load on the unquantized base (on a "
+                     "k-bit base in PEFT: call `bdlora.quant.enable_bdlora_on_kbit()` first)")
     lines += [
         "", "## Serve with vLLM", "", "```bash", "pip install bdlora vllm",
         f"vllm serve {base} --enable-lora --enable-bdlora{tp} --max-lora-rank {rank_flag} \\",
@@ -702,5 +796,5 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-__all__ = ["TrainResult", "TrainingError", "build_peft_model", "list_checkpoints", "load_base_model", "main",
-           "resolve_model_path", "resume_checkpoint", "run_training", "write_model_card"]
+__all__ = ["TrainResult", "TrainingError", "build_peft_model", "kbit_quantization_config", "list_checkpoints",
+           "load_base_model", "load_kbit_base_model", "main", "resolve_model_path", "resume_checkpoint", "run_training", "write_model_card"]

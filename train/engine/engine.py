@@ -183,6 +183,11 @@ class Job:
 
 class Engine:
     def __init__(self, run: RunConfig, model=None, tokenizer=None, log=print):
+        kbit = [j for j in run.jobs if getattr(j, "load_in_4bit", False) or getattr(j, "load_in_8bit", False)]
+        if kbit:  # MultiLoraLinear reads the base's nn.Linear weights: a bitsandbytes base would not be BD-trained
+            raise ConfigError(f"{run_source(run)}: job {kbit[0].name!r}: load_in_4bit/load_in_8bit: the multi-LoRA "
+                              "engine has no k-bit base (its LoRA layers run over plain nn.Linear weights); train "
+                              "on a quantized base with `bdlora train`, one job at a time")
         self.run_cfg = run
         self.out = Path(run.output_dir)
         dist = _dist()
