@@ -85,8 +85,9 @@ def test_version_check():
 
     assert check_vllm_version("0.26.0") == "0.26.0"
     assert check_vllm_version("0.32.0+cpu") == "0.32.0+cpu"
-    for bad in ("0.25.2", "0.33.0", "1.0.0"):
-        with pytest.raises(BDLoraError, match="supports vLLM 0.26.0 <= version < 0.33"):
+    assert check_vllm_version("0.33.0") == "0.33.0"
+    for bad in ("0.25.2", "0.34.0", "1.0.0"):
+        with pytest.raises(BDLoraError, match="supports vLLM 0.26.0 <= version < 0.34"):
             check_vllm_version(bad)
 
 
@@ -417,5 +418,5 @@ def test_unsupported_vllm_refuses_enable_bdlora_with_version_message(tiny_llama_
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("BDLORA_ALLOW_UNSUPPORTED_VLLM", None)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert "REFUSED: bdlora's vLLM plugin supports vLLM 0.26.0 <= version < 0.33, found 0.25.0" in res.stdout, (
+    assert "REFUSED: bdlora's vLLM plugin supports vLLM 0.26.0 <= version < 0.34, found 0.25.0" in res.stdout, (
         res.stdout[-2000:] + res.stderr[-3000:])

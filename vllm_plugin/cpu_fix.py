@@ -19,9 +19,6 @@ import functools
 
 
 def _masked_shrink(orig):
-    if getattr(orig, "__bdlora__", False):
-        return orig
-
     @functools.wraps(orig)
     def bgmv_shrink(inputs, lora_weights, output_tensor, lora_indices_tensor, scaling=1.0):
         orig(inputs, lora_weights, output_tensor, lora_indices_tensor, scaling)
@@ -29,26 +26,33 @@ def _masked_shrink(orig):
         keep = (lora_indices_tensor >= 0).to(output_tensor.dtype).unsqueeze(-1)
         output_tensor[:, :rank].mul_(keep)
 
-    bgmv_shrink.__bdlora__ = True
     return bgmv_shrink
 
 
 def patch_cpu_lora_ops() -> bool:
-    """Installs the fix into the torch ops and the CPU punica wrapper; returns whether it was installed."""
-    try:
-        from vllm.lora.ops.torch_ops import lora_ops
-    except ImportError:  # pragma: no cover
-        return False
-    lora_ops.bgmv_shrink = _masked_shrink(lora_ops.bgmv_shrink)  # used by sgmv_shrink
-    import vllm.lora.ops.torch_ops as torch_ops
+    """Installs the fix into the torch ops and the CPU punica wrapper; returns whether it was installed (False
+    where vLLM lacks the torch ops and this is not a CPU platform; on CPU a missing touch point raises).
 
-    torch_ops.bgmv_shrink = lora_ops.bgmv_shrink
+    vLLM 0.33's torch ops mask index -1 in the expand themselves; the masked shrink is then redundant (same
+    results) and stays, so CPU behaviour does not depend on the version."""
+    from . import vllm_api as api
+
     try:
-        from vllm.lora.punica_wrapper import punica_cpu
-    except ImportError:  # pragma: no cover
+        api.wrap("torch_ops.lora_ops.bgmv_shrink", _masked_shrink)  # used by sgmv_shrink
+    except api.TouchPointMissing:  # pragma: no cover
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            raise
+        return False
+    shrink = api.resolve("torch_ops.lora_ops.bgmv_shrink")
+    api.patch(*api.owner_of("torch_ops.bgmv_shrink"), shrink, point="torch_ops.bgmv_shrink")
+    try:
+        owner, attr = api.owner_of("punica_cpu.bgmv_shrink")
+    except api.TouchPointMissing:  # pragma: no cover
         return True
-    if hasattr(punica_cpu, "bgmv_shrink"):
-        punica_cpu.bgmv_shrink = lora_ops.bgmv_shrink
+    if hasattr(owner, attr):
+        api.patch(owner, attr, shrink, point="punica_cpu.bgmv_shrink")
     return True
 
 
@@ -71,18 +75,16 @@ def keep_cpu_weights_for_fold() -> bool:
 
     if not current_platform.is_cpu():
         return False
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from . import vllm_api as api
 
-    orig = UnquantizedLinearMethod.process_weights_after_loading
-    if getattr(orig, "__bdlora__", False):
-        return True
+    def wrapper(orig):
+        @functools.wraps(orig)
+        def process_weights_after_loading(self, layer):
+            if _asks_for_fold():
+                layer._cpu_skip_gemm_dispatch = True
+            return orig(self, layer)
 
-    @functools.wraps(orig)
-    def process_weights_after_loading(self, layer):
-        if _asks_for_fold():
-            layer._cpu_skip_gemm_dispatch = True
-        return orig(self, layer)
+        return process_weights_after_loading
 
-    process_weights_after_loading.__bdlora__ = True
-    UnquantizedLinearMethod.process_weights_after_loading = process_weights_after_loading
+    api.wrap("UnquantizedLinearMethod.process_weights_after_loading", wrapper)
     return True

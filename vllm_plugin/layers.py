@@ -41,40 +41,42 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from vllm.lora.layers import (
-    ColumnParallelLinearWithLoRA,
-    MergedColumnParallelLinearWithLoRA,
-    MergedQKVParallelLinearWithLoRA,
-    RowParallelLinearWithLoRA,
-)
-from vllm.model_executor.layers.linear import ColumnParallelLinear
-
-try:  # vLLM >= 0.2x: out-of-tree op replacement
-    from vllm.model_executor.custom_op import maybe_get_oot_by_class
-except ImportError:  # pragma: no cover
-    def maybe_get_oot_by_class(cls):
-        return cls
-
 from bdlora.spec import COLUMN, ROW, BDLoraError
 
+from . import vllm_api as api
 from .validate import FusedDecodeOptions, device_rank
+
+ColumnParallelLinearWithLoRA = api.resolve("ColumnParallelLinearWithLoRA")
+MergedColumnParallelLinearWithLoRA = api.resolve("MergedColumnParallelLinearWithLoRA")
+MergedQKVParallelLinearWithLoRA = api.resolve("MergedQKVParallelLinearWithLoRA")
+RowParallelLinearWithLoRA = api.resolve("RowParallelLinearWithLoRA")
+ColumnParallelLinear = api.resolve("ColumnParallelLinear")
+#: The platform's out-of-tree replacement of a layer class (identity where vLLM has none).
+maybe_get_oot_by_class = api.resolve("maybe_get_oot_by_class", lambda cls: cls)
 
 logger = logging.getLogger("bdlora.vllm_plugin")
 
-#: Set by the BD-mode LoRA manager while it builds its layers: the per-device buffer rank.
-_BUILD_RANK: Optional[int] = None
-#: Set likewise when ``bdlora_fused_decode`` is on (with the fused-layer names given out in this build).
-_BUILD_FUSED: Optional[FusedDecodeOptions] = None
-_BUILD_NAMES: set = set()
-#: One decode workspace (partial shrinks) per device and build, shared by that engine's fused layers (their
-#: launches never overlap); a new build starts new ones, so a later engine never resizes buffers an earlier one's
-#: graphs captured.
-_BUILD_WORKSPACES: dict = {}
+
+@dataclass
+class LayerBuild:
+    """What one BD-mode LoRA manager builds its layers with, handed to the layers through the classes of
+    :func:`layer_classes` (the loader makes one per ``create_lora_manager`` call; no module state).
+
+    ``rank``: the per-device buffer rank; ``fused``: the fused-decode options (None: off); ``names``: fused-layer names
+    given out in this build; ``workspaces``: one decode workspace (partial shrinks) per device, shared by this build's
+    fused layers (their launches never overlap). A new build starts new ones, so a later engine never resizes buffers
+    an earlier one's graphs captured."""
+
+    rank: int
+    fused: Optional[FusedDecodeOptions] = None
+    names: set = field(default_factory=set)
+    workspaces: dict = field(default_factory=dict)
+
 
 #: Calls of ``torch.ops.bdlora.lora_linear`` in this process: ``fused:<backend>`` (decode_lora ran; backend triton or
 #: torch) and ``stock`` (batch above max_tokens: vLLM's punica path). Counted on the host, so under CUDA graphs only
@@ -85,14 +87,6 @@ FUSED_COUNTS: Counter = Counter()
 #: One engine per process (vLLM's workers); a later engine's layers replace an earlier one's.
 _FUSED_LAYERS: "weakref.WeakValueDictionary[str, torch.nn.Module]" = weakref.WeakValueDictionary()
 _WARNED: set = set()
-
-
-def set_build_fused(opts: Optional[FusedDecodeOptions]) -> None:
-    """Called by the BD-mode LoRA manager around building its layers."""
-    global _BUILD_FUSED
-    _BUILD_FUSED = opts
-    _BUILD_NAMES.clear()
-    _BUILD_WORKSPACES.clear()
 
 
 class _TokenSlots:
@@ -112,8 +106,7 @@ class _TokenSlots:
             self.refresh()
             return out
 
-        update_metadata.__bdlora__ = True
-        wrapper.update_metadata = update_metadata  # this instance only
+        api.patch(wrapper, "update_metadata", update_metadata, point="PunicaWrapperBase.update_metadata")  # instance
         self.refresh()
 
     def refresh(self) -> None:
@@ -232,21 +225,17 @@ _LIB = None
 _register_op()
 
 
-def _decode_workspace(dev, max_tokens: int, n_slices: int, max_out: int, d_in: int, rank: int):
+def _decode_workspace(build: LayerBuild, dev, max_tokens: int, n_slices: int, max_out: int, d_in: int, rank: int):
     """This build's workspace for the device, grown at layer build time (before any CUDA-graph capture) so that every
     batch of up to ``max_tokens`` tokens through this layer fits."""
     from bdlora.kernels.decode import DecodeWorkspace, decode_grid, decode_tiles
 
     dev = torch.device(dev)
-    ws = _BUILD_WORKSPACES.setdefault(dev, DecodeWorkspace(dev))
+    ws = build.workspaces.setdefault(dev, DecodeWorkspace(dev))
     tiles = decode_tiles(dev)
     for t in range(1, max_tokens + 1):
         ws.reserve(decode_grid(t, n_slices, 1, max_out, d_in, rank, tiles))
     return ws
-
-
-def _buffer_rank(lora_config, tp_size: int) -> int:
-    return _BUILD_RANK if _BUILD_RANK is not None else device_rank(lora_config.max_lora_rank, tp_size)
 
 
 class _BDLoRAMixin:
@@ -254,6 +243,9 @@ class _BDLoRAMixin:
 
     bd_layout: str
     bdlora = True
+    #: This build's state, set on the classes :func:`layer_classes` makes; None on the plain classes (rank from
+    #: ``max_lora_rank`` and the TP size, no fused decode).
+    _bd_build: Optional[LayerBuild] = None
 
     @classmethod
     def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None, **kwargs) -> bool:
@@ -263,15 +255,16 @@ class _BDLoRAMixin:
 
     def create_lora_weights(self, max_loras, lora_config, model_config=None) -> None:
         self.lora_config = lora_config
-        rank = _buffer_rank(lora_config, self.tp_size)
+        build = self._bd_build
+        rank = build.rank if build is not None else device_rank(lora_config.max_lora_rank, self.tp_size)
         self.bd_rank = rank
         if isinstance(self, MergedColumnParallelLinearWithLoRA):
             outs = tuple(self.output_slices)
         else:
             outs = (self.output_size,) * self.n_slices
         dtype, dev = lora_config.lora_dtype, self.device
-        if _BUILD_FUSED is not None:
-            self._create_fused(max_loras, rank, outs, dtype, dev, _BUILD_FUSED)
+        if build is not None and build.fused is not None:
+            self._create_fused(max_loras, rank, outs, dtype, dev, build)
         else:
             self.lora_a_stacked = tuple(
                 torch.zeros(max_loras, 1, rank, self.input_size, dtype=dtype, device=dev)
@@ -286,8 +279,9 @@ class _BDLoRAMixin:
     _bd_fused: Optional[_FusedState] = None
     bd_fused_name: Optional[str] = None
 
-    def _create_fused(self, max_loras: int, rank: int, outs: tuple, dtype, dev, opts: FusedDecodeOptions) -> None:
+    def _create_fused(self, max_loras: int, rank: int, outs: tuple, dtype, dev, build: LayerBuild) -> None:
         """Stacked buffers laid out for ``decode_lora`` as well as for vLLM's punica path (see the module doc)."""
+        opts = build.fused
         n_s = self.n_slices
         offsets = [0]
         for out in outs:
@@ -305,17 +299,17 @@ class _BDLoRAMixin:
             self.lora_b_stacked = tuple(torch.zeros(max_loras, 1, out, rank, dtype=dtype, device=dev) for out in outs)
         name = getattr(self.base_layer, "prefix", "") or type(self).__name__
         base, k = name, 1
-        while name in _BUILD_NAMES:  # unnamed or repeated prefixes: numbered in build order
+        while name in build.names:  # unnamed or repeated prefixes: numbered in build order
             k += 1
             name = f"{base}#{k}"
-        _BUILD_NAMES.add(name)
+        build.names.add(name)
         self._bd_fused = _FusedState(
             name=name, max_tokens=opts.max_tokens, backend=opts.backend, lora_a=a_all.squeeze(2),
             lora_b=b_all, b_shared=n_s == 1, offsets=tuple(offsets),
             soff=torch.tensor(offsets, dtype=torch.int32, device=dev),
             ranks=torch.zeros(max_loras, dtype=torch.int32, device=dev),
             scales=torch.ones(max_loras, dtype=torch.float32, device=dev),
-            workspace=_decode_workspace(dev, opts.max_tokens, n_s, max(outs), self.input_size, rank),
+            workspace=_decode_workspace(build, dev, opts.max_tokens, n_s, max(outs), self.input_size, rank),
             folded=folded)
         _FUSED_LAYERS[name] = self
         if _can_update_inplace():
@@ -484,6 +478,14 @@ BD_LORA_CLASSES = (
     BDColumnParallelLinearWithLoRA,
     BDRowParallelLinearWithLoRA,
 )
+
+
+def layer_classes(build: LayerBuild) -> tuple:
+    """The BD layer classes of one build: subclasses of :data:`BD_LORA_CLASSES` (same names) carrying ``build``,
+    in the same order (vLLM's ``from_layer`` takes the first whose ``can_replace_layer`` is true)."""
+    return tuple(type(c.__name__, (c,), {"_bd_build": build, "__module__": c.__module__, "__qualname__": c.__qualname__,
+                                         "__doc__": c.__doc__})
+                 for c in BD_LORA_CLASSES)
 
 
 def layout_of_layer(layer) -> Optional[str]:

@@ -1,7 +1,9 @@
 """Worker side of BD mode: build the LoRA layers with the BD classes, and load each adapter zero-free per rank.
 
-``WorkerLoRAManager.create_lora_manager`` is wrapped: in BD mode the BD layer classes go in front of
-``vllm.lora.utils._all_lora_classes`` while the manager wraps the model (restored right after), and the worker's
+``WorkerLoRAManager.create_lora_manager`` is wrapped: in BD mode this build's BD layer classes
+(:func:`bdlora.vllm_plugin.layers.layer_classes`, carrying the per-device buffer rank and the fused-decode options)
+go in front of ``vllm.lora.utils._all_lora_classes`` while the manager wraps the model (restored right after), and
+the worker's
 ``LoRAModel`` class is swapped for :class:`BDLoRAModel`, whose ``from_local_checkpoint`` reads from safetensors only
 this TP rank's blocks (``safe_open(...).get_slice`` + :func:`bdlora.sharding.shard_factors`), sliced with the
 adapter's own ``r`` and ``nblocks`` (never ``--max-lora-rank``). Dense adapters are served as ``nblocks=1``, which is
@@ -27,6 +29,7 @@ from bdlora.sharding import check_tp_compatible, shard_factors
 from bdlora.spec import BDLoraError
 
 from . import layers as bd_layers
+from . import vllm_api as api
 from .validate import (bd_options, device_rank, fused_decode_options, local_rank_of, refuse_bd_without_mode,
                        tp_size_of)
 
@@ -199,20 +202,16 @@ def _adapter_config_of(lora_request) -> Optional[AdapterConfig]:
 
 
 def patch_worker_manager() -> None:
-    from vllm.lora import utils as lora_utils
-    from vllm.lora import worker_manager as wm
+    """Wraps ``create_lora_manager`` (each class's own definition: ``LRUCacheWorkerLoRAManager`` overrides it) and
+    ``WorkerLoRAManager._load_adapter``, through :func:`.vllm_api.wrap`."""
+    for key in ("WorkerLoRAManager.create_lora_manager", "LRUCacheWorkerLoRAManager.create_lora_manager"):
+        owner, attr = api.owner_of(key)
+        if attr in owner.__dict__:
+            api.wrap(key, _wrap_create, owner=owner, attr=attr)
+    api.wrap("WorkerLoRAManager._load_adapter", _wrap_load)
 
-    classes = [c for c in (wm.WorkerLoRAManager, getattr(wm, "LRUCacheWorkerLoRAManager", None)) if c is not None]
-    for cls in classes:
-        # LRUCacheWorkerLoRAManager overrides create_lora_manager: wrap each class's own definition.
-        if "create_lora_manager" in cls.__dict__ and not getattr(cls.__dict__["create_lora_manager"], "__bdlora__",
-                                                                  False):
-            cls.create_lora_manager = _wrap_create(cls.__dict__["create_lora_manager"], lora_utils)
-    cls = wm.WorkerLoRAManager
-    if getattr(cls._load_adapter, "__bdlora__", False):
-        return
-    orig_load = cls._load_adapter
 
+def _wrap_load(orig_load):
     def _load_adapter(self, lora_request):
         runtime = getattr(self, "_bdlora", None)
         cfg = _adapter_config_of(lora_request)
@@ -226,11 +225,10 @@ def patch_worker_manager() -> None:
         with _loading(runtime, cfg):
             return orig_load(self, lora_request)
 
-    _load_adapter.__bdlora__ = True
-    cls._load_adapter = _load_adapter
+    return _load_adapter
 
 
-def _wrap_create(orig_create, lora_utils):
+def _wrap_create(orig_create):
     def create_lora_manager(self, model, vllm_config=None, *args, **kwargs):
         from vllm.config import get_current_vllm_config
 
@@ -247,17 +245,12 @@ def _wrap_create(orig_create, lora_utils):
             raise BDLoraError(f"tensor-parallel group has {tp} ranks but the config says {tp_size_of(cfg)}")
         runtime = BDRuntime(tp_size=tp, tp_rank=tp_rank, min_nblocks=opts.min_nblocks,
                             device_rank=device_rank(lora_config.max_lora_rank, tp, opts.min_nblocks))
-        saved = lora_utils._all_lora_classes
-        lora_utils._all_lora_classes = tuple(bd_layers.BD_LORA_CLASSES) + tuple(
-            c for c in saved if c not in bd_layers.BD_LORA_CLASSES)
-        bd_layers._BUILD_RANK = runtime.device_rank
-        bd_layers.set_build_fused(fused_decode_options(cfg))
-        try:
+        # This build's layer classes carry its state (buffer rank, fused decode): nothing global to set and reset.
+        build = bd_layers.LayerBuild(rank=runtime.device_rank, fused=fused_decode_options(cfg))
+        bd_classes = bd_layers.layer_classes(build)
+        with api.swapped("lora.utils._all_lora_classes",
+                         lambda saved: bd_classes + tuple(c for c in saved if not getattr(c, "bdlora", False))):
             result = orig_create(self, model, vllm_config, *args, **kwargs)
-        finally:
-            lora_utils._all_lora_classes = saved
-            bd_layers._BUILD_RANK = None
-            bd_layers.set_build_fused(None)
         runtime.layer_map = build_layer_map(self._adapter_manager)
         self._bdlora = runtime
         if not getattr(self._lora_model_cls, "__bdlora_cls__", False):
@@ -265,23 +258,20 @@ def _wrap_create(orig_create, lora_utils):
             self._lora_model_cls.__bdlora_cls__ = True
         return result
 
-    create_lora_manager.__bdlora__ = True
     return create_lora_manager
 
 
 def patch_peft_helper() -> None:
-    """vLLM >= 0.27 rejects ``use_bdlora`` in ``PEFTHelper._validate_features``; lift that for BD-mode loads only."""
-    from vllm.lora.peft_helper import PEFTHelper
+    """vLLM >= 0.27 rejects ``use_bdlora`` in ``PEFTHelper._validate_features``; lift that for BD-mode loads only
+    (0.26's accepts it, dropping the key: the wrapper filters nothing there)."""
 
-    orig = getattr(PEFTHelper, "_validate_features", None)
-    if orig is None or getattr(orig, "__bdlora__", False):
-        return
+    def wrapper(orig):
+        def _validate_features(self):
+            msgs = orig(self)
+            if loading_context() is not None and isinstance(msgs, list):
+                msgs = [m for m in msgs if "block-diagonal" not in m.lower() and "bd-lora" not in m.lower()]
+            return msgs
 
-    def _validate_features(self):
-        msgs = orig(self)
-        if loading_context() is not None and isinstance(msgs, list):
-            msgs = [m for m in msgs if "block-diagonal" not in m.lower() and "bd-lora" not in m.lower()]
-        return msgs
+        return _validate_features
 
-    _validate_features.__bdlora__ = True
-    PEFTHelper._validate_features = _validate_features
+    api.wrap("PEFTHelper._validate_features", wrapper)

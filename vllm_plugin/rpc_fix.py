@@ -4,10 +4,11 @@ vLLM 0.32's ``MultiprocExecutor.collective_rpc`` (``vllm/v1/executor/multiproc_e
 the workers' replies in rank order and raises at the first failed one without reading the others. When ``add_lora``
 fails in a worker at tensor-parallel size >= 2, the unread replies stay in their queues and the NEXT call reads them:
 a good adapter then fails with the previous adapter's error, or "succeeds" with a stale reply (stock vLLM has the
-same bug; seen through ``/v1/load_lora_adapter``).
+same bug; seen through ``/v1/load_lora_adapter``). vLLM 0.33 is unchanged here unless its ``enable_fault_tolerance``
+is on.
 
 The patch replaces ``Executor.add_lora`` (``vllm/v1/executor/abstract.py``: ``all(self.collective_rpc("add_lora",
-...))``, the same in vLLM 0.26 and 0.32) with a version that sends :func:`worker_add_lora` instead: it calls the
+...))``, the same in vLLM 0.26, 0.32 and 0.33) with a version that sends :func:`worker_add_lora` instead: it calls the
 worker's own ``add_lora`` and returns a failure record instead of raising, so every rank replies ``SUCCESS`` and every
 reply is read. After all ranks replied, a failure on any rank removes the adapter from the ranks that did load it
 (no half-loaded adapter) and raises one error naming the adapter, its path and the failed ranks; vLLM's
@@ -67,18 +68,13 @@ def _is_failure(reply: Any) -> bool:
 
 
 def patch_executor_add_lora() -> None:
-    """Installs the patch (idempotent). Fails at startup, naming the vLLM version it was checked on, when vLLM's
-    ``Executor`` lacks ``add_lora`` / ``collective_rpc``."""
-    try:
-        from vllm.v1.executor.abstract import Executor
-    except ImportError as e:  # pragma: no cover
-        raise ImportError(f"bdlora: vllm.v1.executor.abstract.Executor not found (checked on vLLM 0.26 and 0.32): {e}")
-    for attr in ("add_lora", "collective_rpc", "remove_lora"):
-        if not callable(getattr(Executor, attr, None)):
-            raise AttributeError(f"bdlora: vLLM's Executor has no {attr}() (checked on vLLM 0.26 and 0.32); this vLLM "
-                                 "is not supported")
-    if getattr(Executor.add_lora, "__bdlora__", False):
-        return
+    """Installs the patch (idempotent, through :func:`.vllm_api.patch`). Fails at startup with
+    :class:`~.vllm_api.TouchPointMissing`, naming the vLLM version, when vLLM's ``Executor`` lacks ``add_lora`` /
+    ``collective_rpc`` / ``remove_lora``."""
+    from . import vllm_api as api
+
+    for key in ("Executor.collective_rpc", "Executor.remove_lora"):  # raise TouchPointMissing, naming them
+        api.resolve(key)
 
     def add_lora(self, lora_request) -> bool:
         assert lora_request.lora_int_id > 0, "lora_id must be greater than 0."
@@ -102,6 +98,5 @@ def patch_executor_add_lora() -> None:
             f"LoRA adapter {lora_request.lora_name!r} ({lora_request.lora_path}) failed to load on worker rank(s) "
             f"{ranks} of {len(replies)}: {first['type']}: {first['error']}")
 
-    add_lora.__bdlora__ = True
     add_lora.__doc__ = "bdlora: every rank's reply is read (see bdlora.vllm_plugin.rpc_fix)."
-    Executor.add_lora = add_lora
+    api.patch(*api.owner_of("Executor.add_lora"), add_lora, point="Executor.add_lora")

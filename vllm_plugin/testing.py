@@ -19,16 +19,15 @@ from collections import Counter
 
 COUNTS: Counter = Counter()
 
-_TARGETS = (
-    ("vllm.lora.layers.column_parallel_linear", "tensor_model_parallel_all_gather", "all_gather"),
-    ("vllm.lora.layers.row_parallel_linear", "tensor_model_parallel_all_reduce", "all_reduce"),
+_TARGETS = (  # vllm_api touch points
+    ("column_parallel_linear.tensor_model_parallel_all_gather", "all_gather"),
+    ("row_parallel_linear.tensor_model_parallel_all_reduce", "all_reduce"),
 )
+#: Marker of the counting wrappers (not the plugin's own patches).
+COUNTER_MARKER = "__bdlora_counter__"
 
 
 def _counting(fn, op):
-    if getattr(fn, "__bdlora_counter__", False):
-        return fn
-
     def wrapper(*args, **kwargs):
         import torch
 
@@ -38,16 +37,14 @@ def _counting(fn, op):
         COUNTS[("base" if caller == "forward" else "lora", op)] += 1
         return fn(*args, **kwargs)
 
-    wrapper.__bdlora_counter__ = True
     return wrapper
 
 
 def install_collective_counters(worker=None) -> bool:
-    import importlib
+    from . import vllm_api as api
 
-    for mod_name, fn_name, op in _TARGETS:
-        mod = importlib.import_module(mod_name)
-        setattr(mod, fn_name, _counting(getattr(mod, fn_name), op))
+    for key, op in _TARGETS:
+        api.wrap(key, lambda fn, op=op: _counting(fn, op), marker=COUNTER_MARKER)
     COUNTS.clear()
     return True
 

@@ -31,7 +31,7 @@ FUSED_DECODE_KEY = "bdlora_fused_decode"
 FUSED_DECODE_MAX_TOKENS = 8
 PEFT_PREFIX = "base_model.model."
 
-SUPPORTED_VLLM = ("0.26.0", "0.33")  # [lo, hi)
+SUPPORTED_VLLM = ("0.26.0", "0.34")  # [lo, hi): every touch point checked on 0.26, 0.32, 0.33 (vllm_api.py)
 
 
 # ----------------------------------------------------------------------------------------------- engine settings

@@ -27,15 +27,17 @@ def _patch_version_lookup() -> None:
                 return vllm.__version__
         return orig(name)
 
-    importlib.metadata.version = version
+    from . import vllm_api as api  # imports no vLLM module
+
+    api.patch(importlib.metadata, "version", version, point="importlib.metadata.version")
 
 
 def main(argv=None) -> None:
     _patch_version_lookup()
     sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
-    from vllm.entrypoints.cli.main import main as vllm_main
+    from . import vllm_api as api
 
-    vllm_main()
+    api.resolve("cli.main")()
 
 
 if __name__ == "__main__":
