@@ -102,7 +102,8 @@ def _typed_cls(kind: str):
     """A subclass of the plugin's error and of vLLM's typed client error (vLLM >= 0.27: ``vllm.exceptions``), so that
     the OpenAI server answers 404 (``VLLMNotFoundError``) or 400 (``VLLMClientError``). vLLM 0.32's
     ``AsyncLLM.generate`` turns any other exception, a plain ``ValueError`` included, into ``EngineGenerateError``:
-    HTTP 500 with an empty message. None on vLLM 0.26 (no typed errors: plain ``ValueError``s are 400 there)."""
+    HTTP 500 with an empty message. vLLM 0.26 has ``VLLMNotFoundError`` but no ``VLLMClientError``: there a refusal
+    stays a plain ``ValueError`` (400 on 0.26). Touch points ``VLLMClientError`` / ``VLLMNotFoundError``."""
     if kind == "not_found":
         base, ours, name = api.resolve("VLLMNotFoundError", None), AdapterNotFound, "AdapterNotFoundError"
     else:  # absent on vLLM 0.26
