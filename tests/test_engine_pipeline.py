@@ -118,7 +118,7 @@ def test_two_stage_pipeline_equals_single_process(tiny_llama_dir, tmp_path, eval
     from bdlora import load_adapter
     from bdlora.train.engine import parse_run
     from bdlora.train.engine.engine import Engine
-    from bdlora.train.engine.pipeline import run_pipeline_spawn
+    from bdlora.train.engine.launch import run_pipeline_spawn
 
     data = write_alpaca(tmp_path / "d.jsonl", n=30)
     jobs = [{"name": "a", "r": 4, "nblocks": 1, "seed": 1, "max_grad_norm": 0.05},
@@ -157,7 +157,7 @@ def test_data_parallel_two_processes_equal_one(tiny_llama_dir, tmp_path):
     import json
 
     from bdlora.train.engine import parse_run
-    from bdlora.train.engine.__main__ import spawn
+    from bdlora.train.engine.launch import spawn
     from bdlora.train.engine.engine import Engine
 
     data = write_alpaca(tmp_path / "d.jsonl", n=30)
@@ -184,7 +184,7 @@ DIVERGE_KW = dict(early_exit=DIVERGE_EE, eval_every=1, max_active_jobs=2, token_
 
 def _pipeline(tiny_llama_dir, data, out, jobs=DIVERGE_JOBS, **kw):
     from bdlora.train.engine import parse_run
-    from bdlora.train.engine.pipeline import run_pipeline_spawn
+    from bdlora.train.engine.launch import run_pipeline_spawn
 
     return run_pipeline_spawn(parse_run(run_dict(tiny_llama_dir, data, out, jobs, pipeline_stages=2,
                                                  **{**DIVERGE_KW, **kw})))

@@ -23,7 +23,7 @@ def __getattr__(name):  # heavy imports (transformers) only when the engine itse
 
         return Engine
     if name == "run_engine":
-        from .__main__ import run_engine
+        from .launch import run_engine
 
         return run_engine
     raise AttributeError(name)

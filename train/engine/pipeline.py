@@ -509,7 +509,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
     from bdlora.adapter import LoraFactors
 
     if not dist.is_initialized():
-        raise RuntimeError("run_pipeline_distributed needs an initialized process group (see run_pipeline_spawn)")
+        raise RuntimeError("run_pipeline_distributed needs an initialized process group (see bdlora.train.engine.launch.run_pipeline_spawn)")
     P, s = dist.get_world_size(), dist.get_rank()
     if P != run.pipeline_stages:
         raise EngineError(f"pipeline_stages={run.pipeline_stages} but {P} processes were launched")
@@ -717,14 +717,5 @@ def _write_results(engine, out: Path, gathered: list[dict], stats: dict) -> dict
     return result
 
 
-def run_pipeline_spawn(run: RunConfig, backend: Optional[str] = None) -> dict:
-    """Spawns ``run.pipeline_stages`` local processes (gloo on CPU, NCCL with enough GPUs) and runs the pipeline."""
-    from .__main__ import spawn
-
-    spawn(run, run.pipeline_stages, backend)
-    with open(Path(run.output_dir) / "results.json") as f:
-        return json.load(f)
-
-
-__all__ = ["PMB", "init_distributed", "p2p_groups", "run_pipeline_distributed", "run_pipeline_spawn",
+__all__ = ["PMB", "init_distributed", "p2p_groups", "run_pipeline_distributed",
            "simulate_schedule", "stage_bounds", "theory_bubble"]

@@ -1,0 +1,85 @@
+"""Launching the engine: a parsed run in this process, in locally spawned processes, or as one rank of a launcher
+(accelerate / torchrun). Imported by ``__main__`` (the CLI) and by tests; it imports the engine and the pipeline,
+never the other way round (no import cycle).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .config import RunConfig
+
+
+def init_from_env():
+    """Process group from the launcher's environment (accelerate/torchrun); gloo on CPU, NCCL on GPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    from .pipeline import init_distributed
+
+    if not dist.is_initialized():
+        init_distributed("nccl" if torch.cuda.is_available() else "gloo", int(os.environ.get("LOCAL_RANK", 0)))
+    return dist
+
+
+def run_engine(run, model=None, tokenizer=None):
+    """Runs a parsed :class:`RunConfig`: BatchLoRA engine, or the LoRAPP pipeline when ``pipeline_stages > 1``."""
+    if run.pipeline_stages > 1:
+        import torch.distributed as dist
+
+        from .pipeline import run_pipeline_distributed
+
+        if dist.is_available() and dist.is_initialized():
+            return run_pipeline_distributed(run)  # launched with one process per stage
+        return run_pipeline_spawn(run)  # single launch: spawn the stages locally
+    from .engine import Engine
+
+    return Engine(run, model=model, tokenizer=tokenizer).run()
+
+
+def _spawn_worker(rank: int, run, world: int, port: int, backend: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from .pipeline import init_distributed
+
+    init_distributed(backend, rank, rank=rank, world_size=world)
+    try:
+        run_engine(run)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(run, nprocs: int, backend=None) -> None:
+    """Runs ``run`` on ``nprocs`` local processes (data parallel, or pipeline stages when pipeline_stages > 1)."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_spawn_worker, args=(run, nprocs, port, backend), nprocs=nprocs, join=True)
+
+
+def run_pipeline_spawn(run: RunConfig, backend: Optional[str] = None) -> dict:
+    """Spawns ``run.pipeline_stages`` local processes (gloo on CPU, NCCL with enough GPUs) and runs the pipeline."""
+    spawn(run, run.pipeline_stages, backend)
+    with open(Path(run.output_dir) / "results.json") as f:
+        return json.load(f)
+
+
+__all__ = ["init_from_env", "run_engine", "run_pipeline_spawn", "spawn"]
