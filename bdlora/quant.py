@@ -276,22 +276,22 @@ def disable_cpu_inference_packing(model) -> int:
     repacks its weight, once and for good, into a CPU inference layout whose matmul (``gemv_4bit``) has no autograd:
     every later training step then silently drops the gradient through the frozen base (all LoRA factors below the
     last layer get wrong gradients), and PEFT's dequantize (merge) reads the repacked bytes as garbage. Training
-    evaluates (eval mode) between steps, so on CPU this switches the repacking off (and undoes it where it already
-    happened); returns the number of 4-bit layers touched. GPUs are not affected."""
+    evaluates (eval mode) between steps, so on CPU this switches the repacking off; call it right after loading.
+    Returns the number of 4-bit layers. A layer already repacked is refused (:class:`QuantError`): bitsandbytes'
+    inverse is lossy (absmax rounded to bf16) and, without double quantization, wrong. GPUs are not affected."""
     if bnb_problem() is not None:
         return 0
     import bitsandbytes as bnb
 
     n = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if not isinstance(module, bnb.nn.Linear4bit):
             continue
+        if getattr(getattr(module.weight, "quant_state", None), "packing_format_for_cpu", False):
+            raise QuantError(f"{name}: bitsandbytes already repacked this 4-bit weight for CPU inference (the model "
+                             "ran in eval mode); training on it would drop gradients. Reload the model and call "
+                             "disable_cpu_inference_packing before any forward pass")
         module.support_avx512bf16_for_cpu = False
-        w = module.weight
-        if getattr(getattr(w, "quant_state", None), "packing_format_for_cpu", False):
-            from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu_inverse
-
-            w.data, w.quant_state = _convert_weight_packed_for_cpu_inverse(w.data, w.quant_state)
         n += 1
     return n
 

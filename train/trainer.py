@@ -347,7 +347,7 @@ def check_resume_compatible(ckpt: Path, cfg: TrainConfig, world_size: int) -> No
     defaults = TrainConfig.field_defaults()
     diffs = [k for k in TrainConfig.RESUME_INVARIANT if old.get(k, defaults.get(k)) != getattr(cfg, k)]
     if diffs:
-        detail = ", ".join(f"{k}: {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in diffs)
+        detail = ", ".join(f"{k}: {old.get(k, defaults.get(k))!r} -> {getattr(cfg, k)!r}" for k in diffs)
         raise ConfigError(f"cannot resume from {ckpt}: the job changed ({detail}); these keys must match the "
                           "checkpoint for an exact resume (start a new output_dir instead)")
     n_rng = len(list(ckpt.glob("rng_state_*.pth"))) or 1
