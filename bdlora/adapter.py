@@ -1,4 +1,4 @@
-"""Read and write BD-LoRA adapters as ordinary PEFT LoRA folders (SPEC §2).
+"""Read and write BD-LoRA adapters as ordinary PEFT LoRA folders (README.md, "Adapter format").
 
 A folder holds ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``, ``use_rslora``,
 ``target_modules`` and ``use_bdlora: {target_modules_bd_a, target_modules_bd_b, nblocks}``) and

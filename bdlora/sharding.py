@@ -1,6 +1,6 @@
 """Which part of a packed BD-LoRA factor pair each tensor-parallel rank holds.
 
-Factors are in PEFT orientation and packed the way PEFT's ``BlockDiagonalLinear`` stores them (SPEC §2):
+Factors are in PEFT orientation and packed the way PEFT's ``BlockDiagonalLinear`` stores them (README.md, "Adapter format"):
 
 * column layout (B block-diagonal): ``lora_A`` (r, d_in); ``lora_B`` packed (d_out, r/N), output-row block i
   reads rank block i.

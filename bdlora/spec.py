@@ -212,7 +212,7 @@ class BDLoraSpec:
 
 
 def matched_lora_rank(r: int, hidden: int, intermediate: int, nblocks: int) -> float:
-    """BD-LoRA rank with the same parameter count as standard LoRA of rank ``r`` (paper 001, Table 1)."""
+    """BD-LoRA rank with the same parameter count as standard LoRA of rank ``r`` (the BD-LoRA paper, Wang et al., "Block-Diagonal LoRA for Eliminating Communication Overhead in Tensor Parallel LoRA Serving", Table 1)."""
     return r * (hidden + intermediate) / (hidden + intermediate / nblocks)
 
 

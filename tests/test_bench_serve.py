@@ -46,7 +46,7 @@ LLMPERF_SUMMARY_FIELDS = {
 
 def test_matched_ranks_and_params_match_paper():
     s = SHAPES["llama8b"]
-    # paper 001 Table 9: Llama-3.1-8B NFS-LoRA r16 = 41.9M, BD-LoRA r32 (TP=8) = 36.2M trainable parameters
+    # the BD-LoRA paper, Table 9: Llama-3.1-8B NFS-LoRA r16 = 41.9M, BD-LoRA r32 (TP=8) = 36.2M trainable parameters
     assert round(adapter_num_params(s, 16, None) / 1e5) == 419
     assert round(adapter_num_params(s, 32, 8) / 1e5) == 362
     for n in (2, 4, 8):

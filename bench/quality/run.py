@@ -1,4 +1,4 @@
-"""LoRA vs BD-LoRA fine-tuning quality at matched trainable parameters (paper 001, Sec. 5.1 / Fig. 4).
+"""LoRA vs BD-LoRA fine-tuning quality at matched trainable parameters (the BD-LoRA paper, Wang et al., Sec. 5.1 / Fig. 4).
 
     python -m bench.quality.run --out OUT [--device cuda|cpu] [--small] [--tasks boolq,xsum] [--shard I/N] ...
     bash bench/quality/gpu_run.sh ...                       # one device call: a shard per GPU (QUALITY_GPUS)

@@ -1,4 +1,4 @@
-"""Plots like paper 001 Fig. 5 and a markdown table from collected sweep results.
+"""Plots like the BD-LoRA paper's Fig. 5 and a markdown table from collected sweep results.
 
     python -m bench.serve.report RESULTS_DIR [RESULTS_DIR ...] --plots PLOT_DIR --markdown TABLE.md
 

@@ -1,4 +1,4 @@
-"""One command for the serving benchmark sweep (paper 001, Sec. 5.2 / App. F):
+"""One command for the serving benchmark sweep (the BD-LoRA paper, Wang et al., Sec. 5.2 / App. F):
 
     python -m bench.serve.sweep --config bench/serve/configs/smoke_tp2.yaml --out OUT
 

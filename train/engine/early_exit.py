@@ -1,4 +1,4 @@
-"""Loss-aware early exit (ALTO, paper 002 §5): divergence, overfitting, and warm-up top-k selection.
+"""Loss-aware early exit (ALTO, loss-aware early exit for multi-adapter tuning, Sec. 5): divergence, overfitting, and warm-up top-k selection.
 
 Per job, an :class:`EarlyExit` detector sees the train loss every step (smoothed by an EMA) and the raw validation
 loss at every evaluation, Optuna-pruner style::

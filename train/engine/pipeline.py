@@ -1,4 +1,4 @@
-"""LoRAPP (mLoRA, paper 000 §3.2): the frozen base split into P pipeline stages on P processes; the micro-batches
+"""LoRAPP (mLoRA, Ye et al., VLDB 2025, Sec. 3.2): the frozen base split into P pipeline stages on P processes; the micro-batches
 of different jobs fill the pipeline with no flush between jobs.
 
 * Stage s holds decoder layers ``[lo_s, hi_s)`` (embeddings on stage 0, final norm + LM head on the last) and the
