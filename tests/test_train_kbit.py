@@ -424,3 +424,28 @@ def test_check_bd_structure_refuses_a_wrong_block_count(tiny_llama_dir, train_fi
         check_bd_structure(model, spec, expected)
     with pytest.raises(QuantError, match="expected exactly one block-diagonal factor of 2 blocks"):
         check_kbit_bd(model, 2)
+
+
+# ---------------------------------------------------------------------------------------------------- the benchmark
+def test_bench_kbit_builds_a_quantized_llama_layer_by_layer_and_trains(tmp_path):
+    """bench/train/bench_kbit.py on CPU with the tiny shape: meta init, projections quantized one by one, the
+    trainer's k-bit model-building checks, a few steps, one JSON object."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "train" / "bench_kbit.py"
+    spec = importlib.util.spec_from_file_location("bench_kbit", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    assert bench.main(["--shape", "tiny", "--device", "cpu", "--steps", "3", "--warmup", "1", "--seq", "32",
+                       "--nblocks", "2", "--r", "8", "--lr", "1e-2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["lora_layers"] == 14 and res["nblocks"] == 2 and res["tokens_per_s"] > 0
+    assert len(res["losses"]) == 4 and all(math.isfinite(x) for x in res["losses"])
+    # the built base: every projection a quantized Linear4bit, nothing left on the meta device
+    base = bench.build_quantized_llama(bench.SHAPES["tiny"], torch.device("cpu"))
+    q = base.model.layers[1].mlp.down_proj
+    assert isinstance(q, bnb.nn.Linear4bit) and q.weight.bnb_quantized and q.weight.quant_type == "nf4"
+    assert dequantized_weight(q).shape == (256, 512)
+    assert not any(p.is_meta for p in base.parameters())
