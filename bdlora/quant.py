@@ -26,6 +26,14 @@ wrapping the two classes' ``resolve_lora_variant``:
 
 * anything else -> PEFT's own method, unchanged (the wrapper is a no-op for every config without ``use_bdlora``).
 
+PEFT's bnb layers also drop the module name on the way from their ``__init__`` to ``update_layer`` (the
+unquantized ``lora.Linear`` passes it on), and the BD variant needs it to tell column from row modules; the patch
+wraps the two classes' ``__init__`` to hand ``target_name`` to the variant through a context variable (nothing else
+changes; an existing layer's ``update_layer``, used for a second adapter, passes the name itself).
+
+On CPU, bitsandbytes 0.50 repacks 4-bit weights for inference at the first eval-mode forward and loses autograd
+from then on: :func:`disable_cpu_inference_packing` (the trainer calls it after loading on CPU).
+
 The patch is idempotent, process-wide, and only ever replaces PEFT's silent dense fallback by the BD layout; a BD
 config combined with another variant (DoRA, aLoRA, ...) raises instead of guessing. :func:`check_kbit_bd` verifies
 the result after ``get_peft_model`` (every LoRA'd k-bit layer runs the BD variant with N-block packed factors).

@@ -287,7 +287,8 @@ def test_train_on_4bit_base_lowers_loss_and_saves_a_normal_bd_folder(tiny_llama_
     from bdlora.train.trainer import run_training
 
     out = tmp_path / "run"
-    cfg = _cfg(tiny_llama_dir, train_file, out, lr=5e-3, batch_size=8, max_steps=8, eval_every=4, eval_fraction=0.1)
+    cfg = _cfg(tiny_llama_dir, train_file, out, lr=5e-3, batch_size=8, max_steps=8, eval_every=4, eval_fraction=0.1,
+               gradient_checkpointing=True)
     res = run_training(cfg)
     losses = [json.loads(line)["train_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
               if "train_loss" in json.loads(line)]
