@@ -199,7 +199,7 @@ def load_kbit_base_model(cfg: TrainConfig, model_dir: Path, device_type: str):
     if attn:
         kwargs["attn_implementation"] = attn
     if device_type == "cuda":  # bitsandbytes weights cannot be moved later: load on this process's GPU
-        kwargs["device_map"] = {"": PartialState().device}
+        kwargs["device_map"] = {"": PartialState().local_process_index}
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     except (ImportError, RuntimeError, ValueError) as e:
