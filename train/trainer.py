@@ -258,20 +258,40 @@ def warn_unservable_nblocks(spec: BDLoraSpec, model_config) -> Optional[str]:
             f"the model's servable sizes {servable_tp_degrees(model_config)}")
 
 
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+def _distributed():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def params_digest(model) -> str:
+def full_trainable_state(model) -> dict[str, torch.Tensor]:
+    """The adapter's weights as whole tensors, by parameter name. Under FSDP2 the parameters are DTensor shards and
+    this gathers them (a collective: every process must call it); only the adapter is gathered, never the base."""
+    out = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            t = p.detach()
+            out[n] = t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
+    return out
+
+
+def params_digest(state: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
-    for n, p in sorted((n, p) for n, p in model.named_parameters() if p.requires_grad):
+    for n in sorted(state):
         h.update(n.encode())
-        h.update(p.detach().cpu().contiguous().float().numpy().tobytes())
+        h.update(state[n].detach().cpu().contiguous().float().numpy().tobytes())
     return h.hexdigest()
 
 
 def nonfinite_parameters(model) -> list[str]:
-    return [n for n, p in model.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+    """Names of adapter parameters holding NaN/Inf. Sharded (FSDP2) parameters are checked shard by shard and the
+    answer is combined over the processes (a collective when sharded)."""
+    sharded = any(hasattr(p, "to_local") for p in model.parameters() if p.requires_grad)
+    bad = [n for n, p in model.named_parameters()
+           if p.requires_grad and not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()]
+    if sharded and _distributed():
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, bad)
+        bad = sorted({n for names in everyone for n in names})
+    return bad
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoints
@@ -292,7 +312,8 @@ def checkpoint_problem(path: Path) -> Optional[str]:
         json.loads(state.read_text())
     except (OSError, ValueError) as e:
         return f"{state}: {type(e).__name__}: {e}"
-    for name in ("optimizer.pt", "scheduler.pt"):
+    sharded = (path / "optimizer_0").is_dir() or (path / "optimizer.bin").is_file()  # FSDP's optimizer layouts
+    for name in ("scheduler.pt",) if sharded else ("optimizer.pt", "scheduler.pt"):
         f = path / name
         try:
             torch.load(f, map_location="cpu", weights_only=True)
@@ -304,12 +325,18 @@ def checkpoint_problem(path: Path) -> Optional[str]:
         except Exception as e:
             return f"{f}: unreadable ({type(e).__name__}: {str(e)[:120]})"
     weights = path / "adapter_model.safetensors"
+    if sharded and not weights.is_file() and any(path.glob("pytorch_model_fsdp_*")):
+        weights = None  # FSDP sharded model state: read by the Trainer on resume
     try:
+        if weights is None:
+            raise StopIteration
         from safetensors import safe_open
 
         with safe_open(str(weights), "pt") as fh:
             for k in fh.keys():
                 fh.get_tensor(k)
+    except StopIteration:
+        pass
     except Exception as e:
         return f"{weights}: unreadable ({type(e).__name__}: {str(e)[:120]})"
     if not (path / CONFIG_NAME).is_file():
@@ -636,22 +663,25 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
         if eval_ex:
             metrics = trainer.evaluate()
             last_eval = {"eval_loss": metrics["eval_loss"], "eval_ppl": math.exp(min(metrics["eval_loss"], 50.0))}
-        bad = nonfinite_parameters(unwrapped)
+        final_state = full_trainable_state(unwrapped)  # every process: FSDP gathers the adapter's shards
+        bad = [n for n, t in final_state.items() if not torch.isfinite(t).all()]
         if bad:
             raise TrainingError(f"the trained adapter has non-finite values ({bad[0]} and {len(bad) - 1} more); not "
                                 "saving it. Lower lr (or enable max_grad_norm) and start again.")
         adapter_dir = out / "adapter"
         if main:
             with atomic_output_dir(adapter_dir) as tmp:
-                unwrapped.save_pretrained(str(tmp))
+                # PEFT picks the adapter's tensors out of this (whole) state dict, sharded or not
+                unwrapped.save_pretrained(str(tmp), state_dict={n: t.cpu() for n, t in final_state.items()})
                 write_model_card(tmp, spec, cfg, base_id, tokens_per_s=tokens_per_s, eval_metrics=last_eval, steps=step)
             if validate_adapter:
                 _validate_saved(adapter_dir, spec)
             _plot_losses(trainer.state.log_history, out / "loss.png")
         trainer.accelerator.wait_for_everyone()
     if record is not None:
+        digest = params_digest(full_trainable_state(unwrapped))
         with open(record, "a") as f:
-            f.write(json.dumps({"final_step": step, "rank": rank, "params_sha256": params_digest(unwrapped)}) + "\n")
+            f.write(json.dumps({"final_step": step, "rank": rank, "params_sha256": digest}) + "\n")
     wall = time.time() - t0
     if main:
         if adapter_dir is not None:
