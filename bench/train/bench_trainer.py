@@ -72,7 +72,7 @@ def run_trainer(a) -> dict:
                       lr=1e-4, scheduler="constant", warmup_steps=0, batch_size=a.batch, grad_accum=1,
                       max_steps=a.warmup + a.steps, log_every=1, output_dir=str(out), report_to=[], progress=False,
                       gradient_checkpointing=a.grad_ckpt, attn_implementation="sdpa", packing=a.packing,
-                      training_args={"dataloader_num_workers": 0})
+                      training_args={"dataloader_num_workers": 0}, load_in_4bit=a.load_in_4bit)
     res = run_training(cfg, validate_adapter=False)
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "tokens_seen" in r and "train_loss" in r]
@@ -99,6 +99,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=None, help="fixed sequence length (default: 30-250 tokens)")
     ap.add_argument("--grad-ckpt", action="store_true")
     ap.add_argument("--packing", action="store_true")
+    ap.add_argument("--load-in-4bit", action="store_true", help="the trainer on a bitsandbytes nf4 base (trainer only)")
     ap.add_argument("--workdir", default="/tmp/bdlora-bench-trainer")
     ap.add_argument("--out", default="bench_trainer.jsonl")
     ap.add_argument("--tag", default="run")
@@ -109,7 +110,7 @@ def main() -> int:
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     base = {"shape": a.shape, "rank": a.rank, "nblocks": a.nblocks, "batch": a.batch, "seq": a.seq or "30-250",
-            "grad_ckpt": a.grad_ckpt, "packing": a.packing, "timed_steps": a.steps, "warmup_steps": a.warmup,
+            "grad_ckpt": a.grad_ckpt, "packing": a.packing, "load_in_4bit": a.load_in_4bit, "timed_steps": a.steps, "warmup_steps": a.warmup,
             "date": time.strftime("%Y-%m-%d")}
     if a.model is None:  # parent: prepare model + data once, then one child process per side
         model = build_model(a.shape, work / f"model-{a.shape}")
