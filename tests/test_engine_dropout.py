@@ -54,7 +54,7 @@ def _fwd(mod, ctx, x, segs, seed=None):
 @pytest.mark.parametrize("layout", ["column", "row"])
 @pytest.mark.parametrize("segs", [[(0, 0, T)], [(0, 0, 10), (1, 10, 25), (2, 25, 32)]])
 def test_torch_path_drops_each_jobs_rows_with_its_own_p(backend, layout, segs):
-    from bdlora.train.engine.multilora import bd_lora_delta
+    from bdlora.kernels import lora_delta_ref
 
     ps = [0.5, 0.0, 0.25][:len(segs)]
     mod, ctx, reg = _module(layout, ps)
@@ -68,7 +68,8 @@ def test_torch_path_drops_each_jobs_rows_with_its_own_p(backend, layout, segs):
         ja = reg[j]
         xj = F.dropout(x[s:e], ja.dropout, training=True) if ja.dropout > 0 else x[s:e]
         a, b = ja.factors(NAME)
-        ref = ref + F.pad(bd_lora_delta(xj, a, b, layout, 2, ja.scale), (0, 0, s, T - e))
+        ad = ja.kernel_adapter(NAME, dropout=False)  # the factors (xj already dropped out)
+        ref = ref + F.pad(lora_delta_ref(xj, ad), (0, 0, s, T - e))
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     # the dropout really acted, and only on jobs with p > 0; the base path is untouched
     with torch.no_grad():
@@ -87,17 +88,20 @@ def test_torch_path_drops_each_jobs_rows_with_its_own_p(backend, layout, segs):
 
 @pytest.mark.parametrize("layout", ["column", "row"])
 def test_kernel_path_gets_the_jobs_dropout_and_a_seed_from_torch_rng(layout, monkeypatch):
+    import dataclasses
+
     import bdlora.train.engine.multilora as ml
-    from bdlora.kernels import grouped_lora_ref, torch_keep_masks
 
     calls = []
+    real = ml.fused_lora_linear
 
-    def fake_grouped(x, seg, adapters, dropout_seed=None, backend="auto"):  # the kernel's torch reference
-        calls.append(([ad.dropout for ad in adapters], dropout_seed))
-        seed = dropout_seed if torch.is_grad_enabled() else None
-        return grouped_lora_ref(x, seg, adapters, torch_keep_masks(x, seg, adapters, seed))
+    def spy(x, weight, bias, seg, adapters, *, dropout_seed=None, options):  # runs the kernels' torch reference
+        res = real(x, weight, bias, seg, adapters, dropout_seed=dropout_seed,
+                   options=dataclasses.replace(options, backend="torch", torch_dropout="counter"))
+        calls.append(([ad.dropout for ad in adapters], res.dispatch.dropout_seed))
+        return res
 
-    monkeypatch.setattr(ml, "_grouped_lora", fake_grouped)
+    monkeypatch.setattr(ml, "fused_lora_linear", spy)
     segs = [(0, 0, 10), (1, 10, 25), (2, 25, 32)]
     mod, ctx, reg = _module(layout, [0.5, 0.0, 0.25])
     ctx.backend = "triton"

@@ -91,18 +91,15 @@ def test_kernel_adapter_is_reused_until_the_parameters_change():
 def test_bf16_base_with_fp32_factors_takes_one_cublas_op(layout):
     """The usual GPU setting: a bf16 base and fp32 job factors. lora_backend "cublas" runs base + every job's LoRA
     as one op with bf16 products (autocast numerics: the oracle on bf16-rounded factors), fp32 factor gradients."""
-    from bdlora.kernels import dispatch
-
     mod, ctx, registry = _setup(3, layout)
     mod.base.to(torch.bfloat16)
     ctx.backend, T = "cublas", 40
     segs = [(0, 0, 10), (1, 10, 25), (2, 25, 32)]  # rows 32.. in no segment
     x = torch.randn(T, D_IN).to(torch.bfloat16).requires_grad_(True)
     ctx.segments = segs
-    dispatch.LAST_BACKEND.pop("fused_lora_linear", None)
     y = mod(x)
     ctx.segments = []
-    assert dispatch.LAST_BACKEND["fused_lora_linear"] == "cublas" and y.dtype == torch.bfloat16
+    assert mod.last_dispatch.backend == "cublas" and y.dtype == torch.bfloat16
     g = torch.randn(T, D_OUT).to(torch.bfloat16)
     y.backward(g)
     ads = [registry[j].kernel_adapter(mod.name) for j, _, _ in segs]

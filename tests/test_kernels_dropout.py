@@ -13,7 +13,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import bdlora.kernels as K  # noqa: E402
-from bdlora.kernels import cublas as cublas_mod  # noqa: E402
 from bdlora.kernels import dropout as D  # noqa: E402
 
 
@@ -91,15 +90,12 @@ def _adapter(gen, r, layout, n, d_in, d_out, dropout):
 @pytest.mark.parametrize("dsdb", [True, False])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("bd_gemm", ["dense", "blocks"])
-def test_cublas_path_with_and_without_fused_dropout(fused, bd_gemm, dsdb, monkeypatch):
+def test_cublas_path_with_and_without_fused_dropout(fused, bd_gemm, dsdb):
     """Both routes draw the same masks: outputs and every gradient equal the float64 oracle with those masks. Mixed
     layouts/ranks, an empty and a one-row segment, rows in no segment, one adapter without dropout. With
     bd_gemm="blocks" the row-layout adapter's A stays packed, so its dropout takes the mask route either way.
     ``dsdb``: dS and dB from the one-read Triton kernel (fp32 dS into the dropout kernels, or cast for the GEMMs)
     where B is dense as the GEMMs see it, else the two GEMMs."""
-    monkeypatch.setattr(cublas_mod, "FUSED_DROPOUT", fused)
-    monkeypatch.setattr(cublas_mod, "FUSED_DSDB", dsdb)
-    monkeypatch.setattr(cublas_mod, "POISON_OUTPUTS", True)
     gen = torch.Generator().manual_seed(11 + fused)
     d_in, d_out, t = 64, 48, 40
     seg = [0, 0, 1, 20, 33]
@@ -107,14 +103,16 @@ def test_cublas_path_with_and_without_fused_dropout(fused, bd_gemm, dsdb, monkey
            _adapter(gen, 32, "row", 4, d_in, d_out, 0.1), _adapter(gen, 16, "column", 2, d_in, d_out, 0.0)]
     x = torch.randn(t, d_in, generator=gen).requires_grad_()
     w = torch.randn(d_out, d_in, generator=gen) / 8
-    y = K.fused_lora_linear(x, w, None, seg, ads, dropout_seed=21, backend="cublas", bd_gemm=bd_gemm)
-    route = K.LAST_BACKEND["cublas_dropout"]  # the last adapter with dropout: row layout, r=32
+    y, d = K.fused_lora_linear(x, w, None, seg, ads, dropout_seed=21,
+                               options=K.KernelOptions(backend="cublas", bd_gemm=bd_gemm, fused_dropout=fused,
+                                                       fused_dsdb=dsdb, poison_outputs=True))
+    route = [r for r in d.dropout if r != "none"][-1]  # the last adapter with dropout: row layout, r=32
     assert route == ("triton" if fused and bd_gemm == "dense" else "mask")
     g = torch.randn(t, d_out, generator=gen)
     params = [x] + [p for ad in ads for p in (ad.lora_a, ad.lora_b)]
     grads = torch.autograd.grad(y, params, g)
     # the last adapter: column layout, B in 2 blocks: dense for bd_gemm="dense", packed (two GEMMs) for "blocks"
-    assert K.LAST_BACKEND["cublas_dsdb"] == ("triton" if dsdb and bd_gemm == "dense" else "cublas")
+    assert d.dsdb[-1] == ("triton" if dsdb and bd_gemm == "dense" else "cublas")
     # float64 oracle: dense factors, the same masks
     masks = K.torch_keep_masks(x, seg, ads, 21)
     leaves = [x.detach().double().requires_grad_()]

@@ -30,14 +30,11 @@ def test_dsdb_dense_matches_float64_reference(rows, rank, d_out):
     torch.testing.assert_close(db.double(), db64, **tol)
 
 
-def test_dsdb_dense_gate(monkeypatch):
+def test_dsdb_dense_gate():
     """On CPU the kernel runs only when asked (tests); above DSDB_MAX_RANK or with mixed dtypes never."""
     dy, b = torch.randn(4, 8), torch.randn(8, 16)
-    monkeypatch.setattr(C, "FUSED_DSDB", None)
-    assert not C.dsdb_ok(dy, b)
-    monkeypatch.setattr(C, "FUSED_DSDB", True)
-    assert C.dsdb_ok(dy, b)
-    assert not C.dsdb_ok(dy, torch.randn(8, C.DSDB_MAX_RANK + 1))
-    assert not C.dsdb_ok(dy, b.double())
-    monkeypatch.setattr(C, "FUSED_DSDB", False)
-    assert not C.dsdb_ok(dy, b)
+    assert not C.dsdb_ok(dy, b, None)
+    assert C.dsdb_ok(dy, b, True)
+    assert not C.dsdb_ok(dy, torch.randn(8, C.DSDB_MAX_RANK + 1), True)
+    assert not C.dsdb_ok(dy, b.double(), True)
+    assert not C.dsdb_ok(dy, b, False)

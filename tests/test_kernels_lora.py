@@ -3,6 +3,7 @@
 The oracle builds the dense factors itself (torch.block_diag of the packed blocks, as PEFT does), so it shares
 no code with the kernels or their torch references.
 """
+import dataclasses
 import os
 import subprocess
 import sys
@@ -19,16 +20,16 @@ import bdlora.kernels as K  # noqa: E402
 from bdlora.kernels import cublas as cublas_mod  # noqa: E402
 from bdlora.kernels import dispatch as dispatch_mod  # noqa: E402
 from bdlora.kernels import dropout as dropout_mod  # noqa: E402
-from bdlora.kernels import grouped as grouped_mod  # noqa: E402
 
 D_IN, D_OUT = 64, 96
 
 
-@pytest.fixture(autouse=True)
-def _poison():
-    grouped_mod.POISON_OUTPUTS = cublas_mod.POISON_OUTPUTS = True
-    yield
-    grouped_mod.POISON_OUTPUTS = cublas_mod.POISON_OUTPUTS = False
+# every kernel/GEMM output buffer NaN-filled first, so elements a kernel forgets fail
+P = K.KernelOptions(poison_outputs=True)
+
+
+def opts(**kw) -> K.KernelOptions:
+    return dataclasses.replace(P, **kw)
 
 
 def make_adapter(gen, r, layout, n, d_in=D_IN, d_out=D_OUT, dropout=0.0):
@@ -102,8 +103,8 @@ def test_grouped_forward_backward(layout, ranks, n):
     layouts = ["column", "row"] * 2 if layout == "both" else [layout] * 4
     adapters = [make_adapter(gen, r, lay, n) for r, lay in zip(RANKS[ranks], layouts)]
     x = torch.randn(T, D_IN, generator=gen).requires_grad_()
-    y = K.grouped_lora(x, SEG, adapters)
-    assert K.LAST_BACKEND["grouped_lora"] == "triton"
+    y, d = K.grouped_lora(x, SEG, adapters, options=P)
+    assert d.backend == "triton"
     grad = torch.randn(T, D_OUT, generator=gen)
     grads = torch.autograd.grad(y, [x, *adapter_params(adapters)], grad)
     y64, grads64 = oracle(x, SEG, adapters, grad)
@@ -119,7 +120,7 @@ def test_grouped_matches_torch_reference_and_peft():
     ad = make_adapter(gen, 16, "row", 4)
     x = torch.randn(12, D_IN, generator=gen)
     with torch.no_grad():
-        y = K.grouped_lora(x, [0, 12], [ad])
+        y = K.grouped_lora(x, [0, 12], [ad], options=P).out
         lin_a = BlockDiagonalLinear(D_IN, 16, 4)
         lin_a.weight.copy_(ad.lora_a)
         peft_y = ad.scale * (lin_a(x) @ ad.lora_b.t())
@@ -134,7 +135,7 @@ def test_grouped_inplace_out_and_layout_helpers():
     base = torch.randn(T, D_OUT, generator=gen).requires_grad_()
     out = base * 1.0
     seg = [3, 4, 20]
-    y = K.grouped_lora(x, seg, adapters, out=out)
+    y = K.grouped_lora(x, seg, adapters, out=out, options=P).out
     assert y is out
     grad = torch.randn(T, D_OUT, generator=gen)
     gx, gbase = torch.autograd.grad(y, [x, base], grad)
@@ -168,8 +169,8 @@ def test_fused_linear_with_dropout(fuse_base, with_bias):
     x = torch.randn(T, D_IN, generator=gen).requires_grad_()
     weight = (torch.randn(D_OUT, D_IN, generator=gen) / 8).requires_grad_()
     bias = torch.randn(D_OUT, generator=gen).requires_grad_() if with_bias else None
-    y = K.fused_lora_linear(x, weight, bias, seg, adapters, dropout_seed=77, fuse_base=fuse_base)
-    assert K.LAST_BACKEND["fused_lora_linear"] == "triton"
+    y, d = K.fused_lora_linear(x, weight, bias, seg, adapters, dropout_seed=77, options=opts(fuse_base=fuse_base))
+    assert d.backend == "triton"
     masks = [K.dropout_keep_mask(77, (T, D_IN), ad.dropout) for ad in adapters]
     grad = torch.randn(T, D_OUT, generator=gen)
     assert_layer_matches_oracle(y, x, weight, bias, seg, adapters, masks, grad)
@@ -185,7 +186,7 @@ def test_dropout_mask_and_eval_mode():
     ad = make_adapter(gen, 16, "column", 2, dropout=0.5)
     x = torch.randn(8, D_IN, generator=gen)
     with torch.no_grad():
-        y = K.grouped_lora(x, [0, 8], [ad])
+        y = K.grouped_lora(x, [0, 8], [ad], options=P).out
     assert_close(y, oracle(x, [0, 8], [ad], torch.zeros(8, D_OUT))[0])
 
 
@@ -221,8 +222,8 @@ def test_decode(layout, n, slices, t, d_in):
     idx = torch.tensor([3, -1, 1, 0, 2, 4, 3, 0, -1][:t] if t > 1 else [4])
     y0, x, a, b, rk, scales, offs, want = _decode_case(gen, layout, n, ranks, d_outs, t, idx.tolist(), d_in)
     y = y0.clone()
-    out = K.decode_lora(y, x, a, b, idx, rk, scales, offs, layout=layout, nblocks=n)
-    assert out is y and K.LAST_BACKEND["decode_lora"] == "triton"
+    out, d = K.decode_lora(y, x, a, b, idx, rk, scales, offs, layout=layout, nblocks=n)
+    assert out is y and d.backend == "triton"
     assert_close(y, want)
     ref = K.decode_lora_ref(y0.clone(), x, a, b, idx, rk, scales, offs, layout, n)
     assert_close(ref, want)
@@ -260,7 +261,7 @@ def test_decode_workspace_reuse():
             y0, x, a, b, rk, scales, offs, want = _decode_case(gen, layout, n, [8, 16, 0, 64, 32], d_outs, t,
                                                                idx.tolist(), d_in)
             ws.partials.fill_(float("nan"))  # stale partials of another call must never be read
-            y = K.decode_lora(y0.clone(), x, a, b, idx, rk, scales, offs, layout=layout, nblocks=n, workspace=ws)
+            y = K.decode_lora(y0.clone(), x, a, b, idx, rk, scales, offs, layout=layout, nblocks=n, workspace=ws).out
             assert_close(y, want)
     small = K.DecodeWorkspace("cpu")
     y0, x, a, b, rk, scales, offs, _ = _decode_case(gen, "column", 1, [8], [32], 2, [0, 0], 128)
@@ -273,7 +274,7 @@ def test_decode_64_tokens():
     idx = (torch.arange(64) % 5) - 1  # -1, 0, 1, 2, 3, ...
     y0, x, a, b, rk, scales, offs, want = _decode_case(gen, "column", 2, [16, 16, 64, 8], [64, 32, 32], 64,
                                                        idx.tolist())
-    y = K.decode_lora(y0.clone(), x, a, b, idx, rk, scales, offs, layout="column", nblocks=2)
+    y = K.decode_lora(y0.clone(), x, a, b, idx, rk, scales, offs, layout="column", nblocks=2).out
     assert_close(y, want)
 
 
@@ -313,11 +314,11 @@ def test_decode_folded(d_outs, t):
     idx = torch.tensor([3, -1, 1, 0, 2, 4, 3, 0, -1][:t] if t > 1 else [4], dtype=torch.int32)
     w, folded, x, b, rk, scales, offs, want = _folded_case(gen, ranks, d_outs, t, idx.tolist())
     assert folded.base.data_ptr() == folded.w_ext.data_ptr() and torch.equal(folded.base, w)
-    y = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs)
-    assert K.LAST_BACKEND["decode_lora_folded"] == "triton" and y.shape == (t, sum(d_outs))
+    y, d = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs)
+    assert d.backend == "triton" and y.shape == (t, sum(d_outs))
     assert_close(y, want)
-    y_torch = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, backend="torch")
-    assert K.LAST_BACKEND["decode_lora_folded"] == "torch"
+    y_torch, d = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, options=K.KernelOptions(backend="torch"))
+    assert d.backend == "torch"
     assert_close(y_torch, want)
     assert_close(K.decode_lora_folded_ref(x, folded.w_ext, folded.d_out, b, idx, rk, scales, offs), want)
 
@@ -362,8 +363,8 @@ def _cublas_case(dtype, layout, ranks, n, case, dropout=0.0, bias=False, train_w
 def test_cublas_fused_linear(dtype, layout, ranks, n, bd_gemm, case):
     """y, dX, dA, dB of the cuBLAS path vs the float64 oracle; W frozen (the layer benchmark's setting)."""
     gen, seg, t, adapters, x, weight, _ = _cublas_case(dtype, layout, ranks, n, case)
-    y = K.fused_lora_linear(x, weight, None, seg, adapters, backend="cublas", bd_gemm=bd_gemm)
-    assert K.LAST_BACKEND["fused_lora_linear"] == "cublas" and y.dtype == dtype
+    y, d = K.fused_lora_linear(x, weight, None, seg, adapters, options=opts(backend="cublas", bd_gemm=bd_gemm))
+    assert d.backend == "cublas" and y.dtype == dtype
     grad = torch.randn(t, D_OUT, generator=gen).to(dtype)
     grads = torch.autograd.grad(y, [x, *adapter_params(adapters)], grad)
     y64, grads64 = oracle(x, seg, adapters, grad, weight)
@@ -380,18 +381,18 @@ def test_cublas_fused_linear_dropout_bias_weight_grad(dtype, bias, bd_gemm):
     gen, seg, t, adapters, x, weight, b = _cublas_case(dtype, "both", "mixed", 4, "multi", dropout=0.3, bias=bias,
                                                        train_w=True)
     adapters[2].dropout = 0.0  # one adapter without dropout beside ones with it
-    y = K.fused_lora_linear(x, weight, b, seg, adapters, dropout_seed=77, backend="cublas", bd_gemm=bd_gemm)
+    y = K.fused_lora_linear(x, weight, b, seg, adapters, dropout_seed=77, options=opts(backend="cublas", bd_gemm=bd_gemm)).out
     masks = K.torch_keep_masks(x, seg, adapters, 77)
     assert masks[2] is None and all(m[:seg[i]].sum() == 0 for i, m in enumerate(masks) if m is not None)
     grad = torch.randn(t, D_OUT, generator=gen).to(dtype)
     assert_layer_matches_oracle(y, x, weight, b, seg, adapters, masks, grad)
     # the torch backend draws the same masks from the same seed
-    y_ref = K.fused_lora_linear(x, weight, b, seg, adapters, dropout_seed=77, backend="torch")
+    y_ref = K.fused_lora_linear(x, weight, b, seg, adapters, dropout_seed=77, options=opts(backend="torch")).out
     assert_close(y, y_ref)
     # without autograd recording dropout is off
     with torch.no_grad():
-        y_eval = K.fused_lora_linear(x, weight, b, seg, adapters, dropout_seed=77, backend="cublas",
-                                     bd_gemm=bd_gemm)
+        y_eval = K.fused_lora_linear(x, weight, b, seg, adapters, dropout_seed=77,
+                                     options=opts(backend="cublas", bd_gemm=bd_gemm)).out
     assert_close(y_eval, oracle(x, seg, adapters, grad, weight, b)[0])
 
 
@@ -404,8 +405,8 @@ def test_cublas_fused_linear_wider_factors(compute, master, bd_gemm):
     gen, seg, t, adapters, x, weight, _ = _cublas_case(compute, "both", "mixed", 4, "multi", dropout=0.3)
     adapters[3].dropout = 0.0
     wide = [cast_adapter(make_adapter(gen, ad.rank, ad.layout, 4, dropout=ad.dropout), master) for ad in adapters]
-    y = K.fused_lora_linear(x, weight, None, seg, wide, dropout_seed=5, backend="cublas", bd_gemm=bd_gemm)
-    assert K.LAST_BACKEND["fused_lora_linear"] == "cublas" and y.dtype == compute
+    y, d = K.fused_lora_linear(x, weight, None, seg, wide, dropout_seed=5, options=opts(backend="cublas", bd_gemm=bd_gemm))
+    assert d.backend == "cublas" and y.dtype == compute
     grad = torch.randn(t, D_OUT, generator=gen).to(compute)
     grads = torch.autograd.grad(y, [x, *adapter_params(wide)], grad)
     assert [g.dtype for g in grads] == [compute] + [master] * (2 * len(wide))
@@ -470,7 +471,6 @@ def test_cublas_no_activation_copies(monkeypatch):
     for layout, bd_gemm, p, fused in [("column", "dense", 0.0, None), ("row", "dense", 0.0, None),
                                       ("column", "blocks", 0.0, None), ("row", "blocks", 0.0, None),
                                       ("row", "dense", 0.2, False), ("row", "dense", 0.2, True)]:
-        cublas_mod.FUSED_DROPOUT = fused
         launches = []
         for name in ("drop_shrink", "drop_expand_t", "drop_wgrad_a"):  # the interpreter's own tensor copies unlogged
             monkeypatch.setattr(cublas_mod, name, unlogged(getattr(dropout_mod, name), launches, name))
@@ -478,12 +478,10 @@ def test_cublas_no_activation_copies(monkeypatch):
         x = torch.randn(t, d, generator=gen).requires_grad_()
         w = torch.randn(d, d, generator=gen)
         gy = torch.randn(t, d, generator=gen)
-        try:
-            with Log() as log:
-                y = K.fused_lora_linear(x, w, None, [0, t], [ad], dropout_seed=1, backend="cublas", bd_gemm=bd_gemm)
-                torch.autograd.grad(y, [x, ad.lora_a, ad.lora_b], gy)
-        finally:
-            cublas_mod.FUSED_DROPOUT = None
+        with Log() as log:
+            y = K.fused_lora_linear(x, w, None, [0, t], [ad], dropout_seed=1,
+                                    options=opts(backend="cublas", bd_gemm=bd_gemm, fused_dropout=fused)).out
+            torch.autograd.grad(y, [x, ad.lora_a, ad.lora_b], gy)
         heavy = [op for op in log.ops if op not in ("empty", "new_empty", "fill_", "zero_", "new_zeros", "zeros")]
         gemms = [op for op in heavy if op in ("addmm_", "baddbmm_")]
         others = [op for op in heavy if op not in gemms]
@@ -508,34 +506,76 @@ def test_cublas_dispatch_rules():
     assert pref("cuda", 1, 576, 576) and pref("cuda", 16, 4096, 4096) and pref("cuda", 4, 4096, 1024)
     assert not pref("cuda", 2, 576, 1536) and not pref("cuda", 8, 576, 576)
     assert not pref("cpu", 1, 4096, 4096)
-    ch = dispatch_mod.choose
-    assert ch("op", "auto", True, cublas=True, prefer_cublas=True) == "cublas"
-    assert ch("op", "auto", False, cublas=True, prefer_cublas=True) == "cublas"
-    assert ch("op", "auto", True, cublas=False, prefer_cublas=True) == "triton"
-    assert ch("op", "auto", True, cublas=True, prefer_cublas=False) == "triton"
-    assert ch("op", "auto", False, cublas=True, prefer_cublas=False) == "torch"
-    assert ch("op", "cublas", False, cublas=True) == "cublas"
+    def ch(backend, triton_ok, cublas=dispatch_mod.NOT_AN_OPTION, prefer_cublas=False, **kw):
+        cub = cublas if cublas == dispatch_mod.NOT_AN_OPTION else (None if cublas else "cannot")
+        return dispatch_mod.resolve("op", K.KernelOptions(backend=backend, **kw), "cuda",
+                                    triton=None if triton_ok else "cannot", cublas=cub, prefer_cublas=prefer_cublas)[0]
+
+    assert ch("auto", True, cublas=True, prefer_cublas=True) == "cublas"
+    assert ch("auto", False, cublas=True, prefer_cublas=True) == "cublas"
+    assert ch("auto", True, cublas=False, prefer_cublas=True) == "triton"
+    assert ch("auto", True, cublas=True, prefer_cublas=False) == "triton"
+    assert ch("auto", False, cublas=True, prefer_cublas=False) == "torch"
+    assert ch("cublas", False, cublas=True) == "cublas"
     with pytest.raises(RuntimeError):
-        ch("op", "cublas", True, cublas=False)
+        ch("cublas", True, cublas=False)
     with pytest.raises(ValueError):
-        ch("op", "cublas", True)  # an op without a cuBLAS path
+        ch("cublas", True)  # an op without a cuBLAS path
 
     gen = torch.Generator().manual_seed(5)
     ad = make_adapter(gen, 16, "column", 2)
     x = torch.randn(6, D_IN, generator=gen)
     w = torch.randn(D_OUT, D_IN, generator=gen)
-    K.fused_lora_linear(x, w, None, [0, 6], [ad])
-    assert K.LAST_BACKEND["fused_lora_linear"] == "triton"  # CPU + interpreter
-    K.fused_lora_linear(x, w, None, [0, 6], [ad], backend="cublas")
-    assert K.LAST_BACKEND["fused_lora_linear"] == "cublas"
+    assert K.fused_lora_linear(x, w, None, [0, 6], [ad]).backend == "triton"  # CPU + interpreter
+    assert K.fused_lora_linear(x, w, None, [0, 6], [ad], options=opts(backend="cublas")).backend == "cublas"
     with pytest.raises(ValueError):
-        K.fused_lora_linear(x, w, None, [0, 6], [ad], fuse_base=True, backend="cublas")
+        K.fused_lora_linear(x, w, None, [0, 6], [ad], options=opts(fuse_base=True, backend="cublas"))
     with pytest.raises(ValueError):
-        K.fused_lora_linear(x, w, None, [0, 6], [ad], backend="cublas", bd_gemm="sparse")
+        K.fused_lora_linear(x, w, None, [0, 6], [ad], options=opts(backend="cublas", bd_gemm="sparse"))
     with pytest.raises(ValueError):
-        K.grouped_lora(x, [0, 6], [ad], backend="cublas")
+        K.grouped_lora(x, [0, 6], [ad], options=opts(backend="cublas"))
     with pytest.raises(RuntimeError, match="x/weight/bias dtypes differ"):  # x and the weight in different dtypes
-        K.fused_lora_linear(x.double(), w, None, [0, 6], [ad], backend="cublas")
+        K.fused_lora_linear(x.double(), w, None, [0, 6], [ad], options=opts(backend="cublas"))
+
+
+def test_dispatch_returns_the_backend_it_ran_and_no_module_switches_remain():
+    """Every entry point returns LoraResult(out, Dispatch) naming the backend that ran; a requested backend that
+    cannot run raises, or with fallback=True gives way and says so; options are frozen; no kernel module keeps
+    mutable switches or a record of the last backend."""
+    import importlib
+    import pkgutil
+
+    gen = torch.Generator().manual_seed(3)
+    ad = make_adapter(gen, 8, "column", 2)
+    x = torch.randn(6, D_IN, generator=gen)
+    w = torch.randn(D_OUT, D_IN, generator=gen)
+    for backend in ("triton", "torch", "cublas"):
+        res = K.fused_lora_linear(x, w, None, [0, 6], [ad], options=K.KernelOptions(backend=backend))
+        assert isinstance(res, K.LoraResult) and res.backend == res.dispatch.backend == backend
+        assert res.dispatch.op == "fused_lora_linear" and res.dispatch.requested == backend
+    assert K.grouped_lora(x, [0, 6], [ad], options=K.KernelOptions(backend="torch")).backend == "torch"
+    auto = K.fused_lora_linear(x, w, None, [0, 6], [ad])
+    assert auto.backend == "triton" and auto.dispatch.note.startswith("auto")
+    assert K.fused_lora_linear(x, w, None, [0, 6], [ad], options=K.KernelOptions(interpreter=False)).backend == "torch"
+    with pytest.raises(RuntimeError, match="x/weight/bias dtypes differ"):
+        K.fused_lora_linear(x.double(), w, None, [0, 6], [ad], options=K.KernelOptions(backend="cublas"))
+    fb = K.fused_lora_linear(x.double(), w.double(), None, [0, 6], [ad],
+                             options=K.KernelOptions(backend="triton", fallback=True))
+    assert fb.backend != "triton" and fb.dispatch.note.startswith("fell back from triton")
+    gap = K.fused_lora_linear(x, w, None, [0, 2, 4, 6], [ad, None, ad],
+                              options=K.KernelOptions(backend="cublas", fallback=True))
+    assert gap.backend == "torch" and "without adapter" in gap.dispatch.note
+    torch.testing.assert_close(gap.out[2:4], x[2:4] @ w.t())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        K.KernelOptions().backend = "torch"
+    old = {"LAST_BACKEND", "POISON_OUTPUTS", "FUSED_DROPOUT", "FUSED_DSDB", "choose"}
+    mods = [importlib.import_module(f"bdlora.kernels.{m.name}") for m in pkgutil.iter_modules(K.__path__)]
+    assert {m.__name__.rsplit(".", 1)[1] for m in mods} >= {"grouped", "cublas", "dropout", "decode", "dispatch"}
+    assert "_triton" not in {m.__name__.rsplit(".", 1)[1] for m in mods}  # kernels live beside their launchers
+    for mod in [K] + mods:
+        assert not old & set(vars(mod)), (mod.__name__, old & set(vars(mod)))
+        mutable = [n for n, v in vars(mod).items() if n.isupper() and isinstance(v, (dict, list, set))]
+        assert not mutable, (mod.__name__, mutable)
 
 
 FALLBACK_SCRIPT = r"""
@@ -544,21 +584,20 @@ os.environ.pop("TRITON_INTERPRET", None)
 import bdlora.kernels as K
 ad = K.LoraAdapter(torch.randn(16, 32), torch.randn(48, 4), 0.5, "column", 4)
 x = torch.randn(10, 32, requires_grad=True)
-y = K.grouped_lora(x, [0, 3, 10], [ad, ad])
-assert K.LAST_BACKEND["grouped_lora"] == "torch", K.LAST_BACKEND
+y, d = K.grouped_lora(x, [0, 3, 10], [ad, ad])
+assert d.backend == "torch", d
 assert torch.allclose(y, K.grouped_lora_ref(x, [0, 3, 10], [ad, ad]))
 y.sum().backward()
 w = torch.randn(48, 32)
-K.fused_lora_linear(x, w, None, [0, 10], [ad])
-assert K.LAST_BACKEND["fused_lora_linear"] == "torch"
-yc = K.fused_lora_linear(x, w, None, [0, 10], [ad], backend="cublas")
-assert K.LAST_BACKEND["fused_lora_linear"] == "cublas"
+assert K.fused_lora_linear(x, w, None, [0, 10], [ad]).backend == "torch"
+yc, d = K.fused_lora_linear(x, w, None, [0, 10], [ad], options=K.KernelOptions(backend="cublas"))
+assert d.backend == "cublas"
 assert torch.allclose(yc, K.fused_lora_linear_ref(x, w, None, [0, 10], [ad]), atol=1e-5)
 a, b, rk, offs = K.stack_decode_weights([[(ad.lora_a, ad.lora_b)]], 16, "column", 4)
-K.decode_lora(torch.zeros(2, 48), x[:2].detach(), a, b, torch.tensor([0, -1]), rk, torch.ones(1), offs, nblocks=4)
-assert K.LAST_BACKEND["decode_lora"] == "torch"
+d = K.decode_lora(torch.zeros(2, 48), x[:2].detach(), a, b, torch.tensor([0, -1]), rk, torch.ones(1), offs, nblocks=4)
+assert d.backend == "torch"
 try:
-    K.grouped_lora(x, [0, 10], [ad], backend="triton")
+    K.grouped_lora(x, [0, 10], [ad], options=K.KernelOptions(backend="triton"))
     raise SystemExit("backend='triton' should refuse CPU tensors without the interpreter")
 except RuntimeError:
     pass

@@ -167,11 +167,12 @@ def _lora_linear_impl(y: torch.Tensor, x: torch.Tensor, layer: str) -> None:
     if n <= st.max_tokens and st.slots is not None:
         if n == 0:
             return
-        from bdlora.kernels import LAST_BACKEND, decode_lora
+        from bdlora.kernels import KernelOptions, decode_lora
 
-        decode_lora(y, x, st.lora_a, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
-                    layout="column", nblocks=1, backend=st.backend, soff=st.soff, workspace=st.workspace)
-        _count_fused("fused:", LAST_BACKEND.get("decode_lora", "?"), x, st)
+        ran = decode_lora(y, x, st.lora_a, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
+                          layout="column", nblocks=1, options=KernelOptions(backend=st.backend), soff=st.soff,
+                          workspace=st.workspace)
+        _count_fused("fused:", ran.backend, x, st)
         return
     _stock_lora(layer, y, x)
 
@@ -190,13 +191,13 @@ def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
     st = layer._bd_fused
     n = x.shape[0]
     if n <= st.max_tokens and st.slots is not None:
-        from bdlora.kernels import LAST_BACKEND, decode_lora_folded
+        from bdlora.kernels import KernelOptions, decode_lora_folded
 
-        y = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
-                               backend=st.backend, soff=st.soff)
+        y, ran = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
+                                    options=KernelOptions(backend=st.backend), soff=st.soff)
         if bias is not None:
             y += bias
-        _count_fused("folded:", LAST_BACKEND.get("decode_lora_folded", "?"), x, st)
+        _count_fused("folded:", ran.backend, x, st)
         return y
     y = layer._get_quant_method().apply(layer.base_layer, x, bias)
     _stock_lora(layer, y, x)

@@ -1,13 +1,16 @@
 """Triton kernels for (Block-Diagonal) LoRA: grouped multi-adapter training, LoRAFusion-style fused linear,
-and the multi-slice serving decode path. Each op has a pure-torch reference beside it and a dispatcher that
-runs Triton on CUDA (or on CPU under TRITON_INTERPRET=1) and falls back to the reference otherwise. The fused
-linear also has a cuBLAS-composed path (``cublas.CublasLoraLinearFn``), its default on CUDA.
+and the multi-slice serving decode path. One entry point per operation (``grouped_lora``, ``fused_lora_linear``,
+``decode_lora``, ``decode_lora_folded``), each taking ``options=KernelOptions(...)`` (frozen) and returning
+``LoraResult(out, dispatch)`` whose ``dispatch.backend`` is the backend that ran (``dispatch`` module docstring).
+Each Triton kernel sits beside its launcher (grouped.py, cublas.py, dropout.py, decode.py) with a torch reference
+(there or in reference.py). The fused linear also has a cuBLAS-composed path (``cublas.CublasLoraLinearFn``), its
+default on CUDA.
 
 Orientation and block layouts: see ``bdlora.kernels.layout``.
 """
 from .cublas import CublasLoraLinearFn
 from .decode import DecodeWorkspace, FoldedWeight, decode_lora, decode_lora_folded, fold_weight, stack_decode_weights
-from .dispatch import LAST_BACKEND
+from .dispatch import Dispatch, KernelOptions, LoraResult
 from .dropout import dropout_keep_mask, keep_mask_torch, segment_keep_mask
 from .grouped import fused_lora_linear, grouped_lora
 from .layout import LoraAdapter, from_math, pack_block_diagonal, to_math, unpack_block_diagonal
@@ -17,9 +20,11 @@ from .reference import (bd_matmul, decode_lora_folded_ref, decode_lora_folded_to
 __all__ = [
     "CublasLoraLinearFn",
     "DecodeWorkspace",
+    "Dispatch",
     "FoldedWeight",
-    "LAST_BACKEND",
+    "KernelOptions",
     "LoraAdapter",
+    "LoraResult",
     "bd_matmul",
     "decode_lora",
     "decode_lora_folded",

@@ -23,13 +23,13 @@ Per adapter i with rows R_i = seg[i]:seg[i+1] and c_i = scale_i / (1 - p_i) (p_i
     dX[R_i] *= keep_i              only with dropout: masked_fill_(drop_i, 0)   read dX + drop, write dX
     dX    += dY @ W                addmm_(beta=1)
   Saved for backward: X (only without dropout or for dW), Xin_i and drop_i (dropout), S_i, the factors.
-  With dropout on CUDA (dense A_i, r_i <= 128; ``FUSED_DROPOUT``), the three products that touch the mask are
+  With dropout on CUDA (dense A_i, r_i <= 128; ``KernelOptions.fused_dropout``), the three products that touch the mask are
   Triton kernels of ``dropout.py`` that draw it from its counter hash where they read or write the element:
   S_i (drop_shrink: reads X once, no Xin, no mask), the LoRA dX (drop_expand_t: written masked, then the base
   GEMM adds onto it as above) and dA_i (drop_wgrad_a: reads X again); only X is saved. The materialized route
   (bernoulli, `logical_not`, masked_fill twice) took ~0.25 ms of a ~1 ms layer at 8192 x 4096 bf16 on an H200
   (bench/results/kernels/*profile*2026-11-22*).
-  On CUDA, for B_i dense as the GEMMs see it and r_i <= 64 (``FUSED_DSDB``), dS_i and dB_i come from one Triton
+  On CUDA, for B_i dense as the GEMMs see it and r_i <= 64 (``KernelOptions.fused_dsdb``), dS_i and dB_i come from one Triton
   kernel that reads dY once (``dsdb_dense``, fp32 atomics; dY is the widest operand of an MLP up-projection:
   8192 x 14336, r 16 on an H200: 80 us vs 129 us for the two GEMMs).
 
@@ -45,6 +45,7 @@ Block-diagonal factors (see ``layout``: column layout has B block-diagonal, row 
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Sequence
 
 import torch
@@ -52,53 +53,69 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import dispatch
-from .dispatch import LAST_BACKEND
+from ._jit import jit, tl
+from .dispatch import KernelOptions, new_output
 from .dropout import drop_expand_t, drop_shrink, drop_wgrad_a, dropout_keys, fused_ok, segment_keep_mask
-from .layout import LoraAdapter
+from .layout import LoraAdapter, pack_block_diagonal, unpack_block_diagonal
 
 BD_GEMMS = ("auto", "dense", "blocks")
 DENSE_MAX_RANK = 128
 
-# Tests set this to fill every output buffer with NaN first, so elements a GEMM forgets (or reads with beta=0) fail.
-POISON_OUTPUTS = False
-# Dropout inside the LoRA-A products (``dropout.py`` kernels) instead of a materialized mask: None = on CUDA where
-# they apply (dense A of rank <= 128), True = also under the CPU Triton interpreter (tests), False = never.
-FUSED_DROPOUT: bool | None = None
-# dS and dB of an adapter from one Triton kernel reading dY once (``dsdb_dense``) instead of two GEMMs that read it
-# twice: None = on CUDA for B dense as the GEMMs see it and rank <= DSDB_MAX_RANK, True = also under the interpreter,
-# False = never (dB then sums in a fixed order: the kernel's fp32 atomics are not bit-reproducible run to run).
-FUSED_DSDB: bool | None = None
 # Tiles and splits: the best of a sweep at 8192 rows x 4096 / 14336 columns, r 16 / 32 / 64 (H200, 2026-11-22;
 # bench/kernels/tune_dsdb.py; bench/results/kernels/h200-dsdb-dense-sweep-shipped-*), as shipped: 8192 x 14336:
 # r 16 80 us vs 129 us for the two GEMMs, r 32 92 vs 130, r 64 122 vs 133; 8192 x 4096: r 16 34 vs 50, r 64 45 vs
 # 51. Not taken above rank 64 (not swept; the grouped path's dS/dB kernel spilled registers at rank 128, grouped.py).
 DSDB_MAX_RANK = 64
-DSDB_TILES = dict(BT=128, BN=128, num_warps=8, num_stages=3)
+DSDB_TILES = MappingProxyType(dict(BT=128, BN=128, num_warps=8, num_stages=3))  # read-only data
 
 
-def _new(ref: torch.Tensor, *shape: int) -> torch.Tensor:
-    out = ref.new_empty(shape)
-    return out.fill_(float("nan")) if POISON_OUTPUTS else out
+@jit
+def _dsdb_chunks(db_ptr, dy_ptr, b_ptr, s_tile, rows, rmask, rr, rrmask, stride_dy, o_lo, width, rb, boff,
+                 first, step, rot, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                 PREC: tl.constexpr):
+    """The shared body of the dS/dB kernels: over the BLOCK_N column chunks c = first, first + step, ... of output
+    columns [o_lo, o_lo + width) (visited rotated by ``rot``, so concurrent programs add into different dB rows):
+
+        returns sum_c dY[rows, c] @ B[c, rr]               (fp32 (BLOCK_T, BLOCK_R), the caller stores it)
+        dB[c, rr] += dY[rows, c]^T @ s_tile                 (fp32 atomics; s_tile = S[rows, rr])
+
+    with B stored (d_out, rb) row-major at b_ptr + boff (dB alike at db_ptr + boff)."""
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    n_ch = tl.cdiv(width, BLOCK_N)
+    for it in range(first, n_ch, step):
+        os_ = o_lo + ((it + rot) % n_ch) * BLOCK_N + tl.arange(0, BLOCK_N)
+        omask = os_ < o_lo + width
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + os_[None, :],
+                     mask=rmask[:, None] & omask[None, :], other=0.0)
+        bmask = omask[:, None] & rrmask[None, :]
+        bidx = boff + os_[:, None] * rb + rr[None, :]
+        b = tl.load(b_ptr + bidx, mask=bmask, other=0.0)
+        acc += tl.dot(dy, b, input_precision=PREC)
+        db = tl.dot(tl.trans(dy), s_tile, input_precision=PREC)
+        tl.atomic_add(db_ptr + bidx, db, mask=bmask, sem="relaxed")
+    return acc
 
 
-def unpack_dense(w: torch.Tensor, nb: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Packed (M, K/nb) -> block-diagonal (M, K) with zeros, in ``dtype`` (default w's): one zero fill and one
-    strided copy (which also casts)."""
-    m, kb = w.shape
-    full = w.new_zeros(m, kb * nb, dtype=dtype)
-    full.view(nb, m // nb, nb, kb).diagonal(dim1=0, dim2=2).copy_(w.view(nb, m // nb, kb).permute(1, 2, 0))
-    return full
+# rows and splits change with every micro-batch: a variant per divisibility pattern would compile mid-run
+@jit(do_not_specialize=["rows_total", "col_split"])
+def _dsdb_dense_kernel(ds_ptr, db_ptr, dy_ptr, s_ptr, b_ptr, rows_total, d_out, r, stride_dy, col_split,
+                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
+    """One adapter, dense B (d_out, r), every row (the cuBLAS layer's segment): dY read once for both products,
 
+    dS[t, :] += dY[t, :] @ B          dB += dY^T @ S            (fp32 atomics into zeroed ds (rows, r), db (d_out, r))
 
-def pack_dense(full: torch.Tensor, nb: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(M, K) -> its nb diagonal blocks packed (M, K/nb), in ``dtype`` (default full's): one small copy (none for
-    nb = 1 in full's dtype)."""
-    if nb == 1:
-        return full.to(dtype or full.dtype)
-    m, k = full.shape
-    out = full.new_empty(nb, m // nb, k // nb, dtype=dtype)
-    out.copy_(full.view(nb, m // nb, nb, k // nb).diagonal(dim1=0, dim2=2).permute(2, 0, 1))
-    return out.view(m, k // nb)
+    Program (row tile, c) takes every col_split-th BLOCK_N column chunk. dy has unit column stride; s and b
+    are contiguous. Grid: (cdiv(rows, BLOCK_T), col_split)."""
+    tile = tl.program_id(0)
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < rows_total
+    rr = tl.arange(0, BLOCK_R)
+    rrmask = rr < r
+    smask = rmask[:, None] & rrmask[None, :]
+    s_tile = tl.load(s_ptr + rows[:, None] * r + rr[None, :], mask=smask, other=0.0)
+    acc = _dsdb_chunks(db_ptr, dy_ptr, b_ptr, s_tile, rows, rmask, rr, rrmask, stride_dy, 0, d_out, r, 0,
+                       tl.program_id(1), col_split, tile, BLOCK_T, BLOCK_N, BLOCK_R, PREC)
+    tl.atomic_add(ds_ptr + rows[:, None] * r + rr[None, :], acc, mask=smask, sem="relaxed")
 
 
 def bd_mm_(out: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, nb: int, alpha: float, beta: float) -> None:
@@ -122,29 +139,30 @@ def bd_mm_t_(out: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, nb: int, alp
 
 
 def bd_wgrad(gout: torch.Tensor, inp: torch.Tensor, nb: int, alpha: float, dense: bool,
-             dtype: torch.dtype | None = None) -> torch.Tensor:
+             dtype: torch.dtype | None = None, options: KernelOptions = KernelOptions()) -> torch.Tensor:
     """Gradient of a packed (M, K/nb) factor w used as gout-side of ``bd_mm_``: the nb diagonal blocks of
     alpha * gout (T, M)^T @ inp (T, K) -- dense (one GEMM, then gather the blocks) or per block (strided batch);
     returned in ``dtype`` (the factor's; default gout's), cast by the gather where there is one."""
     t, m, k = gout.shape[0], gout.shape[1], inp.shape[1]
     dtype = dtype or gout.dtype
     if nb == 1 or dense:
-        return pack_dense(_new(gout, m, k).addmm_(gout.t(), inp, beta=0.0, alpha=alpha), nb, dtype)
-    out = _new(gout, m, k // nb)
+        return pack_block_diagonal(new_output(gout, (m, k), options).addmm_(gout.t(), inp, beta=0.0, alpha=alpha), nb, dtype)
+    out = new_output(gout, (m, k // nb), options)
     out.view(nb, m // nb, k // nb).baddbmm_(gout.view(t, nb, m // nb).permute(1, 2, 0),
                                             inp.view(t, nb, k // nb).transpose(0, 1), beta=0.0, alpha=alpha)
     return out.to(dtype)
 
 
-def dsdb_ok(dy: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``dsdb_dense`` runs for dY and a dense B (d_out, r) (see FUSED_DSDB)."""
-    return b.shape[1] <= DSDB_MAX_RANK and dispatch.gpu_kernel_on(FUSED_DSDB, dy, b)
+def dsdb_ok(dy: torch.Tensor, b: torch.Tensor, enabled: bool | None = None) -> bool:
+    """Whether ``dsdb_dense`` runs for dY (or a tensor of its dtype and device) and a dense B (d_out, r):
+    ``enabled`` is ``KernelOptions.fused_dsdb`` (None = on CUDA, True = also under the interpreter, False = never);
+    rank at most DSDB_MAX_RANK."""
+    return b.shape[1] <= DSDB_MAX_RANK and dispatch.gpu_kernel_on(enabled, dy, b)
 
 
 def dsdb_dense(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dS, dB) = (dy @ b, dy^T @ s) in fp32 from one read of dy: dy (rows, d_out) with unit column stride, s (rows,
     r) and b (d_out, r) contiguous (``_dsdb_dense_kernel``; reference ``dsdb_dense_ref``)."""
-    from ._triton import _dsdb_dense_kernel
 
     rows, (d_out, r) = dy.shape[0], b.shape
     ds = torch.zeros((rows, r), dtype=torch.float32, device=dy.device)
@@ -171,7 +189,8 @@ def dsdb_dense_ref(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> tuple[
 class _Cfg:
     """Host-side description of one call (segments, per-adapter scale/dropout/blocks, GEMM mode)."""
 
-    def __init__(self, seg: list[int], adapters: Sequence[LoraAdapter], seed: int | None, bd_gemm: str):
+    def __init__(self, seg: list[int], adapters: Sequence[LoraAdapter], seed: int | None, options: KernelOptions):
+        bd_gemm = options.bd_gemm
         if bd_gemm not in BD_GEMMS:
             raise ValueError(f"bd_gemm must be one of {BD_GEMMS}, got {bd_gemm!r}")
         self.seg, self.seed = seg, seed
@@ -185,13 +204,17 @@ class _Cfg:
         self.b_shapes = [tuple(ad.lora_b.shape) for ad in adapters]
         self.factor_dtypes = [(ad.lora_a.dtype, ad.lora_b.dtype) for ad in adapters]
         self.keys = [dropout_keys(seed, i) if p > 0 else None for i, p in enumerate(self.p)]
-        self.fused = [False] * len(adapters)  # set by forward: adapter i's dropout runs in the Triton kernels
+        self.options = options
+        # set by forward, per adapter: its dropout runs in the Triton kernels; its dS/dB route ("triton" | "cublas" |
+        # "none"), decided there too so the call's ``Dispatch`` can report it
+        self.fused = [False] * len(adapters)
+        self.dsdb = ["none"] * len(adapters)
 
 
 def _eff(w: torch.Tensor, nb: int, dense: bool, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """The factor as the GEMMs read it, in the compute dtype: dense block-diagonal (blocks 1) or packed (nb
     blocks). The cast rides on the unpacking copy where there is one."""
-    return (unpack_dense(w, nb, dtype), 1) if dense and nb > 1 else (w.to(dtype), nb)
+    return (unpack_block_diagonal(w, nb, dtype), 1) if dense and nb > 1 else (w.to(dtype), nb)
 
 
 class CublasLoraLinearFn(torch.autograd.Function):
@@ -232,10 +255,13 @@ class CublasLoraLinearFn(torch.autograd.Function):
             s = xin = drop = None
             if s1 > s0:
                 xin = x[s0:s1]
-                s = _new(x, s1 - s0, cfg.rank[i])
-                cfg.fused[i] = cfg.p[i] > 0 and fused_ok(x, a_eff, FUSED_DROPOUT)
-                if cfg.p[i] > 0:
-                    LAST_BACKEND["cublas_dropout"] = "triton" if cfg.fused[i] else "mask"
+                s = new_output(x, (s1 - s0, cfg.rank[i]), cfg.options)
+                cfg.fused[i] = cfg.p[i] > 0 and fused_ok(x, a_eff, cfg.options.fused_dropout)
+                need_db, need_ds = nig[5 + 2 * i], nig[4 + 2 * i] or nig[1]
+                if need_db or need_ds:
+                    dense_b = cfg.dense[i] or cfg.nb_b[i] == 1
+                    fuse = need_db and need_ds and dense_b and dsdb_ok(x, b_eff, cfg.options.fused_dsdb)
+                    cfg.dsdb[i] = "triton" if fuse else "cublas"
                 if cfg.fused[i]:  # mask drawn in the kernel, again in backward: nothing but x saved
                     drop_shrink(s, xin, a_eff, cfg.keys[i], cfg.p[i], cfg.c[i])
                     xin = None
@@ -248,7 +274,7 @@ class CublasLoraLinearFn(torch.autograd.Function):
             lora_b.append((b_eff, nb))
             saved += [a_eff, b_eff, s, xin if drop is not None else None, drop]
         if bias is None:  # LoRA first, then the base GEMM accumulates onto it (beta=1) in its epilogue
-            y = _new(x, t, weight.shape[0])
+            y = new_output(x, (t, weight.shape[0]), cfg.options)
             y[: seg[0]].zero_()
             y[seg[-1]:].zero_()
             for i, s in enumerate(lora_s):
@@ -276,7 +302,7 @@ class CublasLoraLinearFn(torch.autograd.Function):
         dy = dy.contiguous()
         dx = None
         if nig[1]:
-            dx = _new(dy, t, d_in)
+            dx = new_output(dy, (t, d_in), cfg.options)
             dx[: seg[0]].zero_()
             dx[seg[-1]:].zero_()
         grads = []
@@ -293,23 +319,21 @@ class CublasLoraLinearFn(torch.autograd.Function):
             dyi = dy[s0:s1]
             need_ds = need_da or dx is not None
             da = db = ds = None
-            if need_ds and need_db and nb == 1 and dsdb_ok(dyi, b_eff):  # dS and dB from one read of dY
-                LAST_BACKEND["cublas_dsdb"] = "triton"
+            if need_ds and need_db and cfg.dsdb[i] == "triton":  # dS and dB from one read of dY (forward decided)
                 ds, db = dsdb_dense(dyi, s, b_eff)
-                db = pack_dense(db, cfg.nb_b[i], b_dtype)
+                db = pack_block_diagonal(db, cfg.nb_b[i], b_dtype)
                 ds = ds if cfg.fused[i] else ds.to(dy.dtype)  # the dropout kernels round fp32 dS themselves
             else:
-                LAST_BACKEND["cublas_dsdb"] = "cublas"
-                db = bd_wgrad(dyi, s, cfg.nb_b[i], 1.0, cfg.dense[i], b_dtype) if need_db else None
+                db = bd_wgrad(dyi, s, cfg.nb_b[i], 1.0, cfg.dense[i], b_dtype, cfg.options) if need_db else None
                 if need_ds:
-                    ds = _new(dy, s1 - s0, cfg.rank[i])
+                    ds = new_output(dy, (s1 - s0, cfg.rank[i]), cfg.options)
                     bd_mm_t_(ds, dyi, b_eff, nb, 1.0, 0.0)
             if need_ds:
                 if need_da and cfg.fused[i]:
-                    da = pack_dense(drop_wgrad_a(x[s0:s1], ds, cfg.keys[i], cfg.p[i], cfg.c[i]), cfg.nb_a[i], a_dtype)
+                    da = pack_block_diagonal(drop_wgrad_a(x[s0:s1], ds, cfg.keys[i], cfg.p[i], cfg.c[i]), cfg.nb_a[i], a_dtype)
                 elif need_da:
                     da = bd_wgrad(ds, x[s0:s1] if xin is None else xin, cfg.nb_a[i], cfg.c[i], cfg.dense[i],
-                                  a_dtype)
+                                  a_dtype, cfg.options)
                 if dx is not None and cfg.fused[i]:
                     drop_expand_t(dx[s0:s1], ds, a_eff, cfg.keys[i], cfg.p[i], cfg.c[i])
                 elif dx is not None:
@@ -326,8 +350,13 @@ class CublasLoraLinearFn(torch.autograd.Function):
 
 
 def cublas_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seg: list[int],
-                       adapters: Sequence[LoraAdapter], seed: int | None, bd_gemm: str = "auto") -> torch.Tensor:
-    """Apply ``CublasLoraLinearFn`` (arguments already validated by ``fused_lora_linear``; seg a host list)."""
-    cfg = _Cfg(seg, adapters, seed, bd_gemm)
+                       adapters: Sequence[LoraAdapter], seed: int | None, options: KernelOptions
+                       ) -> tuple[torch.Tensor, tuple[str, ...], tuple[str, ...]]:
+    """Apply ``CublasLoraLinearFn`` (arguments already validated by ``fused_lora_linear``, its one caller; seg a host
+    list): (y, per-adapter dropout route, per-adapter dS/dB route) as ``dispatch.Dispatch`` reports them."""
+    cfg = _Cfg(seg, adapters, seed, options)
     factors = [t.contiguous() for ad in adapters for t in (ad.lora_a, ad.lora_b)]
-    return CublasLoraLinearFn.apply(cfg, x.contiguous(), weight, bias, *factors)
+    y = CublasLoraLinearFn.apply(cfg, x.contiguous(), weight, bias, *factors)
+    dropout = tuple("none" if p == 0 or e == s else ("triton" if f else "mask")
+                    for p, f, s, e in zip(cfg.p, cfg.fused, seg, seg[1:]))
+    return y, dropout, tuple(cfg.dsdb)

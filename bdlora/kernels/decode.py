@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
-from .dispatch import next_pow2
+from ._jit import jit, tl
+from .dispatch import DEFAULT_OPTIONS, Dispatch, KernelOptions, LoraResult, next_pow2
 from .layout import LAYOUTS
 from .reference import decode_lora_folded_torch, decode_lora_torch
 
@@ -87,6 +88,133 @@ def decode_grid(tokens: int, n_slices: int, nb: int, max_block: int, d_in: int, 
                       max(16, next_pow2(r_max // nb)))
 
 
+@jit
+def _decode_shrink_kernel(
+    x_ptr, a_ptr, idx_ptr, ranks_ptr, part_ptr,
+    stride_x, d_in, n_loras, R, KA, n_groups, k_splits,
+    NA: tl.constexpr, NB: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """First half of ``decode_lora``: for token t, group g = slice * NB + j and input split k (one program each),
+
+    a = idx[t] (nothing if a < 0 or ranks[a] == 0); ks = k * BLOCK_K + [0, BLOCK_K)
+    part[t, g, k, :ranks[a] / NB] = x[t, ks] @ A[slice, a][j * ranks[a] / NB + :ranks[a] / NB, ks]^T   (fp32)
+
+    Row layout (NA > 1): rank block rb of A only reads input block rb (the other products are masked to 0).
+    One load of x and one of A per program, no loop: at batch 1 the latency is one memory round trip, and the
+    d_in / BLOCK_K programs of a slice spread the read of A over the SMs.
+    """
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    split = tl.program_id(2)
+    a = tl.load(idx_ptr + t)
+    r = tl.load(ranks_ptr + tl.maximum(a, 0))
+    if (a >= 0) & (r > 0):  # -1 = no LoRA; an empty slot (rank 0) adds nothing either
+        sl = g // NB
+        j = g % NB
+        r_cnt = r // NB
+        rr = tl.arange(0, BLOCK_R)
+        rs = j * r_cnt + rr
+        rmask = rr < r_cnt
+        bs_in = d_in // NA
+        r_blk = rs // (r // NA)
+        ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
+        kmask = ks < d_in
+        k_blk = ks // bs_in
+        xv = tl.load(x_ptr + t * stride_x + ks, mask=kmask, other=0.0).to(tl.float32)
+        a_base = a_ptr + ((sl * n_loras + a) * R).to(tl.int64) * KA
+        amask = rmask[:, None] & kmask[None, :] & (r_blk[:, None] == k_blk[None, :])
+        av = tl.load(a_base + rs[:, None] * KA + (ks - k_blk * bs_in)[None, :], mask=amask, other=0.0)
+        s = tl.sum(av.to(tl.float32) * xv[None, :], axis=1)
+        tl.store(part_ptr + ((t * n_groups + g) * k_splits + split) * BLOCK_R + rr, s)
+
+
+@jit
+def _decode_expand_kernel(
+    y_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr, soff_ptr, part_ptr,
+    stride_y, d_total, RB, n_groups,
+    NB: tl.constexpr, K_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Second half of ``decode_lora``: for token t, group g = slice * NB + j and column tile c (one program each),
+
+    a = idx[t] (nothing if a < 0 or ranks[a] == 0); w = (soff[slice + 1] - soff[slice]) / NB
+    cols = soff[slice] + j * w + c * BLOCK_N + [0, BLOCK_N)  (within output block j)
+    y[t, cols] += scales[a] * (sum over k of part[t, g, k]) @ B[a, cols, :ranks[a] / NB]^T
+
+    The partial shrinks are summed in split order (deterministic; y is rounded once). Every tile sums them again
+    (K_SPLITS x BLOCK_R floats from L2): cheaper than a third launch.
+    """
+    t = tl.program_id(0)
+    g = tl.program_id(1)
+    tile = tl.program_id(2)
+    a = tl.load(idx_ptr + t)
+    r = tl.load(ranks_ptr + tl.maximum(a, 0))
+    if (a >= 0) & (r > 0):
+        sl = g // NB
+        j = g % NB
+        o_lo = tl.load(soff_ptr + sl)
+        bs_out = (tl.load(soff_ptr + sl + 1) - o_lo) // NB
+        c_lo = j * bs_out + tile * BLOCK_N
+        c_end = (j + 1) * bs_out
+        if c_lo < c_end:  # a narrower slice's surplus tiles have no columns
+            rr = tl.arange(0, BLOCK_R)
+            rmask = rr < r // NB
+            base = (t * n_groups + g) * K_SPLITS
+            s = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            for i0 in tl.static_range(0, K_SPLITS, BLOCK_S):
+                ii = i0 + tl.arange(0, BLOCK_S)
+                p = tl.load(part_ptr + (base + ii)[:, None] * BLOCK_R + rr[None, :], mask=(ii < K_SPLITS)[:, None],
+                            other=0.0)
+                s += tl.sum(p, axis=0)
+            s = s * tl.load(scales_ptr + a)
+            cs = c_lo + tl.arange(0, BLOCK_N)
+            cmask = cs < c_end
+            b_base = b_ptr + (a.to(tl.int64) * d_total) * RB
+            bv = tl.load(b_base + (o_lo + cs)[:, None] * RB + rr[None, :], mask=cmask[:, None] & rmask[None, :],
+                         other=0.0)
+            upd = tl.sum(bv.to(tl.float32) * s[None, :], axis=1)
+            yp = y_ptr + t * stride_y + o_lo + cs
+            yv = tl.load(yp, mask=cmask, other=0.0).to(tl.float32)
+            tl.store(yp, (yv + upd).to(y_ptr.dtype.element_ty), mask=cmask)
+
+
+@jit
+def _decode_folded_expand_kernel(
+    y_ptr, h_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr, soff_ptr,
+    stride_y, stride_h, d_out, n_loras, R,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """``decode_lora_folded``'s one launch after the base GEMM: for token t, slice s and column tile c (one program
+    each), with h = x @ [W; A]^T (the shrink of every slice and slot is in h's columns past d_out):
+
+    cols = soff[s] + c * BLOCK_N + [0, BLOCK_N)  (within the slice); a = idx[t]
+    y[t, cols] = h[t, cols] + scales[a] * h[t, d_out + (s * L + a) * R + :ranks[a]] @ B[a, cols, :ranks[a]]^T
+
+    (the second term only for a >= 0 and ranks[a] > 0: every column of y is written, LoRA or not).
+    """
+    t = tl.program_id(0)
+    sl = tl.program_id(1)
+    tile = tl.program_id(2)
+    o_lo = tl.load(soff_ptr + sl)
+    o_hi = tl.load(soff_ptr + sl + 1)
+    c_lo = o_lo + tile * BLOCK_N
+    if c_lo < o_hi:  # a narrower slice's surplus tiles have no columns
+        cs = c_lo + tl.arange(0, BLOCK_N)
+        cmask = cs < o_hi
+        acc = tl.load(h_ptr + t * stride_h + cs, mask=cmask, other=0.0).to(tl.float32)
+        a = tl.load(idx_ptr + t)
+        r = tl.load(ranks_ptr + tl.maximum(a, 0))
+        if (a >= 0) & (r > 0):
+            rr = tl.arange(0, BLOCK_R)
+            rmask = rr < r
+            s = tl.load(h_ptr + t * stride_h + d_out + (sl * n_loras + a) * R + rr, mask=rmask, other=0.0)
+            s = s.to(tl.float32) * tl.load(scales_ptr + a)
+            bv = tl.load(b_ptr + (a.to(tl.int64) * d_out + cs[:, None]) * R + rr[None, :],
+                         mask=cmask[:, None] & rmask[None, :], other=0.0)
+            acc += tl.sum(bv.to(tl.float32) * s[None, :], axis=1)
+        tl.store(y_ptr + t * stride_y + cs, acc.to(y_ptr.dtype.element_ty), mask=cmask)
+
+
 class DecodeWorkspace:
     """Scratch of ``decode_lora``: the fp32 partial shrinks the first kernel writes and the second sums.
 
@@ -112,8 +240,8 @@ class DecodeWorkspace:
 def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                 token_lora_indices: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
                 slice_offsets: Sequence[int], *, layout: str = "column", nblocks: int = 1,
-                backend: str = "auto", soff: torch.Tensor | None = None,
-                workspace: DecodeWorkspace | None = None) -> torch.Tensor:
+                options: KernelOptions = DEFAULT_OPTIONS, soff: torch.Tensor | None = None,
+                workspace: DecodeWorkspace | None = None) -> LoraResult:
     """Multi-slice BGMV, in place, all slices in the same launches (Punica/vLLM semantics, -1 = no LoRA):
 
         for t with a = token_lora_indices[t] >= 0, for each slice s (columns soff[s]:soff[s+1] of y):
@@ -122,7 +250,8 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     y (T, sum d_out_s); x (T, d_in); lora_a (S, L, R, d_in/N_a) and lora_b (L, sum d_out_s, R/N_b): packed PEFT
     orientation per slot (see ``stack_decode_weights``); ranks (L,) int: slot a uses the first ranks[a] ranks
     (block j of a block-diagonal factor = rank block j of ranks[a]/N); scales (L,) float. Meant for 1-64 tokens.
-    Returns y.
+    Returns ``LoraResult(y, Dispatch)`` (y updated in place). Backends (``options.backend``): "triton" (below;
+    "auto" where Triton runs the inputs), "torch" (``decode_lora_torch``; reference ``decode_lora_ref``).
 
     Triton: two launches, ``_decode_shrink_kernel`` (partial shrinks over ``block_k`` input splits, into
     ``workspace``) then ``_decode_expand_kernel`` (sums them, expands one ``block_n`` column tile per program), see
@@ -141,16 +270,19 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     if len(slice_offsets) != n_s + 1 or slice_offsets[-1] != y.shape[1] or lora_b.shape[1] != y.shape[1]:
         raise ValueError("slice_offsets must have S+1 entries ending at y.shape[1] == lora_b.shape[1]")
     na, nb = (nblocks, 1) if layout == "row" else (1, nblocks)
-    ok = (dispatch.triton_ok(y, x, lora_a, lora_b) and y.stride(1) == 1 and x.stride(1) == 1
-          and lora_a.is_contiguous() and lora_b.is_contiguous())
-    if dispatch.choose("decode_lora", backend, ok) == "torch":
-        return decode_lora_torch(y, x, lora_a, lora_b, token_lora_indices, ranks, scales, slice_offsets, layout,
-                                 nblocks)
-    from ._triton import _decode_expand_kernel, _decode_shrink_kernel
+    why = dispatch.triton_why_not(y, x, lora_a, lora_b)
+    if why is None and not (y.stride(1) == 1 and x.stride(1) == 1 and lora_a.is_contiguous()
+                            and lora_b.is_contiguous()):
+        why = "y/x without unit column stride or LoRA buffers not contiguous"
+    use, note = dispatch.resolve("decode_lora", options, x.device.type, triton=why)
+    done = LoraResult(y, Dispatch("decode_lora", options.backend, use, note))
+    if use == "torch":
+        decode_lora_torch(y, x, lora_a, lora_b, token_lora_indices, ranks, scales, slice_offsets, layout, nblocks)
+        return done
 
     t, d_in = x.shape
     if t == 0:
-        return y
+        return done
     n_l, r_max = lora_a.shape[1], lora_a.shape[2]
     max_block = max(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_s)) // nb
     tiles = decode_tiles(x.device)
@@ -175,7 +307,7 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
         NB=nb, K_SPLITS=grid.k_splits, BLOCK_R=grid.block_r, BLOCK_N=tiles.block_n, BLOCK_S=tiles.block_s,
         num_warps=tiles.warps,
     )
-    return y
+    return done
 
 
 @dataclass(frozen=True)
@@ -207,9 +339,9 @@ def fold_weight(weight: torch.Tensor, n_slices: int, n_loras: int, rank: int) ->
 
 def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tensor, token_lora_indices: torch.Tensor,
                        ranks: torch.Tensor, scales: torch.Tensor, slice_offsets: Sequence[int], *,
-                       backend: str = "auto", soff: torch.Tensor | None = None) -> torch.Tensor:
+                       options: KernelOptions = DEFAULT_OPTIONS, soff: torch.Tensor | None = None) -> LoraResult:
     """Base layer plus multi-slice BGMV with the shrink inside the base GEMM (Punica/vLLM semantics, -1 = no LoRA);
-    returns a new y (T, d_out):
+    returns ``LoraResult(y, Dispatch)`` with a new y (T, d_out):
 
         h = x @ [W; A]^T                                   (one GEMM: base output and every slot's shrink)
         y[t] = x[t] @ W^T, and for a = token_lora_indices[t] >= 0, for each slice s (columns soff[s]:soff[s+1]):
@@ -230,15 +362,19 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
                          f"and slice offsets end at {slice_offsets[-1]}; expected d_out={d_out} rows of W plus "
                          f"S*L*R = {n_s}*{n_l}*{r} of A (fold_weight(W, S, L, R))")
     h = F.linear(x, folded.w_ext)
-    ok = dispatch.triton_ok(h, lora_b) and h.stride(1) == 1 and lora_b.is_contiguous()
-    if dispatch.choose("decode_lora_folded", backend, ok) == "torch":
-        return decode_lora_folded_torch(h, d_out, lora_b, token_lora_indices, ranks, scales, slice_offsets)
-    from ._triton import _decode_folded_expand_kernel
+    why = dispatch.triton_why_not(h, lora_b)
+    if why is None and not (h.stride(1) == 1 and lora_b.is_contiguous()):
+        why = "lora_b not contiguous"
+    use, note = dispatch.resolve("decode_lora_folded", options, x.device.type, triton=why)
+    if use == "torch":
+        y = decode_lora_folded_torch(h, d_out, lora_b, token_lora_indices, ranks, scales, slice_offsets)
+        return LoraResult(y, Dispatch("decode_lora_folded", options.backend, use, note))
 
     t = x.shape[0]
     y = h.new_empty(t, d_out)
+    done = LoraResult(y, Dispatch("decode_lora_folded", options.backend, use, note))
     if t == 0:
-        return y
+        return done
     if soff is None:
         soff = torch.tensor(list(slice_offsets), dtype=torch.int32, device=x.device)
     tiles = decode_tiles(x.device)
@@ -249,4 +385,4 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         y.stride(0), h.stride(0), d_out, n_l, r,
         BLOCK_R=max(16, next_pow2(r)), BLOCK_N=tiles.block_n, num_warps=tiles.warps,
     )
-    return y
+    return done

@@ -1,7 +1,10 @@
-"""Pure-torch references (autograd-native). They are also the fallback path of every dispatcher.
+"""Pure-torch references (autograd-native): the shared primitives (``bd_matmul``, ``lora_delta_ref``) and the
+references of the training ops, which are also their "torch" backend (``grouped_lora``, ``fused_lora_linear``).
+The decode ops' references sit here too (``decode_lora_ref``, ``decode_lora_torch``, ...), beside the ones above.
 
-They compute block-diagonal factors block by block (einsum over packed blocks), like PEFT's
-BlockDiagonalLinear, so the fallback does no FLOPs on zeros either.
+They compute block-diagonal factors block by block (einsum over packed blocks), like PEFT's BlockDiagonalLinear, so
+the torch backend does no FLOPs on zeros either. The LoRA products run in the factors' dtype (x is cast where it
+differs: fp32 factors beside a bf16 base), the result comes back in x's dtype.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def torch_keep_masks(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[Lor
         return None
     masks = []
     for i, ad in enumerate(adapters):
-        if ad.dropout <= 0:
+        if ad is None or ad.dropout <= 0:
             masks.append(None)
             continue
         keep = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
@@ -42,35 +45,53 @@ def torch_keep_masks(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[Lor
 
 
 def lora_delta_ref(x: torch.Tensor, adapter: LoraAdapter, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """scale * dropout(x) @ A @ B for one adapter; ``keep`` is the (T, d_in) dropout keep-mask (or None)."""
+    """scale * dropout(x) @ A @ B for one adapter, with dropout(x) = keep * x / (1 - p) where ``keep`` is the (T, d_in)
+    keep-mask (None: no dropout); in x's dtype (the factors' must match)."""
     if keep is not None and adapter.dropout > 0:
         x = x * keep.to(x.dtype) / (1.0 - adapter.dropout)
     s = bd_matmul(x, adapter.lora_a, adapter.blocks_a) * adapter.scale
     return bd_matmul(s, adapter.lora_b, adapter.blocks_b)
 
 
-def grouped_lora_ref(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[LoraAdapter],
-                     keep_masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
-    """y[seg[i]:seg[i+1]] = scale[i] * dropout_i(x[seg[i]:seg[i+1]]) @ A[i] @ B[i]; rows outside all segments: 0.
+def grouped_lora_ref(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[LoraAdapter | None],
+                     keep_masks: Sequence[torch.Tensor | None] | None = None, *,
+                     bernoulli: bool = False) -> torch.Tensor:
+    """y[seg[i]:seg[i+1]] = scale[i] * dropout_i(x[seg[i]:seg[i+1]]) @ A[i] @ B[i]; rows outside all segments, and the
+    rows of a segment whose adapter is None, get 0. The torch backend of ``grouped_lora``.
 
-    keep_masks[i] is a (T, d_in) keep-mask for adapter i (only its segment's rows are used), or None.
+    Dropout: keep_masks[i] is a (T, d_in) keep-mask for adapter i (only its segment's rows are used), or None; with
+    ``bernoulli`` instead ``F.dropout(x_i, p_i)`` from torch's RNG on each dropping adapter's rows in segment order
+    (PEFT's own draw; ``KernelOptions.torch_dropout="bernoulli"``). The products run in the factors' dtype (x cast),
+    the result is in x's dtype.
     """
     t = x.shape[0]
-    d_out = adapters[0].d_out
+    live = [ad for ad in adapters if ad is not None]
+    d_out = live[0].d_out if live else 0
     pieces = [x.new_zeros(seg[0], d_out)]
     for i, ad in enumerate(adapters):
         s, e = seg[i], seg[i + 1]
-        keep = None if keep_masks is None or keep_masks[i] is None else keep_masks[i][s:e]
-        pieces.append(lora_delta_ref(x[s:e], ad, keep))
+        if ad is None:
+            pieces.append(x.new_zeros(e - s, d_out))
+            continue
+        xi = x[s:e].to(ad.lora_a.dtype)
+        keep = None
+        if bernoulli:
+            if ad.dropout > 0:
+                xi = F.dropout(xi, ad.dropout, training=True)
+        elif keep_masks is not None and keep_masks[i] is not None:
+            keep = keep_masks[i][s:e]
+        pieces.append(lora_delta_ref(xi, ad, keep).to(x.dtype))
     pieces.append(x.new_zeros(t - seg[-1], d_out))
     return torch.cat(pieces, dim=0)
 
 
 def fused_lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seg: Sequence[int],
-                          adapters: Sequence[LoraAdapter],
-                          keep_masks: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
-    """y = x @ weight^T + bias + grouped_lora_ref(x, seg, adapters, keep_masks)."""
-    return F.linear(x, weight, bias) + grouped_lora_ref(x, seg, adapters, keep_masks)
+                          adapters: Sequence[LoraAdapter | None],
+                          keep_masks: Sequence[torch.Tensor | None] | None = None, *,
+                          bernoulli: bool = False) -> torch.Tensor:
+    """y = x @ weight^T + bias + grouped_lora_ref(x, seg, adapters, keep_masks, bernoulli=bernoulli): the torch
+    backend of ``fused_lora_linear``."""
+    return F.linear(x, weight, bias) + grouped_lora_ref(x, seg, adapters, keep_masks, bernoulli=bernoulli)
 
 
 def decode_lora_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

@@ -152,26 +152,26 @@ def check(K) -> list[dict]:
     fused_ref = lambda: K.fused_lora_linear_ref(x, w, None, seg, adapters)  # noqa: E731
     for name, fn, ref in [
         ("grouped_lora", lambda: K.grouped_lora(x, seg, adapters), lambda: K.grouped_lora_ref(x, seg, adapters)),
-        ("fused_lora_linear[triton]", lambda: K.fused_lora_linear(x, w, None, seg, adapters, backend="triton"),
+        ("fused_lora_linear[triton]", lambda: K.fused_lora_linear(x, w, None, seg, adapters, options=K.KernelOptions(backend="triton")),
          fused_ref),
-        ("fused_lora_linear[fuse_base]", lambda: K.fused_lora_linear(x, w, None, seg, adapters, fuse_base=True),
+        ("fused_lora_linear[fuse_base]", lambda: K.fused_lora_linear(x, w, None, seg, adapters, options=K.KernelOptions(fuse_base=True)),
          fused_ref),
         ("fused_lora_linear[auto]", lambda: K.fused_lora_linear(x, w, None, seg, adapters), fused_ref),
         ("fused_lora_linear[cublas,blocks]",
-         lambda: K.fused_lora_linear(x, w, None, seg, adapters, backend="cublas", bd_gemm="blocks"), fused_ref),
+         lambda: K.fused_lora_linear(x, w, None, seg, adapters, options=K.KernelOptions(backend="cublas", bd_gemm="blocks")), fused_ref),
         ("fused_lora_linear[cublas,dropout]",
-         lambda: K.fused_lora_linear(x, w, None, seg, drop, dropout_seed=7, backend="cublas"),
+         lambda: K.fused_lora_linear(x, w, None, seg, drop, dropout_seed=7, options=K.KernelOptions(backend="cublas")),
          lambda: K.fused_lora_linear_ref(x, w, None, seg, drop, masks)),
     ]:
-        y = fn()
-        backend = K.LAST_BACKEND[name.split("[")[0]]
+        y, ran = fn()
+        backend = ran.backend
         yr = ref()  # grads below compare against the reference
         g, gr = torch.autograd.grad(y, params, gy), torch.autograd.grad(yr, params, gy)
         err = max([float((y - yr).detach().abs().max() / yr.detach().abs().max())] +
                   [float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(g, gr)])
         rows.append(dict(op=name, backend=backend, max_rel_err=err, ok=err < 1e-3))
-    rows[-1]["backend"] += ("+dropout:" + K.LAST_BACKEND.get("cublas_dropout", "none")
-                            + "+dsdb(last adapter):" + K.LAST_BACKEND.get("cublas_dsdb", "none"))
+    rows[-1]["backend"] += ("+dropout:" + (ran.dispatch.dropout or ("none",))[-1]
+                            + "+dsdb(last adapter):" + (ran.dispatch.dsdb or ("none",))[-1])
     from bdlora.kernels import dropout as D  # the compiled counter hash gives the torch twin's bits
     keys = D.dropout_keys(7, 3)
     same = torch.equal(D.keep_mask_triton(keys, 1000, 4099, 0.1, "cuda"), D.keep_mask_torch(keys, 1000, 4099, 0.1,
@@ -184,10 +184,10 @@ def check(K) -> list[dict]:
     xs = torch.randn(8, d_in, device="cuda")
     y0 = torch.randn(8, offs[-1], device="cuda")
     sc = torch.rand(3, device="cuda")
-    yk = K.decode_lora(y0.clone(), xs, a, b, idx, rk, sc, offs, nblocks=2)
+    yk, ran = K.decode_lora(y0.clone(), xs, a, b, idx, rk, sc, offs, nblocks=2)
     yr = K.decode_lora_ref(y0.clone(), xs, a, b, idx, rk, sc, offs, "column", 2)
     err = float((yk - yr).abs().max() / yr.abs().max())
-    rows.append(dict(op="decode_lora", backend=K.LAST_BACKEND["decode_lora"], max_rel_err=err, ok=err < 1e-3))
+    rows.append(dict(op="decode_lora", backend=ran.backend, max_rel_err=err, ok=err < 1e-3))
     # serving shapes in bf16: one GPU of TP=4 (qkv of the 8B model at BD rank 152/4 = 38; down_proj's 3584 inputs)
     for name, d_in_s, outs, r, t_s in [("qkv", 4096, (1024, 256, 256), 38, 1), ("qkv", 4096, (1024, 256, 256), 38, 8),
                                        ("down", 3584, (4096,), 38, 3)]:
@@ -199,25 +199,26 @@ def check(K) -> list[dict]:
         xs = torch.randn(t_s, d_in_s, device="cuda", dtype=torch.bfloat16)
         y0 = torch.randn(t_s, offs[-1], device="cuda", dtype=torch.bfloat16)
         sc = torch.rand(2, device="cuda") + 0.5
-        yk = K.decode_lora(y0.clone(), xs, a, b, idx, rk, sc, offs).float()
+        yk, ran = K.decode_lora(y0.clone(), xs, a, b, idx, rk, sc, offs)
+        yk = yk.float()
         yr = K.decode_lora_ref(y0.float(), xs.float(), a.float(), b.float(), idx, rk, sc, offs, "column", 1)
         err = float((yk - yr).abs().max() / yr.abs().max())
-        rows.append(dict(op=f"decode_lora[bf16,{name},t={t_s}]", backend=K.LAST_BACKEND["decode_lora"],
+        rows.append(dict(op=f"decode_lora[bf16,{name},t={t_s}]", backend=ran.backend,
                          max_rel_err=err, ok=err < 1e-2))
         # the same module with the shrink folded into the base GEMM: base + LoRA vs the unfolded fp32 reference
         folded = K.fold_weight(torch.randn(offs[-1], d_in_s, device="cuda") / d_in_s ** 0.5, len(outs), 2, 64)
         folded.lora_a(len(outs), 2, 64).copy_(a.float())
         folded = type(folded)(folded.w_ext.bfloat16(), folded.d_out)
-        yk = K.decode_lora_folded(xs, folded, b, idx, rk, sc, offs).float()
+        yk, ran = K.decode_lora_folded(xs, folded, b, idx, rk, sc, offs)
+        yk = yk.float()
         yr = K.decode_lora_folded_ref(xs.float(), folded.w_ext.float(), folded.d_out, b.float(), idx, rk, sc, offs)
         err = float((yk - yr).abs().max() / yr.abs().max())
         rows.append(dict(op=f"decode_lora_folded[bf16,{name},t={t_s}]",
-                         backend=K.LAST_BACKEND["decode_lora_folded"], max_rel_err=err, ok=err < 1e-2))
+                         backend=ran.backend, max_rel_err=err, ok=err < 1e-2))
     return rows
 
 
 def bench_layer(K, t, shapes, ranks, nbs, dropout, iters, batch=1) -> list[dict]:
-    from bdlora.kernels import cublas as cublas_mod
 
     rows = []
     dt = torch.bfloat16
@@ -241,14 +242,14 @@ def bench_layer(K, t, shapes, ranks, nbs, dropout, iters, batch=1) -> list[dict]
                                      ("cublas_ms", dict(backend="cublas")),
                                      ("cublas_blocks_ms", dict(backend="cublas", bd_gemm="blocks")),
                                      ("cublas_maskdrop_ms", dict(backend="cublas"))):
-                        cublas_mod.FUSED_DROPOUT = False if name == "cublas_maskdrop_ms" else None
+                        opts = K.KernelOptions(fused_dropout=False if name == "cublas_maskdrop_ms" else None, **kw)
                         res[name] = timed(lambda: torch.autograd.grad(
-                            K.fused_lora_linear(x, base.weight, None, [0, t], [ad], **kw), kp, gy), iters=iters,
-                            batch=batch)
-                        cublas_mod.FUSED_DROPOUT = None
+                            K.fused_lora_linear(x, base.weight, None, [0, t], [ad], options=opts).out, kp, gy),
+                            iters=iters, batch=batch)
                         if name == "cublas_ms":  # the default route's dropout and dS/dB (the byte model uses them)
-                            res["cublas_dropout"] = K.LAST_BACKEND.get("cublas_dropout", "none") if dropout else "none"
-                            res["cublas_dsdb"] = K.LAST_BACKEND.get("cublas_dsdb", "none")
+                            ran = K.fused_lora_linear(x, base.weight, None, [0, t], [ad], options=opts).dispatch
+                            res["cublas_dropout"] = ran.dropout[-1] if dropout else "none"
+                            res["cublas_dsdb"] = ran.dsdb[-1]
                     # minimum traffic: fwd reads x, W, writes y; bwd reads dY, W, x (for dA), writes dX; + S, dS
                     lora_w = ad.lora_a.numel() + ad.lora_b.numel()
                     min_bytes = BF16 * (2 * t * d_in + 2 * d_in * d_out + 2 * t * d_out + t * d_in + 4 * t * r
@@ -294,7 +295,7 @@ def bench_grouped(K, t, d, n_adapters_list, nblocks, iters) -> list[dict]:
 
         res = dict(T=t, d=d, N=nblocks, adapters=n_ad,
                    loop_ms=timed(loop, iters=iters),
-                   grouped_ms=timed(lambda: torch.autograd.grad(K.grouped_lora(x, seg, adapters), params, gy),
+                   grouped_ms=timed(lambda: torch.autograd.grad(K.grouped_lora(x, seg, adapters).out, params, gy),
                                     iters=iters))
         lora_bytes = sum(ad.lora_a.numel() + ad.lora_b.numel() for ad in adapters)
         # fwd: x, y; bwd: dY, x, dX; S/dS of rank width; weights read and grads written

@@ -11,8 +11,8 @@ wall time per iteration of each. ``--grid``: bench_kernels' layer grid (4096 -> 
 row, r 16/64, N 1/4/8, dropout 0.1) with, per layer, the summed GPU kernel time of an iteration (what the layer
 costs a GPU that never waits for the host, as in a training step whose host runs ahead) and the wall time per
 iteration over back-to-back calls (which a slow host inflates) and the host time to issue one, for PEFT and
-the cuBLAS layer; GPU time also for the cuBLAS layer with its dropout materialized (``cublas.FUSED_DROPOUT =
-False``) and with dS/dB as two GEMMs (``cublas.FUSED_DSDB = False``), and of the frozen GEMMs alone (forward and
+the cuBLAS layer; GPU time also for the cuBLAS layer with its dropout materialized (``KernelOptions(fused_dropout=
+False)``) and with dS/dB as two GEMMs (``KernelOptions(fused_dsdb=False)``), and of the frozen GEMMs alone (forward and
 dX; ``ceiling_x`` = PEFT / that: the speed-up of a layer whose LoRA path were free; ``lora_path_x`` = PEFT's LoRA
 path over ours, each the layer minus the frozen GEMMs).
 """
@@ -65,7 +65,7 @@ def host_ms(fn, calls=5, samples=10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-# The cuBLAS layer's switches per grid variant: (cublas.FUSED_DROPOUT, cublas.FUSED_DSDB)
+# The cuBLAS layer's options per grid variant: (KernelOptions.fused_dropout, KernelOptions.fused_dsdb)
 VARIANTS = {"cublas": (None, None), "twogemm": (None, False), "maskdrop": (False, None)}
 
 
@@ -73,7 +73,6 @@ def grid(out: str | None, rounds: int, variants: list[str]) -> None:
     import json
 
     import bdlora.kernels as K
-    from bdlora.kernels import cublas as cublas_mod
     from bench_kernels import PeftBdLayer, make_adapter, timed
 
     t, dt, p, rows = 8192, torch.bfloat16, 0.1, []
@@ -88,23 +87,23 @@ def grid(out: str | None, rounds: int, variants: list[str]) -> None:
                 for n in (1, 4, 8):
                     ad = make_adapter(K, d_in, d_out, r, layout, n, dt, p)
                     peft = PeftBdLayer(base, ad, p)
-                    ours = lambda: torch.autograd.grad(K.fused_lora_linear(
-                        x, base.weight, None, [0, t], [ad], dropout_seed=1, backend="cublas"),
-                        [x, ad.lora_a, ad.lora_b], gy)
+                    def ours_with(fd, fs):
+                        opts = K.KernelOptions(backend="cublas", fused_dropout=fd, fused_dsdb=fs)
+                        return lambda: torch.autograd.grad(K.fused_lora_linear(
+                            x, base.weight, None, [0, t], [ad], dropout_seed=1, options=opts).out,
+                            [x, ad.lora_a, ad.lora_b], gy)
                     fns = {"base": lambda: torch.autograd.grad(base(x), [x], gy),  # the frozen GEMMs alone
                            "peft": lambda: torch.autograd.grad(peft(x), [x, peft.lora_a.weight,
                                                                          peft.lora_b.weight], gy)}
-                    fns.update({name: ours for name in variants})
+                    fns.update({name: ours_with(*VARIANTS.get(name, VARIANTS["cublas"])) for name in variants})
                     res = dict(d_in=d_in, d_out=d_out, layout=layout, r=r, N=n)
                     samples = {name: [] for name in fns}
                     for rnd in range(rounds):  # variants interleaved: GEMM clocks drift by ~10% over a run
                         for name, fn in fns.items():
-                            cublas_mod.FUSED_DROPOUT, cublas_mod.FUSED_DSDB = VARIANTS.get(name, VARIANTS["cublas"])
                             samples[name].append(profiled(fn)[2])
                             if rnd == 0 and name in ("peft", "cublas"):
                                 res[f"{name}_wall_ms"] = timed(fn, iters=10, batch=5)
                                 res[f"{name}_host_ms"] = host_ms(fn)
-                            cublas_mod.FUSED_DROPOUT, cublas_mod.FUSED_DSDB = VARIANTS["cublas"]
                     for name, v in samples.items():
                         res[f"{name}_gpu_ms"] = sorted(v)[len(v) // 2]
                         res[f"{name}_gpu_ms_rounds"] = v
@@ -172,7 +171,8 @@ def main():
         base.weight.copy_(w)
         peft = PeftBdLayer(base, ad, p)
         ours = lambda: torch.autograd.grad(
-            K.fused_lora_linear(x, w, None, [0, t], [ad], dropout_seed=1 if p else None, backend=args.backend),
+            K.fused_lora_linear(x, w, None, [0, t], [ad], dropout_seed=1 if p else None,
+                                options=K.KernelOptions(backend=args.backend)).out,
             [x, ad.lora_a, ad.lora_b], gy)
         theirs = lambda: torch.autograd.grad(peft(x), [x, peft.lora_a.weight, peft.lora_b.weight], gy)
         for name, fn in (("ours[%s]" % args.backend, ours), ("peft", theirs)):

@@ -107,6 +107,7 @@ def make_data(path: Path, n: int, seed: int = 0, min_words: int = 8, max_words: 
 
 PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16"}  # this script's --dtype names -> the config's precision
 LORA_BACKEND = "auto"  # the engine's lora_backend in every run of this process (--lora-backend)
+KERNEL_TUNING: dict = {}  # KernelOptions fields every engine of this process gets (--dropout-route, --dsdb)
 PAD_MULTIPLE = None  # the engine's pad_multiple in every run of this process (--pad-multiple; None = its auto)
 
 
@@ -133,6 +134,7 @@ def run_engine(model_path, data, out, jobs, **kw):
 
     free_memory()
     eng = Engine(engine_run_config(model_path, data, out, jobs, **kw))
+    eng.ctx.kernel_tuning = dict(KERNEL_TUNING)
     t0 = time.perf_counter()
     rows = eng.run()
     wall = time.perf_counter() - t0
@@ -769,6 +771,7 @@ def _pvd_experiments(dist, rank: int, world: int, plan: dict) -> dict:
         local: dict = {}
         if mode == "dp":
             eng = Engine(cfg)
+            eng.ctx.kernel_tuning = dict(KERNEL_TUNING)
             rows = eng.run()
             local = {"rows": rows, "rounds": eng.round_log, "peak": engine_peak_gib(eng)}
             del eng
@@ -1024,12 +1027,10 @@ def main(argv=None) -> int:
         ap.error(f"--profile K needs K >= 1 jobs, got {args.profile}")
     global LORA_BACKEND, PAD_MULTIPLE
     LORA_BACKEND, PAD_MULTIPLE = args.lora_backend, args.pad_multiple
-    from bdlora.kernels import cublas
-
-    if args.dropout_route == "mask":
-        cublas.FUSED_DROPOUT = False
+    if args.dropout_route == "mask":  # the engines' KernelOptions beside lora_backend (BatchContext.kernel_tuning)
+        KERNEL_TUNING["fused_dropout"] = False
     if args.dsdb == "off":
-        cublas.FUSED_DSDB = False
+        KERNEL_TUNING["fused_dsdb"] = False
     _quiet_loading()
     if args.out is None:
         suffix = "_pipeline_vs_dp" if args.pipeline_vs_dp else ("_llama8b" if args.shape == "llama8b" else "")

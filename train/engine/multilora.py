@@ -1,28 +1,35 @@
 """BatchLoRA: one frozen base model, every target ``nn.Linear`` replaced by a multi-adapter module.
 
 The concatenated micro-batch of all active jobs goes through ONE base GEMM per layer; each job's BD-LoRA
-is applied to its own row segment. ``lora_backend``: "cublas" runs the base GEMM and every job's LoRA as
-``bdlora.kernels.fused_lora_linear(backend="cublas")``, one autograd node, one cuBLAS GEMM per product, in the
-base's dtype (a bf16 base with the usual fp32 factors: bf16 products and fp32 gradients, the numerics of the
-single-job trainer's bf16 autocast); "triton" the grouped Triton kernels (``bdlora.kernels.grouped_lora``, one
-launch per stage for all jobs); "torch" and "engine" the per-job loop below (``bd_lora_delta``, in the factors'
-dtype: fp32 LoRA products beside a bf16 base); "auto" picks per call (``MultiLoraLinear._backend``: cuBLAS or
-Triton on GPU, torch on CPU). Block-diagonal factors stay packed (N sub-blocks) in storage; the Triton and torch
-paths also compute them per block, the cuBLAS path as one dense GEMM up to rank 128 (``bdlora.kernels.cublas``).
+is applied to its own row segment. Every layer call is one ``bdlora.kernels.fused_lora_linear`` call (base GEMM and
+every job's LoRA) under the context's ``KernelOptions`` (``BatchContext.kernel_options``); the kernels' one dispatch
+picks the backend and reports it (``MultiLoraLinear.last_dispatch``). ``lora_backend``: "cublas" one autograd node,
+one cuBLAS GEMM per product, in the base's dtype (a bf16 base with the usual fp32 factors: bf16 products and fp32
+gradients, the numerics of the single-job trainer's bf16 autocast); "triton" the grouped Triton kernels (one launch
+per stage for all jobs; LoRA in the factors' dtype); "torch" (alias "engine") the kernels' torch reference
+(``bdlora.kernels.fused_lora_linear_ref``, LoRA in the factors' dtype: fp32 LoRA products beside a bf16 base);
+"auto" the kernels' rule (cuBLAS or Triton on GPU, ``bdlora.kernels.dispatch.cublas_preferred``; torch on CPU, where
+the Triton interpreter is ~30x slower: ``KernelOptions(interpreter=False)``). A requested backend that cannot run a
+call (e.g. a job without this module between two with it: a segment without adapter, which only torch runs) gives
+way to the next that can (``KernelOptions(fallback=True)``); the dispatch says so and the layer logs it once.
+Block-diagonal factors stay packed (N sub-blocks) in storage; the Triton and torch paths also compute them per block,
+the cuBLAS path as one dense GEMM up to rank 128 (``bdlora.kernels.cublas``).
 
 LoRA dropout (PEFT semantics): while training (``ctx.training`` and autograd recording), each job's LoRA input
 rows are dropped out with that job's ``lora_dropout`` p (inverted dropout, before A); the base path and evaluation
-(``torch.no_grad``) see no dropout. The torch paths use ``F.dropout`` on the job's rows; the kernels get the
-job's p in its descriptor and a dropout seed drawn from torch's RNG, so all follow ``torch.manual_seed``
-(the engine seeds each round from the job seeds and steps: :func:`dropout_rng`).
+(``torch.no_grad``) see no dropout. The torch backend uses ``F.dropout`` on the job's rows
+(``KernelOptions(torch_dropout="bernoulli")``); the kernels get the job's p in its descriptor and a dropout seed
+they draw from torch's RNG, so all follow ``torch.manual_seed`` (the engine seeds each round from the job seeds and
+steps: :func:`dropout_rng`).
 
-Factors are stored packed in PEFT orientation (SPEC §2): column layer lora_A (r, d_in), lora_B (d_out, r/N);
+Factors are stored packed in PEFT orientation (README.md, "Adapter format"): column layer lora_A (r, d_in), lora_B (d_out, r/N);
 row layer lora_A (r, d_in/N), lora_B (d_out, r).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import zlib
 from dataclasses import dataclass, field, replace
@@ -33,22 +40,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bdlora.adapter import Adapter, AdapterConfig, LoraFactors
-from bdlora.kernels.reference import bd_matmul
+from bdlora.kernels import Dispatch, KernelOptions
+from bdlora.kernels import LoraAdapter as _KAdapter
+from bdlora.kernels import fused_lora_linear
 from bdlora.spec import COLUMN, ROW, BDLoraSpec
 
-from bdlora.kernels import LoraAdapter as _KAdapter
-from bdlora.kernels import dispatch as _dispatch
-from bdlora.kernels import fused_lora_linear as _fused_lora_linear
-from bdlora.kernels import grouped_lora as _grouped_lora
-
 PEFT_PREFIX = "base_model.model."
+_log = logging.getLogger(__name__)
 
 
-def bd_lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layout: str, nblocks: int,
-                  scale: float) -> torch.Tensor:
-    """scale * x @ A @ B for packed factors (engine-local reference)."""
-    na, nb = (nblocks, 1) if layout == ROW else (1, nblocks)
-    return bd_matmul(bd_matmul(x, a, na) * scale, b, nb)
+def kernel_options(lora_backend: str) -> KernelOptions:
+    """The kernels' options for the engine's ``lora_backend`` ("engine" is the torch backend's old name)."""
+    return KernelOptions(backend="torch" if lora_backend == "engine" else lora_backend, fallback=True,
+                         interpreter=False, torch_dropout="bernoulli")
 
 
 @dataclass
@@ -56,8 +60,21 @@ class BatchContext:
     """What the current forward pass runs: ``segments`` = [(job id, start, end)] over the flattened tokens."""
 
     segments: list[tuple[int, int, int]] = field(default_factory=list)
-    backend: str = "auto"
+    backend: str = "auto"  # the run's lora_backend
     training: bool = True  # LoRA dropout on while this is set and autograd records (never under no_grad)
+
+    warned: set = field(default_factory=set)  # messages logged once per context
+    kernel_tuning: dict = field(default_factory=dict)  # further KernelOptions fields (benchmarks: fused_dropout, ...)
+
+    @property
+    def kernel_options(self) -> KernelOptions:
+        opts = kernel_options(self.backend)
+        return replace(opts, **self.kernel_tuning) if self.kernel_tuning else opts
+
+    def warn_once(self, msg: str) -> None:
+        if msg not in self.warned:
+            self.warned.add(msg)
+            _log.warning("bdlora kernels: %s", msg)
 
     def dropout_active(self) -> bool:
         return self.training and torch.is_grad_enabled()
@@ -175,17 +192,6 @@ def _kaiming_uniform(t: torch.Tensor, a: float, g: torch.Generator) -> None:
         t.uniform_(-bound, bound, generator=g)
 
 
-def _contiguous(segs) -> bool:
-    """The segments follow each other without gaps (what the kernels' seg boundaries describe)."""
-    return all(segs[i][2] == segs[i + 1][1] for i in range(len(segs) - 1))
-
-
-def _kernel_seed() -> int:
-    """The kernels' dropout seed for one call (adapter i draws from seed + i), taken from torch's CPU RNG, which the
-    engine seeds per round (``dropout_rng``): reproducible masks and exact resume."""
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
-
-
 class MultiLoraLinear(nn.Module):
     """A frozen ``nn.Linear`` plus the BD-LoRA of every job in the batch context, each on its row segment."""
 
@@ -193,6 +199,7 @@ class MultiLoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.name, self.layout, self.ctx, self.registry = name, layout, ctx, registry
+        self.last_dispatch: Optional[Dispatch] = None  # what the kernels ran for the last call with LoRA
         for p in self.base.parameters():
             p.requires_grad_(False)
 
@@ -206,75 +213,28 @@ class MultiLoraLinear(nn.Module):
         if not segs:
             return F.linear(x, self.base.weight, self.base.bias)
         x2 = x.reshape(-1, x.shape[-1])
-        jobs = [reg[j] for j, _, _ in segs]
-        fdtype = jobs[0].factors(name)[0].dtype
-        backend = self._backend(x2, sum(e > s for _, s, e in segs))
-        if backend == "cublas" and x2.dtype == self.base.weight.dtype and _contiguous(segs):
-            # base GEMM and every job's LoRA in one autograd node, each product one cuBLAS GEMM in the base's dtype
-            # (fp32 factors beside a bf16 base: bf16 products as under the single-job trainer's bf16 autocast, fp32
-            # gradients); a per-job loop of autograd ops launched ~3x more kernels, which bound an 8B-shape step
-            # on the host (bench/results/train/*onefn*2026-11-22*)
-            seg, adapters, seed = self._kernel_args(segs, jobs)
-            y2 = _fused_lora_linear(x2, self.base.weight, self.base.bias, seg, adapters, dropout_seed=seed,
-                                    backend="cublas")
-            return y2.reshape(*x.shape[:-1], y2.shape[-1])
-        y = F.linear(x, self.base.weight, self.base.bias)
-        shape = y.shape
-        y2 = y.reshape(-1, shape[-1])
-        if x2.dtype != fdtype:  # e.g. a bf16 base with fp32 adapter weights: LoRA path in the adapters' dtype
-            delta = self._delta(x2.to(fdtype), segs, jobs, None, backend)
-            return (y2 + delta.to(y.dtype)).reshape(shape)
-        return self._delta(x2, segs, jobs, y2, backend).reshape(shape)
+        seg, adapters = self._kernel_args(segs)
+        y2, d = fused_lora_linear(x2, self.base.weight, self.base.bias, seg, adapters,
+                                  options=self.ctx.kernel_options)
+        self.last_dispatch = d
+        if d.note.startswith("fell back"):
+            self.ctx.warn_once(f"lora_backend {d.requested} -> {d.backend} ({d.note})")
+        return y2.reshape(*x.shape[:-1], y2.shape[-1])
 
-    def _backend(self, x2: torch.Tensor, n_segments: int) -> str:
-        """The context's lora_backend with "auto" resolved. On GPU the kernels' own rule
-        (``dispatch.cublas_preferred``): cuBLAS GEMMs for one job or a large layer (at 8B shape the Triton grouped
-        kernels, then drawing dropout masks one Philox call per element and summing dB with fp32 atomics, were 62%
-        of an engine step, bench/results/train/*profile*2026-11-22*), the grouped Triton kernels for several jobs on a
-        small layer (fewer launches). On CPU the torch reference (the Triton interpreter, which "auto" would take
-        under TRITON_INTERPRET=1, is ~30x slower)."""
-        backend = self.ctx.backend
-        if backend != "auto":
-            return backend
-        if not x2.is_cuda:
-            return "torch"
-        w = self.base.weight
-        return "cublas" if _dispatch.cublas_preferred("cuda", n_segments, w.shape[1], w.shape[0]) else "triton"
-
-    def _kernel_args(self, segs, jobs) -> tuple[list[int], list, Optional[int]]:
-        """(seg boundaries, the jobs' kernel descriptors, dropout seed or None) of a ``bdlora.kernels`` call over
-        contiguous segments: the seed is drawn only when a job drops out in this forward."""
-        drop = self.ctx.dropout_active() and any(ja.dropout > 0 for ja in jobs)
-        return ([segs[0][1]] + [e for _, _, e in segs], [ja.kernel_adapter(self.name, drop) for ja in jobs],
-                _kernel_seed() if drop else None)
-
-    def _delta(self, x2, segs, jobs, out, backend: str):
-        """out + LoRA deltas (or the deltas alone when ``out`` is None), rows outside the segments untouched."""
-        if backend == "triton" and _contiguous(segs):
-            # out= (in-place add) is not used: its backward failed on GPU for row layers (kernels 2026-11)
-            seg, adapters, seed = self._kernel_args(segs, jobs)
-            delta = _grouped_lora(x2, seg, adapters, dropout_seed=seed, backend="triton")
-            return delta if out is None else out + delta
-        drop = self.ctx.dropout_active()  # each job then drops out with its own p (none at p = 0)
-        # Reference path (CPU, backend "torch"/"engine", factors in another dtype than the base): the same math as
-        # bdlora.kernels.grouped_lora_ref without its per-call checks and without materializing a (T, d_out)
-        # delta (zero rows + torch.cat) that is then added to ``out`` in a second pass.
-        if len(segs) == 1 and segs[0][1] == 0 and segs[0][2] == x2.shape[0]:  # one job over all rows (K=1)
-            ja = jobs[0]
-            a, b = ja.factors(self.name)
-            xj = F.dropout(x2, ja.dropout, training=True) if drop and ja.dropout > 0 else x2
-            delta = bd_lora_delta(xj, a, b, self.layout, ja.spec.nblocks, ja.scale)
-            return delta if out is None else out + delta
-        if out is None:
-            out = x2.new_zeros(x2.shape[0], self.base.out_features)
-        for ja, (_, s, e) in zip(jobs, segs):
-            a, b = ja.factors(self.name)
-            xj = x2[s:e]
-            if drop and ja.dropout > 0:  # this job's own p, on its rows only (PEFT: dropout before lora_A)
-                xj = F.dropout(xj, ja.dropout, training=True)
-            # in place into rows s:e: ``out`` is a fresh F.linear output (its backward does not read it) or zeros
-            out[s:e] += bd_lora_delta(xj, a, b, self.layout, ja.spec.nblocks, ja.scale)
-        return out
+    def _kernel_args(self, segs) -> tuple[list[int], list]:
+        """(seg boundaries, per segment the job's kernel descriptor or None) of the ``bdlora.kernels`` call: gaps
+        between the jobs' segments (a job without this module) become segments without adapter. Descriptors carry
+        the job's dropout only while this forward drops out (``BatchContext.dropout_active``)."""
+        reg = self.registry
+        drop = self.ctx.dropout_active() and any(reg[j].dropout > 0 for j, _, _ in segs)
+        seg, adapters = [segs[0][1]], []
+        for j, s, e in segs:
+            if s != seg[-1]:
+                adapters.append(None)
+                seg.append(s)
+            adapters.append(reg[j].kernel_adapter(self.name, drop))
+            seg.append(e)
+        return seg, adapters
 
 
 def inject_multilora(model: nn.Module, column_modules, row_modules, ctx: BatchContext, registry: dict
@@ -303,5 +263,5 @@ def inject_multilora(model: nn.Module, column_modules, row_modules, ctx: BatchCo
     return targets
 
 
-__all__ = ["BatchContext", "JobAdapter", "MultiLoraLinear", "PEFT_PREFIX", "bd_lora_delta", "dropout_rng",
-           "inject_multilora", "round_seed"]
+__all__ = ["BatchContext", "JobAdapter", "MultiLoraLinear", "PEFT_PREFIX", "dropout_rng", "inject_multilora",
+           "kernel_options", "round_seed"]
