@@ -14,7 +14,8 @@ A *round* advances every active job by one optimizer step:
    finished / exited jobs write their PEFT BD-LoRA folder and free their slot for the queue.
 
 Multi-process: with ``WORLD_SIZE > 1`` (``accelerate launch`` / ``torchrun``) and ``pipeline_stages: 1`` the
-micro-batches of a round are spread over the ranks (data parallel) and the per-job gradients all-reduced; with
+micro-batches of a round are spread over the ranks (data parallel) and each job's gradients all-reduced as one
+flat buffer (one all-reduce per job and step, plus one for the losses); with
 ``pipeline_stages == WORLD_SIZE`` the run goes to :mod:`bdlora.train.engine.pipeline` (LoRAPP).
 """
 
@@ -30,6 +31,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from bdlora.adapter import save_adapter
 from bdlora.spec import BDLoraError
@@ -61,15 +63,35 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def load_base(path: str | os.PathLike, precision: str = "fp32", device="cpu", attn_implementation=None):
+def _bucket_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (dtype, device), in first-seen order: the flat buffers of the data-parallel
+    gradient all-reduce (one per job and step when its factors share a dtype and device, as they do)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    return list(groups.values())
+
+
+def load_base(path: str | os.PathLike, precision: str = "fp32", device="cpu", attn_implementation=None,
+              stage: Optional[tuple[int, int]] = None):
     """The frozen base and its tokenizer, loaded like ``bdlora train`` does (:func:`bdlora.models.load_causal_lm`):
-    straight in ``precision``'s dtype (bf16: no fp32 copy), from a folder ``path``."""
+    straight in ``precision``'s dtype (bf16: no fp32 copy), from a folder ``path``.
+
+    ``stage=(s, P)``: only pipeline stage s of P (:func:`bdlora.train.engine.pipeline.load_stage_model`): the model
+    is built on the meta device and only that stage's decoder layers (+ the embeddings on the first stage, the final
+    norm and LM head on the last) are read from the safetensors files, straight onto ``device``: a stage never holds
+    the whole base, on the CPU or on its GPU."""
     from transformers import AutoTokenizer
 
     from bdlora.models import load_causal_lm, torch_dtype_of
 
     device = torch.device(device)
-    model = load_causal_lm(path, torch_dtype_of(precision, device.type), attn_implementation)
+    if stage is not None:
+        from .pipeline import load_stage_model
+
+        model = load_stage_model(path, torch_dtype_of(precision, device.type), device, attn_implementation, *stage)
+    else:
+        model = load_causal_lm(path, torch_dtype_of(precision, device.type), attn_implementation)
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -210,8 +232,9 @@ class Engine:
             raise ConfigError(f"{run_source(run)}: model: {e}") from None
         self.base_path = str(folder)
         self.pad_multiple = run.pad_multiple or (GPU_PAD_MULTIPLE if self.device.type == "cuda" else 1)
-        if model is None:
-            model, tokenizer = load_base(folder, run.precision, self.device, run.attn_implementation)
+        if model is None:  # a pipeline stage (StageEngine sets pipeline_stage = (s, P)) loads only its layers
+            model, tokenizer = load_base(folder, run.precision, self.device, run.attn_implementation,
+                                         stage=getattr(self, "pipeline_stage", None))
         self.model, self.tok = model, tokenizer
         model_type = getattr(model.config, "model_type", "llama")
         cols, rows = set(), set()
@@ -373,11 +396,16 @@ class Engine:
                 loss_sums[j] += l.detach().double()
         dist = _dist()
         if dist is not None and self.world > 1:
+            # bucketed: one flat all-reduce per job (its gradients flattened into one buffer, reduced, and the
+            # parameters' .grad set to views of the reduced buffer), not one per parameter tensor; then the losses
             for job in jobs:
-                for p in job.adapter.parameters():
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad)
+                params = list(job.adapter.parameters())
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                for group in _bucket_groups(grads):  # one group unless the job's factors mix dtypes / devices
+                    flat = _flatten_dense_tensors([grads[i] for i in group])
+                    dist.all_reduce(flat)
+                    for i, g in zip(group, _unflatten_dense_tensors(flat, [grads[i] for i in group])):
+                        params[i].grad = g
             flat = torch.stack([loss_sums[j.id] for j in jobs])
             dist.all_reduce(flat)
             for k, j in enumerate(jobs):

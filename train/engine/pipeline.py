@@ -37,10 +37,12 @@ GPU (``device_id``) for launchers that run the pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import json
 import math
+import os
 import time
 import weakref
 from collections import defaultdict
@@ -71,6 +73,181 @@ def stage_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
         out.append((lo, hi))
         lo = hi
     return out
+
+
+class _OtherStage(nn.Module):
+    """Stands in for a decoder layer that another pipeline stage holds (never materialized here)."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"decoder layer {self.index} lives on another pipeline stage")
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter registered inside goes to the meta device (no memory, no initialization work: nn.Linear's
+    ``reset_parameters`` runs after the registration); buffers are created normally, so the rotary embedding's
+    non-persistent ``inv_freq`` is computed as in a normal load."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _rss_bytes() -> Optional[int]:
+    """This process's resident set size now (Linux /proc), or None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _peak_rss_bytes() -> Optional[int]:
+    """This process's peak resident set size so far (getrusage; Linux reports KiB), or None."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _checkpoint_index(path: Path) -> dict[str, Path]:
+    """{tensor key: safetensors file} of the checkpoint folder: ``model.safetensors.index.json``'s weight map
+    (sharded) or the keys of the single ``model.safetensors`` (read from its header only)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            return {k: path / v for k, v in json.load(f)["weight_map"].items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise EngineError(f"{path}: a pipeline stage loads its layers from safetensors files, but the folder has "
+                          "neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(str(single), framework="pt", device="cpu") as f:
+        return {k: single for k in f.keys()}
+
+
+def _module_name(model: nn.Module, target: Optional[nn.Module]) -> Optional[str]:
+    if target is None:
+        return None
+    return next((n for n, m in model.named_modules() if m is target), None)
+
+
+def load_stage_model(path, dtype: torch.dtype, device, attn_implementation: Optional[str], stage: int,
+                     stages: int) -> nn.Module:
+    """Pipeline stage ``stage`` of ``stages`` of the causal LM in folder ``path``, holding only what it runs.
+
+    The model is built with its parameters on the meta device; the decoder layers of other stages are replaced by
+    placeholders (:class:`_OtherStage`, so this stage's layers keep their module paths ``model.layers.<i>``), the
+    input embeddings are dropped on every stage but the first, the final norm (an identity there) and the LM head on
+    every stage but the last. Only the remaining parameters are materialized on ``device`` in their built dtype
+    (``dtype``), each read by key from the checkpoint's safetensors (``model.safetensors`` or the shards of
+    ``model.safetensors.index.json``), one ``safe_open`` per tensor, so the file's memory map never holds more than
+    one tensor's pages. A tied LM head (``tie_word_embeddings``) reads the input embeddings' tensor. The stage's
+    memory is about 1/``stages`` of the weights (plus the embeddings / head at the ends); what it read is recorded in
+    ``model.stage_load`` (keys, bytes read, bytes materialized, the checkpoint's total bytes)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path, device = Path(path), torch.device(device)
+    config = AutoConfig.from_pretrained(str(path))
+    kwargs = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    model.config.use_cache = False
+    decoder = getattr(model, model.base_model_prefix)
+    n_layers = len(decoder.layers)
+    lo, hi = stage_bounds(n_layers, stages)[stage]
+    first, last = stage == 0, stage == stages - 1
+    in_name = _module_name(model, model.get_input_embeddings())
+    out_name = _module_name(model, model.get_output_embeddings())
+    tied = dict(getattr(model, "_tied_weights_keys", None) or {}) if isinstance(
+        getattr(model, "_tied_weights_keys", None), dict) else {}
+    if getattr(config, "tie_word_embeddings", False) and in_name and out_name:
+        tied.setdefault(f"{out_name}.weight", f"{in_name}.weight")
+    for i in range(n_layers):
+        if not lo <= i < hi:
+            decoder.layers[i] = _OtherStage(i)
+
+    def drop(name):
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, None)
+
+    if not first and in_name:
+        drop(in_name)
+    if not last:
+        decoder.norm = nn.Identity()
+        if out_name:
+            drop(out_name)
+
+    files = _checkpoint_index(path)
+    prefix = model.base_model_prefix + "."
+
+    def key_of(name: str) -> str:
+        for k in (name, tied.get(name), name[len(prefix):] if name.startswith(prefix) else None):
+            if k is not None and k in files:
+                return k
+        raise EngineError(f"{path}: pipeline stage {stage}: tensor {name!r} is not in the checkpoint's safetensors")
+
+    keys, read, done = [], 0, {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for leaf, t in list(getattr(mod, kind).items()):
+                if t is None:
+                    continue
+                name = f"{mod_name}.{leaf}" if mod_name else leaf
+                if kind == "_buffers":  # buffers were built normally; a persistent one in the checkpoint is read
+                    if leaf in mod._non_persistent_buffers_set or name not in files:
+                        continue
+                elif not t.is_meta:
+                    continue
+                if id(t) in done:  # tied on this stage: materialized once, shared
+                    getattr(mod, kind)[leaf] = done[id(t)]
+                    continue
+                key = key_of(name)
+                with safe_open(str(files[key]), framework="pt", device="cpu") as f:
+                    src = f.get_tensor(key)
+                    read += src.numel() * src.element_size()
+                    # a copy: the safetensors tensor maps the file; the model keeps no view of it
+                    val = src.to(device=device, dtype=t.dtype, copy=True)
+                    del src
+                keys.append(key)
+                new = nn.Parameter(val, requires_grad=t.requires_grad) if kind == "_parameters" else val
+                getattr(mod, kind)[leaf] = new
+                done[id(t)] = new
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise EngineError(f"{path}: pipeline stage {stage}: parameters left unloaded: {left[:5]}")
+    model.to(device).eval()
+    total = 0
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for k in f.keys():
+                sl = f.get_slice(k)
+                total += math.prod(sl.get_shape()) * _SAFETENSORS_BYTES[sl.get_dtype()]
+    materialized = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.stage_load = {"stage": stage, "layers": [lo, hi], "keys": keys, "bytes_read": read,
+                        "bytes_materialized": materialized, "checkpoint_bytes": total}
+    return model
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                      "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 @dataclass
@@ -358,7 +535,18 @@ class StageEngine(Engine):
     stage: Optional["_Stage"] = None
 
     def __init__(self, run: RunConfig):
+        import torch.distributed as dist
+
+        # Engine.__init__ loads the base through load_base(stage=...): only this stage's layers (load_stage_model)
+        self.pipeline_stage = (dist.get_rank(), dist.get_world_size())
+        rss0 = _rss_bytes()
         super().__init__(run)
+        peak = _peak_rss_bytes()
+        # what the stage's base load read and holds; CPU RSS: the peak since the process started minus the RSS
+        # before the load (an upper bound of the load's growth; Linux only)
+        self.load_stats = {k: v for k, v in getattr(self.model, "stage_load", {}).items() if k != "keys"}
+        self.load_stats["load_peak_rss_growth_bytes"] = (peak - rss0 if rss0 is not None and peak is not None
+                                                         else None)
         self.to_save: list = []  # (job, adapter) finished at this boundary: gathered from every stage, then written
 
     def _fits(self, jobs):
@@ -521,7 +709,11 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
     decoder = getattr(model, model.base_model_prefix)
     n_layers = len(decoder.layers)
     lo, hi = stage_bounds(n_layers, P)[s]
+    # the loaded stage (load_stage_model) holds layers [lo, hi) at their own indices (their LoRA modules are named
+    # model.layers.<i>..., as on one process) and placeholders elsewhere: the decoder runs the kept ones only
     kept = nn.ModuleList(list(decoder.layers)[lo:hi])
+    if any(isinstance(layer, _OtherStage) for layer in kept):
+        raise EngineError(f"pipeline stage {s}: the loaded model does not hold its layers [{lo}, {hi})")
     kept_names = {mod.name for layer in kept for mod in layer.modules() if hasattr(mod, "registry")}
     decoder.layers = kept
     if s < P - 1:
@@ -532,7 +724,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "run_config.json", "w") as f:
             json.dump(run.to_dict(), f, indent=2, default=str)
-    if engine.device.type == "cuda":  # the peak from here on: this stage's layers (the others' are freed) + activations
+    if engine.device.type == "cuda":  # the peak from here on: this stage's layers (the only ones loaded) + activations
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(engine.device)
@@ -569,7 +761,8 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
         fold_peak()
         payload = {"busy": stats["busy"], "wall": stats["wall"],
                    "peak_mem_gib": stats["peak_mem_bytes"] / 2**30 if engine.device.type == "cuda" else None,
-                   "memory_points": len(engine.memory.points), "memory_fitted": engine.memory.fitted}
+                   "memory_points": len(engine.memory.points), "memory_fitted": engine.memory.fitted,
+                   "load": engine.load_stats}
         gathered = [None] * P
         dist.all_gather_object(gathered, payload)
         if s != 0:
@@ -703,6 +896,9 @@ def _write_results(engine, out: Path, gathered: list[dict], stats: dict) -> dict
         # the memory model's measured peaks (one per segment on GPUs) and whether they refitted it (every 5 points)
         "memory_points_per_stage": [g["memory_points"] for g in gathered],
         "memory_fitted_per_stage": [g["memory_fitted"] for g in gathered],
+        # each stage's base load (load_stage_model): its layers, the bytes it read from the safetensors files and
+        # holds as parameters, the checkpoint's total, and (CPU, Linux) its peak RSS growth over the load
+        "load_per_stage": [g["load"] for g in gathered],
     }
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.csv", "w", newline="") as f:
