@@ -114,8 +114,27 @@ def _rss_bytes() -> Optional[int]:
         return None
 
 
+def _reset_peak_rss() -> bool:
+    """Resets this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0: ``/proc/self/clear_refs``), so the
+    next :func:`_peak_rss_bytes` is the peak since now; False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def _peak_rss_bytes() -> Optional[int]:
-    """This process's peak resident set size so far (getrusage; Linux reports KiB), or None."""
+    """This process's peak resident set size (Linux ``VmHWM``; else getrusage's ``ru_maxrss``, KiB on Linux), or
+    None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
     except ImportError:
@@ -158,10 +177,13 @@ def load_stage_model(path, dtype: torch.dtype, device, attn_implementation: Opti
     ``model.safetensors.index.json``), one ``safe_open`` per tensor, so the file's memory map never holds more than
     one tensor's pages. A tied LM head (``tie_word_embeddings``) reads the input embeddings' tensor. The stage's
     memory is about 1/``stages`` of the weights (plus the embeddings / head at the ends); what it read is recorded in
-    ``model.stage_load`` (keys, bytes read, bytes materialized, the checkpoint's total bytes)."""
+    ``model.stage_load`` (keys, bytes read, bytes materialized, the checkpoint's total bytes, the peak RSS growth
+    over the load)."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    exact = _reset_peak_rss()
+    rss0 = _rss_bytes()
     path, device = Path(path), torch.device(device)
     config = AutoConfig.from_pretrained(str(path))
     kwargs = {"dtype": dtype}
@@ -241,8 +263,15 @@ def load_stage_model(path, dtype: torch.dtype, device, attn_implementation: Opti
                 sl = f.get_slice(k)
                 total += math.prod(sl.get_shape()) * _SAFETENSORS_BYTES[sl.get_dtype()]
     materialized = sum(p.numel() * p.element_size() for p in model.parameters())
+    peak = _peak_rss_bytes()
     model.stage_load = {"stage": stage, "layers": [lo, hi], "keys": keys, "bytes_read": read,
-                        "bytes_materialized": materialized, "checkpoint_bytes": total}
+                        "bytes_materialized": materialized, "checkpoint_bytes": total,
+                        # the process's peak RSS over the load minus its RSS before (CPU memory; on a GPU the
+                        # weights go to the device): exact where the peak could be reset first (Linux
+                        # /proc/self/clear_refs), else an upper bound (the peak since the process started); None
+                        # off Linux
+                        "peak_rss_growth_bytes": peak - rss0 if peak is not None and rss0 is not None else None,
+                        "peak_rss_growth_exact": exact}
     return model
 
 
@@ -539,14 +568,9 @@ class StageEngine(Engine):
 
         # Engine.__init__ loads the base through load_base(stage=...): only this stage's layers (load_stage_model)
         self.pipeline_stage = (dist.get_rank(), dist.get_world_size())
-        rss0 = _rss_bytes()
         super().__init__(run)
-        peak = _peak_rss_bytes()
-        # what the stage's base load read and holds; CPU RSS: the peak since the process started minus the RSS
-        # before the load (an upper bound of the load's growth; Linux only)
+        # what the stage's base load read and holds (load_stage_model's record, its key list left out)
         self.load_stats = {k: v for k, v in getattr(self.model, "stage_load", {}).items() if k != "keys"}
-        self.load_stats["load_peak_rss_growth_bytes"] = (peak - rss0 if rss0 is not None and peak is not None
-                                                         else None)
         self.to_save: list = []  # (job, adapter) finished at this boundary: gathered from every stage, then written
 
     def _fits(self, jobs):
