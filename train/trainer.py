@@ -656,6 +656,10 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     last_loss = losses[-1] if losses else None
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    peaks = [peak]
+    if peak is not None and world > 1 and _distributed():  # every process's peak: what FSDP sharding saves
+        peaks = [None] * world
+        torch.distributed.all_gather_object(peaks, peak)
 
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     adapter_dir, last_eval = None, {}
@@ -687,8 +691,9 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
         if adapter_dir is not None:
             ev = (f"; eval loss {last_eval['eval_loss']:.4f} (ppl {last_eval['eval_ppl']:.3f})" if last_eval else "")
             print(f"bdlora train: done in {wall:.1f}s, step {step}/{total_steps}, train loss "
-                  f"{last_loss if last_loss is None else round(last_loss, 4)}{ev}; adapter saved to {adapter_dir}",
-                  flush=True)
+                  f"{last_loss if last_loss is None else round(last_loss, 4)}{ev}; adapter saved to {adapter_dir}"
+                  + (f"; peak GPU memory {', '.join(f'{x:.2f}' for x in peaks)} GiB" if peak is not None else "")
+                  + (f"; {tokens_per_s:,.0f} tokens/s" if tokens_per_s else ""), flush=True)
         else:
             print(f"bdlora train: stopped at step {step}/{total_steps} after {wall:.1f}s (checkpoints in {out})",
                   flush=True)
