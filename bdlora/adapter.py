@@ -23,12 +23,14 @@ from typing import Optional
 import torch
 
 from .sharding import packed_shapes, shape_of
-from .spec import COLUMN, ROW, BDLoraError, BDLoraSpec, Layout, peft_scaling
+from .spec import COLUMN, ROW, BDLoraError, BDLoraSpec, Layout, layout_by_name, peft_scaling
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
-_A_SUFFIX = ".lora_A.weight"
-_B_SUFFIX = ".lora_B.weight"
+#: PEFT's tensor names of a module's factors (the one place they are spelled; the plugin's loader and checks use them)
+PEFT_A_SUFFIX = ".lora_A.weight"
+PEFT_B_SUFFIX = ".lora_B.weight"
+_A_SUFFIX, _B_SUFFIX = PEFT_A_SUFFIX, PEFT_B_SUFFIX
 
 
 class AdapterFileError(BDLoraError):
@@ -85,11 +87,9 @@ class AdapterConfig:
         """Layout of a module path (exact match of its last component); None for a dense adapter."""
         if not self.is_bd:
             return None
-        leaf = module_path.rsplit(".", 1)[-1]
-        if leaf in self.column_modules:
-            return COLUMN
-        if leaf in self.row_modules:
-            return ROW
+        layout = layout_by_name(module_path, self.column_modules, self.row_modules)
+        if layout is not None:
+            return layout
         raise BDLoraError(
             f"adapter module {module_path!r} is in neither use_bdlora.target_modules_bd_b (column-parallel: "
             f"{self.column_modules}) nor target_modules_bd_a (row-parallel: {self.row_modules}); bdlora matches "

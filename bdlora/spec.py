@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Optional
 
 COLUMN: Literal["column"] = "column"
 ROW: Literal["row"] = "row"
@@ -59,6 +59,18 @@ def preset_for(model_type: str) -> dict[str, tuple[str, ...]]:
             "pass column_modules= (column-parallel, e.g. q/k/v/gate/up) and row_modules= "
             "(row-parallel, e.g. o/down) explicitly"
         ) from None
+
+
+def layout_by_name(module_path: str, column_modules, row_modules) -> Optional[Layout]:
+    """The one rule for which factor of a module is block-diagonal: COLUMN (B) when the last component of
+    ``module_path`` is one of ``column_modules``, ROW (A) when one of ``row_modules``, None otherwise. Names match
+    exactly (PEFT matches substrings, which silently matches too much)."""
+    leaf = module_path.rsplit(".", 1)[-1]
+    if leaf in column_modules:
+        return COLUMN
+    if leaf in row_modules:
+        return ROW
+    return None
 
 
 @dataclass(frozen=True)
@@ -143,11 +155,9 @@ class BDLoraSpec:
 
     def layout_of(self, module_name: str) -> Layout:
         """Layout of a module given its full dotted path or its last component (exact match)."""
-        leaf = module_name.rsplit(".", 1)[-1]
-        if leaf in self.column_modules:
-            return COLUMN
-        if leaf in self.row_modules:
-            return ROW
+        layout = layout_by_name(module_name, self.column_modules, self.row_modules)
+        if layout is not None:
+            return layout
         raise BDLoraError(
             f"module {module_name!r} is not a BD-LoRA target (column: {list(self.column_modules)}, "
             f"row: {list(self.row_modules)})"
@@ -278,5 +288,5 @@ def servable_tp_degrees(model_config, nblocks: int | None = None, limit: int = 1
 
 __all__ = [
     "BDLoraError", "BDLoraSpec", "COLUMN", "ROW", "Layout", "PRESETS", "matched_lora_rank", "peft_scaling",
-    "preset_for", "rslora_block_scale", "servable_tp_degrees", "vllm_can_serve_tp",
+    "layout_by_name", "preset_for", "rslora_block_scale", "servable_tp_degrees", "vllm_can_serve_tp",
 ]

@@ -33,7 +33,7 @@ from . import vllm_api as api
 from .validate import (bd_options, device_rank, fused_decode_options, local_rank_of, refuse_bd_without_mode,
                        tp_size_of)
 
-_A, _B = ".lora_A.weight", ".lora_B.weight"
+from bdlora.adapter import PEFT_A_SUFFIX as _A, PEFT_B_SUFFIX as _B
 
 
 @dataclass

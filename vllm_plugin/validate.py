@@ -16,7 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from bdlora.adapter import CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, check_factor_shapes, module_paths, read_config
+from bdlora.adapter import (CONFIG_NAME, PEFT_A_SUFFIX, PEFT_B_SUFFIX, WEIGHTS_NAME, AdapterConfig, check_factor_shapes,
+                            module_paths, read_config)
 from bdlora.sharding import check_tp_compatible, packed_shapes
 from bdlora.spec import COLUMN, PRESETS, ROW, BDLoraError
 
@@ -414,7 +415,7 @@ def _check_model_shapes(path: str, cfg: AdapterConfig, shapes: dict, paths: list
     for p in paths:
         inner = p[len(PEFT_PREFIX):] if p.startswith(PEFT_PREFIX) else p
         leaf = inner.rsplit(".", 1)[-1]
-        a, b = shapes[p + ".lora_A.weight"], shapes[p + ".lora_B.weight"]
+        a, b = shapes[p + PEFT_A_SUFFIX], shapes[p + PEFT_B_SUFFIX]
         if len(a) != 2 or len(b) != 2:
             raise BDLoraError(f"{WEIGHTS_NAME}: {inner}: lora_A {a} / lora_B {b} are not matrices")
         layout = cfg.layout_of(p)
@@ -452,7 +453,7 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
         refuse_bd_without_mode(cfg, path)
         if os.path.isfile(weights):  # stock mode: the header must be readable and fit the model
             shapes = _read_header(weights)
-            lora = {k: v for k, v in shapes.items() if k.endswith((".lora_A.weight", ".lora_B.weight"))}
+            lora = {k: v for k, v in shapes.items() if k.endswith((PEFT_A_SUFFIX, PEFT_B_SUFFIX))}
             if lora:
                 _check_model_shapes(path, cfg, shapes, module_paths(lora), facts)
         return
@@ -479,7 +480,7 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
         )
     shapes = _read_header(weights)
     keys = list(shapes)
-    other = [k for k in keys if not (k.endswith(".lora_A.weight") or k.endswith(".lora_B.weight"))]
+    other = [k for k in keys if not (k.endswith(PEFT_A_SUFFIX) or k.endswith(PEFT_B_SUFFIX))]
     if other:
         raise BDLoraError(f"{WEIGHTS_NAME} in {path}: tensors {other[:4]} are not LoRA factors; BD mode serves "
                           "lora_A/lora_B only (no modules_to_save, embeddings or biases)")
@@ -489,7 +490,7 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
         raise BDLoraError(f"{WEIGHTS_NAME} in {path}: {e}") from None
     preset = PRESETS.get(facts.model_type)
     for p in paths:
-        a, b = shapes[p + ".lora_A.weight"], shapes[p + ".lora_B.weight"]
+        a, b = shapes[p + PEFT_A_SUFFIX], shapes[p + PEFT_B_SUFFIX]
         leaf = p.rsplit(".", 1)[-1]
         layout = check_factor_shapes(cfg, p, a, b)  # None for a dense adapter
         if preset is not None:

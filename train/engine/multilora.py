@@ -43,7 +43,7 @@ from bdlora.adapter import Adapter, AdapterConfig, LoraFactors
 from bdlora.kernels import Dispatch, KernelOptions
 from bdlora.kernels import LoraAdapter as _KAdapter
 from bdlora.kernels import fused_lora_linear
-from bdlora.spec import COLUMN, ROW, BDLoraSpec
+from bdlora.spec import COLUMN, ROW, BDLoraSpec, layout_by_name
 
 PEFT_PREFIX = "base_model.model."
 _log = logging.getLogger(__name__)
@@ -249,11 +249,8 @@ def inject_multilora(model: nn.Module, column_modules, row_modules, ctx: BatchCo
         leaf = name.rsplit(".", 1)[-1]
         if not isinstance(mod, nn.Linear):
             continue
-        if leaf in column_modules:
-            layout = COLUMN
-        elif leaf in row_modules:
-            layout = ROW
-        else:
+        layout = layout_by_name(name, column_modules, row_modules)
+        if layout is None:
             continue
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         setattr(parent, leaf, MultiLoraLinear(mod, name, layout, ctx, registry))
