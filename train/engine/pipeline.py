@@ -2,7 +2,10 @@
 of different jobs fill the pipeline with no flush between jobs.
 
 * Stage s holds decoder layers ``[lo_s, hi_s)`` (embeddings on stage 0, final norm + LM head on the last) and the
-  LoRA factors, optimizers and schedules of every job for the modules of those layers.
+  LoRA factors, optimizers and schedules of every job for the modules of those layers. It never holds the rest of
+  the base: :func:`load_stage_model` builds the model on the meta device and reads only the stage's tensors from the
+  checkpoint's safetensors files (sharded or not, tied head included) straight onto its device in the run's dtype,
+  so a stage's weights are about 1/P of the model (recorded per stage in the results: ``load_per_stage``).
 * Each job's optimizer step is packed into single-job micro-batches (token budget, first-fit decreasing); the
   stream interleaves the jobs round-robin. A job's next-step micro-batch may enter a stage only after that
   stage has applied the job's previous step; other jobs' micro-batches keep the stages busy meanwhile, so with
@@ -20,11 +23,11 @@ of different jobs fill the pipeline with no flush between jobs.
   losses are broadcast and the engine's own code decides (:class:`StageEngine`; :meth:`Engine.after_step`: ALTO early
   exit, best-validation factors, warm-up parking and top-k selection; :meth:`Engine.admit`: the queue backfills freed
   slots under ``max_active_jobs`` and the memory model, predicted per stage with the stage's modules, the worst stage
-  deciding; its analytic shared term still counts the whole base, so it is conservative); finished jobs' factors are
-  gathered to rank 0 and written. ``save_every`` / ``max_rounds`` / ``resume`` act at boundaries: each stage
-  writes ``pipeline_state/stage{s}.seg{n}.pt`` (its layers' factors, AdamW / LR-schedule states, samplers, early-exit
-  states), rank 0 ``pipeline_state/run_state.pt`` (statuses, histories, segment counter); a resumed run ends with the
-  same adapters and losses as an uninterrupted one.
+  deciding; its analytic base term counts the stage's own weights, its activation term every layer, so it is
+  conservative); finished jobs' factors are gathered to rank 0 and written. ``save_every`` / ``max_rounds`` /
+  ``resume`` act at boundaries: each stage writes ``pipeline_state/stage{s}.seg{n}.pt`` (its layers' factors,
+  AdamW / LR-schedule states, samplers, early-exit states), rank 0 ``pipeline_state/run_state.pt`` (statuses,
+  histories, segment counter); a resumed run ends with the same adapters and losses as an uninterrupted one.
   Differences from the single-process engine: a non-finite train loss is acted on at the next boundary (not at
   once); LoRA-dropout masks are seeded per pipeline micro-batch, so dropout jobs are reproducible (and resume
   exactly) but do not equal the single-process run; the memory model is refitted from each stage's measured peak
