@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -71,15 +70,9 @@ def server(tiny_llama_dir, tmp_path_factory):
             time.sleep(1)
         yield base
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)  # the server and the engine process it started
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
+        from bdlora.vllm_plugin.testing import stop_server
+
+        stop_server(proc)  # the server and the engine process it started
 
 
 def _complete(base, model, max_tokens=6):

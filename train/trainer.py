@@ -53,7 +53,7 @@ from bdlora.adapter import atomic_output_dir
 from bdlora.spec import COLUMN, ROW, BDLoraError, BDLoraSpec
 
 from .config import ConfigError, TrainConfig, parse_override
-from .data import IGNORE_INDEX, DataError, Example, collate, load_datasets
+from .data import Example, load_datasets
 
 log = logging.getLogger("bdlora.train")
 

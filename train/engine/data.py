@@ -101,4 +101,4 @@ class EpochSampler:
         self.epoch, self.pos, self._perm = int(s["epoch"]), int(s["pos"]), None
 
 
-__all__ = ["DatasetSplit", "EpochSampler", "Sample", "load_split", "read_records", "tokenize_records"]
+__all__ = ["DatasetSplit", "EpochSampler", "Sample", "read_records", "tokenize_records"]
