@@ -176,7 +176,7 @@ def test_data_parallel_two_processes_equal_one(tiny_llama_dir, tmp_path):
 # at which both the EMA-train and the validation slopes rise exits it); two slots, so "late" waits in the queue
 DIVERGE_EE = {"enabled": True, "warmup_select": False, "tau_gap": 1e9, "patience": 1}
 DIVERGE_JOBS = [{"name": "good", "seed": 1, "scheduler": "cosine"},
-                {"name": "bad", "seed": 2, "lr": 5.0},
+                {"name": "bad", "seed": 2, "lr": 3.0},  # exits at step 3 with 1 or 2 torch threads (lr 5: 6 vs 4)
                 {"name": "late", "seed": 3, "r": 4, "nblocks": 2}]
 DIVERGE_KW = dict(early_exit=DIVERGE_EE, eval_every=1, max_active_jobs=2, token_budget=96,
                   defaults={"max_steps": 6, "batch_size": 2, "lr": 1e-3, "max_length": 64})
@@ -206,7 +206,7 @@ def test_pipeline_early_exit_and_backfill_match_single_process(tiny_llama_dir, t
     assert single[1]["steps"] < 6
     for rs, rp in zip(single, pipe):  # same decisions: stop reason and step
         assert (rp["job"], rp["status"], rp["stop_reason"]) == (rs["job"], "done", rs["stop_reason"])
-        if rs["job"] == "bad":  # lr 5: float noise of 1 vs 2 processes moves its slopes; seen 1 run in 4 a step early
+        if rs["job"] == "bad":  # a huge lr: float noise of 1 vs 2 processes moves its slopes; seen 1 run in 4 a step early
             assert abs(rp["steps"] - rs["steps"]) <= 1
             continue
         assert rp["steps"] == rs["steps"] and rp["tokens"] == rs["tokens"] and os.path.isdir(rp["adapter"])
