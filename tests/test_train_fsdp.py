@@ -1,5 +1,6 @@
-"""FSDP2 through accelerate (examples/accelerate/fsdp2_1node.yaml) on 2 GPUs: the frozen base sharded, the adapter
-gathered into one PEFT folder, equal to the single-process run. accelerate builds FSDP only for GPU process groups
+"""FSDP2 through accelerate (examples/accelerate/fsdp2_1node.yaml) on 2 GPUs (1 where only one exists: a one-rank
+mesh, which still runs the sharded-parameter paths): the frozen base sharded, the adapter gathered into one PEFT
+folder, equal to the single-process run. accelerate builds FSDP only for GPU process groups
 (not MULTI_CPU), so this runs where two GPUs exist (the multi-GPU issue's machines); CI's CPU runs skip it."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                    reason="FSDP2 needs 2 GPUs (accelerate has no FSDP on CPU process groups)")
+NPROC = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 0
+needs_gpus = pytest.mark.skipif(NPROC == 0, reason="FSDP2 needs GPUs (accelerate has no FSDP on CPU process groups)")
 
 
 def _free_port() -> int:
@@ -24,8 +25,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@needs_two_gpus
-def test_fsdp2_two_gpus_matches_one_process(tiny_llama_dir, tmp_path):
+@needs_gpus
+def test_fsdp2_matches_one_process(tiny_llama_dir, tmp_path):
     import yaml
     from safetensors.torch import load_file
 
@@ -35,9 +36,11 @@ def test_fsdp2_two_gpus_matches_one_process(tiny_llama_dir, tmp_path):
 
     def job(name, **kw):
         p = tmp_path / f"{name}.yaml"
-        p.write_text(yaml.safe_dump(dict(model=str(tiny_llama_dir), nblocks=2, r=8, train_file=str(data),
-                                         eval_fraction=0.0, batch_size=2, max_steps=4, lr=1e-3, precision="fp32",
-                                         output_dir=str(tmp_path / name), progress=False, report_to=[], **kw)))
+        cfg = dict(model=str(tiny_llama_dir), nblocks=2, r=8, train_file=str(data), eval_fraction=0.0, batch_size=2,
+                   max_steps=4, lr=1e-3, precision="fp32", output_dir=str(tmp_path / name), progress=False,
+                   report_to=[])
+        cfg.update(kw)
+        p.write_text(yaml.safe_dump(cfg))
         return str(p)
 
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
@@ -45,15 +48,15 @@ def test_fsdp2_two_gpus_matches_one_process(tiny_llama_dir, tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "examples/accelerate/fsdp2_1node.yaml"), "--num_processes", "2", "--mixed_precision", "no",
-           "--main_process_port", str(_free_port()), "-m", "bdlora.train", "--config", job("fsdp", save_every=2)]
+           str(ROOT / "examples/accelerate/fsdp2_1node.yaml"), "--num_processes", str(NPROC), "--mixed_precision", "no",
+           "--main_process_port", str(_free_port()), "-m", "bdlora.train", "--config", job("fsdp", save_every=2, batch_size=4 // NPROC)]
     two = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-4000:]
-    assert "2 process(es)" in two.stdout
+    assert f"{NPROC} process(es)" in two.stdout and "FSDP2" in two.stdout
     a = load_file(str(tmp_path / "one" / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "fsdp" / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) == 28
-    # 2 processes x batch 2 = one process x batch 4 (same examples per step up to order): equal within fp32 noise
+    # NPROC processes x batch 4/NPROC = one process x batch 4 (same examples per step): equal within fp32 noise
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=2e-3, atol=2e-5, msg=k)
     import bdlora
