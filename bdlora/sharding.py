@@ -100,9 +100,32 @@ def reblock_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, layout: Layout, 
     return a, b
 
 
+def unpack_block_diagonal(w: torch.Tensor, nblocks: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Packed (M, K/N) -> dense (M, K) with the N row blocks on the diagonal and zeros elsewhere (PEFT's convention),
+    in ``dtype`` (default w's): one zero fill and one strided copy (which also casts); differentiable. The one
+    unpacking of block-diagonal factors: conversions, references, tests and the kernels' dense GEMMs use it."""
+    m, kb = w.shape
+    full = w.new_zeros(m, kb * nblocks, dtype=dtype)
+    full.view(nblocks, m // nblocks, nblocks, kb).diagonal(dim1=0, dim2=2).copy_(
+        w.view(nblocks, m // nblocks, kb).permute(1, 2, 0))
+    return full
+
+
+def pack_block_diagonal(full: torch.Tensor, nblocks: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Dense block-diagonal (M, K) -> its N diagonal blocks packed (M, K/N), in ``dtype`` (default full's); the
+    off-diagonal blocks are dropped. One small copy (none for N = 1 in full's dtype: then ``full`` itself);
+    differentiable."""
+    if nblocks == 1:
+        return full.to(dtype or full.dtype)
+    m, k = full.shape
+    out = full.new_empty(nblocks, m // nblocks, k // nblocks, dtype=dtype)
+    out.copy_(full.view(nblocks, m // nblocks, nblocks, k // nblocks).diagonal(dim1=0, dim2=2).permute(2, 0, 1))
+    return out.view(m, k // nblocks)
+
+
 def unpack_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, layout: Layout, nblocks: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense (r, d_in), (d_out, r) factors with the block-diagonal one expanded with zeros."""
     if layout == COLUMN:
-        return lora_a, torch.block_diag(*lora_b.chunk(nblocks, dim=0))
-    return torch.block_diag(*lora_a.chunk(nblocks, dim=0)), lora_b
+        return lora_a, unpack_block_diagonal(lora_b, nblocks)
+    return unpack_block_diagonal(lora_a, nblocks), lora_b

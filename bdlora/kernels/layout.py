@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bdlora.sharding import pack_block_diagonal, unpack_block_diagonal  # the one pack/unpack (core)
+
 LAYOUTS = ("column", "row")
 
 
@@ -85,29 +87,6 @@ class LoraAdapter:
     def blocks_b(self) -> int:
         """Blocks of the expand (S @ B): N for column layout, else 1."""
         return self.nblocks if self.layout == "column" else 1
-
-
-def unpack_block_diagonal(w: torch.Tensor, nblocks: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Packed (M, K/N) -> dense (M, K) with the N row blocks on the diagonal and zeros elsewhere (PEFT's convention),
-    in ``dtype`` (default w's): one zero fill and one strided copy (which also casts); differentiable. The one
-    unpacking of block-diagonal factors in ``bdlora.kernels`` (references, tests and the cuBLAS path's dense GEMMs)."""
-    m, kb = w.shape
-    full = w.new_zeros(m, kb * nblocks, dtype=dtype)
-    full.view(nblocks, m // nblocks, nblocks, kb).diagonal(dim1=0, dim2=2).copy_(
-        w.view(nblocks, m // nblocks, kb).permute(1, 2, 0))
-    return full
-
-
-def pack_block_diagonal(full: torch.Tensor, nblocks: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Dense block-diagonal (M, K) -> its N diagonal blocks packed (M, K/N), in ``dtype`` (default full's); the
-    off-diagonal blocks are dropped. One small copy (none for N = 1 in full's dtype: then ``full`` itself);
-    differentiable."""
-    if nblocks == 1:
-        return full.to(dtype or full.dtype)
-    m, k = full.shape
-    out = full.new_empty(nblocks, m // nblocks, k // nblocks, dtype=dtype)
-    out.copy_(full.view(nblocks, m // nblocks, nblocks, k // nblocks).diagonal(dim1=0, dim2=2).permute(2, 0, 1))
-    return out.view(m, k // nblocks)
 
 
 def to_math(adapter: LoraAdapter) -> tuple[torch.Tensor, torch.Tensor]:
