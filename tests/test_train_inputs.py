@@ -231,3 +231,20 @@ def test_explicit_resume_of_a_bad_checkpoint_is_refused(tiny_llama_dir, data_fil
     with pytest.raises(ConfigError, match="not a checkpoint folder"):
         run_training(TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / "o",
                                                  resume=str(tmp_path / "nope"))))
+
+
+def test_packing_gives_the_padded_batches_loss(tiny_llama_dir, data_file, tmp_path):
+    """packing: true (padding-free rows with restarting position ids) trains on the same targets: the first step's
+    loss equals the padded batch's, and the adapters after a step are close."""
+    def first_loss(out, **kw):
+        res = run_training(TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / out, max_steps=1,
+                                                       eval_fraction=0.0, batch_size=4, **kw)))
+        rec = [json.loads(l) for l in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        return next(r["train_loss"] for r in rec if "train_loss" in r), res
+
+    padded, a = first_loss("padded")
+    packed, b = first_loss("packed", packing=True)
+    assert packed == pytest.approx(padded, rel=1e-4)
+    for (n, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        if pa.requires_grad:
+            torch.testing.assert_close(pa, pb, rtol=1e-3, atol=1e-5, msg=n)

@@ -53,7 +53,7 @@ from bdlora.adapter import atomic_output_dir
 from bdlora.spec import COLUMN, ROW, BDLoraError, BDLoraSpec
 
 from .config import ConfigError, TrainConfig, parse_override
-from .data import Example, load_datasets
+from .data import examples_to_dataset, load_datasets
 
 log = logging.getLogger("bdlora.train")
 
@@ -456,18 +456,10 @@ class _Collator:
         self.record = record
 
     def __call__(self, rows: list[dict]) -> dict:
-        exs = [Example(list(r["input_ids"]), list(r["labels"]), int(r["index"])) for r in rows]
-        batch = self.inner(exs)
+        batch = self.inner(rows)  # make_collator's collators take the dataset's rows as they are
         if self.record:
-            batch["sample_index"] = torch.tensor([e.index for e in exs])
+            batch["sample_index"] = torch.tensor([int(r["index"]) for r in rows])
         return batch
-
-
-def _as_dataset(examples: list[Example]):
-    from datasets import Dataset
-
-    return Dataset.from_dict({"input_ids": [e.input_ids for e in examples], "labels": [e.labels for e in examples],
-                              "index": [e.index for e in examples]})
 
 
 def _make_trainer_class():
@@ -625,8 +617,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     if stop_after_steps is not None:
         callbacks.append(StopAfter(stop_after_steps))
     record = out / f"samples.rank{rank}.jsonl" if cfg.record_samples else None
-    trainer = BDLoraTrainer(model=model, args=args, train_dataset=_as_dataset(train_ex),
-                            eval_dataset=_as_dataset(eval_ex) if eval_ex else None,
+    trainer = BDLoraTrainer(model=model, args=args, train_dataset=examples_to_dataset(train_ex),
+                            eval_dataset=examples_to_dataset(eval_ex) if eval_ex else None,
                             data_collator=_Collator(tokenizer.pad_token_id, cfg.packing, record is not None),
                             processing_class=tokenizer, callbacks=callbacks)
     trainer.record_path = record
