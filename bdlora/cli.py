@@ -27,26 +27,18 @@ def _divisors_and_multiples(n: int, limit: int = 16) -> list[int]:
 
 
 def model_config_dict(model: str) -> dict:
-    """``config.json`` of ``model``: a local model folder (or the config file itself), else a hub id resolved from the
-    local Hugging Face cache only (never downloads)."""
+    """``config.json`` of ``model``: the config file itself, or any model :func:`bdlora.models.resolve_model` resolves
+    (a folder, a hub id from the local Hugging Face cache only, a shortcut)."""
     p = Path(model).expanduser()
-    if p.is_dir():
-        cfg_file = p / "config.json"
-        if not cfg_file.is_file():
-            raise BDLoraError(f"--model {model}: the folder has no config.json; pass a Hugging Face model folder or "
-                              "hub id")
-    elif p.is_file():
+    if p.is_file():  # the config.json itself
         cfg_file = p
     else:
-        try:
-            from huggingface_hub import hf_hub_download
+        from .models import ModelNotFound, resolve_model
 
-            cfg_file = Path(hf_hub_download(model, "config.json", local_files_only=True))
-        except Exception as e:  # not cached, or not a valid repo id: both mean "not available here"
-            raise BDLoraError(
-                f"--model {model!r} is neither a local folder nor a model in the local Hugging Face cache "
-                f"({type(e).__name__}); on a machine with internet access run `huggingface-cli download {model}` "
-                "(and copy the cache here), or pass the model's folder") from None
+        try:
+            cfg_file = resolve_model(model)[0] / "config.json"
+        except ModelNotFound as e:
+            raise BDLoraError(f"--model: {e}") from None
     try:
         raw = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError) as e:

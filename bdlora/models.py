@@ -164,7 +164,7 @@ def resolve_model(name: str) -> tuple[Path, str]:
             folder = None
         if folder is None or not (folder / "config.json").is_file():
             raise ModelNotFound(
-                f"model {name!r} is not in the local Hugging Face cache ({_hub_cache()}) and training does not "
+                f"model {name!r} is not in the local Hugging Face cache ({hub_cache_dir()}) and bdlora does not "
                 f"download; on a machine with network run `huggingface-cli download {repo}` (with the same HF_HOME), "
                 "or give a local model folder")
         return folder, name
@@ -172,7 +172,8 @@ def resolve_model(name: str) -> tuple[Path, str]:
                         f"local cache, nor one of the shortcuts {sorted(SHORTCUT_IDS) + ['tiny-random']}")
 
 
-def _hub_cache() -> str:
+def hub_cache_dir() -> str:
+    """Where huggingface_hub keeps downloaded snapshots (HF_HOME/hub unless HF_HUB_CACHE says otherwise)."""
     from huggingface_hub import constants
 
     return str(constants.HF_HUB_CACHE)

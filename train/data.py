@@ -245,18 +245,13 @@ class Source:
 
 def _hub_help(repo_id: str) -> str:
     import datasets
+    from bdlora.models import hub_cache_dir
 
     return (f"{repo_id!r} is not a local file or folder, and no dataset of that id is in the Hugging Face cache "
-            f"(hub snapshots under {_hub_cache()}, prepared datasets under {datasets.config.HF_DATASETS_CACHE}). "
+            f"(hub snapshots under {hub_cache_dir()}, prepared datasets under {datasets.config.HF_DATASETS_CACHE}). "
             f"Offline it cannot be downloaded: on a connected machine run `huggingface-cli download --repo-type "
             f"dataset {repo_id}` (or `python -c \"import datasets; datasets.load_dataset('{repo_id}')\"`), then "
             f"copy that HF_HOME cache here or set HF_HOME to it")
-
-
-def _hub_cache() -> str:
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_CACHE
 
 
 def _offline() -> bool:
