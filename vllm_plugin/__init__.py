@@ -56,7 +56,7 @@ def register() -> None:
     cpu_fix.patch_cpu_lora_ops()
     cpu_fix.keep_cpu_weights_for_fold()
     if os.environ.get("BDLORA_COUNT_COLLECTIVES") == "1":
-        from .testing import install_collective_counters
+        from .diagnostics import install_collective_counters
 
         install_collective_counters()
     _REGISTERED = True

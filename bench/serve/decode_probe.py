@@ -1,7 +1,7 @@
 """Where does BD-LoRA decode time go in vLLM? One process, one GPU, no server: stock BD layers vs the experimental
 fused decode op (``--bdlora-fused-decode``), each with CUDA graphs and eager.
 
-    python bench/serve/decode_probe.py --out probe.json [--layers 4] [--rank 64] [--nblocks 4] [--targets q_proj,...]
+    python -m bench.serve.decode_probe --out probe.json [--layers 4] [--rank 64] [--nblocks 4] [--targets q_proj,...]
 
 Builds a random Llama of Llama-3.1-8B layer width (hidden 4096, intermediate 14336, 32/8 heads, vocab 32000) with
 ``--layers`` decoder layers in bf16 and one PEFT BD-LoRA adapter on all 7 projections (or ``--targets``), then per
@@ -32,6 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
+if not __package__:  # run as a file (python bench/serve/x.py): the repository root makes bench.serve importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model runs in this process: counters, profiler
 
 SHAPE = dict(hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=32000)
@@ -40,7 +43,7 @@ SHAPE = dict(hidden_size=4096, num_heads=32, num_kv_heads=8, intermediate_size=1
 def build(root: Path, layers: int, rank: int, nblocks: int, shape: dict, targets=None) -> tuple[Path, Path]:
     from bdlora.models import build_random_llama
     from bdlora.spec import BDLoraSpec
-    from bdlora.vllm_plugin.testing import make_peft_adapter
+    from bench.serve.harness import make_peft_adapter
 
     model = build_random_llama(root / f"llama8b-width-l{layers}", num_layers=layers, dtype="bfloat16",
                                init_std=0.02, max_position_embeddings=4096, **shape)
@@ -89,7 +92,8 @@ def probe_mode(name: str, model: Path, adapter: Path, rank: int, fused, eager: b
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from bdlora.vllm_plugin import testing as T
+    from bdlora.vllm_plugin import diagnostics as D
+    from bench.serve import harness as T
 
     extra = {"bdlora": True}
     if fused is not None:
@@ -103,13 +107,13 @@ def probe_mode(name: str, model: Path, adapter: Path, rank: int, fused, eager: b
         lora = LoRARequest("bd", 1, str(adapter))
         res["base_bs1_ms"] = decode_ms(llm, None, 1, 16, 144, 128)
         res["lora_bs1_ms"] = decode_ms(llm, lora, 1, 16, 144, 128)
-        T.reset_fused_decode_counters()
+        D.reset_fused_decode_counters()
         res[f"lora_bs{batch}_ms"] = decode_ms(llm, lora, batch, 8, 40, 64)
         res["base_bs%d_ms" % batch] = decode_ms(llm, None, batch, 8, 40, 64)
-        T.reset_fused_decode_counters()
+        D.reset_fused_decode_counters()
         sp = SamplingParams(max_tokens=65, ignore_eos=True, temperature=0.0)
         llm.generate([{"prompt_token_ids": list(range(100, 164))}], sp, lora_request=lora, use_tqdm=False)
-        res["counters_64_decode_steps"] = T.read_fused_decode_counters()
+        res["counters_64_decode_steps"] = D.read_fused_decode_counters()
         if profile:  # base and LoRA generations of 16 decode steps: which kernels (and host ops) LoRA adds
             from torch.profiler import ProfilerActivity, profile as prof_ctx
 

@@ -1,6 +1,6 @@
 """GPU parity check of the BD-LoRA plugin (vLLM 0.26 on 2 GPUs, or any supported vLLM/TP):
 
-    python bench/serve/gpu_parity.py --tp 2 --out parity.json
+    python -m bench.serve.gpu_parity --tp 2 --out parity.json
 
 Builds the tiny random Llama (hidden 256, 4 heads, 2 KV heads) and PEFT-written adapters (BD N=2 r=8, BD N=2 r=16,
 BD N=4 r=16, dense r=8) in a temp dir, serves them all at once with vLLM + the plugin (``additional_config
@@ -16,7 +16,7 @@ writes JSON; exit status 0 iff every check passed.
 ``--fused-decode`` serves with the fused decode path (``additional_config {"bdlora_fused_decode":
 ...}``, optionally ``--fused-backend torch`` and ``--fused-max-tokens``) and adds two checks per TP rank: the fused op
 ran (counters; in graph mode only the capture and eager-size runs are counted) and a per-layer self-check
-(``testing.fused_decode_self_check``: fused op vs vLLM's punica path on random inputs with CUDA-graph-style padding
+(``diagnostics.fused_decode_self_check``: fused op vs vLLM's punica path on random inputs with CUDA-graph-style padding
 rows, and the int32 token -> slot map). ``--fold-shrink`` adds ``fold_shrink`` (the shrink inside the base GEMM)
 and checks that every fused layer folded, shares its weight with the base layer, and that the fold op equals the
 base GEMM plus punica's result. Use ``--tag`` to keep separate JSON files.
@@ -34,6 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
+if not __package__:  # run as a file (python bench/serve/x.py): the repository root makes bench.serve importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 55], [101, 202, 303, 404, 45, 46, 47]]
 
 
@@ -42,7 +45,7 @@ def build(root: Path) -> tuple[Path, dict]:
 
     from bdlora.models import build_random_llama
     from bdlora.spec import BDLoraSpec
-    from bdlora.vllm_plugin.testing import make_peft_adapter
+    from bench.serve.harness import make_peft_adapter
 
     model = build_random_llama(root / "tiny-llama", init_std=0.05)
     all7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -60,7 +63,8 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
              tie_tol: float = 0.0) -> dict:
     from vllm.lora.request import LoRARequest
 
-    from bdlora.vllm_plugin import testing as T
+    from bdlora.vllm_plugin import diagnostics as D
+    from bench.serve import harness as T
 
     extra = {"bdlora": True}
     if fused is not None:
@@ -76,23 +80,23 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
         jobs = [(PROMPTS[k % len(PROMPTS)], LoRARequest(n, ids[n], str(adapters[n])) if n else None)
                 for k, n in enumerate(names + names)]
         if eager:
-            llm.collective_rpc(T.reset_collective_counters)
+            llm.collective_rpc(D.reset_collective_counters)
         if fused is not None:
-            llm.collective_rpc(T.reset_fused_decode_counters)
+            llm.collective_rpc(D.reset_fused_decode_counters)
         outs = T.generate_mixed(llm, jobs, max_tokens=max_tokens)
         rows = T.parity_report(model, jobs, outs, [adapters[lr.lora_name] if lr else None for _, lr in jobs])
         result = {"eager": eager, "startup_s": round(startup, 1), "requests": rows}
-        classes = llm.collective_rpc(T.lora_layer_classes)[0]
+        classes = llm.collective_rpc(D.lora_layer_classes)[0]
         result["layer_classes"] = sorted(set(classes.values()))
         if eager:
-            counts = llm.collective_rpc(T.read_collective_counters)
+            counts = llm.collective_rpc(D.read_collective_counters)
             result["collectives_per_rank"] = counts
             result["lora_collectives"] = sum(v for c in counts for k, v in c.items() if k.startswith("lora:"))
             result["memory_bd2_r16"] = [{k: v for k, v in m.items() if k != "shapes"}
-                                        for m in llm.collective_rpc(T.lora_memory, args=(ids["bd2_r16"],))]
+                                        for m in llm.collective_rpc(D.lora_memory, args=(ids["bd2_r16"],))]
         if fused is not None:
-            result["fused_counters"] = llm.collective_rpc(T.read_fused_decode_counters)
-            checks = llm.collective_rpc(T.fused_decode_self_check)
+            result["fused_counters"] = llm.collective_rpc(D.read_fused_decode_counters)
+            checks = llm.collective_rpc(D.fused_decode_self_check)
             result["fused_self_check"] = checks
             tol = 1e-4 if dtype == "float32" else 3e-2  # relative to the largest LoRA term
             ran = "folded" if fused.get("fold_shrink") else "fused"

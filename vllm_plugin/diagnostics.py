@@ -1,0 +1,185 @@
+"""Diagnostics of a running BD-mode engine, run inside vLLM workers through ``LLM.collective_rpc`` (each takes the
+worker as its first argument; with worker processes set ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` so callables can be
+sent). They answer an operator's questions on a live deployment -- does any LoRA collective run, which LoRA path ran,
+what does one adapter cost per rank, do the fused kernels agree with vLLM's -- and the test suite and
+``bench/serve/gpu_parity.py`` use them for the same questions (docs/serving.md, "Diagnostics").
+
+* :func:`install_collective_counters` wraps the module-level collectives the LoRA layers call
+  (``tensor_model_parallel_all_gather`` in ``column_parallel_linear``, ``tensor_model_parallel_all_reduce`` in
+  ``row_parallel_linear``) and counts calls by caller: ``forward`` is the base model's own collective, anything else
+  (``_mcp_apply``, ``apply``) is a LoRA collective. Run the engine with ``enforce_eager=True`` so calls are not
+  traced away by torch.compile.
+* :func:`lora_memory` reports the bytes one adapter occupies on a rank.
+* :func:`read_fused_decode_counters` / :func:`reset_fused_decode_counters`: calls of the fused decode op
+  (``bdlora_fused_decode``) by path; :func:`fused_decode_self_check` compares, on every BD layer of a worker, the
+  fused op with vLLM's punica path for one token -> adapter mapping.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+COUNTS: Counter = Counter()
+
+_TARGETS = (  # vllm_api touch points
+    ("column_parallel_linear.tensor_model_parallel_all_gather", "all_gather"),
+    ("row_parallel_linear.tensor_model_parallel_all_reduce", "all_reduce"),
+)
+#: Marker of the counting wrappers (not the plugin's own patches).
+COUNTER_MARKER = "__bdlora_counter__"
+
+
+def _counting(fn, op):
+    def wrapper(*args, **kwargs):
+        import torch
+
+        if torch.compiler.is_compiling():  # graph mode: Dynamo cannot trace sys._getframe; count only eager calls
+            return fn(*args, **kwargs)
+        caller = sys._getframe(1).f_code.co_name
+        COUNTS[("base" if caller == "forward" else "lora", op)] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def install_collective_counters(worker=None) -> bool:
+    from . import vllm_api as api
+
+    for key, op in _TARGETS:
+        api.wrap(key, lambda fn, op=op: _counting(fn, op), marker=COUNTER_MARKER)
+    COUNTS.clear()
+    return True
+
+
+def reset_collective_counters(worker=None) -> bool:
+    COUNTS.clear()
+    return True
+
+
+def read_collective_counters(worker=None) -> dict:
+    return {f"{kind}:{op}": n for (kind, op), n in COUNTS.items()}
+
+
+def reset_fused_decode_counters(worker=None) -> bool:
+    from .layers import FUSED_COUNTS
+
+    FUSED_COUNTS.clear()
+    return True
+
+
+def read_fused_decode_counters(worker=None) -> dict:
+    """{"fused:triton" | "fused:torch": calls that ran bdlora's decode kernel, "folded:triton" | "folded:torch": the
+    same in fold mode, "stock": calls above max_tokens that ran vLLM's punica path}, counted in this process since the
+    last reset."""
+    from .layers import FUSED_COUNTS
+
+    return dict(FUSED_COUNTS)
+
+
+def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) -> dict:
+    """Sets the token -> adapter mapping ``lora_ids`` (LoRA int ids, 0 = base; default: base and every adapter in a
+    slot, twice) through the LoRA manager, then for every BD layer with fused decode feeds random inputs to vLLM's
+    punica ``add_lora_linear`` (len(lora_ids) tokens) and to ``torch.ops.bdlora.lora_linear`` (the same tokens plus
+    ``pad`` padding rows, as a CUDA graph of a larger size would) and returns the largest differences, whether the
+    padding rows stayed untouched and whether the int32 slot map matches the mapping (-1 after it). Layers in fold
+    mode also run ``torch.ops.bdlora.fold_linear`` on the same rows, checked against the base GEMM plus punica's
+    result (``fold_max_abs_diff``; its padding rows must be the base output alone)."""
+    import torch
+    from vllm.lora.layers import LoRAMapping
+
+    from .layers import FUSED_COUNTS
+
+    mgr = _adapter_manager(worker)
+    slots = list(mgr.lora_index_to_id)
+    if lora_ids is None:
+        active = [i for i in slots if i]
+        lora_ids = ([0] + active) * 2
+    want = [slots.index(i) if i else -1 for i in lora_ids]
+    mgr.set_adapter_mapping(LoRAMapping(tuple(lora_ids), tuple(lora_ids), is_prefill=False))
+    n = len(lora_ids)
+    gen = torch.Generator().manual_seed(seed)
+    out = {"layers": 0, "max_abs_diff": 0.0, "max_abs_lora": 0.0, "padding_untouched": True, "slots_ok": True,
+           "slot_map": want, "fold_layers": 0, "fold_max_abs_diff": 0.0, "fold_max_abs_out": 0.0,
+           "fold_shares_weight": True}
+
+    def calls(kind):
+        return sum(v for k, v in FUSED_COUNTS.items() if k.startswith(kind + ":"))
+
+    before = {kind: calls(kind) for kind in ("fused", "folded")}
+    for layer in mgr.modules.values():
+        st = getattr(layer, "_bd_fused", None)
+        if st is None or getattr(layer, "bd_fused_name", None) is None:
+            continue
+        a0 = layer.lora_a_stacked[0]
+        d_in, d_out = a0.shape[-1], sum(layer.output_slices)
+        buf = st.slots.buf
+        out["slots_ok"] &= buf[:n].tolist() == want and bool((buf[n:] == -1).all())
+        extra = max(0, min(pad, st.max_tokens - n))
+        x = torch.randn(n + extra, d_in, generator=gen).to(a0.dtype).to(a0.device)
+        y_stock = torch.zeros(n, d_out, dtype=a0.dtype, device=a0.device)
+        layer.punica_wrapper.add_lora_linear(y_stock, x[:n], layer.lora_a_stacked, layer.lora_b_stacked, 1.0,
+                                             layer.output_slices)
+        y_fused = torch.zeros(n + extra, d_out, dtype=a0.dtype, device=a0.device)
+        torch.ops.bdlora.lora_linear(y_fused, x, layer.bd_fused_name)
+        out["layers"] += 1
+        out["max_abs_diff"] = max(out["max_abs_diff"], float((y_fused[:n] - y_stock).abs().max()))
+        out["max_abs_lora"] = max(out["max_abs_lora"], float(y_stock.abs().max()))
+        out["padding_untouched"] &= bool((y_fused[n:] == 0).all())
+        if st.folded is not None:
+            base = torch.nn.functional.linear(x, st.folded.base)
+            y_fold = torch.ops.bdlora.fold_linear(x, None, layer.bd_fused_name)
+            out["fold_layers"] += 1
+            out["fold_max_abs_diff"] = max(out["fold_max_abs_diff"],
+                                           float((y_fold[:n] - (base[:n] + y_stock)).abs().max()))
+            out["fold_max_abs_out"] = max(out["fold_max_abs_out"], float(y_fold.abs().max()))
+            out["fold_shares_weight"] &= layer.base_layer.weight.data_ptr() == st.folded.w_ext.data_ptr()
+            out["padding_untouched"] &= bool(torch.allclose(y_fold[n:], base[n:], rtol=1e-5, atol=1e-5))
+    out["fused_calls"] = calls("fused") - before["fused"]
+    out["folded_calls"] = calls("folded") - before["folded"]
+    return out
+
+
+def _adapter_manager(worker):
+    runner = getattr(worker, "model_runner", worker)
+    return runner.lora_manager._adapter_manager
+
+
+def _nbytes(t) -> int:
+    if t is None:
+        return 0
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size()
+
+
+def lora_memory(worker, lora_int_id: int) -> dict:
+    """Bytes of one adapter on this rank: ``loaded`` (the LoRAModel tensors kept on the host), ``slot`` (its slot
+    in the stacked buffers of every LoRA layer), plus ``buffer_rank`` and layer-class names."""
+    mgr = _adapter_manager(worker)
+    model = mgr._registered_adapters[lora_int_id]
+    loaded = sum(_nbytes(w.lora_a) + _nbytes(w.lora_b) for w in model.loras.values())
+    slot = mgr.lora_index_to_id.index(lora_int_id) if lora_int_id in mgr.lora_index_to_id else None
+    slot_bytes = 0
+    ranks, classes = set(), set()
+    for layer in mgr.modules.values():
+        stacked_a = getattr(layer, "lora_a_stacked", None)
+        if stacked_a is None or not isinstance(stacked_a, tuple):
+            continue
+        classes.add(type(layer).__name__)
+        for a, b in zip(layer.lora_a_stacked, layer.lora_b_stacked):
+            ranks.add(int(a.shape[2]))
+            if slot is not None:
+                slot_bytes += _nbytes(a[slot]) + _nbytes(b[slot])
+    loaded_shapes = {
+        name: ([tuple(x.shape) for x in w.lora_a] if isinstance(w.lora_a, list) else tuple(w.lora_a.shape),
+               [tuple(x.shape) for x in w.lora_b] if isinstance(w.lora_b, list) else tuple(w.lora_b.shape))
+        for name, w in model.loras.items()
+    }
+    return {"loaded": loaded, "slot": slot_bytes, "buffer_ranks": sorted(ranks), "classes": sorted(classes),
+            "shapes": loaded_shapes}
+
+
+def lora_layer_classes(worker) -> dict:
+    mgr = _adapter_manager(worker)
+    return {name: type(layer).__name__ for name, layer in mgr.modules.items()}
