@@ -8,7 +8,8 @@ docs/architecture.md has the layout.
 """
 
 from .adapter import Adapter, AdapterConfig, LoraFactors, load_adapter, read_config, save_adapter
-from .spec import COLUMN, PRESETS, ROW, BDLoraError, BDLoraSpec, matched_lora_rank
+from .layout import COLUMN, ROW
+from .spec import PRESETS, BDLoraError, BDLoraSpec, matched_lora_rank
 
 __version__ = "0.1.0"
 

@@ -22,8 +22,9 @@ from typing import Optional
 
 import torch
 
-from .sharding import packed_shapes, shape_of
-from .spec import COLUMN, ROW, BDLoraError, BDLoraSpec, Layout, layout_by_name, peft_scaling
+from .layout import COLUMN, ROW, Layout, layout_by_name, packed_shapes
+from .sharding import shape_of
+from .spec import BDLoraError, BDLoraSpec, peft_scaling
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"

@@ -19,7 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-from .spec import COLUMN, PRESETS, ROW, BDLoraError, servable_tp_degrees
+from .layout import COLUMN, ROW
+from .spec import PRESETS, BDLoraError, servable_tp_degrees
 
 
 def _divisors_and_multiples(n: int, limit: int = 16) -> list[int]:

@@ -17,8 +17,9 @@ from typing import Iterable, Optional
 import torch
 
 from .adapter import Adapter, AdapterConfig, LoraFactors, layer_dims
-from .sharding import reblock_factors, unpack_factors
-from .spec import COLUMN, PRESETS, ROW, BDLoraError, Layout
+from .layout import COLUMN, ROW, Layout, unpack_factors
+from .sharding import reblock_factors
+from .spec import PRESETS, BDLoraError
 
 
 class ConversionError(BDLoraError):

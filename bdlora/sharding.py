@@ -1,6 +1,7 @@
 """Which part of a packed BD-LoRA factor pair each tensor-parallel rank holds.
 
-Factors are in PEFT orientation and packed the way PEFT's ``BlockDiagonalLinear`` stores them (README.md, "Adapter format"):
+Factors are in PEFT orientation and packed the way PEFT's ``BlockDiagonalLinear`` stores them (README.md, "Adapter format";
+``bdlora.layout`` has the layouts and the one pack/unpack):
 
 * column layout (B block-diagonal): ``lora_A`` (r, d_in); ``lora_B`` packed (d_out, r/N), output-row block i
   reads rank block i.
@@ -21,7 +22,8 @@ from typing import Any
 
 import torch
 
-from .spec import COLUMN, ROW, BDLoraError, Layout
+from .layout import COLUMN, ROW, Layout
+from .spec import BDLoraError
 
 
 def shape_of(t: Any) -> tuple[int, ...]:
@@ -42,13 +44,6 @@ def check_tp_compatible(nblocks: int, tp_size: int) -> None:
             f"count divides the other): `bdlora convert to-dense ADAPTER ADAPTER-dense` then `bdlora convert to-bd "
             f"ADAPTER-dense ADAPTER-tp{tp_size} --nblocks {tp_size}`"
         )
-
-
-def packed_shapes(layout: Layout, d_in: int, d_out: int, r: int, nblocks: int) -> tuple[tuple, tuple]:
-    """Expected (lora_A, lora_B) shapes of a packed factor pair."""
-    if layout == COLUMN:
-        return (r, d_in), (d_out, r // nblocks)
-    return (r, d_in // nblocks), (d_out, r)
 
 
 def shard_factors(lora_a: Any, lora_b: Any, layout: Layout, nblocks: int, tp_size: int, tp_rank: int
@@ -98,34 +93,3 @@ def reblock_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, layout: Layout, 
     a = torch.cat([s[0] for s in shards], dim=0)
     b = torch.cat([s[1] for s in shards], dim=0 if layout == COLUMN else 1)
     return a, b
-
-
-def unpack_block_diagonal(w: torch.Tensor, nblocks: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Packed (M, K/N) -> dense (M, K) with the N row blocks on the diagonal and zeros elsewhere (PEFT's convention),
-    in ``dtype`` (default w's): one zero fill and one strided copy (which also casts); differentiable. The one
-    unpacking of block-diagonal factors: conversions, references, tests and the kernels' dense GEMMs use it."""
-    m, kb = w.shape
-    full = w.new_zeros(m, kb * nblocks, dtype=dtype)
-    full.view(nblocks, m // nblocks, nblocks, kb).diagonal(dim1=0, dim2=2).copy_(
-        w.view(nblocks, m // nblocks, kb).permute(1, 2, 0))
-    return full
-
-
-def pack_block_diagonal(full: torch.Tensor, nblocks: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Dense block-diagonal (M, K) -> its N diagonal blocks packed (M, K/N), in ``dtype`` (default full's); the
-    off-diagonal blocks are dropped. One small copy (none for N = 1 in full's dtype: then ``full`` itself);
-    differentiable."""
-    if nblocks == 1:
-        return full.to(dtype or full.dtype)
-    m, k = full.shape
-    out = full.new_empty(nblocks, m // nblocks, k // nblocks, dtype=dtype)
-    out.copy_(full.view(nblocks, m // nblocks, nblocks, k // nblocks).diagonal(dim1=0, dim2=2).permute(2, 0, 1))
-    return out.view(m, k // nblocks)
-
-
-def unpack_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, layout: Layout, nblocks: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense (r, d_in), (d_out, r) factors with the block-diagonal one expanded with zeros."""
-    if layout == COLUMN:
-        return lora_a, unpack_block_diagonal(lora_b, nblocks)
-    return unpack_block_diagonal(lora_a, nblocks), lora_b

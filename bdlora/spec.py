@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Literal, Optional
+from typing import Iterable
 
-COLUMN: Literal["column"] = "column"
-ROW: Literal["row"] = "row"
-Layout = Literal["column", "row"]
+from .layout import COLUMN, ROW, Layout, layout_by_name
 
 _LLAMA_LIKE = {
     COLUMN: ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"),
@@ -59,18 +57,6 @@ def preset_for(model_type: str) -> dict[str, tuple[str, ...]]:
             "pass column_modules= (column-parallel, e.g. q/k/v/gate/up) and row_modules= "
             "(row-parallel, e.g. o/down) explicitly"
         ) from None
-
-
-def layout_by_name(module_path: str, column_modules, row_modules) -> Optional[Layout]:
-    """The one rule for which factor of a module is block-diagonal: COLUMN (B) when the last component of
-    ``module_path`` is one of ``column_modules``, ROW (A) when one of ``row_modules``, None otherwise. Names match
-    exactly (PEFT matches substrings, which silently matches too much)."""
-    leaf = module_path.rsplit(".", 1)[-1]
-    if leaf in column_modules:
-        return COLUMN
-    if leaf in row_modules:
-        return ROW
-    return None
 
 
 @dataclass(frozen=True)
@@ -287,6 +273,6 @@ def servable_tp_degrees(model_config, nblocks: int | None = None, limit: int = 1
 
 
 __all__ = [
-    "BDLoraError", "BDLoraSpec", "COLUMN", "ROW", "Layout", "PRESETS", "matched_lora_rank", "peft_scaling",
-    "layout_by_name", "preset_for", "rslora_block_scale", "servable_tp_degrees", "vllm_can_serve_tp",
+    "BDLoraError", "BDLoraSpec", "PRESETS", "matched_lora_rank", "peft_scaling", "preset_for", "rslora_block_scale",
+    "servable_tp_degrees", "vllm_can_serve_tp",
 ]

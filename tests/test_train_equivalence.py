@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from bdlora import BDLoraSpec
-from bdlora.spec import COLUMN, ROW
+from bdlora.layout import COLUMN, ROW
 
 TOL = dict(rtol=1e-10, atol=1e-12)
 

@@ -23,7 +23,8 @@ import bitsandbytes as bnb  # noqa: E402
 from bdlora import BDLoraSpec  # noqa: E402
 from bdlora.quant import (QuantError, check_kbit_bd, dequantized_weight, disable_cpu_inference_packing,  # noqa: E402
                           enable_bdlora_on_kbit, kbit_lora_classes, kbit_variant_class)
-from bdlora.spec import COLUMN, ROW, BDLoraError  # noqa: E402
+from bdlora.layout import COLUMN, ROW  # noqa: E402
+from bdlora.spec import BDLoraError  # noqa: E402
 from bdlora.train.config import ConfigError, TrainConfig  # noqa: E402
 from bdlora.train.tasks import toy_chat_records, write_jsonl  # noqa: E402
 

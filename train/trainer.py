@@ -50,7 +50,8 @@ from typing import Any, Optional
 import torch
 
 from bdlora.adapter import atomic_output_dir
-from bdlora.spec import COLUMN, ROW, BDLoraError, BDLoraSpec
+from bdlora.layout import COLUMN, ROW
+from bdlora.spec import BDLoraError, BDLoraSpec
 
 from .config import ConfigError, TrainConfig, parse_override
 from .data import examples_to_dataset, load_datasets

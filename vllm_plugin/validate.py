@@ -18,8 +18,9 @@ from typing import Any, Optional
 
 from bdlora.adapter import (CONFIG_NAME, PEFT_A_SUFFIX, PEFT_B_SUFFIX, WEIGHTS_NAME, AdapterConfig, check_factor_shapes,
                             module_paths, read_config)
-from bdlora.sharding import check_tp_compatible, packed_shapes
-from bdlora.spec import COLUMN, PRESETS, ROW, BDLoraError
+from bdlora.layout import COLUMN, ROW, packed_shapes
+from bdlora.sharding import check_tp_compatible
+from bdlora.spec import PRESETS, BDLoraError
 
 #: ``additional_config`` key that switches BD mode on: ``True`` or ``{"min_nblocks": k}``.
 CONFIG_KEY = "bdlora"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bdlora.sharding import pack_block_diagonal, unpack_block_diagonal  # the one pack/unpack (core)
+from bdlora.layout import pack_block_diagonal, unpack_block_diagonal  # the one pack/unpack (core)
 
 LAYOUTS = ("column", "row")
 

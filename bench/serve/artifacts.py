@@ -194,7 +194,7 @@ def make_adapter(path: str | Path, shape: Shape, r: int, nblocks: Optional[int] 
     from peft import LoraConfig
 
     from bdlora.adapter import Adapter, AdapterConfig, LoraFactors, _jsonable, save_adapter
-    from bdlora.sharding import packed_shapes
+    from bdlora.layout import packed_shapes
     from bdlora.spec import BDLoraSpec
 
     path = Path(path)

@@ -384,7 +384,7 @@ def fit_token_budget(folder: Path, budget: int, ranks: list[int], nblocks: int, 
     model is counted on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from bdlora.spec import COLUMN, ROW
+    from bdlora.layout import COLUMN, ROW
     from bdlora.train.engine.memory import JobFootprint, MemoryModel, device_budget_bytes
 
     config = AutoConfig.from_pretrained(str(folder))

@@ -43,7 +43,8 @@ from bdlora.adapter import Adapter, AdapterConfig, LoraFactors
 from bdlora.kernels import Dispatch, KernelOptions
 from bdlora.kernels import LoraAdapter as _KAdapter
 from bdlora.kernels import fused_lora_linear
-from bdlora.spec import COLUMN, ROW, BDLoraSpec, layout_by_name
+from bdlora.layout import COLUMN, layout_by_name
+from bdlora.spec import BDLoraSpec
 
 PEFT_PREFIX = "base_model.model."
 _log = logging.getLogger(__name__)
