@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .layout import COLUMN, ROW, Layout, layout_by_name, packed_shapes
+from .layout import COLUMN, ROW, Layout, LoraFactors, layout_by_name, packed_shapes
 from .sharding import shape_of
 from .spec import BDLoraError, BDLoraSpec, peft_scaling
 
@@ -156,17 +156,9 @@ def read_config(path: str | os.PathLike) -> AdapterConfig:
 
 
 @dataclass
-class LoraFactors:
-    """One module's LoRA factors in PEFT orientation (packed when block-diagonal)."""
-
-    lora_A: torch.Tensor
-    lora_B: torch.Tensor
-    layout: Optional[Layout] = None
-
-
-@dataclass
 class Adapter:
-    """An adapter in memory: its config and ``{module path: LoraFactors}``.
+    """An adapter in memory: its config and ``{module path: LoraFactors}`` (:class:`bdlora.layout.LoraFactors`: each
+    module's layout, block count, scale and packed factors, agreeing with the config).
 
     Module paths are PEFT's key prefixes, e.g. ``base_model.model.model.layers.0.self_attn.q_proj``.
     """
@@ -179,12 +171,7 @@ class Adapter:
 
     def dense_num_parameters(self) -> int:
         """Parameters of a standard LoRA of the same rank on the same modules."""
-        total = 0
-        for f in self.modules.values():
-            r, d_out = f.lora_A.shape[0], f.lora_B.shape[0]
-            d_in = f.lora_A.shape[1] * (self.config.nblocks if f.layout == ROW else 1)
-            total += r * (d_in + d_out)
-        return total
+        return sum(f.rank * (f.d_in + f.d_out) for f in self.modules.values())
 
 
 def module_paths(keys) -> list[str]:
@@ -361,7 +348,7 @@ def load_adapter(path: str | os.PathLike, device: str = "cpu") -> Adapter:
                                        "(training diverged?), use an earlier checkpoint")
         layout = check_factor_shapes(cfg, p, tuple(a.shape), tuple(b.shape))
         dims[p] = layer_dims(cfg, p, tuple(a.shape), tuple(b.shape))
-        modules[p] = LoraFactors(a, b, layout)
+        modules[p] = LoraFactors(a, b, layout, cfg.nblocks or 1, cfg.scale)
     check_layer_widths(dims, str(weights))
     return Adapter(cfg, modules)
 
@@ -537,14 +524,18 @@ def config_dict(cfg: AdapterConfig) -> dict:
 
 
 def save_adapter(adapter: Adapter, path: str | os.PathLike, overwrite: bool = True) -> Path:
-    """Writes a PEFT folder atomically (:func:`atomic_output_dir`, ``overwrite`` as there). Validates shapes first so
-    a bad adapter is never written."""
+    """Writes a PEFT folder atomically (:func:`atomic_output_dir`, ``overwrite`` as there). Validates shapes, and each
+    module's layout and block count against the config, first so a bad adapter is never written."""
     from safetensors.torch import save_file
 
     cfg = adapter.config
     tensors = {}
     for p, f in adapter.modules.items():
-        check_factor_shapes(cfg, p, tuple(f.lora_A.shape), tuple(f.lora_B.shape))
+        layout = check_factor_shapes(cfg, p, tuple(f.lora_A.shape), tuple(f.lora_B.shape))
+        if (f.layout, f.nblocks) != (layout, cfg.nblocks or 1):
+            raise AdapterFileError(
+                f"{p}: its factors are {f.layout or 'dense'} with nblocks={f.nblocks} but the config makes it "
+                f"{layout or 'dense'} with nblocks={cfg.nblocks or 1}; the factors do not belong to this config")
         tensors[p + _A_SUFFIX] = f.lora_A.detach().contiguous().cpu()
         tensors[p + _B_SUFFIX] = f.lora_B.detach().contiguous().cpu()
     path = Path(path)
@@ -556,7 +547,7 @@ def save_adapter(adapter: Adapter, path: str | os.PathLike, overwrite: bool = Tr
 
 
 __all__ = [
-    "Adapter", "AdapterConfig", "AdapterFileError", "LoraFactors", "CONFIG_NAME", "OutputPathError",
+    "Adapter", "AdapterConfig", "AdapterFileError", "CONFIG_NAME", "OutputPathError",
     "UnsupportedAdapterError", "WEIGHTS_NAME", "atomic_output_dir", "check_factor_shapes", "check_layer_widths",
     "check_output_path", "check_supported_features", "check_tensor_names", "clean_stale_work_dirs", "config_dict",
     "layer_dims", "load_adapter", "module_paths", "read_config", "save_adapter", "shape_of",

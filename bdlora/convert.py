@@ -16,8 +16,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from .adapter import Adapter, AdapterConfig, LoraFactors, layer_dims
-from .layout import COLUMN, ROW, Layout, unpack_factors
+from .adapter import Adapter, AdapterConfig, layer_dims
+from .layout import COLUMN, ROW, Layout, LoraFactors, unpack_factors
 from .sharding import reblock_factors
 from .spec import PRESETS, BDLoraError
 
@@ -78,9 +78,9 @@ def bd_to_dense(adapter: Adapter) -> Adapter:
     """Standard PEFT LoRA with the block-diagonal factors expanded; same rank, same scale, same outputs."""
     require_bd(adapter, "to-dense")
     cfg = adapter.config
-    modules = {p: LoraFactors(*unpack_factors(f.lora_A, f.lora_B, f.layout, cfg.nblocks), None)
-               for p, f in adapter.modules.items()}
     new = _with_scale(cfg, cfg.r, cfg.scale, nblocks=None, column_modules=[], row_modules=[])
+    modules = {p: LoraFactors(*unpack_factors(f.lora_A, f.lora_B, f.layout, f.nblocks), None, 1, new.scale)
+               for p, f in adapter.modules.items()}
     return Adapter(new, modules)
 
 
@@ -96,10 +96,11 @@ def reblock(adapter: Adapter, tp_size: int, src: str = "IN", dst: str = "OUT") -
     check_block_split(adapter, cfg.layout_of, tp_size)  # first: if the layers cannot split, no route can help
     if tp_size % cfg.nblocks and cfg.nblocks % tp_size:
         raise ConversionError(reblock_route(cfg.nblocks, tp_size, src, dst))
-    modules = {p: LoraFactors(*reblock_factors(f.lora_A, f.lora_B, f.layout, cfg.nblocks, tp_size), f.layout)
+    new = _with_scale(cfg, cfg.r * max(1, tp_size // cfg.nblocks), cfg.scale, nblocks=tp_size)
+    modules = {p: LoraFactors(*reblock_factors(f.lora_A, f.lora_B, f.layout, f.nblocks, tp_size), f.layout, tp_size,
+                              new.scale)
                for p, f in adapter.modules.items()}
-    new_r = cfg.r * max(1, tp_size // cfg.nblocks)
-    return Adapter(_with_scale(cfg, new_r, cfg.scale, nblocks=tp_size), modules)
+    return Adapter(new, modules)
 
 
 @dataclass
@@ -154,9 +155,9 @@ def dense_to_bd(adapter: Adapter, nblocks: int, rank: Optional[int] = None,
         a, b = f.lora_A, f.lora_B
         if rank is None:
             if layout == COLUMN:
-                new = LoraFactors(a.repeat(n, 1), b.clone(), layout)
+                new = LoraFactors(a.repeat(n, 1), b.clone(), layout, n, new_cfg.scale)
             else:
-                new = LoraFactors(torch.cat(a.chunk(n, dim=1), dim=0), b.repeat(1, n), layout)
+                new = LoraFactors(torch.cat(a.chunk(n, dim=1), dim=0), b.repeat(1, n), layout, n, new_cfg.scale)
             per_module[p] = 0.0
             modules[p] = new
             continue
@@ -170,9 +171,10 @@ def dense_to_bd(adapter: Adapter, nblocks: int, rank: Optional[int] = None,
             kept, total = kept + k2, total + t2
         dt = a.dtype
         if layout == COLUMN:
-            modules[p] = LoraFactors(torch.cat(a_blocks).to(dt), torch.cat(b_blocks).to(dt), layout)
+            modules[p] = LoraFactors(torch.cat(a_blocks).to(dt), torch.cat(b_blocks).to(dt), layout, n, new_cfg.scale)
         else:
-            modules[p] = LoraFactors(torch.cat(a_blocks).to(dt), torch.cat(b_blocks, dim=1).to(dt), layout)
+            modules[p] = LoraFactors(torch.cat(a_blocks).to(dt), torch.cat(b_blocks, dim=1).to(dt), layout, n,
+                                     new_cfg.scale)
         per_module[p] = math.sqrt(max(total - kept, 0.0) / total) if total > 0 else 0.0
         kept_all, total_all = kept_all + kept, total_all + total
     overall = math.sqrt(max(total_all - kept_all, 0.0) / total_all) if total_all > 0 else 0.0

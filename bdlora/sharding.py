@@ -1,7 +1,7 @@
 """Which part of a packed BD-LoRA factor pair each tensor-parallel rank holds.
 
 Factors are in PEFT orientation and packed the way PEFT's ``BlockDiagonalLinear`` stores them (README.md, "Adapter format";
-``bdlora.layout`` has the layouts and the one pack/unpack):
+``bdlora.layout`` has the layouts, ``LoraFactors`` and the one pack/unpack):
 
 * column layout (B block-diagonal): ``lora_A`` (r, d_in); ``lora_B`` packed (d_out, r/N), output-row block i
   reads rank block i.

@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from bdlora import BDLoraError, BDLoraSpec, load_adapter, read_config, save_adapter
 from bdlora.adapter import CONFIG_NAME, WEIGHTS_NAME
-from bdlora.convert import delta_weight
+from bdlora.convert import bd_to_dense, delta_weight
+from bdlora.layout import LoraFactors, LoraFactorsError
 
 
 def test_peft_written_adapter_loads_packed(peft_bd_adapter):
@@ -27,6 +28,28 @@ def test_peft_written_adapter_loads_packed(peft_bd_adapter):
     assert o.layout == "row" and tuple(o.lora_A.shape) == (8, 128) and tuple(o.lora_B.shape) == (256, 8)
     assert len(ad.modules) == 2 * 7
     assert all(not (f.lora_A == 0).all() and not (f.lora_B == 0).all() for f in ad.modules.values())
+
+
+def test_loaded_factors_carry_layout_blocks_and_scale(peft_bd_adapter, tmp_path):
+    """One object carries a module's layout, block count, scale and packed factors; the writer refuses factors whose
+    layout disagrees with the config, and the factors refuse a block count a dense module cannot have."""
+    ad = load_adapter(peft_bd_adapter)
+    q = ad.modules["base_model.model.model.layers.0.self_attn.q_proj"]
+    o = ad.modules["base_model.model.model.layers.0.self_attn.o_proj"]
+    assert (q.layout, q.nblocks, q.scale, q.blocks_a, q.blocks_b) == ("column", 2, ad.config.scale, 1, 2)
+    assert (o.layout, o.nblocks, o.rank, o.d_in, o.d_out, o.blocks_a, o.blocks_b) == ("row", 2, 8, 256, 256, 2, 1)
+    assert ad.dense_num_parameters() == sum(8 * (f.d_in + f.d_out) for f in ad.modules.values())
+    dense = bd_to_dense(ad)
+    dq = dense.modules["base_model.model.model.layers.0.self_attn.q_proj"]
+    assert (dq.layout, dq.nblocks, dq.scale) == (None, 1, dense.config.scale)
+    dense.modules["base_model.model.model.layers.0.self_attn.q_proj"] = LoraFactors(dq.lora_A, dq.lora_B, "column")
+    with pytest.raises(BDLoraError, match="column with nblocks=1 but the config makes it dense"):
+        save_adapter(dense, tmp_path / "mixed")
+    assert not (tmp_path / "mixed").exists()
+    with pytest.raises(LoraFactorsError, match="layout None"):
+        LoraFactors(dq.lora_A, dq.lora_B, None, 2)
+    with pytest.raises(LoraFactorsError, match="do not match"):
+        LoraFactors(q.lora_A, q.lora_B, "column", 1)  # packed B read as a 1-block factor
 
 
 def _outputs(model, ids):

@@ -56,7 +56,8 @@ def test_cli_errors_are_clear(peft_bd_adapter, tmp_path, capsys):
     # layers 48/24/96 wide split into 2 or 3 blocks, but reblock cannot go from 2 blocks to 3: the error gives the
     # route that works (to-dense, then to-bd), with both commands, not the reblock command that just failed
     from bdlora import save_adapter
-    from bdlora.adapter import Adapter, AdapterConfig, LoraFactors
+    from bdlora.adapter import Adapter, AdapterConfig
+    from bdlora.layout import LoraFactors
     from bdlora.convert import dense_to_bd
 
     gen = torch.Generator().manual_seed(0)

@@ -6,8 +6,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from bdlora import BDLoraError, load_adapter, save_adapter
-from bdlora.adapter import Adapter, AdapterConfig, LoraFactors
+from bdlora.adapter import Adapter, AdapterConfig
 from bdlora.convert import bd_to_dense, delta_weight, dense_to_bd, reblock
+from bdlora.layout import LoraFactors
 from bdlora.sharding import check_tp_compatible, shard_factors
 
 
@@ -60,7 +61,7 @@ def test_tp_shards_compute_the_adapter_without_communication(layout, n, m):
     gen = torch.Generator().manual_seed(n * 10 + m)
     r, d_in, d_out = 8 * max(n, m), 48, 40
     a, b = _random_factors(layout, n, r, d_in, d_out, gen)
-    full = delta_weight(LoraFactors(a, b, layout), n, 1.0)  # (d_out, d_in)
+    full = delta_weight(LoraFactors(a, b, layout, n), n, 1.0)  # (d_out, d_in)
     x = torch.randn(5, d_in, generator=gen, dtype=torch.float64)
     want = x @ full.T
     partial = torch.zeros(5, d_out, dtype=torch.float64)

@@ -134,7 +134,7 @@ def test_cublas_path_drops_each_jobs_rows_with_its_own_mask(layout):
     ref = mod.base(x) + grouped_lora_ref(x, seg, ads, torch_keep_masks(x, seg, ads, seed))
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     gy = torch.randn_like(y)
-    params = [x] + [t for ad in ads for t in (ad.lora_a, ad.lora_b)]
+    params = [x] + [t for ad in ads for t in (ad.lora_A, ad.lora_B)]
     for got, want in zip(torch.autograd.grad(y, params, gy), torch.autograd.grad(ref, params, gy)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)  # fp32, other summation order
     with torch.no_grad():

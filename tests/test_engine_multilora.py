@@ -58,9 +58,9 @@ def test_multilora_linear_matches_reference(backend, layout, case):
     live = [(j, s, e) for j, s, e in segs if mod.name in registry[j].keys]
     x_ref = x.detach().clone().requires_grad_(True)
     ads = [registry[j].kernel_adapter(mod.name) for j, _, _ in live]
-    a_grads = [(ad.lora_a.grad.clone(), ad.lora_b.grad.clone()) for ad in ads]
+    a_grads = [(ad.lora_A.grad.clone(), ad.lora_B.grad.clone()) for ad in ads]
     for ad in ads:
-        ad.lora_a.grad = ad.lora_b.grad = None
+        ad.lora_A.grad = ad.lora_B.grad = None
     seg = [live[0][1]] + [e for _, _, e in live]
     x2 = x_ref.reshape(T, D_IN)
     y_ref = mod.base(x2) + grouped_lora_ref(x2, seg, ads)
@@ -70,8 +70,8 @@ def test_multilora_linear_matches_reference(backend, layout, case):
     torch.testing.assert_close(y.reshape(T, D_OUT), y_ref, **tol)
     torch.testing.assert_close(x.grad, x_ref.grad, **tol)
     for ad, (ga, gb) in zip(ads, a_grads):
-        torch.testing.assert_close(ga, ad.lora_a.grad, **tol)
-        torch.testing.assert_close(gb, ad.lora_b.grad, **tol)
+        torch.testing.assert_close(ga, ad.lora_A.grad, **tol)
+        torch.testing.assert_close(gb, ad.lora_B.grad, **tol)
 
 
 def test_kernel_adapter_is_reused_until_the_parameters_change():
@@ -84,7 +84,7 @@ def test_kernel_adapter_is_reused_until_the_parameters_change():
     assert ja.kernel_adapter(mod.name) is first
     ja.a["m0"] = nn.Parameter(ja.a["m0"].detach().clone())  # a new parameter object: rebuilt
     second = ja.kernel_adapter(mod.name)
-    assert second is not first and second.lora_a is ja.a["m0"]
+    assert second is not first and second.lora_A is ja.a["m0"]
 
 
 @pytest.mark.parametrize("layout", ["column", "row"])
@@ -103,15 +103,15 @@ def test_bf16_base_with_fp32_factors_takes_one_cublas_op(layout):
     g = torch.randn(T, D_OUT).to(torch.bfloat16)
     y.backward(g)
     ads = [registry[j].kernel_adapter(mod.name) for j, _, _ in segs]
-    assert all(t.grad.dtype == torch.float32 and t.grad.abs().max() > 0 for ad in ads for t in (ad.lora_a, ad.lora_b))
+    assert all(t.grad.dtype == torch.float32 and t.grad.abs().max() > 0 for ad in ads for t in (ad.lora_A, ad.lora_B))
     # oracle in fp64 on what the GEMMs read: bf16 x, weight, bias and bf16-rounded factors
-    rounded = [type(ad)(*(t.detach().to(torch.bfloat16).double().requires_grad_() for t in (ad.lora_a, ad.lora_b)),
-                        ad.scale, ad.layout, ad.nblocks) for ad in ads]
+    rounded = [type(ad)(*(t.detach().to(torch.bfloat16).double().requires_grad_() for t in (ad.lora_A, ad.lora_B)),
+                        ad.layout, ad.nblocks, ad.scale) for ad in ads]
     x64 = x.detach().double().requires_grad_()
     y64 = (x64 @ mod.base.weight.double().t() + mod.base.bias.double()
            + grouped_lora_ref(x64, [0, 10, 25, 32], rounded))
     y64.backward(g.double())
     for got, want in [(y, y64), (x.grad, x64.grad)] + [(getattr(ad, f).grad, getattr(r, f).grad)
-                                                       for ad, r in zip(ads, rounded) for f in ("lora_a", "lora_b")]:
+                                                       for ad, r in zip(ads, rounded) for f in ("lora_A", "lora_B")]:
         err = float((got.double() - want).abs().max())
         assert err <= 0.02 * max(1.0, float(want.abs().max())), err

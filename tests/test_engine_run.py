@@ -93,7 +93,8 @@ def test_diverging_exit_keeps_best_checkpoint(tiny_llama_dir, data_file, tmp_pat
 def test_non_finite_factors_are_never_written(tiny_llama_dir, data_file, tmp_path, capsys):
     """A job that ends with inf/NaN factors and no best checkpoint gets no folder (adapter None in its row) and a
     message; the check itself is exact."""
-    from bdlora.adapter import Adapter, AdapterConfig, LoraFactors
+    from bdlora.adapter import Adapter, AdapterConfig
+    from bdlora.layout import LoraFactors
     from bdlora.train.engine.early_exit import DIVERGING
     from bdlora.train.engine.engine import adapter_is_finite
 

@@ -14,6 +14,7 @@ import torch  # noqa: E402
 
 import bdlora.kernels as K  # noqa: E402
 from bdlora.kernels import dropout as D  # noqa: E402
+from bdlora.layout import LoraFactors, unpack_block_diagonal  # noqa: E402
 
 
 def test_triton_hash_equals_torch_twin_bit_for_bit():
@@ -84,7 +85,7 @@ def _adapter(gen, r, layout, n, d_in, d_out, dropout):
     na, nb = (n, 1) if layout == "row" else (1, n)
     a = torch.randn(r, d_in // na, generator=gen) / (d_in // na) ** 0.5
     b = torch.randn(d_out, r // nb, generator=gen) / (r // nb) ** 0.5
-    return K.LoraAdapter(a.requires_grad_(), b.requires_grad_(), 1.5, layout, n, dropout)
+    return LoraFactors(a.requires_grad_(), b.requires_grad_(), layout, n, 1.5, dropout)
 
 
 @pytest.mark.parametrize("dsdb", [True, False])
@@ -109,7 +110,7 @@ def test_cublas_path_with_and_without_fused_dropout(fused, bd_gemm, dsdb):
     route = [r for r in d.dropout if r != "none"][-1]  # the last adapter with dropout: row layout, r=32
     assert route == ("triton" if fused and bd_gemm == "dense" else "mask")
     g = torch.randn(t, d_out, generator=gen)
-    params = [x] + [p for ad in ads for p in (ad.lora_a, ad.lora_b)]
+    params = [x] + [p for ad in ads for p in (ad.lora_A, ad.lora_B)]
     grads = torch.autograd.grad(y, params, g)
     # the last adapter: column layout, B in 2 blocks: dense for bd_gemm="dense", packed (two GEMMs) for "blocks"
     assert d.dsdb[-1] == ("triton" if dsdb and bd_gemm == "dense" else "cublas")
@@ -118,11 +119,11 @@ def test_cublas_path_with_and_without_fused_dropout(fused, bd_gemm, dsdb):
     leaves = [x.detach().double().requires_grad_()]
     y64 = leaves[0] @ w.double().t()
     for i, ad in enumerate(ads):
-        a = ad.lora_a.detach().double().requires_grad_()
-        b = ad.lora_b.detach().double().requires_grad_()
+        a = ad.lora_A.detach().double().requires_grad_()
+        b = ad.lora_B.detach().double().requires_grad_()
         leaves += [a, b]
-        A = K.unpack_block_diagonal(a, ad.blocks_a)
-        B = K.unpack_block_diagonal(b, ad.blocks_b)
+        A = unpack_block_diagonal(a, ad.blocks_a)
+        B = unpack_block_diagonal(b, ad.blocks_b)
         xi = leaves[0][seg[i]:seg[i + 1]]
         if masks[i] is not None:
             xi = xi * masks[i][seg[i]:seg[i + 1]].double() / (1 - ad.dropout)

@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import bdlora.kernels as K  # noqa: E402
+from bdlora.layout import LoraFactors, from_math, to_math  # noqa: E402
 from bdlora.kernels import cublas as cublas_mod  # noqa: E402
 from bdlora.kernels import dispatch as dispatch_mod  # noqa: E402
 from bdlora.kernels import dropout as dropout_mod  # noqa: E402
@@ -37,13 +38,13 @@ def make_adapter(gen, r, layout, n, d_in=D_IN, d_out=D_OUT, dropout=0.0):
     a = torch.randn(r, d_in // na, generator=gen) / (d_in // na) ** 0.5
     b = torch.randn(d_out, r // nb, generator=gen) / (r // nb) ** 0.5
     scale = float(torch.rand(1, generator=gen)) + 0.5
-    return K.LoraAdapter(a.requires_grad_(), b.requires_grad_(), scale, layout, n, dropout)
+    return LoraFactors(a.requires_grad_(), b.requires_grad_(), layout, n, scale, dropout)
 
 
 def dense64(ad):
     """Oracle dense math factors (float64 leaves): A (d_in, r), B (r, d_out)."""
-    a = ad.lora_a.detach().double().requires_grad_()
-    b = ad.lora_b.detach().double().requires_grad_()
+    a = ad.lora_A.detach().double().requires_grad_()
+    b = ad.lora_B.detach().double().requires_grad_()
     na, nb = (ad.nblocks, 1) if ad.layout == "row" else (1, ad.nblocks)
     A = torch.block_diag(*torch.chunk(a, na, dim=0)).t()
     B = torch.block_diag(*torch.chunk(b, nb, dim=0)).t()
@@ -87,7 +88,7 @@ def assert_close(actual, expected):
 
 
 def adapter_params(adapters):
-    return [t for ad in adapters for t in (ad.lora_a, ad.lora_b)]
+    return [t for ad in adapters for t in (ad.lora_A, ad.lora_B)]
 
 
 RANKS = {"r8": [8, 8, 8, 8], "r16": [16, 16, 16, 16], "r64": [64, 64, 64, 64], "mixed": [64, 8, 16, 32]}
@@ -122,8 +123,8 @@ def test_grouped_matches_torch_reference_and_peft():
     with torch.no_grad():
         y = K.grouped_lora(x, [0, 12], [ad], options=P).out
         lin_a = BlockDiagonalLinear(D_IN, 16, 4)
-        lin_a.weight.copy_(ad.lora_a)
-        peft_y = ad.scale * (lin_a(x) @ ad.lora_b.t())
+        lin_a.weight.copy_(ad.lora_A)
+        peft_y = ad.scale * (lin_a(x) @ ad.lora_B.t())
     assert_close(y, peft_y)
     assert_close(y, K.grouped_lora_ref(x, [0, 12], [ad]))
 
@@ -144,9 +145,9 @@ def test_grouped_inplace_out_and_layout_helpers():
     assert_close(gx, grads64[0])
     assert_close(gbase, grad)
     # math <-> PEFT orientation round trip
-    A, B = K.to_math(adapters[0])
-    back = K.from_math(A, B, "column", 2)
-    assert torch.equal(back.lora_a, adapters[0].lora_a) and torch.equal(back.lora_b, adapters[0].lora_b)
+    A, B = to_math(adapters[0])
+    back = from_math(A, B, "column", 2)
+    assert torch.equal(back.lora_A, adapters[0].lora_A) and torch.equal(back.lora_B, adapters[0].lora_B)
 
 
 def assert_layer_matches_oracle(y, x, weight, bias, seg, adapters, masks, grad):
@@ -334,8 +335,8 @@ def test_decode_folded_refuses_mismatched_fold():
 # ---- cuBLAS-composed fused linear (backend="cublas"; on CPU the same torch GEMMs on the CPU BLAS) ----------------
 
 def cast_adapter(ad, dtype):
-    a, b = (t.detach().to(dtype).requires_grad_() for t in (ad.lora_a, ad.lora_b))
-    return K.LoraAdapter(a, b, ad.scale, ad.layout, ad.nblocks, ad.dropout)
+    a, b = (t.detach().to(dtype).requires_grad_() for t in (ad.lora_A, ad.lora_B))
+    return LoraFactors(a, b, ad.layout, ad.nblocks, ad.scale, ad.dropout)
 
 
 CUBLAS_CASES = {  # name: (seg, T); "multi": lengths 0, 1, 17, 9 and rows 27..29 in no segment
@@ -481,7 +482,7 @@ def test_cublas_no_activation_copies(monkeypatch):
         with Log() as log:
             y = K.fused_lora_linear(x, w, None, [0, t], [ad], dropout_seed=1,
                                     options=opts(backend="cublas", bd_gemm=bd_gemm, fused_dropout=fused)).out
-            torch.autograd.grad(y, [x, ad.lora_a, ad.lora_b], gy)
+            torch.autograd.grad(y, [x, ad.lora_A, ad.lora_B], gy)
         heavy = [op for op in log.ops if op not in ("empty", "new_empty", "fill_", "zero_", "new_zeros", "zeros")]
         gemms = [op for op in heavy if op in ("addmm_", "baddbmm_")]
         others = [op for op in heavy if op not in gemms]
@@ -582,7 +583,8 @@ FALLBACK_SCRIPT = r"""
 import os, torch
 os.environ.pop("TRITON_INTERPRET", None)
 import bdlora.kernels as K
-ad = K.LoraAdapter(torch.randn(16, 32), torch.randn(48, 4), 0.5, "column", 4)
+from bdlora.layout import LoraFactors
+ad = LoraFactors(torch.randn(16, 32), torch.randn(48, 4), "column", 4, 0.5)
 x = torch.randn(10, 32, requires_grad=True)
 y, d = K.grouped_lora(x, [0, 3, 10], [ad, ad])
 assert d.backend == "torch", d
@@ -593,7 +595,7 @@ assert K.fused_lora_linear(x, w, None, [0, 10], [ad]).backend == "torch"
 yc, d = K.fused_lora_linear(x, w, None, [0, 10], [ad], options=K.KernelOptions(backend="cublas"))
 assert d.backend == "cublas"
 assert torch.allclose(yc, K.fused_lora_linear_ref(x, w, None, [0, 10], [ad]), atol=1e-5)
-a, b, rk, offs = K.stack_decode_weights([[(ad.lora_a, ad.lora_b)]], 16, "column", 4)
+a, b, rk, offs = K.stack_decode_weights([[(ad.lora_A, ad.lora_B)]], 16, "column", 4)
 d = K.decode_lora(torch.zeros(2, 48), x[:2].detach(), a, b, torch.tensor([0, -1]), rk, torch.ones(1), offs, nblocks=4)
 assert d.backend == "torch"
 try:

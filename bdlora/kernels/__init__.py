@@ -6,14 +6,14 @@ Each Triton kernel sits beside its launcher (grouped.py, cublas.py, dropout.py, 
 (there or in reference.py). The fused linear also has a cuBLAS-composed path (``cublas.CublasLoraLinearFn``), its
 default on CUDA.
 
-Orientation and block layouts: see ``bdlora.kernels.layout``.
+The kernels take one :class:`bdlora.layout.LoraFactors` per segment (the one adapter model); orientation, block
+layouts and the pack/unpack of block-diagonal factors: see ``bdlora.layout``.
 """
 from .cublas import CublasLoraLinearFn
 from .decode import DecodeWorkspace, FoldedWeight, decode_lora, decode_lora_folded, fold_weight, stack_decode_weights
 from .dispatch import Dispatch, KernelOptions, LoraResult
 from .dropout import dropout_keep_mask, keep_mask_torch, segment_keep_mask
 from .grouped import fused_lora_linear, grouped_lora
-from .layout import LoraAdapter, from_math, pack_block_diagonal, to_math, unpack_block_diagonal
 from .reference import (bd_matmul, decode_lora_folded_ref, decode_lora_folded_torch, decode_lora_ref, decode_lora_torch,
                         fused_lora_linear_ref, grouped_lora_ref, lora_delta_ref, torch_keep_masks)
 
@@ -23,7 +23,6 @@ __all__ = [
     "Dispatch",
     "FoldedWeight",
     "KernelOptions",
-    "LoraAdapter",
     "LoraResult",
     "bd_matmul",
     "decode_lora",
@@ -34,17 +33,13 @@ __all__ = [
     "decode_lora_torch",
     "dropout_keep_mask",
     "fold_weight",
-    "from_math",
     "fused_lora_linear",
     "fused_lora_linear_ref",
     "grouped_lora",
     "grouped_lora_ref",
     "keep_mask_torch",
     "lora_delta_ref",
-    "pack_block_diagonal",
     "segment_keep_mask",
     "stack_decode_weights",
-    "to_math",
     "torch_keep_masks",
-    "unpack_block_diagonal",
 ]

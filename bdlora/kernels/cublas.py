@@ -33,7 +33,7 @@ Per adapter i with rows R_i = seg[i]:seg[i+1] and c_i = scale_i / (1 - p_i) (p_i
   kernel that reads dY once (``dsdb_dense``, fp32 atomics; dY is the widest operand of an MLP up-projection:
   8192 x 14336, r 16 on an H200: 80 us vs 129 us for the two GEMMs).
 
-Block-diagonal factors (see ``layout``: column layout has B block-diagonal, row layout A), bd_gemm:
+Block-diagonal factors (see ``bdlora.layout``: column layout has B block-diagonal, row layout A), bd_gemm:
   "dense"  expand the packed factor into its (M, K) block-diagonal matrix with zeros, once per call (r x d
            elements, 0.5 MB at r=64, d=4096), so each LoRA GEMM is one plain GEMM of exactly the shape of plain LoRA
            (which cuBLAS is tuned for, split-K for the weight gradients included); the zeros cost FLOPs, no
@@ -52,11 +52,12 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from bdlora.layout import LoraFactors, pack_block_diagonal, unpack_block_diagonal
+
 from . import dispatch
 from ._jit import jit, tl
 from .dispatch import KernelOptions, new_output
 from .dropout import drop_expand_t, drop_shrink, drop_wgrad_a, dropout_keys, fused_ok, segment_keep_mask
-from .layout import LoraAdapter, pack_block_diagonal, unpack_block_diagonal
 
 BD_GEMMS = ("auto", "dense", "blocks")
 DENSE_MAX_RANK = 128
@@ -189,7 +190,7 @@ def dsdb_dense_ref(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> tuple[
 class _Cfg:
     """Host-side description of one call (segments, per-adapter scale/dropout/blocks, GEMM mode)."""
 
-    def __init__(self, seg: list[int], adapters: Sequence[LoraAdapter], seed: int | None, options: KernelOptions):
+    def __init__(self, seg: list[int], adapters: Sequence[LoraFactors], seed: int | None, options: KernelOptions):
         bd_gemm = options.bd_gemm
         if bd_gemm not in BD_GEMMS:
             raise ValueError(f"bd_gemm must be one of {BD_GEMMS}, got {bd_gemm!r}")
@@ -200,9 +201,9 @@ class _Cfg:
         self.nb_a = [ad.blocks_a for ad in adapters]
         self.nb_b = [ad.blocks_b for ad in adapters]
         self.dense = [bd_gemm == "dense" or (bd_gemm == "auto" and ad.rank <= DENSE_MAX_RANK) for ad in adapters]
-        self.a_shapes = [tuple(ad.lora_a.shape) for ad in adapters]
-        self.b_shapes = [tuple(ad.lora_b.shape) for ad in adapters]
-        self.factor_dtypes = [(ad.lora_a.dtype, ad.lora_b.dtype) for ad in adapters]
+        self.a_shapes = [tuple(ad.lora_A.shape) for ad in adapters]
+        self.b_shapes = [tuple(ad.lora_B.shape) for ad in adapters]
+        self.factor_dtypes = [(ad.lora_A.dtype, ad.lora_B.dtype) for ad in adapters]
         self.keys = [dropout_keys(seed, i) if p > 0 else None for i, p in enumerate(self.p)]
         self.options = options
         # set by forward, per adapter: its dropout runs in the Triton kernels; its dS/dB route ("triton" | "cublas" |
@@ -225,7 +226,7 @@ class CublasLoraLinearFn(torch.autograd.Function):
 
     with x (T, d_in), weight (d_out, d_in), bias (d_out,) or None, A_i = blockdiag(a_i)^T (d_in, r_i),
     B_i = blockdiag(b_i)^T (r_i, d_out) from the packed PEFT-orientation factors a_i (r_i, d_in/Na_i) and
-    b_i (d_out, r_i/Nb_i) (``layout``), and dropout_i(u) = keep_i * u / (1 - p_i), keep_i the bool mask
+    b_i (d_out, r_i/Nb_i) (``bdlora.layout``), and dropout_i(u) = keep_i * u / (1 - p_i), keep_i the bool mask
     ``segment_keep_mask(seed, i, rows_i, d_in, p_i)`` (no dropout when cfg.seed is None or p_i = 0). With
     S_i = scale_i * dropout_i(x_i) @ A_i and g = dL/dy, the gradients are, per segment (rows R_i):
 
@@ -350,12 +351,12 @@ class CublasLoraLinearFn(torch.autograd.Function):
 
 
 def cublas_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seg: list[int],
-                       adapters: Sequence[LoraAdapter], seed: int | None, options: KernelOptions
+                       adapters: Sequence[LoraFactors], seed: int | None, options: KernelOptions
                        ) -> tuple[torch.Tensor, tuple[str, ...], tuple[str, ...]]:
     """Apply ``CublasLoraLinearFn`` (arguments already validated by ``fused_lora_linear``, its one caller; seg a host
     list): (y, per-adapter dropout route, per-adapter dS/dB route) as ``dispatch.Dispatch`` reports them."""
     cfg = _Cfg(seg, adapters, seed, options)
-    factors = [t.contiguous() for ad in adapters for t in (ad.lora_a, ad.lora_b)]
+    factors = [t.contiguous() for ad in adapters for t in (ad.lora_A, ad.lora_B)]
     y = CublasLoraLinearFn.apply(cfg, x.contiguous(), weight, bias, *factors)
     dropout = tuple("none" if p == 0 or e == s else ("triton" if f else "mask")
                     for p, f, s, e in zip(cfg.p, cfg.fused, seg, seg[1:]))

@@ -17,12 +17,13 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from bdlora.layout import LoraFactors
+
 from . import dispatch
 from ._jit import jit, tl
 from .cublas import _dsdb_chunks, cublas_lora_linear
 from .dispatch import DEFAULT_OPTIONS, Dispatch, KernelOptions, LoraResult, cdiv, dot_precision, new_output, next_pow2
 from .dropout import _keep, check_counters, dropout_keys
-from .layout import LoraAdapter
 from .reference import fused_lora_linear_ref, grouped_lora_ref, torch_keep_masks
 
 
@@ -246,7 +247,7 @@ class _Plan:
 
     SHRINK, EXPAND, DX, DSDB, WGRAD = range(5)
 
-    def __init__(self, x: torch.Tensor, seg: list[int], adapters: Sequence[LoraAdapter], seed: int | None,
+    def __init__(self, x: torch.Tensor, seg: list[int], adapters: Sequence[LoraFactors], seed: int | None,
                  fuse_base: bool, options: KernelOptions = DEFAULT_OPTIONS):
         self.options = options
         self.cfg = cfg = _config(x, fuse_base)
@@ -255,14 +256,14 @@ class _Plan:
         self.t = x.shape[0]
         ranks = [ad.rank for ad in adapters]
         self.r_max = max(ranks)
-        self.a_shapes = [ad.lora_a.shape for ad in adapters]
-        self.b_shapes = [ad.lora_b.shape for ad in adapters]
+        self.a_shapes = [ad.lora_A.shape for ad in adapters]
+        self.b_shapes = [ad.lora_B.shape for ad in adapters]
         a_off, b_off, ao, bo = [], [], 0, 0
         for ad in adapters:
             a_off.append(ao)
             b_off.append(bo)
-            ao += ad.lora_a.numel()
-            bo += ad.lora_b.numel()
+            ao += ad.lora_A.numel()
+            bo += ad.lora_B.numel()
         self.a_numel, self.b_numel = ao, bo
         self.has_dropout = seed is not None and any(ad.dropout > 0 for ad in adapters)
         self.keys = dropout_keys(seed, 0) if self.has_dropout else (0, 0)
@@ -442,7 +443,7 @@ class _LoraLinearFn(torch.autograd.Function):
         return (None, dx, dout, dw, dbias, *grads)
 
 
-def _check(x: torch.Tensor, adapters: Sequence[LoraAdapter | None]) -> None:
+def _check(x: torch.Tensor, adapters: Sequence[LoraFactors | None]) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be (T, d_in), got {tuple(x.shape)}")
     live = [ad for ad in adapters if ad is not None]
@@ -453,12 +454,12 @@ def _check(x: torch.Tensor, adapters: Sequence[LoraAdapter | None]) -> None:
             raise ValueError(f"adapter shapes d_in={ad.d_in}, d_out={ad.d_out} do not match x {tuple(x.shape)}")
 
 
-def _dropout_on(adapters: Sequence[LoraAdapter | None]) -> bool:
+def _dropout_on(adapters: Sequence[LoraFactors | None]) -> bool:
     """Dropout is on when an adapter has dropout > 0 and autograd records (training)."""
     return torch.is_grad_enabled() and any(ad is not None and ad.dropout > 0 for ad in adapters)
 
 
-def _seed(adapters: Sequence[LoraAdapter | None], seed: int | None, backend: str, options: KernelOptions
+def _seed(adapters: Sequence[LoraFactors | None], seed: int | None, backend: str, options: KernelOptions
           ) -> int | None:
     """The dropout seed of a call that runs ``backend``: None when dropout is off or the torch backend draws
     ``F.dropout`` masks (torch_dropout="bernoulli"); else ``seed``, or one drawn from torch's CPU RNG."""
@@ -467,8 +468,8 @@ def _seed(adapters: Sequence[LoraAdapter | None], seed: int | None, backend: str
     return int(torch.randint(0, 2**31 - 1, (1,)).item()) if seed is None else int(seed)
 
 
-def _factors(adapters: Sequence[LoraAdapter | None]) -> list[torch.Tensor]:
-    return [t for ad in adapters if ad is not None for t in (ad.lora_a, ad.lora_b)]
+def _factors(adapters: Sequence[LoraFactors | None]) -> list[torch.Tensor]:
+    return [t for ad in adapters if ad is not None for t in (ad.lora_A, ad.lora_B)]
 
 
 def _triton_why_not(x: torch.Tensor, adapters, extra=(), *, mixed: bool = False) -> str | None:
@@ -494,15 +495,15 @@ def _masks_kw(x, seg, adapters, seed, options: KernelOptions) -> dict:
     return dict(keep_masks=torch_keep_masks(x, seg, adapters, seed))
 
 
-def grouped_lora(x: torch.Tensor, seg, adapters: Sequence[LoraAdapter | None], *, out: torch.Tensor | None = None,
+def grouped_lora(x: torch.Tensor, seg, adapters: Sequence[LoraFactors | None], *, out: torch.Tensor | None = None,
                  dropout_seed: int | None = None, options: KernelOptions = DEFAULT_OPTIONS) -> LoraResult:
     """Segmented multi-adapter (BD-)LoRA, Punica SGMV semantics with mixed ranks and block-diagonal factors:
 
         y[seg[i]:seg[i+1]] = scale[i] * dropout_i(x[seg[i]:seg[i+1]]) @ A[i] @ B[i]
 
     x (T, d_in); seg: n_adapters+1 non-decreasing row offsets (host list/tensor; segments may be empty);
-    adapters: LoraAdapter per segment (PEFT-orientation packed factors, see ``layout``), or None for a segment that
-    gets no LoRA (torch backend only). Rows outside all segments get 0. With ``out`` (T, d_out) the result is added
+    adapters: LoraFactors per segment (PEFT-orientation packed factors, see ``bdlora.layout``), or None for a segment
+    that gets no LoRA (torch backend only). Rows outside all segments get 0. With ``out`` (T, d_out) the result is added
     into it in place (``out += ...``) and ``out`` is returned. Dropout applies while autograd is recording and an
     adapter has dropout > 0; the mask comes from ``dropout_seed`` (drawn from torch's RNG if None; see
     ``KernelOptions.torch_dropout`` for the torch backend). Differentiable in x, out and factors.
@@ -526,7 +527,7 @@ def grouped_lora(x: torch.Tensor, seg, adapters: Sequence[LoraAdapter | None], *
 
 
 def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seg,
-                      adapters: Sequence[LoraAdapter | None], *, dropout_seed: int | None = None,
+                      adapters: Sequence[LoraFactors | None], *, dropout_seed: int | None = None,
                       options: KernelOptions = DEFAULT_OPTIONS) -> LoraResult:
     """LoRAFusion FusedLoRA / FusedMultiLoRA linear layer (weight frozen or not, PEFT orientation (d_out, d_in)):
 

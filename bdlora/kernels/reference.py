@@ -13,8 +13,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from bdlora.layout import LoraFactors
+
 from .dropout import segment_keep_mask
-from .layout import LoraAdapter
 
 
 def bd_matmul(x: torch.Tensor, w: torch.Tensor, nblocks: int) -> torch.Tensor:
@@ -27,7 +28,7 @@ def bd_matmul(x: torch.Tensor, w: torch.Tensor, nblocks: int) -> torch.Tensor:
     return out.reshape(t, m)
 
 
-def torch_keep_masks(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[LoraAdapter],
+def torch_keep_masks(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[LoraFactors],
                      seed: int | None) -> list[torch.Tensor | None] | None:
     """Per adapter the (T, d_in) keep-mask of the torch backends (``segment_keep_mask`` on its rows, False outside
     them), None for dropout 0; None when dropout is off (seed None)."""
@@ -44,16 +45,16 @@ def torch_keep_masks(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[Lor
     return masks
 
 
-def lora_delta_ref(x: torch.Tensor, adapter: LoraAdapter, keep: torch.Tensor | None = None) -> torch.Tensor:
+def lora_delta_ref(x: torch.Tensor, adapter: LoraFactors, keep: torch.Tensor | None = None) -> torch.Tensor:
     """scale * dropout(x) @ A @ B for one adapter, with dropout(x) = keep * x / (1 - p) where ``keep`` is the (T, d_in)
     keep-mask (None: no dropout); in x's dtype (the factors' must match)."""
     if keep is not None and adapter.dropout > 0:
         x = x * keep.to(x.dtype) / (1.0 - adapter.dropout)
-    s = bd_matmul(x, adapter.lora_a, adapter.blocks_a) * adapter.scale
-    return bd_matmul(s, adapter.lora_b, adapter.blocks_b)
+    s = bd_matmul(x, adapter.lora_A, adapter.blocks_a) * adapter.scale
+    return bd_matmul(s, adapter.lora_B, adapter.blocks_b)
 
 
-def grouped_lora_ref(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[LoraAdapter | None],
+def grouped_lora_ref(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[LoraFactors | None],
                      keep_masks: Sequence[torch.Tensor | None] | None = None, *,
                      bernoulli: bool = False) -> torch.Tensor:
     """y[seg[i]:seg[i+1]] = scale[i] * dropout_i(x[seg[i]:seg[i+1]]) @ A[i] @ B[i]; rows outside all segments, and the
@@ -73,7 +74,7 @@ def grouped_lora_ref(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[Lor
         if ad is None:
             pieces.append(x.new_zeros(e - s, d_out))
             continue
-        xi = x[s:e].to(ad.lora_a.dtype)
+        xi = x[s:e].to(ad.lora_A.dtype)
         keep = None
         if bernoulli:
             if ad.dropout > 0:
@@ -86,7 +87,7 @@ def grouped_lora_ref(x: torch.Tensor, seg: Sequence[int], adapters: Sequence[Lor
 
 
 def fused_lora_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seg: Sequence[int],
-                          adapters: Sequence[LoraAdapter | None],
+                          adapters: Sequence[LoraFactors | None],
                           keep_masks: Sequence[torch.Tensor | None] | None = None, *,
                           bernoulli: bool = False) -> torch.Tensor:
     """y = x @ weight^T + bias + grouped_lora_ref(x, seg, adapters, keep_masks, bernoulli=bernoulli): the torch
@@ -112,7 +113,7 @@ def decode_lora_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
         for sl in range(len(slice_offsets) - 1):
             lo, hi = slice_offsets[sl], slice_offsets[sl + 1]
             rb = r // nblocks if layout == "column" else r
-            ad = LoraAdapter(lora_a[sl, a, :r], lora_b[a, lo:hi, :rb], float(scales[a]), layout, nblocks)
+            ad = LoraFactors(lora_a[sl, a, :r], lora_b[a, lo:hi, :rb], layout, nblocks, float(scales[a]))
             y[t, lo:hi] += lora_delta_ref(x[t:t + 1], ad)[0].to(y.dtype)
     return y
 

@@ -28,6 +28,7 @@ On a machine without CUDA it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -37,6 +38,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from bdlora.layout import LoraFactors, unpack_block_diagonal  # noqa: E402
 
 BF16 = 2  # bytes
 
@@ -114,14 +117,14 @@ class PeftBdLayer(nn.Module):
         self.base, self.scale = base, ad.scale
         self.drop = nn.Dropout(dropout)
         d_in, d_out, r = ad.d_in, ad.d_out, ad.rank
-        dev, dt = ad.lora_a.device, ad.lora_a.dtype
+        dev, dt = ad.lora_A.device, ad.lora_A.dtype
         self.lora_a = (BlockDiagonalLinear(d_in, r, ad.nblocks, dtype=dt, device=dev) if ad.layout == "row"
                        else nn.Linear(d_in, r, bias=False, device=dev, dtype=dt))
         self.lora_b = (BlockDiagonalLinear(r, d_out, ad.nblocks, dtype=dt, device=dev) if ad.layout == "column"
                        else nn.Linear(r, d_out, bias=False, device=dev, dtype=dt))
         with torch.no_grad():
-            self.lora_a.weight.copy_(ad.lora_a)
-            self.lora_b.weight.copy_(ad.lora_b)
+            self.lora_a.weight.copy_(ad.lora_A)
+            self.lora_b.weight.copy_(ad.lora_B)
 
     def forward(self, x):
         return self.base(x) + self.lora_b(self.lora_a(self.drop(x))) * self.scale
@@ -131,7 +134,7 @@ def make_adapter(K, d_in, d_out, r, layout, n, dtype, dropout=0.0, scale=2.0):
     na, nb = (n, 1) if layout == "row" else (1, n)
     a = (torch.randn(r, d_in // na, device="cuda") / (d_in // na) ** 0.5).to(dtype).requires_grad_()
     b = (torch.randn(d_out, r // nb, device="cuda") / r ** 0.5).to(dtype).requires_grad_()
-    return K.LoraAdapter(a, b, scale, layout, n, dropout)
+    return LoraFactors(a, b, layout, n, scale, dropout)
 
 
 def check(K) -> list[dict]:
@@ -144,10 +147,10 @@ def check(K) -> list[dict]:
     seg = [0, 1, 1, 180, t]
     x = torch.randn(t, d_in, device="cuda", requires_grad=True)
     w = torch.randn(d_out, d_in, device="cuda") / 16
-    params = [x] + [p for ad in adapters for p in (ad.lora_a, ad.lora_b)]
+    params = [x] + [p for ad in adapters for p in (ad.lora_A, ad.lora_B)]
     gy = torch.randn(t, d_out, device="cuda")
     # the cuBLAS path with dropout against the torch reference with the same (torch-drawn) masks
-    drop = [K.LoraAdapter(ad.lora_a, ad.lora_b, ad.scale, ad.layout, ad.nblocks, 0.25) for ad in adapters]
+    drop = [dataclasses.replace(ad, dropout=0.25) for ad in adapters]
     masks = K.torch_keep_masks(x, seg, drop, 7)
     fused_ref = lambda: K.fused_lora_linear_ref(x, w, None, seg, adapters)  # noqa: E731
     for name, fn, ref in [
@@ -233,7 +236,7 @@ def bench_layer(K, t, shapes, ranks, nbs, dropout, iters, batch=1) -> list[dict]
                     ad = make_adapter(K, d_in, d_out, r, layout, n, dt, dropout)
                     peft_layer = PeftBdLayer(base, ad, dropout)
                     lp = [x, peft_layer.lora_a.weight, peft_layer.lora_b.weight]
-                    kp = [x, ad.lora_a, ad.lora_b]
+                    kp = [x, ad.lora_A, ad.lora_B]
                     res = dict(d_in=d_in, d_out=d_out, layout=layout, r=r, N=n, base_only_ms=t_base)
                     res["peft_bd_ms"] = timed(lambda: torch.autograd.grad(peft_layer(x), lp, gy), iters=iters,
                                               batch=batch)
@@ -251,7 +254,7 @@ def bench_layer(K, t, shapes, ranks, nbs, dropout, iters, batch=1) -> list[dict]
                             res["cublas_dropout"] = ran.dropout[-1] if dropout else "none"
                             res["cublas_dsdb"] = ran.dsdb[-1]
                     # minimum traffic: fwd reads x, W, writes y; bwd reads dY, W, x (for dA), writes dX; + S, dS
-                    lora_w = ad.lora_a.numel() + ad.lora_b.numel()
+                    lora_w = ad.lora_A.numel() + ad.lora_B.numel()
                     min_bytes = BF16 * (2 * t * d_in + 2 * d_in * d_out + 2 * t * d_out + t * d_in + 4 * t * r
                                         + 3 * lora_w)
                     # cublas path (cublas.py docstring): x read by shrink, base, dA; y written by the expand, read
@@ -287,7 +290,7 @@ def bench_grouped(K, t, d, n_adapters_list, nblocks, iters) -> list[dict]:
         seg = [0, *cuts, t]  # ragged segments
         adapters = [make_adapter(K, d, d, rank_cycle[i % 3], "column" if i % 2 == 0 else "row", nblocks, dt)
                     for i in range(n_ad)]
-        params = [x] + [p for ad in adapters for p in (ad.lora_a, ad.lora_b)]
+        params = [x] + [p for ad in adapters for p in (ad.lora_A, ad.lora_B)]
 
         def loop():
             y = torch.cat([K.lora_delta_ref(x[seg[i]:seg[i + 1]], ad) for i, ad in enumerate(adapters)])
@@ -297,7 +300,7 @@ def bench_grouped(K, t, d, n_adapters_list, nblocks, iters) -> list[dict]:
                    loop_ms=timed(loop, iters=iters),
                    grouped_ms=timed(lambda: torch.autograd.grad(K.grouped_lora(x, seg, adapters).out, params, gy),
                                     iters=iters))
-        lora_bytes = sum(ad.lora_a.numel() + ad.lora_b.numel() for ad in adapters)
+        lora_bytes = sum(ad.lora_A.numel() + ad.lora_B.numel() for ad in adapters)
         # fwd: x, y; bwd: dY, x, dX; S/dS of rank width; weights read and grads written
         res["min_MB"] = BF16 * (5 * t * d + 4 * t * max(rank_cycle) + 4 * lora_bytes) / 1e6
         res["speedup"] = res["loop_ms"] / res["grouped_ms"]
@@ -346,7 +349,7 @@ def bench_decode(K, tokens, shapes, ranks, nbs, max_loras, iters) -> list[dict]:
                 a, b, rk, offs = K.stack_decode_weights(per, r, "column", n)
                 scales = torch.ones(max_loras, device="cuda")
                 soff = torch.tensor(offs, dtype=torch.int32, device="cuda")
-                dense_b = [torch.stack([K.unpack_block_diagonal(b[l, lo:hi], n) for l in range(max_loras)])
+                dense_b = [torch.stack([unpack_block_diagonal(b[l, lo:hi], n) for l in range(max_loras)])
                            for lo, hi in zip(offs, offs[1:])]  # (L, d_s, r), zeros materialized (stock LoRA layout)
                 for t in tokens:
                     x = torch.randn(t, d_in, device="cuda", dtype=dt)

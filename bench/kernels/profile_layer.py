@@ -91,7 +91,7 @@ def grid(out: str | None, rounds: int, variants: list[str]) -> None:
                         opts = K.KernelOptions(backend="cublas", fused_dropout=fd, fused_dsdb=fs)
                         return lambda: torch.autograd.grad(K.fused_lora_linear(
                             x, base.weight, None, [0, t], [ad], dropout_seed=1, options=opts).out,
-                            [x, ad.lora_a, ad.lora_b], gy)
+                            [x, ad.lora_A, ad.lora_B], gy)
                     fns = {"base": lambda: torch.autograd.grad(base(x), [x], gy),  # the frozen GEMMs alone
                            "peft": lambda: torch.autograd.grad(peft(x), [x, peft.lora_a.weight,
                                                                          peft.lora_b.weight], gy)}
@@ -173,7 +173,7 @@ def main():
         ours = lambda: torch.autograd.grad(
             K.fused_lora_linear(x, w, None, [0, t], [ad], dropout_seed=1 if p else None,
                                 options=K.KernelOptions(backend=args.backend)).out,
-            [x, ad.lora_a, ad.lora_b], gy)
+            [x, ad.lora_A, ad.lora_B], gy)
         theirs = lambda: torch.autograd.grad(peft(x), [x, peft.lora_a.weight, peft.lora_b.weight], gy)
         for name, fn in (("ours[%s]" % args.backend, ours), ("peft", theirs)):
             if args.host_profile:  # Python-level host time (cProfile) instead of kernels

@@ -193,8 +193,8 @@ def make_adapter(path: str | Path, shape: Shape, r: int, nblocks: Optional[int] 
     import torch
     from peft import LoraConfig
 
-    from bdlora.adapter import Adapter, AdapterConfig, LoraFactors, _jsonable, save_adapter
-    from bdlora.layout import packed_shapes
+    from bdlora.adapter import Adapter, AdapterConfig, _jsonable, save_adapter
+    from bdlora.layout import LoraFactors, packed_shapes
     from bdlora.spec import BDLoraSpec
 
     path = Path(path)
@@ -226,7 +226,7 @@ def make_adapter(path: str | Path, shape: Shape, r: int, nblocks: Optional[int] 
                 a_shape, b_shape = packed_shapes(layout, d_in, d_out, r, nblocks)
             a = (torch.randn(a_shape, generator=gen) * std).to(tdtype)
             b = (torch.randn(b_shape, generator=gen) * std).to(tdtype)
-            mods[key] = LoraFactors(a, b, layout)
+            mods[key] = LoraFactors(a, b, layout, nblocks or 1, cfg.scale)
     save_adapter(Adapter(cfg, mods), path)
     return path
 

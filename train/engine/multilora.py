@@ -39,11 +39,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bdlora.adapter import Adapter, AdapterConfig, LoraFactors
-from bdlora.kernels import Dispatch, KernelOptions
-from bdlora.kernels import LoraAdapter as _KAdapter
-from bdlora.kernels import fused_lora_linear
-from bdlora.layout import COLUMN, layout_by_name
+from bdlora.adapter import Adapter, AdapterConfig
+from bdlora.kernels import Dispatch, KernelOptions, fused_lora_linear
+from bdlora.layout import COLUMN, LoraFactors, layout_by_name
 from bdlora.spec import BDLoraSpec
 
 PEFT_PREFIX = "base_model.model."
@@ -122,7 +120,7 @@ class JobAdapter(nn.Module):
         self.a = nn.ParameterDict()
         self.b = nn.ParameterDict()
         self.keys: dict[str, str] = {}
-        self._kernel_adapters: dict[str, _KAdapter] = {}
+        self._kernel_adapters: dict[str, LoraFactors] = {}
         r, n = spec.r, spec.nblocks
         for i, (name, (layout, d_in, d_out)) in enumerate(sorted(targets.items())):
             key = f"m{i}"
@@ -147,22 +145,22 @@ class JobAdapter(nn.Module):
         k = self.keys[name]
         return self.a[k], self.b[k]
 
-    def kernel_adapter(self, name: str, dropout: bool = True) -> _KAdapter:
-        """The grouped kernel's descriptor of this job's factors on module ``name``, with the job's LoRA dropout
-        (``dropout=False``: the same factors with dropout 0, for forwards that must not drop). Built once and
-        reused while the parameter objects stay the same (the optimizer and ``load_factors`` update them in
-        place): ``LoraAdapter`` validates shapes when built, which costs more host time per layer call than a
-        small batch's GEMMs on GPU. Kept on the job's module so it is freed with the job."""
+    def kernel_adapter(self, name: str, dropout: bool = True) -> LoraFactors:
+        """The kernels' view of this job's factors on module ``name`` (:class:`bdlora.layout.LoraFactors`: layout,
+        nblocks, scale and the job's LoRA dropout; ``dropout=False``: the same factors with dropout 0, for forwards
+        that must not drop). Built once and reused while the parameter objects stay the same (the optimizer and
+        ``load_factors`` update them in place): ``LoraFactors`` validates shapes when built, which costs more host
+        time per layer call than a small batch's GEMMs on GPU. Kept on the job's module so it is freed with the job."""
         a, b = self.factors(name)
         ad = self._kernel_adapters.get(name)
-        if ad is None or ad.lora_a is not a or ad.lora_b is not b:
-            ad = self._kernel_adapters[name] = _KAdapter(a, b, self.scale, self.layouts[name], self.spec.nblocks,
-                                                         dropout=self.dropout)
+        if ad is None or ad.lora_A is not a or ad.lora_B is not b:
+            ad = self._kernel_adapters[name] = LoraFactors(a, b, self.layouts[name], self.spec.nblocks, self.scale,
+                                                           self.dropout)
             self._kernel_adapters.pop((name, "no-dropout"), None)
         if dropout or self.dropout == 0:
             return ad
         nd = self._kernel_adapters.get((name, "no-dropout"))
-        if nd is None or nd.lora_a is not a or nd.lora_b is not b:
+        if nd is None or nd.lora_A is not a or nd.lora_B is not b:
             nd = self._kernel_adapters[(name, "no-dropout")] = replace(ad, dropout=0.0)
         return nd
 
@@ -174,7 +172,8 @@ class JobAdapter(nn.Module):
         mods = {}
         for name, key in self.keys.items():
             mods[PEFT_PREFIX + name] = LoraFactors(self.a[key].detach().float().cpu().clone(),
-                                                   self.b[key].detach().float().cpu().clone(), self.layouts[name])
+                                                   self.b[key].detach().float().cpu().clone(), self.layouts[name],
+                                                   self.spec.nblocks, self.scale)
         return Adapter(cfg, mods)
 
     def load_factors(self, adapter: Adapter) -> None:

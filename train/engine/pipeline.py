@@ -721,8 +721,6 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
     """
     import torch.distributed as dist
 
-    from bdlora.adapter import LoraFactors
-
     if not dist.is_initialized():
         raise RuntimeError("run_pipeline_distributed needs an initialized process group (see bdlora.train.engine.launch.run_pipeline_spawn)")
     P, s = dist.get_world_size(), dist.get_rank()
@@ -763,13 +761,12 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
     def save_finished():  # collective; to_save is the same list on every rank
         if not to_save:
             return
-        mine = {job.id: {n: (f.lora_A, f.lora_B, f.layout) for n, f in ad.to_adapter().modules.items()}
-                for job, ad in to_save}
+        mine = {job.id: ad.to_adapter().modules for job, ad in to_save}  # {path: LoraFactors} of this stage
         gathered = [None] * P
         dist.all_gather_object(gathered, mine)
         if s == 0:
             for job, _ in to_save:
-                modules = {n: LoraFactors(a, b, layout) for g in gathered for n, (a, b, layout) in g[job.id].items()}
+                modules = {n: f for g in gathered for n, f in g[job.id].items()}
                 adapter = Adapter(AdapterConfig.from_spec(job.cfg.spec(engine.model_type), engine.base_id), modules)
                 if adapter_is_finite(adapter, job.name, engine.log):
                     save_adapter(adapter, job.adapter_path)
