@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from . import dispatch
 from ._jit import jit, tl
 from .dispatch import DEFAULT_OPTIONS, Dispatch, KernelOptions, LoraResult, next_pow2
-from .layout import LAYOUTS
+from bdlora.layout import LAYOUTS
 from .reference import decode_lora_folded_torch, decode_lora_torch
 
 
