@@ -181,12 +181,12 @@ def dense_to_bd(adapter: Adapter, nblocks: int, rank: Optional[int] = None,
     return Adapter(new_cfg, modules), TruncationReport(per_module, overall)
 
 
-def delta_weight(factors: LoraFactors, nblocks: Optional[int], scale: float) -> torch.Tensor:
-    """``scale * B @ A`` with any block-diagonal factor expanded: the (d_out, d_in) weight delta."""
+def delta_weight(factors: LoraFactors) -> torch.Tensor:
+    """``factors.scale * B @ A`` in float64 with any block-diagonal factor expanded: the (d_out, d_in) weight delta."""
     a, b = factors.lora_A, factors.lora_B
     if factors.layout is not None:
-        a, b = unpack_factors(a, b, factors.layout, nblocks)
-    return scale * (b.double() @ a.double())
+        a, b = unpack_factors(a, b, factors.layout, factors.nblocks)
+    return factors.scale * (b.double() @ a.double())
 
 
 __all__ = ["ConversionError", "TruncationReport", "bd_to_dense", "check_block_split", "delta_weight", "dense_to_bd",

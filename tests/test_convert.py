@@ -13,7 +13,7 @@ from bdlora.sharding import check_tp_compatible, shard_factors
 
 
 def _deltas(ad):
-    return {p: delta_weight(f, ad.config.nblocks, ad.config.scale) for p, f in ad.modules.items()}
+    return {p: delta_weight(f) for p, f in ad.modules.items()}
 
 
 def _logits(model_dir, adapter_dir, ids):
@@ -41,7 +41,7 @@ def test_reblock_keeps_outputs(tiny_llama_dir, peft_bd_adapter, tmp_path, tp):
     new = reblock(ad, tp)
     assert new.config.nblocks == tp and new.config.r == 8 * max(1, tp // 2)
     for p, d in _deltas(ad).items():
-        torch.testing.assert_close(delta_weight(new.modules[p], tp, new.config.scale), d)
+        torch.testing.assert_close(delta_weight(new.modules[p]), d)
     save_adapter(new, tmp_path / f"tp{tp}")
     torch.testing.assert_close(_logits(tiny_llama_dir, tmp_path / f"tp{tp}", IDS),
                                _logits(tiny_llama_dir, peft_bd_adapter, IDS), rtol=1e-5, atol=1e-5)
@@ -61,7 +61,7 @@ def test_tp_shards_compute_the_adapter_without_communication(layout, n, m):
     gen = torch.Generator().manual_seed(n * 10 + m)
     r, d_in, d_out = 8 * max(n, m), 48, 40
     a, b = _random_factors(layout, n, r, d_in, d_out, gen)
-    full = delta_weight(LoraFactors(a, b, layout, n), n, 1.0)  # (d_out, d_in)
+    full = delta_weight(LoraFactors(a, b, layout, n))  # (d_out, d_in)
     x = torch.randn(5, d_in, generator=gen, dtype=torch.float64)
     want = x @ full.T
     partial = torch.zeros(5, d_out, dtype=torch.float64)
@@ -103,10 +103,10 @@ def test_incompatible_tp_is_refused():
 def _dense_adapter(r=4, seed=0):
     gen = torch.Generator().manual_seed(seed)
     shapes = {"q_proj": (64, 64), "k_proj": (32, 64), "o_proj": (64, 64), "down_proj": (64, 96)}
-    mods = {f"base_model.model.model.layers.0.x.{n}": LoraFactors(torch.randn(r, din, generator=gen),
-                                                                   torch.randn(dout, r, generator=gen))
-            for n, (dout, din) in shapes.items()}
     cfg = AdapterConfig(r=r, lora_alpha=8.0, use_rslora=True, target_modules=list(shapes))
+    mods = {f"base_model.model.model.layers.0.x.{n}": LoraFactors(torch.randn(r, din, generator=gen),
+                                                                   torch.randn(dout, r, generator=gen), scale=cfg.scale)
+            for n, (dout, din) in shapes.items()}
     return Adapter(cfg, mods)
 
 
@@ -116,7 +116,7 @@ def test_dense_to_bd_exact(n):
     bd, report = dense_to_bd(dense, n)
     assert bd.config.nblocks == n and bd.config.r == 4 * n and report.total == 0.0
     for p, d in _deltas(dense).items():
-        torch.testing.assert_close(delta_weight(bd.modules[p], n, bd.config.scale), d)
+        torch.testing.assert_close(delta_weight(bd.modules[p]), d)
 
 
 def test_dense_to_bd_truncated_reports_true_error():
@@ -166,6 +166,6 @@ def test_reblock_checks_layer_splits_before_anything_else(peft_bd_adapter):
     assert "reblock --tp" not in str(e.value)
     bd3, _ = dense_to_bd(bd_to_dense(bd2), 3)  # ... and that route works, exactly
     for p, f in bd2.modules.items():
-        torch.testing.assert_close(delta_weight(bd3.modules[p], 3, bd3.config.scale), delta_weight(f, 2, bd2.config.scale))
+        torch.testing.assert_close(delta_weight(bd3.modules[p]), delta_weight(f))
     with pytest.raises(ConversionError, match="must be a positive integer"):
         reblock(ad, 0)
