@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -56,8 +57,14 @@ def _spawn_worker(rank: int, run, world: int, port: int, backend: str) -> None:
     init_distributed(backend, rank, rank=rank, world_size=world)
     try:
         run_engine(run)
+        dist.barrier()  # no rank tears its group down while another still talks to it
     finally:
         dist.destroy_process_group()
+    # Done, outputs written (atomically) and the group joined: leave without the interpreter's teardown, where a
+    # gloo thread still releasing buffers aborted a finished rank ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(run, nprocs: int, backend=None) -> None:
