@@ -48,7 +48,20 @@ def test_fused_decode_options():
         return SimpleNamespace(additional_config=extra)
 
     assert fused_decode_options(cfg()) is None
-    assert fused_decode_options(cfg(bdlora=True)) is None
+    # --enable-bdlora alone: auto mode (the device's tuning table); the key false: vLLM's kernels
+    assert fused_decode_options(cfg(bdlora=True)) == FusedDecodeOptions(mode="auto")
+    assert fused_decode_options(cfg(bdlora=True, bdlora_fused_decode=False)) is None
+    assert fused_decode_options(cfg(bdlora={"min_nblocks": 1})).mode == "auto"
+    auto = fused_decode_options(cfg(bdlora=True, bdlora_fused_decode={
+        "mode": "auto", "backend": "torch", "tuning": {"fold": True, "fold_gemm_max": 16, "gemm_tiles": [[16, 16, 32, 1]]}}))
+    assert auto.mode == "auto" and auto.backend == "torch" and auto.fold_shrink  # fold asked for: cpu_fix keeps weights
+    assert auto.tuning_dict() == {"fold": True, "fold_gemm_max": 16, "gemm_tiles": ((16, 16, 32, 1),)}
+    assert hash(auto)  # frozen and hashable
+    for bad, msg in (({"mode": "fast"}, "auto or manual"), ({"tuning": {"fold": True}}, "needs 'mode': 'auto'"),
+                     ({"mode": "auto", "tuning": {"fold_max": 3}}, "unknown keys"),
+                     ({"mode": "auto", "tuning": {"fold_gemm_max": -2}}, "token count")):
+        with pytest.raises(BDLoraError, match=msg):
+            fused_decode_options(cfg(bdlora=True, bdlora_fused_decode=bad))
     assert fused_decode_options(cfg(bdlora_fused_decode=False)) is None
     assert fused_decode_options(cfg(bdlora_fused_decode=True)) == FusedDecodeOptions(8, "auto")
     assert fused_decode_options(cfg(bdlora_fused_decode=16)) == FusedDecodeOptions(16, "auto")
@@ -278,6 +291,42 @@ def test_tp1_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold
         T.stop_llm(llm)
 
 
+#: Auto mode with cut-offs small enough that the tiny model's batches take every path: decode steps of <= 2
+#: tokens the per-token folded kernel, 3-16 tokens the tiled one, above vLLM's punica path.
+AUTO_TUNING = {"fold": True, "fold_decode_max": 2, "fold_gemm_max": 16, "two_launch_max": 0,
+               "gemm_tiles": [[16, 16, 32, 1]]}
+
+
+def test_tp1_auto_mode_every_path_parity(tiny_llama_dir, vllm_adapters):
+    """``--enable-bdlora``'s auto mode (the table's paths; here a tuning override, since on CPU the table keeps vLLM's
+    path): a mixed batch of 5 requests (prefill of 27 tokens: vLLM's punica path after the base GEMM on the folded
+    weight's view; decode steps of 5 tokens: the tiled kernel) and one of 2 (prefill of 8 tokens: tiled; decode
+    steps: the per-token kernel). Greedy tokens equal HF+PEFT, logprobs within 1e-4, every path ran (counters), and
+    the per-layer self-check (fold op vs base GEMM + punica, with padding rows) holds."""
+    llm = T.start_llm(tiny_llama_dir, env=INPROC, enable_lora=True, max_lora_rank=16, max_loras=2,
+                      additional_config={"bdlora": True,
+                                         "bdlora_fused_decode": {"mode": "auto", "tuning": AUTO_TUNING}})
+    try:
+        backend = "triton" if K.dispatch.INTERPRET else "torch"
+        llm.collective_rpc(D.reset_fused_decode_counters)
+        spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[2], None),
+                (PROMPTS[0], "bd2_r8")]
+        _check(tiny_llama_dir, vllm_adapters, llm, spec)
+        counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
+        assert counts.get("stock", 0) >= 8 and counts.get("fold_gemm:" + backend, 0) >= 8 * 7, counts
+        assert not counts.get("folded:" + backend) and not any(k.startswith("fused:") for k in counts), counts
+        llm.collective_rpc(D.reset_fused_decode_counters)
+        _check(tiny_llama_dir, vllm_adapters, llm, [(PROMPTS[1], "bd4_r16"), (PROMPTS[0], "bd2_r8")])
+        counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
+        assert counts.get("fold_gemm:" + backend, 0) >= 8 and counts.get("folded:" + backend, 0) >= 8 * 7, counts
+        assert not counts.get("stock"), counts
+        check = llm.collective_rpc(D.fused_decode_self_check)[0]  # 6 tokens: the tiled kernel
+        assert check["fold_layers"] == check["layers"] == 8 and check["fold_shares_weight"], check
+        assert check["max_abs_lora"] > 1e-3 and check["fold_max_abs_diff"] < 1e-5 and check["padding_untouched"]
+    finally:
+        T.stop_llm(llm)
+
+
 # ---------------------------------------------------------------------------------------------------- TP=2 engine
 
 TP2 = {
@@ -287,14 +336,17 @@ TP2 = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fold", [False, True], ids=["two-launch", "fold"])
+@pytest.mark.parametrize("fold", [False, True, "auto"], ids=["two-launch", "fold", "auto"])
 def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold):
     """TP=2 workers, torch fallback, token limit 4: prefill batches (> 4 tokens) take vLLM's punica path (in fold
     mode: the base GEMM on the weight's view, then punica), decode steps of <= 4 sequences the fused (or fold) one;
-    base + BD r8 N=2 + BD r16 N=4 + dense r8 all match HF+PEFT."""
+    in auto mode (cut-offs 2 / 4) the decode steps of 4 sequences take the tiled folded kernel. Base + BD r8 N=2 +
+    BD r16 N=4 + dense r8 all match HF+PEFT."""
+    fused = ({"mode": "auto", "backend": "torch", "tuning": {"fold": True, "fold_decode_max": 2, "fold_gemm_max": 4,
+                                                              "fold_max_extra": 1.0, "gemm_tiles": [[4, 16, 32, 1]]}}
+             if fold == "auto" else {"max_tokens": 4, "backend": "torch", "fold_shrink": fold})
     llm = T.start_llm(tiny_llama_dir, env=TP2, tensor_parallel_size=2, enable_lora=True, max_lora_rank=16,
-                      max_loras=3, additional_config={"bdlora": True, "bdlora_fused_decode": {
-                          "max_tokens": 4, "backend": "torch", "fold_shrink": fold}})
+                      max_loras=3, additional_config={"bdlora": True, "bdlora_fused_decode": fused})
     try:
         llm.collective_rpc(D.reset_fused_decode_counters)
         spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[0], "dense_r8")]
@@ -302,7 +354,8 @@ def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold
         counts = llm.collective_rpc(D.read_fused_decode_counters)
         assert len(counts) == 2
         for c in counts:
-            assert c.get("folded:torch" if fold else "fused:torch", 0) >= 8 * 7 and c.get("stock", 0) >= 8, counts
+            path = "fold_gemm:torch" if fold == "auto" else "folded:torch" if fold else "fused:torch"
+            assert c.get(path, 0) >= 8 * 7 and c.get("stock", 0) >= 8, counts
         checks = llm.collective_rpc(D.fused_decode_self_check, args=([0, IDS["bd4_r16"], IDS["bd2_r8"]],))
         for check in checks:
             assert check["layers"] == 8 and check["slots_ok"] and check["padding_untouched"], checks

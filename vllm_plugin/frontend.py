@@ -28,11 +28,13 @@ def _add_cli_args(orig_add):
             group.add_argument(
                 FLAG, action="store_true", default=False,
                 help="Serve BD-LoRA adapters (PEFT use_bdlora): each tensor-parallel rank loads only its own "
-                     "blocks and runs them with no LoRA collective. Implies --enable-lora; same as "
-                     "--additional-config '{\"bdlora\": true}'.")
+                     "blocks and runs them with no LoRA collective. Per forward and module it runs the fastest "
+                     "measured path for the token count (bdlora.kernels.tuning, per GPU: the LoRA shrink folded "
+                     "into the base GEMM and one expand launch; vLLM's kernels on CPU). Implies --enable-lora; "
+                     "same as --additional-config '{\"bdlora\": true}'.")
             group.add_argument(
                 FUSED_FLAG, action="store_true", default=False,
-                help="In BD mode, compute the LoRA term of small batches (<= 8 tokens: decode) with bdlora's "
+                help="Experiment (instead of the automatic choice): in BD mode, compute the LoRA term of small batches (<= 8 tokens: decode) with bdlora's "
                      "decode kernels (one shrink and one expand launch per module for all its slices) instead "
                      "of vLLM's punica shrink + expand per slice: ~0.6-0.9 ms less per output token at batch 1 "
                      "on Llama-8B TP=4 (BENCHMARKS.md). "
@@ -40,7 +42,7 @@ def _add_cli_args(orig_add):
                      "'{\"bdlora_fused_decode\": true}'.")
             group.add_argument(
                 FOLD_FLAG, action="store_true", default=False,
-                help="With the fused decode: store each BD layer's LoRA A buffers under its base weight, so "
+                help="Experiment: with the fused decode, store each BD layer's LoRA A buffers under its base weight, so "
                      "that one GEMM computes the base output and the LoRA shrink and a single launch adds the "
                      "expand (unquantized base weights; best with few --max-loras). Implies "
                      f"{FUSED_FLAG}; same as --additional-config "

