@@ -53,7 +53,8 @@ def test_fused_decode_options():
     assert fused_decode_options(cfg(bdlora=True, bdlora_fused_decode=False)) is None
     assert fused_decode_options(cfg(bdlora={"min_nblocks": 1})).mode == "auto"
     auto = fused_decode_options(cfg(bdlora=True, bdlora_fused_decode={
-        "mode": "auto", "backend": "torch", "tuning": {"fold": True, "fold_gemm_max": 16, "gemm_tiles": [[16, 16, 32, 1]]}}))
+        "mode": "auto", "backend": "torch",
+        "tuning": {"fold": True, "fold_gemm_max": 16, "gemm_tiles": [[16, 16, 32, 1]]}}))
     assert auto.mode == "auto" and auto.backend == "torch" and auto.fold_shrink  # fold asked for: cpu_fix keeps weights
     assert auto.tuning_dict() == {"fold": True, "fold_gemm_max": 16, "gemm_tiles": ((16, 16, 32, 1),)}
     assert hash(auto)  # frozen and hashable

@@ -34,7 +34,8 @@ def _add_cli_args(orig_add):
                      "same as --additional-config '{\"bdlora\": true}'.")
             group.add_argument(
                 FUSED_FLAG, action="store_true", default=False,
-                help="Experiment (instead of the automatic choice): in BD mode, compute the LoRA term of small batches (<= 8 tokens: decode) with bdlora's "
+                help="Experiment (instead of the automatic choice): in BD mode, compute the LoRA term of small "
+                     "batches (<= 8 tokens: decode) with bdlora's "
                      "decode kernels (one shrink and one expand launch per module for all its slices) instead "
                      "of vLLM's punica shrink + expand per slice: ~0.6-0.9 ms less per output token at batch 1 "
                      "on Llama-8B TP=4 (BENCHMARKS.md). "
@@ -42,7 +43,8 @@ def _add_cli_args(orig_add):
                      "'{\"bdlora_fused_decode\": true}'.")
             group.add_argument(
                 FOLD_FLAG, action="store_true", default=False,
-                help="Experiment: with the fused decode, store each BD layer's LoRA A buffers under its base weight, so "
+                help="Experiment: with the fused decode, store each BD layer's LoRA A buffers under its base weight, "
+                     "so "
                      "that one GEMM computes the base output and the LoRA shrink and a single launch adds the "
                      "expand (unquantized base weights; best with few --max-loras). Implies "
                      f"{FUSED_FLAG}; same as --additional-config "
