@@ -19,7 +19,9 @@ ran (counters; in graph mode only the capture and eager-size runs are counted) a
 (``diagnostics.fused_decode_self_check``: fused op vs vLLM's punica path on random inputs with CUDA-graph-style padding
 rows, and the int32 token -> slot map). ``--fold-shrink`` adds ``fold_shrink`` (the shrink inside the base GEMM)
 and checks that every fused layer folded, shares its weight with the base layer, and that the fold op equals the
-base GEMM plus punica's result. Use ``--tag`` to keep separate JSON files.
+base GEMM plus punica's result. ``--auto`` serves with ``--enable-bdlora``'s own choice (the GPU's tuning table;
+``--auto-tuning JSON`` replaces table keys, e.g. small cut-offs so that every path runs) with the same checks.
+Use ``--tag`` to keep separate JSON files.
 
 Needs the plugin's entry point to be visible (``pip install --no-deps -e .`` in the checkout).
 """
@@ -99,13 +101,15 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
             checks = llm.collective_rpc(D.fused_decode_self_check)
             result["fused_self_check"] = checks
             tol = 1e-4 if dtype == "float32" else 3e-2  # relative to the largest LoRA term
-            ran = "folded" if fused.get("fold_shrink") else "fused"
+            auto = fused.get("mode") == "auto"
+            ran = ("folded", "fold_gemm", "fused") if auto else ("folded",) if fused.get("fold_shrink") else ("fused",)
             result["fused_ok"] = (
                 (not eager or all(any(k.startswith(ran) for k in c) for c in result["fused_counters"]))
                 and all(c["layers"] > 0 and c["slots_ok"] and c["padding_untouched"]
                         and c["max_abs_diff"] <= tol * max(1.0, c["max_abs_lora"]) for c in checks)
-                and all(not fused.get("fold_shrink")
-                        or (c["fold_layers"] == c["layers"] and c["fold_shares_weight"]
+                and all(not fused.get("fold_shrink") and not auto
+                        or ((c["fold_layers"] == c["layers"] or auto and c["fold_layers"] > 0)
+                            and c["fold_shares_weight"]
                             and c["fold_max_abs_diff"] <= tol * max(1.0, c["fold_max_abs_out"])) for c in checks))
             # after the self-check's crafted mapping the engine must still serve correctly
             again = T.parity_report(model, jobs[:3], T.generate_mixed(llm, jobs[:3], max_tokens=max_tokens),
@@ -140,6 +144,12 @@ def main(argv=None) -> int:
     p.add_argument("--fused-max-tokens", type=int, default=64)
     p.add_argument("--fold-shrink", action="store_true",
                    help="with --fused-decode: fold_shrink (the LoRA shrink inside the base layer's GEMM)")
+    p.add_argument("--auto", action="store_true",
+                   help="--enable-bdlora's auto kernels (the device's tuning table; layers whose LoRA rows exceed "
+                        "fold_max_extra keep the two-launch path), checked like --fused-decode")
+    p.add_argument("--auto-tuning", default=None,
+                   help="with --auto: JSON of bdlora.kernels.tuning.ServingTuning keys replacing the table's, e.g. "
+                        "small cut-offs so that the tiny model's batches take every path")
     args = p.parse_args(argv)
     import torch
 
@@ -152,6 +162,12 @@ def main(argv=None) -> int:
         p.error("--fold-shrink needs --fused-decode")
     fused = ({"max_tokens": args.fused_max_tokens, "backend": args.fused_backend, "fold_shrink": args.fold_shrink}
              if args.fused_decode else None)
+    if args.auto:
+        if args.fused_decode:
+            p.error("--auto and --fused-decode exclude each other")
+        fused = {"mode": "auto", "backend": args.fused_backend}
+        if args.auto_tuning:
+            fused["tuning"] = json.loads(args.auto_tuning)
     # Probes are sent to the workers as callables; counters are installed by register() in every worker.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("BDLORA_COUNT_COLLECTIVES", "1")

@@ -1,0 +1,238 @@
+"""Per-module serving cost of every BD-LoRA serving path at each token count, on one GPU, in CUDA graphs: the data
+behind ``bdlora/kernels/tuning.py`` (cut-offs and tiles per GPU).
+
+For the per-GPU module shapes of a Llama-3.1-8B shard at TP=4 and TP=8 (qkv, o, gate_up, down; bf16; one LoRA slot
+of the per-GPU buffer rank, every token on the adapter) and T tokens, times one call of each path on
+``--layers`` distinct layers' weights (so weights stream from HBM as in a model, not from L2), captured in one CUDA
+graph and replayed (launch gaps as vLLM's graphs have them):
+
+    base          F.linear(x, W)                                            (the floor: no LoRA)
+    gemm_w_ext    F.linear(x, [W; A])                                       (the folded GEMM alone)
+    fold_decode   F.linear(x, [W; A]) + decode_lora_folded(kernel="decode")  (T <= 64)
+    fold_gemm     F.linear(x, [W; A]) + decode_lora_folded(kernel="gemm") per tile candidate (block_m, block_n, warps)
+    two_launch    F.linear(x, W) + decode_lora                              (T <= 64)
+    punica        F.linear(x, W) + vLLM's PunicaWrapperGPU.add_lora_linear  (vLLM's LoRA kernels at the same rank)
+
+    python bench/kernels/bench_serving_kernels.py --out serving_kernels.json [--tokens 1,8,64] [--shapes tp4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+H = 4096
+SHAPES = {  # per-GPU (d_in, slice widths) and the buffer rank: max_lora_rank 256 / TP
+    "tp4": {"rank": 64, "qkv": (H, (1024, 256, 256)), "o": (1024, (H,)), "gate_up": (H, (3584, 3584)),
+            "down": (3584, (H,))},
+    "tp8": {"rank": 32, "qkv": (H, (512, 128, 128)), "o": (512, (H,)), "gate_up": (H, (1792, 1792)),
+            "down": (1792, (H,))},
+}
+TILES = [(16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8), (16, 32, 1),
+         (16, 64, 1), (16, 64, 2), (16, 128, 2), (32, 64, 2)]
+
+
+def graph_us(fn, reps: int = 20) -> float:
+    """Microseconds per call of ``fn`` (which runs every layer once), replayed from one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = torch.cuda.Event(enable_timing=True)
+    t1 = torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(reps):
+        g.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) * 1000 / reps
+
+
+def make_punica(max_tokens: int, dev):
+    from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
+
+    cfg = SimpleNamespace(max_loras=1, specialize_active_lora=False, max_lora_rank=64, fully_sharded_loras=False)
+    return PunicaWrapperGPU(max_tokens, 256, dev, lora_config=cfg, max_loras=1)
+
+
+def set_mapping(punica, t: int, prefill: bool):
+    from vllm.lora.layers import LoRAMapping
+
+    m = LoRAMapping((1,) * t, (1,) * t, is_prefill=prefill)
+    try:
+        punica.update_metadata(m, [1], 1, 32000)
+    except TypeError:
+        punica.update_metadata(m, [1], 1, 32000, 0)
+
+
+def check(dev) -> dict:
+    """Both folded kernels against the float64 reference in bf16, 3 slots of ragged ranks, tokens of every slot and
+    without LoRA in random order: the largest error relative to the largest LoRA term."""
+    from bdlora.kernels import decode_lora_folded, decode_lora_folded_ref, fold_weight
+    from bdlora.kernels.decode import ExpandTiles
+
+    gen = torch.Generator(device=dev).manual_seed(1)
+    out = {}
+    for outs, d_in in (((1024, 256, 256), H), ((3584, 3584), H), ((H,), 1792)):
+        n_s, d_out, R, ranks = len(outs), sum(outs), 64, [64, 19, 0]
+        offs = [0]
+        for o in outs:
+            offs.append(offs[-1] + o)
+        w = torch.randn(d_out, d_in, device=dev, generator=gen).bfloat16() * 0.02
+        f = fold_weight(w, n_s, 3, R)
+        b = torch.zeros(3, d_out, R, device=dev, dtype=torch.bfloat16)
+        for slot, r in enumerate(ranks):
+            f.lora_a(n_s, 3, R)[:, slot, :r] = torch.randn(n_s, r, d_in, device=dev, generator=gen).bfloat16() * .05
+            b[slot, :, :r] = torch.randn(d_out, r, device=dev, generator=gen).bfloat16() * 0.05
+        rk = torch.tensor(ranks, dtype=torch.int32, device=dev)
+        sc = torch.tensor([1.0, 0.5, 2.0], device=dev)
+        for t in (1, 5, 40, 300, 2048):
+            x = torch.randn(t, d_in, device=dev, generator=gen).bfloat16()
+            idx = torch.randint(-1, 3, (t,), device=dev, generator=gen, dtype=torch.int32)
+            ref = decode_lora_folded_ref(x.double(), f.w_ext.double(), d_out, b.double(), idx, rk, sc.double(), offs)
+            # relative to the largest LoRA term (to the output where the one token has no LoRA)
+            lora = (ref - F.linear(x.double(), w.double())).abs().max().item()
+            lora = max(lora, ref.abs().max().item() if t == 1 else 0.0)
+            for kern in (("decode", "gemm") if t <= 64 else ("gemm",)):
+                cands = (ExpandTiles(),) if kern == "decode" else (ExpandTiles(16, 64, 4), ExpandTiles(64, 128, 4))
+                for tiles in cands:
+                    y = decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel=kern, tiles=tiles).out
+                    err = (y.double() - ref).abs().max().item()
+                    key = f"{d_out}x{d_in} T={t} {kern} {tiles.block_m}x{tiles.block_n}"
+                    out[key] = round(err / lora, 5)
+    out["max_rel"] = max(out.values())
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="serving_kernels.json")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,1024,4096,8192")
+    ap.add_argument("--shapes", default="tp4,tp8")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--adapter-rank", type=float, default=0.6, help="adapter rank as a fraction of the buffer rank")
+    a = ap.parse_args()
+    from bdlora.kernels import DecodeWorkspace, decode_lora, decode_lora_folded, fold_weight
+    from bdlora.kernels.decode import ExpandTiles, decode_grid, decode_tiles
+
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
+    toks = [int(t) for t in a.tokens.split(",")]
+    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+           "rows": []}
+    try:
+        import vllm
+
+        res["vllm"] = vllm.__version__
+        punica = make_punica(max(toks), dev)
+    except Exception as e:  # noqa: BLE001 - recorded, the rest still runs
+        punica, res["punica_error"] = None, repr(e)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    res["check"] = check(dev)
+    print(json.dumps(res["check"]), flush=True)
+    for shape in a.shapes.split(","):
+        spec = SHAPES[shape]
+        R = spec["rank"]
+        r_used = max(1, int(R * a.adapter_rank))
+        for mod in ("qkv", "o", "gate_up", "down"):
+            d_in, outs = spec[mod]
+            n_s, d_out = len(outs), sum(outs)
+            offs = [0]
+            for o in outs:
+                offs.append(offs[-1] + o)
+            layers = []
+            for _ in range(a.layers):
+                w = torch.randn(d_out, d_in, device=dev, dtype=dt, generator=gen) * 0.02
+                f = fold_weight(w, n_s, 1, R)
+                av = f.lora_a(n_s, 1, R)
+                av[:, :, :r_used] = torch.randn(n_s, 1, r_used, d_in, device=dev, dtype=dt, generator=gen) * 0.02
+                b = torch.zeros(1, d_out, R, device=dev, dtype=dt)
+                b[:, :, :r_used] = torch.randn(1, d_out, r_used, device=dev, dtype=dt, generator=gen) * 0.02
+                a_st = tuple(av[i].unsqueeze(1).contiguous() for i in range(n_s))  # punica: (L, 1, R, d_in)
+                b_st = tuple(b[:, offs[i]:offs[i + 1]].unsqueeze(1).contiguous() for i in range(n_s))
+                layers.append(SimpleNamespace(w=w, f=f, a=av, b=b, a_st=a_st, b_st=b_st))
+            ranks = torch.tensor([r_used], dtype=torch.int32, device=dev)
+            scales = torch.ones(1, dtype=torch.float32, device=dev)
+            soff = torch.tensor(offs, dtype=torch.int32, device=dev)
+            ws = DecodeWorkspace(dev)
+            for t in range(1, 65):
+                ws.reserve(decode_grid(t, n_s, 1, max(outs), d_in, R, decode_tiles(dev)))
+            for t in toks:
+                x = torch.randn(t, d_in, device=dev, dtype=dt, generator=gen)
+                idx = torch.zeros(t, dtype=torch.int32, device=dev)
+                row = {"shape": shape, "module": mod, "tokens": t, "rank_buffer": R, "rank_used": r_used}
+
+                def run_base():
+                    for L in layers:
+                        F.linear(x, L.w)
+
+                row["base"] = graph_us(run_base)
+
+                def run_wext():  # the folded GEMM alone: what the A rows add to the base GEMM
+                    for L in layers:
+                        F.linear(x, L.f.w_ext)
+
+                row["gemm_w_ext"] = graph_us(run_wext)
+                if t <= 64:
+                    def run_fd():
+                        for L in layers:
+                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="decode")
+
+                    row["fold_decode"] = graph_us(run_fd)
+
+                    def run_two():
+                        for L in layers:
+                            y = F.linear(x, L.w)
+                            decode_lora(y, x, L.a, L.b, idx, ranks, scales, offs, soff=soff, workspace=ws)
+
+                    row["two_launch"] = graph_us(run_two)
+                best = None
+                for bm, bn, nw in TILES:
+                    if bm > 16 and bm > 2 * t:
+                        continue
+                    tiles = ExpandTiles(bm, bn, nw)
+
+                    def run_fg():
+                        for L in layers:
+                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="gemm", tiles=tiles)
+
+                    us = graph_us(run_fg)
+                    row[f"fold_gemm_{bm}x{bn}w{nw}"] = us
+                    if best is None or us < best[0]:
+                        best = (us, [bm, bn, nw])
+                row["fold_gemm"], row["fold_gemm_tiles"] = best
+                if punica is not None:
+                    try:
+                        set_mapping(punica, t, prefill=t > 64)
+
+                        def run_pu():
+                            for L in layers:
+                                y = F.linear(x, L.w)
+                                punica.add_lora_linear(y, x, L.a_st, L.b_st, 1.0, tuple(outs))
+
+                        row["punica"] = graph_us(run_pu)
+                    except Exception as e:  # noqa: BLE001
+                        row["punica_error"] = repr(e)[:300]
+                for k in list(row):
+                    if isinstance(row[k], float):
+                        row[k] = round(row[k] / a.layers, 2)  # per module call
+                res["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                Path(a.out).write_text(json.dumps(res, indent=1))
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Per-GPU serving cost of ``--enable-bdlora`` alone (auto kernels) beside no LoRA and vLLM's default LoRA, at the
+per-GPU shapes of a Llama-3.1-8B shard at TP=4 or TP=8, measured on ONE GPU (the anchor proxy
+``shared/anchors/proxy_decode.py``, extended): the shard's model (hidden 4096; TP=4: 8 heads, 2 KV heads,
+intermediate 3584; TP=8: 4 heads, 1 KV head, intermediate 1792; 32 layers, vocab 32000) served at TP=1 by vLLM
+in-process (CUDA graphs, bf16, --load-format dummy, no tokenizer).
+
+Engines (each in its own process, ``--only``):
+  base   no LoRA
+  lora   vLLM's default LoRA, dense r64 on all 7 projections (its per-GPU rank at TP=4 and TP=8: A or B is replicated)
+  bd     the bdlora plugin with ``additional_config {"bdlora": true}`` only (= ``--enable-bdlora``), a BD adapter of
+         r152 / N blocks served as one GPU's share: N=1 at rank 152/TP (38 at TP=4, 19 at TP=8), buffer rank 256/TP
+  bd_<mode>  the same with the opt-in modes (fold | fused | stock) for comparison
+
+decode ms/step = (time of 144 new tokens - time of 16) / 128 at batch B with 128-token prompts (min of 2 runs);
+ttft ms = one generate of max_tokens=1 (prefill only) for B prompts of --ttft-len tokens (min of 3), chunked prefill
+at 8192 tokens per step for every engine. For bd the plugin's path counters (``layers.FUSED_COUNTS``, counted at
+CUDA-graph capture and in eager runs) are recorded.
+
+    PYTHONPATH=/tmp/site python3 bench/serve/auto_proxy.py --shape tp4 --only base --out base.json
+"""
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+H, HD, L, V = 4096, 128, 32, 32000
+SHARDS = {"tp4": {"NH": 8, "NKV": 2, "I": 3584, "bd_rank": 38, "bd_max": 64},
+          "tp8": {"NH": 4, "NKV": 1, "I": 1792, "bd_rank": 19, "bd_max": 32}}
+MOD = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+       "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def shapes(sh):
+    nh, nkv, i = sh["NH"], sh["NKV"], sh["I"]
+    return {"q_proj": (H, nh * HD), "k_proj": (H, nkv * HD), "v_proj": (H, nkv * HD), "o_proj": (nh * HD, H),
+            "gate_proj": (H, i), "up_proj": (H, i), "down_proj": (i, H)}
+
+
+def write_model(root: Path, sh) -> Path:
+    d = root / "proxy8b-shard"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
+        "num_attention_heads": sh["NH"], "num_key_value_heads": sh["NKV"], "head_dim": HD,
+        "intermediate_size": sh["I"], "num_hidden_layers": L, "vocab_size": V, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "bos_token_id": 1,
+        "eos_token_id": 2, "tie_word_embeddings": False}))
+    return d
+
+
+def write_adapter(root: Path, name: str, r: int, bd: bool, sh) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(r)
+    t = {}
+    for i in range(L):
+        for m, (din, dout) in shapes(sh).items():
+            k = f"base_model.model.model.layers.{i}.{MOD[m]}.{m}"
+            t[f"{k}.lora_A.weight"] = (torch.randn(r, din, generator=g) * 0.01).to(torch.bfloat16)
+            t[f"{k}.lora_B.weight"] = (torch.randn(dout, r, generator=g) * 0.01).to(torch.bfloat16)
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(d / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(MOD), "lora_dropout": 0.0,
+           "bias": "none", "use_rslora": False, "task_type": "CAUSAL_LM", "base_model_name_or_path": None}
+    if bd:
+        cfg["use_bdlora"] = {"target_modules_bd_a": ["o_proj", "down_proj"],
+                             "target_modules_bd_b": ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+                             "nblocks": 1}
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _prompts(n, length, salt=0):
+    return [{"prompt_token_ids": [(7 * i + 13 * j + salt) % 30000 + 100 for j in range(length)]} for i in range(n)]
+
+
+def decode_ms(llm, lora, n_req):
+    from vllm import SamplingParams
+
+    prompts = _prompts(n_req, 128)
+
+    def run(n):
+        sp = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    run(16)
+    ts = min(run(16) for _ in range(2))
+    tl = min(run(144) for _ in range(2))
+    return round(1000 * (tl - ts) / 128, 3)
+
+
+def ttft_ms(llm, lora, n_req, length):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0, detokenize=False)
+    best = None
+    for k in range(4):  # the first is a warm-up; distinct prompts (prefix caching is off anyway)
+        prompts = _prompts(n_req, length, salt=k)
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        if k:
+            best = dt if best is None else min(best, dt)
+    return round(1000 * best, 2)
+
+
+def _wait_turn(rr: Path, rnd: int, index: int, count: int, limit_s: float = 900) -> None:
+    """Round robin: mark this engine up, then wait until the turn file says ``rnd:index`` (engine 0 starts round 0
+    once every engine is up), so that one engine at a time measures."""
+    rr.mkdir(parents=True, exist_ok=True)
+    (rr / f"ready_{index}").touch()
+    t0 = time.time()
+    while time.time() - t0 < limit_s:
+        if rnd == 0 and index == 0 and all((rr / f"ready_{i}").exists() for i in range(count)):
+            if not (rr / "turn").exists():
+                (rr / "turn").write_text("0:0")
+        turn = (rr / "turn").read_text() if (rr / "turn").exists() else ""
+        if turn == f"{rnd}:{index}":
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"round robin: no turn {rnd}:{index} within {limit_s}s")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="auto_proxy.json")
+    ap.add_argument("--shape", default="tp4", choices=sorted(SHARDS))
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--ttft", default="1,16", help="batch sizes of the TTFT measurement")
+    ap.add_argument("--ttft-len", type=int, default=1024)
+    ap.add_argument("--only", required=True, help="base | lora | bd | bd_fold | bd_fused | bd_stock")
+    ap.add_argument("--rr", default=None, help="round robin: a folder shared by --count engines started together; "
+                    "after all are up they measure in turns, --rounds times (side by side on one GPU)")
+    ap.add_argument("--index", type=int, default=0)
+    ap.add_argument("--count", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mem", type=float, default=0.45, help="gpu_memory_utilization (0.28 for three engines)")
+    ap.add_argument("--base-requests", action="store_true",
+                    help="send requests without an adapter to the LoRA engine (its per-step host cost alone)")
+    a = ap.parse_args()
+    import torch
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    sh = SHARDS[a.shape]
+    root = Path(tempfile.mkdtemp())
+    model = write_model(root, sh)
+    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "shape": a.shape,
+           "engine": a.only, "rows": []}
+    kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=64,
+              max_num_batched_tokens=8192, gpu_memory_utilization=a.mem, enable_prefix_caching=False)
+    lora = None
+    if a.only == "lora":
+        kw.update(enable_lora=True, max_lora_rank=64, max_loras=1)
+        lora = LoRARequest("r64", 1, str(write_adapter(root, "lora64", 64, False, sh)))
+    elif a.only.startswith("bd"):
+        extra = {"bdlora": True}
+        mode = a.only[3:] or "auto"
+        if mode == "fold":
+            extra["bdlora_fused_decode"] = {"fold_shrink": True}
+        elif mode == "fused":
+            extra["bdlora_fused_decode"] = True
+        elif mode == "stock":
+            extra["bdlora_fused_decode"] = False
+        kw.update(enable_lora=True, max_lora_rank=sh["bd_max"], max_loras=1, additional_config=extra)
+        r = sh["bd_rank"]
+        lora = LoRARequest(f"bd{r}", 3, str(write_adapter(root, f"bd{r}", r, True, sh)))
+    try:
+        import vllm
+
+        res["vllm"] = vllm.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    if a.base_requests:
+        lora, res["engine"] = None, a.only + " (base requests)"
+    t0 = time.time()
+    llm = LLM(str(model), **kw)
+    res["startup_s"] = round(time.time() - t0, 1)
+    print(f"{a.only} engine up in {res['startup_s']}s", flush=True)
+    rounds = a.rounds if a.rr else 1
+    for rnd in range(rounds):
+        if a.rr:
+            _wait_turn(Path(a.rr), rnd, a.index, a.count)
+        for b in [int(x) for x in a.batches.split(",")]:
+            row = {"batch": b, "decode_ms_per_step": decode_ms(llm, lora, b), "round": rnd}
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        for b in [int(x) for x in a.ttft.split(",") if x]:
+            row = {"batch": b, "ttft_ms": ttft_ms(llm, lora, b, a.ttft_len), "prompt_len": a.ttft_len, "round": rnd}
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        if a.rr:
+            nxt = (rnd, a.index + 1) if a.index + 1 < a.count else (rnd + 1, 0)
+            (Path(a.rr) / "turn").write_text(f"{nxt[0]}:{nxt[1]}")
+    if a.only.startswith("bd"):
+        from bdlora.vllm_plugin.layers import FUSED_COUNTS
+
+        res["path_counts"] = dict(FUSED_COUNTS)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    del llm
+    gc.collect()
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

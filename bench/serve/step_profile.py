@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Is a served decode step GPU-bound or host-bound? One in-process engine of ``auto_proxy.py``'s shard shapes
+decodes under torch.profiler (CUPTI traces the kernels inside CUDA-graph replays); from the trace: the steps' wall
+span, the union of GPU kernel intervals (busy), and the GPU's idle time between them. busy ~ wall: GPU-bound (the
+kernels decide the step time); busy << wall: the host (scheduler, input preparation, LoRA metadata) does.
+
+    PYTHONPATH=/tmp/site python3 bench/serve/step_profile.py --shape tp8 --only bd --out prof.json
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def busy_ms(trace: dict) -> tuple[float, float, int, dict]:
+    ks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
+                if e.get("cat") == "kernel" and "dur" in e)
+    if not ks:
+        return 0.0, 0.0, 0, {}
+    busy, cur_s, cur_e = 0.0, ks[0][0], ks[0][1]
+    for s, e, _ in ks[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    by = {}
+    for s, e, n in ks:
+        k = n[:60]
+        by[k] = by.get(k, 0.0) + (e - s)
+    top = dict(sorted(by.items(), key=lambda kv: -kv[1])[:15])
+    return busy / 1000, (ks[-1][1] - ks[0][0]) / 1000, len(ks), {k: round(v / 1000, 3) for k, v in top.items()}
+
+
+def main():
+    import auto_proxy as P
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="tp8")
+    ap.add_argument("--only", default="bd")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--out", default="prof.json")
+    a = ap.parse_args()
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    sh = P.SHARDS[a.shape]
+    root = Path(tempfile.mkdtemp())
+    model = P.write_model(root, sh)
+    kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=64,
+              max_num_batched_tokens=8192, gpu_memory_utilization=0.45, enable_prefix_caching=False)
+    lora = None
+    if a.only == "lora":
+        kw.update(enable_lora=True, max_lora_rank=64, max_loras=1)
+        lora = LoRARequest("r64", 1, str(P.write_adapter(root, "lora64", 64, False, sh)))
+    elif a.only == "bd":
+        kw.update(enable_lora=True, max_lora_rank=sh["bd_max"], max_loras=1, additional_config={"bdlora": True})
+        lora = LoRARequest("bd", 3, str(P.write_adapter(root, "bd", sh["bd_rank"], True, sh)))
+    llm = LLM(str(model), **kw)
+    prompts = P._prompts(a.batch, 128)
+    sp = SamplingParams(max_tokens=a.steps, ignore_eos=True, temperature=0.0, detokenize=False)
+    llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
+    t0 = time.perf_counter()
+    llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
+    plain = time.perf_counter() - t0
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
+    path = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(path))
+    busy, span, n, top = busy_ms(json.loads(path.read_text()))
+    res = {"device": torch.cuda.get_device_name(), "shape": a.shape, "engine": a.only, "batch": a.batch,
+           "steps": a.steps, "generate_ms_unprofiled": round(1000 * plain, 2), "kernel_span_ms": round(span, 2),
+           "gpu_busy_ms": round(busy, 2), "gpu_idle_ms": round(span - busy, 2), "kernels": n,
+           "busy_per_step_ms": round(busy / a.steps, 4), "span_per_step_ms": round(span / a.steps, 4),
+           "top_kernels_ms": top}
+    print(json.dumps(res, indent=1), flush=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
