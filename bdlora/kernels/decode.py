@@ -239,7 +239,7 @@ def _decode_folded_expand_kernel(
         tl.store(y_ptr + t.to(tl.int64) * stride_y + cs, acc.to(y_ptr.dtype.element_ty), mask=cmask)
 
 
-@jit
+@jit(do_not_specialize=["T"])  # one compiled kernel for every token count (no JIT when a new T shows up mid-serving)
 def _fold_expand_gemm_kernel(
     y_ptr, h_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr,
     T, stride_y, stride_h, d_out, n_loras, R, O1, O2, O3, O4,
