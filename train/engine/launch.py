@@ -60,8 +60,13 @@ def _spawn_worker(rank: int, run, world: int, port: int, backend: str) -> None:
         dist.barrier()  # no rank tears its group down while another still talks to it
     finally:
         dist.destroy_process_group()
-    # Done, outputs written (atomically) and the group joined: leave without the interpreter's teardown, where a
-    # gloo thread still releasing buffers aborted a finished rank ("terminate called without an active exception").
+
+
+def _spawn_process(rank: int, run, world: int, port: int, backend: str) -> None:
+    """``mp.spawn``'s entry: one rank, then, outputs written (atomically) and the group joined, leave without the
+    interpreter's teardown, where a gloo thread still releasing buffers aborted a finished rank ("terminate called
+    without an active exception")."""
+    _spawn_worker(rank, run, world, port, backend)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -79,7 +84,7 @@ def spawn(run, nprocs: int, backend=None) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_spawn_worker, args=(run, nprocs, port, backend), nprocs=nprocs, join=True)
+    mp.spawn(_spawn_process, args=(run, nprocs, port, backend), nprocs=nprocs, join=True)
 
 
 def run_pipeline_spawn(run: RunConfig, backend: Optional[str] = None) -> dict:
