@@ -376,6 +376,7 @@ class _BDLoRAMixin:
         ``max_extra`` set) where the LoRA rows, slices x slots x rank, exceed ``max_extra`` x d_out: every forward's
         GEMM multiplies them, so many slots of a high rank make the fold slower than the two-launch path."""
         from bdlora.kernels import fold_weight
+        from bdlora.kernels.tuning import FOLD_MAX_EXTRA
 
         w = getattr(self.base_layer, "weight", None)
         method = type(getattr(self.base_layer, "quant_method", None)).__name__
@@ -394,12 +395,11 @@ class _BDLoRAMixin:
         else:
             folded = fold_weight(w.data, self.n_slices, max_loras, rank)
             w.data = folded.base
-            extra = folded.w_ext.shape[0] - d_out
-            if max_extra is None and extra * 4 > d_out:
+            if max_extra is None and extra_rows > FOLD_MAX_EXTRA * d_out:
                 _warn_once("fold-wide", "bdlora fold_shrink: %s's decode GEMM gets %d LoRA rows next to its %d (+%d%%; "
                            "slices x --max-loras x per-GPU rank), read at every decode step: lower --max-loras or "
-                           "--max-lora-rank, or serve without --bdlora-fold-shrink", type(self).__name__, extra,
-                           d_out, round(100 * extra / d_out))
+                           "--max-lora-rank, or serve without --bdlora-fold-shrink", type(self).__name__, extra_rows,
+                           d_out, round(100 * extra_rows / d_out))
             return folded
         _warn_once(("fold", reason), "bdlora fold_shrink: %s keeps the shrink out of the base GEMM (two-launch "
                    "decode kernel, vLLM's path above it): %s", type(self).__name__, reason)

@@ -229,7 +229,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
        "base of BDMergedQKVParallelLinearWithLoRA (qkv_proj)", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
     _T("RowParallelLinearWithLoRA", "vllm.lora.layers", "RowParallelLinearWithLoRA", "subclass",
        "base of BDRowParallelLinearWithLoRA (o/down)", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
-    _T("LoRAMapping", "vllm.lora.layers", "LoRAMapping", "call", "tests' probes (fused_decode_self_check)",
+    _T("LoRAMapping", "vllm.lora.layers", "LoRAMapping", "call", "diagnostics.fused_decode_self_check (worker probe)",
        {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
     *(_T(f"BaseLinearLayerWithLoRA.{m}", "vllm.lora.layers.base_linear", f"BaseLinearLayerWithLoRA.{m}", "override",
          why, {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}, params=params)

@@ -29,6 +29,9 @@ from typing import Any, Mapping, Optional
 from .decode import ExpandTiles
 
 UNLIMITED = 1 << 30
+#: LoRA rows folded under a base weight, as a fraction of its output rows, above which every forward's GEMM pays
+#: more for them than the two-launch path costs (auto mode: no fold; the opt-in fold mode: a warning).
+FOLD_MAX_EXTRA = 0.25
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class ServingTuning:
     fold_decode_max: int = 8
     fold_gemm_max: int = UNLIMITED
     two_launch_max: int = 8
-    fold_max_extra: float = 0.25
+    fold_max_extra: float = FOLD_MAX_EXTRA
     gemm_tiles: tuple = ((UNLIMITED, 16, 64, 4),)
 
     def __post_init__(self):
