@@ -1,5 +1,5 @@
 """The serving kernels of ``--enable-bdlora`` (``decode_lora_folded``: one GEMM with [W; A], then the per-token or the
-tiled expand kernel) against a float64 oracle built from the separate factors, on fresh random ragged inputs (slots
+tiled expand kernel; or the one-launch kernel doing all three) against a float64 oracle built from the separate factors, on fresh random ragged inputs (slots
 of different ranks, an empty slot, tokens without LoRA, in any order), on CPU through the Triton interpreter; and the
 per-GPU tuning table (``bdlora.kernels.tuning``). No timing here: speed is measured by
 bench/kernels/bench_serving_kernels.py on a GPU.
@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import bdlora.kernels as K  # noqa: E402
-from bdlora.kernels.decode import ExpandTiles  # noqa: E402
+from bdlora.kernels.decode import GEMV_MAX_TOKENS, ExpandTiles, GemvTiles, GemvWorkspace  # noqa: E402
 from bdlora.kernels.tuning import TABLE, UNLIMITED, ServingTuning, serving_tuning  # noqa: E402
 
 
@@ -58,14 +58,15 @@ CASES = [  # (ranks per slot, slice widths, tokens, d_in)
 ]
 
 
-@pytest.mark.parametrize("kernel", ["decode", "gemm"])
+@pytest.mark.parametrize("kernel", ["decode", "gemm", "gemv"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_folded_kernels_match_float64_oracle(kernel, case):
     ranks, d_outs, t, d_in = CASES[case]
     folded, x, b, idx, rk, scales, offs, want = _oracle_case(100 + case, ranks, d_outs, t, d_in)
     tiles = ExpandTiles(16, 32, 1)
+    gemv_tiles = GemvTiles(16, 16, split_k=3, warps=1, stages=1)  # tiles straddling slices, split-K hand-offs
     y, d = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel=kernel, tiles=tiles,
-                                options=K.KernelOptions(backend="triton"))
+                                gemv_tiles=gemv_tiles, options=K.KernelOptions(backend="triton"))
     assert d.backend == "triton" and y.shape == (t, sum(d_outs))
     torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
     y_t, d = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel=kernel,
@@ -82,7 +83,44 @@ def test_gemm_kernel_any_tiles_and_mixed_tiles(tiles):
     torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,kernels", [(torch.float16, ("decode", "gemm")), (torch.bfloat16, ("decode",))])
+@pytest.mark.parametrize("tiles", [GemvTiles(16, 16, 1, 1, 1), GemvTiles(32, 32, 2, 2, 2), GemvTiles(16, 64, 4, 1, 1)])
+def test_gemv_kernel_tiles_and_shared_workspace(tiles):
+    """The one-launch kernel on one workspace shared by two folds of different shapes, called again and again: every
+    call equals the oracle bit for bit the same, and its counters are back to zero after each call (the next call,
+    or a CUDA graph's next replay, starts clean)."""
+    ws = GemvWorkspace("cpu", torch.float32)
+    cases = [_oracle_case(21, [8, 16, 0, 32], [40, 24], 13, 32, p_none=0.3), _oracle_case(22, [12], [64, 16, 16], 1, 48)]
+    for folded, x, *_ in cases:
+        ws.reserve(folded, x.shape[0], tiles)
+    for _ in range(2):
+        for folded, x, b, idx, rk, scales, offs, want in cases:
+            y = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv", gemv_tiles=tiles,
+                                     workspace=ws).out
+            torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
+            assert not ws.counters.any(), ws.counters
+    folded, x, b, idx, rk, scales, offs, _ = cases[0]
+    runs = [K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv", gemv_tiles=tiles,
+                                 workspace=ws).out for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_gemv_kernel_refusals():
+    folded, x, b, idx, rk, scales, offs, _ = _oracle_case(5, [8], [32], 2, 16)
+    with pytest.raises(ValueError, match=f"at most {GEMV_MAX_TOKENS} tokens"):
+        big = torch.zeros(GEMV_MAX_TOKENS + 1, 16)
+        K.decode_lora_folded(big, folded, b, torch.zeros(GEMV_MAX_TOKENS + 1, dtype=torch.int32), rk, scales, offs,
+                             kernel="gemv")
+    small = GemvWorkspace("cpu", torch.float32)  # never reserved
+    with pytest.raises(ValueError, match="reserve it for the largest call first"):
+        K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv", workspace=small)
+    with pytest.raises(ValueError, match="split_k must be 1-64"):
+        GemvTiles(16, 64, 0)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        GemvTiles(24, 64)
+
+
+@pytest.mark.parametrize("dtype,kernels", [(torch.float16, ("decode", "gemm", "gemv")),
+                                           (torch.bfloat16, ("decode",))])
 def test_folded_kernels_16bit_close_to_oracle(dtype, kernels):
     """16-bit inputs (serving): within 16-bit rounding of the float64 oracle. (bf16 tl.dot is wrong under the CPU
     interpreter, not on GPUs: the bf16 tiled kernel is checked on the GPU by bench_serving_kernels.py's check.)"""
@@ -119,8 +157,20 @@ def test_tuning_table_lookup_and_overrides():
     o, src = serving_tuning("cpu", override={"fold": True, "fold_decode_max": 2, "fold_gemm_max": 16,
                                              "gemm_tiles": [[16, 16, 32, 1]]})
     assert src == "default:cpu + override" and o.fold and o.fold_decode_max == 2 and o.tiles_for(5).block_n == 32
+    # the one-launch kernel: only on the shapes measured for it (H200), any shape with a 0, 0 row, never on the H100
+    assert t.fold_gemv_max == 16 and t.gemv_tiles_for(3584, 4096) == GemvTiles(*t.gemv_shapes[0][2:])
+    assert t.gemv_tiles_for(4096, 1536) is None
+    h100, _ = serving_tuning("cuda", "NVIDIA H100 80GB HBM3")
+    assert h100.fold_gemv_max == 0 and h100.gemv_tiles_for(3584, 4096) is None
+    assert h100.fold_gemm_max == t.fold_gemm_max and h100.gemm_tiles == t.gemm_tiles
+    g, _ = serving_tuning("cpu", override={"fold_gemv_max": 4, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1]]})
+    assert g.gemv_tiles_for(7, 9) == GemvTiles(16, 16, 2, 1, 1)
+    assert ServingTuning.from_dict({"fold_gemv_max": 0}, g).gemv_tiles_for(7, 9) is None
     for bad, msg in (({"fold_gemm_max": -1}, "token count"), ({"foo": 1}, "unknown keys"),
                      ({"fold_gemm_max": 64, "gemm_tiles": [[16, 16, 64, 4]]}, "covers fold_gemm_max"),
-                     ({"gemm_tiles": [[UNLIMITED, 24, 64, 4]]}, "power of two")):
+                     ({"gemm_tiles": [[UNLIMITED, 24, 64, 4]]}, "power of two"),
+                     ({"fold_gemv_max": GEMV_MAX_TOKENS + 1}, "at most"),
+                     ({"gemv_shapes": [[0, 0, 16, 16, 2]]}, "rows of 7 ints"),
+                     ({"gemv_shapes": [[0, 0, 16, 16, 2, 3, 1]]}, "warps")):
         with pytest.raises(ValueError, match=msg):
             serving_tuning("cpu", override=bad)

@@ -328,6 +328,31 @@ def test_tp1_auto_mode_every_path_parity(tiny_llama_dir, vllm_adapters):
         T.stop_llm(llm)
 
 
+def test_tp1_auto_mode_one_launch_kernel_parity(tiny_llama_dir, vllm_adapters):
+    """Auto mode with the one-launch folded kernel (``fold_gemv_max``; a ``gemv_shapes`` row of 0, 0 takes every
+    layer's shape, split-K tiles): decode steps of 5 sequences (two slots and tokens without LoRA in one batch) run
+    it, the 27-token prefill vLLM's path. Greedy tokens equal HF+PEFT, logprobs within 1e-4, the path counters, and
+    the per-layer self-check (its 6-token batch through the same kernel) hold."""
+    tuning = {"fold": True, "fold_gemv_max": 16, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1]], "fold_decode_max": 0,
+              "fold_gemm_max": 16, "two_launch_max": 0, "gemm_tiles": [[16, 16, 32, 1]]}
+    llm = T.start_llm(tiny_llama_dir, env=INPROC, enable_lora=True, max_lora_rank=16, max_loras=2,
+                      additional_config={"bdlora": True, "bdlora_fused_decode": {"mode": "auto", "tuning": tuning}})
+    try:
+        backend = "triton" if K.dispatch.INTERPRET else "torch"
+        llm.collective_rpc(D.reset_fused_decode_counters)
+        spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[2], None),
+                (PROMPTS[0], "bd2_r8")]
+        _check(tiny_llama_dir, vllm_adapters, llm, spec)
+        counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
+        assert counts.get("fold_gemv:" + backend, 0) >= 8 * 7 and counts.get("stock", 0) >= 8, counts
+        assert not any(k.startswith(("folded:", "fold_gemm:", "fused:")) for k in counts), counts
+        check = llm.collective_rpc(D.fused_decode_self_check)[0]
+        assert check["fold_layers"] == check["layers"] == 8 and check["fold_shares_weight"], check
+        assert check["max_abs_lora"] > 1e-3 and check["fold_max_abs_diff"] < 1e-5 and check["padding_untouched"]
+    finally:
+        T.stop_llm(llm)
+
+
 # ---------------------------------------------------------------------------------------------------- TP=2 engine
 
 TP2 = {

@@ -15,8 +15,9 @@
 Auto mode (the default of ``--enable-bdlora``, ``FusedDecodeOptions(mode="auto")``): each layer looks up its
 device's entry in ``bdlora.kernels.tuning`` (one table of measured cut-offs per GPU; vLLM's own path on CPU) when it
 is built. A layer whose base weight can fold (and whose LoRA rows stay under ``fold_max_extra`` of its outputs) goes
-through ``torch.ops.bdlora.fold_linear`` with the table's cut-offs: up to ``fold_decode_max`` tokens the per-token
-``decode_lora_folded`` kernel, up to ``fold_gemm_max`` its tiled kernel (any token count: prefill too), above the
+through ``torch.ops.bdlora.fold_linear`` with the table's cut-offs: up to ``fold_gemv_max`` tokens, on the shapes
+the table lists for it, the one-launch kernel (base GEMM, shrink and expand together); up to ``fold_decode_max``
+tokens the per-token ``decode_lora_folded`` kernel, up to ``fold_gemm_max`` its tiled kernel (any token count: prefill too), above the
 base GEMM on W's view and vLLM's punica path; a layer that cannot fold runs the two-launch decode kernel up to
 ``two_launch_max`` tokens and vLLM's path above. The choice is made inside the opaque custom op when it runs, so each
 captured CUDA-graph size holds its own path. The opt-in flags below keep their fixed behaviour (experiments).
@@ -77,8 +78,8 @@ class LayerBuild:
     :func:`layer_classes` (the loader makes one per ``create_lora_manager`` call; no module state).
 
     ``rank``: the per-device buffer rank; ``fused``: the fused-decode options (None: off); ``names``: fused-layer names
-    given out in this build; ``workspaces``: one decode workspace (partial shrinks) per device, shared by this build's
-    fused layers (their launches never overlap). A new build starts new ones, so a later engine never resizes buffers
+    given out in this build; ``workspaces``: one decode workspace (partial shrinks) per device and one workspace of the
+    one-launch folded kernel per (device, dtype), shared by this build's fused layers (their launches never overlap). A new build starts new ones, so a later engine never resizes buffers
     an earlier one's graphs captured."""
 
     rank: int
@@ -102,7 +103,8 @@ class LayerBuild:
 
 #: Calls of the BD layers' custom ops in this process, by the path that ran: ``fused:<backend>`` (``lora_linear``:
 #: decode_lora's two launches; backend triton or torch), ``folded:<backend>`` (``fold_linear``: [W; A] GEMM and
-#: decode_lora_folded's per-token kernel), ``fold_gemm:<backend>`` (the same with its tiled kernel) and ``stock``
+#: decode_lora_folded's per-token kernel), ``fold_gemm:<backend>`` (the same with its tiled kernel),
+#: ``fold_gemv:<backend>`` (its one-launch kernel: base GEMM, shrink and expand together) and ``stock``
 #: (above the cut-offs: vLLM's punica path). Counted on the host, so under CUDA graphs only eager runs and captures
 #: count (tests run eager).
 FUSED_COUNTS: Counter = Counter()
@@ -171,6 +173,9 @@ class _FusedState:
     fold_decode_max: int = 0  # fold_linear: T <= this runs the per-token kernel,
     fold_gemm_max: int = 0  # T <= this the tiled one, above vLLM's path
     tuning: object = None  # auto mode: the device's bdlora.kernels.tuning.ServingTuning (gemm tiles per T)
+    fold_gemv_max: int = 0  # fold_linear: T <= this runs the one-launch kernel (before the cut-offs above)
+    gemv_tiles: object = None  # its bdlora.kernels.GemvTiles for this layer's shape
+    gemv_workspace: object = None  # bdlora.kernels.GemvWorkspace shared by this build's layers on the device
 
 
 def _warn_once(key, msg: str, *args) -> None:
@@ -219,17 +224,17 @@ def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
     layer = _FUSED_LAYERS[layer]
     st = layer._bd_fused
     n = x.shape[0]
-    if n <= st.fold_gemm_max and st.slots is not None:
+    if n <= max(st.fold_gemm_max, st.fold_gemv_max) and st.slots is not None:
         from bdlora.kernels import KernelOptions, decode_lora_folded
 
-        kernel = "decode" if n <= st.fold_decode_max else "gemm"
+        kernel = "gemv" if n <= st.fold_gemv_max else "decode" if n <= st.fold_decode_max else "gemm"
         tiles = st.tuning.tiles_for(n) if kernel == "gemm" and st.tuning is not None else None
         y, ran = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
                                     options=KernelOptions(backend=st.backend), soff=st.soff, kernel=kernel,
-                                    tiles=tiles)
+                                    tiles=tiles, gemv_tiles=st.gemv_tiles, workspace=st.gemv_workspace)
         if bias is not None:
             y += bias
-        _count_fused("folded:" if kernel == "decode" else "fold_gemm:", ran.backend, x, st)
+        _count_fused({"gemv": "fold_gemv:", "decode": "folded:", "gemm": "fold_gemm:"}[kernel], ran.backend, x, st)
         return y
     y = layer._get_quant_method().apply(layer.base_layer, x, bias)
     _stock_lora(layer, y, x)
@@ -269,6 +274,16 @@ def _decode_workspace(build: LayerBuild, dev, max_tokens: int, n_slices: int, ma
     for t in range(1, max_tokens + 1):
         ws.reserve(decode_grid(t, n_slices, 1, max_out, d_in, rank, tiles))
     return ws
+
+
+def _gemv_workspace(build: LayerBuild, dev, dtype, folded, max_tokens: int, tiles):
+    """This build's one-launch kernel workspace for the device and dtype, grown at layer build time (before any
+    CUDA-graph capture) for batches of up to ``max_tokens`` tokens through this folded layer."""
+    from bdlora.kernels import GemvWorkspace
+
+    dev = torch.device(dev)
+    ws = build.workspaces.setdefault(("gemv", dev, dtype), GemvWorkspace(dev, dtype))
+    return ws.reserve(folded, max_tokens, tiles)
 
 
 class _BDLoRAMixin:
@@ -318,7 +333,7 @@ class _BDLoRAMixin:
         if build.fused.mode != "auto":
             return True
         t = build.tuning(dev)
-        return (t.fold and t.fold_gemm_max > 0) or t.two_launch_max > 0
+        return (t.fold and max(t.fold_gemm_max, t.fold_gemv_max) > 0) or t.two_launch_max > 0
 
     def _create_fused(self, max_loras: int, rank: int, outs: tuple, dtype, dev, build: LayerBuild) -> None:
         """Stacked buffers laid out for ``decode_lora`` as well as for vLLM's punica path (see the module doc)."""
@@ -351,6 +366,7 @@ class _BDLoRAMixin:
             k += 1
             name = f"{base}#{k}"
         build.names.add(name)
+        gemv_tiles = tuning.gemv_tiles_for(self.input_size, offsets[-1]) if tuning and folded is not None else None
         self._bd_fused = _FusedState(
             name=name, max_tokens=two_max, backend=opts.backend, lora_a=a_all.squeeze(2),
             lora_b=b_all, b_shared=n_s == 1, offsets=tuple(offsets),
@@ -359,7 +375,10 @@ class _BDLoRAMixin:
             scales=torch.ones(max_loras, dtype=torch.float32, device=dev),
             workspace=_decode_workspace(build, dev, two_max, n_s, max(outs), self.input_size, rank),
             folded=folded, fold_decode_max=fd_max if folded is not None else 0,
-            fold_gemm_max=fg_max if folded is not None else 0, tuning=tuning)
+            fold_gemm_max=fg_max if folded is not None else 0, tuning=tuning,
+            fold_gemv_max=tuning.fold_gemv_max if gemv_tiles is not None else 0, gemv_tiles=gemv_tiles,
+            gemv_workspace=(_gemv_workspace(build, dev, dtype, folded, tuning.fold_gemv_max, gemv_tiles)
+                            if gemv_tiles is not None else None))
         _FUSED_LAYERS[name] = self
         if _can_update_inplace():
             self.bd_fused_name = name

@@ -10,7 +10,8 @@ The kernels take one :class:`bdlora.layout.LoraFactors` per segment (the one ada
 layouts and the pack/unpack of block-diagonal factors: see ``bdlora.layout``.
 """
 from .cublas import CublasLoraLinearFn
-from .decode import DecodeWorkspace, FoldedWeight, decode_lora, decode_lora_folded, fold_weight, stack_decode_weights
+from .decode import (DecodeWorkspace, FoldedWeight, GemvTiles, GemvWorkspace, decode_lora, decode_lora_folded,
+                     fold_weight, stack_decode_weights)
 from .dispatch import Dispatch, KernelOptions, LoraResult
 from .dropout import dropout_keep_mask, keep_mask_torch, segment_keep_mask
 from .grouped import fused_lora_linear, grouped_lora
@@ -22,6 +23,8 @@ __all__ = [
     "DecodeWorkspace",
     "Dispatch",
     "FoldedWeight",
+    "GemvTiles",
+    "GemvWorkspace",
     "KernelOptions",
     "LoraResult",
     "bd_matmul",

@@ -297,6 +297,108 @@ def _fold_expand_gemm_kernel(
                  mask=rowmask[:, None] & cmask[None, :])
 
 
+@jit(do_not_specialize=["T"])
+def _fold_gemv_kernel(
+    y_ptr, x_ptr, w_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr, s_ptr, part_ptr, cnt_ptr, sync_ptr,
+    T, stride_x, stride_y, d_in, d_out, a_rows, n_loras, R, O1, O2, O3, O4, n_a_tiles, n_w_tiles, k_chunk,
+    N_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ONE_SLOT: tl.constexpr, PREC: tl.constexpr,
+):
+    """``decode_lora_folded``'s one-launch path (kernel="gemv", T <= BLOCK_M tokens): the base GEMM, every slot's
+    shrink and the expand in ONE kernel. Tile i is BLOCK_N rows of [W; A]: tiles 0 .. n_a_tiles-1 are A's rows
+    (first, so their programs have the lowest ids), then W's. Program p computes tile i = p // SPLIT_K over the
+    input columns [k * k_chunk, (k + 1) * k_chunk), k = p % SPLIT_K, of h = x @ [W; A]^T; with SPLIT_K > 1 it stores
+    its fp32 partial and the last of the tile's programs to arrive (cnt[i]) sums them in split order (deterministic)
+    and finishes the tile:
+
+    A tile (rows d_out + j): s[:T, j] = h[:T, d_out + j] (rounded to x's dtype, as the folded GEMM rounds it), then
+                             sync[0] += 1 (release)
+    W tile (cols c):         waits until sync[0] == n_a_tiles (acquire), then for each slice s its columns get
+                             y[t, c] = h[t, c] + scales[a] * s[t, (s * L + a) * R + :ranks[a]] @ B[a, c, :ranks[a]]^T
+                             with a = idx[t] (-1 / rank 0: no LoRA term); the last W tile finished resets sync.
+
+    Counters are zero between calls (each is reset by its last user). The wait is safe: A programs have the lowest
+    ids, so they are scheduled first and never wait themselves (the Triton interpreter runs programs in id order).
+    """
+    pid = tl.program_id(0)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    is_a = tile < n_a_tiles
+    n0 = tl.where(is_a, d_out + tile * BLOCK_N, (tile - n_a_tiles) * BLOCK_N)
+    n_end = tl.where(is_a, d_out + a_rows, d_out)
+    rows = tl.arange(0, BLOCK_M)
+    rowmask = rows < T
+    cs = n0 + tl.arange(0, BLOCK_N)
+    cmask = cs < n_end
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = split * k_chunk
+    k_hi = tl.minimum(k_lo + k_chunk, d_in)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < k_hi
+        xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rowmask[:, None] & kmask[None, :],
+                     other=0.0)
+        wv = tl.load(w_ptr + cs.to(tl.int64)[None, :] * d_in + ks[:, None], mask=kmask[:, None] & cmask[None, :],
+                     other=0.0)
+        acc += tl.dot(xv, wv, input_precision=PREC)
+    finish = True
+    if SPLIT_K > 1:
+        tile_parts = part_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+        mn = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(tile_parts + split * (BLOCK_M * BLOCK_N) + mn, acc)
+        tl.debug_barrier()  # every thread's stores are issued before the release below
+        finish = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+        if finish:
+            tl.debug_barrier()
+            acc = tl.load(tile_parts + mn, cache_modifier=".cg")
+            for k in range(1, SPLIT_K):
+                acc += tl.load(tile_parts + k * (BLOCK_M * BLOCK_N) + mn, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+    if finish:
+        if is_a:
+            tl.store(s_ptr + rows[:, None] * a_rows + (cs - d_out)[None, :], acc.to(s_ptr.dtype.element_ty),
+                     mask=rowmask[:, None] & cmask[None, :])
+            tl.debug_barrier()
+            tl.atomic_add(sync_ptr, 1, sem="release")
+        else:
+            seen = tl.load(sync_ptr, volatile=True)
+            while seen < n_a_tiles:  # plain polling reads: no read-modify-write traffic on the counter while waiting
+                seen = tl.load(sync_ptr, volatile=True)
+            tl.atomic_add(sync_ptr, 0, sem="acquire")  # then one acquire: the shrink stores are visible below
+            tl.debug_barrier()
+            a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
+            rr = tl.arange(0, BLOCK_R)
+            for sl in tl.static_range(N_SLICES):
+                lo, hi = _slice_bounds(sl, O1, O2, O3, O4)
+                if (n0 < hi) & (n0 + BLOCK_N > lo):  # a tile may straddle two slices: each adds its own columns
+                    smask = cmask & (cs >= lo) & (cs < hi)
+                    if ONE_SLOT:
+                        r = tl.load(ranks_ptr)
+                        sv = tl.load(s_ptr + rows[:, None] * a_rows + sl * R + rr[None, :],
+                                     mask=rowmask[:, None] & (rr < R)[None, :], other=0.0, cache_modifier=".cg")
+                        bv = tl.load(b_ptr + cs[None, :] * R + rr[:, None], mask=(rr < R)[:, None] & smask[None, :],
+                                     other=0.0)
+                        sv = tl.where((a == 0)[:, None] & (rr < r)[None, :], sv, 0.0).to(bv.dtype)
+                        acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr)
+                    else:
+                        for l in range(0, n_loras):
+                            sel = a == l
+                            r = tl.load(ranks_ptr + l)
+                            if (tl.max(sel.to(tl.int32), axis=0) > 0) & (r > 0):
+                                rmask = rr < r
+                                sv = tl.load(s_ptr + rows[:, None] * a_rows + (sl * n_loras + l) * R + rr[None, :],
+                                             mask=sel[:, None] & rmask[None, :], other=0.0, cache_modifier=".cg")
+                                bv = tl.load(b_ptr + (l * d_out + cs[None, :]).to(tl.int64) * R + rr[:, None],
+                                             mask=rmask[:, None] & smask[None, :], other=0.0)
+                                acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr + l)
+            tl.store(y_ptr + rows[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=rowmask[:, None] & cmask[None, :])
+            done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
+            if done == n_w_tiles - 1:  # every W tile is past its wait: ready for the next call
+                tl.atomic_xchg(sync_ptr + 1, 0)
+                tl.atomic_xchg(sync_ptr, 0)
+
+
 class DecodeWorkspace:
     """Scratch of ``decode_lora``: the fp32 partial shrinks the first kernel writes and the second sums.
 
@@ -436,16 +538,82 @@ class ExpandTiles:
             raise ValueError(f"ExpandTiles.warps must be 1, 2, 4, 8 or 16, got {self.warps}")
 
 
-#: ``decode_lora_folded`` kernels: "decode" (one program per token x slice x column tile; decode steps) and "gemm"
-#: (token tiles through tl.dot; any token count). Which one serves which token count is data (bdlora.kernels.tuning).
-FOLDED_KERNELS = ("decode", "gemm")
+@dataclass(frozen=True)
+class GemvTiles:
+    """Tiles of ``decode_lora_folded``'s kernel="gemv" launch: rows of [W; A] per tile, input columns per step,
+    programs per tile (each a 1/split_k share of the input columns), warps, pipeline stages."""
+
+    block_n: int = 16
+    block_k: int = 256
+    split_k: int = 4
+    warps: int = 4
+    stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemvTiles.{name} must be a power of two >= 16 (tl.dot), got {v}")
+        if not 1 <= self.split_k <= 64 or self.warps not in (1, 2, 4, 8, 16) or not 1 <= self.stages <= 8:
+            raise ValueError(f"GemvTiles: split_k must be 1-64, warps 1, 2, 4, 8 or 16 and stages 1-8, got "
+                             f"{self.split_k}, {self.warps}, {self.stages}")
+
+
+#: The most tokens the one-launch kernel ("gemv") takes: one token tile per program (BLOCK_M = T rounded up).
+GEMV_MAX_TOKENS = 64
+
+
+class GemvWorkspace:
+    """Scratch of kernel="gemv" calls on one device: the shrink (``GEMV_MAX_TOKENS`` x LoRA rows, in the layers'
+    dtype) that the A tiles write and the W tiles read, the fp32 split-K partials, one int32 counter per tile and two
+    more (all counters zero between calls: the kernel resets each after its last use). Every entry a call reads was
+    written by the same call, so the folded layers of a model, run one after another on one stream, share one
+    workspace; concurrent calls may not. Size it before CUDA-graph capture (``reserve``): a captured launch keeps the
+    addresses it saw."""
+
+    def __init__(self, device: torch.device | str, dtype: torch.dtype):
+        self.device, self.dtype = torch.device(device), dtype
+        self.shrink = torch.empty(0, dtype=dtype, device=self.device)
+        self.partials = torch.empty(0, dtype=torch.float32, device=self.device)
+        self.counters = torch.zeros(2, dtype=torch.int32, device=self.device)
+
+    @staticmethod
+    def needs(folded: "FoldedWeight", tokens: int, tiles: GemvTiles) -> tuple[int, int, int]:
+        """(shrink entries, partial floats, counters) one call needs."""
+        a_rows = folded.w_ext.shape[0] - folded.d_out
+        n_tiles = -(-a_rows // tiles.block_n) + -(-folded.d_out // tiles.block_n)
+        block_m = max(16, next_pow2(tokens))
+        parts = n_tiles * tiles.split_k * block_m * tiles.block_n if tiles.split_k > 1 else 0
+        return GEMV_MAX_TOKENS * max(1, a_rows), parts, 2 + n_tiles
+
+    def reserve(self, folded: "FoldedWeight", tokens: int, tiles: GemvTiles) -> "GemvWorkspace":
+        """Grow (never shrink) to fit a call of ``tokens`` tokens on ``folded`` with ``tiles``."""
+        n_s, n_p, n_c = self.needs(folded, tokens, tiles)
+        if n_s > self.shrink.numel():
+            self.shrink = torch.empty(n_s, dtype=self.dtype, device=self.device)
+        if n_p > self.partials.numel():
+            self.partials = torch.empty(n_p, dtype=torch.float32, device=self.device)
+        if n_c > self.counters.numel():
+            self.counters = torch.zeros(n_c, dtype=torch.int32, device=self.device)
+        return self
+
+    def fits(self, folded: "FoldedWeight", tokens: int, tiles: GemvTiles) -> bool:
+        n_s, n_p, n_c = self.needs(folded, tokens, tiles)
+        return n_s <= self.shrink.numel() and n_p <= self.partials.numel() and n_c <= self.counters.numel()
+
+
+#: ``decode_lora_folded`` kernels: "decode" (one program per token x slice x column tile; decode steps), "gemm"
+#: (token tiles through tl.dot; any token count) and "gemv" (base GEMM, shrink and expand in one launch; up to
+#: ``GEMV_MAX_TOKENS``). Which one serves which token count is data (bdlora.kernels.tuning).
+FOLDED_KERNELS = ("decode", "gemm", "gemv")
 MAX_FOLDED_SLICES = 4
 
 
 def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tensor, token_lora_indices: torch.Tensor,
                        ranks: torch.Tensor, scales: torch.Tensor, slice_offsets: Sequence[int], *,
                        options: KernelOptions = DEFAULT_OPTIONS, soff: torch.Tensor | None = None,
-                       kernel: str = "decode", tiles: ExpandTiles | None = None) -> LoraResult:
+                       kernel: str = "decode", tiles: ExpandTiles | None = None,
+                       gemv_tiles: GemvTiles | None = None, workspace: GemvWorkspace | None = None) -> LoraResult:
     """Base layer plus multi-slice BGMV/SGMV with the shrink inside the base GEMM (Punica/vLLM semantics, -1 = no
     LoRA); returns ``LoraResult(y, Dispatch)`` with a new y (T, d_out):
 
@@ -459,7 +627,9 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     GEMM: cheap when they are few next to d_out). Triton: the GEMM (cuBLAS via torch) and one launch after it,
     ``kernel`` "decode" (``_decode_folded_expand_kernel``, one program per token: decode steps) or "gemm"
     (``_fold_expand_gemm_kernel``, token tiles of ``tiles`` through tl.dot: any token count, tokens in any slot
-    order). No workspace, no host sync (CUDA-graph safe with int32 ``token_lora_indices`` and ``ranks``, float32
+    order); or ``kernel`` "gemv": ONE launch for everything (``_fold_gemv_kernel``, tiles ``gemv_tiles``; at most
+    ``GEMV_MAX_TOKENS`` tokens; scratch in ``workspace``, a ``GemvWorkspace`` reserved for the call, a temporary
+    one when None). No host sync (CUDA-graph safe with int32 ``token_lora_indices`` and ``ranks``, float32
     ``scales``, on the device; the slice offsets are kernel arguments, ``soff`` is accepted and unused). At most
     ``MAX_FOLDED_SLICES`` slices. The shrink is rounded to x's dtype by the GEMM, as in PEFT's ``lora_B(lora_A(x))``.
     Torch fallback: ``decode_lora_folded_torch`` (any kernel); reference ``decode_lora_folded_ref``.
@@ -475,26 +645,55 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         raise ValueError(f"decode_lora_folded: kernel must be one of {FOLDED_KERNELS}, got {kernel!r}")
     if not 1 <= n_s <= MAX_FOLDED_SLICES:
         raise ValueError(f"decode_lora_folded: {n_s} slices; 1 to {MAX_FOLDED_SLICES} supported")
-    h = F.linear(x, folded.w_ext)
-    why = dispatch.triton_why_not(h, lora_b)
-    if why is None and not (h.stride(1) == 1 and lora_b.is_contiguous()):
+    t = x.shape[0]
+    if kernel == "gemv" and t > GEMV_MAX_TOKENS:
+        raise ValueError(f"decode_lora_folded: kernel='gemv' takes at most {GEMV_MAX_TOKENS} tokens, got {t}")
+    why = dispatch.triton_why_not(x, folded.w_ext, lora_b)
+    if why is None and not lora_b.is_contiguous():
         why = "lora_b not contiguous"
+    if why is None and kernel == "gemv" and not (x.stride(1) == 1 and folded.w_ext.is_contiguous()):
+        why = "x without unit column stride or [W; A] not contiguous (kernel='gemv' reads them)"
     use, note = dispatch.resolve("decode_lora_folded", options, x.device.type, triton=why)
     if use == "torch":
-        y = decode_lora_folded_torch(h, d_out, lora_b, token_lora_indices, ranks, scales, slice_offsets)
+        y = decode_lora_folded_torch(F.linear(x, folded.w_ext), d_out, lora_b, token_lora_indices, ranks, scales,
+                                     slice_offsets)
         return LoraResult(y, Dispatch("decode_lora_folded", options.backend, use, note))
 
-    t = x.shape[0]
-    y = h.new_empty(t, d_out)
-    done = LoraResult(y, Dispatch("decode_lora_folded", options.backend, use, note))
-    if t == 0:
-        return done
     offs = [int(o) for o in slice_offsets[1:]] + [d_out] * (MAX_FOLDED_SLICES - n_s)
     widest = max(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_s))
     idx = token_lora_indices.to(device=x.device, dtype=torch.int32)
     ranks = ranks.to(device=x.device, dtype=torch.int32)
     scales = scales.to(device=x.device, dtype=torch.float32)
     block_r = max(16, next_pow2(r))
+    if kernel == "gemv":
+        y = x.new_empty(t, d_out)
+        done = LoraResult(y, Dispatch("decode_lora_folded", options.backend, use, note))
+        if t == 0:
+            return done
+        gt = gemv_tiles or GemvTiles()
+        if workspace is None:
+            workspace = GemvWorkspace(x.device, x.dtype).reserve(folded, t, gt)
+        elif not (workspace.fits(folded, t, gt) and workspace.shrink.device == x.device and workspace.dtype == x.dtype):
+            raise ValueError(f"decode_lora_folded: the gemv workspace ({workspace.dtype} on {workspace.device}) does "
+                             f"not fit this call ({t} tokens, {x.dtype} on {x.device}, {gt}): reserve it for the "
+                             f"largest call first")
+        a_rows = folded.w_ext.shape[0] - d_out
+        n_a, n_w = -(-a_rows // gt.block_n), -(-d_out // gt.block_n)
+        d_in = x.shape[1]
+        k_chunk = -(-d_in // (gt.split_k * gt.block_k)) * gt.block_k
+        _fold_gemv_kernel[((n_a + n_w) * gt.split_k,)](
+            y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.shrink, workspace.partials,
+            workspace.counters[2:], workspace.counters, t, x.stride(0), y.stride(0), d_in, d_out, a_rows, n_l, r,
+            *offs, n_a, n_w, k_chunk, N_SLICES=n_s, SPLIT_K=gt.split_k, BLOCK_M=max(16, next_pow2(t)),
+            BLOCK_N=gt.block_n, BLOCK_K=gt.block_k, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
+            PREC=dispatch.dot_precision(x.dtype), num_warps=gt.warps, num_stages=gt.stages,
+        )
+        return done
+    h = F.linear(x, folded.w_ext)
+    y = h.new_empty(t, d_out)
+    done = LoraResult(y, Dispatch("decode_lora_folded", options.backend, use, note))
+    if t == 0:
+        return done
     if kernel == "decode":
         block_n = decode_tiles(x.device).block_n
         _decode_folded_expand_kernel[(t, n_s, -(-widest // block_n))](

@@ -7,6 +7,9 @@ it is built, and then picks per forward, inside its opaque custom op (so per cap
 number of tokens T of that forward:
 
     fold layers (A stored under the base weight, ``fold``):
+        T <= fold_gemv_max     (only layers whose base weight's (d_in, d_out) has a ``gemv_shapes`` row)
+                               ``decode_lora_folded(kernel="gemv")``: base GEMM, shrink and expand in ONE launch,
+                               with that row's tiles (block_n, block_k, split_k, warps, stages)
         T <= fold_decode_max   one GEMM with [W; A] + ``decode_lora_folded(kernel="decode")`` (per-token programs)
         T <= fold_gemm_max     one GEMM with [W; A] + ``decode_lora_folded(kernel="gemm")`` (token tiles, tl.dot),
                                tiles from ``gemm_tiles``: the first (max_tokens, block_m, block_n, warps) row with
@@ -26,7 +29,7 @@ from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
-from .decode import ExpandTiles
+from .decode import GEMV_MAX_TOKENS, ExpandTiles, GemvTiles
 
 UNLIMITED = 1 << 30
 #: LoRA rows folded under a base weight, as a fraction of its output rows, above which every forward's GEMM pays
@@ -44,9 +47,11 @@ class ServingTuning:
     two_launch_max: int = 8
     fold_max_extra: float = FOLD_MAX_EXTRA
     gemm_tiles: tuple = ((UNLIMITED, 16, 64, 4),)
+    fold_gemv_max: int = 0
+    gemv_shapes: tuple = ()  # rows (d_in, d_out, block_n, block_k, split_k, warps, stages); d_in = d_out = 0: any
 
     def __post_init__(self):
-        for name in ("fold_decode_max", "fold_gemm_max", "two_launch_max"):
+        for name in ("fold_decode_max", "fold_gemm_max", "two_launch_max", "fold_gemv_max"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"serving tuning: {name} must be a token count >= 0, got {v!r}")
@@ -61,6 +66,16 @@ class ServingTuning:
         for r in rows:
             ExpandTiles(r[1], r[2], r[3])  # raises on a bad tile
         object.__setattr__(self, "gemm_tiles", rows)
+        if self.fold_gemv_max > GEMV_MAX_TOKENS:
+            raise ValueError(f"serving tuning: fold_gemv_max is at most {GEMV_MAX_TOKENS} (the one-launch kernel's "
+                             f"token tile), got {self.fold_gemv_max}")
+        gemv = tuple(tuple(r) for r in self.gemv_shapes)
+        if any(len(r) != 7 or any(isinstance(v, bool) or not isinstance(v, int) for v in r) for r in gemv):
+            raise ValueError("serving tuning: gemv_shapes must be rows of 7 ints (d_in, d_out, block_n, block_k, "
+                             f"split_k, warps, stages), got {self.gemv_shapes!r}")
+        for r in gemv:
+            GemvTiles(*r[2:])  # raises on a bad tile
+        object.__setattr__(self, "gemv_shapes", gemv)
 
     def tiles_for(self, tokens: int) -> ExpandTiles:
         """The kernel="gemm" tiles for a forward of ``tokens`` tokens."""
@@ -68,6 +83,16 @@ class ServingTuning:
             if tokens <= max_t:
                 return ExpandTiles(bm, bn, w)
         return ExpandTiles(*self.gemm_tiles[-1][1:])
+
+    def gemv_tiles_for(self, d_in: int, d_out: int) -> Optional[GemvTiles]:
+        """The one-launch kernel's tiles for a base weight of (d_in, d_out), or None: that shape does not take it
+        (the first ``gemv_shapes`` row of that shape, or of 0, 0)."""
+        if self.fold_gemv_max == 0:
+            return None
+        for row in self.gemv_shapes:
+            if (row[0], row[1]) in ((d_in, d_out), (0, 0)):
+                return GemvTiles(*row[2:])
+        return None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base: Optional["ServingTuning"] = None) -> "ServingTuning":
@@ -86,12 +111,19 @@ _H200 = MappingProxyType({
     # to punica. The two-launch kernel (unfoldable layers) beats punica up to 8-16 tokens.
     "fold": True, "fold_decode_max": 0, "fold_gemm_max": UNLIMITED, "two_launch_max": 8,
     "gemm_tiles": ((128, 16, 64, 4), (256, 32, 64, 4), (2048, 64, 64, 4), (UNLIMITED, 32, 128, 4)),
+    # bench/results/serve/serving_kernels_gemv_h200_2026-11-24.json: the one-launch kernel beats cuBLAS + the tiled
+    # expand at 1-16 tokens on TP=4's down (3584 -> 4096: 13.7 vs 15.0 us) and TP=8's gate_up (4096 -> 3584: 14.1
+    # vs 15.5 us); on qkv and o (few or short rows) and at 64 tokens the cuBLAS GEMM wins.
+    "fold_gemv_max": 16,
+    "gemv_shapes": ((3584, 4096, 16, 256, 1, 2, 4), (4096, 3584, 16, 256, 1, 2, 4)),
 })
+#: Hopper like the H200; the one-launch kernel is not measured on it.
+_H100 = MappingProxyType({**_H200, "fold_gemv_max": 0, "gemv_shapes": ()})
 #: Measured entries (BENCHMARKS.md, "One flag: the serving path picked per token count"). Keys: device names.
 #: Read-only (data, not state): a new GPU's entry is added here, in the source.
 TABLE: Mapping[str, Mapping] = MappingProxyType({
     "NVIDIA H200": _H200,
-    "NVIDIA H100 80GB HBM3": _H200,  # same SM (Hopper, 132 SMs); not measured separately
+    "NVIDIA H100 80GB HBM3": _H100,  # same SM (Hopper, 132 SMs); served with it (BENCHMARKS.md)
 })
 
 #: Unknown CUDA GPUs: the kernels are correct on any CUDA device; cut-offs of the measured Hopper parts, with vLLM's

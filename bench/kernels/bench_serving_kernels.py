@@ -10,10 +10,13 @@ graph and replayed (launch gaps as vLLM's graphs have them):
     gemm_w_ext    F.linear(x, [W; A])                                       (the folded GEMM alone)
     fold_decode   F.linear(x, [W; A]) + decode_lora_folded(kernel="decode")  (T <= 64)
     fold_gemm     F.linear(x, [W; A]) + decode_lora_folded(kernel="gemm") per tile candidate (block_m, block_n, warps)
+    fold_gemv     decode_lora_folded(kernel="gemv") per tile candidate (block_n, block_k, warps, stages): base GEMM,
+                  shrink and expand in one launch (T <= 64)
     two_launch    F.linear(x, W) + decode_lora                              (T <= 64)
     punica        F.linear(x, W) + vLLM's PunicaWrapperGPU.add_lora_linear  (vLLM's LoRA kernels at the same rank)
 
     python bench/kernels/bench_serving_kernels.py --out serving_kernels.json [--tokens 1,8,64] [--shapes tp4]
+        [--paths base,fold_gemm,fold_gemv]   (a subset of the paths; default all)
 """
 from __future__ import annotations
 
@@ -35,6 +38,11 @@ SHAPES = {  # per-GPU (d_in, slice widths) and the buffer rank: max_lora_rank 25
 }
 TILES = [(16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8), (16, 32, 1),
          (16, 64, 1), (16, 64, 2), (16, 128, 2), (32, 64, 2)]
+GEMV_TILES = [  # (block_n, block_k, split_k, warps, stages)
+    (16, 256, 1, 2, 4), (16, 512, 1, 4, 3), (16, 128, 1, 2, 4), (16, 256, 1, 4, 4), (32, 256, 1, 4, 3),
+    (16, 256, 1, 1, 4), (16, 512, 1, 2, 3), (16, 128, 4, 4, 3), (16, 256, 2, 2, 4), (32, 128, 4, 4, 3),
+    (32, 128, 8, 4, 3), (64, 128, 4, 4, 3)]
+PATHS = ("base", "gemm_w_ext", "fold_decode", "two_launch", "fold_gemm", "fold_gemv", "punica")
 
 
 def graph_us(fn, reps: int = 20) -> float:
@@ -80,7 +88,7 @@ def set_mapping(punica, t: int, prefill: bool):
 def check(dev) -> dict:
     """Both folded kernels against the float64 reference in bf16, 3 slots of ragged ranks, tokens of every slot and
     without LoRA in random order: the largest error relative to the largest LoRA term."""
-    from bdlora.kernels import decode_lora_folded, decode_lora_folded_ref, fold_weight
+    from bdlora.kernels import GemvTiles, GemvWorkspace, decode_lora_folded, decode_lora_folded_ref, fold_weight
     from bdlora.kernels.decode import ExpandTiles
 
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -112,6 +120,17 @@ def check(dev) -> dict:
                     err = (y.double() - ref).abs().max().item()
                     key = f"{d_out}x{d_in} T={t} {kern} {tiles.block_m}x{tiles.block_n}"
                     out[key] = round(err / lora, 5)
+            if t <= 64:  # the one-launch kernel: the same check, and 200 calls in a row bit-identical (its A -> W
+                ws = GemvWorkspace(dev, x.dtype)  # programs' hand-offs through the workspace never read stale data)
+                for g in (GemvTiles(), GemvTiles(64, 128, 1, 4, 3), GemvTiles(16, 64, 16, 2, 4)):
+                    ws.reserve(f, t, g)
+                    y = decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel="gemv", gemv_tiles=g, workspace=ws).out
+                    out[f"{d_out}x{d_in} T={t} gemv {g.block_n}x{g.block_k}k{g.split_k}"] = round(
+                        (y.double() - ref).abs().max().item() / lora, 5)
+                    ys = [decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel="gemv", gemv_tiles=g,
+                                             workspace=ws).out for _ in range(200)]
+                    if any(not torch.equal(y, yi) for yi in ys) or ws.counters.any():
+                        raise RuntimeError(f"gemv kernel not repeatable at {d_out}x{d_in} T={t} {g}")
     out["max_rel"] = max(out.values())
     return out
 
@@ -123,8 +142,15 @@ def main():
     ap.add_argument("--shapes", default="tp4,tp8")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--adapter-rank", type=float, default=0.6, help="adapter rank as a fraction of the buffer rank")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
+    ap.add_argument("--fold-tiles", default="all", help="fold_gemm tiles: all (TILES) or one 'bm,bn,warps'")
+    ap.add_argument("--no-check", action="store_true")
     a = ap.parse_args()
-    from bdlora.kernels import DecodeWorkspace, decode_lora, decode_lora_folded, fold_weight
+    paths = set(a.paths.split(","))
+    if paths - set(PATHS):
+        ap.error(f"--paths: unknown {sorted(paths - set(PATHS))}; known: {PATHS}")
+    fold_tiles = TILES if a.fold_tiles == "all" else [tuple(int(v) for v in a.fold_tiles.split(","))]
+    from bdlora.kernels import DecodeWorkspace, GemvTiles, GemvWorkspace, decode_lora, decode_lora_folded, fold_weight
     from bdlora.kernels.decode import ExpandTiles, decode_grid, decode_tiles
 
     dev = torch.device("cuda")
@@ -140,8 +166,9 @@ def main():
     except Exception as e:  # noqa: BLE001 - recorded, the rest still runs
         punica, res["punica_error"] = None, repr(e)
     gen = torch.Generator(device=dev).manual_seed(0)
-    res["check"] = check(dev)
-    print(json.dumps(res["check"]), flush=True)
+    if not a.no_check:
+        res["check"] = check(dev)
+        print(json.dumps(res["check"]), flush=True)
     for shape in a.shapes.split(","):
         spec = SHAPES[shape]
         R = spec["rank"]
@@ -167,6 +194,9 @@ def main():
             scales = torch.ones(1, dtype=torch.float32, device=dev)
             soff = torch.tensor(offs, dtype=torch.int32, device=dev)
             ws = DecodeWorkspace(dev)
+            gemv_ws = GemvWorkspace(dev, dt)
+            for gt in GEMV_TILES:
+                gemv_ws.reserve(layers[0].f, 64, GemvTiles(*gt))
             for t in range(1, 65):
                 ws.reserve(decode_grid(t, n_s, 1, max(outs), d_in, R, decode_tiles(dev)))
             for t in toks:
@@ -178,20 +208,22 @@ def main():
                     for L in layers:
                         F.linear(x, L.w)
 
-                row["base"] = graph_us(run_base)
+                if "base" in paths:
+                    row["base"] = graph_us(run_base)
 
                 def run_wext():  # the folded GEMM alone: what the A rows add to the base GEMM
                     for L in layers:
                         F.linear(x, L.f.w_ext)
 
-                row["gemm_w_ext"] = graph_us(run_wext)
-                if t <= 64:
+                if "gemm_w_ext" in paths:
+                    row["gemm_w_ext"] = graph_us(run_wext)
+                if t <= 64 and "fold_decode" in paths:
                     def run_fd():
                         for L in layers:
                             decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="decode")
 
                     row["fold_decode"] = graph_us(run_fd)
-
+                if t <= 64 and "two_launch" in paths:
                     def run_two():
                         for L in layers:
                             y = F.linear(x, L.w)
@@ -199,7 +231,7 @@ def main():
 
                     row["two_launch"] = graph_us(run_two)
                 best = None
-                for bm, bn, nw in TILES:
+                for bm, bn, nw in (fold_tiles if "fold_gemm" in paths else ()):
                     if bm > 16 and bm > 2 * t:
                         continue
                     tiles = ExpandTiles(bm, bn, nw)
@@ -212,8 +244,28 @@ def main():
                     row[f"fold_gemm_{bm}x{bn}w{nw}"] = us
                     if best is None or us < best[0]:
                         best = (us, [bm, bn, nw])
-                row["fold_gemm"], row["fold_gemm_tiles"] = best
-                if punica is not None:
+                if best is not None:
+                    row["fold_gemm"], row["fold_gemm_tiles"] = best
+                best = None
+                for gt in (GEMV_TILES if t <= 64 and "fold_gemv" in paths else ()):
+                    g = GemvTiles(*gt)
+
+                    def run_gv():
+                        for L in layers:
+                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="gemv", gemv_tiles=g,
+                                               workspace=gemv_ws)
+
+                    try:
+                        us = graph_us(run_gv)
+                    except Exception as e:  # noqa: BLE001 - a tile that does not fit this GPU (shared memory)
+                        row["fold_gemv_{}x{}k{}w{}s{}".format(*gt)] = repr(e)[:120]
+                        continue
+                    row["fold_gemv_{}x{}k{}w{}s{}".format(*gt)] = us
+                    if best is None or us < best[0]:
+                        best = (us, list(gt))
+                if best is not None:
+                    row["fold_gemv"], row["fold_gemv_tiles"] = best
+                if punica is not None and "punica" in paths:
                     try:
                         set_mapping(punica, t, prefill=t > 64)
 

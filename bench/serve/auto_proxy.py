@@ -23,7 +23,6 @@ import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -146,6 +145,9 @@ def main():
     ap.add_argument("--count", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mem", type=float, default=0.45, help="gpu_memory_utilization (0.28 for three engines)")
+    ap.add_argument("--tuning", default=None, help="bd engines: a JSON dict of bdlora.kernels.tuning keys replacing "
+                    "the device's table entry's (e.g. '{\"fold_gemv_max\": 0}'), recorded as tuning_override")
+    ap.add_argument("--label", default=None, help="the engine's name in the result (default: --only)")
     ap.add_argument("--base-requests", action="store_true",
                     help="send requests without an adapter to the LoRA engine (its per-step host cost alone)")
     a = ap.parse_args()
@@ -157,7 +159,7 @@ def main():
     root = Path(tempfile.mkdtemp())
     model = write_model(root, sh)
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "shape": a.shape,
-           "engine": a.only, "rows": []}
+           "engine": a.label or a.only, "rows": []}
     kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=64,
               max_num_batched_tokens=8192, gpu_memory_utilization=a.mem, enable_prefix_caching=False)
     lora = None
@@ -173,6 +175,11 @@ def main():
             extra["bdlora_fused_decode"] = True
         elif mode == "stock":
             extra["bdlora_fused_decode"] = False
+        if a.tuning:
+            if mode != "auto":
+                ap.error("--tuning applies to the auto mode (--only bd)")
+            res["tuning_override"] = json.loads(a.tuning)
+            extra["bdlora_fused_decode"] = {"mode": "auto", "tuning": res["tuning_override"]}
         kw.update(enable_lora=True, max_lora_rank=sh["bd_max"], max_loras=1, additional_config=extra)
         r = sh["bd_rank"]
         lora = LoRARequest(f"bd{r}", 3, str(write_adapter(root, f"bd{r}", r, True, sh)))
@@ -183,7 +190,7 @@ def main():
     except Exception:  # noqa: BLE001
         pass
     if a.base_requests:
-        lora, res["engine"] = None, a.only + " (base requests)"
+        lora, res["engine"] = None, res["engine"] + " (base requests)"
     t0 = time.time()
     llm = LLM(str(model), **kw)
     res["startup_s"] = round(time.time() - t0, 1)

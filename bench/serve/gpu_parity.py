@@ -102,7 +102,7 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
             result["fused_self_check"] = checks
             tol = 1e-4 if dtype == "float32" else 3e-2  # relative to the largest LoRA term
             auto = fused.get("mode") == "auto"
-            ran = ("folded", "fold_gemm", "fused") if auto else ("folded",) if fused.get("fold_shrink") else ("fused",)
+            ran = ("folded", "fold_gemm", "fold_gemv", "fused") if auto else ("folded",) if fused.get("fold_shrink") else ("fused",)
             result["fused_ok"] = (
                 (not eager or all(any(k.startswith(ran) for k in c) for c in result["fused_counters"]))
                 and all(c["layers"] > 0 and c["slots_ok"] and c["padding_untouched"]
