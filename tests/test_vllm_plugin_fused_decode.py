@@ -298,32 +298,50 @@ AUTO_TUNING = {"fold": True, "fold_decode_max": 2, "fold_gemm_max": 16, "two_lau
                "gemm_tiles": [[16, 16, 32, 1]]}
 
 
+#: The fused paths' backend on this machine: Triton under the interpreter, else the torch fallback.
+FUSED_BACKEND = "triton" if K.dispatch.INTERPRET else "torch"
+
+
+def _start_auto(tiny_llama_dir, tuning):
+    return T.start_llm(tiny_llama_dir, env=INPROC, enable_lora=True, max_lora_rank=16, max_loras=2,
+                       additional_config={"bdlora": True, "bdlora_fused_decode": {"mode": "auto", "tuning": tuning}})
+
+
+def _mixed_batch_counts(tiny_llama_dir, vllm_adapters, llm) -> dict:
+    """5 requests (two slots, two without LoRA; 27-token prefill, decode steps of 5 tokens) checked against HF+PEFT;
+    the path counters of that run."""
+    llm.collective_rpc(D.reset_fused_decode_counters)
+    spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[2], None),
+            (PROMPTS[0], "bd2_r8")]
+    _check(tiny_llama_dir, vllm_adapters, llm, spec)
+    return llm.collective_rpc(D.read_fused_decode_counters)[0]
+
+
+def _assert_fold_self_check(llm) -> None:
+    """Every layer folded, sharing the base weight, and its fold op (a 6-token batch) equal to base GEMM + punica."""
+    check = llm.collective_rpc(D.fused_decode_self_check)[0]
+    assert check["fold_layers"] == check["layers"] == 8 and check["fold_shares_weight"], check
+    assert check["max_abs_lora"] > 1e-3 and check["fold_max_abs_diff"] < 1e-5 and check["padding_untouched"]
+
+
 def test_tp1_auto_mode_every_path_parity(tiny_llama_dir, vllm_adapters):
     """``--enable-bdlora``'s auto mode (the table's paths; here a tuning override, since on CPU the table keeps vLLM's
     path): a mixed batch of 5 requests (prefill of 27 tokens: vLLM's punica path after the base GEMM on the folded
     weight's view; decode steps of 5 tokens: the tiled kernel) and one of 2 (prefill of 8 tokens: tiled; decode
     steps: the per-token kernel). Greedy tokens equal HF+PEFT, logprobs within 1e-4, every path ran (counters), and
     the per-layer self-check (fold op vs base GEMM + punica, with padding rows) holds."""
-    llm = T.start_llm(tiny_llama_dir, env=INPROC, enable_lora=True, max_lora_rank=16, max_loras=2,
-                      additional_config={"bdlora": True,
-                                         "bdlora_fused_decode": {"mode": "auto", "tuning": AUTO_TUNING}})
+    llm = _start_auto(tiny_llama_dir, AUTO_TUNING)
     try:
-        backend = "triton" if K.dispatch.INTERPRET else "torch"
-        llm.collective_rpc(D.reset_fused_decode_counters)
-        spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[2], None),
-                (PROMPTS[0], "bd2_r8")]
-        _check(tiny_llama_dir, vllm_adapters, llm, spec)
-        counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
-        assert counts.get("stock", 0) >= 8 and counts.get("fold_gemm:" + backend, 0) >= 8 * 7, counts
-        assert not counts.get("folded:" + backend) and not any(k.startswith("fused:") for k in counts), counts
+        counts = _mixed_batch_counts(tiny_llama_dir, vllm_adapters, llm)
+        assert counts.get("stock", 0) >= 8 and counts.get("fold_gemm:" + FUSED_BACKEND, 0) >= 8 * 7, counts
+        assert not counts.get("folded:" + FUSED_BACKEND) and not any(k.startswith("fused:") for k in counts), counts
         llm.collective_rpc(D.reset_fused_decode_counters)
         _check(tiny_llama_dir, vllm_adapters, llm, [(PROMPTS[1], "bd4_r16"), (PROMPTS[0], "bd2_r8")])
         counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
-        assert counts.get("fold_gemm:" + backend, 0) >= 8 and counts.get("folded:" + backend, 0) >= 8 * 7, counts
+        assert counts.get("fold_gemm:" + FUSED_BACKEND, 0) >= 8, counts
+        assert counts.get("folded:" + FUSED_BACKEND, 0) >= 8 * 7, counts
         assert not counts.get("stock"), counts
-        check = llm.collective_rpc(D.fused_decode_self_check)[0]  # 6 tokens: the tiled kernel
-        assert check["fold_layers"] == check["layers"] == 8 and check["fold_shares_weight"], check
-        assert check["max_abs_lora"] > 1e-3 and check["fold_max_abs_diff"] < 1e-5 and check["padding_untouched"]
+        _assert_fold_self_check(llm)  # 6 tokens: the tiled kernel
     finally:
         T.stop_llm(llm)
 
@@ -335,20 +353,12 @@ def test_tp1_auto_mode_one_launch_kernel_parity(tiny_llama_dir, vllm_adapters):
     the per-layer self-check (its 6-token batch through the same kernel) hold."""
     tuning = {"fold": True, "fold_gemv_max": 16, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1]], "fold_decode_max": 0,
               "fold_gemm_max": 16, "two_launch_max": 0, "gemm_tiles": [[16, 16, 32, 1]]}
-    llm = T.start_llm(tiny_llama_dir, env=INPROC, enable_lora=True, max_lora_rank=16, max_loras=2,
-                      additional_config={"bdlora": True, "bdlora_fused_decode": {"mode": "auto", "tuning": tuning}})
+    llm = _start_auto(tiny_llama_dir, tuning)
     try:
-        backend = "triton" if K.dispatch.INTERPRET else "torch"
-        llm.collective_rpc(D.reset_fused_decode_counters)
-        spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[2], None),
-                (PROMPTS[0], "bd2_r8")]
-        _check(tiny_llama_dir, vllm_adapters, llm, spec)
-        counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
-        assert counts.get("fold_gemv:" + backend, 0) >= 8 * 7 and counts.get("stock", 0) >= 8, counts
+        counts = _mixed_batch_counts(tiny_llama_dir, vllm_adapters, llm)
+        assert counts.get("fold_gemv:" + FUSED_BACKEND, 0) >= 8 * 7 and counts.get("stock", 0) >= 8, counts
         assert not any(k.startswith(("folded:", "fold_gemm:", "fused:")) for k in counts), counts
-        check = llm.collective_rpc(D.fused_decode_self_check)[0]
-        assert check["fold_layers"] == check["layers"] == 8 and check["fold_shares_weight"], check
-        assert check["max_abs_lora"] > 1e-3 and check["fold_max_abs_diff"] < 1e-5 and check["padding_untouched"]
+        _assert_fold_self_check(llm)
     finally:
         T.stop_llm(llm)
 

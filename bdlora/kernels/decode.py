@@ -239,6 +239,39 @@ def _decode_folded_expand_kernel(
         tl.store(y_ptr + t.to(tl.int64) * stride_y + cs, acc.to(y_ptr.dtype.element_ty), mask=cmask)
 
 
+@jit
+def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scales_ptr, d_out, n_loras, R, sl,
+                     BLOCK_R: tl.constexpr, ONE_SLOT: tl.constexpr, PREC: tl.constexpr, CACHE: tl.constexpr):
+    """The folded kernels' expand of slice ``sl`` into a (rows x cols) tile: returns
+
+    acc[t, c] + scales[a[t]] * S[t, (sl * L + a[t]) * R + :ranks[a[t]]] @ B[a[t], c, :ranks[a[t]]]^T
+
+    for the rows with a slot (a[t] >= 0, rank > 0) and the columns in ``cmask``; ``s_rows`` (rows x 1 pointers) is
+    where each row's shrink S starts. Several slots: a loop over them that skips (in the kernel) those no row uses,
+    one tl.dot each. One slot (ONE_SLOT): S and B are loaded at once, not after the slot ids. CACHE: the cache
+    modifier of S's load ("" or ".cg" for a shrink another program of the same launch wrote)."""
+    rr = tl.arange(0, BLOCK_R)
+    if ONE_SLOT:
+        r = tl.load(ranks_ptr)
+        sv = tl.load(s_rows + sl * R + rr[None, :], mask=rowmask[:, None] & (rr < R)[None, :], other=0.0,
+                     cache_modifier=CACHE)
+        bv = tl.load(b_ptr + cs[None, :] * R + rr[:, None], mask=(rr < R)[:, None] & cmask[None, :], other=0.0)
+        sv = tl.where((a == 0)[:, None] & (rr < r)[None, :], sv, 0.0).to(bv.dtype)
+        acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr)
+    else:
+        for l in range(0, n_loras):
+            sel = a == l
+            r = tl.load(ranks_ptr + l)
+            if (tl.max(sel.to(tl.int32), axis=0) > 0) & (r > 0):
+                rmask = rr < r
+                sv = tl.load(s_rows + (sl * n_loras + l) * R + rr[None, :], mask=sel[:, None] & rmask[None, :],
+                             other=0.0, cache_modifier=CACHE)
+                bv = tl.load(b_ptr + (l * d_out + cs[None, :]).to(tl.int64) * R + rr[:, None],
+                             mask=rmask[:, None] & cmask[None, :], other=0.0)
+                acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr + l)
+    return acc
+
+
 @jit(do_not_specialize=["T"])  # one compiled kernel for every token count (no JIT when a new T shows up mid-serving)
 def _fold_expand_gemm_kernel(
     y_ptr, h_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr,
@@ -273,26 +306,8 @@ def _fold_expand_gemm_kernel(
         acc = tl.load(h_ptr + rows64[:, None] * stride_h + cs[None, :], mask=rowmask[:, None] & cmask[None, :],
                       other=0.0).to(tl.float32)
         a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
-        rr = tl.arange(0, BLOCK_R)
-        if ONE_SLOT:
-            r = tl.load(ranks_ptr)
-            sc = tl.load(scales_ptr)
-            sv = tl.load(h_ptr + rows64[:, None] * stride_h + d_out + sl * R + rr[None, :],
-                         mask=rowmask[:, None] & (rr < R)[None, :], other=0.0)
-            bv = tl.load(b_ptr + cs[None, :] * R + rr[:, None], mask=(rr < R)[:, None] & cmask[None, :], other=0.0)
-            sv = tl.where((a == 0)[:, None] & (rr < r)[None, :], sv, 0.0).to(bv.dtype)
-            acc += tl.dot(sv, bv, input_precision=PREC) * sc
-        else:
-            for l in range(0, n_loras):
-                sel = a == l
-                r = tl.load(ranks_ptr + l)
-                if (tl.max(sel.to(tl.int32), axis=0) > 0) & (r > 0):
-                    rmask = rr < r
-                    sv = tl.load(h_ptr + rows64[:, None] * stride_h + d_out + (sl * n_loras + l) * R + rr[None, :],
-                                 mask=sel[:, None] & rmask[None, :], other=0.0)
-                    bv = tl.load(b_ptr + (l * d_out + cs[None, :]).to(tl.int64) * R + rr[:, None],
-                                 mask=rmask[:, None] & cmask[None, :], other=0.0)
-                    acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr + l)
+        acc = _add_slot_expand(acc, h_ptr + rows64[:, None] * stride_h + d_out, a, rowmask, cs, cmask, b_ptr,
+                               ranks_ptr, scales_ptr, d_out, n_loras, R, sl, BLOCK_R, ONE_SLOT, PREC, "")
         tl.store(y_ptr + rows64[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=rowmask[:, None] & cmask[None, :])
 
@@ -367,30 +382,12 @@ def _fold_gemv_kernel(
             tl.atomic_add(sync_ptr, 0, sem="acquire")  # then one acquire: the shrink stores are visible below
             tl.debug_barrier()
             a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
-            rr = tl.arange(0, BLOCK_R)
             for sl in tl.static_range(N_SLICES):
                 lo, hi = _slice_bounds(sl, O1, O2, O3, O4)
                 if (n0 < hi) & (n0 + BLOCK_N > lo):  # a tile may straddle two slices: each adds its own columns
-                    smask = cmask & (cs >= lo) & (cs < hi)
-                    if ONE_SLOT:
-                        r = tl.load(ranks_ptr)
-                        sv = tl.load(s_ptr + rows[:, None] * a_rows + sl * R + rr[None, :],
-                                     mask=rowmask[:, None] & (rr < R)[None, :], other=0.0, cache_modifier=".cg")
-                        bv = tl.load(b_ptr + cs[None, :] * R + rr[:, None], mask=(rr < R)[:, None] & smask[None, :],
-                                     other=0.0)
-                        sv = tl.where((a == 0)[:, None] & (rr < r)[None, :], sv, 0.0).to(bv.dtype)
-                        acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr)
-                    else:
-                        for l in range(0, n_loras):
-                            sel = a == l
-                            r = tl.load(ranks_ptr + l)
-                            if (tl.max(sel.to(tl.int32), axis=0) > 0) & (r > 0):
-                                rmask = rr < r
-                                sv = tl.load(s_ptr + rows[:, None] * a_rows + (sl * n_loras + l) * R + rr[None, :],
-                                             mask=sel[:, None] & rmask[None, :], other=0.0, cache_modifier=".cg")
-                                bv = tl.load(b_ptr + (l * d_out + cs[None, :]).to(tl.int64) * R + rr[:, None],
-                                             mask=rmask[:, None] & smask[None, :], other=0.0)
-                                acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr + l)
+                    acc = _add_slot_expand(acc, s_ptr + rows[:, None] * a_rows, a, rowmask, cs,
+                                           cmask & (cs >= lo) & (cs < hi), b_ptr, ranks_ptr, scales_ptr, d_out,
+                                           n_loras, R, sl, BLOCK_R, ONE_SLOT, PREC, ".cg")
             tl.store(y_ptr + rows[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=rowmask[:, None] & cmask[None, :])
             done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
@@ -521,6 +518,16 @@ def fold_weight(weight: torch.Tensor, n_slices: int, n_loras: int, rank: int) ->
     return FoldedWeight(w_ext, d_out)
 
 
+def _check_dot_tiles(tiles, dims: tuple[str, ...]) -> None:
+    """Raises unless the ``dims`` fields of a tiles dataclass are powers of two >= 16 (tl.dot) and its warps valid."""
+    for name in dims:
+        v = getattr(tiles, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{type(tiles).__name__}.{name} must be a power of two >= 16 (tl.dot), got {v}")
+    if tiles.warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{type(tiles).__name__}.warps must be 1, 2, 4, 8 or 16, got {tiles.warps}")
+
+
 @dataclass(frozen=True)
 class ExpandTiles:
     """Tiles of ``decode_lora_folded``'s kernel="gemm" launch: token rows and output columns per program, warps."""
@@ -530,12 +537,7 @@ class ExpandTiles:
     warps: int = 4
 
     def __post_init__(self):
-        for name in ("block_m", "block_n"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"ExpandTiles.{name} must be a power of two >= 16 (tl.dot), got {v}")
-        if self.warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"ExpandTiles.warps must be 1, 2, 4, 8 or 16, got {self.warps}")
+        _check_dot_tiles(self, ("block_m", "block_n"))
 
 
 @dataclass(frozen=True)
@@ -550,13 +552,9 @@ class GemvTiles:
     stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"GemvTiles.{name} must be a power of two >= 16 (tl.dot), got {v}")
-        if not 1 <= self.split_k <= 64 or self.warps not in (1, 2, 4, 8, 16) or not 1 <= self.stages <= 8:
-            raise ValueError(f"GemvTiles: split_k must be 1-64, warps 1, 2, 4, 8 or 16 and stages 1-8, got "
-                             f"{self.split_k}, {self.warps}, {self.stages}")
+        _check_dot_tiles(self, ("block_n", "block_k"))
+        if not 1 <= self.split_k <= 64 or not 1 <= self.stages <= 8:
+            raise ValueError(f"GemvTiles: split_k must be 1-64 and stages 1-8, got {self.split_k}, {self.stages}")
 
 
 #: The most tokens the one-launch kernel ("gemv") takes: one token tile per program (BLOCK_M = T rounded up).
