@@ -21,6 +21,7 @@ from bdlora.layout import LoraFactors, from_math, to_math  # noqa: E402
 from bdlora.kernels import cublas as cublas_mod  # noqa: E402
 from bdlora.kernels import dispatch as dispatch_mod  # noqa: E402
 from bdlora.kernels import dropout as dropout_mod  # noqa: E402
+from folded_cases import folded_layer, folded_oracle  # noqa: E402
 
 D_IN, D_OUT = 64, 96
 
@@ -282,27 +283,10 @@ def test_decode_64_tokens():
 def _folded_case(gen, ranks, d_outs, t, idx, d_in=D_IN):
     """Base weight with the A factors folded under it (per slice and slot, ragged ranks), B stacked, and a float64
     oracle of base + LoRA built from the separate factors."""
-    n_s, n_l, r_max = len(d_outs), len(ranks), max(ranks)
-    w = torch.randn(sum(d_outs), d_in, generator=gen) / d_in ** 0.5
-    per_slice = [[None if r == 0 else (torch.randn(r, d_in, generator=gen), torch.randn(d, r, generator=gen))
-                  for r in ranks] for d in d_outs]
-    _, b, rk, offs = K.stack_decode_weights(per_slice, r_max)
-    folded = K.fold_weight(w, n_s, n_l, r_max)
-    a_view = folded.lora_a(n_s, n_l, r_max)
-    for s, sl in enumerate(per_slice):
-        for slot, pair in enumerate(sl):
-            if pair is not None:
-                a_view[s, slot, : pair[0].shape[0]] = pair[0]
+    w, per_slice, folded, b, rk, offs = folded_layer(gen, ranks, d_outs, d_in)
     x = torch.randn(t, d_in, generator=gen)
-    scales = torch.rand(n_l, generator=gen) + 0.5
-    want = x.double() @ w.double().t()
-    for ti, ai in enumerate(idx):
-        if ai < 0 or ranks[ai] == 0:
-            continue
-        for s, (lo, hi) in enumerate(zip(offs, offs[1:])):
-            la, lb = per_slice[s][ai]
-            want[ti, lo:hi] += float(scales[ai]) * (x[ti].double() @ la.double().t()) @ lb.double().t()
-    return w, folded, x, b, rk, scales, offs, want
+    scales = torch.rand(len(ranks), generator=gen) + 0.5
+    return w, folded, x, b, rk, scales, offs, folded_oracle(x, w, per_slice, idx, ranks, scales, offs)
 
 
 @pytest.mark.parametrize("d_outs", [[64, 32, 32], [D_OUT], [40, 72]])  # qkv-like, one slice, ragged tiles

@@ -17,36 +17,20 @@ import torch  # noqa: E402
 import bdlora.kernels as K  # noqa: E402
 from bdlora.kernels.decode import GEMV_MAX_TOKENS, ExpandTiles, GemvTiles, GemvWorkspace  # noqa: E402
 from bdlora.kernels.tuning import TABLE, UNLIMITED, ServingTuning, serving_tuning  # noqa: E402
+from folded_cases import folded_layer, folded_oracle  # noqa: E402
 
 
 def _oracle_case(seed: int, ranks, d_outs, t: int, d_in: int, p_none: float = 0.2):
     """Random base weight, per-(slice, slot) factors of ragged ranks folded under it, random token -> slot map
     (-1 with probability p_none); the float64 oracle y = x W^T + sum over slices of scales[a] (x A) B."""
     gen = torch.Generator().manual_seed(seed)
-    n_s, n_l, r_max = len(d_outs), len(ranks), max(ranks)
-    w = torch.randn(sum(d_outs), d_in, generator=gen) / d_in ** 0.5
-    factors = [[None if r == 0 else (torch.randn(r, d_in, generator=gen) / d_in ** 0.5,
-                                     torch.randn(d, r, generator=gen))
-                for r in ranks] for d in d_outs]
-    _, b, rk, offs = K.stack_decode_weights(factors, r_max)
-    folded = K.fold_weight(w, n_s, n_l, r_max)
-    a_view = folded.lora_a(n_s, n_l, r_max)
-    for s, sl in enumerate(factors):
-        for slot, pair in enumerate(sl):
-            if pair is not None:
-                a_view[s, slot, : pair[0].shape[0]] = pair[0]
+    n_l = len(ranks)
+    w, per_slice, folded, b, rk, offs = folded_layer(gen, ranks, d_outs, d_in, a_div=d_in ** 0.5)
     x = torch.randn(t, d_in, generator=gen)
     scales = torch.rand(n_l, generator=gen) + 0.5
     idx = torch.randint(0, n_l, (t,), generator=gen, dtype=torch.int32)
     idx[torch.rand(t, generator=gen) < p_none] = -1
-    want = x.double() @ w.double().t()
-    for ti, ai in enumerate(idx.tolist()):
-        if ai < 0 or ranks[ai] == 0:
-            continue
-        for s, (lo, hi) in enumerate(zip(offs, offs[1:])):
-            la, lb = factors[s][ai]
-            want[ti, lo:hi] += float(scales[ai]) * (x[ti].double() @ la.double().t()) @ lb.double().t()
-    return folded, x, b, idx, rk, scales, offs, want
+    return folded, x, b, idx, rk, scales, offs, folded_oracle(x, w, per_slice, idx.tolist(), ranks, scales, offs)
 
 
 CASES = [  # (ranks per slot, slice widths, tokens, d_in)
