@@ -36,6 +36,7 @@ def _oracle_case(seed: int, ranks, d_outs, t: int, d_in: int, p_none: float = 0.
 CASES = [  # (ranks per slot, slice widths, tokens, d_in)
     ([12], [64, 16, 16], 1, 64),  # one slot (ONE_SLOT speculative loads), qkv-like
     ([12], [96], 37, 48),  # one slot, one slice, ragged token tiles
+    ([12], [40, 24], 3, 32),  # one slot, tiles straddling two slices (B is loaded per tile, masked per slice)
     ([8, 16, 0, 32, 5], [64, 32, 32], 9, 64),  # several slots, an empty one, ragged ranks
     ([8, 16, 0, 32, 5], [40, 72], 50, 32),  # two slices of widths that are no tile multiple
     ([4, 24], [48, 16, 16, 24], 23, 40),  # four slices (the most the kernels take)
@@ -57,6 +58,22 @@ def test_folded_kernels_match_float64_oracle(kernel, case):
                                   options=K.KernelOptions(backend="torch"))
     assert d.backend == "torch"
     torch.testing.assert_close(y_t.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["decode", "gemm", "gemv"])
+def test_pdl_request_is_ignored_where_the_device_has_none(kernel):
+    """``pdl=True`` asks for programmatic dependent launch; on a device without it (CPU, the interpreter, pre-Hopper)
+    the call is the plain launch, bit for bit. (On Hopper, bench/kernels/bench_serving_kernels.py checks the pdl
+    launches against float64 and bench/serve/gpu_parity.py serves through them.)"""
+    from bdlora.kernels.dispatch import pdl_ok
+
+    assert not pdl_ok(torch.device("cpu"))
+    folded, x, b, idx, rk, scales, offs, want = _oracle_case(5, [8, 16], [40, 24], 6, 32)
+    ys = [K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel=kernel, pdl=pdl,
+                               gemv_tiles=GemvTiles(16, 16, 2, 1, 1), options=K.KernelOptions(backend="triton")).out
+          for pdl in (False, True)]
+    assert torch.equal(ys[0], ys[1])
+    torch.testing.assert_close(ys[1].double(), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tiles", [ExpandTiles(16, 16, 1), ExpandTiles(32, 64, 2), ExpandTiles(64, 16, 4)])
@@ -141,11 +158,12 @@ def test_tuning_table_lookup_and_overrides():
     o, src = serving_tuning("cpu", override={"fold": True, "fold_decode_max": 2, "fold_gemm_max": 16,
                                              "gemm_tiles": [[16, 16, 32, 1]]})
     assert src == "default:cpu + override" and o.fold and o.fold_decode_max == 2 and o.tiles_for(5).block_n == 32
-    # the one-launch kernel: only on the shapes measured for it (H200), any shape with a 0, 0 row, never on the H100
+    # the one-launch kernel: only on the shapes measured for it (Hopper), any shape with a 0, 0 row; PDL on Hopper
     assert t.fold_gemv_max == 16 and t.gemv_tiles_for(3584, 4096) == GemvTiles(*t.gemv_shapes[0][2:])
     assert t.gemv_tiles_for(4096, 1536) is None
     h100, _ = serving_tuning("cuda", "NVIDIA H100 80GB HBM3")
-    assert h100.fold_gemv_max == 0 and h100.gemv_tiles_for(3584, 4096) is None
+    assert h100.gemv_tiles_for(4096, 3584) == t.gemv_tiles_for(4096, 3584) and h100.pdl and t.pdl
+    assert not u.pdl and not c.pdl  # unmeasured GPUs and CPU: plain launches
     assert h100.fold_gemm_max == t.fold_gemm_max and h100.gemm_tiles == t.gemm_tiles
     g, _ = serving_tuning("cpu", override={"fold_gemv_max": 4, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1]]})
     assert g.gemv_tiles_for(7, 9) == GemvTiles(16, 16, 2, 1, 1)
@@ -155,6 +173,6 @@ def test_tuning_table_lookup_and_overrides():
                      ({"gemm_tiles": [[UNLIMITED, 24, 64, 4]]}, "power of two"),
                      ({"fold_gemv_max": GEMV_MAX_TOKENS + 1}, "at most"),
                      ({"gemv_shapes": [[0, 0, 16, 16, 2]]}, "rows of 7 ints"),
-                     ({"gemv_shapes": [[0, 0, 16, 16, 2, 3, 1]]}, "warps")):
+                     ({"gemv_shapes": [[0, 0, 16, 16, 2, 3, 1]]}, "warps"), ({"pdl": 1}, "true or false")):
         with pytest.raises(ValueError, match=msg):
             serving_tuning("cpu", override=bad)

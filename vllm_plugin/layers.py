@@ -231,7 +231,8 @@ def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
         tiles = st.tuning.tiles_for(n) if kernel == "gemm" and st.tuning is not None else None
         y, ran = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
                                     options=KernelOptions(backend=st.backend), soff=st.soff, kernel=kernel,
-                                    tiles=tiles, gemv_tiles=st.gemv_tiles, workspace=st.gemv_workspace)
+                                    tiles=tiles, gemv_tiles=st.gemv_tiles, workspace=st.gemv_workspace,
+                                    pdl=st.tuning is not None and st.tuning.pdl)
         if bias is not None:
             y += bias
         _count_fused({"gemv": "fold_gemv:", "decode": "folded:", "gemm": "fold_gemm:"}[kernel], ran.backend, x, st)

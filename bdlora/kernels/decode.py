@@ -192,6 +192,7 @@ def _decode_folded_expand_kernel(
     y_ptr, h_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr,
     stride_y, stride_h, d_out, n_loras, R, O1, O2, O3, O4,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SLOT: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """``decode_lora_folded``'s per-token launch after the base GEMM (kernel="decode"): for token t, slice s and
     column tile c (one program each), with h = x @ [W; A]^T (the shrink of every slice and slot is in h's columns past
@@ -203,7 +204,9 @@ def _decode_folded_expand_kernel(
     (the second term only for a >= 0 and ranks[a] > 0: every column of y is written, LoRA or not). The slot's rank and
     scale come from one load of the whole (L,) vectors, issued with the loads of idx and of h, so a program waits on
     one memory round trip before it reads the slot's shrink and B; with one slot (ONE_SLOT, L == 1) even those are
-    loaded speculatively at once and masked afterwards: one round trip in all.
+    loaded speculatively at once and masked afterwards: one round trip in all. USE_GDC (launched with programmatic
+    dependent launch): idx, ranks, scales and the one slot's B are read before ``gdc_wait`` (the GEMM before this
+    launch does not write them), h after it.
     """
     t = tl.program_id(0)
     sl = tl.program_id(1)
@@ -214,7 +217,6 @@ def _decode_folded_expand_kernel(
         cs = c_lo + tl.arange(0, BLOCK_N)
         cmask = cs < o_hi
         h_row = h_ptr + t.to(tl.int64) * stride_h
-        acc = tl.load(h_row + cs, mask=cmask, other=0.0).to(tl.float32)
         a = tl.load(idx_ptr + t)
         ll = tl.arange(0, BLOCK_L)
         lmask = ll < n_loras
@@ -224,11 +226,17 @@ def _decode_folded_expand_kernel(
         sc = tl.sum(tl.where(ll == a, sc_all, 0.0), axis=0)
         rr = tl.arange(0, BLOCK_R)
         if ONE_SLOT:
-            s = tl.load(h_row + d_out + sl * R + rr, mask=rr < R, other=0.0)
             bv = tl.load(b_ptr + cs[:, None] * R + rr[None, :], mask=cmask[:, None] & (rr < R)[None, :], other=0.0)
+            if USE_GDC:
+                tl.extra.cuda.gdc_wait()
+            acc = tl.load(h_row + cs, mask=cmask, other=0.0).to(tl.float32)
+            s = tl.load(h_row + d_out + sl * R + rr, mask=rr < R, other=0.0)
             s = tl.where((rr < r) & (a == 0), s.to(tl.float32) * sc, 0.0)
             acc += tl.sum(bv.to(tl.float32) * s[None, :], axis=1)
         else:
+            if USE_GDC:
+                tl.extra.cuda.gdc_wait()
+            acc = tl.load(h_row + cs, mask=cmask, other=0.0).to(tl.float32)
             if (a >= 0) & (r > 0):
                 rmask = rr < r
                 s = tl.load(h_row + d_out + (sl * n_loras + a) * R + rr, mask=rmask, other=0.0)
@@ -240,7 +248,17 @@ def _decode_folded_expand_kernel(
 
 
 @jit
+def _one_slot_factors(b_ptr, ranks_ptr, scales_ptr, cs, cmask, R, BLOCK_R: tl.constexpr):
+    """The one slot's B tile (BLOCK_R x cols, rows past R zero), rank and scale, for ``_add_slot_expand``: loaded by
+    the folded kernels up front, before they wait on the shrink (nothing before them in the launch writes these)."""
+    rr = tl.arange(0, BLOCK_R)
+    bv = tl.load(b_ptr + cs[None, :] * R + rr[:, None], mask=(rr < R)[:, None] & cmask[None, :], other=0.0)
+    return bv, tl.load(ranks_ptr), tl.load(scales_ptr)
+
+
+@jit
 def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scales_ptr, d_out, n_loras, R, sl,
+                     one_b, one_r, one_scale,
                      BLOCK_R: tl.constexpr, ONE_SLOT: tl.constexpr, PREC: tl.constexpr, CACHE: tl.constexpr):
     """The folded kernels' expand of slice ``sl`` into a (rows x cols) tile: returns
 
@@ -248,16 +266,17 @@ def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scale
 
     for the rows with a slot (a[t] >= 0, rank > 0) and the columns in ``cmask``; ``s_rows`` (rows x 1 pointers) is
     where each row's shrink S starts. Several slots: a loop over them that skips (in the kernel) those no row uses,
-    one tl.dot each. One slot (ONE_SLOT): S and B are loaded at once, not after the slot ids. CACHE: the cache
-    modifier of S's load ("" or ".cg" for a shrink another program of the same launch wrote)."""
+    one tl.dot each. One slot (ONE_SLOT): B, rank and scale come in as ``one_b``, ``one_r``, ``one_scale``
+    (``_one_slot_factors``, the tile's columns, loaded before the caller waited for S; ``cmask`` picks this slice's
+    columns of it); unused otherwise. CACHE: the cache modifier of
+    S's load ("" or ".cg" for a shrink another program of the same launch wrote)."""
     rr = tl.arange(0, BLOCK_R)
     if ONE_SLOT:
-        r = tl.load(ranks_ptr)
         sv = tl.load(s_rows + sl * R + rr[None, :], mask=rowmask[:, None] & (rr < R)[None, :], other=0.0,
                      cache_modifier=CACHE)
-        bv = tl.load(b_ptr + cs[None, :] * R + rr[:, None], mask=(rr < R)[:, None] & cmask[None, :], other=0.0)
-        sv = tl.where((a == 0)[:, None] & (rr < r)[None, :], sv, 0.0).to(bv.dtype)
-        acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr)
+        sv = tl.where((a == 0)[:, None] & (rr < one_r)[None, :], sv, 0.0).to(one_b.dtype)
+        bv = tl.where(cmask[None, :], one_b, 0.0)  # a tile straddling two slices: only this slice's columns
+        acc += tl.dot(sv, bv, input_precision=PREC) * one_scale
     else:
         for l in range(0, n_loras):
             sel = a == l
@@ -277,7 +296,7 @@ def _fold_expand_gemm_kernel(
     y_ptr, h_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr,
     T, stride_y, stride_h, d_out, n_loras, R, O1, O2, O3, O4,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ONE_SLOT: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """``decode_lora_folded``'s tiled launch after the base GEMM (kernel="gemm", any token count): for token tile m,
     slice s and column tile c (one program each), with h = x @ [W; A]^T and the slice's columns [lo, hi):
@@ -291,6 +310,8 @@ def _fold_expand_gemm_kernel(
     kernel, no host sync) those no row of the tile uses, so a tile of one adapter does one (BLOCK_M x R) @ (R x
     BLOCK_N) tl.dot and a tile mixing k adapters k of them; nothing is padded to the largest rank beyond BLOCK_R.
     ONE_SLOT (L == 1): the shrink and B are loaded at once, not after idx. Products in fp32 (PREC for fp32 inputs).
+    USE_GDC (programmatic dependent launch): idx and the one slot's B, rank and scale are read before ``gdc_wait``,
+    h (the GEMM's output) after it.
     """
     pid_m = tl.program_id(0)
     sl = tl.program_id(1)
@@ -303,11 +324,18 @@ def _fold_expand_gemm_kernel(
         rows64 = rows.to(tl.int64)
         cs = c_lo + tl.arange(0, BLOCK_N)
         cmask = cs < o_hi
+        a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
+        if ONE_SLOT:
+            one_b, one_r, one_scale = _one_slot_factors(b_ptr, ranks_ptr, scales_ptr, cs, cmask, R, BLOCK_R)
+        else:
+            one_b, one_r, one_scale = 0, 0, 0.0
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
         acc = tl.load(h_ptr + rows64[:, None] * stride_h + cs[None, :], mask=rowmask[:, None] & cmask[None, :],
                       other=0.0).to(tl.float32)
-        a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
         acc = _add_slot_expand(acc, h_ptr + rows64[:, None] * stride_h + d_out, a, rowmask, cs, cmask, b_ptr,
-                               ranks_ptr, scales_ptr, d_out, n_loras, R, sl, BLOCK_R, ONE_SLOT, PREC, "")
+                               ranks_ptr, scales_ptr, d_out, n_loras, R, sl, one_b, one_r, one_scale, BLOCK_R,
+                               ONE_SLOT, PREC, "")
         tl.store(y_ptr + rows64[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=rowmask[:, None] & cmask[None, :])
 
@@ -318,6 +346,7 @@ def _fold_gemv_kernel(
     T, stride_x, stride_y, d_in, d_out, a_rows, n_loras, R, O1, O2, O3, O4, n_a_tiles, n_w_tiles, k_chunk,
     N_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ONE_SLOT: tl.constexpr, PREC: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     """``decode_lora_folded``'s one-launch path (kernel="gemv", T <= BLOCK_M tokens): the base GEMM, every slot's
     shrink and the expand in ONE kernel. Tile i is BLOCK_N rows of [W; A]: tiles 0 .. n_a_tiles-1 are A's rows
@@ -334,6 +363,8 @@ def _fold_gemv_kernel(
 
     Counters are zero between calls (each is reset by its last user). The wait is safe: A programs have the lowest
     ids, so they are scheduled first and never wait themselves (the Triton interpreter runs programs in id order).
+    With one slot, a W tile's B is loaded before the GEMM loop (it does not depend on the shrink). USE_GDC
+    (programmatic dependent launch): that load comes before ``gdc_wait``, x (the previous kernel's output) after.
     """
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -345,6 +376,13 @@ def _fold_gemv_kernel(
     rowmask = rows < T
     cs = n0 + tl.arange(0, BLOCK_N)
     cmask = cs < n_end
+    if ONE_SLOT:
+        one_b, one_r, one_scale = _one_slot_factors(b_ptr, ranks_ptr, scales_ptr, cs, cmask & (cs < d_out), R,
+                                                    BLOCK_R)
+    else:
+        one_b, one_r, one_scale = 0, 0, 0.0
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, d_in)
@@ -387,7 +425,7 @@ def _fold_gemv_kernel(
                 if (n0 < hi) & (n0 + BLOCK_N > lo):  # a tile may straddle two slices: each adds its own columns
                     acc = _add_slot_expand(acc, s_ptr + rows[:, None] * a_rows, a, rowmask, cs,
                                            cmask & (cs >= lo) & (cs < hi), b_ptr, ranks_ptr, scales_ptr, d_out,
-                                           n_loras, R, sl, BLOCK_R, ONE_SLOT, PREC, ".cg")
+                                           n_loras, R, sl, one_b, one_r, one_scale, BLOCK_R, ONE_SLOT, PREC, ".cg")
             tl.store(y_ptr + rows[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=rowmask[:, None] & cmask[None, :])
             done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
@@ -611,7 +649,8 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
                        ranks: torch.Tensor, scales: torch.Tensor, slice_offsets: Sequence[int], *,
                        options: KernelOptions = DEFAULT_OPTIONS, soff: torch.Tensor | None = None,
                        kernel: str = "decode", tiles: ExpandTiles | None = None,
-                       gemv_tiles: GemvTiles | None = None, workspace: GemvWorkspace | None = None) -> LoraResult:
+                       gemv_tiles: GemvTiles | None = None, workspace: GemvWorkspace | None = None,
+                       pdl: bool = False) -> LoraResult:
     """Base layer plus multi-slice BGMV/SGMV with the shrink inside the base GEMM (Punica/vLLM semantics, -1 = no
     LoRA); returns ``LoraResult(y, Dispatch)`` with a new y (T, d_out):
 
@@ -630,6 +669,9 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     one when None). No host sync (CUDA-graph safe with int32 ``token_lora_indices`` and ``ranks``, float32
     ``scales``, on the device; the slice offsets are kernel arguments, ``soff`` is accepted and unused). At most
     ``MAX_FOLDED_SLICES`` slices. The shrink is rounded to x's dtype by the GEMM, as in PEFT's ``lora_B(lora_A(x))``.
+    ``pdl``: launch the Triton kernel with programmatic dependent launch where the GPU has it (``dispatch.pdl_ok``:
+    Hopper or later), so that it starts, and reads what the kernel before it does not write (B, the slot ids), while
+    that kernel drains; what it writes waits (``gdc_wait``). Elsewhere ignored.
     Torch fallback: ``decode_lora_folded_torch`` (any kernel); reference ``decode_lora_folded_ref``.
     """
     d_out = folded.d_out
@@ -663,6 +705,7 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     ranks = ranks.to(device=x.device, dtype=torch.int32)
     scales = scales.to(device=x.device, dtype=torch.float32)
     block_r = max(16, next_pow2(r))
+    gdc = bool(pdl) and dispatch.pdl_ok(x.device)
     if kernel == "gemv":
         y = x.new_empty(t, d_out)
         done = LoraResult(y, Dispatch("decode_lora_folded", options.backend, use, note))
@@ -684,7 +727,8 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
             workspace.counters[2:], workspace.counters, t, x.stride(0), y.stride(0), d_in, d_out, a_rows, n_l, r,
             *offs, n_a, n_w, k_chunk, N_SLICES=n_s, SPLIT_K=gt.split_k, BLOCK_M=max(16, next_pow2(t)),
             BLOCK_N=gt.block_n, BLOCK_K=gt.block_k, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
-            PREC=dispatch.dot_precision(x.dtype), num_warps=gt.warps, num_stages=gt.stages,
+            PREC=dispatch.dot_precision(x.dtype), USE_GDC=gdc, num_warps=gt.warps, num_stages=gt.stages,
+            launch_pdl=gdc,
         )
         return done
     h = F.linear(x, folded.w_ext)
@@ -696,14 +740,14 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         block_n = decode_tiles(x.device).block_n
         _decode_folded_expand_kernel[(t, n_s, -(-widest // block_n))](
             y, h, lora_b, idx, ranks, scales, y.stride(0), h.stride(0), d_out, n_l, r, *offs,
-            BLOCK_L=next_pow2(n_l), BLOCK_R=block_r, BLOCK_N=block_n, ONE_SLOT=n_l == 1,
-            num_warps=decode_tiles(x.device).warps,
+            BLOCK_L=next_pow2(n_l), BLOCK_R=block_r, BLOCK_N=block_n, ONE_SLOT=n_l == 1, USE_GDC=gdc,
+            num_warps=decode_tiles(x.device).warps, launch_pdl=gdc,
         )
         return done
     tiles = tiles or ExpandTiles()
     _fold_expand_gemm_kernel[(-(-t // tiles.block_m), n_s, -(-widest // tiles.block_n))](
         y, h, lora_b, idx, ranks, scales, t, y.stride(0), h.stride(0), d_out, n_l, r, *offs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
-        PREC=dispatch.dot_precision(h.dtype), num_warps=tiles.warps,
+        PREC=dispatch.dot_precision(h.dtype), USE_GDC=gdc, num_warps=tiles.warps, launch_pdl=gdc,
     )
     return done

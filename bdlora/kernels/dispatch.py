@@ -18,6 +18,7 @@ Triton decides at decoration time whether a kernel is interpreted, so the CPU de
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -177,6 +178,18 @@ def gpu_kernel_on(enabled: bool | None, *tensors: torch.Tensor) -> bool:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (grid sizing)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pdl_ok(device: torch.device) -> bool:
+    """Whether Triton launches on ``device`` may use programmatic dependent launch (``launch_pdl``, ``gdc_wait``):
+    CUDA compute capability 9.0 (Hopper) or later, not the interpreter."""
+    device = torch.device(device)
+    return device.type == "cuda" and not INTERPRET and _capability(device.index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def cublas_why_not(compute: list[torch.Tensor], factors: list[torch.Tensor]) -> str | None:

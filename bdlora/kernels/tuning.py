@@ -15,6 +15,8 @@ number of tokens T of that forward:
                                tiles from ``gemm_tiles``: the first (max_tokens, block_m, block_n, warps) row with
                                T <= max_tokens
         above                  the base GEMM (on W's view) + vLLM's punica kernels
+        (``pdl``: these folded kernels are launched with programmatic dependent launch: each starts while the
+        kernel before it drains, and reads B and the slot ids before it waits for that kernel's output)
     layers that cannot fold (quantized base, dtype mismatch, or LoRA rows above ``fold_max_extra`` x d_out):
         T <= two_launch_max    ``decode_lora`` (two launches: partial shrinks, expand)
         above                  vLLM's punica kernels
@@ -49,14 +51,16 @@ class ServingTuning:
     gemm_tiles: tuple = ((UNLIMITED, 16, 64, 4),)
     fold_gemv_max: int = 0
     gemv_shapes: tuple = ()  # rows (d_in, d_out, block_n, block_k, split_k, warps, stages); d_in = d_out = 0: any
+    pdl: bool = False  # folded kernels launched with programmatic dependent launch (decode_lora_folded(pdl=True))
 
     def __post_init__(self):
         for name in ("fold_decode_max", "fold_gemm_max", "two_launch_max", "fold_gemv_max"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"serving tuning: {name} must be a token count >= 0, got {v!r}")
-        if not isinstance(self.fold, bool):
-            raise ValueError(f"serving tuning: fold must be true or false, got {self.fold!r}")
+        for name in ("fold", "pdl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"serving tuning: {name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.fold_max_extra, (int, float)) or self.fold_max_extra < 0:
             raise ValueError(f"serving tuning: fold_max_extra must be a fraction >= 0, got {self.fold_max_extra!r}")
         rows = tuple(tuple(r) for r in self.gemm_tiles)
@@ -116,9 +120,13 @@ _H200 = MappingProxyType({
     # vs 15.5 us); on qkv and o (few or short rows) and at 64 tokens the cuBLAS GEMM wins.
     "fold_gemv_max": 16,
     "gemv_shapes": ((3584, 4096, 16, 256, 1, 2, 4), (4096, 3584, 16, 256, 1, 2, 4)),
+    # bench/results/serve/pdl_2026-11-24: programmatic dependent launch takes 1.0-1.3 us off qkv and gate_up calls
+    # of the folded kernels (the expand starts while the GEMM drains) and is level (+-0.2 us) on o and down.
+    "pdl": True,
 })
-#: Hopper like the H200; the one-launch kernel is not measured on it.
-_H100 = MappingProxyType({**_H200, "fold_gemv_max": 0, "gemv_shapes": ()})
+#: The H100 entry is the H200's: in the H100's own sweep (bench/results/serve/pdl_2026-11-24) the same one-launch
+#: rows win (TP=8 gate_up 16.0 vs 17.1 us at T=1, TP=4 down 16.0 vs 18.0 at T=16, level at T=1) and so does pdl.
+_H100 = _H200
 #: Measured entries (BENCHMARKS.md, "One flag: the serving path picked per token count"). Keys: device names.
 #: Read-only (data, not state): a new GPU's entry is added here, in the source.
 TABLE: Mapping[str, Mapping] = MappingProxyType({

@@ -12,6 +12,8 @@ graph and replayed (launch gaps as vLLM's graphs have them):
     fold_gemm     F.linear(x, [W; A]) + decode_lora_folded(kernel="gemm") per tile candidate (block_m, block_n, warps)
     fold_gemv     decode_lora_folded(kernel="gemv") per tile candidate (block_n, block_k, warps, stages): base GEMM,
                   shrink and expand in one launch (T <= 64)
+    *_pdl         fold_decode, fold_gemm (best tiles) and fold_gemv (best tiles) again with pdl=True: launched with
+                  programmatic dependent launch (Hopper+), B and the slot ids read before the wait on the GEMM
     two_launch    F.linear(x, W) + decode_lora                              (T <= 64)
     punica        F.linear(x, W) + vLLM's PunicaWrapperGPU.add_lora_linear  (vLLM's LoRA kernels at the same rank)
 
@@ -86,29 +88,31 @@ def set_mapping(punica, t: int, prefill: bool):
 
 
 def check(dev) -> dict:
-    """Both folded kernels against the float64 reference in bf16, 3 slots of ragged ranks, tokens of every slot and
-    without LoRA in random order: the largest error relative to the largest LoRA term."""
+    """The folded kernels (plain and ``pdl=True`` launches) against the float64 reference in bf16: 3 slots of ragged
+    ranks, tokens of every slot and without LoRA in random order, and one slot (the ONE_SLOT code path, which reads B
+    before it waits): the largest error relative to the largest LoRA term."""
     from bdlora.kernels import GemvTiles, GemvWorkspace, decode_lora_folded, decode_lora_folded_ref, fold_weight
     from bdlora.kernels.decode import ExpandTiles
 
     gen = torch.Generator(device=dev).manual_seed(1)
     out = {}
-    for outs, d_in in (((1024, 256, 256), H), ((3584, 3584), H), ((H,), 1792)):
-        n_s, d_out, R, ranks = len(outs), sum(outs), 64, [64, 19, 0]
+    for outs, d_in, ranks in (((1024, 256, 256), H, [64, 19, 0]), ((3584, 3584), H, [64, 19, 0]),
+                              ((H,), 1792, [64, 19, 0]), ((1024, 256, 256), H, [38]), ((H,), 3584, [38])):
+        n_s, d_out, R, n_l = len(outs), sum(outs), 64, len(ranks)
         offs = [0]
         for o in outs:
             offs.append(offs[-1] + o)
         w = torch.randn(d_out, d_in, device=dev, generator=gen).bfloat16() * 0.02
-        f = fold_weight(w, n_s, 3, R)
-        b = torch.zeros(3, d_out, R, device=dev, dtype=torch.bfloat16)
+        f = fold_weight(w, n_s, n_l, R)
+        b = torch.zeros(n_l, d_out, R, device=dev, dtype=torch.bfloat16)
         for slot, r in enumerate(ranks):
-            f.lora_a(n_s, 3, R)[:, slot, :r] = torch.randn(n_s, r, d_in, device=dev, generator=gen).bfloat16() * .05
+            f.lora_a(n_s, n_l, R)[:, slot, :r] = torch.randn(n_s, r, d_in, device=dev, generator=gen).bfloat16() * .05
             b[slot, :, :r] = torch.randn(d_out, r, device=dev, generator=gen).bfloat16() * 0.05
         rk = torch.tensor(ranks, dtype=torch.int32, device=dev)
-        sc = torch.tensor([1.0, 0.5, 2.0], device=dev)
+        sc = torch.tensor([1.0, 0.5, 2.0][:n_l], device=dev)
         for t in (1, 5, 40, 300, 2048):
             x = torch.randn(t, d_in, device=dev, generator=gen).bfloat16()
-            idx = torch.randint(-1, 3, (t,), device=dev, generator=gen, dtype=torch.int32)
+            idx = torch.randint(-1, n_l, (t,), device=dev, generator=gen, dtype=torch.int32)
             ref = decode_lora_folded_ref(x.double(), f.w_ext.double(), d_out, b.double(), idx, rk, sc.double(), offs)
             # relative to the largest LoRA term (to the output where the one token has no LoRA)
             lora = (ref - F.linear(x.double(), w.double())).abs().max().item()
@@ -116,19 +120,22 @@ def check(dev) -> dict:
             for kern in (("decode", "gemm") if t <= 64 else ("gemm",)):
                 cands = (ExpandTiles(),) if kern == "decode" else (ExpandTiles(16, 64, 4), ExpandTiles(64, 128, 4))
                 for tiles in cands:
-                    y = decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel=kern, tiles=tiles).out
-                    err = (y.double() - ref).abs().max().item()
-                    key = f"{d_out}x{d_in} T={t} {kern} {tiles.block_m}x{tiles.block_n}"
-                    out[key] = round(err / lora, 5)
+                    for pdl in (False, True):
+                        y = decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel=kern, tiles=tiles, pdl=pdl).out
+                        err = (y.double() - ref).abs().max().item()
+                        key = f"{d_out}x{d_in} L={n_l} T={t} {kern} {tiles.block_m}x{tiles.block_n}{' pdl' * pdl}"
+                        out[key] = round(err / lora, 5)
             if t <= 64:  # the one-launch kernel: the same check, and 200 calls in a row bit-identical (its A -> W
                 ws = GemvWorkspace(dev, x.dtype)  # programs' hand-offs through the workspace never read stale data)
-                for g in (GemvTiles(), GemvTiles(64, 128, 1, 4, 3), GemvTiles(16, 64, 16, 2, 4)):
+                for g, pdl in ((GemvTiles(), False), (GemvTiles(64, 128, 1, 4, 3), False),
+                               (GemvTiles(16, 64, 16, 2, 4), False), (GemvTiles(), True)):
                     ws.reserve(f, t, g)
-                    y = decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel="gemv", gemv_tiles=g, workspace=ws).out
-                    out[f"{d_out}x{d_in} T={t} gemv {g.block_n}x{g.block_k}k{g.split_k}"] = round(
+                    y = decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel="gemv", gemv_tiles=g, workspace=ws,
+                                           pdl=pdl).out
+                    out[f"{d_out}x{d_in} L={n_l} T={t} gemv {g.block_n}x{g.block_k}k{g.split_k}{' pdl' * pdl}"] = round(
                         (y.double() - ref).abs().max().item() / lora, 5)
                     ys = [decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel="gemv", gemv_tiles=g,
-                                             workspace=ws).out for _ in range(200)]
+                                             workspace=ws, pdl=pdl).out for _ in range(200)]
                     if any(not torch.equal(y, yi) for yi in ys) or ws.counters.any():
                         raise RuntimeError(f"gemv kernel not repeatable at {d_out}x{d_in} T={t} {g}")
     out["max_rel"] = max(out.values())
@@ -217,12 +224,12 @@ def main():
 
                 if "gemm_w_ext" in paths:
                     row["gemm_w_ext"] = graph_us(run_wext)
-                if t <= 64 and "fold_decode" in paths:
+                for pdl in ((False, True) if t <= 64 and "fold_decode" in paths else ()):
                     def run_fd():
                         for L in layers:
-                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="decode")
+                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="decode", pdl=pdl)
 
-                    row["fold_decode"] = graph_us(run_fd)
+                    row["fold_decode" + "_pdl" * pdl] = graph_us(run_fd)
                 if t <= 64 and "two_launch" in paths:
                     def run_two():
                         for L in layers:
@@ -246,6 +253,14 @@ def main():
                         best = (us, [bm, bn, nw])
                 if best is not None:
                     row["fold_gemm"], row["fold_gemm_tiles"] = best
+                    tiles = ExpandTiles(*best[1])
+
+                    def run_fg_pdl():
+                        for L in layers:
+                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="gemm", tiles=tiles,
+                                               pdl=True)
+
+                    row["fold_gemm_pdl"] = graph_us(run_fg_pdl)
                 best = None
                 for gt in (GEMV_TILES if t <= 64 and "fold_gemv" in paths else ()):
                     g = GemvTiles(*gt)
@@ -265,6 +280,14 @@ def main():
                         best = (us, list(gt))
                 if best is not None:
                     row["fold_gemv"], row["fold_gemv_tiles"] = best
+                    g = GemvTiles(*best[1])
+
+                    def run_gv_pdl():
+                        for L in layers:
+                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="gemv", gemv_tiles=g,
+                                               workspace=gemv_ws, pdl=True)
+
+                    row["fold_gemv_pdl"] = graph_us(run_gv_pdl)
                 if punica is not None and "punica" in paths:
                     try:
                         set_mapping(punica, t, prefill=t > 64)
