@@ -379,3 +379,27 @@ def test_decode_probe_fit_overheads():
     assert fits["stock"]["bs1"] == {"per_layer_us": pytest.approx(50.0), "per_step_us": pytest.approx(300.0)}
     assert fits["fused"]["bs1"] == {"per_layer_us": pytest.approx(20.0), "per_step_us": pytest.approx(100.0)}
     assert fits["fused"]["bs32"] == {"per_layer_us": pytest.approx(0.0), "per_step_us": pytest.approx(200.0)}
+
+
+def test_rr_table_min_median_and_change_against_base(tmp_path, capsys):
+    """``report --rr``: per engine and batch the min (median) over rounds and the change against the run's no-LoRA
+    engine; a folder without rr_*.json is refused by name."""
+    from bench.serve import report
+
+    def write(engine, decode, ttft):
+        rows = [{"batch": 1, "decode_ms_per_step": v, "round": i} for i, v in enumerate(decode)]
+        rows += [{"batch": 1, "ttft_ms": v, "prompt_len": 1024, "round": i} for i, v in enumerate(ttft)]
+        (tmp_path / f"rr_tp4_{engine}.json").write_text(json.dumps({"shape": "tp4", "engine": engine, "rows": rows}))
+
+    write("base", [2.0, 2.2, 2.1], [10.0, 12.0, 11.0])
+    write("bd", [2.3, 2.2, 2.5, 2.4], [11.0, 11.0, 13.0, 12.0])
+    md = report.rr_table([tmp_path])
+    assert "| base | 2.000 (2.100) | 10.000 (11.000) |" in md
+    assert "| bd | 2.200 (2.350) [+10.0%, +11.9%] | 11.000 (11.500) [+10.0%, +4.5%] |" in md
+    assert "over 4 rounds" in md and "| engine | B=1 | TTFT B=1 |" in md
+    assert report.main(["--rr", str(tmp_path)]) == 0 and "[+10.0%, +11.9%]" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit):
+        report.main(["--rr", str(empty)])
+    assert "no rr_*.json" in capsys.readouterr().err

@@ -74,6 +74,14 @@ def test_pdl_request_is_ignored_where_the_device_has_none(kernel):
           for pdl in (False, True)]
     assert torch.equal(ys[0], ys[1])
     torch.testing.assert_close(ys[1].double(), want, rtol=1e-4, atol=1e-4)
+    if kernel == "decode":  # and the two-launch kernel (decode_lora), on the same factors
+        w = folded.w_ext[:folded.d_out]
+        soff = torch.tensor(offs, dtype=torch.int32)
+        a = folded.lora_a(len(offs) - 1, b.shape[0], b.shape[2])
+        two = [K.decode_lora(x @ w.T, x, a, b, idx, rk, scales, offs, soff=soff, pdl=pdl,
+                             options=K.KernelOptions(backend="triton")).out for pdl in (False, True)]
+        assert torch.equal(two[0], two[1])
+        torch.testing.assert_close(two[1].double(), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tiles", [ExpandTiles(16, 16, 1), ExpandTiles(32, 64, 2), ExpandTiles(64, 16, 4)])

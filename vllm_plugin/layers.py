@@ -203,7 +203,7 @@ def _lora_linear_impl(y: torch.Tensor, x: torch.Tensor, layer: str) -> None:
 
         ran = decode_lora(y, x, st.lora_a, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
                           layout="column", nblocks=1, options=KernelOptions(backend=st.backend), soff=st.soff,
-                          workspace=st.workspace)
+                          workspace=st.workspace, pdl=st.tuning is not None and st.tuning.pdl)
         _count_fused("fused:", ran.backend, x, st)
         return
     _stock_lora(layer, y, x)

@@ -92,7 +92,7 @@ def decode_grid(tokens: int, n_slices: int, nb: int, max_block: int, d_in: int, 
 def _decode_shrink_kernel(
     x_ptr, a_ptr, idx_ptr, ranks_ptr, part_ptr,
     stride_x, d_in, n_loras, R, KA, n_groups, k_splits,
-    NA: tl.constexpr, NB: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    NA: tl.constexpr, NB: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """First half of ``decode_lora``: for token t, group g = slice * NB + j and input split k (one program each),
 
@@ -101,29 +101,34 @@ def _decode_shrink_kernel(
 
     Row layout (NA > 1): rank block rb of A only reads input block rb (the other products are masked to 0).
     One load of x and one of A per program, no loop: at batch 1 the latency is one memory round trip, and the
-    d_in / BLOCK_K programs of a slice spread the read of A over the SMs.
+    d_in / BLOCK_K programs of a slice spread the read of A over the SMs. USE_GDC (programmatic dependent launch):
+    idx, ranks and A are read before ``gdc_wait``, x after it, and every program waits (so this launch ends after
+    the kernel before it: the expand launch that waits on this one may then write y).
     """
     t = tl.program_id(0)
     g = tl.program_id(1)
     split = tl.program_id(2)
     a = tl.load(idx_ptr + t)
     r = tl.load(ranks_ptr + tl.maximum(a, 0))
-    if (a >= 0) & (r > 0):  # -1 = no LoRA; an empty slot (rank 0) adds nothing either
-        sl = g // NB
-        j = g % NB
-        r_cnt = r // NB
-        rr = tl.arange(0, BLOCK_R)
-        rs = j * r_cnt + rr
-        rmask = rr < r_cnt
-        bs_in = d_in // NA
-        r_blk = rs // (r // NA)
-        ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
-        kmask = ks < d_in
-        k_blk = ks // bs_in
+    on = (a >= 0) & (r > 0)  # -1 = no LoRA; an empty slot (rank 0) adds nothing either
+    sl = g // NB
+    j = g % NB
+    r_cnt = r // NB
+    rr = tl.arange(0, BLOCK_R)
+    rs = j * r_cnt + rr
+    rmask = rr < tl.where(on, r_cnt, 0)  # nothing loaded for a token without LoRA
+    bs_in = d_in // NA
+    r_blk = rs // tl.maximum(r // NA, 1)
+    ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = ks < d_in
+    k_blk = ks // bs_in
+    a_base = a_ptr + ((sl * n_loras + tl.maximum(a, 0)) * R).to(tl.int64) * KA
+    amask = rmask[:, None] & kmask[None, :] & (r_blk[:, None] == k_blk[None, :])
+    av = tl.load(a_base + rs[:, None] * KA + (ks - k_blk * bs_in)[None, :], mask=amask, other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    if on:
         xv = tl.load(x_ptr + t * stride_x + ks, mask=kmask, other=0.0).to(tl.float32)
-        a_base = a_ptr + ((sl * n_loras + a) * R).to(tl.int64) * KA
-        amask = rmask[:, None] & kmask[None, :] & (r_blk[:, None] == k_blk[None, :])
-        av = tl.load(a_base + rs[:, None] * KA + (ks - k_blk * bs_in)[None, :], mask=amask, other=0.0)
         s = tl.sum(av.to(tl.float32) * xv[None, :], axis=1)
         tl.store(part_ptr + ((t * n_groups + g) * k_splits + split) * BLOCK_R + rr, s)
 
@@ -133,7 +138,7 @@ def _decode_expand_kernel(
     y_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr, soff_ptr, part_ptr,
     stride_y, d_total, RB, n_groups,
     NB: tl.constexpr, K_SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """Second half of ``decode_lora``: for token t, group g = slice * NB + j and column tile c (one program each),
 
@@ -142,7 +147,8 @@ def _decode_expand_kernel(
     y[t, cols] += scales[a] * (sum over k of part[t, g, k]) @ B[a, cols, :ranks[a] / NB]^T
 
     The partial shrinks are summed in split order (deterministic; y is rounded once). Every tile sums them again
-    (K_SPLITS x BLOCK_R floats from L2): cheaper than a third launch.
+    (K_SPLITS x BLOCK_R floats from L2): cheaper than a third launch. USE_GDC (programmatic dependent launch): idx,
+    ranks, scales, soff and B are read before ``gdc_wait``, the partials and y after it.
     """
     t = tl.program_id(0)
     g = tl.program_id(1)
@@ -159,6 +165,14 @@ def _decode_expand_kernel(
         if c_lo < c_end:  # a narrower slice's surplus tiles have no columns
             rr = tl.arange(0, BLOCK_R)
             rmask = rr < r // NB
+            cs = c_lo + tl.arange(0, BLOCK_N)
+            cmask = cs < c_end
+            b_base = b_ptr + (a.to(tl.int64) * d_total) * RB
+            bv = tl.load(b_base + (o_lo + cs)[:, None] * RB + rr[None, :], mask=cmask[:, None] & rmask[None, :],
+                         other=0.0)
+            sc = tl.load(scales_ptr + a)
+            if USE_GDC:
+                tl.extra.cuda.gdc_wait()
             base = (t * n_groups + g) * K_SPLITS
             s = tl.zeros((BLOCK_R,), dtype=tl.float32)
             for i0 in tl.static_range(0, K_SPLITS, BLOCK_S):
@@ -166,12 +180,7 @@ def _decode_expand_kernel(
                 p = tl.load(part_ptr + (base + ii)[:, None] * BLOCK_R + rr[None, :], mask=(ii < K_SPLITS)[:, None],
                             other=0.0)
                 s += tl.sum(p, axis=0)
-            s = s * tl.load(scales_ptr + a)
-            cs = c_lo + tl.arange(0, BLOCK_N)
-            cmask = cs < c_end
-            b_base = b_ptr + (a.to(tl.int64) * d_total) * RB
-            bv = tl.load(b_base + (o_lo + cs)[:, None] * RB + rr[None, :], mask=cmask[:, None] & rmask[None, :],
-                         other=0.0)
+            s = s * sc
             upd = tl.sum(bv.to(tl.float32) * s[None, :], axis=1)
             yp = y_ptr + t * stride_y + o_lo + cs
             yv = tl.load(yp, mask=cmask, other=0.0).to(tl.float32)
@@ -460,7 +469,7 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
                 token_lora_indices: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
                 slice_offsets: Sequence[int], *, layout: str = "column", nblocks: int = 1,
                 options: KernelOptions = DEFAULT_OPTIONS, soff: torch.Tensor | None = None,
-                workspace: DecodeWorkspace | None = None) -> LoraResult:
+                workspace: DecodeWorkspace | None = None, pdl: bool = False) -> LoraResult:
     """Multi-slice BGMV, in place, all slices in the same launches (Punica/vLLM semantics, -1 = no LoRA):
 
         for t with a = token_lora_indices[t] >= 0, for each slice s (columns soff[s]:soff[s+1] of y):
@@ -482,6 +491,11 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     beforehand. Then a call issues exactly two kernel launches, no allocation and no host sync. Every token index
     outside [0, L) must be -1 for the Triton path (it reads ``ranks[idx]``). The torch fallback
     (``decode_lora_torch``) is sync-free too and ignores out-of-range indices.
+
+    ``pdl``: launch both kernels with programmatic dependent launch where the GPU has it and the call passes what
+    serving passes (the tensors above ready, ``soff`` given; ``_pdl_launch``), else ignored. The shrink then reads
+    A while the kernel before it drains and x after it; the expand reads B while the shrink runs. Only x and y may
+    be written by the kernels just before the call.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}")
@@ -512,21 +526,37 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
         raise ValueError(f"decode_lora: the workspace on {workspace.partials.device} holds "
                          f"{workspace.partials.numel()} partials, this call needs {grid.partials} on {x.device}: "
                          f"reserve it for the largest batch first")
+    gdc = soff is not None and _pdl_launch(pdl, x.device, token_lora_indices, ranks, scales, soff)
     idx = token_lora_indices.to(device=x.device, dtype=torch.int32)
     ranks = ranks.to(device=x.device, dtype=torch.int32)
+    scales = scales.to(device=x.device, dtype=torch.float32)
     if soff is None:
         soff = torch.tensor(list(slice_offsets), dtype=torch.int32, device=x.device)
     _decode_shrink_kernel[(t, grid.n_groups, grid.k_splits)](
         x, lora_a, idx, ranks, workspace.partials, x.stride(0), d_in, n_l, r_max, lora_a.shape[3], grid.n_groups,
-        grid.k_splits, NA=na, NB=nb, BLOCK_R=grid.block_r, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
+        grid.k_splits, NA=na, NB=nb, BLOCK_R=grid.block_r, BLOCK_K=tiles.block_k, USE_GDC=gdc,
+        num_warps=tiles.warps, launch_pdl=gdc,
     )
     _decode_expand_kernel[(t, grid.n_groups, grid.n_tiles)](
-        y, lora_b, idx, ranks, scales.to(device=x.device, dtype=torch.float32), soff, workspace.partials,
-        y.stride(0), y.shape[1], lora_b.shape[2], grid.n_groups,
-        NB=nb, K_SPLITS=grid.k_splits, BLOCK_R=grid.block_r, BLOCK_N=tiles.block_n, BLOCK_S=tiles.block_s,
-        num_warps=tiles.warps,
+        y, lora_b, idx, ranks, scales, soff, workspace.partials, y.stride(0), y.shape[1], lora_b.shape[2],
+        grid.n_groups, NB=nb, K_SPLITS=grid.k_splits, BLOCK_R=grid.block_r, BLOCK_N=tiles.block_n,
+        BLOCK_S=tiles.block_s, USE_GDC=gdc, num_warps=tiles.warps, launch_pdl=gdc,
     )
     return done
+
+
+def _pdl_launch(pdl: bool, device: torch.device, idx: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
+                soff: torch.Tensor | None = None) -> bool:
+    """Whether a serving launch uses programmatic dependent launch: asked for (``pdl``), the GPU has it, and the
+    slot ids, ranks, scales (and slice offsets) are already the kernels' int32 / int32 / float32 (int32) tensors on
+    the device. A kernel launched so reads them before it waits on the kernel before it, so they must not be written
+    by a conversion launched just before (serving passes them ready)."""
+    if not (pdl and dispatch.pdl_ok(device)):
+        return False
+    want = ((idx, torch.int32), (ranks, torch.int32), (scales, torch.float32))
+    if soff is not None:
+        want += ((soff, torch.int32),)
+    return all(v.device == device and v.dtype == dt for v, dt in want)
 
 
 @dataclass(frozen=True)
@@ -670,8 +700,9 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     ``scales``, on the device; the slice offsets are kernel arguments, ``soff`` is accepted and unused). At most
     ``MAX_FOLDED_SLICES`` slices. The shrink is rounded to x's dtype by the GEMM, as in PEFT's ``lora_B(lora_A(x))``.
     ``pdl``: launch the Triton kernel with programmatic dependent launch where the GPU has it (``dispatch.pdl_ok``:
-    Hopper or later), so that it starts, and reads what the kernel before it does not write (B, the slot ids), while
-    that kernel drains; what it writes waits (``gdc_wait``). Elsewhere ignored.
+    Hopper or later) and the slot ids, ranks and scales are passed ready (``_pdl_launch``), so that it starts, and
+    reads what the kernel before it does not write (B, the slot ids), while that kernel drains; what it writes waits
+    (``gdc_wait``). Elsewhere ignored. Only x may be written by the kernel just before the call.
     Torch fallback: ``decode_lora_folded_torch`` (any kernel); reference ``decode_lora_folded_ref``.
     """
     d_out = folded.d_out
@@ -701,11 +732,11 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
 
     offs = [int(o) for o in slice_offsets[1:]] + [d_out] * (MAX_FOLDED_SLICES - n_s)
     widest = max(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_s))
+    gdc = _pdl_launch(pdl, x.device, token_lora_indices, ranks, scales)
     idx = token_lora_indices.to(device=x.device, dtype=torch.int32)
     ranks = ranks.to(device=x.device, dtype=torch.int32)
     scales = scales.to(device=x.device, dtype=torch.float32)
     block_r = max(16, next_pow2(r))
-    gdc = bool(pdl) and dispatch.pdl_ok(x.device)
     if kernel == "gemv":
         y = x.new_empty(t, d_out)
         done = LoraResult(y, Dispatch("decode_lora_folded", options.backend, use, note))

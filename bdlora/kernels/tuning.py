@@ -15,11 +15,12 @@ number of tokens T of that forward:
                                tiles from ``gemm_tiles``: the first (max_tokens, block_m, block_n, warps) row with
                                T <= max_tokens
         above                  the base GEMM (on W's view) + vLLM's punica kernels
-        (``pdl``: these folded kernels are launched with programmatic dependent launch: each starts while the
-        kernel before it drains, and reads B and the slot ids before it waits for that kernel's output)
     layers that cannot fold (quantized base, dtype mismatch, or LoRA rows above ``fold_max_extra`` x d_out):
         T <= two_launch_max    ``decode_lora`` (two launches: partial shrinks, expand)
         above                  vLLM's punica kernels
+
+With ``pdl`` the folded and the two-launch kernels are launched with programmatic dependent launch: each starts
+while the kernel before it drains, and reads the LoRA weights and slot ids before it waits for that kernel's output.
 
 Entries are measured with ``bench/kernels/bench_serving_kernels.py`` (per-module times of every path at each T, at
 the per-GPU shapes of TP=4 and TP=8 Llama-3.1-8B shards) and checked in serving with
@@ -51,7 +52,7 @@ class ServingTuning:
     gemm_tiles: tuple = ((UNLIMITED, 16, 64, 4),)
     fold_gemv_max: int = 0
     gemv_shapes: tuple = ()  # rows (d_in, d_out, block_n, block_k, split_k, warps, stages); d_in = d_out = 0: any
-    pdl: bool = False  # folded kernels launched with programmatic dependent launch (decode_lora_folded(pdl=True))
+    pdl: bool = False  # serving kernels launched with programmatic dependent launch (decode_lora*(pdl=True))
 
     def __post_init__(self):
         for name in ("fold_decode_max", "fold_gemm_max", "two_launch_max", "fold_gemv_max"):

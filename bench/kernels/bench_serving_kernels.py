@@ -12,8 +12,9 @@ graph and replayed (launch gaps as vLLM's graphs have them):
     fold_gemm     F.linear(x, [W; A]) + decode_lora_folded(kernel="gemm") per tile candidate (block_m, block_n, warps)
     fold_gemv     decode_lora_folded(kernel="gemv") per tile candidate (block_n, block_k, warps, stages): base GEMM,
                   shrink and expand in one launch (T <= 64)
-    *_pdl         fold_decode, fold_gemm (best tiles) and fold_gemv (best tiles) again with pdl=True: launched with
-                  programmatic dependent launch (Hopper+), B and the slot ids read before the wait on the GEMM
+    *_pdl         fold_decode, fold_gemm (best tiles), fold_gemv (best tiles) and two_launch again with pdl=True:
+                  launched with programmatic dependent launch (Hopper+), the LoRA weights and slot ids read before
+                  the wait on the kernel before
     two_launch    F.linear(x, W) + decode_lora                              (T <= 64)
     punica        F.linear(x, W) + vLLM's PunicaWrapperGPU.add_lora_linear  (vLLM's LoRA kernels at the same rank)
 
@@ -91,7 +92,8 @@ def check(dev) -> dict:
     """The folded kernels (plain and ``pdl=True`` launches) against the float64 reference in bf16: 3 slots of ragged
     ranks, tokens of every slot and without LoRA in random order, and one slot (the ONE_SLOT code path, which reads B
     before it waits): the largest error relative to the largest LoRA term."""
-    from bdlora.kernels import GemvTiles, GemvWorkspace, decode_lora_folded, decode_lora_folded_ref, fold_weight
+    from bdlora.kernels import (GemvTiles, GemvWorkspace, decode_lora, decode_lora_folded, decode_lora_folded_ref,
+                                fold_weight)
     from bdlora.kernels.decode import ExpandTiles
 
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -125,6 +127,13 @@ def check(dev) -> dict:
                         err = (y.double() - ref).abs().max().item()
                         key = f"{d_out}x{d_in} L={n_l} T={t} {kern} {tiles.block_m}x{tiles.block_n}{' pdl' * pdl}"
                         out[key] = round(err / lora, 5)
+            if t <= 64:  # the two-launch kernel (layers that cannot fold), plain and pdl launches
+                soff = torch.tensor(offs, dtype=torch.int32, device=dev)
+                for pdl in (False, True):
+                    y = decode_lora(F.linear(x, w), x, f.lora_a(n_s, n_l, R), b, idx, rk, sc, offs, soff=soff,
+                                    pdl=pdl).out
+                    out[f"{d_out}x{d_in} L={n_l} T={t} two_launch{' pdl' * pdl}"] = round(
+                        (y.double() - ref).abs().max().item() / lora, 5)
             if t <= 64:  # the one-launch kernel: the same check, and 200 calls in a row bit-identical (its A -> W
                 ws = GemvWorkspace(dev, x.dtype)  # programs' hand-offs through the workspace never read stale data)
                 for g, pdl in ((GemvTiles(), False), (GemvTiles(64, 128, 1, 4, 3), False),
@@ -230,13 +239,13 @@ def main():
                             decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="decode", pdl=pdl)
 
                     row["fold_decode" + "_pdl" * pdl] = graph_us(run_fd)
-                if t <= 64 and "two_launch" in paths:
+                for pdl in ((False, True) if t <= 64 and "two_launch" in paths else ()):
                     def run_two():
                         for L in layers:
                             y = F.linear(x, L.w)
-                            decode_lora(y, x, L.a, L.b, idx, ranks, scales, offs, soff=soff, workspace=ws)
+                            decode_lora(y, x, L.a, L.b, idx, ranks, scales, offs, soff=soff, workspace=ws, pdl=pdl)
 
-                    row["two_launch"] = graph_us(run_two)
+                    row["two_launch" + "_pdl" * pdl] = graph_us(run_two)
                 best = None
                 for bm, bn, nw in (fold_tiles if "fold_gemm" in paths else ()):
                     if bm > 16 and bm > 2 * t:

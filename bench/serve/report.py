@@ -1,6 +1,8 @@
-"""Plots like the BD-LoRA paper's Fig. 5 and a markdown table from collected sweep results.
+"""Plots like the BD-LoRA paper's Fig. 5 and a markdown table from collected sweep results; a table of one-GPU
+side-by-side engine runs (``bench/serve/auto_proxy_rr.sh``: ``rr_*.json``).
 
     python -m bench.serve.report RESULTS_DIR [RESULTS_DIR ...] --plots PLOT_DIR --markdown TABLE.md
+    python -m bench.serve.report --rr RR_DIR [RR_DIR ...]
 
 One figure per setting (TP, adapter mode, BS, IT, OT) with four panels against trainable parameters: throughput
 (output tokens/s of a request, mean over requests: the paper's metric), E2E latency, decoding latency (TPOT =
@@ -175,12 +177,56 @@ def trace_table(dirs: Iterable[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rr_table(dirs: Iterable[Path], base: str = "base") -> str:
+    """Markdown table of ``auto_proxy.py`` results (``rr_<shape>_<engine>.json``) in each of ``dirs`` (one run of
+    engines side by side each): per run, shape and engine, decode ms per step at each batch and TTFT, as the minimum
+    (median) over rounds and, beside it, the change of each against the ``base`` engine of the same run and shape."""
+    lines = []
+    for d in dirs:
+        runs: dict = defaultdict(dict)  # shape -> engine -> metric -> values
+        for p in sorted(Path(d).glob("rr_*.json")):
+            r = json.loads(p.read_text())
+            eng = runs[r["shape"]].setdefault(r["engine"], defaultdict(list))
+            for row in r.get("rows", []):
+                key = f"TTFT B={row['batch']}" if "ttft_ms" in row else f"B={row['batch']}"
+                eng[key].append(row.get("ttft_ms", row.get("decode_ms_per_step")))
+        for shape, engines in runs.items():
+            keys = sorted({k for e in engines.values() for k in e}, key=lambda k: ("TTFT" in k, int(k.split("=")[1])))
+            n = max(len(v) for e in engines.values() for v in e.values())
+            lines += [f"\n`{d}`, {shape}: min (median) over {n} rounds; [min, median] vs `{base}`\n",
+                      "| engine | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+            ref = engines.get(base, {})
+            for name, m in engines.items():
+                cells = []
+                for k in keys:
+                    v = sorted(m.get(k, []))
+                    if not v:
+                        cells.append("–")
+                        continue
+                    med = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+                    cell = f"{v[0]:.3f} ({med:.3f})"
+                    b = sorted(ref.get(k, []))
+                    if b and name != base:
+                        bmed = b[len(b) // 2] if len(b) % 2 else (b[len(b) // 2 - 1] + b[len(b) // 2]) / 2
+                        cell += f" [{100 * (v[0] / b[0] - 1):+.1f}%, {100 * (med / bmed - 1):+.1f}%]"
+                    cells.append(cell)
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines).lstrip("\n") + "\n" if lines else ""
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dirs", nargs="+", help="sweep --out directories (later ones win on duplicates)")
     p.add_argument("--plots", help="directory for PNG figures")
     p.add_argument("--markdown", help="write the tables here (default: print)")
+    p.add_argument("--rr", action="store_true", help="the dirs hold auto_proxy_rr.sh runs (rr_*.json): one table each")
     a = p.parse_args(argv)
+    if a.rr:
+        md = rr_table([Path(d) for d in a.dirs])
+        if not md:
+            p.error(f"no rr_*.json under {a.dirs}")
+        print(md)
+        return 0
     summaries = collect_summaries([Path(d) for d in a.dirs])
     if not summaries:
         p.error(f"no *_summary.json under {a.dirs}")
