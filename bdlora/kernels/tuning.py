@@ -122,7 +122,8 @@ _H200 = MappingProxyType({
     "fold_gemv_max": 16,
     "gemv_shapes": ((3584, 4096, 16, 256, 1, 2, 4), (4096, 3584, 16, 256, 1, 2, 4)),
     # bench/results/serve/pdl_2026-11-24: programmatic dependent launch takes 1.0-1.3 us off qkv and gate_up calls
-    # of the folded kernels (the expand starts while the GEMM drains) and is level (+-0.2 us) on o and down.
+    # of the folded kernels (the expand starts while the GEMM drains), 0.3-2.4 us off the two-launch kernels', and
+    # is level (+-0.2 us) on the folded o and down.
     "pdl": True,
 })
 #: The H100 entry is the H200's: in the H100's own sweep (bench/results/serve/pdl_2026-11-24) the same one-launch
