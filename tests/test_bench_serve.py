@@ -403,3 +403,57 @@ def test_rr_table_min_median_and_change_against_base(tmp_path, capsys):
     with pytest.raises(SystemExit):
         report.main(["--rr", str(empty)])
     assert "no rr_*.json" in capsys.readouterr().err
+
+
+def _rr_script_with_engine(tmp_path, engine_py: str) -> Path:
+    """bench/serve/auto_proxy_rr.sh beside a stand-in auto_proxy.py (the real one needs a GPU)."""
+    d = tmp_path / "serve"
+    d.mkdir()
+    (d / "auto_proxy_rr.sh").write_text((ROOT / "bench" / "serve" / "auto_proxy_rr.sh").read_text())
+    (d / "auto_proxy.py").write_text(engine_py)
+    return d / "auto_proxy_rr.sh"
+
+
+_FAKE_ENGINE = '''
+import argparse, sys, time
+ap = argparse.ArgumentParser()
+for k in ("--shape", "--only", "--label", "--rr", "--index", "--count", "--rounds", "--mem", "--out", "--tuning"):
+    ap.add_argument(k)
+a = ap.parse_args()
+open(a.out + ".started", "w").write(str(time.time()))
+if a.label == "bad_start":
+    sys.exit("No available memory for the cache blocks")
+time.sleep(0.5)
+print(f"{a.only} engine up in 0.5s", flush=True)
+if a.label == "bad_run":
+    time.sleep(0.5)
+    sys.exit(3)
+time.sleep(1 if a.label != "slow" else 60)
+open(a.out, "w").write("{}")
+'''
+
+
+@pytest.mark.parametrize("engines, rc, failed", [(["base=base", "bd=bd"], 0, None),
+                                                 (["base=base", "bad_start=bd", "bd=bd"], 1, "bad_start"),
+                                                 (["slow=base", "bad_run=bd"], 1, "bad_run")])
+def test_rr_script_starts_engines_in_turn_and_stops_on_a_failure(tmp_path, engines, rc, failed):
+    """auto_proxy_rr.sh starts each engine after the one before reports it is up, and when an engine fails (at
+    start or while measuring) stops the others at once and exits 1 naming it, instead of leaving them waiting."""
+    import time
+
+    script = _rr_script_with_engine(tmp_path, _FAKE_ENGINE)
+    out = tmp_path / "out"
+    t0 = time.time()
+    p = subprocess.run(["bash", str(script), "tp4", str(out), "1", "0.28", *engines], capture_output=True, text=True,
+                       timeout=50)
+    assert p.returncode == rc, p.stderr
+    assert time.time() - t0 < 30  # a failure does not wait for the slow engine
+    labels = [e.split("=")[0] for e in engines]
+    started = {lab: float((out / f"rr_tp4_{lab}.json.started").read_text()) for lab in labels
+               if (out / f"rr_tp4_{lab}.json.started").exists()}
+    if failed is None:
+        assert all((out / f"rr_tp4_{lab}.json").exists() for lab in labels)
+        assert started["bd"] - started["base"] >= 0.5  # the second started after the first was up
+    else:
+        assert f"engine '{failed}' failed" in p.stderr and f"rr_tp4_{failed}.log" in p.stderr
+        assert "bd" not in started or failed != "bad_start"  # nothing starts after a failed start

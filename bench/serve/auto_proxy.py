@@ -11,6 +11,8 @@ Engines (each in its own process, ``--only``):
   bd     the bdlora plugin with ``additional_config {"bdlora": true}`` only (= ``--enable-bdlora``), a BD adapter of
          r152 / N blocks served as one GPU's share: N=1 at rank 152/TP (38 at TP=4, 19 at TP=8), buffer rank 256/TP
   bd_<mode>  the same with the opt-in modes (fold | fused | stock) for comparison
+--adapters N: the LoRA engines get --max-loras N and N distinct adapters of that rank; request i of a batch uses
+adapter i mod N (one slot by default, as before).
 
 decode ms/step = (time of 144 new tokens - time of 16) / 128 at batch B with 128-token prompts (min of 2 runs);
 ttft ms = one generate of max_tokens=1 (prefill only) for B prompts of --ttft-len tokens (min of 3), chunked prefill
@@ -54,11 +56,11 @@ def write_model(root: Path, sh) -> Path:
     return d
 
 
-def write_adapter(root: Path, name: str, r: int, bd: bool, sh) -> Path:
+def write_adapter(root: Path, name: str, r: int, bd: bool, sh, seed: int = 0) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    g = torch.Generator().manual_seed(r)
+    g = torch.Generator().manual_seed(r + 1000 * seed)
     t = {}
     for i in range(L):
         for m, (din, dout) in shapes(sh).items():
@@ -82,10 +84,16 @@ def _prompts(n, length, salt=0):
     return [{"prompt_token_ids": [(7 * i + 13 * j + salt) % 30000 + 100 for j in range(length)]} for i in range(n)]
 
 
+def _per_request(lora, n_req):
+    """One LoRARequest for all requests, or a list of them: request i gets adapter i mod len(list)."""
+    return [lora[i % len(lora)] for i in range(n_req)] if isinstance(lora, list) else lora
+
+
 def decode_ms(llm, lora, n_req):
     from vllm import SamplingParams
 
     prompts = _prompts(n_req, 128)
+    lora = _per_request(lora, n_req)
 
     def run(n):
         sp = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -103,6 +111,7 @@ def ttft_ms(llm, lora, n_req, length):
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0, detokenize=False)
+    lora = _per_request(lora, n_req)
     best = None
     for k in range(4):  # the first is a warm-up; distinct prompts (prefix caching is off anyway)
         prompts = _prompts(n_req, length, salt=k)
@@ -148,6 +157,8 @@ def main():
     ap.add_argument("--tuning", default=None, help="bd engines: a JSON dict of bdlora.kernels.tuning keys replacing "
                     "the device's table entry's (e.g. '{\"fold_gemv_max\": 0}'), recorded as tuning_override")
     ap.add_argument("--label", default=None, help="the engine's name in the result (default: --only)")
+    ap.add_argument("--adapters", type=int, default=1,
+                    help="LoRA engines: --max-loras and distinct adapters; request i of a batch uses adapter i mod N")
     ap.add_argument("--base-requests", action="store_true",
                     help="send requests without an adapter to the LoRA engine (its per-step host cost alone)")
     a = ap.parse_args()
@@ -159,13 +170,14 @@ def main():
     root = Path(tempfile.mkdtemp())
     model = write_model(root, sh)
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "shape": a.shape,
-           "engine": a.label or a.only, "rows": []}
+           "engine": a.label or a.only, "adapters": a.adapters, "rows": []}
     kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=64,
               max_num_batched_tokens=8192, gpu_memory_utilization=a.mem, enable_prefix_caching=False)
     lora = None
     if a.only == "lora":
-        kw.update(enable_lora=True, max_lora_rank=64, max_loras=1)
-        lora = LoRARequest("r64", 1, str(write_adapter(root, "lora64", 64, False, sh)))
+        kw.update(enable_lora=True, max_lora_rank=64, max_loras=a.adapters)
+        lora = [LoRARequest(f"r64_{i}", 1 + i, str(write_adapter(root, f"lora64_{i}", 64, False, sh, seed=i)))
+                for i in range(a.adapters)]
     elif a.only.startswith("bd"):
         extra = {"bdlora": True}
         mode = a.only[3:] or "auto"
@@ -180,9 +192,10 @@ def main():
                 ap.error("--tuning applies to the auto mode (--only bd)")
             res["tuning_override"] = json.loads(a.tuning)
             extra["bdlora_fused_decode"] = {"mode": "auto", "tuning": res["tuning_override"]}
-        kw.update(enable_lora=True, max_lora_rank=sh["bd_max"], max_loras=1, additional_config=extra)
+        kw.update(enable_lora=True, max_lora_rank=sh["bd_max"], max_loras=a.adapters, additional_config=extra)
         r = sh["bd_rank"]
-        lora = LoRARequest(f"bd{r}", 3, str(write_adapter(root, f"bd{r}", r, True, sh)))
+        lora = [LoRARequest(f"bd{r}_{i}", 1 + i, str(write_adapter(root, f"bd{r}_{i}", r, True, sh, seed=i)))
+                for i in range(a.adapters)]
     try:
         import vllm
 

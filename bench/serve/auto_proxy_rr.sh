@@ -3,21 +3,48 @@
 #   bash bench/serve/auto_proxy_rr.sh SHAPE OUTDIR ROUNDS MEM ENGINE...
 # ENGINE = label=only[=tuning JSON], e.g.  base=base  lora=lora  bd=bd  bd_nogemv=bd={"fold_gemv_max":0}
 # Results: OUTDIR/rr_SHAPE_LABEL.json and .log. PROXY_ARGS="--batches 1,16 --ttft 1": more auto_proxy.py options.
-# STAGGER_S (default 40): seconds between engine starts; engines profiling memory at the same moment can see each
-# other's allocations and fail with "No available memory for the cache blocks".
+# Engines start one at a time: each after the one before reports "engine up" (engines profiling memory at the same
+# moment see each other's allocations and fail). If an engine exits with an error, the others are stopped and this
+# script exits 1 at once (they would otherwise wait for its turn).
 set -u
 shape=$1 out=$2 rounds=$3 mem=$4
 shift 4
 rr=$(mktemp -d)
 mkdir -p "$out"
+pids=()
+labels=()
+
+stop_all() {
+  echo "auto_proxy_rr: engine '$1' failed (see $out/rr_${shape}_$1.log); stopping the others" >&2
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+  wait
+  exit 1
+}
+
 i=0
 for spec in "$@"; do
   IFS='=' read -r label only tuning <<< "$spec"
-  [ "$i" -gt 0 ] && sleep "${STAGGER_S:-40}"
+  log="$out/rr_${shape}_${label}.log"
   args=(--shape "$shape" --only "$only" --label "$label" --rr "$rr" --index "$i" --count "$#" --rounds "$rounds" ${PROXY_ARGS:-}
         --mem "$mem" --out "$out/rr_${shape}_${label}.json")
   [ -n "${tuning:-}" ] && args+=(--tuning "$tuning")
-  python3 "$(dirname "$0")/auto_proxy.py" "${args[@]}" > "$out/rr_${shape}_${label}.log" 2>&1 &
+  python3 "$(dirname "$0")/auto_proxy.py" "${args[@]}" > "$log" 2>&1 &
+  pids+=($!)
+  labels+=("$label")
+  until grep -q "engine up in" "$log" 2>/dev/null; do
+    kill -0 "${pids[-1]}" 2>/dev/null || stop_all "$label"
+    sleep 1
+  done
   i=$((i + 1))
 done
-wait
+# measuring: the first engine to exit with an error stops the rest
+remaining=${#pids[@]}
+while [ "$remaining" -gt 0 ]; do
+  wait -n -p done_pid "${pids[@]}"
+  rc=$?
+  remaining=$((remaining - 1))
+  if [ "$rc" -ne 0 ]; then
+    for k in "${!pids[@]}"; do [ "${pids[$k]}" = "$done_pid" ] && stop_all "${labels[$k]}"; done
+    stop_all "unknown"
+  fi
+done
