@@ -20,6 +20,7 @@ graph and replayed (launch gaps as vLLM's graphs have them):
 
     python bench/kernels/bench_serving_kernels.py --out serving_kernels.json [--tokens 1,8,64] [--shapes tp4]
         [--paths base,fold_gemm,fold_gemv]   (a subset of the paths; default all)
+        [--trace tp4:o:1,tp4:qkv:1 --tokens ""]   (kernel timelines of one layer's paths, under the torch profiler)
 """
 from __future__ import annotations
 
@@ -69,6 +70,34 @@ def graph_us(fn, reps: int = 20) -> float:
     t1.record()
     torch.cuda.synchronize()
     return t0.elapsed_time(t1) * 1000 / reps
+
+
+def kernel_timeline(fn, reps: int = 3) -> list:
+    """The GPU kernels of one call of ``fn`` replayed from a CUDA graph, under the torch profiler: [name, start us
+    (from the call's first kernel), duration us] in start order, from the last of ``reps`` replays. Shows how many
+    kernels a path launches and the gap between them (e.g. a GEMM's split-K reduce kernel, or what programmatic
+    dependent launch overlaps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+            torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    per_call = len(kernels) // reps
+    last = kernels[-per_call:] if per_call else []
+    t0 = last[0].time_range.start if last else 0
+    return [[e.name[:120], round(e.time_range.start - t0, 2), round(e.time_range.elapsed_us(), 2)] for e in last]
 
 
 def make_punica(max_tokens: int, dev):
@@ -161,6 +190,9 @@ def main():
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
     ap.add_argument("--fold-tiles", default="all", help="fold_gemm tiles: all (TILES) or one 'bm,bn,warps'")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--trace", default="", help="comma-separated SHAPE:MODULE:T (e.g. tp4:o:1,tp4:qkv:1): the "
+                    "kernel timeline (kernel_timeline) of base, fold_gemm and two_launch, plain and pdl, on one layer, "
+                    "into the output's 'traces'")
     a = ap.parse_args()
     paths = set(a.paths.split(","))
     if paths - set(PATHS):
@@ -171,14 +203,14 @@ def main():
 
     dev = torch.device("cuda")
     dt = torch.bfloat16
-    toks = [int(t) for t in a.tokens.split(",")]
+    toks = [int(t) for t in a.tokens.split(",") if t]
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
            "rows": []}
     try:
         import vllm
 
         res["vllm"] = vllm.__version__
-        punica = make_punica(max(toks), dev)
+        punica = make_punica(max(toks, default=64), dev)
     except Exception as e:  # noqa: BLE001 - recorded, the rest still runs
         punica, res["punica_error"] = None, repr(e)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -215,6 +247,20 @@ def main():
                 gemv_ws.reserve(layers[0].f, 64, GemvTiles(*gt))
             for t in range(1, 65):
                 ws.reserve(decode_grid(t, n_s, 1, max(outs), d_in, R, decode_tiles(dev)))
+            for spec in [v for v in a.trace.split(",") if v.startswith(f"{shape}:{mod}:")]:
+                t = int(spec.split(":")[2])
+                x = torch.randn(t, d_in, device=dev, dtype=dt, generator=gen)
+                idx = torch.zeros(t, dtype=torch.int32, device=dev)
+                L = layers[0]
+                fns = {"base": lambda: F.linear(x, L.w)}
+                for pdl in (False, True):
+                    fns["fold_gemm" + "_pdl" * pdl] = (lambda p: lambda: decode_lora_folded(
+                        x, L.f, L.b, idx, ranks, scales, offs, kernel="gemm", tiles=ExpandTiles(16, 64, 4), pdl=p))(pdl)
+                    fns["two_launch" + "_pdl" * pdl] = (lambda p: lambda: decode_lora(
+                        F.linear(x, L.w), x, L.a, L.b, idx, ranks, scales, offs, soff=soff, workspace=ws, pdl=p))(pdl)
+                res.setdefault("traces", {})[spec] = {k: kernel_timeline(f) for k, f in fns.items()}
+                print(json.dumps({spec: res["traces"][spec]}), flush=True)
+                Path(a.out).write_text(json.dumps(res, indent=1))
             for t in toks:
                 x = torch.randn(t, d_in, device=dev, dtype=dt, generator=gen)
                 idx = torch.zeros(t, dtype=torch.int32, device=dev)
