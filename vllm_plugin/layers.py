@@ -17,9 +17,9 @@ device's entry in ``bdlora.kernels.tuning`` (one table of measured cut-offs per 
 is built. A layer whose base weight can fold (and whose LoRA rows stay under ``fold_max_extra`` of its outputs) goes
 through ``torch.ops.bdlora.fold_linear`` with the table's cut-offs: up to ``fold_gemv_max`` tokens, on the shapes
 the table lists for it, the one-launch kernel (base GEMM, shrink and expand together); up to ``fold_decode_max``
-tokens the per-token ``decode_lora_folded`` kernel, up to ``fold_gemm_max`` its tiled kernel (any token count: prefill too), above the
-base GEMM on W's view and vLLM's punica path; a layer that cannot fold runs the two-launch decode kernel up to
-``two_launch_max`` tokens and vLLM's path above. The choice is made inside the opaque custom op when it runs, so each
+tokens the per-token ``decode_lora_folded`` kernel, up to ``fold_gemm_max`` its tiled kernel (any token count:
+prefill too), above the base GEMM on W's view and vLLM's punica path; a layer that cannot fold runs the two-launch
+decode kernel up to ``two_launch_max`` tokens and vLLM's path above. The choice is made inside the opaque custom op when it runs, so each
 captured CUDA-graph size holds its own path. The opt-in flags below keep their fixed behaviour (experiments).
 
 Fused decode (``additional_config {"bdlora_fused_decode": true}``, ``--bdlora-fused-decode``): the LoRA term of
@@ -79,8 +79,8 @@ class LayerBuild:
 
     ``rank``: the per-device buffer rank; ``fused``: the fused-decode options (None: off); ``names``: fused-layer names
     given out in this build; ``workspaces``: one decode workspace (partial shrinks) per device and one workspace of the
-    one-launch folded kernel per (device, dtype), shared by this build's fused layers (their launches never overlap). A new build starts new ones, so a later engine never resizes buffers
-    an earlier one's graphs captured."""
+    one-launch folded kernel per (device, dtype), shared by this build's fused layers (their launches never overlap).
+    A new build starts new ones, so a later engine never resizes buffers an earlier one's graphs captured."""
 
     rank: int
     fused: Optional[FusedDecodeOptions] = None
@@ -176,6 +176,7 @@ class _FusedState:
     fold_gemv_max: int = 0  # fold_linear: T <= this runs the one-launch kernel (before the cut-offs above)
     gemv_tiles: object = None  # its bdlora.kernels.GemvTiles for this layer's shape
     gemv_workspace: object = None  # bdlora.kernels.GemvWorkspace shared by this build's layers on the device
+    pdl: bool = False  # auto mode: the tuning's pdl (launch the kernels with programmatic dependent launch)
 
 
 def _warn_once(key, msg: str, *args) -> None:
@@ -203,7 +204,7 @@ def _lora_linear_impl(y: torch.Tensor, x: torch.Tensor, layer: str) -> None:
 
         ran = decode_lora(y, x, st.lora_a, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
                           layout="column", nblocks=1, options=KernelOptions(backend=st.backend), soff=st.soff,
-                          workspace=st.workspace, pdl=st.tuning is not None and st.tuning.pdl)
+                          workspace=st.workspace, pdl=st.pdl)
         _count_fused("fused:", ran.backend, x, st)
         return
     _stock_lora(layer, y, x)
@@ -232,7 +233,7 @@ def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
         y, ran = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
                                     options=KernelOptions(backend=st.backend), soff=st.soff, kernel=kernel,
                                     tiles=tiles, gemv_tiles=st.gemv_tiles, workspace=st.gemv_workspace,
-                                    pdl=st.tuning is not None and st.tuning.pdl)
+                                    pdl=st.pdl)
         if bias is not None:
             y += bias
         _count_fused({"gemv": "fold_gemv:", "decode": "folded:", "gemm": "fold_gemm:"}[kernel], ran.backend, x, st)
@@ -379,7 +380,8 @@ class _BDLoRAMixin:
             fold_gemm_max=fg_max if folded is not None else 0, tuning=tuning,
             fold_gemv_max=tuning.fold_gemv_max if gemv_tiles is not None else 0, gemv_tiles=gemv_tiles,
             gemv_workspace=(_gemv_workspace(build, dev, dtype, folded, tuning.fold_gemv_max, gemv_tiles)
-                            if gemv_tiles is not None else None))
+                            if gemv_tiles is not None else None),
+            pdl=tuning is not None and tuning.pdl)
         _FUSED_LAYERS[name] = self
         if _can_update_inplace():
             self.bd_fused_name = name

@@ -277,8 +277,8 @@ def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scale
     where each row's shrink S starts. Several slots: a loop over them that skips (in the kernel) those no row uses,
     one tl.dot each. One slot (ONE_SLOT): B, rank and scale come in as ``one_b``, ``one_r``, ``one_scale``
     (``_one_slot_factors``, the tile's columns, loaded before the caller waited for S; ``cmask`` picks this slice's
-    columns of it); unused otherwise. CACHE: the cache modifier of
-    S's load ("" or ".cg" for a shrink another program of the same launch wrote)."""
+    columns of it); unused otherwise. CACHE: the cache modifier of S's load ("" or ".cg" for a shrink another
+    program of the same launch wrote)."""
     rr = tl.arange(0, BLOCK_R)
     if ONE_SLOT:
         sv = tl.load(s_rows + sl * R + rr[None, :], mask=rowmask[:, None] & (rr < R)[None, :], other=0.0,
@@ -526,7 +526,7 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
         raise ValueError(f"decode_lora: the workspace on {workspace.partials.device} holds "
                          f"{workspace.partials.numel()} partials, this call needs {grid.partials} on {x.device}: "
                          f"reserve it for the largest batch first")
-    gdc = soff is not None and _pdl_launch(pdl, x.device, token_lora_indices, ranks, scales, soff)
+    gdc = _pdl_launch(pdl, x.device, (token_lora_indices, ranks, soff), (scales,))
     idx = token_lora_indices.to(device=x.device, dtype=torch.int32)
     ranks = ranks.to(device=x.device, dtype=torch.int32)
     scales = scales.to(device=x.device, dtype=torch.float32)
@@ -545,18 +545,16 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     return done
 
 
-def _pdl_launch(pdl: bool, device: torch.device, idx: torch.Tensor, ranks: torch.Tensor, scales: torch.Tensor,
-                soff: torch.Tensor | None = None) -> bool:
+def _pdl_launch(pdl: bool, device: torch.device, int32: tuple, float32: tuple) -> bool:
     """Whether a serving launch uses programmatic dependent launch: asked for (``pdl``), the GPU has it, and the
-    slot ids, ranks, scales (and slice offsets) are already the kernels' int32 / int32 / float32 (int32) tensors on
-    the device. A kernel launched so reads them before it waits on the kernel before it, so they must not be written
-    by a conversion launched just before (serving passes them ready)."""
+    small tensors its kernels read before they wait (slot ids, ranks, slice offsets: ``int32``; scales: ``float32``)
+    are passed ready, as those dtypes on the device (None: not passed). A kernel launched so reads them before it waits
+    on the kernel before it, so they must not be written by a conversion launched just before (serving passes them
+    ready)."""
     if not (pdl and dispatch.pdl_ok(device)):
         return False
-    want = ((idx, torch.int32), (ranks, torch.int32), (scales, torch.float32))
-    if soff is not None:
-        want += ((soff, torch.int32),)
-    return all(v.device == device and v.dtype == dt for v, dt in want)
+    want = [(v, torch.int32) for v in int32] + [(v, torch.float32) for v in float32]
+    return all(v is not None and v.device == device and v.dtype == dt for v, dt in want)
 
 
 @dataclass(frozen=True)
@@ -732,7 +730,7 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
 
     offs = [int(o) for o in slice_offsets[1:]] + [d_out] * (MAX_FOLDED_SLICES - n_s)
     widest = max(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_s))
-    gdc = _pdl_launch(pdl, x.device, token_lora_indices, ranks, scales)
+    gdc = _pdl_launch(pdl, x.device, (token_lora_indices, ranks), (scales,))
     idx = token_lora_indices.to(device=x.device, dtype=torch.int32)
     ranks = ranks.to(device=x.device, dtype=torch.int32)
     scales = scales.to(device=x.device, dtype=torch.float32)

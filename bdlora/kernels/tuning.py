@@ -126,14 +126,13 @@ _H200 = MappingProxyType({
     # is level (+-0.2 us) on the folded o and down.
     "pdl": True,
 })
-#: The H100 entry is the H200's: in the H100's own sweep (bench/results/serve/pdl_2026-11-24) the same one-launch
-#: rows win (TP=8 gate_up 16.0 vs 17.1 us at T=1, TP=4 down 16.0 vs 18.0 at T=16, level at T=1) and so does pdl.
-_H100 = _H200
 #: Measured entries (BENCHMARKS.md, "One flag: the serving path picked per token count"). Keys: device names.
 #: Read-only (data, not state): a new GPU's entry is added here, in the source.
 TABLE: Mapping[str, Mapping] = MappingProxyType({
     "NVIDIA H200": _H200,
-    "NVIDIA H100 80GB HBM3": _H100,  # same SM (Hopper, 132 SMs); served with it (BENCHMARKS.md)
+    # The H200's entry: in the H100's own sweep (bench/results/serve/pdl_2026-11-24) the same one-launch rows win
+    # (TP=8 gate_up 16.0 vs 17.1 us at T=1, TP=4 down 16.0 vs 18.0 at T=16, level at T=1) and so does pdl.
+    "NVIDIA H100 80GB HBM3": _H200,
 })
 
 #: Unknown CUDA GPUs: the kernels are correct on any CUDA device; cut-offs of the measured Hopper parts, with vLLM's

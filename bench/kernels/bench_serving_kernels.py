@@ -279,12 +279,16 @@ def main():
 
                 if "gemm_w_ext" in paths:
                     row["gemm_w_ext"] = graph_us(run_wext)
-                for pdl in ((False, True) if t <= 64 and "fold_decode" in paths else ()):
-                    def run_fd():
-                        for L in layers:
-                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="decode", pdl=pdl)
 
-                    row["fold_decode" + "_pdl" * pdl] = graph_us(run_fd)
+                def folded_us(**kw):  # one decode_lora_folded call per layer, with these options
+                    def run():
+                        for L in layers:
+                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, **kw)
+
+                    return graph_us(run)
+
+                for pdl in ((False, True) if t <= 64 and "fold_decode" in paths else ()):
+                    row["fold_decode" + "_pdl" * pdl] = folded_us(kernel="decode", pdl=pdl)
                 for pdl in ((False, True) if t <= 64 and "two_launch" in paths else ()):
                     def run_two():
                         for L in layers:
@@ -296,37 +300,17 @@ def main():
                 for bm, bn, nw in (fold_tiles if "fold_gemm" in paths else ()):
                     if bm > 16 and bm > 2 * t:
                         continue
-                    tiles = ExpandTiles(bm, bn, nw)
-
-                    def run_fg():
-                        for L in layers:
-                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="gemm", tiles=tiles)
-
-                    us = graph_us(run_fg)
+                    us = folded_us(kernel="gemm", tiles=ExpandTiles(bm, bn, nw))
                     row[f"fold_gemm_{bm}x{bn}w{nw}"] = us
                     if best is None or us < best[0]:
                         best = (us, [bm, bn, nw])
                 if best is not None:
                     row["fold_gemm"], row["fold_gemm_tiles"] = best
-                    tiles = ExpandTiles(*best[1])
-
-                    def run_fg_pdl():
-                        for L in layers:
-                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="gemm", tiles=tiles,
-                                               pdl=True)
-
-                    row["fold_gemm_pdl"] = graph_us(run_fg_pdl)
+                    row["fold_gemm_pdl"] = folded_us(kernel="gemm", tiles=ExpandTiles(*best[1]), pdl=True)
                 best = None
                 for gt in (GEMV_TILES if t <= 64 and "fold_gemv" in paths else ()):
-                    g = GemvTiles(*gt)
-
-                    def run_gv():
-                        for L in layers:
-                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="gemv", gemv_tiles=g,
-                                               workspace=gemv_ws)
-
                     try:
-                        us = graph_us(run_gv)
+                        us = folded_us(kernel="gemv", gemv_tiles=GemvTiles(*gt), workspace=gemv_ws)
                     except Exception as e:  # noqa: BLE001 - a tile that does not fit this GPU (shared memory)
                         row["fold_gemv_{}x{}k{}w{}s{}".format(*gt)] = repr(e)[:120]
                         continue
@@ -335,14 +319,8 @@ def main():
                         best = (us, list(gt))
                 if best is not None:
                     row["fold_gemv"], row["fold_gemv_tiles"] = best
-                    g = GemvTiles(*best[1])
-
-                    def run_gv_pdl():
-                        for L in layers:
-                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="gemv", gemv_tiles=g,
-                                               workspace=gemv_ws, pdl=True)
-
-                    row["fold_gemv_pdl"] = graph_us(run_gv_pdl)
+                    row["fold_gemv_pdl"] = folded_us(kernel="gemv", gemv_tiles=GemvTiles(*best[1]), workspace=gemv_ws,
+                                                     pdl=True)
                 if punica is not None and "punica" in paths:
                     try:
                         set_mapping(punica, t, prefill=t > 64)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Optional
@@ -203,12 +204,11 @@ def rr_table(dirs: Iterable[Path], base: str = "base") -> str:
                     if not v:
                         cells.append("–")
                         continue
-                    med = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+                    med = statistics.median(v)
                     cell = f"{v[0]:.3f} ({med:.3f})"
-                    b = sorted(ref.get(k, []))
+                    b = ref.get(k, [])
                     if b and name != base:
-                        bmed = b[len(b) // 2] if len(b) % 2 else (b[len(b) // 2 - 1] + b[len(b) // 2]) / 2
-                        cell += f" [{100 * (v[0] / b[0] - 1):+.1f}%, {100 * (med / bmed - 1):+.1f}%]"
+                        cell += f" [{100 * (v[0] / min(b) - 1):+.1f}%, {100 * (med / statistics.median(b) - 1):+.1f}%]"
                     cells.append(cell)
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines).lstrip("\n") + "\n" if lines else ""
