@@ -439,15 +439,12 @@ open(a.out, "w").write("{}")
 def test_rr_script_starts_engines_in_turn_and_stops_on_a_failure(tmp_path, engines, rc, failed):
     """auto_proxy_rr.sh starts each engine after the one before reports it is up, and when an engine fails (at
     start or while measuring) stops the others at once and exits 1 naming it, instead of leaving them waiting."""
-    import time
-
     script = _rr_script_with_engine(tmp_path, _FAKE_ENGINE)
     out = tmp_path / "out"
-    t0 = time.time()
     p = subprocess.run(["bash", str(script), "tp4", str(out), "1", "0.28", *engines], capture_output=True, text=True,
-                       timeout=50)
+                       timeout=180)
     assert p.returncode == rc, p.stderr
-    assert time.time() - t0 < 30  # a failure does not wait for the slow engine
+    assert not (out / "rr_tp4_slow.json").exists()  # a failure stopped the slow engine before it finished
     labels = [e.split("=")[0] for e in engines]
     started = {lab: float((out / f"rr_tp4_{lab}.json.started").read_text()) for lab in labels
                if (out / f"rr_tp4_{lab}.json.started").exists()}

@@ -162,6 +162,8 @@ def main():
     ap.add_argument("--base-requests", action="store_true",
                     help="send requests without an adapter to the LoRA engine (its per-step host cost alone)")
     a = ap.parse_args()
+    if a.adapters < 1:
+        ap.error(f"--adapters must be at least 1, got {a.adapters}")
     import torch
     from vllm import LLM
     from vllm.lora.request import LoRARequest
