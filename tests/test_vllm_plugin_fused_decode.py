@@ -376,8 +376,8 @@ TP2 = {
 def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold):
     """TP=2 workers, torch fallback, token limit 4: prefill batches (> 4 tokens) take vLLM's punica path (in fold
     mode: the base GEMM on the weight's view, then punica), decode steps of <= 4 sequences the fused (or fold) one;
-    in auto mode (cut-offs 2 / 4) the decode steps of 4 sequences take the tiled folded kernel. Base + BD r8 N=2 +
-    BD r16 N=4 + dense r8 all match HF+PEFT."""
+    in auto mode (cut-offs 2 / 4) the decode steps of 3-4 sequences take the tiled folded kernel, of <= 2 the
+    per-token one. Base + BD r8 N=2 + BD r16 N=4 + dense r8 all match HF+PEFT."""
     fused = ({"mode": "auto", "backend": "torch", "tuning": {"fold": True, "fold_decode_max": 2, "fold_gemm_max": 4,
                                                               "fold_max_extra": 1.0, "gemm_tiles": [[4, 16, 32, 1]]}}
              if fold == "auto" else {"max_tokens": 4, "backend": "torch", "fold_shrink": fold})
@@ -390,8 +390,15 @@ def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold
         counts = llm.collective_rpc(D.read_fused_decode_counters)
         assert len(counts) == 2
         for c in counts:
-            path = "fold_gemm:torch" if fold == "auto" else "folded:torch" if fold else "fused:torch"
-            assert c.get(path, 0) >= 8 * 7 and c.get("stock", 0) >= 8, counts
+            assert c.get("stock", 0) >= 8, counts  # the prefill
+            if fold == "auto":
+                # The engine core may start a step before every request has reached it (multiprocessing), so the
+                # last decode steps can hold 2 sequences: the per-token kernel (<= 2 tokens). Every decode step
+                # still takes a folded path, and the tiled kernel runs.
+                assert c.get("fold_gemm:torch", 0) + c.get("folded:torch", 0) >= 8 * 7, counts
+                assert c.get("fold_gemm:torch", 0) >= 8 and not any(k.startswith("fused:") for k in c), counts
+            else:
+                assert c.get("folded:torch" if fold else "fused:torch", 0) >= 8 * 7, counts
         checks = llm.collective_rpc(D.fused_decode_self_check, args=([0, IDS["bd4_r16"], IDS["bd2_r8"]],))
         for check in checks:
             assert check["layers"] == 8 and check["slots_ok"] and check["padding_untouched"], checks
