@@ -382,8 +382,9 @@ def test_decode_probe_fit_overheads():
 
 
 def test_rr_table_min_median_and_change_against_base(tmp_path, capsys):
-    """``report --rr``: per engine and batch the min (median) over rounds and the change against the run's no-LoRA
-    engine; a folder without rr_*.json is refused by name."""
+    """``report --rr``: per engine and batch the min (median) over rounds, the change against the run's no-LoRA
+    engine, and the paired change (median over the rounds both engines ran of engine / base - 1 in the same round);
+    a folder without rr_*.json is refused by name."""
     from bench.serve import report
 
     def write(engine, decode, ttft):
@@ -395,9 +396,11 @@ def test_rr_table_min_median_and_change_against_base(tmp_path, capsys):
     write("bd", [2.3, 2.2, 2.5, 2.4], [11.0, 11.0, 13.0, 12.0])
     md = report.rr_table([tmp_path])
     assert "| base | 2.000 (2.100) | 10.000 (11.000) |" in md
-    assert "| bd | 2.200 (2.350) [+10.0%, +11.9%] | 11.000 (11.500) [+10.0%, +4.5%] |" in md
-    assert "over 4 rounds" in md and "| engine | B=1 | TTFT B=1 |" in md
-    assert report.main(["--rr", str(tmp_path)]) == 0 and "[+10.0%, +11.9%]" in capsys.readouterr().out
+    # paired, rounds 0-2 (round 3 has no base): 2.3/2.0, 2.2/2.2, 2.5/2.1 -> +15%, 0%, +19.0%: median +15.0%;
+    # TTFT 11/10, 11/12, 13/11 -> +10%, -8.3%, +18.2%: median +10.0%
+    assert "| bd | 2.200 (2.350) [+10.0%, +11.9%; +15.0%] | 11.000 (11.500) [+10.0%, +4.5%; +10.0%] |" in md
+    assert "over 4 rounds" in md and "| engine | B=1 | TTFT B=1 |" in md and "paired median" in md
+    assert report.main(["--rr", str(tmp_path)]) == 0 and "[+10.0%, +11.9%; +15.0%]" in capsys.readouterr().out
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(SystemExit):

@@ -181,34 +181,41 @@ def trace_table(dirs: Iterable[Path]) -> str:
 def rr_table(dirs: Iterable[Path], base: str = "base") -> str:
     """Markdown table of ``auto_proxy.py`` results (``rr_<shape>_<engine>.json``) in each of ``dirs`` (one run of
     engines side by side each): per run, shape and engine, decode ms per step at each batch and TTFT, as the minimum
-    (median) over rounds and, beside it, the change of each against the ``base`` engine of the same run and shape."""
+    (median) over rounds and, beside it, the change of each against the ``base`` engine of the same run and shape,
+    and the paired change: the median over rounds of engine / base - 1 within the same round (the engines measure in
+    turns, so a round's values are minutes apart and share the machine's state; this cancels drift between rounds
+    that the minimum and median of each engine alone keep)."""
     lines = []
     for d in dirs:
-        runs: dict = defaultdict(dict)  # shape -> engine -> metric -> values
+        runs: dict = defaultdict(dict)  # shape -> engine -> metric -> {round: value}
         for p in sorted(Path(d).glob("rr_*.json")):
             r = json.loads(p.read_text())
-            eng = runs[r["shape"]].setdefault(r["engine"], defaultdict(list))
-            for row in r.get("rows", []):
+            eng = runs[r["shape"]].setdefault(r["engine"], defaultdict(dict))
+            for i, row in enumerate(r.get("rows", [])):
                 key = f"TTFT B={row['batch']}" if "ttft_ms" in row else f"B={row['batch']}"
-                eng[key].append(row.get("ttft_ms", row.get("decode_ms_per_step")))
+                eng[key][row.get("round", i)] = row.get("ttft_ms", row.get("decode_ms_per_step"))
         for shape, engines in runs.items():
             keys = sorted({k for e in engines.values() for k in e}, key=lambda k: ("TTFT" in k, int(k.split("=")[1])))
             n = max(len(v) for e in engines.values() for v in e.values())
-            lines += [f"\n`{d}`, {shape}: min (median) over {n} rounds; [min, median] vs `{base}`\n",
+            lines += [f"\n`{d}`, {shape}: min (median) over {n} rounds; [min, median; paired median] vs `{base}`\n",
                       "| engine | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
             ref = engines.get(base, {})
             for name, m in engines.items():
                 cells = []
                 for k in keys:
-                    v = sorted(m.get(k, []))
-                    if not v:
+                    by_round = m.get(k, {})
+                    if not by_round:
                         cells.append("–")
                         continue
+                    v = sorted(by_round.values())
                     med = statistics.median(v)
                     cell = f"{v[0]:.3f} ({med:.3f})"
-                    b = ref.get(k, [])
+                    b = ref.get(k, {})
                     if b and name != base:
-                        cell += f" [{100 * (v[0] / min(b) - 1):+.1f}%, {100 * (med / statistics.median(b) - 1):+.1f}%]"
+                        bv = list(b.values())
+                        cell += f" [{100 * (v[0] / min(bv) - 1):+.1f}%, {100 * (med / statistics.median(bv) - 1):+.1f}%"
+                        paired = [by_round[i] / b[i] - 1 for i in by_round if i in b]
+                        cell += f"; {100 * statistics.median(paired):+.1f}%]" if paired else "]"
                     cells.append(cell)
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines).lstrip("\n") + "\n" if lines else ""
