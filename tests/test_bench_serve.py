@@ -457,3 +457,42 @@ def test_rr_script_starts_engines_in_turn_and_stops_on_a_failure(tmp_path, engin
     else:
         assert f"engine '{failed}' failed" in p.stderr and f"rr_tp4_{failed}.log" in p.stderr
         assert "bd" not in started or failed != "bad_start"  # nothing starts after a failed start
+
+
+def test_step_profile_reads_gpu_busy_and_host_ops_from_a_profiler_trace(tmp_path, monkeypatch):
+    """``step_profile.py``'s trace readers: busy_ms takes the union of kernel intervals (overlaps counted once,
+    gaps as idle); host_ops counts and times the CPU ops of a real torch.profiler trace (three aten::mm calls here),
+    keeps every ``bdlora::`` op however small, and counts the kernel-launch runtime calls."""
+    import torch
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the module's setdefault: restored after the test
+    monkeypatch.setattr(sys, "path", list(sys.path))  # and its sys.path entry
+    from bench.serve import step_profile as SP
+
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            torch.mm(a, b)
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    host = SP.host_ops(trace, most=50)
+    n, total_ms, per_call_us = host["ops"]["aten::mm"]
+    assert n == 3 and total_ms > 0 and per_call_us == pytest.approx(1000 * total_ms / 3, rel=0.02, abs=0.1)
+    assert host["launch"] == {"count": 0, "total_ms": 0.0}  # a CPU-only trace launches no kernels
+    trace["traceEvents"] += [
+        {"cat": "cpu_op", "name": "bdlora::fold_linear", "ts": 0, "dur": 0.5},
+        {"cat": "cpu_op", "name": "bdlora::fold_linear", "ts": 1, "dur": 1.5},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 4.0},
+        {"cat": "cuda_runtime", "name": "cuLaunchKernelEx", "ts": 5, "dur": 6.0},
+        {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 9, "dur": 7.0},
+        {"cat": "kernel", "name": "gemm", "ts": 100, "dur": 10},
+        {"cat": "kernel", "name": "expand", "ts": 105, "dur": 10},  # overlaps the gemm: busy 100-115
+        {"cat": "kernel", "name": "gemm", "ts": 125, "dur": 5},  # after 10 us idle
+    ]
+    host = SP.host_ops(trace, most=1)
+    assert host["ops"]["bdlora::fold_linear"] == [2, 0.002, 1.0] and len(host["ops"]) == 2
+    assert host["launch"] == {"count": 2, "total_ms": 0.01}
+    busy, span, count, top = SP.busy_ms(trace)
+    assert (busy, span, count) == (pytest.approx(0.020), pytest.approx(0.030), 3)
+    assert top == {"gemm": 0.015, "expand": 0.01}

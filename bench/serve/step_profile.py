@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
-"""Is a served decode step GPU-bound or host-bound? One in-process engine of ``auto_proxy.py``'s shard shapes
-decodes under torch.profiler (CUPTI traces the kernels inside CUDA-graph replays); from the trace: the steps' wall
-span, the union of GPU kernel intervals (busy), and the GPU's idle time between them. busy ~ wall: GPU-bound (the
-kernels decide the step time); busy << wall: the host (scheduler, input preparation, LoRA metadata) does.
+"""Is a served decode step (or a prefill) GPU-bound or host-bound? One in-process engine of ``auto_proxy.py``'s shard
+shapes generates under torch.profiler (CUPTI traces the kernels inside CUDA-graph replays); from the trace: the
+wall span of the kernels, the union of GPU kernel intervals (busy), the GPU's idle time between them, and the host
+side: the CPU ops by total time (count, total and per call: e.g. ``bdlora::fold_linear``, the plugin's op, against
+``aten::mm``) and the kernel launches' CUDA runtime calls. busy ~ wall: GPU-bound (the kernels decide the time);
+busy << wall: the host (scheduler, input preparation, LoRA metadata, op dispatch and kernel launches) does.
 
     PYTHONPATH=/tmp/site python3 bench/serve/step_profile.py --shape tp8 --only bd --out prof.json
+    PYTHONPATH=/tmp/site python3 bench/serve/step_profile.py --shape tp4 --only bd --prompt-len 1024 --steps 1 \
+        --out prefill.json     # the TTFT case: one prefill of 1024 tokens (no CUDA graph above the capture sizes)
 """
 import argparse
 import json
@@ -19,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def busy_ms(trace: dict) -> tuple[float, float, int, dict]:
+    """(GPU busy ms = union of kernel intervals, span ms from the first kernel's start to the last one's end, kernel
+    count, the 15 kernels of most total time in ms) of a chrome trace of torch.profiler."""
     ks = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
                 if e.get("cat") == "kernel" and "dur" in e)
     if not ks:
@@ -39,6 +45,30 @@ def busy_ms(trace: dict) -> tuple[float, float, int, dict]:
     return busy / 1000, (ks[-1][1] - ks[0][0]) / 1000, len(ks), {k: round(v / 1000, 3) for k, v in top.items()}
 
 
+def host_ops(trace: dict, most: int = 20) -> dict:
+    """The host side of a chrome trace of torch.profiler: per CPU op name (``cpu_op`` events; nested ops count in
+    their own row and in their caller's), ``[count, total ms, us per call]`` for the ``most`` of most total time,
+    plus every ``bdlora::`` op; and ``launch``: the CUDA runtime / driver calls that launch kernels (count, total ms).
+    """
+    by: dict = {}
+    launches, launch_us = 0, 0.0
+    for e in trace["traceEvents"]:
+        if "dur" not in e:
+            continue
+        if e.get("cat") == "cpu_op":
+            c = by.setdefault(e["name"], [0, 0.0])
+            c[0] += 1
+            c[1] += e["dur"]
+        elif e.get("cat") == "cuda_runtime" and "LaunchKernel" in e.get("name", ""):
+            launches += 1
+            launch_us += e["dur"]
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][1])
+    keep = dict(ranked[:most])
+    keep.update((k, v) for k, v in ranked if k.startswith("bdlora::"))
+    ops = {k: [n, round(us / 1000, 3), round(us / n, 1)] for k, (n, us) in keep.items()}
+    return {"ops": ops, "launch": {"count": launches, "total_ms": round(launch_us / 1000, 3)}}
+
+
 def main():
     import auto_proxy as P
 
@@ -46,7 +76,8 @@ def main():
     ap.add_argument("--shape", default="tp8")
     ap.add_argument("--only", default="bd")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=64, help="output tokens per request (1: the prefill alone)")
+    ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--out", default="prof.json")
     a = ap.parse_args()
     import torch
@@ -66,7 +97,7 @@ def main():
         kw.update(enable_lora=True, max_lora_rank=sh["bd_max"], max_loras=1, additional_config={"bdlora": True})
         lora = LoRARequest("bd", 3, str(P.write_adapter(root, "bd", sh["bd_rank"], True, sh)))
     llm = LLM(str(model), **kw)
-    prompts = P._prompts(a.batch, 128)
+    prompts = P._prompts(a.batch, a.prompt_len)
     sp = SamplingParams(max_tokens=a.steps, ignore_eos=True, temperature=0.0, detokenize=False)
     llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
     t0 = time.perf_counter()
@@ -77,12 +108,13 @@ def main():
         llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
     path = Path(tempfile.mkdtemp()) / "trace.json"
     prof.export_chrome_trace(str(path))
-    busy, span, n, top = busy_ms(json.loads(path.read_text()))
+    trace = json.loads(path.read_text())
+    busy, span, n, top = busy_ms(trace)
     res = {"device": torch.cuda.get_device_name(), "shape": a.shape, "engine": a.only, "batch": a.batch,
-           "steps": a.steps, "generate_ms_unprofiled": round(1000 * plain, 2), "kernel_span_ms": round(span, 2),
-           "gpu_busy_ms": round(busy, 2), "gpu_idle_ms": round(span - busy, 2), "kernels": n,
-           "busy_per_step_ms": round(busy / a.steps, 4), "span_per_step_ms": round(span / a.steps, 4),
-           "top_kernels_ms": top}
+           "prompt_len": a.prompt_len, "steps": a.steps, "generate_ms_unprofiled": round(1000 * plain, 2),
+           "kernel_span_ms": round(span, 2), "gpu_busy_ms": round(busy, 2), "gpu_idle_ms": round(span - busy, 2),
+           "kernels": n, "busy_per_step_ms": round(busy / a.steps, 4), "span_per_step_ms": round(span / a.steps, 4),
+           "top_kernels_ms": top, "host": host_ops(trace)}
     print(json.dumps(res, indent=1), flush=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
 
