@@ -78,6 +78,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=64, help="output tokens per request (1: the prefill alone)")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--tuning", default=None, help="bd: a JSON dict of bdlora.kernels.tuning keys replacing the "
+                    "device's table entry's (as auto_proxy.py --tuning)")
     ap.add_argument("--out", default="prof.json")
     a = ap.parse_args()
     import torch
@@ -94,7 +96,10 @@ def main():
         kw.update(enable_lora=True, max_lora_rank=64, max_loras=1)
         lora = LoRARequest("r64", 1, str(P.write_adapter(root, "lora64", 64, False, sh)))
     elif a.only == "bd":
-        kw.update(enable_lora=True, max_lora_rank=sh["bd_max"], max_loras=1, additional_config={"bdlora": True})
+        extra = {"bdlora": True}
+        if a.tuning:
+            extra["bdlora_fused_decode"] = {"mode": "auto", "tuning": json.loads(a.tuning)}
+        kw.update(enable_lora=True, max_lora_rank=sh["bd_max"], max_loras=1, additional_config=extra)
         lora = LoRARequest("bd", 3, str(P.write_adapter(root, "bd", sh["bd_rank"], True, sh)))
     llm = LLM(str(model), **kw)
     prompts = P._prompts(a.batch, a.prompt_len, vocab=P.dims(sh)[3])
