@@ -512,7 +512,7 @@ def test_auto_proxy_side_by_side_on_vllm_cpu(tmp_path):
     tuning = json.dumps({"fold": True, "fold_decode_max": 2, "fold_gemm_max": 16, "gemm_tiles": [[16, 16, 32, 1]]})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the torch fallback: 2 min, not 14
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", VLLM_CPU_KVCACHE_SPACE="1",
-               PROXY_ARGS="--batches 1,4 --ttft 1 --ttft-len 64 --adapters 2")
+               PROXY_ARGS="--batches 1,4 --ttft 1 --ttft-len 64 --adapters 2 --reps 1")
     p = subprocess.run(["bash", str(ROOT / "bench" / "serve" / "auto_proxy_rr.sh"), "tiny", str(out), "2", "0.28",
                         "base=base", "lora=lora", f"bd=bd={tuning}"], env=env, capture_output=True, text=True,
                        timeout=900)
