@@ -463,6 +463,27 @@ TRAINING_ARGS_NAMED = {
     "adam_epsilon": "adam_eps", "disable_tqdm": "progress", "padding_free": "packing",
 }
 
+#: Keys of the tools users bring configs from (PEFT's LoraConfig, axolotl, LLaMA-Factory, TRL's SFTConfig) that
+#: bdlora names otherwise: refused with bdlora's key (one vocabulary), or why the key has no place here.
+OTHER_TOOLS_NAMED = {
+    "base_model": "model", "model_name_or_path": "model", "lora_r": "r", "lora_rank": "r",
+    "lora_target_modules": "target_modules", "lora_target": "target_modules", "micro_batch_size": "batch_size",
+    "num_epochs": "epochs", "sequence_len": "max_length", "cutoff_len": "max_length", "max_seq_length": "max_length",
+    "sample_packing": "packing", "val_set_size": "eval_fraction", "val_size": "eval_fraction",
+    "init_lora_weights": "a_init", "optimizer": "training_args.optim", "optim": "training_args.optim",
+}
+_ONE_DATASET = ("bdlora's key is 'train_file': one file (.json/.jsonl/.parquet/.csv), a folder saved by datasets or "
+                "a dataset id from the HF cache; each record's format is detected (alpaca, ShareGPT, messages, "
+                "prompt/completion, text) or set by data_format")
+OTHER_TOOLS_WHY = {
+    "datasets": _ONE_DATASET, "dataset": _ONE_DATASET,
+    "adapter": "bdlora always trains a BD-LoRA adapter: drop it",
+    "finetuning_type": "bdlora always trains a BD-LoRA adapter: drop it",
+    "peft_type": "bdlora always trains a BD-LoRA adapter: drop it",
+    "use_rslora": "bdlora always uses the rsLoRA scale alpha*sqrt(N)/sqrt(r): drop it",
+    "lora_target_linear": "target_modules defaults to every projection of the model's preset: drop it",
+}
+
 
 def canonical_keys(raw: dict, source: str) -> dict:
     """``raw`` with deprecated key names replaced by the current ones (a FutureWarning each); a key given under both
@@ -489,8 +510,12 @@ def canonical_keys(raw: dict, source: str) -> dict:
 def unknown_keys_message(unknown: list[str], valid: list[str]) -> str:
     hints = []
     for k in unknown:
-        if k in TRAINING_ARGS_NAMED:
-            hints.append(f"{k!r} (bdlora's key for it is {TRAINING_ARGS_NAMED[k]!r})")
+        named = TRAINING_ARGS_NAMED.get(k) or OTHER_TOOLS_NAMED.get(k)
+        if named:
+            hints.append(f"{k!r} (bdlora's key for it is {named!r})")
+            continue
+        if k in OTHER_TOOLS_WHY:
+            hints.append(f"{k!r} ({OTHER_TOOLS_WHY[k]})")
             continue
         close = difflib.get_close_matches(k, valid, n=1)
         hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
