@@ -15,8 +15,8 @@ Engines (each in its own process, ``--only``):
 --adapters N: the LoRA engines get --max-loras N and N distinct adapters of that rank; request i of a batch uses
 adapter i mod N (one slot by default, as before).
 
-decode ms/step = (time of 144 new tokens - time of 16) / 128 at batch B with 128-token prompts (min of --reps runs
-each, default 2);
+decode ms/step = (time of 144 new tokens - time of 16) / 128 at batch B with prompts of --prompt-len tokens (128;
+1024 for the issue's IT/OT 1024/128 case) (min of --reps runs each, default 2);
 ttft ms = one generate of max_tokens=1 (prefill only) for B prompts of --ttft-len tokens (min of 3), chunked prefill
 at 8192 tokens per step for every engine. For bd the plugin's path counters (``layers.FUSED_COUNTS``, counted at
 CUDA-graph capture and in eager runs) are recorded.
@@ -108,10 +108,10 @@ def _per_request(lora, n_req):
     return [lora[i % len(lora)] for i in range(n_req)] if isinstance(lora, list) else lora
 
 
-def decode_ms(llm, lora, n_req, vocab=V, reps=2):
+def decode_ms(llm, lora, n_req, vocab=V, reps=2, prompt_len=128):
     from vllm import SamplingParams
 
-    prompts = _prompts(n_req, 128, vocab=vocab)
+    prompts = _prompts(n_req, prompt_len, vocab=vocab)
     lora = _per_request(lora, n_req)
 
     def run(n):
@@ -178,6 +178,7 @@ def main():
     ap.add_argument("--label", default=None, help="the engine's name in the result (default: --only)")
     ap.add_argument("--adapters", type=int, default=1,
                     help="LoRA engines: --max-loras and distinct adapters; request i of a batch uses adapter i mod N")
+    ap.add_argument("--prompt-len", type=int, default=128, help="decode: prompt tokens per request (the context)")
     ap.add_argument("--reps", type=int, default=2, help="decode: runs of each length per round (the minimum counts)")
     ap.add_argument("--base-requests", action="store_true",
                     help="send requests without an adapter to the LoRA engine (its per-step host cost alone)")
@@ -237,7 +238,8 @@ def main():
         if a.rr:
             _wait_turn(Path(a.rr), rnd, a.index, a.count)
         for b in [int(x) for x in a.batches.split(",")]:
-            row = {"batch": b, "decode_ms_per_step": decode_ms(llm, lora, b, vocab, a.reps), "round": rnd}
+            row = {"batch": b, "decode_ms_per_step": decode_ms(llm, lora, b, vocab, a.reps, a.prompt_len),
+                   "prompt_len": a.prompt_len, "round": rnd}
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         for b in [int(x) for x in a.ttft.split(",") if x]:
