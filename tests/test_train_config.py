@@ -36,14 +36,15 @@ def test_unknown_key_lists_valid_keys(tmp_path, data_file):
     ("axolotl", "base_model: x\nlora_r: 8\nmicro_batch_size: 2\nsequence_len: 512\nsample_packing: true\n"
      "datasets:\n  - path: d.jsonl\n    type: alpaca\nadapter: lora\n",
      {"base_model": "model", "lora_r": "r", "micro_batch_size": "batch_size", "sequence_len": "max_length",
-      "sample_packing": "packing", "datasets": "bdlora's key is 'train_file'", "adapter": "bdlora always trains a BD-LoRA"}),
+      "sample_packing": "packing", "datasets": "bdlora's key is 'train_file'",
+      "adapter": "bdlora always trains a BD-LoRA"}),
     ("LLaMA-Factory", "model_name_or_path: x\nfinetuning_type: lora\nlora_rank: 8\nlora_target: all\n"
      "cutoff_len: 512\nval_size: 0.1\n",
      {"model_name_or_path": "model", "finetuning_type": "bdlora always trains a BD-LoRA", "lora_rank": "r",
       "lora_target": "target_modules", "cutoff_len": "max_length", "val_size": "eval_fraction"}),
     ("PEFT and TRL", "use_rslora: true\ninit_lora_weights: gaussian\nmax_seq_length: 512\noptim: adamw_torch\n",
-     {"use_rslora": "bdlora always uses the rsLoRA scale", "init_lora_weights": "a_init", "max_seq_length": "max_length",
-      "optim": "training_args.optim"}),
+     {"use_rslora": "bdlora always uses the rsLoRA scale", "init_lora_weights": "a_init",
+      "max_seq_length": "max_length", "optim": "training_args.optim"}),
 ])
 def test_keys_of_other_tools_name_bdloras_key(tmp_path, data_file, tool, text, hints):
     """A config written for another tool (axolotl, LLaMA-Factory, PEFT's LoraConfig, TRL's SFTConfig) is refused

@@ -43,6 +43,8 @@ SHARDS = {"tp4": {"NH": 8, "NKV": 2, "I": 3584, "bd_rank": 38, "bd_max": 64},
 def dims(sh) -> tuple:
     """(hidden, head dim, layers, vocab) of a shape: the 8B model's unless the shape says otherwise."""
     return sh.get("H", H), sh.get("HD", HD), sh.get("L", L), sh.get("V", V)
+
+
 MOD = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
        "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
