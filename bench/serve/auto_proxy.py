@@ -105,7 +105,7 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def _per_request(lora, n_req):
+def per_request(lora, n_req):
     """One LoRARequest for all requests, or a list of them: request i gets adapter i mod len(list)."""
     return [lora[i % len(lora)] for i in range(n_req)] if isinstance(lora, list) else lora
 
@@ -114,7 +114,7 @@ def decode_ms(llm, lora, n_req, vocab=V, reps=2, prompt_len=128):
     from vllm import SamplingParams
 
     prompts = _prompts(n_req, prompt_len, vocab=vocab)
-    lora = _per_request(lora, n_req)
+    lora = per_request(lora, n_req)
 
     def run(n):
         sp = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -132,7 +132,7 @@ def ttft_ms(llm, lora, n_req, length, vocab=V):
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0, detokenize=False)
-    lora = _per_request(lora, n_req)
+    lora = per_request(lora, n_req)
     best = None
     for k in range(4):  # the first is a warm-up; distinct prompts (prefix caching is off anyway)
         prompts = _prompts(n_req, length, salt=k, vocab=vocab)
@@ -142,6 +142,43 @@ def ttft_ms(llm, lora, n_req, length, vocab=V):
         if k:
             best = dt if best is None else min(best, dt)
     return round(1000 * best, 2)
+
+
+ENGINES = ("base", "lora", "bd", "bd_fold", "bd_fused", "bd_stock")
+
+
+def engine_setup(only: str, sh, root: Path, adapters: int = 1, tuning=None, mem: float = 0.45) -> tuple:
+    """(vLLM ``LLM`` keyword arguments, the LoRA requests or None) of engine ``only`` (``ENGINES``: see the module
+    docstring) at shape ``sh``, its adapters written under ``root``; ``tuning``: a dict of bdlora.kernels.tuning keys
+    replacing the device's entry (bd only). ValueError for an unknown engine or a tuning outside bd."""
+    from vllm.lora.request import LoRARequest
+
+    if only not in ENGINES:
+        raise ValueError(f"--only {only!r}: one of {', '.join(ENGINES)}")
+    kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=64,
+              max_num_batched_tokens=8192, gpu_memory_utilization=mem, enable_prefix_caching=False)
+    if tuning is not None and only != "bd":
+        raise ValueError("--tuning applies to the auto mode (--only bd)")
+    if only == "base":
+        return kw, None
+    if only == "lora":
+        kw.update(enable_lora=True, max_lora_rank=64, max_loras=adapters)
+        return kw, [LoRARequest(f"r64_{i}", 1 + i, str(write_adapter(root, f"lora64_{i}", 64, False, sh, seed=i)))
+                    for i in range(adapters)]
+    mode = only[3:] or "auto"
+    extra = {"bdlora": True}
+    if mode == "fold":
+        extra["bdlora_fused_decode"] = {"fold_shrink": True}
+    elif mode == "fused":
+        extra["bdlora_fused_decode"] = True
+    elif mode == "stock":
+        extra["bdlora_fused_decode"] = False
+    elif tuning is not None:
+        extra["bdlora_fused_decode"] = {"mode": "auto", "tuning": tuning}
+    kw.update(enable_lora=True, max_lora_rank=sh["bd_max"], max_loras=adapters, additional_config=extra)
+    r = sh["bd_rank"]
+    return kw, [LoRARequest(f"bd{r}_{i}", 1 + i, str(write_adapter(root, f"bd{r}_{i}", r, True, sh, seed=i)))
+                for i in range(adapters)]
 
 
 def _wait_turn(rr: Path, rnd: int, index: int, count: int, limit_s: float = 900) -> None:
@@ -168,7 +205,7 @@ def main():
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--ttft", default="1,16", help="batch sizes of the TTFT measurement")
     ap.add_argument("--ttft-len", type=int, default=1024)
-    ap.add_argument("--only", required=True, help="base | lora | bd | bd_fold | bd_fused | bd_stock")
+    ap.add_argument("--only", required=True, help=" | ".join(ENGINES))
     ap.add_argument("--rr", default=None, help="round robin: a folder shared by --count engines started together; "
                     "after all are up they measure in turns, --rounds times (side by side on one GPU)")
     ap.add_argument("--index", type=int, default=0)
@@ -190,7 +227,6 @@ def main():
     if a.reps < 1:
         ap.error(f"--reps must be at least 1, got {a.reps}")
     from vllm import LLM
-    from vllm.lora.request import LoRARequest
 
     sh = SHARDS[a.shape]
     vocab = dims(sh)[3]
@@ -198,31 +234,13 @@ def main():
     model = write_model(root, sh)
     res = {"device": device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "shape": a.shape,
            "engine": a.label or a.only, "adapters": a.adapters, "rows": []}
-    kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=64,
-              max_num_batched_tokens=8192, gpu_memory_utilization=a.mem, enable_prefix_caching=False)
-    lora = None
-    if a.only == "lora":
-        kw.update(enable_lora=True, max_lora_rank=64, max_loras=a.adapters)
-        lora = [LoRARequest(f"r64_{i}", 1 + i, str(write_adapter(root, f"lora64_{i}", 64, False, sh, seed=i)))
-                for i in range(a.adapters)]
-    elif a.only.startswith("bd"):
-        extra = {"bdlora": True}
-        mode = a.only[3:] or "auto"
-        if mode == "fold":
-            extra["bdlora_fused_decode"] = {"fold_shrink": True}
-        elif mode == "fused":
-            extra["bdlora_fused_decode"] = True
-        elif mode == "stock":
-            extra["bdlora_fused_decode"] = False
-        if a.tuning:
-            if mode != "auto":
-                ap.error("--tuning applies to the auto mode (--only bd)")
-            res["tuning_override"] = json.loads(a.tuning)
-            extra["bdlora_fused_decode"] = {"mode": "auto", "tuning": res["tuning_override"]}
-        kw.update(enable_lora=True, max_lora_rank=sh["bd_max"], max_loras=a.adapters, additional_config=extra)
-        r = sh["bd_rank"]
-        lora = [LoRARequest(f"bd{r}_{i}", 1 + i, str(write_adapter(root, f"bd{r}_{i}", r, True, sh, seed=i)))
-                for i in range(a.adapters)]
+    tuning = json.loads(a.tuning) if a.tuning else None
+    try:
+        kw, lora = engine_setup(a.only, sh, root, a.adapters, tuning, a.mem)
+    except ValueError as e:
+        ap.error(str(e))
+    if tuning is not None:
+        res["tuning_override"] = tuning
     try:
         import vllm
 

@@ -10,6 +10,7 @@ set -u
 shape=$1 out=$2 rounds=$3 mem=$4
 shift 4
 rr=$(mktemp -d)
+trap 'rm -rf "$rr"' EXIT  # the turn files
 mkdir -p "$out"
 pids=()
 labels=()

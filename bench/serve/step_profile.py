@@ -96,7 +96,7 @@ def main():
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="tp8")
-    ap.add_argument("--only", default="bd")
+    ap.add_argument("--only", default="bd", help=" | ".join(P.ENGINES))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=64, help="output tokens per request (1: the prefill alone)")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -106,23 +106,15 @@ def main():
     a = ap.parse_args()
     import torch
     from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
 
     sh = P.SHARDS[a.shape]
     root = Path(tempfile.mkdtemp())
     model = P.write_model(root, sh)
-    kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=64,
-              max_num_batched_tokens=8192, gpu_memory_utilization=0.45, enable_prefix_caching=False)
-    lora = None
-    if a.only == "lora":
-        kw.update(enable_lora=True, max_lora_rank=64, max_loras=1)
-        lora = LoRARequest("r64", 1, str(P.write_adapter(root, "lora64", 64, False, sh)))
-    elif a.only == "bd":
-        extra = {"bdlora": True}
-        if a.tuning:
-            extra["bdlora_fused_decode"] = {"mode": "auto", "tuning": json.loads(a.tuning)}
-        kw.update(enable_lora=True, max_lora_rank=sh["bd_max"], max_loras=1, additional_config=extra)
-        lora = LoRARequest("bd", 3, str(P.write_adapter(root, "bd", sh["bd_rank"], True, sh)))
+    try:
+        kw, lora = P.engine_setup(a.only, sh, root, tuning=json.loads(a.tuning) if a.tuning else None)
+    except ValueError as e:
+        ap.error(str(e))
+    lora = P.per_request(lora, a.batch)
     llm = LLM(str(model), **kw)
     prompts = P._prompts(a.batch, a.prompt_len, vocab=P.dims(sh)[3])
     sp = SamplingParams(max_tokens=a.steps, ignore_eos=True, temperature=0.0, detokenize=False)
