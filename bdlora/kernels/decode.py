@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from . import dispatch
 from ._jit import jit, tl
+from .launch import launch
 from .dispatch import DEFAULT_OPTIONS, Dispatch, KernelOptions, LoraResult, next_pow2
 from bdlora.layout import LAYOUTS
 from .reference import decode_lora_folded_torch, decode_lora_torch
@@ -532,12 +533,12 @@ def decode_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
     scales = scales.to(device=x.device, dtype=torch.float32)
     if soff is None:
         soff = torch.tensor(list(slice_offsets), dtype=torch.int32, device=x.device)
-    _decode_shrink_kernel[(t, grid.n_groups, grid.k_splits)](
+    launch(_decode_shrink_kernel, (t, grid.n_groups, grid.k_splits),
         x, lora_a, idx, ranks, workspace.partials, x.stride(0), d_in, n_l, r_max, lora_a.shape[3], grid.n_groups,
         grid.k_splits, NA=na, NB=nb, BLOCK_R=grid.block_r, BLOCK_K=tiles.block_k, USE_GDC=gdc,
         num_warps=tiles.warps, launch_pdl=gdc,
     )
-    _decode_expand_kernel[(t, grid.n_groups, grid.n_tiles)](
+    launch(_decode_expand_kernel, (t, grid.n_groups, grid.n_tiles),
         y, lora_b, idx, ranks, scales, soff, workspace.partials, y.stride(0), y.shape[1], lora_b.shape[2],
         grid.n_groups, NB=nb, K_SPLITS=grid.k_splits, BLOCK_R=grid.block_r, BLOCK_N=tiles.block_n,
         BLOCK_S=tiles.block_s, USE_GDC=gdc, num_warps=tiles.warps, launch_pdl=gdc,
@@ -751,7 +752,7 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         n_a, n_w = -(-a_rows // gt.block_n), -(-d_out // gt.block_n)
         d_in = x.shape[1]
         k_chunk = -(-d_in // (gt.split_k * gt.block_k)) * gt.block_k
-        _fold_gemv_kernel[((n_a + n_w) * gt.split_k,)](
+        launch(_fold_gemv_kernel, ((n_a + n_w) * gt.split_k,),
             y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.shrink, workspace.partials,
             workspace.counters[2:], workspace.counters, t, x.stride(0), y.stride(0), d_in, d_out, a_rows, n_l, r,
             *offs, n_a, n_w, k_chunk, N_SLICES=n_s, SPLIT_K=gt.split_k, BLOCK_M=max(16, next_pow2(t)),
@@ -767,14 +768,14 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         return done
     if kernel == "decode":
         block_n = decode_tiles(x.device).block_n
-        _decode_folded_expand_kernel[(t, n_s, -(-widest // block_n))](
+        launch(_decode_folded_expand_kernel, (t, n_s, -(-widest // block_n)),
             y, h, lora_b, idx, ranks, scales, y.stride(0), h.stride(0), d_out, n_l, r, *offs,
             BLOCK_L=next_pow2(n_l), BLOCK_R=block_r, BLOCK_N=block_n, ONE_SLOT=n_l == 1, USE_GDC=gdc,
             num_warps=decode_tiles(x.device).warps, launch_pdl=gdc,
         )
         return done
     tiles = tiles or ExpandTiles()
-    _fold_expand_gemm_kernel[(-(-t // tiles.block_m), n_s, -(-widest // tiles.block_n))](
+    launch(_fold_expand_gemm_kernel, (-(-t // tiles.block_m), n_s, -(-widest // tiles.block_n)),
         y, h, lora_b, idx, ranks, scales, t, y.stride(0), h.stride(0), d_out, n_l, r, *offs,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
         PREC=dispatch.dot_precision(h.dtype), USE_GDC=gdc, num_warps=tiles.warps, launch_pdl=gdc,

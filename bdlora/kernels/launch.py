@@ -1,0 +1,126 @@
+"""Serving launches of Triton kernels without Triton's per-call Python: ``launch(kernel, grid, *args, **kwargs)`` is
+``kernel[grid](*args, **kwargs)``, but keeps the compiled kernel of each specialization and relaunches it directly.
+
+Why: ``JITFunction.run`` binds and specializes every argument, builds a cache key (``str`` of the compile options),
+checks the kernel's globals and asks the driver for the device and stream on every call. Decode steps replay CUDA
+graphs and never see that, but vLLM runs prefills eagerly, four BD layers per decoder layer, and BD's prefill is
+host-bound (BENCHMARKS.md, "Prefill host time": on an H100 host the direct launch takes 8-14 us off a folded call's
+~110 us of host time at 1024 tokens).
+
+The direct launch passes the same arguments to the same compiled kernel as Triton's launcher would
+(``CompiledKernel.run`` with every parameter in signature order). It is taken only when everything Triton
+specializes on is unchanged since the kept kernel was compiled (``specialization_key``: each tensor's dtype and
+16-byte alignment; each int's value class: 1, a multiple of 16, 32/64-bit; floats, bools, strings and constexprs
+by value), on a GPU (not the CPU interpreter), with no launch hooks installed (profilers such as proton), and with a
+Triton that has ``triton.knobs`` (3.4 and later; checked on the GPU with 3.6) and whose compiled kernels expose
+``run``/``function``/``packed_metadata``; otherwise the call is ``kernel[grid](...)``, whose result is then kept. ``BDLORA_DIRECT_LAUNCH=0`` in the environment turns the direct
+launches off (every call through Triton: for comparisons, or a Triton whose launcher differs).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+import torch
+
+from . import dispatch
+
+try:  # triton >= 3.4 keeps the launch hooks in knobs; older ones on CompiledKernel
+    from triton import knobs as _knobs
+except Exception:  # pragma: no cover - no triton, or an old one
+    _knobs = None
+
+
+def specialization_key(args: tuple, kwargs: dict) -> tuple:
+    """What Triton's binder could specialize a launch on, for these arguments: equal keys (with the same kernel and
+    device) compile to the same kernel. Conservative: it distinguishes at least everything Triton does (tensors by
+    dtype and 16-byte alignment, ints by value class, everything else by value; keywords by value, in call order).
+    One pass, no per-type calls: it runs on every serving launch."""
+    return tuple([(v.dtype, v.data_ptr() & 15 == 0) if isinstance(v, _TENSOR)
+                  else (v == 1, v & 15 == 0, -(1 << 31) <= v < (1 << 31)) if type(v) is int
+                  else v for v in args]) + tuple(kwargs.items())
+
+
+_TENSOR = torch.Tensor
+
+
+class _Kept:
+    __slots__ = ("compiled", "tail")
+
+    def __init__(self, compiled, tail: tuple):
+        self.compiled = compiled
+        self.tail = tail  # the keyword parameters' values, in signature order after the positional ones
+
+
+def _tail(kernel, n_args: int, kwargs: dict) -> tuple | None:
+    """The values of ``kernel``'s parameters after the first ``n_args`` in signature order (from ``kwargs``, else
+    their defaults), or None when some has neither (Triton's own launch then reports it)."""
+    params = list(inspect.signature(kernel.fn).parameters.values())[n_args:]
+    out = []
+    for p in params:
+        if p.name in kwargs:
+            out.append(kwargs[p.name])
+        elif p.default is not inspect.Parameter.empty:
+            out.append(p.default)
+        else:
+            return None
+    return tuple(out)
+
+
+class LaunchCache:
+    """Compiled kernels kept per (kernel, device, ``specialization_key``); ``launch`` relaunches them directly. One
+    per process (``launch``); kernels of a process are few and so are their specializations."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._kept: dict = {}
+        self.direct = 0  # launches that skipped Triton's run (tests and benchmarks read it)
+        self.triton = 0
+
+    def launch(self, kernel, grid: tuple, *args: Any, **kwargs: Any) -> None:
+        dev = args[0].device if args and isinstance(args[0], torch.Tensor) else None
+        if (not self.enabled or dev is None or dev.type != "cuda" or dispatch.INTERPRET
+                or dev.index != torch.cuda.current_device()):
+            kernel[grid](*args, **kwargs)  # Triton launches on the current device: keep its behaviour there
+            return
+        try:
+            key = (kernel, dev.index, specialization_key(args, kwargs))
+            kept = self._kept.get(key)
+        except TypeError:  # an unhashable argument
+            key = kept = None
+        if kept is not None and not _hooks():
+            g = tuple(grid) + (1, 1)
+            c = kept.compiled
+            c.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(dev.index), c.function, c.packed_metadata,
+                  None, None, None, *args, *kept.tail)
+            self.direct += 1
+            return
+        compiled = kernel[grid](*args, **kwargs)
+        self.triton += 1
+        if key is not None and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            tail = _tail(kernel, len(args), kwargs)
+            if tail is not None:
+                self._kept[key] = _Kept(compiled, tail)
+
+
+def _hooks() -> bool:
+    """Whether launch hooks are installed (a profiler's): their launches go through Triton, which calls them. Triton
+    3.6+ keeps them in a ``HookChain`` (``calls``, empty when none is installed), earlier 3.x as the hook or None."""
+    rt = getattr(_knobs, "runtime", None)
+    if rt is None:
+        return True
+    return any(h is not None and getattr(h, "calls", True) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+
+
+LAUNCHES = LaunchCache(enabled=os.environ.get("BDLORA_DIRECT_LAUNCH", "1") != "0")
+
+
+def launch(kernel, grid: tuple, *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)`` through this process's ``LaunchCache``: positional arguments are the
+    kernel's leading parameters (the first a tensor on the launch's device), keywords the rest (constexprs) and
+    Triton's launch options (num_warps, num_stages, launch_pdl)."""
+    LAUNCHES.launch(kernel, grid, *args, **kwargs)
+
+
+__all__ = ["LAUNCHES", "LaunchCache", "launch", "specialization_key"]

@@ -1,0 +1,70 @@
+"""bdlora.kernels.launch: the kept-kernel (direct) launches of the serving kernels.
+
+The direct launch itself needs a GPU (``bench/kernels/bench_serving_kernels.py``'s check calls every folded and
+two-launch kernel twice, the second time directly, and requires bit-identical outputs; BENCHMARKS.md, "Prefill host
+time"). Here: the key that decides when a kept kernel may be reused, the argument order handed to it, the hook
+guard, and that the CPU interpreter always goes through Triton.
+"""
+import pytest
+import torch
+
+from bdlora.kernels import decode as D
+from bdlora.kernels import launch as L
+
+
+def test_key_separates_what_triton_specializes_on():
+    base = torch.zeros(64)
+    key = L.specialization_key
+    # tensors: dtype and 16-byte alignment (a view 1 float in is 4 bytes off)
+    assert key((base,), {}) == key((torch.ones(64),), {})
+    assert key((base,), {}) != key((base[1:],), {})
+    assert key((base,), {}) != key((base.half(),), {})
+    # ints: the value 1, multiples of 16, 32 vs 64 bit; other values of one class share a key
+    assert key((20,), {}) == key((36,), {})
+    assert len({key((v,), {}) for v in (1, 16, 17, 1 << 31)}) == 4
+    # bools, strings and None by value, not as ints; keywords by value
+    assert key((True,), {}) != key((1,), {}) and key(("ieee",), {}) != key(("tf32",), {})
+    assert key((None,), {}) != key((0,), {})
+    assert key((base,), {"BLOCK_M": 16}) != key((base,), {"BLOCK_M": 32})
+
+
+def test_tail_is_the_keyword_parameters_in_signature_order():
+    kern = D._fold_expand_gemm_kernel
+    kw = dict(USE_GDC=False, PREC="tf32", ONE_SLOT=True, BLOCK_R=64, BLOCK_N=64, BLOCK_M=16, num_warps=4)
+    assert L._tail(kern, 16, kw) == (16, 64, 64, True, "tf32", False)  # BLOCK_M, BLOCK_N, BLOCK_R, ONE_SLOT, ...
+    assert L._tail(kern, 16, {k: v for k, v in kw.items() if k != "PREC"}) is None  # missing: Triton reports it
+
+
+def test_hook_guard_follows_tritons_hooks():
+    knobs = pytest.importorskip("triton").knobs
+    assert not L._hooks()
+    hook = lambda *a, **k: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert L._hooks()  # a profiler's hook: its launches must go through Triton, which calls it
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not L._hooks()
+
+
+def test_interpreter_goes_through_triton_and_matches_the_reference():
+    from bdlora.kernels import decode_lora_folded, decode_lora_folded_ref, fold_weight
+    from bdlora.kernels.decode import ExpandTiles
+
+    if not L.dispatch.INTERPRET:
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 32, generator=g)
+    f = fold_weight(w, 2, 2, 16)
+    f.lora_a(2, 2, 16).copy_(torch.randn(2, 2, 16, 32, generator=g))
+    b = torch.randn(2, 48, 16, generator=g)
+    idx = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int32)
+    ranks, scales = torch.tensor([16, 7], dtype=torch.int32), torch.tensor([0.5, 2.0])
+    x = torch.randn(5, 32, generator=g)
+    direct = L.LAUNCHES.direct
+    for _ in range(2):
+        y = decode_lora_folded(x, f, b, idx, ranks, scales, [0, 40, 48], kernel="gemm", tiles=ExpandTiles()).out
+        ref = decode_lora_folded_ref(x.double(), f.w_ext.double(), 48, b.double(), idx, ranks, scales.double(),
+                                     [0, 40, 48])
+        torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
+    assert L.LAUNCHES.direct == direct  # nothing kept or relaunched off a GPU
