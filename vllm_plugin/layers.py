@@ -56,6 +56,7 @@ from typing import Optional
 
 import torch
 
+from bdlora.kernels import KernelOptions, decode_lora, decode_lora_folded
 from bdlora.spec import COLUMN, ROW, BDLoraError
 
 from . import vllm_api as api
@@ -177,6 +178,10 @@ class _FusedState:
     gemv_tiles: object = None  # its bdlora.kernels.GemvTiles for this layer's shape
     gemv_workspace: object = None  # bdlora.kernels.GemvWorkspace shared by this build's layers on the device
     pdl: bool = False  # auto mode: the tuning's pdl (launch the kernels with programmatic dependent launch)
+    options: KernelOptions = field(init=False)  # KernelOptions(backend=backend), built once: every forward uses it
+
+    def __post_init__(self):
+        self.options = KernelOptions(backend=self.backend)
 
 
 def _warn_once(key, msg: str, *args) -> None:
@@ -200,10 +205,8 @@ def _lora_linear_impl(y: torch.Tensor, x: torch.Tensor, layer: str) -> None:
     if n <= st.max_tokens and st.slots is not None:
         if n == 0:
             return
-        from bdlora.kernels import KernelOptions, decode_lora
-
         ran = decode_lora(y, x, st.lora_a, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
-                          layout="column", nblocks=1, options=KernelOptions(backend=st.backend), soff=st.soff,
+                          layout="column", nblocks=1, options=st.options, soff=st.soff,
                           workspace=st.workspace, pdl=st.pdl)
         _count_fused("fused:", ran.backend, x, st)
         return
@@ -217,6 +220,9 @@ def _stock_lora(layer, y: torch.Tensor, x: torch.Tensor) -> None:
     FUSED_COUNTS["stock"] += 1
 
 
+_FOLD_COUNTER = {"gemv": "fold_gemv:", "decode": "folded:", "gemm": "fold_gemm:"}  # FUSED_COUNTS prefix per kernel
+
+
 def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str) -> torch.Tensor:
     """``torch.ops.bdlora.fold_linear``: the base layer's output plus its LoRA term for x, as a new tensor, for the
     fold-mode BD layer named ``layer``. The path is picked here, when the op runs (per CUDA-graph size), by the
@@ -226,17 +232,14 @@ def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
     st = layer._bd_fused
     n = x.shape[0]
     if n <= max(st.fold_gemm_max, st.fold_gemv_max) and st.slots is not None:
-        from bdlora.kernels import KernelOptions, decode_lora_folded
-
         kernel = "gemv" if n <= st.fold_gemv_max else "decode" if n <= st.fold_decode_max else "gemm"
         tiles = st.tuning.tiles_for(n) if kernel == "gemm" and st.tuning is not None else None
         y, ran = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
-                                    options=KernelOptions(backend=st.backend), soff=st.soff, kernel=kernel,
-                                    tiles=tiles, gemv_tiles=st.gemv_tiles, workspace=st.gemv_workspace,
-                                    pdl=st.pdl)
+                                    options=st.options, soff=st.soff, kernel=kernel, tiles=tiles,
+                                    gemv_tiles=st.gemv_tiles, workspace=st.gemv_workspace, pdl=st.pdl)
         if bias is not None:
             y += bias
-        _count_fused({"gemv": "fold_gemv:", "decode": "folded:", "gemm": "fold_gemm:"}[kernel], ran.backend, x, st)
+        _count_fused(_FOLD_COUNTER[kernel], ran.backend, x, st)
         return y
     y = layer._get_quant_method().apply(layer.base_layer, x, bias)
     _stock_lora(layer, y, x)

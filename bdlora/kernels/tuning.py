@@ -68,8 +68,8 @@ class ServingTuning:
         if not rows or any(len(r) != 4 for r in rows) or rows[-1][0] < self.fold_gemm_max:
             raise ValueError("serving tuning: gemm_tiles must be rows (max_tokens, block_m, block_n, warps) whose last "
                              f"max_tokens covers fold_gemm_max={self.fold_gemm_max}, got {self.gemm_tiles!r}")
-        for r in rows:
-            ExpandTiles(r[1], r[2], r[3])  # raises on a bad tile
+        # built once (each raises on a bad tile): tiles_for runs in every served forward
+        object.__setattr__(self, "_gemm_tiles", tuple((r[0], ExpandTiles(r[1], r[2], r[3])) for r in rows))
         object.__setattr__(self, "gemm_tiles", rows)
         if self.fold_gemv_max > GEMV_MAX_TOKENS:
             raise ValueError(f"serving tuning: fold_gemv_max is at most {GEMV_MAX_TOKENS} (the one-launch kernel's "
@@ -84,10 +84,10 @@ class ServingTuning:
 
     def tiles_for(self, tokens: int) -> ExpandTiles:
         """The kernel="gemm" tiles for a forward of ``tokens`` tokens."""
-        for max_t, bm, bn, w in self.gemm_tiles:
+        for max_t, tiles in self._gemm_tiles:
             if tokens <= max_t:
-                return ExpandTiles(bm, bn, w)
-        return ExpandTiles(*self.gemm_tiles[-1][1:])
+                return tiles
+        return self._gemm_tiles[-1][1]
 
     def gemv_tiles_for(self, d_in: int, d_out: int) -> Optional[GemvTiles]:
         """The one-launch kernel's tiles for a base weight of (d_in, d_out), or None: that shape does not take it
