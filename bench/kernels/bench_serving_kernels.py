@@ -10,6 +10,8 @@ graph and replayed (launch gaps as vLLM's graphs have them):
     gemm_w_ext    F.linear(x, [W; A])                                       (the folded GEMM alone)
     fold_decode   F.linear(x, [W; A]) + decode_lora_folded(kernel="decode")  (T <= 64)
     fold_gemm     F.linear(x, [W; A]) + decode_lora_folded(kernel="gemm") per tile candidate (block_m, block_n, warps)
+    fold_cublas   F.linear(x, [W; A]) + torch.addmm(h[:, :d_out], h[:, d_out:], B_bd) with the slot's B laid out
+                  block-diagonally over the slices (S * R, d_out): one slot, cuBLAS only (no Triton launch)
     fold_gemv     decode_lora_folded(kernel="gemv") per tile candidate (block_n, block_k, warps, stages): base GEMM,
                   shrink and expand in one launch (T <= 64)
     *_pdl         fold_decode, fold_gemm (best tiles), fold_gemv (best tiles) and two_launch again with pdl=True:
@@ -21,6 +23,8 @@ graph and replayed (launch gaps as vLLM's graphs have them):
     python bench/kernels/bench_serving_kernels.py --out serving_kernels.json [--tokens 1,8,64] [--shapes tp4]
         [--paths base,fold_gemm,fold_gemv]   (a subset of the paths; default all)
         [--trace tp4:o:1,tp4:qkv:1 --tokens ""]   (kernel timelines of one layer's paths, under the torch profiler)
+        [--eager]   (also each path's host time per call run eagerly, as a prefill runs: ``eager_us``; and
+                     ``eager_fold_gemm_triton``: the same through Triton's launcher, bdlora.kernels.launch off)
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ GEMV_TILES = [  # (block_n, block_k, split_k, warps, stages)
     (16, 256, 1, 2, 4), (16, 512, 1, 4, 3), (16, 128, 1, 2, 4), (16, 256, 1, 4, 4), (32, 256, 1, 4, 3),
     (16, 256, 1, 1, 4), (16, 512, 1, 2, 3), (16, 128, 4, 4, 3), (16, 256, 2, 2, 4), (32, 128, 4, 4, 3),
     (32, 128, 8, 4, 3), (64, 128, 4, 4, 3)]
-PATHS = ("base", "gemm_w_ext", "fold_decode", "two_launch", "fold_gemm", "fold_gemv", "punica")
+PATHS = ("base", "gemm_w_ext", "fold_decode", "two_launch", "fold_gemm", "fold_cublas", "fold_gemv", "punica")
 
 
 def graph_us(fn, reps: int = 20) -> float:
@@ -70,6 +74,22 @@ def graph_us(fn, reps: int = 20) -> float:
     t1.record()
     torch.cuda.synchronize()
     return t0.elapsed_time(t1) * 1000 / reps
+
+
+def eager_us(fn, calls: int = 50) -> tuple[float, float]:
+    """(host us, wall us) per call of ``fn`` (every layer once) run eagerly, not from a graph, as vLLM runs a prefill
+    above its largest captured size: host = the time to issue the calls (Python, dispatch, kernel launches), wall =
+    until the GPU is done. host ~ wall: the call is host-bound, and the GPU waits for its launches."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e6 / calls, (t2 - t0) * 1e6 / calls
 
 
 def kernel_timeline(fn, reps: int = 3) -> list:
@@ -153,14 +173,19 @@ def check(dev) -> dict:
                 for tiles in cands:
                     for pdl in (False, True):
                         y = decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel=kern, tiles=tiles, pdl=pdl).out
+                        again = decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel=kern, tiles=tiles, pdl=pdl).out
+                        if not torch.equal(y, again):  # the second call is a direct launch (bdlora.kernels.launch)
+                            raise RuntimeError(f"direct launch differs: {d_out}x{d_in} T={t} {kern} {tiles} pdl={pdl}")
                         err = (y.double() - ref).abs().max().item()
                         key = f"{d_out}x{d_in} L={n_l} T={t} {kern} {tiles.block_m}x{tiles.block_n}{' pdl' * pdl}"
                         out[key] = round(err / lora, 5)
             if t <= 64:  # the two-launch kernel (layers that cannot fold), plain and pdl launches
                 soff = torch.tensor(offs, dtype=torch.int32, device=dev)
                 for pdl in (False, True):
-                    y = decode_lora(F.linear(x, w), x, f.lora_a(n_s, n_l, R), b, idx, rk, sc, offs, soff=soff,
-                                    pdl=pdl).out
+                    y, again = (decode_lora(F.linear(x, w), x, f.lora_a(n_s, n_l, R), b, idx, rk, sc, offs,
+                                            soff=soff, pdl=pdl).out for _ in range(2))
+                    if not torch.equal(y, again):
+                        raise RuntimeError(f"direct launch differs: two_launch {d_out}x{d_in} T={t} pdl={pdl}")
                     out[f"{d_out}x{d_in} L={n_l} T={t} two_launch{' pdl' * pdl}"] = round(
                         (y.double() - ref).abs().max().item() / lora, 5)
             if t <= 64:  # the one-launch kernel: the same check, and 200 calls in a row bit-identical (its A -> W
@@ -177,6 +202,9 @@ def check(dev) -> dict:
                     if any(not torch.equal(y, yi) for yi in ys) or ws.counters.any():
                         raise RuntimeError(f"gemv kernel not repeatable at {d_out}x{d_in} T={t} {g}")
     out["max_rel"] = max(out.values())
+    from bdlora.kernels.launch import LAUNCHES
+
+    out["launches"] = {"direct": LAUNCHES.direct, "triton": LAUNCHES.triton}
     return out
 
 
@@ -190,6 +218,8 @@ def main():
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
     ap.add_argument("--fold-tiles", default="all", help="fold_gemm tiles: all (TILES) or one 'bm,bn,warps'")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="also time every path eagerly: host and wall us per call "
+                    "(eager_us; keys eager_<path> = [host, wall])")
     ap.add_argument("--trace", default="", help="comma-separated SHAPE:MODULE:T (e.g. tp4:o:1,tp4:qkv:1): the "
                     "kernel timeline (kernel_timeline) of base, fold_gemm and two_launch, plain and pdl, on one layer, "
                     "into the output's 'traces'")
@@ -235,9 +265,12 @@ def main():
                 av[:, :, :r_used] = torch.randn(n_s, 1, r_used, d_in, device=dev, dtype=dt, generator=gen) * 0.02
                 b = torch.zeros(1, d_out, R, device=dev, dtype=dt)
                 b[:, :, :r_used] = torch.randn(1, d_out, r_used, device=dev, dtype=dt, generator=gen) * 0.02
+                b_bd = torch.zeros(n_s * R, d_out, device=dev, dtype=dt)  # fold_cublas: slice s's B^T at rows s*R
+                for i in range(n_s):
+                    b_bd[i * R:(i + 1) * R, offs[i]:offs[i + 1]] = b[0, offs[i]:offs[i + 1]].t()
                 a_st = tuple(av[i].unsqueeze(1).contiguous() for i in range(n_s))  # punica: (L, 1, R, d_in)
                 b_st = tuple(b[:, offs[i]:offs[i + 1]].unsqueeze(1).contiguous() for i in range(n_s))
-                layers.append(SimpleNamespace(w=w, f=f, a=av, b=b, a_st=a_st, b_st=b_st))
+                layers.append(SimpleNamespace(w=w, f=f, a=av, b=b, a_st=a_st, b_st=b_st, b_bd=b_bd))
             ranks = torch.tensor([r_used], dtype=torch.int32, device=dev)
             scales = torch.ones(1, dtype=torch.float32, device=dev)
             soff = torch.tensor(offs, dtype=torch.int32, device=dev)
@@ -247,8 +280,8 @@ def main():
                 gemv_ws.reserve(layers[0].f, 64, GemvTiles(*gt))
             for t in range(1, 65):
                 ws.reserve(decode_grid(t, n_s, 1, max(outs), d_in, R, decode_tiles(dev)))
-            for spec in [v for v in a.trace.split(",") if v.startswith(f"{shape}:{mod}:")]:
-                t = int(spec.split(":")[2])
+            for trace in [v for v in a.trace.split(",") if v.startswith(f"{shape}:{mod}:")]:
+                t = int(trace.split(":")[2])
                 x = torch.randn(t, d_in, device=dev, dtype=dt, generator=gen)
                 idx = torch.zeros(t, dtype=torch.int32, device=dev)
                 L = layers[0]
@@ -258,8 +291,8 @@ def main():
                         x, L.f, L.b, idx, ranks, scales, offs, kernel="gemm", tiles=ExpandTiles(16, 64, 4), pdl=p))(pdl)
                     fns["two_launch" + "_pdl" * pdl] = (lambda p: lambda: decode_lora(
                         F.linear(x, L.w), x, L.a, L.b, idx, ranks, scales, offs, soff=soff, workspace=ws, pdl=p))(pdl)
-                res.setdefault("traces", {})[spec] = {k: kernel_timeline(f) for k, f in fns.items()}
-                print(json.dumps({spec: res["traces"][spec]}), flush=True)
+                res.setdefault("traces", {})[trace] = {k: kernel_timeline(f) for k, f in fns.items()}
+                print(json.dumps({trace: res["traces"][trace]}), flush=True)
                 Path(a.out).write_text(json.dumps(res, indent=1))
             for t in toks:
                 x = torch.randn(t, d_in, device=dev, dtype=dt, generator=gen)
@@ -270,8 +303,11 @@ def main():
                     for L in layers:
                         F.linear(x, L.w)
 
+                timers = {}  # path -> fn, for --eager
+
                 if "base" in paths:
                     row["base"] = graph_us(run_base)
+                    timers["base"] = run_base
 
                 def run_wext():  # the folded GEMM alone: what the A rows add to the base GEMM
                     for L in layers:
@@ -279,6 +315,16 @@ def main():
 
                 if "gemm_w_ext" in paths:
                     row["gemm_w_ext"] = graph_us(run_wext)
+                    timers["gemm_w_ext"] = run_wext
+
+                def run_cublas():
+                    for L in layers:
+                        h = F.linear(x, L.f.w_ext)
+                        torch.addmm(h[:, :L.f.d_out], h[:, L.f.d_out:], L.b_bd)
+
+                if "fold_cublas" in paths:
+                    row["fold_cublas"] = graph_us(run_cublas)
+                    timers["fold_cublas"] = run_cublas
 
                 def folded_us(**kw):  # one decode_lora_folded call per layer, with these options
                     def run():
@@ -307,6 +353,12 @@ def main():
                 if best is not None:
                     row["fold_gemm"], row["fold_gemm_tiles"] = best
                     row["fold_gemm_pdl"] = folded_us(kernel="gemm", tiles=ExpandTiles(*best[1]), pdl=True)
+
+                    def run_fold_gemm(tiles=ExpandTiles(*best[1])):
+                        for L in layers:
+                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="gemm", tiles=tiles)
+
+                    timers["fold_gemm"] = run_fold_gemm
                 best = None
                 for gt in (GEMV_TILES if t <= 64 and "fold_gemv" in paths else ()):
                     try:
@@ -331,11 +383,20 @@ def main():
                                 punica.add_lora_linear(y, x, L.a_st, L.b_st, 1.0, tuple(outs))
 
                         row["punica"] = graph_us(run_pu)
+                        timers["punica"] = run_pu
                     except Exception as e:  # noqa: BLE001
                         row["punica_error"] = repr(e)[:300]
                 for k in list(row):
                     if isinstance(row[k], float):
                         row[k] = round(row[k] / a.layers, 2)  # per module call
+                from bdlora.kernels.launch import LAUNCHES
+
+                for name, fn in (timers.items() if a.eager else ()):
+                    row["eager_" + name] = [round(v / a.layers, 2) for v in eager_us(fn)]
+                    if name == "fold_gemm":  # the same through Triton's launcher (no direct launch)
+                        LAUNCHES.enabled = False
+                        row["eager_fold_gemm_triton"] = [round(v / a.layers, 2) for v in eager_us(fn)]
+                        LAUNCHES.enabled = True
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 Path(a.out).write_text(json.dumps(res, indent=1))
