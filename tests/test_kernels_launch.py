@@ -33,6 +33,8 @@ def test_tail_is_the_keyword_parameters_in_signature_order():
     kw = dict(USE_GDC=False, PREC="tf32", ONE_SLOT=True, BLOCK_R=64, BLOCK_N=64, BLOCK_M=16, num_warps=4)
     assert L._tail(kern, 16, kw) == (16, 64, 64, True, "tf32", False)  # BLOCK_M, BLOCK_N, BLOCK_R, ONE_SLOT, ...
     assert L._tail(kern, 16, {k: v for k, v in kw.items() if k != "PREC"}) is None  # missing: Triton reports it
+    # a constexpr passed positionally (BLOCK_M as the 17th argument) is keyed by its int class only: never kept
+    assert L._tail(kern, 17, {k: v for k, v in kw.items() if k != "BLOCK_M"}) is None
 
 
 def test_hook_guard_follows_tritons_hooks():

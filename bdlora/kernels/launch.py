@@ -55,10 +55,13 @@ class _Kept:
 
 def _tail(kernel, n_args: int, kwargs: dict) -> tuple | None:
     """The values of ``kernel``'s parameters after the first ``n_args`` in signature order (from ``kwargs``, else
-    their defaults), or None when some has neither (Triton's own launch then reports it)."""
-    params = list(inspect.signature(kernel.fn).parameters.values())[n_args:]
+    their defaults), or None when some has neither (Triton's own launch then reports it) or when a constexpr is among
+    the first ``n_args`` (``specialization_key`` keys positional ints by class, not value: never kept)."""
+    params = list(inspect.signature(kernel.fn).parameters.values())
+    if any("constexpr" in str(p.annotation) for p in params[:n_args]):
+        return None
     out = []
-    for p in params:
+    for p in params[n_args:]:
         if p.name in kwargs:
             out.append(kwargs[p.name])
         elif p.default is not inspect.Parameter.empty:
