@@ -91,6 +91,27 @@ def python_profile(fn, most: int = 25, roots=("vllm", "bdlora", "vllm_plugin")) 
     return sorted(rows, key=lambda r: -r[2])[:most]
 
 
+def ab_direct(generate, rounds: int) -> dict:
+    """``rounds`` pairs of ``generate()`` calls in this process: bdlora's direct launches on, then off (Triton's
+    launcher for every call); ms of each, their minima, and the median over rounds of on / off - 1."""
+    from bdlora.kernels.launch import LAUNCHES
+
+    on, off = [], []
+    was = LAUNCHES.enabled
+    try:
+        for _ in range(rounds):
+            for enabled, out in ((True, on), (False, off)):
+                LAUNCHES.enabled = enabled
+                t0 = time.perf_counter()
+                generate()
+                out.append(round(1000 * (time.perf_counter() - t0), 2))
+    finally:
+        LAUNCHES.enabled = was
+    ratios = sorted(x / y - 1 for x, y in zip(on, off))
+    return {"on_ms": on, "off_ms": off, "on_min": min(on), "off_min": min(off),
+            "paired_change": round(ratios[len(ratios) // 2], 4)}
+
+
 def main():
     import auto_proxy as P
 
@@ -103,6 +124,10 @@ def main():
     ap.add_argument("--tuning", default=None, help="bd: a JSON dict of bdlora.kernels.tuning keys replacing the "
                     "device's table entry's (as auto_proxy.py --tuning)")
     ap.add_argument("--out", default="prof.json")
+    ap.add_argument("--ab-direct", type=int, default=0, metavar="ROUNDS",
+                    help="with --time-only: ROUNDS pairs of generates in this one engine, bdlora's direct launches "
+                    "(bdlora/kernels/launch.py) on then off, paired per round (engine processes differ more than "
+                    "that change)")
     ap.add_argument("--time-only", action="store_true", help="only the unprofiled generate times (no cProfile, no "
                     "torch profiler): A/B runs of the host time")
     a = ap.parse_args()
@@ -133,6 +158,9 @@ def main():
         from bdlora.kernels.launch import LAUNCHES
 
         res["launches"] = {"enabled": LAUNCHES.enabled, "direct": LAUNCHES.direct, "triton": LAUNCHES.triton}
+    if a.time_only and a.ab_direct:
+        res["ab_direct"] = ab_direct(lambda: llm.generate(prompts, sp, lora_request=lora, use_tqdm=False),
+                                     a.ab_direct)
     if a.time_only:
         print(json.dumps(res, indent=1), flush=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
