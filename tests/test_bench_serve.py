@@ -580,3 +580,11 @@ def test_step_profile_time_only_pairs_direct_launches_on_vllm_cpu(tmp_path):
     assert len(ab["on_ms"]) == len(ab["off_ms"]) == 2 and ab["on_min"] == min(ab["on_ms"]), ab
     assert ab["paired_change"] > -1, ab
     assert r["launches"]["direct"] == 0 and r["launches"]["enabled"] is True, r["launches"]  # restored after
+
+
+def test_step_profile_refuses_ab_direct_without_time_only():
+    """``--ab-direct`` pairs unprofiled generates; with the profilers on it would be silently dropped, so it is
+    refused with the flag to add (before any engine starts)."""
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "serve" / "step_profile.py"), "--ab-direct", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--time-only" in p.stderr and "Traceback" not in p.stderr, p.stderr

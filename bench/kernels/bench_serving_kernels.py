@@ -229,6 +229,7 @@ def main():
         ap.error(f"--paths: unknown {sorted(paths - set(PATHS))}; known: {PATHS}")
     fold_tiles = TILES if a.fold_tiles == "all" else [tuple(int(v) for v in a.fold_tiles.split(","))]
     from bdlora.kernels import DecodeWorkspace, GemvTiles, GemvWorkspace, decode_lora, decode_lora_folded, fold_weight
+    from bdlora.kernels.launch import LAUNCHES
     from bdlora.kernels.decode import ExpandTiles, decode_grid, decode_tiles
 
     dev = torch.device("cuda")
@@ -326,12 +327,15 @@ def main():
                     row["fold_cublas"] = graph_us(run_cublas)
                     timers["fold_cublas"] = run_cublas
 
-                def folded_us(**kw):  # one decode_lora_folded call per layer, with these options
+                def folded_run(**kw):  # one decode_lora_folded call per layer, with these options
                     def run():
                         for L in layers:
                             decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, **kw)
 
-                    return graph_us(run)
+                    return run
+
+                def folded_us(**kw):
+                    return graph_us(folded_run(**kw))
 
                 for pdl in ((False, True) if t <= 64 and "fold_decode" in paths else ()):
                     row["fold_decode" + "_pdl" * pdl] = folded_us(kernel="decode", pdl=pdl)
@@ -353,12 +357,7 @@ def main():
                 if best is not None:
                     row["fold_gemm"], row["fold_gemm_tiles"] = best
                     row["fold_gemm_pdl"] = folded_us(kernel="gemm", tiles=ExpandTiles(*best[1]), pdl=True)
-
-                    def run_fold_gemm(tiles=ExpandTiles(*best[1])):
-                        for L in layers:
-                            decode_lora_folded(x, L.f, L.b, idx, ranks, scales, offs, kernel="gemm", tiles=tiles)
-
-                    timers["fold_gemm"] = run_fold_gemm
+                    timers["fold_gemm"] = folded_run(kernel="gemm", tiles=ExpandTiles(*best[1]))
                 best = None
                 for gt in (GEMV_TILES if t <= 64 and "fold_gemv" in paths else ()):
                     try:
@@ -389,14 +388,14 @@ def main():
                 for k in list(row):
                     if isinstance(row[k], float):
                         row[k] = round(row[k] / a.layers, 2)  # per module call
-                from bdlora.kernels.launch import LAUNCHES
-
                 for name, fn in (timers.items() if a.eager else ()):
                     row["eager_" + name] = [round(v / a.layers, 2) for v in eager_us(fn)]
                     if name == "fold_gemm":  # the same through Triton's launcher (no direct launch)
                         LAUNCHES.enabled = False
-                        row["eager_fold_gemm_triton"] = [round(v / a.layers, 2) for v in eager_us(fn)]
-                        LAUNCHES.enabled = True
+                        try:
+                            row["eager_fold_gemm_triton"] = [round(v / a.layers, 2) for v in eager_us(fn)]
+                        finally:
+                            LAUNCHES.enabled = True
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 Path(a.out).write_text(json.dumps(res, indent=1))

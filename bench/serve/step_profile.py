@@ -131,6 +131,8 @@ def main():
     ap.add_argument("--time-only", action="store_true", help="only the unprofiled generate times (no cProfile, no "
                     "torch profiler): A/B runs of the host time")
     a = ap.parse_args()
+    if a.ab_direct and not a.time_only:
+        ap.error("--ab-direct pairs unprofiled generates: add --time-only")
     import torch
     from vllm import LLM, SamplingParams
 
@@ -158,7 +160,7 @@ def main():
         from bdlora.kernels.launch import LAUNCHES
 
         res["launches"] = {"enabled": LAUNCHES.enabled, "direct": LAUNCHES.direct, "triton": LAUNCHES.triton}
-    if a.time_only and a.ab_direct:
+    if a.ab_direct:
         res["ab_direct"] = ab_direct(lambda: llm.generate(prompts, sp, lora_request=lora, use_tqdm=False),
                                      a.ab_direct)
     if a.time_only:
@@ -174,8 +176,9 @@ def main():
     trace = json.loads(path.read_text())
     busy, span, n, top = busy_ms(trace)
     res.update({"kernel_span_ms": round(span, 2), "gpu_busy_ms": round(busy, 2), "gpu_idle_ms": round(span - busy, 2),
-           "kernels": n, "busy_per_step_ms": round(busy / a.steps, 4), "span_per_step_ms": round(span / a.steps, 4),
-           "top_kernels_ms": top, "host": host_ops(trace), "python_top": python_top})
+                "kernels": n, "busy_per_step_ms": round(busy / a.steps, 4),
+                "span_per_step_ms": round(span / a.steps, 4), "top_kernels_ms": top, "host": host_ops(trace),
+                "python_top": python_top})
     print(json.dumps(res, indent=1), flush=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
 
