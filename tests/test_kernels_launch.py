@@ -70,3 +70,70 @@ def test_interpreter_goes_through_triton_and_matches_the_reference():
                                      [0, 40, 48])
         torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
     assert L.LAUNCHES.direct == direct  # nothing kept or relaunched off a GPU
+
+
+def test_kept_launch_keeps_a_kernel_only_where_the_varying_ints_are_not_specialized():
+    jit = pytest.importorskip("triton.runtime.jit")
+    fn = D._fold_expand_gemm_kernel.fn  # the Python function behind the kernel (also under the interpreter)
+    unspecialized = jit.JITFunction(fn, do_not_specialize=["T"])
+    specialized = jit.JITFunction(fn)
+    assert L.KeptLaunch(unspecialized, fresh=(0, 1), varying=(6,)).keepable  # T: one compiled kernel for all T
+    assert not L.KeptLaunch(specialized, fresh=(0, 1), varying=(6,)).keepable  # T=1 and T%16 compile apart
+    assert not L.KeptLaunch(unspecialized, varying=(7,)).keepable  # stride_y is specialized
+    assert L.KeptLaunch(specialized, fresh=(0, 1)).keepable  # nothing varies but fresh tensors
+
+
+def _folded_layer(g, n_slots=2, rank=16, offs=(0, 40, 48), d_in=32):
+    from bdlora.kernels import fold_weight
+
+    d_out = offs[-1]
+    f = fold_weight(torch.randn(d_out, d_in, generator=g), len(offs) - 1, n_slots, rank)
+    f.lora_a(len(offs) - 1, n_slots, rank).copy_(torch.randn(len(offs) - 1, n_slots, rank, d_in, generator=g))
+    return f, torch.randn(n_slots, d_out, rank, generator=g), list(offs)
+
+
+@pytest.mark.parametrize("kernel", ["decode", "gemm"])
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_folded_launch_reads_its_bound_buffers_at_every_call(kernel, backend):
+    """A plan (what the plugin keeps per layer) binds the live slot ids, ranks and scales: changing them in place
+    between calls (a new batch's mapping, a new adapter's rank) changes its next result, as decode_lora_folded
+    with the new values gives."""
+    from bdlora.kernels import KernelOptions, decode_lora_folded, decode_lora_folded_ref
+    from bdlora.kernels.decode import ExpandTiles, FoldedLaunch
+
+    g = torch.Generator().manual_seed(5)
+    f, b, offs = _folded_layer(g)
+    slots = torch.full((9,), -1, dtype=torch.int32)  # the serving buffer: longer than most batches
+    ranks, scales = torch.tensor([16, 7], dtype=torch.int32), torch.tensor([0.5, 2.0])
+    opts = KernelOptions(backend=backend)
+    plan = FoldedLaunch(f, b, slots, ranks, scales, offs, kernel=kernel, tiles=ExpandTiles(16, 32, 1), options=opts)
+    if backend == "auto" and L.dispatch.INTERPRET:
+        assert plan.dispatch.backend == "triton"
+    for t, ids, rk in ((5, [1, -1, 0, 1, 0], [16, 7]), (3, [0, 0, 1], [4, 16]), (9, [1] * 9, [16, 16])):
+        slots[:t] = torch.tensor(ids, dtype=torch.int32)
+        ranks.copy_(torch.tensor(rk, dtype=torch.int32))
+        x = torch.randn(t, 32, generator=g)
+        y = plan(x)
+        ref = decode_lora_folded_ref(x.double(), f.w_ext.double(), 48, b.double(), slots[:t], ranks,
+                                     scales.double(), offs)
+        torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
+        once = decode_lora_folded(x, f, b, slots[:t], ranks, scales, offs, kernel=kernel,
+                                  tiles=ExpandTiles(16, 32, 1), options=opts).out
+        assert torch.equal(y, once)  # the one-off entry point runs the same plan
+    assert plan(torch.randn(0, 32)).shape == (0, 48)
+    with pytest.raises(ValueError, match="10 tokens but 9 slot ids"):
+        plan(torch.randn(10, 32))
+
+
+def test_folded_launch_refuses_what_it_cannot_prepare():
+    from bdlora.kernels.decode import FoldedLaunch
+
+    g = torch.Generator().manual_seed(6)
+    f, b, offs = _folded_layer(g)
+    args = (torch.zeros(4, dtype=torch.int32), torch.tensor([16, 7], dtype=torch.int32), torch.ones(2))
+    with pytest.raises(ValueError, match="goes through decode_lora_folded"):
+        FoldedLaunch(f, b, *args, offs, kernel="gemv")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        FoldedLaunch(f, b, *args, offs, kernel="bgmv")
+    with pytest.raises(ValueError, match="expected d_out=48 rows of W"):
+        FoldedLaunch(f, b[:, :40], *args, [0, 40], kernel="gemm")

@@ -322,6 +322,7 @@ def _assert_fold_self_check(llm) -> None:
     check = llm.collective_rpc(D.fused_decode_self_check)[0]
     assert check["fold_layers"] == check["layers"] == 8 and check["fold_shares_weight"], check
     assert check["max_abs_lora"] > 1e-3 and check["fold_max_abs_diff"] < 1e-5 and check["padding_untouched"]
+    assert check["kept_plans"] >= check["fold_layers"], check  # kept per layer, and right for this new mapping
 
 
 def test_tp1_auto_mode_every_path_parity(tiny_llama_dir, vllm_adapters):

@@ -57,6 +57,7 @@ from typing import Optional
 import torch
 
 from bdlora.kernels import KernelOptions, decode_lora, decode_lora_folded
+from bdlora.kernels.decode import FoldedLaunch
 from bdlora.spec import COLUMN, ROW, BDLoraError
 
 from . import vllm_api as api
@@ -179,9 +180,24 @@ class _FusedState:
     gemv_workspace: object = None  # bdlora.kernels.GemvWorkspace shared by this build's layers on the device
     pdl: bool = False  # auto mode: the tuning's pdl (launch the kernels with programmatic dependent launch)
     options: KernelOptions = field(init=False)  # KernelOptions(backend=backend), built once: every forward uses it
+    #: fold_linear's prepared launches (kernel "decode"/"gemm") by (kernel, tiles), built on first use: a prefill
+    #: runs eagerly and its host time is BD's TTFT excess. Bound to ``slots``; dropped when the mapping changes.
+    plans: dict = field(init=False, default_factory=dict)
+    keep_plans: bool = True  # False: a new plan per call (what decode_lora_folded does; bench A/B runs)
 
     def __post_init__(self):
         self.options = KernelOptions(backend=self.backend)
+
+    def plan(self, kernel: str, tiles) -> FoldedLaunch:
+        key = (kernel, tiles)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = FoldedLaunch(self.folded, self.lora_b, self.slots.buf, self.ranks, self.scales, self.offsets,
+                                kernel=kernel, tiles=tiles, pdl=self.pdl,
+                                options=self.options)
+            if self.keep_plans:
+                self.plans[key] = plan
+        return plan
 
 
 def _warn_once(key, msg: str, *args) -> None:
@@ -232,11 +248,15 @@ def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
     st = layer._bd_fused
     n = x.shape[0]
     if n <= max(st.fold_gemm_max, st.fold_gemv_max) and st.slots is not None:
-        kernel = "gemv" if n <= st.fold_gemv_max else "decode" if n <= st.fold_decode_max else "gemm"
-        tiles = st.tuning.tiles_for(n) if kernel == "gemm" and st.tuning is not None else None
-        y, ran = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
-                                    options=st.options, soff=st.soff, kernel=kernel, tiles=tiles,
-                                    gemv_tiles=st.gemv_tiles, workspace=st.gemv_workspace, pdl=st.pdl)
+        if n <= st.fold_gemv_max:
+            kernel = "gemv"
+            y, ran = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
+                                        options=st.options, kernel=kernel, gemv_tiles=st.gemv_tiles,
+                                        workspace=st.gemv_workspace, pdl=st.pdl)
+        else:
+            kernel = "decode" if n <= st.fold_decode_max else "gemm"
+            plan = st.plan(kernel, st.tuning.tiles_for(n) if kernel == "gemm" and st.tuning is not None else None)
+            y, ran = plan(x), plan.dispatch
         if bias is not None:
             y += bias
         _count_fused(_FOLD_COUNTER[kernel], ran.backend, x, st)
@@ -441,6 +461,7 @@ class _BDLoRAMixin:
         st = self._bd_fused
         if st is not None:
             st.slots = _token_slots(punica_wrapper)
+            st.plans.clear()  # bound to the old slots' buffer
             if st.slots is None:
                 self.bd_fused_name = None
                 logger.warning("bdlora fused decode: %s has no _token_lora_indices; %s keeps vLLM's LoRA path",

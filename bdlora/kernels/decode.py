@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from . import dispatch
 from ._jit import jit, tl
-from .launch import launch
+from .launch import KeptLaunch, launch
 from .dispatch import DEFAULT_OPTIONS, Dispatch, KernelOptions, LoraResult, next_pow2
 from bdlora.layout import LAYOUTS
 from .reference import decode_lora_folded_torch, decode_lora_torch
@@ -674,6 +674,97 @@ FOLDED_KERNELS = ("decode", "gemm", "gemv")
 MAX_FOLDED_SLICES = 4
 
 
+def _check_folded(folded: FoldedWeight, lora_b: torch.Tensor, slice_offsets: Sequence[int], kernel: str) -> None:
+    """Raises unless [W; A], B, the slice offsets and the kernel fit together (``decode_lora_folded``'s contract)."""
+    d_out = folded.d_out
+    n_l, b_out, r = lora_b.shape
+    n_s = len(slice_offsets) - 1
+    if b_out != d_out or slice_offsets[-1] != d_out or folded.w_ext.shape[0] != d_out + n_s * n_l * r:
+        raise ValueError(f"decode_lora_folded: w_ext has {folded.w_ext.shape[0]} rows, lora_b {tuple(lora_b.shape)} "
+                         f"and slice offsets end at {slice_offsets[-1]}; expected d_out={d_out} rows of W plus "
+                         f"S*L*R = {n_s}*{n_l}*{r} of A (fold_weight(W, S, L, R))")
+    if kernel not in FOLDED_KERNELS:
+        raise ValueError(f"decode_lora_folded: kernel must be one of {FOLDED_KERNELS}, got {kernel!r}")
+    if not 1 <= n_s <= MAX_FOLDED_SLICES:
+        raise ValueError(f"decode_lora_folded: {n_s} slices; 1 to {MAX_FOLDED_SLICES} supported")
+
+
+class FoldedLaunch:
+    """``decode_lora_folded`` with kernel "decode" or "gemm" for one layer, its constant arguments bound and checked
+    once: ``plan(x)`` is the y of ``decode_lora_folded(x, folded, lora_b, token_lora_indices[:T], ranks, scales,
+    slice_offsets, kernel=..., tiles=..., pdl=..., options=...)`` for x (T, d_in) of [W; A]'s dtype and device, T at
+    most the length of ``token_lora_indices``.
+
+    Why: a prefill runs the BD layers eagerly and is host-bound (BENCHMARKS.md, "Prefill host time"). A call here
+    does the GEMM, allocates y and relaunches the kept expand kernel (``launch.KeptLaunch``): no argument checks, no
+    conversions, no specialization key. The plugin's ``fold_linear`` keeps one plan per layer and tiles;
+    ``decode_lora_folded`` builds one per call. The tensors are bound, not copied: every call reads the current
+    contents of ``token_lora_indices``, ``ranks`` and ``scales`` when they are passed ready (int32, int32, float32 on
+    the device; otherwise the plan binds converted copies, as a one-off call may). ``like`` (decode_lora_folded's x)
+    joins the Triton-or-torch decision when given.
+    """
+
+    def __init__(self, folded: FoldedWeight, lora_b: torch.Tensor, token_lora_indices: torch.Tensor,
+                 ranks: torch.Tensor, scales: torch.Tensor, slice_offsets: Sequence[int], *, kernel: str = "gemm",
+                 tiles: ExpandTiles | None = None, pdl: bool = False, options: KernelOptions = DEFAULT_OPTIONS,
+                 like: torch.Tensor | None = None):
+        _check_folded(folded, lora_b, slice_offsets, kernel)
+        if kernel == "gemv":
+            raise ValueError("FoldedLaunch: kernel='gemv' (tiles that depend on T) goes through decode_lora_folded")
+        w = folded.w_ext
+        self.folded, self.lora_b, self.d_out = folded, lora_b, folded.d_out
+        self.offsets = tuple(int(o) for o in slice_offsets)
+        self.max_tokens = token_lora_indices.shape[0]
+        why = dispatch.triton_why_not(*((like,) if like is not None else ()), w, lora_b)
+        if why is None and not lora_b.is_contiguous():
+            why = "lora_b not contiguous"
+        self.use, note = dispatch.resolve("decode_lora_folded", options, w.device.type, triton=why)
+        self.dispatch = Dispatch("decode_lora_folded", options.backend, self.use, note)
+        n_l, _, r = lora_b.shape
+        n_s = len(self.offsets) - 1
+        gdc = _pdl_launch(pdl, w.device, (token_lora_indices, ranks), (scales,))
+        self.idx = token_lora_indices.to(device=w.device, dtype=torch.int32)
+        self.ranks = ranks.to(device=w.device, dtype=torch.int32)
+        self.scales = scales.to(device=w.device, dtype=torch.float32)
+        offs = list(self.offsets[1:]) + [self.d_out] * (MAX_FOLDED_SLICES - n_s)
+        widest = max(self.offsets[i + 1] - self.offsets[i] for i in range(n_s))
+        block_r = max(16, next_pow2(r))
+        stride_h = w.shape[0]  # h = x @ [W; A]^T is contiguous; y's row stride is d_out
+        self._args = (lora_b, self.idx, self.ranks, self.scales)  # after y and h
+        if kernel == "decode":  # one program per token: T is the grid, not an argument
+            dt = decode_tiles(w.device)
+            self._block_m, self._grid_rest = 0, (n_s, -(-widest // dt.block_n))
+            self._args += (self.d_out, stride_h, self.d_out, n_l, r, *offs)
+            self._launch = KeptLaunch(_decode_folded_expand_kernel, fresh=(0, 1), BLOCK_L=next_pow2(n_l),
+                                      BLOCK_R=block_r, BLOCK_N=dt.block_n, ONE_SLOT=n_l == 1, USE_GDC=gdc,
+                                      num_warps=dt.warps, launch_pdl=gdc)
+        else:  # token tiles; T (argument 6) is do_not_specialize: one kept kernel for every T
+            t = tiles or ExpandTiles()
+            self._block_m, self._grid_rest = t.block_m, (n_s, -(-widest // t.block_n))
+            self._rest = (self.d_out, stride_h, self.d_out, n_l, r, *offs)
+            self._launch = KeptLaunch(_fold_expand_gemm_kernel, fresh=(0, 1), varying=(6,), BLOCK_M=t.block_m,
+                                      BLOCK_N=t.block_n, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
+                                      PREC=dispatch.dot_precision(w.dtype), USE_GDC=gdc, num_warps=t.warps,
+                                      launch_pdl=gdc)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        if t > self.max_tokens:
+            raise ValueError(f"decode_lora_folded: {t} tokens but {self.max_tokens} slot ids (token_lora_indices)")
+        h = F.linear(x, self.folded.w_ext)
+        if self.use == "torch":
+            return decode_lora_folded_torch(h, self.d_out, self.lora_b, self.idx[:t], self.ranks, self.scales,
+                                            self.offsets)
+        y = h.new_empty(t, self.d_out)
+        if t == 0:
+            return y
+        if self._block_m == 0:
+            self._launch((t,) + self._grid_rest, y, h, *self._args)
+        else:
+            self._launch((-(-t // self._block_m),) + self._grid_rest, y, h, *self._args, t, *self._rest)
+        return y
+
+
 def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tensor, token_lora_indices: torch.Tensor,
                        ranks: torch.Tensor, scales: torch.Tensor, slice_offsets: Sequence[int], *,
                        options: KernelOptions = DEFAULT_OPTIONS, soff: torch.Tensor | None = None,
@@ -704,24 +795,21 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     (``gdc_wait``). Elsewhere ignored. Only x may be written by the kernel just before the call.
     Torch fallback: ``decode_lora_folded_torch`` (any kernel); reference ``decode_lora_folded_ref``.
     """
+    _check_folded(folded, lora_b, slice_offsets, kernel)
+    if kernel != "gemv":
+        plan = FoldedLaunch(folded, lora_b, token_lora_indices, ranks, scales, slice_offsets, kernel=kernel,
+                            tiles=tiles, pdl=pdl, options=options, like=x)
+        return LoraResult(plan(x), plan.dispatch)
     d_out = folded.d_out
-    n_l, b_out, r = lora_b.shape
+    n_l, _, r = lora_b.shape
     n_s = len(slice_offsets) - 1
-    if b_out != d_out or slice_offsets[-1] != d_out or folded.w_ext.shape[0] != d_out + n_s * n_l * r:
-        raise ValueError(f"decode_lora_folded: w_ext has {folded.w_ext.shape[0]} rows, lora_b {tuple(lora_b.shape)} "
-                         f"and slice offsets end at {slice_offsets[-1]}; expected d_out={d_out} rows of W plus "
-                         f"S*L*R = {n_s}*{n_l}*{r} of A (fold_weight(W, S, L, R))")
-    if kernel not in FOLDED_KERNELS:
-        raise ValueError(f"decode_lora_folded: kernel must be one of {FOLDED_KERNELS}, got {kernel!r}")
-    if not 1 <= n_s <= MAX_FOLDED_SLICES:
-        raise ValueError(f"decode_lora_folded: {n_s} slices; 1 to {MAX_FOLDED_SLICES} supported")
     t = x.shape[0]
-    if kernel == "gemv" and t > GEMV_MAX_TOKENS:
+    if t > GEMV_MAX_TOKENS:
         raise ValueError(f"decode_lora_folded: kernel='gemv' takes at most {GEMV_MAX_TOKENS} tokens, got {t}")
     why = dispatch.triton_why_not(x, folded.w_ext, lora_b)
     if why is None and not lora_b.is_contiguous():
         why = "lora_b not contiguous"
-    if why is None and kernel == "gemv" and not (x.stride(1) == 1 and folded.w_ext.is_contiguous()):
+    if why is None and not (x.stride(1) == 1 and folded.w_ext.is_contiguous()):
         why = "x without unit column stride or [W; A] not contiguous (kernel='gemv' reads them)"
     use, note = dispatch.resolve("decode_lora_folded", options, x.device.type, triton=why)
     if use == "torch":
@@ -730,54 +818,32 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         return LoraResult(y, Dispatch("decode_lora_folded", options.backend, use, note))
 
     offs = [int(o) for o in slice_offsets[1:]] + [d_out] * (MAX_FOLDED_SLICES - n_s)
-    widest = max(slice_offsets[i + 1] - slice_offsets[i] for i in range(n_s))
     gdc = _pdl_launch(pdl, x.device, (token_lora_indices, ranks), (scales,))
     idx = token_lora_indices.to(device=x.device, dtype=torch.int32)
     ranks = ranks.to(device=x.device, dtype=torch.int32)
     scales = scales.to(device=x.device, dtype=torch.float32)
     block_r = max(16, next_pow2(r))
-    if kernel == "gemv":
-        y = x.new_empty(t, d_out)
-        done = LoraResult(y, Dispatch("decode_lora_folded", options.backend, use, note))
-        if t == 0:
-            return done
-        gt = gemv_tiles or GemvTiles()
-        if workspace is None:
-            workspace = GemvWorkspace(x.device, x.dtype).reserve(folded, t, gt)
-        elif not (workspace.fits(folded, t, gt) and workspace.shrink.device == x.device and workspace.dtype == x.dtype):
-            raise ValueError(f"decode_lora_folded: the gemv workspace ({workspace.dtype} on {workspace.device}) does "
-                             f"not fit this call ({t} tokens, {x.dtype} on {x.device}, {gt}): reserve it for the "
-                             f"largest call first")
-        a_rows = folded.w_ext.shape[0] - d_out
-        n_a, n_w = -(-a_rows // gt.block_n), -(-d_out // gt.block_n)
-        d_in = x.shape[1]
-        k_chunk = -(-d_in // (gt.split_k * gt.block_k)) * gt.block_k
-        launch(_fold_gemv_kernel, ((n_a + n_w) * gt.split_k,),
-            y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.shrink, workspace.partials,
-            workspace.counters[2:], workspace.counters, t, x.stride(0), y.stride(0), d_in, d_out, a_rows, n_l, r,
-            *offs, n_a, n_w, k_chunk, N_SLICES=n_s, SPLIT_K=gt.split_k, BLOCK_M=max(16, next_pow2(t)),
-            BLOCK_N=gt.block_n, BLOCK_K=gt.block_k, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
-            PREC=dispatch.dot_precision(x.dtype), USE_GDC=gdc, num_warps=gt.warps, num_stages=gt.stages,
-            launch_pdl=gdc,
-        )
-        return done
-    h = F.linear(x, folded.w_ext)
-    y = h.new_empty(t, d_out)
+    y = x.new_empty(t, d_out)
     done = LoraResult(y, Dispatch("decode_lora_folded", options.backend, use, note))
     if t == 0:
         return done
-    if kernel == "decode":
-        block_n = decode_tiles(x.device).block_n
-        launch(_decode_folded_expand_kernel, (t, n_s, -(-widest // block_n)),
-            y, h, lora_b, idx, ranks, scales, y.stride(0), h.stride(0), d_out, n_l, r, *offs,
-            BLOCK_L=next_pow2(n_l), BLOCK_R=block_r, BLOCK_N=block_n, ONE_SLOT=n_l == 1, USE_GDC=gdc,
-            num_warps=decode_tiles(x.device).warps, launch_pdl=gdc,
-        )
-        return done
-    tiles = tiles or ExpandTiles()
-    launch(_fold_expand_gemm_kernel, (-(-t // tiles.block_m), n_s, -(-widest // tiles.block_n)),
-        y, h, lora_b, idx, ranks, scales, t, y.stride(0), h.stride(0), d_out, n_l, r, *offs,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
-        PREC=dispatch.dot_precision(h.dtype), USE_GDC=gdc, num_warps=tiles.warps, launch_pdl=gdc,
+    gt = gemv_tiles or GemvTiles()
+    if workspace is None:
+        workspace = GemvWorkspace(x.device, x.dtype).reserve(folded, t, gt)
+    elif not (workspace.fits(folded, t, gt) and workspace.shrink.device == x.device and workspace.dtype == x.dtype):
+        raise ValueError(f"decode_lora_folded: the gemv workspace ({workspace.dtype} on {workspace.device}) does "
+                         f"not fit this call ({t} tokens, {x.dtype} on {x.device}, {gt}): reserve it for the "
+                         f"largest call first")
+    a_rows = folded.w_ext.shape[0] - d_out
+    n_a, n_w = -(-a_rows // gt.block_n), -(-d_out // gt.block_n)
+    d_in = x.shape[1]
+    k_chunk = -(-d_in // (gt.split_k * gt.block_k)) * gt.block_k
+    launch(_fold_gemv_kernel, ((n_a + n_w) * gt.split_k,),
+        y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.shrink, workspace.partials,
+        workspace.counters[2:], workspace.counters, t, x.stride(0), y.stride(0), d_in, d_out, a_rows, n_l, r,
+        *offs, n_a, n_w, k_chunk, N_SLICES=n_s, SPLIT_K=gt.split_k, BLOCK_M=max(16, next_pow2(t)),
+        BLOCK_N=gt.block_n, BLOCK_K=gt.block_k, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
+        PREC=dispatch.dot_precision(x.dtype), USE_GDC=gdc, num_warps=gt.warps, num_stages=gt.stages,
+        launch_pdl=gdc,
     )
     return done

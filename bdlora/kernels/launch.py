@@ -106,6 +106,13 @@ class LaunchCache:
             if tail is not None:
                 self._kept[key] = _Kept(compiled, tail)
 
+    def kept(self, kernel, args: tuple, kwargs: dict) -> _Kept | None:
+        """The kernel kept for a launch with these arguments on the first argument's device, or None."""
+        try:
+            return self._kept.get((kernel, args[0].device.index, specialization_key(args, kwargs)))
+        except (TypeError, AttributeError, IndexError):
+            return None
+
 
 def _hooks() -> bool:
     """Whether launch hooks are installed (a profiler's): their launches go through Triton, which calls them. Triton
@@ -119,6 +126,42 @@ def _hooks() -> bool:
 LAUNCHES = LaunchCache(enabled=os.environ.get("BDLORA_DIRECT_LAUNCH", "1") != "0")
 
 
+class KeptLaunch:
+    """One call site's launches of one kernel whose specialization is the same on every call (a serving layer's
+    prepared launch: ``decode.FoldedLaunch``), without ``launch``'s per-call key: after the first launch through
+    ``launch`` (which keeps the compiled kernel), ``self(grid, *args)`` relaunches that kernel directly.
+
+    The caller fixes what Triton specializes on: the keyword arguments (constexprs and launch options) are given once
+    here; between calls only the tensors at positions ``fresh`` (new allocations) and the ints at positions
+    ``varying`` may change. Each call checks that the ``fresh`` tensors are still 16-byte aligned, and construction
+    that every ``varying`` parameter is ``do_not_specialize`` (Triton compiles one kernel for all its values);
+    otherwise, and wherever ``launch`` would not go direct, the call is ``launch(kernel, grid, *args, **kwargs)``.
+    """
+
+    def __init__(self, kernel, *, fresh: tuple = (), varying: tuple = (), **kwargs: Any):
+        self.kernel, self.fresh, self.kwargs = kernel, tuple(fresh), kwargs
+        params = getattr(kernel, "params", None)
+        # the kept kernel serves every value of a varying int only if Triton never specializes on it
+        self.keepable = params is not None and all(getattr(params[i], "do_not_specialize", False) for i in varying)
+        self._kept: _Kept | None = None
+        self._device = -1
+
+    def __call__(self, grid: tuple, *args: Any) -> None:
+        kept = self._kept
+        if (kept is not None and LAUNCHES.enabled and self._device == torch.cuda.current_device() and not _hooks()
+                and all(args[i].data_ptr() & 15 == 0 for i in self.fresh)):
+            g = tuple(grid) + (1, 1)
+            c = kept.compiled
+            c.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self._device), c.function, c.packed_metadata,
+                  None, None, None, *args, *kept.tail)
+            LAUNCHES.direct += 1
+            return
+        LAUNCHES.launch(self.kernel, grid, *args, **self.kwargs)
+        if kept is None and self.keepable and args[0].is_cuda:
+            self._kept = LAUNCHES.kept(self.kernel, args, self.kwargs)
+            self._device = args[0].device.index
+
+
 def launch(kernel, grid: tuple, *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)`` through this process's ``LaunchCache``: positional arguments are the
     kernel's leading parameters (the first a tensor on the launch's device), keywords the rest (constexprs) and
@@ -126,4 +169,4 @@ def launch(kernel, grid: tuple, *args: Any, **kwargs: Any) -> None:
     LAUNCHES.launch(kernel, grid, *args, **kwargs)
 
 
-__all__ = ["LAUNCHES", "LaunchCache", "launch", "specialization_key"]
+__all__ = ["LAUNCHES", "KeptLaunch", "LaunchCache", "launch", "specialization_key"]

@@ -140,10 +140,11 @@ def set_mapping(punica, t: int, prefill: bool):
 def check(dev) -> dict:
     """The folded kernels (plain and ``pdl=True`` launches) against the float64 reference in bf16: 3 slots of ragged
     ranks, tokens of every slot and without LoRA in random order, and one slot (the ONE_SLOT code path, which reads B
-    before it waits): the largest error relative to the largest LoRA term."""
+    before it waits): the largest error relative to the largest LoRA term. Every relaunch of a kept kernel (a second
+    call, and a prepared ``FoldedLaunch`` called three times) must give the same bits."""
     from bdlora.kernels import (GemvTiles, GemvWorkspace, decode_lora, decode_lora_folded, decode_lora_folded_ref,
                                 fold_weight)
-    from bdlora.kernels.decode import ExpandTiles
+    from bdlora.kernels.decode import ExpandTiles, FoldedLaunch
 
     gen = torch.Generator(device=dev).manual_seed(1)
     out = {}
@@ -176,6 +177,10 @@ def check(dev) -> dict:
                         again = decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel=kern, tiles=tiles, pdl=pdl).out
                         if not torch.equal(y, again):  # the second call is a direct launch (bdlora.kernels.launch)
                             raise RuntimeError(f"direct launch differs: {d_out}x{d_in} T={t} {kern} {tiles} pdl={pdl}")
+                        plan = FoldedLaunch(f, b, idx, rk, sc, offs, kernel=kern, tiles=tiles, pdl=pdl)
+                        if not all(torch.equal(y, plan(x)) for _ in range(3)):  # the plan's own kept kernel
+                            raise RuntimeError(f"prepared launch differs: {d_out}x{d_in} T={t} {kern} {tiles} "
+                                               f"pdl={pdl}")
                         err = (y.double() - ref).abs().max().item()
                         key = f"{d_out}x{d_in} L={n_l} T={t} {kern} {tiles.block_m}x{tiles.block_n}{' pdl' * pdl}"
                         out[key] = round(err / lora, 5)

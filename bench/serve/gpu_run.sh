@@ -15,17 +15,7 @@ T0=$(date +%s)
 LIMIT=${CALL_LIMIT_S:-590}       # the device call's timeout_s minus a little
 PRESET=${1:?usage: gpu_run.sh PRESET [sweep args]}; shift
 O=${OUT:-/tmp/out}; mkdir -p "$O"
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-       NVSHMEM_DISABLE_NVLS=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
-       PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-if [ ! -d /tmp/site/vllm ]; then
-  test -f /tmp/stage/part.00 || { echo "no /tmp/stage/part.00: run the staging call (carry .vllm_bundle/p1) first"; exit 3; }
-  test -f .vllm_bundle/p2/part.01 || { echo "carry .vllm_bundle/p2 in this call"; exit 3; }
-  cat /tmp/stage/part.00 .vllm_bundle/p2/part.01 > /tmp/bundle.tar.xz && sha256sum -c .vllm_bundle/p2/SHA256SUM \
-    && mkdir -p /tmp/site && tar -xJf /tmp/bundle.tar.xz -C /tmp/site && rm -f /tmp/bundle.tar.xz || exit 4
-  echo "vLLM bundle extracted in $(( $(date +%s) - T0 )) s"
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 5; }
+source "$(dirname "$0")/gpu_env.sh" || exit $?
 python3 -c "import importlib.metadata as m; print('vllm', m.version('vllm'), 'plugins', [e.value for e in m.entry_points(group='vllm.general_plugins')])"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 BUDGET=$(( LIMIT - ($(date +%s) - T0) - 30 ))

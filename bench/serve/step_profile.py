@@ -91,25 +91,64 @@ def python_profile(fn, most: int = 25, roots=("vllm", "bdlora", "vllm_plugin")) 
     return sorted(rows, key=lambda r: -r[2])[:most]
 
 
-def ab_direct(generate, rounds: int) -> dict:
-    """``rounds`` pairs of ``generate()`` calls in this process: bdlora's direct launches on, then off (Triton's
-    launcher for every call); ms of each, their minima, and the median over rounds of on / off - 1."""
-    from bdlora.kernels.launch import LAUNCHES
-
+def ab_pairs(generate, rounds: int, switch) -> dict:
+    """``rounds`` pairs of ``generate()`` calls in this process, ``switch(True)`` before the first of each pair and
+    ``switch(False)`` before the second (then back on): ms of each, their minima, and the median over rounds of
+    on / off - 1 (engine processes differ more than a host-side change: pair it in one engine)."""
     on, off = [], []
-    was = LAUNCHES.enabled
     try:
         for _ in range(rounds):
             for enabled, out in ((True, on), (False, off)):
-                LAUNCHES.enabled = enabled
+                switch(enabled)
                 t0 = time.perf_counter()
                 generate()
                 out.append(round(1000 * (time.perf_counter() - t0), 2))
     finally:
-        LAUNCHES.enabled = was
+        switch(True)
     ratios = sorted(x / y - 1 for x, y in zip(on, off))
     return {"on_ms": on, "off_ms": off, "on_min": min(on), "off_min": min(off),
             "paired_change": round(ratios[len(ratios) // 2], 4)}
+
+
+def op_host_us(generate, switch, func: str = "_fold_linear_impl") -> dict:
+    """Host microseconds per call of the plugin's op ``func`` (cumulative, under cProfile: inflated alike in both
+    arms) in one generate with ``switch(True)`` and one with ``switch(False)``, each after a warm-up generate: what
+    the switch changes in the op itself, whether or not the GPU hides it in the served time."""
+    import cProfile
+    import pstats
+
+    out = {}
+    try:
+        for enabled in (True, False):
+            switch(enabled)
+            generate()
+            prof = cProfile.Profile()
+            prof.enable()
+            generate()
+            prof.disable()
+            for (_, _, name), (_, calls, _, cum, _) in pstats.Stats(prof).stats.items():
+                if name == func and calls:
+                    out["on" if enabled else "off"] = {"calls": calls, "us_per_call": round(1e6 * cum / calls, 1)}
+    finally:
+        switch(True)
+    return out
+
+
+def set_direct(enabled: bool) -> None:
+    """bdlora's direct launches of kept kernels (bdlora/kernels/launch.py) on, or off: Triton's launcher."""
+    from bdlora.kernels.launch import LAUNCHES
+
+    LAUNCHES.enabled = enabled
+
+
+def set_plans(enabled: bool) -> None:
+    """The BD layers' kept prepared launches (``FoldedLaunch`` per layer and tiles) on, or off: a new plan per call,
+    the one-off ``decode_lora_folded`` path."""
+    from bdlora.vllm_plugin.layers import _FUSED_LAYERS
+
+    for layer in list(_FUSED_LAYERS.values()):
+        layer._bd_fused.keep_plans = enabled
+        layer._bd_fused.plans.clear()
 
 
 def main():
@@ -128,11 +167,14 @@ def main():
                     help="with --time-only: ROUNDS pairs of generates in this one engine, bdlora's direct launches "
                     "(bdlora/kernels/launch.py) on then off, paired per round (engine processes differ more than "
                     "that change)")
+    ap.add_argument("--ab-plans", type=int, default=0, metavar="ROUNDS",
+                    help="with --time-only: the same pairing with the BD layers' kept prepared launches on then off "
+                    "(a new plan per call)")
     ap.add_argument("--time-only", action="store_true", help="only the unprofiled generate times (no cProfile, no "
                     "torch profiler): A/B runs of the host time")
     a = ap.parse_args()
-    if a.ab_direct and not a.time_only:
-        ap.error("--ab-direct pairs unprofiled generates: add --time-only")
+    if (a.ab_direct or a.ab_plans) and not a.time_only:
+        ap.error("--ab-direct and --ab-plans pair unprofiled generates: add --time-only")
     import torch
     from vllm import LLM, SamplingParams
 
@@ -160,9 +202,12 @@ def main():
         from bdlora.kernels.launch import LAUNCHES
 
         res["launches"] = {"enabled": LAUNCHES.enabled, "direct": LAUNCHES.direct, "triton": LAUNCHES.triton}
+    generate = lambda: llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)  # noqa: E731
     if a.ab_direct:
-        res["ab_direct"] = ab_direct(lambda: llm.generate(prompts, sp, lora_request=lora, use_tqdm=False),
-                                     a.ab_direct)
+        res["ab_direct"] = ab_pairs(generate, a.ab_direct, set_direct)
+    if a.ab_plans:
+        res["ab_plans"] = ab_pairs(generate, a.ab_plans, set_plans)
+        res["ab_plans"]["op_host_us_profiled"] = op_host_us(generate, set_plans)
     if a.time_only:
         print(json.dumps(res, indent=1), flush=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
