@@ -20,7 +20,9 @@ the table lists for it, the one-launch kernel (base GEMM, shrink and expand toge
 tokens the per-token ``decode_lora_folded`` kernel, up to ``fold_gemm_max`` its tiled kernel (any token count:
 prefill too), above the base GEMM on W's view and vLLM's punica path; a layer that cannot fold runs the two-launch
 decode kernel up to ``two_launch_max`` tokens and vLLM's path above. The choice is made inside the opaque custom op
-when it runs, so each captured CUDA-graph size holds its own path. The opt-in flags below keep their fixed behaviour (experiments).
+when it runs, so each captured CUDA-graph size holds its own path. The per-token and tiled kernels run through one
+``bdlora.kernels.decode.FoldedLaunch`` per layer and tiles, prepared on first use (prefills run eagerly: their host
+time counts). The opt-in flags below keep their fixed behaviour (experiments).
 
 Fused decode (``additional_config {"bdlora_fused_decode": true}``, ``--bdlora-fused-decode``): the LoRA term of
 a batch of at most ``max_tokens`` (8) tokens is one :func:`bdlora.kernels.decode_lora` call per module (all slices:
