@@ -93,11 +93,7 @@ class LaunchCache:
         except TypeError:  # an unhashable argument
             key = kept = None
         if kept is not None and not _hooks():
-            g = tuple(grid) + (1, 1)
-            c = kept.compiled
-            c.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(dev.index), c.function, c.packed_metadata,
-                  None, None, None, *args, *kept.tail)
-            self.direct += 1
+            self.run_kept(kept, grid, dev.index, args)
             return
         compiled = kernel[grid](*args, **kwargs)
         self.triton += 1
@@ -105,6 +101,15 @@ class LaunchCache:
             tail = _tail(kernel, len(args), kwargs)
             if tail is not None:
                 self._kept[key] = _Kept(compiled, tail)
+
+    def run_kept(self, kept: _Kept, grid: tuple, device_index: int, args: tuple) -> None:
+        """Launches a kept kernel directly on the current stream of ``device_index``: the positional arguments, then
+        the keyword parameters' values in signature order (as Triton's own launcher passes them)."""
+        g = tuple(grid) + (1, 1)
+        c = kept.compiled
+        c.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device_index), c.function, c.packed_metadata,
+              None, None, None, *args, *kept.tail)
+        self.direct += 1
 
     def kept(self, kernel, args: tuple, kwargs: dict) -> _Kept | None:
         """The kernel kept for a launch with these arguments on the first argument's device, or None."""
@@ -150,11 +155,7 @@ class KeptLaunch:
         kept = self._kept
         if (kept is not None and LAUNCHES.enabled and self._device == torch.cuda.current_device() and not _hooks()
                 and all(args[i].data_ptr() & 15 == 0 for i in self.fresh)):
-            g = tuple(grid) + (1, 1)
-            c = kept.compiled
-            c.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self._device), c.function, c.packed_metadata,
-                  None, None, None, *args, *kept.tail)
-            LAUNCHES.direct += 1
+            LAUNCHES.run_kept(kept, grid, self._device, args)
             return
         LAUNCHES.launch(self.kernel, grid, *args, **self.kwargs)
         if kept is None and self.keepable and args[0].is_cuda:

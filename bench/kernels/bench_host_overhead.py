@@ -34,20 +34,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_serving_kernels import SHAPES  # run as a script: its folder is on sys.path
+from bench_serving_kernels import SHAPES, eager_us  # run as a script: its folder is on sys.path
 
 
 def host_us(fn, calls: int) -> float:
-    """Host microseconds per call of ``fn`` issued ``calls`` times in a row (synchronized before and after)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return round((t1 - t0) * 1e6 / calls, 2)
+    """Host microseconds per call of ``fn`` issued ``calls`` times in a row (``eager_us``'s host part)."""
+    return round(eager_us(fn, calls)[0], 2)
 
 
 def _register_ops():
