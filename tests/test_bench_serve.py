@@ -526,7 +526,9 @@ def test_auto_proxy_side_by_side_on_vllm_cpu(tmp_path):
         assert r["shape"] == "tiny" and r["device"] == "cpu" and r["adapters"] == 2, r
         got = sorted((row["round"], row["batch"], "ttft_ms" in row) for row in r["rows"])
         assert got == [(rnd, b, t) for rnd in (0, 1) for b, t in ((1, False), (1, True), (4, False))], (name, got)
-        assert all(row.get("decode_ms_per_step", row.get("ttft_ms")) > 0 for row in r["rows"]), r["rows"]
+        # numbers, not their sign: a decode step is a difference of two generate times, which a loaded 2-core
+        # machine can invert (CI saw -0.255 ms); timings are never asserted
+        assert all(isinstance(row.get("decode_ms_per_step", row.get("ttft_ms")), float) for row in r["rows"]), r
     counts = results["bd"]["path_counts"]
     assert any(k.startswith(("fold_gemm:", "folded:")) for k in counts), counts
     assert results["bd"]["tuning_override"] == json.loads(tuning)
