@@ -585,6 +585,8 @@ def test_step_profile_time_only_pairs_direct_launches_and_plans_on_vllm_cpu(tmp_
     assert r["launches"]["direct"] == 0 and r["launches"]["enabled"] is True, r["launches"]  # restored after
     ab = r["ab_plans"]
     assert len(ab["on_ms"]) == len(ab["off_ms"]) == 2 and ab["off_min"] == min(ab["off_ms"]), ab
+    host = ab["op_host_us_profiled"]  # the op ran in both arms: one call per folded layer of the tiny model
+    assert set(host) == {"on", "off"} and host["on"]["calls"] == host["off"]["calls"] > 0, host
 
 
 def test_step_profile_refuses_ab_direct_without_time_only():

@@ -183,7 +183,7 @@ class _FusedState:
     pdl: bool = False  # auto mode: the tuning's pdl (launch the kernels with programmatic dependent launch)
     options: KernelOptions = field(init=False)  # KernelOptions(backend=backend), built once: every forward uses it
     #: fold_linear's prepared launches (kernel "decode"/"gemm") by (kernel, tiles), built on first use: a prefill
-    #: runs eagerly and its host time is BD's TTFT excess. Bound to ``slots``; dropped when the mapping changes.
+    #: runs eagerly, so the op's host time is paid per call. Bound to ``slots``; dropped when the mapping changes.
     plans: dict = field(init=False, default_factory=dict)
     keep_plans: bool = True  # False: a new plan per call (what decode_lora_folded does; bench A/B runs)
 
@@ -195,8 +195,7 @@ class _FusedState:
         plan = self.plans.get(key)
         if plan is None:
             plan = FoldedLaunch(self.folded, self.lora_b, self.slots.buf, self.ranks, self.scales, self.offsets,
-                                kernel=kernel, tiles=tiles, pdl=self.pdl,
-                                options=self.options)
+                                kernel=kernel, tiles=tiles, pdl=self.pdl, options=self.options)
             if self.keep_plans:
                 self.plans[key] = plan
         return plan

@@ -695,9 +695,10 @@ class FoldedLaunch:
     slice_offsets, kernel=..., tiles=..., pdl=..., options=...)`` for x (T, d_in) of [W; A]'s dtype and device, T at
     most the length of ``token_lora_indices``.
 
-    Why: a prefill runs the BD layers eagerly and is host-bound (BENCHMARKS.md, "Prefill host time"). A call here
-    does the GEMM, allocates y and relaunches the kept expand kernel (``launch.KeptLaunch``): no argument checks, no
-    conversions, no specialization key. The plugin's ``fold_linear`` keeps one plan per layer and tiles;
+    Why: a prefill runs the BD layers eagerly, so their host time is paid per call (BENCHMARKS.md, "Prepared
+    launches per layer": 3-4x less per call than a one-off call). A call here does the GEMM, allocates y and
+    relaunches the kept expand kernel (``launch.KeptLaunch``): no argument checks, no conversions, no specialization
+    key. The plugin's ``fold_linear`` keeps one plan per layer and tiles;
     ``decode_lora_folded`` builds one per call. The tensors are bound, not copied: every call reads the current
     contents of ``token_lora_indices``, ``ranks`` and ``scales`` when they are passed ready (int32, int32, float32 on
     the device; otherwise the plan binds converted copies, as a one-off call may). ``like`` (decode_lora_folded's x)

@@ -158,7 +158,7 @@ class KeptLaunch:
             LAUNCHES.run_kept(kept, grid, self._device, args)
             return
         LAUNCHES.launch(self.kernel, grid, *args, **self.kwargs)
-        if kept is None and self.keepable and args[0].is_cuda:
+        if kept is None and self.keepable and LAUNCHES.enabled and args[0].is_cuda:  # else launch kept nothing
             self._kept = LAUNCHES.kept(self.kernel, args, self.kwargs)
             self._device = args[0].device.index
 

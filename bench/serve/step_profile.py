@@ -73,10 +73,10 @@ def host_ops(trace: dict, most: int = 20) -> dict:
     return {"ops": ops, "launch": {"count": launches, "total_ms": round(launch_us / 1000, 3)}}
 
 
-def python_profile(fn, most: int = 25, roots=("vllm", "bdlora", "vllm_plugin")) -> list:
-    """cProfile of one call of ``fn``: the ``most`` Python functions of vLLM and bdlora by cumulative time, as
-    ``[file:line(function), calls, cumulative ms, own ms]`` (where the host time goes, e.g. LoRA metadata per step;
-    cProfile's own overhead inflates them, the ranking holds)."""
+def python_profile(fn, most: int | None = 25, roots=("vllm", "bdlora", "vllm_plugin")) -> list:
+    """cProfile of one call of ``fn``: the ``most`` (None: all) Python functions of vLLM and bdlora by cumulative
+    time, as ``[file:line(function), calls, cumulative ms, own ms]`` (where the host time goes, e.g. LoRA metadata per
+    step; cProfile's own overhead inflates them, the ranking holds)."""
     import cProfile
     import pstats
 
@@ -111,24 +111,17 @@ def ab_pairs(generate, rounds: int, switch) -> dict:
 
 
 def op_host_us(generate, switch, func: str = "_fold_linear_impl") -> dict:
-    """Host microseconds per call of the plugin's op ``func`` (cumulative, under cProfile: inflated alike in both
-    arms) in one generate with ``switch(True)`` and one with ``switch(False)``, each after a warm-up generate: what
-    the switch changes in the op itself, whether or not the GPU hides it in the served time."""
-    import cProfile
-    import pstats
-
+    """Host microseconds per call of the plugin's op ``func`` (cumulative, from ``python_profile``: cProfile inflates
+    both arms alike) in one generate with ``switch(True)`` and one with ``switch(False)``, each after a warm-up
+    generate: what the switch changes in the op itself, whether or not the GPU hides it in the served time."""
     out = {}
     try:
         for enabled in (True, False):
             switch(enabled)
             generate()
-            prof = cProfile.Profile()
-            prof.enable()
-            generate()
-            prof.disable()
-            for (_, _, name), (_, calls, _, cum, _) in pstats.Stats(prof).stats.items():
-                if name == func and calls:
-                    out["on" if enabled else "off"] = {"calls": calls, "us_per_call": round(1e6 * cum / calls, 1)}
+            for name, calls, cum_ms, _ in python_profile(generate, most=None):
+                if name.endswith(f"({func})") and calls:
+                    out["on" if enabled else "off"] = {"calls": calls, "us_per_call": round(1000 * cum_ms / calls, 1)}
     finally:
         switch(True)
     return out
