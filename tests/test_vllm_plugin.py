@@ -372,6 +372,24 @@ def test_tp1_engine_refusals_keep_engine_alive(bd_llm, tiny_llama_dir, vllm_adap
     _check(tiny_llama_dir, vllm_adapters, bd_llm, [(PROMPTS[1], "bd2_r8"), (PROMPTS[1], None)])
 
 
+def test_tp1_logits_lora_term_only_with_lm_head_factors(bd_llm, tiny_llama_dir, vllm_adapters):
+    """BD adapters have no lm_head factors: a BD engine's logits skip vLLM's lm_head LoRA term (zeros) and still match
+    HF + PEFT. An adapter that trains only lm_head turns the term on, alone and in a batch with a BD adapter, and
+    matches HF + PEFT (it changes the output, so a wrongly skipped term fails here)."""
+    read = lambda: bd_llm.collective_rpc(D.read_logits_lora)[0]  # noqa: E731
+    start = read()
+    assert start["class"] == "BDLogitsProcessorWithLoRA", start
+    assert start["lm_head_slots"] == [], start  # vLLM's warm-up adapters have zero factors
+    _check(tiny_llama_dir, vllm_adapters, bd_llm, [(PROMPTS[0], "bd2_r8"), (PROMPTS[1], None)])
+    bd_only = read()
+    assert bd_only["skipped"] > start["skipped"] and bd_only["ran"] == start["ran"], (start, bd_only)
+    rows = _check(tiny_llama_dir, vllm_adapters, bd_llm, [(PROMPTS[2], "lm_head_r8"), (PROMPTS[2], None)])
+    assert rows[0]["tokens"] != rows[1]["tokens"], "the lm_head adapter does not change the output"
+    _check(tiny_llama_dir, vllm_adapters, bd_llm, [(PROMPTS[0], "lm_head_r8"), (PROMPTS[1], "bd2_r16")])
+    with_head = read()
+    assert len(with_head["lm_head_slots"]) == 1 and with_head["ran"] > bd_only["ran"], (bd_only, with_head)
+
+
 def test_tp1_stock_mode_refuses_bd_and_counts_sharded_collectives(bd_llm, tiny_llama_dir, vllm_adapters):
     """Stock engine (no --enable-bdlora) with --fully-sharded-loras: BD adapters are refused with a clear message,
     dense ones still match HF, and the collective counter sees S-LoRA's all-gathers (so it is live)."""

@@ -13,6 +13,7 @@ what does one adapter cost per rank, do the fused kernels agree with vLLM's -- a
 * :func:`read_fused_decode_counters` / :func:`reset_fused_decode_counters`: calls of the fused decode op
   (``bdlora_fused_decode``) by path; :func:`fused_decode_self_check` compares, on every BD layer of a worker, the
   fused op with vLLM's punica path for one token -> adapter mapping.
+* :func:`read_logits_lora`: whether the logits ran the lm_head LoRA term (only while an adapter has lm_head factors).
 """
 
 from __future__ import annotations
@@ -140,6 +141,17 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     out["fused_calls"] = calls("fused") - before["fused"]
     out["folded_calls"] = calls("folded") - before["folded"]
     return out
+
+
+def read_logits_lora(worker) -> dict:
+    """The logits processor's LoRA wrapper on this worker: ``class``, ``lm_head_slots`` (slots whose lm_head factors
+    are not zero) and ``ran`` / ``skipped``: logits computations with and without the lm_head LoRA term so far (a BD
+    engine skips it while no slot has lm_head factors: :class:`bdlora.vllm_plugin.layers.BDLogitsProcessorWithLoRA`)."""
+    for layer in _adapter_manager(worker).modules.values():
+        if hasattr(layer, "lora_terms"):
+            return {"class": type(layer).__name__, "lm_head_slots": sorted(layer.lm_head_slots),
+                    "ran": layer.lora_terms["ran"], "skipped": layer.lora_terms["skipped"]}
+    return {}
 
 
 def _adapter_manager(worker):

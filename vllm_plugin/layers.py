@@ -69,6 +69,7 @@ ColumnParallelLinearWithLoRA = api.resolve("ColumnParallelLinearWithLoRA")
 MergedColumnParallelLinearWithLoRA = api.resolve("MergedColumnParallelLinearWithLoRA")
 MergedQKVParallelLinearWithLoRA = api.resolve("MergedQKVParallelLinearWithLoRA")
 RowParallelLinearWithLoRA = api.resolve("RowParallelLinearWithLoRA")
+LogitsProcessorWithLoRA = api.resolve("LogitsProcessorWithLoRA")
 ColumnParallelLinear = api.resolve("ColumnParallelLinear")
 #: The platform's out-of-tree replacement of a layer class (identity where vLLM has none).
 maybe_get_oot_by_class = api.resolve("maybe_get_oot_by_class", lambda cls: cls)
@@ -588,6 +589,59 @@ def layer_classes(build: LayerBuild) -> tuple:
     return tuple(type(c.__name__, (c,), {"_bd_build": build, "__module__": c.__module__, "__qualname__": c.__qualname__,
                                          "__doc__": c.__doc__})
                  for c in BD_LORA_CLASSES)
+
+
+class _NoLogitsLoRA:
+    """Stands in for the punica wrapper during one ``_get_logits`` call whose lm_head LoRA term is zero: vLLM's
+    ``add_lora_logits`` adds into ``y`` in place (or returns it, on platforms that cannot update in place)."""
+
+    @staticmethod
+    def add_lora_logits(y, *args, **kwargs):
+        return y
+
+
+class BDLogitsProcessorWithLoRA(LogitsProcessorWithLoRA):
+    """vLLM's logits-processor LoRA wrapper without its lm_head term while no slot holds lm_head factors.
+
+    vLLM wraps the logits processor whenever lm_head is a LoRA target (Llama's default) and adds the lm_head term,
+    a shrink and an expand over the vocabulary, to every step's logits, eagerly (logits are outside the CUDA graph),
+    even when every slot's factors are zeros. BD adapters never have lm_head factors (and vLLM's warm-up adapters
+    have zero ones), so a BD engine paid two launches, their host time and their host syncs per step for a term
+    that adds exactly zero. The decision is host-side: ``set_lora`` records a slot whose lm_head B is nonzero
+    (checked once per activation), ``reset_lora`` clears it; a slot left flagged after its adapter is deactivated only
+    keeps the term on (never wrong). A CUDA graph being captured always gets the term (the graph would keep the
+    decision). The BD-mode manager builds this class in place of vLLM's (:mod:`bdlora.vllm_plugin.loader`)."""
+
+    skip_zero_term: bool = True  # False: run the term always, as vLLM does (bench A/B runs)
+
+    def create_lora_weights(self, *args, **kwargs):
+        super().create_lora_weights(*args, **kwargs)
+        self.lm_head_slots: set = set()  # slots whose lm_head factors are not zero
+        self.lora_terms: Counter = Counter()  # "ran" / "skipped": _get_logits calls of each kind (diagnostics)
+
+    def set_lora(self, index: int, lora_a, lora_b):
+        super().set_lora(index, lora_a, lora_b)
+        if bool(lora_b.any()) and bool(lora_a.any()):
+            self.lm_head_slots.add(index)
+        else:
+            self.lm_head_slots.discard(index)
+
+    def reset_lora(self, index: int):
+        super().reset_lora(index)
+        self.lm_head_slots.discard(index)
+
+    def _get_logits(self, *args, **kwargs):
+        if (self.lm_head_slots or not self.skip_zero_term
+                or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
+            self.lora_terms["ran"] += 1
+            return super()._get_logits(*args, **kwargs)
+        self.lora_terms["skipped"] += 1
+        wrapper = self.punica_wrapper
+        self.punica_wrapper = _NoLogitsLoRA
+        try:
+            return super()._get_logits(*args, **kwargs)
+        finally:
+            self.punica_wrapper = wrapper
 
 
 def layout_of_layer(layer) -> Optional[str]:

@@ -2,9 +2,9 @@
 
 ``WorkerLoRAManager.create_lora_manager`` is wrapped: in BD mode this build's BD layer classes
 (:func:`bdlora.vllm_plugin.layers.layer_classes`, carrying the per-device buffer rank and the fused-decode options)
-go in front of ``vllm.lora.utils._all_lora_classes`` while the manager wraps the model (restored right after), and
-the worker's
-``LoRAModel`` class is swapped for :class:`BDLoRAModel`, whose ``from_local_checkpoint`` reads from safetensors only
+go in front of ``vllm.lora.utils._all_lora_classes`` while the manager wraps the model (restored right after; the
+logits processor is wrapped by :class:`~bdlora.vllm_plugin.layers.BDLogitsProcessorWithLoRA`, which skips the lm_head
+term while no slot has lm_head factors), and the worker's ``LoRAModel`` class is swapped for :class:`BDLoRAModel`, whose ``from_local_checkpoint`` reads from safetensors only
 this TP rank's blocks (``safe_open(...).get_slice`` + :func:`bdlora.sharding.shard_factors`), sliced with the
 adapter's own ``r`` and ``nblocks`` (never ``--max-lora-rank``). Dense adapters are served as ``nblocks=1``, which is
 exactly vLLM's standard sharding. ``_load_adapter`` is wrapped to refuse BD folders when BD mode is off (vLLM 0.26's
@@ -249,7 +249,8 @@ def _wrap_create(orig_create):
         build = bd_layers.LayerBuild(rank=runtime.device_rank, fused=fused_decode_options(cfg))
         bd_classes = bd_layers.layer_classes(build)
         with api.swapped("lora.utils._all_lora_classes",
-                         lambda saved: bd_classes + tuple(c for c in saved if not getattr(c, "bdlora", False))):
+                         lambda saved: bd_classes + tuple(c for c in saved if not getattr(c, "bdlora", False))), \
+                api.swapped("lora.utils.LogitsProcessorWithLoRA", lambda saved: bd_layers.BDLogitsProcessorWithLoRA):
             result = orig_create(self, model, vllm_config, *args, **kwargs)
         runtime.layer_map = build_layer_map(self._adapter_manager)
         self._bdlora = runtime

@@ -183,6 +183,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     _T("lora.utils._all_lora_classes", "vllm.lora.utils", "_all_lora_classes", "swap",
        "BD classes put in front while a BD-mode manager builds its layers, restored after",
        {"0.26": "hard-coded tuple", "0.32": _SAME, "0.33": "same (adds Step5 indexer classes)"}),
+    _T("lora.utils.LogitsProcessorWithLoRA", "vllm.lora.utils", "LogitsProcessorWithLoRA", "swap",
+       "BDLogitsProcessorWithLoRA while a BD-mode manager builds its layers (from_layer_logits_processor builds it by "
+       "this module name), restored after", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
     _T("lora.utils.from_layer", "vllm.lora.utils", "from_layer", "read",
        "calls can_replace_layer(source_layer=, lora_config=, packed_modules_list=, model_config=) of each class "
        "then create_lora_weights(max_loras, lora_config, model_config)",
@@ -229,6 +232,21 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
        "base of BDMergedQKVParallelLinearWithLoRA (qkv_proj)", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
     _T("RowParallelLinearWithLoRA", "vllm.lora.layers", "RowParallelLinearWithLoRA", "subclass",
        "base of BDRowParallelLinearWithLoRA (o/down)", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
+    _T("LogitsProcessorWithLoRA", "vllm.lora.layers", "LogitsProcessorWithLoRA", "subclass",
+       "base of BDLogitsProcessorWithLoRA (no lm_head term while no slot has lm_head factors)",
+       {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
+    *(_T(f"LogitsProcessorWithLoRA.{m}", "vllm.lora.layers.logits_processor", f"LogitsProcessorWithLoRA.{m}",
+         "override", why, {"0.26": _SAME, "0.32": note, "0.33": _SAME}, params=params)
+      for m, why, params, note in (
+          ("create_lora_weights", "adds the host-side set of slots with lm_head factors", ("max_loras", "lora_config"),
+           _SAME),
+          ("set_lora", "records a slot whose lm_head factors are not zero", ("index", "lora_a", "lora_b"), _SAME),
+          ("reset_lora", "clears the slot's record", ("index",), _SAME),
+          ("_get_logits", "its one use of self.punica_wrapper is add_lora_logits (swapped for a no-op while no slot "
+           "has lm_head factors)", ("hidden_states", "lm_head"), "same (adds skip_gather=False, refused with a LoRA)"))),
+    _T("LogitsProcessorWithLoRA.device", "vllm.lora.layers.logits_processor", "LogitsProcessorWithLoRA.device", "read",
+       "the lm_head's device (CUDA: no skip while a graph is captured)", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME},
+       kind="instance"),
     _T("LoRAMapping", "vllm.lora.layers", "LoRAMapping", "call", "diagnostics.fused_decode_self_check (worker probe)",
        {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
     *(_T(f"BaseLinearLayerWithLoRA.{m}", "vllm.lora.layers.base_linear", f"BaseLinearLayerWithLoRA.{m}", "override",

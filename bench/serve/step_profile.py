@@ -144,6 +144,18 @@ def set_plans(enabled: bool) -> None:
         layer._bd_fused.plans.clear()
 
 
+def set_logits_skip(worker, enabled: bool) -> int:
+    """(Through ``LLM.collective_rpc``.) The BD engine's logits processor skips vLLM's lm_head LoRA term while no slot
+    has lm_head factors, or (off) runs it every step as vLLM does (``BDLogitsProcessorWithLoRA.skip_zero_term``);
+    returns how many such layers this worker has."""
+    from bdlora.vllm_plugin.diagnostics import _adapter_manager
+
+    layers = [m for m in _adapter_manager(worker).modules.values() if hasattr(m, "skip_zero_term")]
+    for layer in layers:
+        layer.skip_zero_term = enabled
+    return len(layers)
+
+
 def main():
     import auto_proxy as P
 
@@ -163,11 +175,13 @@ def main():
     ap.add_argument("--ab-plans", type=int, default=0, metavar="ROUNDS",
                     help="with --time-only: the same pairing with the BD layers' kept prepared launches on then off "
                     "(a new plan per call)")
+    ap.add_argument("--ab-logits", type=int, default=0, metavar="ROUNDS",
+                    help="with --time-only: the same pairing with the logits' zero lm_head LoRA term skipped then run")
     ap.add_argument("--time-only", action="store_true", help="only the unprofiled generate times (no cProfile, no "
                     "torch profiler): A/B runs of the host time")
     a = ap.parse_args()
-    if (a.ab_direct or a.ab_plans) and not a.time_only:
-        ap.error("--ab-direct and --ab-plans pair unprofiled generates: add --time-only")
+    if (a.ab_direct or a.ab_plans or a.ab_logits) and not a.time_only:
+        ap.error("--ab-direct, --ab-plans and --ab-logits pair unprofiled generates: add --time-only")
     import torch
     from vllm import LLM, SamplingParams
 
@@ -201,6 +215,14 @@ def main():
     if a.ab_plans:
         res["ab_plans"] = ab_pairs(generate, a.ab_plans, set_plans)
         res["ab_plans"]["op_host_us_profiled"] = op_host_us(generate, set_plans)
+    if a.ab_logits:
+        if not all(llm.collective_rpc(set_logits_skip, args=(True,))):
+            ap.error("--ab-logits: this engine's logits processor is not BDLogitsProcessorWithLoRA (use --only bd)")
+        res["ab_logits"] = ab_pairs(generate, a.ab_logits,
+                                    lambda on: llm.collective_rpc(set_logits_skip, args=(on,)))
+        from bdlora.vllm_plugin.diagnostics import read_logits_lora
+
+        res["ab_logits"]["terms"] = llm.collective_rpc(read_logits_lora)[0]  # ran / skipped: both arms happened
     if a.time_only:
         print(json.dumps(res, indent=1), flush=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
