@@ -610,7 +610,8 @@ class BDLogitsProcessorWithLoRA(LogitsProcessorWithLoRA):
     that adds exactly zero. The decision is host-side: ``set_lora`` records a slot whose lm_head B is nonzero
     (checked once per activation), ``reset_lora`` clears it; a slot left flagged after its adapter is deactivated only
     keeps the term on (never wrong). A CUDA graph being captured always gets the term (the graph would keep the
-    decision). The BD-mode manager builds this class in place of vLLM's (:mod:`bdlora.vllm_plugin.loader`)."""
+    decision), and so does the first call (on GPUs vLLM's dummy sampler run at start-up), so the term's Triton kernels still
+    compile at start-up: an adapter with lm_head factors, served later, does not wait for them (1.2 s on an H100). The BD-mode manager builds this class in place of vLLM's (:mod:`bdlora.vllm_plugin.loader`)."""
 
     skip_zero_term: bool = True  # False: run the term always, as vLLM does (bench A/B runs)
 
@@ -631,7 +632,7 @@ class BDLogitsProcessorWithLoRA(LogitsProcessorWithLoRA):
         self.lm_head_slots.discard(index)
 
     def _get_logits(self, *args, **kwargs):
-        if (self.lm_head_slots or not self.skip_zero_term
+        if (self.lm_head_slots or not self.skip_zero_term or not self.lora_terms["ran"]
                 or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
             self.lora_terms["ran"] += 1
             return super()._get_logits(*args, **kwargs)
