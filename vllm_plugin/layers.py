@@ -605,13 +605,14 @@ class BDLogitsProcessorWithLoRA(LogitsProcessorWithLoRA):
 
     vLLM wraps the logits processor whenever lm_head is a LoRA target (Llama's default) and adds the lm_head term,
     a shrink and an expand over the vocabulary, to every step's logits, eagerly (logits are outside the CUDA graph),
-    even when every slot's factors are zeros. BD adapters never have lm_head factors (and vLLM's warm-up adapters
-    have zero ones), so a BD engine paid two launches, their host time and their host syncs per step for a term
-    that adds exactly zero. The decision is host-side: ``set_lora`` records a slot whose lm_head B is nonzero
-    (checked once per activation), ``reset_lora`` clears it; a slot left flagged after its adapter is deactivated only
-    keeps the term on (never wrong). A CUDA graph being captured always gets the term (the graph would keep the
-    decision), and so does the first call (on GPUs vLLM's dummy sampler run at start-up), so the term's Triton kernels still
-    compile at start-up: an adapter with lm_head factors, served later, does not wait for them (1.2 s on an H100). The BD-mode manager builds this class in place of vLLM's (:mod:`bdlora.vllm_plugin.loader`)."""
+    even when every slot's factors are zeros. BD adapters never have lm_head factors (vLLM's warm-up adapters have
+    zero ones), so a BD engine paid two launches and their host time per step for a term that adds exactly zero.
+    The decision is host-side: ``set_lora`` records a slot whose lm_head A and B are both nonzero (checked once per
+    activation), ``reset_lora`` clears it; a slot left flagged after its adapter is deactivated only keeps the term
+    on (never wrong). The term always runs while a CUDA graph is captured (the graph would keep the decision) and
+    on the first call (on GPUs, vLLM's dummy sampler run at start-up), so its Triton kernels still compile at
+    start-up and a later adapter with lm_head factors does not wait for them (1.2 s on an H100). The BD-mode
+    manager builds this class in place of vLLM's (:mod:`bdlora.vllm_plugin.loader`)."""
 
     skip_zero_term: bool = True  # False: run the term always, as vLLM does (bench A/B runs)
 
