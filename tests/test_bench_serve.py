@@ -560,6 +560,8 @@ def test_step_profile_of_a_prefill_on_vllm_cpu(tmp_path):
             row[0]]
     assert len(impl) == 1 and impl[0][1] == 2 * 4 and impl[0][2] > 0, r["python_top"]
     assert any(row[0].startswith("vllm/") for row in r["python_top"]), r["python_top"]
+    lora = [row[0] for row in r["python_lora"]]  # vLLM's LoRA machinery per step, whatever its rank overall
+    assert lora and all("lora" in name for name in lora) and any("set_active" in name for name in lora), lora
 
 
 @pytest.mark.vllm

@@ -227,7 +227,9 @@ def main():
         print(json.dumps(res, indent=1), flush=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
         return
-    python_top = python_profile(lambda: llm.generate(prompts, sp, lora_request=lora, use_tqdm=False))
+    python_all = python_profile(lambda: llm.generate(prompts, sp, lora_request=lora, use_tqdm=False), most=None)
+    python_top = python_all[:25]
+    python_lora = [row for row in python_all if "lora" in row[0]][:40]  # vLLM's LoRA machinery and the plugin
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
@@ -238,7 +240,7 @@ def main():
     res.update({"kernel_span_ms": round(span, 2), "gpu_busy_ms": round(busy, 2), "gpu_idle_ms": round(span - busy, 2),
                 "kernels": n, "busy_per_step_ms": round(busy / a.steps, 4),
                 "span_per_step_ms": round(span / a.steps, 4), "top_kernels_ms": top, "host": host_ops(trace),
-                "python_top": python_top})
+                "python_top": python_top, "python_lora": python_lora})
     print(json.dumps(res, indent=1), flush=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
 
