@@ -193,7 +193,9 @@ def rr_table(dirs: Iterable[Path], base: str = "base") -> str:
             eng = runs[r["shape"]].setdefault(r["engine"], defaultdict(dict))
             for i, row in enumerate(r.get("rows", [])):
                 key = f"TTFT B={row['batch']}" if "ttft_ms" in row else f"B={row['batch']}"
-                eng[key][row.get("round", i)] = row.get("ttft_ms", row.get("decode_ms_per_step"))
+                value = row.get("ttft_ms", row.get("decode_ms_per_step"))
+                if value is not None:  # None: auto_proxy flagged that round's difference as noise
+                    eng[key][row.get("round", i)] = value
         for shape, engines in runs.items():
             keys = sorted({k for e in engines.values() for k in e}, key=lambda k: ("TTFT" in k, int(k.split("=")[1])))
             n = max(len(v) for e in engines.values() for v in e.values())
