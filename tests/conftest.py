@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton decides interpreted vs compiled when it is first imported, and test collection imports it early (vLLM,
@@ -76,10 +74,5 @@ def vllm_adapters(tiny_llama_dir, tmp_path_factory):
         "dense_r16": LoraConfig(r=16, lora_alpha=16, target_modules=all7),
         "lm_head_r8": LoraConfig(r=8, lora_alpha=16, target_modules=["lm_head"]),  # only the logits' LoRA term
     }
-    adapters = {name: make_peft_adapter(tiny_llama_dir, root / name, cfg, seed=i + 1)
-                for i, (name, cfg) in enumerate(configs.items())}
-    # PEFT also saves lm_head's base weight with an lm_head target (save_embedding_layers="auto"); vLLM serves the
-    # factors only, as `save_pretrained(..., save_embedding_layers=False)` would write them.
-    weights = Path(adapters["lm_head_r8"]) / "adapter_model.safetensors"
-    save_file({k: v for k, v in load_file(weights).items() if "lora_" in k}, weights)
-    return adapters
+    return {name: make_peft_adapter(tiny_llama_dir, root / name, cfg, seed=i + 1)
+            for i, (name, cfg) in enumerate(configs.items())}

