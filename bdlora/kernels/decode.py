@@ -689,6 +689,14 @@ def _check_folded(folded: FoldedWeight, lora_b: torch.Tensor, slice_offsets: Seq
         raise ValueError(f"decode_lora_folded: {n_s} slices; 1 to {MAX_FOLDED_SLICES} supported")
 
 
+def _folded_why_not(w_ext: torch.Tensor, lora_b: torch.Tensor, *like: torch.Tensor) -> str | None:
+    """Why the folded kernels cannot run Triton on [W; A], B and the tensors ``like`` (x), or None: they can."""
+    why = dispatch.triton_why_not(*like, w_ext, lora_b)
+    if why is None and not lora_b.is_contiguous():
+        why = "lora_b not contiguous"
+    return why
+
+
 class FoldedLaunch:
     """``decode_lora_folded`` with kernel "decode" or "gemm" for one layer, its constant arguments bound and checked
     once: ``plan(x)`` is the y of ``decode_lora_folded(x, folded, lora_b, token_lora_indices[:T], ranks, scales,
@@ -716,9 +724,7 @@ class FoldedLaunch:
         self.folded, self.lora_b, self.d_out = folded, lora_b, folded.d_out
         self.offsets = tuple(int(o) for o in slice_offsets)
         self.max_tokens = token_lora_indices.shape[0]
-        why = dispatch.triton_why_not(*((like,) if like is not None else ()), w, lora_b)
-        if why is None and not lora_b.is_contiguous():
-            why = "lora_b not contiguous"
+        why = _folded_why_not(w, lora_b, *((like,) if like is not None else ()))
         self.use, note = dispatch.resolve("decode_lora_folded", options, w.device.type, triton=why)
         self.dispatch = Dispatch("decode_lora_folded", options.backend, self.use, note)
         n_l, _, r = lora_b.shape
@@ -807,9 +813,7 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     t = x.shape[0]
     if t > GEMV_MAX_TOKENS:
         raise ValueError(f"decode_lora_folded: kernel='gemv' takes at most {GEMV_MAX_TOKENS} tokens, got {t}")
-    why = dispatch.triton_why_not(x, folded.w_ext, lora_b)
-    if why is None and not lora_b.is_contiguous():
-        why = "lora_b not contiguous"
+    why = _folded_why_not(folded.w_ext, lora_b, x)
     if why is None and not (x.stride(1) == 1 and folded.w_ext.is_contiguous()):
         why = "x without unit column stride or [W; A] not contiguous (kernel='gemv' reads them)"
     use, note = dispatch.resolve("decode_lora_folded", options, x.device.type, triton=why)
