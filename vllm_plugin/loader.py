@@ -1,16 +1,17 @@
 """Worker side of BD mode: build the LoRA layers with the BD classes, and load each adapter zero-free per rank.
 
 ``WorkerLoRAManager.create_lora_manager`` is wrapped: in BD mode this build's BD layer classes
-(:func:`bdlora.vllm_plugin.layers.layer_classes`, carrying the per-device buffer rank and the fused-decode options)
-go in front of ``vllm.lora.utils._all_lora_classes`` while the manager wraps the model (restored right after; the
-logits processor is wrapped by :class:`~bdlora.vllm_plugin.layers.BDLogitsProcessorWithLoRA`, which skips the lm_head
-term while no slot has lm_head factors), and the worker's ``LoRAModel`` class is swapped for :class:`BDLoRAModel`,
-whose ``from_local_checkpoint`` reads from safetensors only this TP rank's blocks (``safe_open(...).get_slice`` + :func:`bdlora.sharding.shard_factors`), sliced with the
-adapter's own ``r`` and ``nblocks`` (never ``--max-lora-rank``). Dense adapters are served as ``nblocks=1``, which is
-exactly vLLM's standard sharding. ``_load_adapter`` is wrapped to refuse BD folders when BD mode is off (vLLM 0.26's
-``PEFTHelper`` drops ``use_bdlora`` silently) and, in BD mode, to lift vLLM 0.32's "does not support block-diagonal
-LoRA" check for the adapter being loaded. With ``bdlora_fused_decode`` the BD layers are also built with the buffers
-and hooks of the fused decode path (:mod:`bdlora.vllm_plugin.layers`).
+(:func:`bdlora.vllm_plugin.layers.layer_classes`, carrying the per-device buffer rank and the fused-decode options) go
+in front of ``vllm.lora.utils._all_lora_classes`` while the manager wraps the model (restored right after; the logits
+processor is wrapped by :class:`~bdlora.vllm_plugin.layers.BDLogitsProcessorWithLoRA`, which skips the lm_head term
+while no slot has lm_head factors), and the worker's ``LoRAModel`` class is swapped for :class:`BDLoRAModel`, whose
+``from_local_checkpoint`` reads from safetensors only this TP rank's blocks (``safe_open(...).get_slice`` +
+:func:`bdlora.sharding.shard_factors`), sliced with the adapter's own ``r`` and ``nblocks`` (never
+``--max-lora-rank``). Dense adapters are served as ``nblocks=1``, which is exactly vLLM's standard sharding.
+``_load_adapter`` is wrapped to refuse BD folders when BD mode is off (vLLM 0.26's ``PEFTHelper`` drops ``use_bdlora``
+silently) and, in BD mode, to lift vLLM 0.32's "does not support block-diagonal LoRA" check for the adapter being
+loaded. With ``bdlora_fused_decode`` the BD layers are also built with the buffers and hooks of the fused decode path
+(:mod:`bdlora.vllm_plugin.layers`).
 """
 
 from __future__ import annotations
