@@ -24,17 +24,15 @@ plus a cProfile of ``folded`` (the top functions by own time). Results are JSON 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench_serving_kernels import SHAPES, eager_us  # run as a script: its folder is on sys.path
+from bench_kernels import host_profile  # run as a script: its folder is on sys.path
+from bench_serving_kernels import SHAPES, eager_us
 
 
 def host_us(fn, calls: int) -> float:
@@ -156,15 +154,7 @@ def main():
                 row["plan"] = host_us(lambda: plan(x), a.calls)
                 row["plan_op"] = host_us(lambda: torch.ops.bdlora_bench.folded(x, name + ".plan"), a.calls)
                 row["empty_op"] = host_us(lambda: torch.ops.bdlora_bench.empty(x, d_out), a.calls)
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(200):
-                    call()
-                prof.disable()
-                torch.cuda.synchronize()
-                s = io.StringIO()
-                pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
-                row["cprofile_200_calls"] = s.getvalue().splitlines()[-22:]
+                row["cprofile_200_calls"] = host_profile(call, 200, 14).splitlines()[-22:]
                 res["rows"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "cprofile_200_calls"}), flush=True)
                 Path(a.out).write_text(json.dumps(res, indent=1))

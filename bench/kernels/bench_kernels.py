@@ -63,6 +63,26 @@ def timed(fn, warmup=3, iters=10, batch=1) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def host_profile(fn, calls: int, top: int) -> str:
+    """cProfile's table of the ``top`` functions by own time over ``calls`` back-to-back calls of ``fn`` (after one
+    warm-up call; the GPU is synchronized before and after): where a call's host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
 def graph_timed(fn, reps=20, iters=10) -> float:
     """Median milliseconds per fn() call, replayed from one CUDA graph of ``reps`` calls: launch cost as in vLLM's
     captured decode steps, not Python dispatch (what ``timed`` sees for microsecond kernels)."""

@@ -177,21 +177,10 @@ def main():
         theirs = lambda: torch.autograd.grad(peft(x), [x, peft.lora_a.weight, peft.lora_b.weight], gy)
         for name, fn in (("ours[%s]" % args.backend, ours), ("peft", theirs)):
             if args.host_profile:  # Python-level host time (cProfile) instead of kernels
-                import cProfile
-                import io
-                import pstats
+                from bench_kernels import host_profile
 
-                fn()
-                torch.cuda.synchronize()
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(50):
-                    fn()
-                prof.disable()
-                torch.cuda.synchronize()
-                buf = io.StringIO()
-                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
-                lines.append(f"\n== host {name} r={r} layout={layout} N={n} dropout={p} (50 calls)\n{buf.getvalue()}")
+                table = host_profile(fn, 50, 22)
+                lines.append(f"\n== host {name} r={r} layout={layout} N={n} dropout={p} (50 calls)\n{table}")
                 print(lines[-1], flush=True)
                 continue
             tab, ms, gpu_ms = profiled(fn)
