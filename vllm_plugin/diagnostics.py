@@ -143,14 +143,21 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     return out
 
 
+def logits_lora_layers(worker) -> list:
+    """This worker's :class:`bdlora.vllm_plugin.layers.BDLogitsProcessorWithLoRA` layers (none outside BD mode)."""
+    from .layers import BDLogitsProcessorWithLoRA
+
+    return [m for m in _adapter_manager(worker).modules.values() if isinstance(m, BDLogitsProcessorWithLoRA)]
+
+
 def read_logits_lora(worker) -> dict:
     """The logits processor's LoRA wrapper on this worker: ``class``, ``lm_head_slots`` (slots whose lm_head factors
     are not zero) and ``ran`` / ``skipped``: logits computations with and without the lm_head LoRA term so far (a BD
-    engine skips it while no slot has lm_head factors: :class:`bdlora.vllm_plugin.layers.BDLogitsProcessorWithLoRA`)."""
-    for layer in _adapter_manager(worker).modules.values():
-        if hasattr(layer, "lora_terms"):
-            return {"class": type(layer).__name__, "lm_head_slots": sorted(layer.lm_head_slots),
-                    "ran": layer.lora_terms["ran"], "skipped": layer.lora_terms["skipped"]}
+    engine skips it while no slot has lm_head factors: :class:`bdlora.vllm_plugin.layers.BDLogitsProcessorWithLoRA`).
+    Empty without that layer."""
+    for layer in logits_lora_layers(worker)[:1]:
+        return {"class": type(layer).__name__, "lm_head_slots": sorted(layer.lm_head_slots),
+                "ran": layer.lora_terms["ran"], "skipped": layer.lora_terms["skipped"]}
     return {}
 
 

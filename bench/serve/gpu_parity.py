@@ -2,17 +2,17 @@
 
     python -m bench.serve.gpu_parity --tp 2 --out parity.json
 
-Builds the tiny random Llama (hidden 256, 4 heads, 2 KV heads) and PEFT-written adapters (BD N=2 r=8, BD N=2 r=16,
-BD N=4 r=16, dense r=8, an lm_head-only r=8) in a temp dir, serves them all at once with vLLM + the plugin (``additional_config
-{"bdlora": True}``) at the given TP degree, in eager mode and with CUDA graphs, and compares every request of one
-mixed batch (base + all adapters) with HF + PEFT on CPU in float32 (teacher forced): greedy token equality and the
-max |logprob| difference. Greedy tokens must be equal, except at a near-tie: a request whose first differing token
-had HF's own margin (its choice over the engine's, in logprob) below the logprob tolerance still passes, listed under
-``near_tie_flips`` (with a float16 engine against a float32 reference such a tie can go either way); its later
-tokens are still checked through the logprob bound, teacher forced on the engine's tokens. In eager mode it also
-counts LoRA collectives in the workers (must be 0) and reports the per-rank adapter bytes. Prints a summary and
-writes JSON; exit status 0 iff every check passed. A first batch of the BD adapters alone checks the logits'
-lm_head LoRA term: skipped while no slot has lm_head factors, run once at start-up and again once the lm_head
+Builds the tiny random Llama (hidden 256, 4 heads, 2 KV heads) and PEFT-written adapters (BD N=2 r=8, BD N=2 r=16, BD
+N=4 r=16, dense r=8, an lm_head-only r=8) in a temp dir, serves them all at once with vLLM + the plugin
+(``additional_config {"bdlora": True}``) at the given TP degree, in eager mode and with CUDA graphs, and compares
+every request of one mixed batch (base + all adapters) with HF + PEFT on CPU in float32 (teacher forced): greedy token
+equality and the max |logprob| difference. Greedy tokens must be equal, except at a near-tie: a request whose first
+differing token had HF's own margin (its choice over the engine's, in logprob) below the logprob tolerance still
+passes, listed under ``near_tie_flips`` (with a float16 engine against a float32 reference such a tie can go either
+way); its later tokens are still checked through the logprob bound, teacher forced on the engine's tokens. In eager
+mode it also counts LoRA collectives in the workers (must be 0) and reports the per-rank adapter bytes. Prints a
+summary and writes JSON; exit status 0 iff every check passed. A first batch of the BD adapters alone checks the
+logits' lm_head LoRA term: skipped while no slot has lm_head factors, run on its first call and again once the lm_head
 adapter is in a slot (``logits_lora``, ``logits_ok``).
 
 ``--fused-decode`` serves with the fused decode path (``additional_config {"bdlora_fused_decode":
@@ -85,7 +85,7 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
         jobs = [(PROMPTS[k % len(PROMPTS)], LoRARequest(n, ids[n], str(adapters[n])) if n else None)
                 for k, n in enumerate(names + names)]
         # BD adapters alone first: the logits skip the zero lm_head term (BDLogitsProcessorWithLoRA), after the
-        # start-up ran it once; the mixed batch below, with the lm_head adapter in a slot, runs it
+        # first call ran it; the mixed batch below, with the lm_head adapter in a slot, runs it
         bd_jobs = [(p, lr) for p, lr in jobs if lr is None or lr.lora_name.startswith("bd")]
         logits_rows = T.parity_report(model, bd_jobs, T.generate_mixed(llm, bd_jobs, max_tokens=max_tokens),
                                       [adapters[lr.lora_name] if lr else None for _, lr in bd_jobs])

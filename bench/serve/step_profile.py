@@ -148,9 +148,9 @@ def set_logits_skip(worker, enabled: bool) -> int:
     """(Through ``LLM.collective_rpc``.) The BD engine's logits processor skips vLLM's lm_head LoRA term while no slot
     has lm_head factors, or (off) runs it every step as vLLM does (``BDLogitsProcessorWithLoRA.skip_zero_term``);
     returns how many such layers this worker has."""
-    from bdlora.vllm_plugin.diagnostics import _adapter_manager
+    from bdlora.vllm_plugin.diagnostics import logits_lora_layers
 
-    layers = [m for m in _adapter_manager(worker).modules.values() if hasattr(m, "skip_zero_term")]
+    layers = logits_lora_layers(worker)
     for layer in layers:
         layer.skip_zero_term = enabled
     return len(layers)
@@ -227,12 +227,12 @@ def main():
         print(json.dumps(res, indent=1), flush=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
         return
-    python_all = python_profile(lambda: llm.generate(prompts, sp, lora_request=lora, use_tqdm=False), most=None)
+    python_all = python_profile(generate, most=None)
     python_top = python_all[:25]
     python_lora = [row for row in python_all if "lora" in row[0]][:40]  # vLLM's LoRA machinery and the plugin
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
+        generate()
     path = Path(tempfile.mkdtemp()) / "trace.json"
     prof.export_chrome_trace(str(path))
     trace = json.loads(path.read_text())
