@@ -113,6 +113,38 @@ def test_gemv_kernel_tiles_and_shared_workspace(tiles):
     assert torch.equal(runs[0], runs[1])
 
 
+LOCAL_CASES = [case for case in CASES if all(w % 16 == 0 for w in case[1][:-1])]  # slice offsets fit block_n 16
+
+
+@pytest.mark.parametrize("tiles", [GemvTiles(16, 16, 1, 1, 1, True), GemvTiles(16, 16, 3, 1, 1, True),
+                                   GemvTiles(16, 32, 2, 2, 2, True)])
+@pytest.mark.parametrize("case", range(len(LOCAL_CASES)))
+def test_gemv_local_shrink_matches_float64_oracle(tiles, case):
+    """The one-launch kernel with the shrink computed per tile (``local_shrink``): every tile reads its own slice's
+    A rows, so several slots, empty slots, ragged ranks, tokens without LoRA and split-K hand-offs all go through
+    it without any wait on other programs. Equal to the oracle, bit-identical when called again, counters back to
+    zero; 8 tokens of one slot (BLOCK_M 16 padding) too."""
+    ranks, d_outs, t, d_in = LOCAL_CASES[case]
+    folded, x, b, idx, rk, scales, offs, want = _oracle_case(300 + case, ranks, d_outs, t, d_in)
+    ws = GemvWorkspace("cpu", torch.float32).reserve(folded, t, tiles)
+    ys = [K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv", gemv_tiles=tiles, workspace=ws,
+                               options=K.KernelOptions(backend="triton")).out for _ in range(2)]
+    torch.testing.assert_close(ys[0].double(), want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(ys[0], ys[1]) and not ws.counters.any(), ws.counters
+
+
+def test_gemv_local_shrink_refuses_tiles_straddling_slices():
+    """A tile of the local-shrink kernel reads one slice's A rows: slice offsets that are no multiple of block_n are
+    refused with the fix named, and the tuning table skips such a row for that layer."""
+    folded, x, b, idx, rk, scales, offs, _ = _oracle_case(4, [8], [40, 24], 3, 32)
+    with pytest.raises(ValueError, match=r"multiple of block_n=16; got offsets \[0, 40, 64\].*local_shrink=False"):
+        K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv",
+                             gemv_tiles=GemvTiles(16, 16, 1, 1, 1, True))
+    g, _ = serving_tuning("cpu", override={"fold_gemv_max": 4, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1, 1]]})
+    assert g.gemv_tiles_for(32, 64, (0, 40, 64)) is None
+    assert g.gemv_tiles_for(32, 64, (0, 48, 64)) == GemvTiles(16, 16, 2, 1, 1, local_shrink=True)
+
+
 def test_gemv_kernel_refusals():
     folded, x, b, idx, rk, scales, offs, _ = _oracle_case(5, [8], [32], 2, 16)
     with pytest.raises(ValueError, match=f"at most {GEMV_MAX_TOKENS} tokens"):
@@ -128,7 +160,7 @@ def test_gemv_kernel_refusals():
         GemvTiles(24, 64)
 
 
-@pytest.mark.parametrize("dtype,kernels", [(torch.float16, ("decode", "gemm", "gemv")),
+@pytest.mark.parametrize("dtype,kernels", [(torch.float16, ("decode", "gemm", "gemv", "gemv_local")),
                                            (torch.bfloat16, ("decode",))])
 def test_folded_kernels_16bit_close_to_oracle(dtype, kernels):
     """16-bit inputs (serving): within 16-bit rounding of the float64 oracle. (bf16 tl.dot is wrong under the CPU
@@ -137,7 +169,9 @@ def test_folded_kernels_16bit_close_to_oracle(dtype, kernels):
     fb = K.fold_weight(folded.base.to(dtype), 3, 2, 16)
     fb.w_ext[fb.d_out:].copy_(folded.w_ext[folded.d_out:].to(dtype))
     for kernel in kernels:
-        y = K.decode_lora_folded(x.to(dtype), fb, b.to(dtype), idx, rk, scales, offs, kernel=kernel).out
+        local = kernel == "gemv_local"
+        y = K.decode_lora_folded(x.to(dtype), fb, b.to(dtype), idx, rk, scales, offs, kernel=kernel[:4] if local
+                                 else kernel, gemv_tiles=GemvTiles(16, 32, 2, 1, 1, True) if local else None).out
         err = (y.double() - want).abs().max() / want.abs().max()
         assert y.dtype == dtype and err < 2e-2, (kernel, float(err))
 
@@ -171,6 +205,7 @@ def test_tuning_table_lookup_and_overrides():
     assert t.gemv_tiles_for(4096, 1536) is None
     h100, _ = serving_tuning("cuda", "NVIDIA H100 80GB HBM3")
     assert h100.gemv_tiles_for(4096, 3584) == t.gemv_tiles_for(4096, 3584) and h100.pdl and t.pdl
+    assert t.gemv_tiles_for(512, 4096).local_shrink and not t.gemv_tiles_for(3584, 4096).local_shrink  # TP=8's o
     assert not u.pdl and not c.pdl  # unmeasured GPUs and CPU: plain launches
     assert h100.fold_gemm_max == t.fold_gemm_max and h100.gemm_tiles == t.gemm_tiles
     g, _ = serving_tuning("cpu", override={"fold_gemv_max": 4, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1]]})
@@ -181,6 +216,7 @@ def test_tuning_table_lookup_and_overrides():
                      ({"gemm_tiles": [[UNLIMITED, 24, 64, 4]]}, "power of two"),
                      ({"fold_gemv_max": GEMV_MAX_TOKENS + 1}, "at most"),
                      ({"gemv_shapes": [[0, 0, 16, 16, 2]]}, "rows of 7 ints"),
+                     ({"gemv_shapes": [[0, 0, 16, 16, 2, 1, 1, 2]]}, "optional 0/1"),
                      ({"gemv_shapes": [[0, 0, 16, 16, 2, 3, 1]]}, "warps"), ({"pdl": 1}, "true or false")):
         with pytest.raises(ValueError, match=msg):
             serving_tuning("cpu", override=bad)

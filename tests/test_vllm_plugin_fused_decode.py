@@ -317,10 +317,10 @@ def _mixed_batch_counts(tiny_llama_dir, vllm_adapters, llm) -> dict:
     return llm.collective_rpc(D.read_fused_decode_counters)[0]
 
 
-def _assert_fold_self_check(llm, plans: bool = True) -> None:
+def _assert_fold_self_check(llm, plans: bool = True) -> dict:
     """Every layer folded, sharing the base weight, and its fold op (a 6-token batch) equal to base GEMM + punica;
     ``plans``: the fold op's kernels there are the per-token or tiled ones, which each layer runs through prepared
-    launches that it keeps (else the one-launch kernel, which has none)."""
+    launches that it keeps (else the one-launch kernel, which has none). Returns the check."""
     check = llm.collective_rpc(D.fused_decode_self_check)[0]
     assert check["fold_layers"] == check["layers"] == 8 and check["fold_shares_weight"], check
     assert check["max_abs_lora"] > 1e-3 and check["fold_max_abs_diff"] < 1e-5 and check["padding_untouched"]
@@ -328,6 +328,7 @@ def _assert_fold_self_check(llm, plans: bool = True) -> None:
         assert check["kept_plans"] >= check["fold_layers"], check
     else:
         assert check["kept_plans"] == 0, check
+    return check
 
 
 def test_tp1_auto_mode_every_path_parity(tiny_llama_dir, vllm_adapters):
@@ -352,19 +353,23 @@ def test_tp1_auto_mode_every_path_parity(tiny_llama_dir, vllm_adapters):
         T.stop_llm(llm)
 
 
-def test_tp1_auto_mode_one_launch_kernel_parity(tiny_llama_dir, vllm_adapters):
+@pytest.mark.parametrize("local_shrink", [0, 1], ids=["shared-shrink", "local-shrink"])
+def test_tp1_auto_mode_one_launch_kernel_parity(tiny_llama_dir, vllm_adapters, local_shrink):
     """Auto mode with the one-launch folded kernel (``fold_gemv_max``; a ``gemv_shapes`` row of 0, 0 takes every
-    layer's shape, split-K tiles): decode steps of 5 sequences (two slots and tokens without LoRA in one batch) run
-    it, the 27-token prefill vLLM's path. Greedy tokens equal HF+PEFT, logprobs within 1e-4, the path counters, and
-    the per-layer self-check (its 6-token batch through the same kernel) hold."""
-    tuning = {"fold": True, "fold_gemv_max": 16, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1]], "fold_decode_max": 0,
+    layer's shape, split-K tiles; the shrink in tiles of A's rows, or per output tile): decode steps of 5 sequences
+    (two slots and tokens without LoRA in one batch) run it, the 27-token prefill vLLM's path. Greedy tokens equal
+    HF+PEFT, logprobs within 1e-4, the path counters, and the per-layer self-check (its 6-token batch through the
+    same kernel) hold."""
+    tuning = {"fold": True, "fold_gemv_max": 16, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1, local_shrink]],
+              "fold_decode_max": 0,
               "fold_gemm_max": 16, "two_launch_max": 0, "gemm_tiles": [[16, 16, 32, 1]]}
     llm = _start_auto(tiny_llama_dir, tuning)
     try:
         counts = _mixed_batch_counts(tiny_llama_dir, vllm_adapters, llm)
         assert counts.get("fold_gemv:" + FUSED_BACKEND, 0) >= 8 * 7 and counts.get("stock", 0) >= 8, counts
         assert not any(k.startswith(("folded:", "fold_gemm:", "fused:")) for k in counts), counts
-        _assert_fold_self_check(llm, plans=False)
+        check = _assert_fold_self_check(llm, plans=False)
+        assert check["gemv_layers"] == 8 and check["gemv_local_shrink_layers"] == 8 * local_shrink, check
     finally:
         T.stop_llm(llm)
 

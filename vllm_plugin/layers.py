@@ -393,7 +393,8 @@ class _BDLoRAMixin:
             k += 1
             name = f"{base}#{k}"
         build.names.add(name)
-        gemv_tiles = tuning.gemv_tiles_for(self.input_size, offsets[-1]) if tuning and folded is not None else None
+        gemv_tiles = (tuning.gemv_tiles_for(self.input_size, offsets[-1], tuple(offsets))
+                      if tuning and folded is not None else None)
         self._bd_fused = _FusedState(
             name=name, max_tokens=two_max, backend=opts.backend, lora_a=a_all.squeeze(2),
             lora_b=b_all, b_shared=n_s == 1, offsets=tuple(offsets),

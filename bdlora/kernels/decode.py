@@ -444,6 +444,96 @@ def _fold_gemv_kernel(
                 tl.atomic_xchg(sync_ptr, 0)
 
 
+@jit(do_not_specialize=["T"])
+def _fold_gemv_local_kernel(
+    y_ptr, x_ptr, w_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr, part_ptr, cnt_ptr,
+    T, stride_x, stride_y, d_in, d_out, n_loras, R, O1, O2, O3, k_chunk,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_J: tl.constexpr, PREC: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    """``decode_lora_folded``'s one-launch path with the shrink computed per tile (kernel="gemv",
+    ``GemvTiles.local_shrink``; T <= BLOCK_M tokens, every slice offset a multiple of BLOCK_N). Program p computes
+    output tile i = p // SPLIT_K (columns cs = i * BLOCK_N + [0, BLOCK_N), all in one slice s) over the input columns
+    [k * k_chunk, (k + 1) * k_chunk), k = p % SPLIT_K, of both
+
+        x @ W[cs]^T                                   (BLOCK_M x BLOCK_N)
+        S = x @ A[s, l, r]^T for the J = L * R rows (l, r) of slice s with slot l used by a token and r < ranks[l]
+
+    and with SPLIT_K > 1 stores its fp32 partials; the last of the tile's programs to arrive (cnt[i]) sums them in
+    split order (deterministic) and resets cnt[i]. The tile is then finished as
+
+        y[t, cs] = x[t] @ W[cs]^T + scales[a] * round(S[t, (a, :)]) @ B[a, cs, :]^T,  a = idx[t] (-1: no term)
+
+    round: to x's dtype, as the folded GEMM rounds the shrink. Every tile reads A's rows of its slice again (from L2:
+    A is S * L * R rows against W's d_out), so no program waits on another: no grid-wide hand-off, unlike
+    ``_fold_gemv_kernel``. The slot ids, ranks, scales, the tile's B and the first BLOCK_K columns of its W and A
+    rows are read before ``gdc_wait`` (USE_GDC), x after it."""
+    pid = tl.program_id(0)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    c_lo = tile * BLOCK_N
+    sl = (c_lo >= O1).to(tl.int32) + (c_lo >= O2).to(tl.int32) + (c_lo >= O3).to(tl.int32)  # absent offsets = d_out
+    rows = tl.arange(0, BLOCK_M)
+    rowmask = rows < T
+    cs = c_lo + tl.arange(0, BLOCK_N)
+    cmask = cs < d_out
+    j = tl.arange(0, BLOCK_J)  # (slot, rank) rows of this slice's A: l = j // R, r = j % R
+    l_j = j // R
+    a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
+    used = tl.max(((a[:, None] == l_j[None, :]) & rowmask[:, None]).to(tl.int32), axis=0) > 0
+    jmask = (l_j < n_loras) & used
+    jmask = jmask & ((j % R) < tl.load(ranks_ptr + l_j, mask=jmask, other=0))
+    bt = tl.load(b_ptr + (l_j[:, None] * d_out + cs[None, :]).to(tl.int64) * R + (j % R)[:, None],
+                 mask=jmask[:, None] & cmask[None, :], other=0.0)
+    scale_t = tl.load(scales_ptr + a, mask=a >= 0, other=0.0)
+    w_rows = cs.to(tl.int64)[None, :] * d_in
+    a_rows = (d_out + sl * (n_loras * R) + j).to(tl.int64)[None, :] * d_in
+    k_lo = split * k_chunk
+    k_hi = tl.minimum(k_lo + k_chunk, d_in)
+    # the first BLOCK_K columns of the W and A tiles are weights: read before the wait, while the kernel before drains
+    ks = k_lo + tl.arange(0, BLOCK_K)
+    kmask = ks < k_hi
+    wv = tl.load(w_ptr + w_rows + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+    av = tl.load(w_ptr + a_rows + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rowmask[:, None] & kmask[None, :], other=0.0)
+    acc = tl.dot(xv, wv, input_precision=PREC)
+    s_acc = tl.dot(xv, av, input_precision=PREC)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < k_hi
+        xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rowmask[:, None] & kmask[None, :],
+                     other=0.0)
+        wv = tl.load(w_ptr + w_rows + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+        av = tl.load(w_ptr + a_rows + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
+        acc += tl.dot(xv, wv, input_precision=PREC)
+        s_acc += tl.dot(xv, av, input_precision=PREC)
+    finish = True
+    if SPLIT_K > 1:
+        per_split = BLOCK_M * (BLOCK_N + BLOCK_J)
+        tile_parts = part_ptr + tile.to(tl.int64) * (SPLIT_K * per_split)
+        mn = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        mj = BLOCK_M * BLOCK_N + rows[:, None] * BLOCK_J + j[None, :]
+        tl.store(tile_parts + split * per_split + mn, acc)
+        tl.store(tile_parts + split * per_split + mj, s_acc)
+        tl.debug_barrier()  # every thread's stores are issued before the release below
+        finish = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+        if finish:
+            tl.debug_barrier()
+            acc = tl.load(tile_parts + mn, cache_modifier=".cg")
+            s_acc = tl.load(tile_parts + mj, cache_modifier=".cg")
+            for k in range(1, SPLIT_K):
+                acc += tl.load(tile_parts + k * per_split + mn, cache_modifier=".cg")
+                s_acc += tl.load(tile_parts + k * per_split + mj, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+    if finish:
+        sv = tl.where(a[:, None] == l_j[None, :], s_acc, 0.0).to(x_ptr.dtype.element_ty).to(bt.dtype)
+        acc += tl.dot(sv, bt, input_precision=PREC) * scale_t[:, None]
+        tl.store(y_ptr + rows[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=rowmask[:, None] & cmask[None, :])
+
+
 class DecodeWorkspace:
     """Scratch of ``decode_lora``: the fp32 partial shrinks the first kernel writes and the second sums.
 
@@ -610,18 +700,28 @@ class ExpandTiles:
 @dataclass(frozen=True)
 class GemvTiles:
     """Tiles of ``decode_lora_folded``'s kernel="gemv" launch: rows of [W; A] per tile, input columns per step,
-    programs per tile (each a 1/split_k share of the input columns), warps, pipeline stages."""
+    programs per tile (each a 1/split_k share of the input columns), warps, pipeline stages; and where the shrink is
+    computed: ``local_shrink`` False, by tiles of A's rows that the W tiles wait for (``_fold_gemv_kernel``); True,
+    by every W tile for its own slice, so no program waits on another (``_fold_gemv_local_kernel``; every slice
+    offset must then be a multiple of block_n)."""
 
     block_n: int = 16
     block_k: int = 256
     split_k: int = 4
     warps: int = 4
     stages: int = 3
+    local_shrink: bool = False
 
     def __post_init__(self):
         _check_dot_tiles(self, ("block_n", "block_k"))
         if not 1 <= self.split_k <= 64 or not 1 <= self.stages <= 8:
             raise ValueError(f"GemvTiles: split_k must be 1-64 and stages 1-8, got {self.split_k}, {self.stages}")
+        if self.local_shrink not in (True, False):
+            raise ValueError(f"GemvTiles: local_shrink must be true or false, got {self.local_shrink!r}")
+
+    def fits_slices(self, slice_offsets: Sequence[int]) -> bool:
+        """Whether these tiles take a layer of these slice offsets (local_shrink: no tile straddles two slices)."""
+        return not self.local_shrink or all(int(o) % self.block_n == 0 for o in slice_offsets[1:-1])
 
 
 #: The most tokens the one-launch kernel ("gemv") takes: one token tile per program (BLOCK_M = T rounded up).
@@ -646,10 +746,15 @@ class GemvWorkspace:
     def needs(folded: "FoldedWeight", tokens: int, tiles: GemvTiles) -> tuple[int, int, int]:
         """(shrink entries, partial floats, counters) one call needs."""
         a_rows = folded.w_ext.shape[0] - folded.d_out
-        n_tiles = -(-a_rows // tiles.block_n) + -(-folded.d_out // tiles.block_n)
         block_m = max(16, next_pow2(tokens))
-        parts = n_tiles * tiles.split_k * block_m * tiles.block_n if tiles.split_k > 1 else 0
-        return GEMV_MAX_TOKENS * max(1, a_rows), parts, 2 + n_tiles
+        if tiles.local_shrink:  # per tile: its columns and (at most, one slice's) shrink; no shared shrink
+            n_tiles = -(-folded.d_out // tiles.block_n)
+            width, shrink = tiles.block_n + max(16, next_pow2(a_rows)), 0
+        else:
+            n_tiles = -(-a_rows // tiles.block_n) + -(-folded.d_out // tiles.block_n)
+            width, shrink = tiles.block_n, GEMV_MAX_TOKENS * max(1, a_rows)
+        parts = n_tiles * tiles.split_k * block_m * width if tiles.split_k > 1 else 0
+        return shrink, parts, 2 + n_tiles
 
     def reserve(self, folded: "FoldedWeight", tokens: int, tiles: GemvTiles) -> "GemvWorkspace":
         """Grow (never shrink) to fit a call of ``tokens`` tokens on ``folded`` with ``tiles``."""
@@ -791,7 +896,8 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     GEMM: cheap when they are few next to d_out). Triton: the GEMM (cuBLAS via torch) and one launch after it,
     ``kernel`` "decode" (``_decode_folded_expand_kernel``, one program per token: decode steps) or "gemm"
     (``_fold_expand_gemm_kernel``, token tiles of ``tiles`` through tl.dot: any token count, tokens in any slot
-    order); or ``kernel`` "gemv": ONE launch for everything (``_fold_gemv_kernel``, tiles ``gemv_tiles``; at most
+    order); or ``kernel`` "gemv": ONE launch for everything (``_fold_gemv_kernel``, or ``_fold_gemv_local_kernel``
+    with ``gemv_tiles.local_shrink``; tiles ``gemv_tiles``; at most
     ``GEMV_MAX_TOKENS`` tokens; scratch in ``workspace``, a ``GemvWorkspace`` reserved for the call, a temporary
     one when None). No host sync (CUDA-graph safe with int32 ``token_lora_indices`` and ``ranks``, float32
     ``scales``, on the device; the slice offsets are kernel arguments, ``soff`` is accepted and unused). At most
@@ -833,6 +939,10 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     if t == 0:
         return done
     gt = gemv_tiles or GemvTiles()
+    if not gt.fits_slices(slice_offsets):
+        raise ValueError(f"decode_lora_folded: {gt} computes the shrink per tile, so every slice offset must be a "
+                         f"multiple of block_n={gt.block_n}; got offsets {list(slice_offsets)}: use a block_n that "
+                         f"divides them, or local_shrink=False")
     if workspace is None:
         workspace = GemvWorkspace(x.device, x.dtype).reserve(folded, t, gt)
     elif not (workspace.fits(folded, t, gt) and workspace.shrink.device == x.device and workspace.dtype == x.dtype):
@@ -843,6 +953,15 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     n_a, n_w = -(-a_rows // gt.block_n), -(-d_out // gt.block_n)
     d_in = x.shape[1]
     k_chunk = -(-d_in // (gt.split_k * gt.block_k)) * gt.block_k
+    if gt.local_shrink:
+        launch(_fold_gemv_local_kernel, (n_w * gt.split_k,),
+            y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.partials, workspace.counters[2:], t,
+            x.stride(0), y.stride(0), d_in, d_out, n_l, r, *offs[:3], k_chunk, SPLIT_K=gt.split_k,
+            BLOCK_M=max(16, next_pow2(t)), BLOCK_N=gt.block_n, BLOCK_K=gt.block_k,
+            BLOCK_J=max(16, next_pow2(n_l * r)), PREC=dispatch.dot_precision(x.dtype), USE_GDC=gdc,
+            num_warps=gt.warps, num_stages=gt.stages, launch_pdl=gdc,
+        )
+        return done
     launch(_fold_gemv_kernel, ((n_a + n_w) * gt.split_k,),
         y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.shrink, workspace.partials,
         workspace.counters[2:], workspace.counters, t, x.stride(0), y.stride(0), d_in, d_out, a_rows, n_l, r,

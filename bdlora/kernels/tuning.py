@@ -7,9 +7,10 @@ it is built, and then picks per forward, inside its opaque custom op (so per cap
 number of tokens T of that forward:
 
     fold layers (A stored under the base weight, ``fold``):
-        T <= fold_gemv_max     (only layers whose base weight's (d_in, d_out) has a ``gemv_shapes`` row)
+        T <= fold_gemv_max     (only layers whose base weight's (d_in, d_out) has a ``gemv_shapes`` row whose
+                               tiles fit the layer's slices)
                                ``decode_lora_folded(kernel="gemv")``: base GEMM, shrink and expand in ONE launch,
-                               with that row's tiles (block_n, block_k, split_k, warps, stages)
+                               with that row's tiles (block_n, block_k, split_k, warps, stages[, local_shrink])
         T <= fold_decode_max   one GEMM with [W; A] + ``decode_lora_folded(kernel="decode")`` (per-token programs)
         T <= fold_gemm_max     one GEMM with [W; A] + ``decode_lora_folded(kernel="gemm")`` (token tiles, tl.dot),
                                tiles from ``gemm_tiles``: the first (max_tokens, block_m, block_n, warps) row with
@@ -51,7 +52,8 @@ class ServingTuning:
     fold_max_extra: float = FOLD_MAX_EXTRA
     gemm_tiles: tuple = ((UNLIMITED, 16, 64, 4),)
     fold_gemv_max: int = 0
-    gemv_shapes: tuple = ()  # rows (d_in, d_out, block_n, block_k, split_k, warps, stages); d_in = d_out = 0: any
+    # rows (d_in, d_out, block_n, block_k, split_k, warps, stages[, local_shrink 0/1]); d_in = d_out = 0: any shape
+    gemv_shapes: tuple = ()
     pdl: bool = False  # serving kernels launched with programmatic dependent launch (decode_lora*(pdl=True))
 
     def __post_init__(self):
@@ -75,9 +77,11 @@ class ServingTuning:
             raise ValueError(f"serving tuning: fold_gemv_max is at most {GEMV_MAX_TOKENS} (the one-launch kernel's "
                              f"token tile), got {self.fold_gemv_max}")
         gemv = tuple(tuple(r) for r in self.gemv_shapes)
-        if any(len(r) != 7 or any(isinstance(v, bool) or not isinstance(v, int) for v in r) for r in gemv):
+        if any(len(r) not in (7, 8) or any(not isinstance(v, int) for v in r) or any(
+                isinstance(v, bool) for v in r[:7]) or (len(r) == 8 and r[7] not in (0, 1)) for r in gemv):
             raise ValueError("serving tuning: gemv_shapes must be rows of 7 ints (d_in, d_out, block_n, block_k, "
-                             f"split_k, warps, stages), got {self.gemv_shapes!r}")
+                             f"split_k, warps, stages) and an optional 0/1 (local_shrink), got {self.gemv_shapes!r}")
+        gemv = tuple(r[:7] + tuple(bool(v) for v in r[7:]) for r in gemv)
         for r in gemv:
             GemvTiles(*r[2:])  # raises on a bad tile
         object.__setattr__(self, "gemv_shapes", gemv)
@@ -89,14 +93,16 @@ class ServingTuning:
                 return tiles
         return self._gemm_tiles[-1][1]
 
-    def gemv_tiles_for(self, d_in: int, d_out: int) -> Optional[GemvTiles]:
+    def gemv_tiles_for(self, d_in: int, d_out: int, slice_offsets: Optional[tuple] = None) -> Optional[GemvTiles]:
         """The one-launch kernel's tiles for a base weight of (d_in, d_out), or None: that shape does not take it
-        (the first ``gemv_shapes`` row of that shape, or of 0, 0)."""
+        (the first ``gemv_shapes`` row of that shape, or of 0, 0, whose tiles fit ``slice_offsets`` when given)."""
         if self.fold_gemv_max == 0:
             return None
         for row in self.gemv_shapes:
             if (row[0], row[1]) in ((d_in, d_out), (0, 0)):
-                return GemvTiles(*row[2:])
+                tiles = GemvTiles(*row[2:])
+                if slice_offsets is None or tiles.fits_slices(slice_offsets):
+                    return tiles
         return None
 
     @classmethod
@@ -119,8 +125,12 @@ _H200 = MappingProxyType({
     # bench/results/serve/serving_kernels_gemv_h200_2026-11-24.json: the one-launch kernel beats cuBLAS + the tiled
     # expand at 1-16 tokens on TP=4's down (3584 -> 4096: 13.7 vs 15.0 us) and TP=8's gate_up (4096 -> 3584: 14.1
     # vs 15.5 us); on qkv and o (few or short rows) and at 64 tokens the cuBLAS GEMM wins.
+    # bench/results/serve/gemv_local_2026-11-25: with the shrink computed per tile (local_shrink, no wait on other
+    # programs) it also wins on TP=8's o (512 -> 4096: 4.4 vs 5.4 us, H100, pdl) and down (1792 -> 4096: 10.1 vs
+    # 10.8); at TP=4's rank (64, twice the A rows per tile) it loses everywhere.
     "fold_gemv_max": 16,
-    "gemv_shapes": ((3584, 4096, 16, 256, 1, 2, 4), (4096, 3584, 16, 256, 1, 2, 4)),
+    "gemv_shapes": ((3584, 4096, 16, 256, 1, 2, 4), (4096, 3584, 16, 256, 1, 2, 4),
+                    (512, 4096, 32, 64, 1, 4, 4, 1), (1792, 4096, 32, 128, 1, 4, 4, 1)),
     # bench/results/serve/pdl_2026-11-24: programmatic dependent launch takes 1.0-1.3 us off qkv and gate_up calls
     # of the folded kernels (the expand starts while the GEMM drains), 0.3-2.4 us off the two-launch kernels', and
     # is level (+-0.2 us) on the folded o and down.

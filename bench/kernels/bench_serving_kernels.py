@@ -13,7 +13,8 @@ graph and replayed (launch gaps as vLLM's graphs have them):
     fold_cublas   F.linear(x, [W; A]) + torch.addmm(h[:, :d_out], h[:, d_out:], B_bd) with the slot's B laid out
                   block-diagonally over the slices (S * R, d_out): one slot, cuBLAS only (no Triton launch)
     fold_gemv     decode_lora_folded(kernel="gemv") per tile candidate (block_n, block_k, warps, stages): base GEMM,
-                  shrink and expand in one launch (T <= 64)
+                  shrink and expand in one launch (T <= 64); candidates with local_shrink (the shrink per output
+                  tile) are timed plain and with pdl, their best under fold_gemv_local(_pdl)
     *_pdl         fold_decode, fold_gemm (best tiles), fold_gemv (best tiles) and two_launch again with pdl=True:
                   launched with programmatic dependent launch (Hopper+), the LoRA weights and slot ids read before
                   the wait on the kernel before
@@ -46,10 +47,21 @@ SHAPES = {  # per-GPU (d_in, slice widths) and the buffer rank: max_lora_rank 25
 }
 TILES = [(16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8), (16, 32, 1),
          (16, 64, 1), (16, 64, 2), (16, 128, 2), (32, 64, 2)]
-GEMV_TILES = [  # (block_n, block_k, split_k, warps, stages)
+GEMV_TILES = [  # (block_n, block_k, split_k, warps, stages[, local_shrink])
     (16, 256, 1, 2, 4), (16, 512, 1, 4, 3), (16, 128, 1, 2, 4), (16, 256, 1, 4, 4), (32, 256, 1, 4, 3),
     (16, 256, 1, 1, 4), (16, 512, 1, 2, 3), (16, 128, 4, 4, 3), (16, 256, 2, 2, 4), (32, 128, 4, 4, 3),
-    (32, 128, 8, 4, 3), (64, 128, 4, 4, 3)]
+    (32, 128, 8, 4, 3), (64, 128, 4, 4, 3),
+    (16, 256, 1, 2, 4, True), (32, 256, 1, 4, 3, True), (32, 128, 1, 4, 4, True), (64, 128, 1, 4, 3, True),
+    (16, 512, 1, 2, 3, True), (32, 512, 1, 4, 2, True), (32, 512, 1, 8, 2, True), (64, 64, 1, 4, 4, True),
+    (32, 64, 1, 4, 4, True), (32, 128, 1, 8, 4, True), (32, 128, 2, 4, 4, True), (16, 256, 2, 2, 4, True),
+    (32, 256, 2, 4, 3, True), (64, 128, 2, 4, 3, True), (16, 128, 4, 2, 4, True), (32, 128, 4, 4, 3, True),
+    (64, 128, 4, 4, 3, True), (32, 256, 4, 4, 3, True), (32, 512, 4, 4, 2, True), (64, 256, 4, 4, 3, True),
+    (128, 128, 8, 4, 3, True)]
+
+
+def gemv_name(gt) -> str:
+    """A GEMV_TILES row's key in the results: fold_gemv_<block_n>x<block_k>k<split_k>w<warps>s<stages>[L]."""
+    return "fold_gemv_{}x{}k{}w{}s{}".format(*gt[:5]) + ("L" if len(gt) > 5 and gt[5] else "")
 PATHS = ("base", "gemm_w_ext", "fold_decode", "two_launch", "fold_gemm", "fold_cublas", "fold_gemv", "punica")
 
 
@@ -196,11 +208,15 @@ def check(dev) -> dict:
             if t <= 64:  # the one-launch kernel: the same check, and 200 calls in a row bit-identical (its A -> W
                 ws = GemvWorkspace(dev, x.dtype)  # programs' hand-offs through the workspace never read stale data)
                 for g, pdl in ((GemvTiles(), False), (GemvTiles(64, 128, 1, 4, 3), False),
-                               (GemvTiles(16, 64, 16, 2, 4), False), (GemvTiles(), True)):
+                               (GemvTiles(16, 64, 16, 2, 4), False), (GemvTiles(), True),
+                               (GemvTiles(16, 64, 4, 2, 2, True), False), (GemvTiles(32, 64, 1, 4, 2, True), True)):
+                    if not g.fits_slices(offs):
+                        continue
                     ws.reserve(f, t, g)
                     y = decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel="gemv", gemv_tiles=g, workspace=ws,
                                            pdl=pdl).out
-                    out[f"{d_out}x{d_in} L={n_l} T={t} gemv {g.block_n}x{g.block_k}k{g.split_k}{' pdl' * pdl}"] = round(
+                    out[f"{d_out}x{d_in} L={n_l} T={t} gemv {g.block_n}x{g.block_k}k{g.split_k}{'L' * g.local_shrink}"
+                        f"{' pdl' * pdl}"] = round(
                         (y.double() - ref).abs().max().item() / lora, 5)
                     ys = [decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel="gemv", gemv_tiles=g,
                                              workspace=ws, pdl=pdl).out for _ in range(200)]
@@ -363,20 +379,25 @@ def main():
                     row["fold_gemm"], row["fold_gemm_tiles"] = best
                     row["fold_gemm_pdl"] = folded_us(kernel="gemm", tiles=ExpandTiles(*best[1]), pdl=True)
                     timers["fold_gemm"] = folded_run(kernel="gemm", tiles=ExpandTiles(*best[1]))
-                best = None
+                best = {}  # per kernel of the family (shared / local shrink): (us, tiles), and pdl
                 for gt in (GEMV_TILES if t <= 64 and "fold_gemv" in paths else ()):
-                    try:
-                        us = folded_us(kernel="gemv", gemv_tiles=GemvTiles(*gt), workspace=gemv_ws)
-                    except Exception as e:  # noqa: BLE001 - a tile that does not fit this GPU (shared memory)
-                        row["fold_gemv_{}x{}k{}w{}s{}".format(*gt)] = repr(e)[:120]
+                    g = GemvTiles(*gt)
+                    if not g.fits_slices(offs):
                         continue
-                    row["fold_gemv_{}x{}k{}w{}s{}".format(*gt)] = us
-                    if best is None or us < best[0]:
-                        best = (us, list(gt))
-                if best is not None:
-                    row["fold_gemv"], row["fold_gemv_tiles"] = best
-                    row["fold_gemv_pdl"] = folded_us(kernel="gemv", gemv_tiles=GemvTiles(*best[1]), workspace=gemv_ws,
-                                                     pdl=True)
+                    fam = "fold_gemv_local" if g.local_shrink else "fold_gemv"
+                    try:  # local shrink: every candidate plain and pdl (it reads weights before the wait)
+                        for pdl in ((False, True) if g.local_shrink else (False,)):
+                            us = folded_us(kernel="gemv", gemv_tiles=g, workspace=gemv_ws, pdl=pdl)
+                            row[gemv_name(gt) + "_pdl" * pdl] = us
+                            if best.get(fam + "_pdl" * pdl) is None or us < best[fam + "_pdl" * pdl][0]:
+                                best[fam + "_pdl" * pdl] = (us, list(gt))
+                    except Exception as e:  # noqa: BLE001 - a tile that does not fit this GPU (shared memory)
+                        row[gemv_name(gt)] = repr(e)[:120]
+                for fam, (us, tiles) in best.items():
+                    row[fam], row[fam + "_tiles"] = us, tiles
+                if "fold_gemv" in best:  # the shared kernel's best tiles, launched with pdl
+                    row["fold_gemv_pdl"] = folded_us(kernel="gemv", gemv_tiles=GemvTiles(*best["fold_gemv"][1]),
+                                                     workspace=gemv_ws, pdl=True)
                 if punica is not None and "punica" in paths:
                     try:
                         set_mapping(punica, t, prefill=t > 64)
