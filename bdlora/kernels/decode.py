@@ -444,6 +444,14 @@ def _fold_gemv_kernel(
                 tl.atomic_xchg(sync_ptr, 0)
 
 
+@jit
+def _gemv_dot(a, b, PREC: tl.constexpr):
+    """a (M, K) @ b (K, N) in fp32: tl.dot, or for M == 1 (tl.dot takes M >= 16) a broadcast multiply-and-sum."""
+    if a.shape[0] == 1:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return tl.dot(a, b, input_precision=PREC)
+
+
 @jit(do_not_specialize=["T"])
 def _fold_gemv_local_kernel(
     y_ptr, x_ptr, w_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr, part_ptr, cnt_ptr,
@@ -464,9 +472,10 @@ def _fold_gemv_local_kernel(
 
         y[t, cs] = x[t] @ W[cs]^T + scales[a] * round(S[t, (a, :)]) @ B[a, cs, :]^T,  a = idx[t] (-1: no term)
 
-    round: to x's dtype, as the folded GEMM rounds the shrink. Every tile reads A's rows of its slice again (from L2:
-    A is S * L * R rows against W's d_out), so no program waits on another: no grid-wide hand-off, unlike
-    ``_fold_gemv_kernel``. The slot ids, ranks, scales, the tile's B and the first BLOCK_K columns of its W and A
+    round: to x's dtype, as the folded GEMM rounds the shrink. BLOCK_M == 1 (``GemvTiles.one_token``, T == 1): the
+    products are multiply-and-sum in fp32 (``_gemv_dot``), not tl.dot, which pads the token to 16 rows. Every tile
+    reads A's rows of its slice again (from L2: A is S * L * R rows against W's d_out), so no program waits on
+    another: no grid-wide hand-off, unlike ``_fold_gemv_kernel``. The slot ids, ranks, scales, the tile's B and the first BLOCK_K columns of its W and A
     rows are read before ``gdc_wait`` (USE_GDC), x after it."""
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -498,8 +507,8 @@ def _fold_gemv_local_kernel(
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rowmask[:, None] & kmask[None, :], other=0.0)
-    acc = tl.dot(xv, wv, input_precision=PREC)
-    s_acc = tl.dot(xv, av, input_precision=PREC)
+    acc = _gemv_dot(xv, wv, PREC)
+    s_acc = _gemv_dot(xv, av, PREC)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < k_hi
@@ -507,8 +516,8 @@ def _fold_gemv_local_kernel(
                      other=0.0)
         wv = tl.load(w_ptr + w_rows + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
         av = tl.load(w_ptr + a_rows + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
-        acc += tl.dot(xv, wv, input_precision=PREC)
-        s_acc += tl.dot(xv, av, input_precision=PREC)
+        acc += _gemv_dot(xv, wv, PREC)
+        s_acc += _gemv_dot(xv, av, PREC)
     finish = True
     if SPLIT_K > 1:
         per_split = BLOCK_M * (BLOCK_N + BLOCK_J)
@@ -529,7 +538,7 @@ def _fold_gemv_local_kernel(
             tl.atomic_xchg(cnt_ptr + tile, 0)
     if finish:
         sv = tl.where(a[:, None] == l_j[None, :], s_acc, 0.0).to(x_ptr.dtype.element_ty).to(bt.dtype)
-        acc += tl.dot(sv, bt, input_precision=PREC) * scale_t[:, None]
+        acc += _gemv_dot(sv, bt, PREC) * scale_t[:, None]
         tl.store(y_ptr + rows[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=rowmask[:, None] & cmask[None, :])
 
@@ -703,7 +712,9 @@ class GemvTiles:
     programs per tile (each a 1/split_k share of the input columns), warps, pipeline stages; and where the shrink is
     computed: ``local_shrink`` False, by tiles of A's rows that the W tiles wait for (``_fold_gemv_kernel``); True,
     by every W tile for its own slice, so no program waits on another (``_fold_gemv_local_kernel``; every slice
-    offset must then be a multiple of block_n)."""
+    offset must then be a multiple of block_n). ``one_token`` (with local_shrink): a call of one token computes its
+    products as multiply-and-sum, not through tl.dot's 16-row tiles (a candidate of the benchmark; not yet measured
+    on a GPU, so no table row uses it)."""
 
     block_n: int = 16
     block_k: int = 256
@@ -711,13 +722,17 @@ class GemvTiles:
     warps: int = 4
     stages: int = 3
     local_shrink: bool = False
+    one_token: bool = False  # local_shrink: a one-token call multiplies and sums instead of tl.dot's 16-row tiles
 
     def __post_init__(self):
         _check_dot_tiles(self, ("block_n", "block_k"))
         if not 1 <= self.split_k <= 64 or not 1 <= self.stages <= 8:
             raise ValueError(f"GemvTiles: split_k must be 1-64 and stages 1-8, got {self.split_k}, {self.stages}")
-        if self.local_shrink not in (True, False):
-            raise ValueError(f"GemvTiles: local_shrink must be true or false, got {self.local_shrink!r}")
+        for name in ("local_shrink", "one_token"):
+            if getattr(self, name) not in (True, False):
+                raise ValueError(f"GemvTiles: {name} must be true or false, got {getattr(self, name)!r}")
+        if self.one_token and not self.local_shrink:
+            raise ValueError("GemvTiles: one_token is a variant of the local_shrink kernel; set local_shrink=True")
 
     def fits_slices(self, slice_offsets: Sequence[int]) -> bool:
         """Whether these tiles take a layer of these slice offsets (local_shrink: no tile straddles two slices)."""
@@ -957,7 +972,8 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         launch(_fold_gemv_local_kernel, (n_w * gt.split_k,),
             y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.partials, workspace.counters[2:], t,
             x.stride(0), y.stride(0), d_in, d_out, n_l, r, *offs[:3], k_chunk, SPLIT_K=gt.split_k,
-            BLOCK_M=max(16, next_pow2(t)), BLOCK_N=gt.block_n, BLOCK_K=gt.block_k,
+            BLOCK_M=1 if t == 1 and gt.one_token else max(16, next_pow2(t)), BLOCK_N=gt.block_n,
+            BLOCK_K=gt.block_k,
             BLOCK_J=max(16, next_pow2(n_l * r)), PREC=dispatch.dot_precision(x.dtype), USE_GDC=gdc,
             num_warps=gt.warps, num_stages=gt.stages, launch_pdl=gdc,
         )

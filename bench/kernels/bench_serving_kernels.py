@@ -14,7 +14,8 @@ graph and replayed (launch gaps as vLLM's graphs have them):
                   block-diagonally over the slices (S * R, d_out): one slot, cuBLAS only (no Triton launch)
     fold_gemv     decode_lora_folded(kernel="gemv") per tile candidate (block_n, block_k, warps, stages): base GEMM,
                   shrink and expand in one launch (T <= 64); candidates with local_shrink (the shrink per output
-                  tile) are timed plain and with pdl, their best under fold_gemv_local(_pdl)
+                  tile) are timed plain and with pdl, their best under fold_gemv_local(_pdl); at T=1 those with
+                  one_token too (multiply-and-sum, no tl.dot), under fold_gemv_one_token(_pdl)
     *_pdl         fold_decode, fold_gemm (best tiles), fold_gemv (best tiles) and two_launch again with pdl=True:
                   launched with programmatic dependent launch (Hopper+), the LoRA weights and slot ids read before
                   the wait on the kernel before
@@ -47,7 +48,7 @@ SHAPES = {  # per-GPU (d_in, slice widths) and the buffer rank: max_lora_rank 25
 }
 TILES = [(16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8), (16, 32, 1),
          (16, 64, 1), (16, 64, 2), (16, 128, 2), (32, 64, 2)]
-GEMV_TILES = [  # (block_n, block_k, split_k, warps, stages[, local_shrink])
+GEMV_TILES = [  # (block_n, block_k, split_k, warps, stages[, local_shrink[, one_token]])
     (16, 256, 1, 2, 4), (16, 512, 1, 4, 3), (16, 128, 1, 2, 4), (16, 256, 1, 4, 4), (32, 256, 1, 4, 3),
     (16, 256, 1, 1, 4), (16, 512, 1, 2, 3), (16, 128, 4, 4, 3), (16, 256, 2, 2, 4), (32, 128, 4, 4, 3),
     (32, 128, 8, 4, 3), (64, 128, 4, 4, 3),
@@ -56,12 +57,15 @@ GEMV_TILES = [  # (block_n, block_k, split_k, warps, stages[, local_shrink])
     (32, 64, 1, 4, 4, True), (32, 128, 1, 8, 4, True), (32, 128, 2, 4, 4, True), (16, 256, 2, 2, 4, True),
     (32, 256, 2, 4, 3, True), (64, 128, 2, 4, 3, True), (16, 128, 4, 2, 4, True), (32, 128, 4, 4, 3, True),
     (64, 128, 4, 4, 3, True), (32, 256, 4, 4, 3, True), (32, 512, 4, 4, 2, True), (64, 256, 4, 4, 3, True),
-    (128, 128, 8, 4, 3, True)]
+    (128, 128, 8, 4, 3, True),
+    (32, 64, 1, 4, 4, True, True), (32, 128, 1, 4, 4, True, True), (64, 128, 1, 4, 3, True, True),
+    (32, 128, 4, 4, 3, True, True), (64, 128, 4, 4, 3, True, True), (128, 128, 1, 4, 3, True, True),
+    (128, 64, 1, 8, 4, True, True), (256, 64, 1, 8, 3, True, True)]
 
 
 def gemv_name(gt) -> str:
-    """A GEMV_TILES row's key in the results: fold_gemv_<block_n>x<block_k>k<split_k>w<warps>s<stages>[L]."""
-    return "fold_gemv_{}x{}k{}w{}s{}".format(*gt[:5]) + ("L" if len(gt) > 5 and gt[5] else "")
+    """A GEMV_TILES row's key in the results: fold_gemv_<block_n>x<block_k>k<split_k>w<warps>s<stages>[L[1]]."""
+    return "fold_gemv_{}x{}k{}w{}s{}".format(*gt[:5]) + "".join(f for f, v in zip("L1", gt[5:]) if v)
 PATHS = ("base", "gemm_w_ext", "fold_decode", "two_launch", "fold_gemm", "fold_cublas", "fold_gemv", "punica")
 
 
@@ -209,14 +213,15 @@ def check(dev) -> dict:
                 ws = GemvWorkspace(dev, x.dtype)  # programs' hand-offs through the workspace never read stale data)
                 for g, pdl in ((GemvTiles(), False), (GemvTiles(64, 128, 1, 4, 3), False),
                                (GemvTiles(16, 64, 16, 2, 4), False), (GemvTiles(), True),
-                               (GemvTiles(16, 64, 4, 2, 2, True), False), (GemvTiles(32, 64, 1, 4, 2, True), True)):
+                               (GemvTiles(16, 64, 4, 2, 2, True), False), (GemvTiles(32, 64, 1, 4, 2, True), True),
+                               (GemvTiles(32, 64, 2, 4, 2, True, True), True)):
                     if not g.fits_slices(offs):
                         continue
                     ws.reserve(f, t, g)
                     y = decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel="gemv", gemv_tiles=g, workspace=ws,
                                            pdl=pdl).out
                     out[f"{d_out}x{d_in} L={n_l} T={t} gemv {g.block_n}x{g.block_k}k{g.split_k}{'L' * g.local_shrink}"
-                        f"{' pdl' * pdl}"] = round(
+                        f"{'1' * g.one_token}{' pdl' * pdl}"] = round(
                         (y.double() - ref).abs().max().item() / lora, 5)
                     ys = [decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel="gemv", gemv_tiles=g,
                                              workspace=ws, pdl=pdl).out for _ in range(200)]
@@ -384,7 +389,9 @@ def main():
                     g = GemvTiles(*gt)
                     if not g.fits_slices(offs):
                         continue
-                    fam = "fold_gemv_local" if g.local_shrink else "fold_gemv"
+                    if g.one_token and t > 1:
+                        continue  # the same kernel as without one_token
+                    fam = "fold_gemv_one_token" if g.one_token else "fold_gemv_local" if g.local_shrink else "fold_gemv"
                     try:  # local shrink: every candidate plain and pdl (it reads weights before the wait)
                         for pdl in ((False, True) if g.local_shrink else (False,)):
                             us = folded_us(kernel="gemv", gemv_tiles=g, workspace=gemv_ws, pdl=pdl)
