@@ -87,8 +87,8 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     mode also run ``torch.ops.bdlora.fold_linear`` on the same rows, checked against the base GEMM plus punica's
     result (``fold_max_abs_diff``; its padding rows must be the base output alone) and count the prepared launches
     the layers keep (``kept_plans``: plans made for earlier batches, bound to the slot map, read this mapping), and
-    how many take the one-launch kernel (``gemv_layers``), with the shrink per output tile (``gemv_local_shrink
-    _layers``)."""
+    how many take the one-launch kernel (``gemv_layers``; ``gemv_local_shrink_layers``: with the shrink per output
+    tile)."""
     import torch
     from vllm.lora.layers import LoRAMapping
 

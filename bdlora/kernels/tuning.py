@@ -77,8 +77,12 @@ class ServingTuning:
             raise ValueError(f"serving tuning: fold_gemv_max is at most {GEMV_MAX_TOKENS} (the one-launch kernel's "
                              f"token tile), got {self.fold_gemv_max}")
         gemv = tuple(tuple(r) for r in self.gemv_shapes)
-        if any(len(r) not in (7, 8) or any(not isinstance(v, int) for v in r) or any(
-                isinstance(v, bool) for v in r[:7]) or (len(r) == 8 and r[7] not in (0, 1)) for r in gemv):
+        def bad_row(r) -> bool:  # 7 ints, then optionally local_shrink as 0 / 1 (or false / true)
+            ints = r[:7]
+            return (len(r) not in (7, 8) or any(isinstance(v, bool) or not isinstance(v, int) for v in ints)
+                    or any(not isinstance(v, int) or v not in (0, 1) for v in r[7:]))
+
+        if any(bad_row(r) for r in gemv):
             raise ValueError("serving tuning: gemv_shapes must be rows of 7 ints (d_in, d_out, block_n, block_k, "
                              f"split_k, warps, stages) and an optional 0/1 (local_shrink), got {self.gemv_shapes!r}")
         gemv = tuple(r[:7] + tuple(bool(v) for v in r[7:]) for r in gemv)
