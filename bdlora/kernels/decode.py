@@ -475,8 +475,8 @@ def _fold_gemv_local_kernel(
     round: to x's dtype, as the folded GEMM rounds the shrink. BLOCK_M == 1 (``GemvTiles.one_token``, T == 1): the
     products are multiply-and-sum in fp32 (``_gemv_dot``), not tl.dot, which pads the token to 16 rows. Every tile
     reads A's rows of its slice again (from L2: A is S * L * R rows against W's d_out), so no program waits on
-    another: no grid-wide hand-off, unlike ``_fold_gemv_kernel``. The slot ids, ranks, scales, the tile's B and the first BLOCK_K columns of its W and A
-    rows are read before ``gdc_wait`` (USE_GDC), x after it."""
+    another: no grid-wide hand-off, unlike ``_fold_gemv_kernel``. The slot ids, ranks, scales, the tile's B and the
+    first BLOCK_K columns of its W and A rows are read before ``gdc_wait`` (USE_GDC), x after it."""
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
@@ -973,9 +973,8 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
             y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.partials, workspace.counters[2:], t,
             x.stride(0), y.stride(0), d_in, d_out, n_l, r, *offs[:3], k_chunk, SPLIT_K=gt.split_k,
             BLOCK_M=1 if t == 1 and gt.one_token else max(16, next_pow2(t)), BLOCK_N=gt.block_n,
-            BLOCK_K=gt.block_k,
-            BLOCK_J=max(16, next_pow2(n_l * r)), PREC=dispatch.dot_precision(x.dtype), USE_GDC=gdc,
-            num_warps=gt.warps, num_stages=gt.stages, launch_pdl=gdc,
+            BLOCK_K=gt.block_k, BLOCK_J=max(16, next_pow2(n_l * r)), PREC=dispatch.dot_precision(x.dtype),
+            USE_GDC=gdc, num_warps=gt.warps, num_stages=gt.stages, launch_pdl=gdc,
         )
         return done
     launch(_fold_gemv_kernel, ((n_a + n_w) * gt.split_k,),
