@@ -232,6 +232,14 @@ def test_tuning_table_lookup_and_overrides():
     assert h100.fold_gemm_max == t.fold_gemm_max and h100.gemm_tiles == t.gemm_tiles
     g, _ = serving_tuning("cpu", override={"fold_gemv_max": 4, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1]]})
     assert g.gemv_tiles_for(7, 9) == GemvTiles(16, 16, 2, 1, 1)
+    # one token: its own rows (the per-tile kernel with one_token), whatever fold_gemv_max is; TP=8's four modules
+    one = t.gemv_one_token_tiles_for(512, 4096, (0, 4096))
+    assert one.local_shrink and one.one_token and one == GemvTiles(*t.gemv_one_token_shapes[1][2:], True, True)
+    assert t.gemv_one_token_tiles_for(4096, 768, (0, 512, 640, 768)) is not None
+    assert t.gemv_one_token_tiles_for(4096, 1536) is None and g.gemv_one_token_tiles_for(7, 9) is None
+    o1, _ = serving_tuning("cpu", override={"gemv_one_token_shapes": [[0, 0, 32, 16, 2, 1, 1]]})
+    assert o1.fold_gemv_max == 0 and o1.gemv_one_token_tiles_for(7, 64) == GemvTiles(32, 16, 2, 1, 1, True, True)
+    assert o1.gemv_one_token_tiles_for(7, 64, (0, 48, 64)) is None  # a tile would straddle the slices at 48
     assert ServingTuning.from_dict({"fold_gemv_max": 0}, g).gemv_tiles_for(7, 9) is None
     for bad, msg in (({"fold_gemm_max": -1}, "token count"), ({"foo": 1}, "unknown keys"),
                      ({"fold_gemm_max": 64, "gemm_tiles": [[16, 16, 64, 4]]}, "covers fold_gemm_max"),
@@ -239,6 +247,8 @@ def test_tuning_table_lookup_and_overrides():
                      ({"fold_gemv_max": GEMV_MAX_TOKENS + 1}, "at most"),
                      ({"gemv_shapes": [[0, 0, 16, 16, 2]]}, "rows of 7 ints"),
                      ({"gemv_shapes": [[0, 0, 16, 16, 2, 1, 1, 2]]}, "optional 0/1"),
-                     ({"gemv_shapes": [[0, 0, 16, 16, 2, 3, 1]]}, "warps"), ({"pdl": 1}, "true or false")):
+                     ({"gemv_shapes": [[0, 0, 16, 16, 2, 3, 1]]}, "warps"), ({"pdl": 1}, "true or false"),
+                     ({"gemv_one_token_shapes": [[0, 0, 16, 16, 2, 1, 1, 1]]}, "gemv_one_token_shapes must be rows"),
+                     ({"gemv_one_token_shapes": [[0, 0, 16, 24, 2, 1, 1]]}, "power of two")):
         with pytest.raises(ValueError, match=msg):
             serving_tuning("cpu", override=bad)

@@ -374,6 +374,31 @@ def test_tp1_auto_mode_one_launch_kernel_parity(tiny_llama_dir, vllm_adapters, l
         T.stop_llm(llm)
 
 
+def test_tp1_auto_mode_one_token_kernel_parity(tiny_llama_dir, vllm_adapters):
+    """Auto mode with one-token tiles (``gemv_one_token_shapes``; a 0, 0 row, split-K) and no other one-launch row:
+    a request alone (decode steps of ONE token: the per-tile kernel with one-token products), then one without LoRA
+    alone, then a mixed batch of 5 (decode steps of 5 tokens: the tiled kernel, not the one-token tiles). Greedy
+    tokens equal HF+PEFT, logprobs within 1e-4; the path counters and the self-check (a row alone through the
+    one-token tiles) hold."""
+    tuning = {"fold": True, "fold_gemv_max": 0, "gemv_one_token_shapes": [[0, 0, 16, 16, 2, 1, 1]],
+              "fold_decode_max": 0, "fold_gemm_max": 16, "two_launch_max": 0, "gemm_tiles": [[16, 16, 32, 1]]}
+    llm = _start_auto(tiny_llama_dir, tuning)
+    try:
+        for spec in ([(PROMPTS[1], "bd4_r16")], [(PROMPTS[0], None)]):
+            llm.collective_rpc(D.reset_fused_decode_counters)
+            _check(tiny_llama_dir, vllm_adapters, llm, spec)
+            counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
+            assert counts.get("fold_gemv_one_token:" + FUSED_BACKEND, 0) >= 8 * 7, counts
+            assert not any(k.startswith(("folded:", "fold_gemv:", "fused:")) for k in counts), counts
+        counts = _mixed_batch_counts(tiny_llama_dir, vllm_adapters, llm)
+        assert counts.get("fold_gemm:" + FUSED_BACKEND, 0) >= 8 * 7, counts
+        assert not counts.get("fold_gemv_one_token:" + FUSED_BACKEND), counts
+        check = _assert_fold_self_check(llm)
+        assert check["gemv_one_token_layers"] == 8 and check["gemv_layers"] == 0, check
+    finally:
+        T.stop_llm(llm)
+
+
 # ---------------------------------------------------------------------------------------------------- TP=2 engine
 
 TP2 = {

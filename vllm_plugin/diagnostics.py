@@ -88,7 +88,7 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     result (``fold_max_abs_diff``; its padding rows must be the base output alone) and count the prepared launches
     the layers keep (``kept_plans``: plans made for earlier batches, bound to the slot map, read this mapping), and
     how many take the one-launch kernel (``gemv_layers``; ``gemv_local_shrink_layers``: with the shrink per output
-    tile)."""
+    tile; ``gemv_one_token_layers``: with one-token tiles, whose fold_linear on the first row alone is checked too)."""
     import torch
     from vllm.lora.layers import LoRAMapping
 
@@ -105,7 +105,8 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     gen = torch.Generator().manual_seed(seed)
     out = {"layers": 0, "max_abs_diff": 0.0, "max_abs_lora": 0.0, "padding_untouched": True, "slots_ok": True,
            "slot_map": want, "fold_layers": 0, "fold_max_abs_diff": 0.0, "fold_max_abs_out": 0.0,
-           "fold_shares_weight": True, "kept_plans": 0, "gemv_layers": 0, "gemv_local_shrink_layers": 0}
+           "fold_shares_weight": True, "kept_plans": 0, "gemv_layers": 0, "gemv_local_shrink_layers": 0,
+           "gemv_one_token_layers": 0}
 
     def calls(kind):
         return sum(v for k, v in FUSED_COUNTS.items() if k.startswith(kind + ":"))
@@ -143,6 +144,11 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
             if st.gemv_tiles is not None and st.fold_gemv_max > 0:  # layers on the one-launch kernel, and its kind
                 out["gemv_layers"] += 1
                 out["gemv_local_shrink_layers"] += bool(st.gemv_tiles.local_shrink)
+            if st.gemv_one_token_tiles is not None:  # one row alone: the one-token tiles
+                y_one = torch.ops.bdlora.fold_linear(x[:1], None, layer.bd_fused_name)
+                out["gemv_one_token_layers"] += 1
+                out["fold_max_abs_diff"] = max(out["fold_max_abs_diff"],
+                                               float((y_one - (base[:1] + y_stock[:1])).abs().max()))
     out["fused_calls"] = calls("fused") - before["fused"]
     out["folded_calls"] = calls("folded") - before["folded"]
     return out

@@ -16,7 +16,8 @@ Auto mode (the default of ``--enable-bdlora``, ``FusedDecodeOptions(mode="auto")
 device's entry in ``bdlora.kernels.tuning`` (one table of measured cut-offs per GPU; vLLM's own path on CPU) when it
 is built. A layer whose base weight can fold (and whose LoRA rows stay under ``fold_max_extra`` of its outputs) goes
 through ``torch.ops.bdlora.fold_linear`` with the table's cut-offs: up to ``fold_gemv_max`` tokens, on the shapes
-the table lists for it, the one-launch kernel (base GEMM, shrink and expand together); up to ``fold_decode_max``
+the table lists for it, the one-launch kernel (base GEMM, shrink and expand together; a one-token forward with its
+own tiles where the table has them, ``gemv_one_token_shapes``); up to ``fold_decode_max``
 tokens the per-token ``decode_lora_folded`` kernel, up to ``fold_gemm_max`` its tiled kernel (any token count:
 prefill too), above the base GEMM on W's view and vLLM's punica path; a layer that cannot fold runs the two-launch
 decode kernel up to ``two_launch_max`` tokens and vLLM's path above. The choice is made inside the opaque custom op
@@ -180,6 +181,7 @@ class _FusedState:
     tuning: object = None  # auto mode: the device's bdlora.kernels.tuning.ServingTuning (gemm tiles per T)
     fold_gemv_max: int = 0  # fold_linear: T <= this runs the one-launch kernel (before the cut-offs above)
     gemv_tiles: object = None  # its bdlora.kernels.GemvTiles for this layer's shape
+    gemv_one_token_tiles: object = None  # GemvTiles(one_token=True) for T == 1 on this shape, or None
     gemv_workspace: object = None  # bdlora.kernels.GemvWorkspace shared by this build's layers on the device
     pdl: bool = False  # auto mode: the tuning's pdl (launch the kernels with programmatic dependent launch)
     options: KernelOptions = field(init=False)  # KernelOptions(backend=backend), built once: every forward uses it
@@ -238,22 +240,27 @@ def _stock_lora(layer, y: torch.Tensor, x: torch.Tensor) -> None:
     FUSED_COUNTS["stock"] += 1
 
 
-_FOLD_COUNTER = {"gemv": "fold_gemv:", "decode": "folded:", "gemm": "fold_gemm:"}  # FUSED_COUNTS prefix per kernel
+#: FUSED_COUNTS prefix per kernel ("gemv_one_token": the one-launch kernel with a layer's one-token tiles)
+_FOLD_COUNTER = {"gemv": "fold_gemv:", "gemv_one_token": "fold_gemv_one_token:", "decode": "folded:",
+                 "gemm": "fold_gemm:"}
 
 
 def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str) -> torch.Tensor:
     """``torch.ops.bdlora.fold_linear``: the base layer's output plus its LoRA term for x, as a new tensor, for the
     fold-mode BD layer named ``layer``. The path is picked here, when the op runs (per CUDA-graph size), by the
-    token count T: T <= fold_decode_max the per-token kernel, T <= fold_gemm_max the tiled one (both after one GEMM
-    with [W; A]), above the base GEMM on W's view and vLLM's punica path."""
+    token count T: T == 1 with one-token tiles or T <= fold_gemv_max the one-launch kernel, T <= fold_decode_max
+    the per-token kernel, T <= fold_gemm_max the tiled one (both after one GEMM with [W; A]), above the base GEMM on
+    W's view and vLLM's punica path."""
     layer = _FUSED_LAYERS[layer]
     st = layer._bd_fused
     n = x.shape[0]
-    if n <= max(st.fold_gemm_max, st.fold_gemv_max) and st.slots is not None:
-        if n <= st.fold_gemv_max:
-            kernel = "gemv"
+    one_token = n == 1 and st.gemv_one_token_tiles is not None
+    if (one_token or n <= max(st.fold_gemm_max, st.fold_gemv_max)) and st.slots is not None:
+        if one_token or n <= st.fold_gemv_max:
+            kernel = "gemv_one_token" if one_token else "gemv"
             y, ran = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
-                                        options=st.options, kernel=kernel, gemv_tiles=st.gemv_tiles,
+                                        options=st.options, kernel="gemv",
+                                        gemv_tiles=st.gemv_one_token_tiles if one_token else st.gemv_tiles,
                                         workspace=st.gemv_workspace, pdl=st.pdl)
         else:
             kernel = "decode" if n <= st.fold_decode_max else "gemm"
@@ -360,7 +367,8 @@ class _BDLoRAMixin:
         if build.fused.mode != "auto":
             return True
         t = build.tuning(dev)
-        return (t.fold and max(t.fold_gemm_max, t.fold_gemv_max) > 0) or t.two_launch_max > 0
+        return ((t.fold and (max(t.fold_gemm_max, t.fold_gemv_max) > 0 or bool(t.gemv_one_token_shapes)))
+                or t.two_launch_max > 0)
 
     def _create_fused(self, max_loras: int, rank: int, outs: tuple, dtype, dev, build: LayerBuild) -> None:
         """Stacked buffers laid out for ``decode_lora`` as well as for vLLM's punica path (see the module doc)."""
@@ -395,6 +403,12 @@ class _BDLoRAMixin:
         build.names.add(name)
         gemv_tiles = (tuning.gemv_tiles_for(self.input_size, offsets[-1], tuple(offsets))
                       if tuning and folded is not None else None)
+        one_tiles = (tuning.gemv_one_token_tiles_for(self.input_size, offsets[-1], tuple(offsets))
+                     if tuning and folded is not None else None)
+        gemv_ws = None
+        for tokens, tiles in ((tuning.fold_gemv_max if tuning else 0, gemv_tiles), (1, one_tiles)):
+            if tiles is not None:
+                gemv_ws = _gemv_workspace(build, dev, dtype, folded, tokens, tiles)
         self._bd_fused = _FusedState(
             name=name, max_tokens=two_max, backend=opts.backend, lora_a=a_all.squeeze(2),
             lora_b=b_all, b_shared=n_s == 1, offsets=tuple(offsets),
@@ -405,8 +419,7 @@ class _BDLoRAMixin:
             folded=folded, fold_decode_max=fd_max if folded is not None else 0,
             fold_gemm_max=fg_max if folded is not None else 0, tuning=tuning,
             fold_gemv_max=tuning.fold_gemv_max if gemv_tiles is not None else 0, gemv_tiles=gemv_tiles,
-            gemv_workspace=(_gemv_workspace(build, dev, dtype, folded, tuning.fold_gemv_max, gemv_tiles)
-                            if gemv_tiles is not None else None),
+            gemv_one_token_tiles=one_tiles, gemv_workspace=gemv_ws,
             pdl=tuning is not None and tuning.pdl)
         _FUSED_LAYERS[name] = self
         if _can_update_inplace():

@@ -473,7 +473,8 @@ def _fold_gemv_local_kernel(
         y[t, cs] = x[t] @ W[cs]^T + scales[a] * round(S[t, (a, :)]) @ B[a, cs, :]^T,  a = idx[t] (-1: no term)
 
     round: to x's dtype, as the folded GEMM rounds the shrink. BLOCK_M == 1 (``GemvTiles.one_token``, T == 1): the
-    products are multiply-and-sum in fp32 (``_gemv_dot``), not tl.dot, which pads the token to 16 rows. Every tile
+    fp32 products accumulate per (k, column) through the loop and are summed over k once after it, not tl.dot,
+    which pads the token to 16 rows. Every tile
     reads A's rows of its slice again (from L2: A is S * L * R rows against W's d_out), so no program waits on
     another: no grid-wide hand-off, unlike ``_fold_gemv_kernel``. The slot ids, ranks, scales, the tile's B and the
     first BLOCK_K columns of its W and A rows are read before ``gdc_wait`` (USE_GDC), x after it."""
@@ -506,18 +507,36 @@ def _fold_gemv_local_kernel(
     av = tl.load(w_ptr + a_rows + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-    xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rowmask[:, None] & kmask[None, :], other=0.0)
-    acc = _gemv_dot(xv, wv, PREC)
-    s_acc = _gemv_dot(xv, av, PREC)
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < k_hi
+    if BLOCK_M == 1:
+        # one token: the fp32 products accumulate per (k, column) over the loop and are summed over k once after
+        # it (tl.dot would pad the token to 16 rows; a sum per step costs a cross-thread reduction per step)
+        xk = tl.load(x_ptr + ks[:, None], mask=kmask[:, None], other=0.0).to(tl.float32)
+        acc_k = xk * wv.to(tl.float32)
+        s_k = xk * av.to(tl.float32)
+        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < k_hi
+            xk = tl.load(x_ptr + ks[:, None], mask=kmask[:, None], other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + w_rows + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+            av = tl.load(w_ptr + a_rows + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
+            acc_k += xk * wv.to(tl.float32)
+            s_k += xk * av.to(tl.float32)
+        acc = tl.sum(acc_k, axis=0)[None, :]
+        s_acc = tl.sum(s_k, axis=0)[None, :]
+    else:
         xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rowmask[:, None] & kmask[None, :],
                      other=0.0)
-        wv = tl.load(w_ptr + w_rows + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-        av = tl.load(w_ptr + a_rows + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
-        acc += _gemv_dot(xv, wv, PREC)
-        s_acc += _gemv_dot(xv, av, PREC)
+        acc = tl.dot(xv, wv, input_precision=PREC)
+        s_acc = tl.dot(xv, av, input_precision=PREC)
+        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < k_hi
+            xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rowmask[:, None] & kmask[None, :],
+                         other=0.0)
+            wv = tl.load(w_ptr + w_rows + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+            av = tl.load(w_ptr + a_rows + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
+            acc += tl.dot(xv, wv, input_precision=PREC)
+            s_acc += tl.dot(xv, av, input_precision=PREC)
     finish = True
     if SPLIT_K > 1:
         per_split = BLOCK_M * (BLOCK_N + BLOCK_J)
@@ -712,9 +731,9 @@ class GemvTiles:
     programs per tile (each a 1/split_k share of the input columns), warps, pipeline stages; and where the shrink is
     computed: ``local_shrink`` False, by tiles of A's rows that the W tiles wait for (``_fold_gemv_kernel``); True,
     by every W tile for its own slice, so no program waits on another (``_fold_gemv_local_kernel``; every slice
-    offset must then be a multiple of block_n). ``one_token`` (with local_shrink): a call of one token computes its
-    products as multiply-and-sum, not through tl.dot's 16-row tiles (a candidate of the benchmark; not yet measured
-    on a GPU, so no table row uses it)."""
+    offset must then be a multiple of block_n). ``one_token`` (with local_shrink): a call of one token accumulates
+    its fp32 products per (input column, output column) and sums them over the input once, not through tl.dot's
+    16-row tiles (serving: ``gemv_one_token_shapes``)."""
 
     block_n: int = 16
     block_k: int = 256
@@ -722,7 +741,7 @@ class GemvTiles:
     warps: int = 4
     stages: int = 3
     local_shrink: bool = False
-    one_token: bool = False  # local_shrink: a one-token call multiplies and sums instead of tl.dot's 16-row tiles
+    one_token: bool = False  # local_shrink: a one-token call sums fp32 products instead of tl.dot's 16-row tiles
 
     def __post_init__(self):
         _check_dot_tiles(self, ("block_n", "block_k"))
@@ -761,7 +780,7 @@ class GemvWorkspace:
     def needs(folded: "FoldedWeight", tokens: int, tiles: GemvTiles) -> tuple[int, int, int]:
         """(shrink entries, partial floats, counters) one call needs."""
         a_rows = folded.w_ext.shape[0] - folded.d_out
-        block_m = max(16, next_pow2(tokens))
+        block_m = 1 if tokens == 1 and tiles.one_token else max(16, next_pow2(tokens))
         if tiles.local_shrink:  # per tile: its columns and (at most, one slice's) shrink; no shared shrink
             n_tiles = -(-folded.d_out // tiles.block_n)
             width, shrink = tiles.block_n + max(16, next_pow2(a_rows)), 0

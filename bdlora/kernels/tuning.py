@@ -7,6 +7,10 @@ it is built, and then picks per forward, inside its opaque custom op (so per cap
 number of tokens T of that forward:
 
     fold layers (A stored under the base weight, ``fold``):
+        T == 1                 (only layers whose (d_in, d_out) has a ``gemv_one_token_shapes`` row whose tiles fit
+                               the layer's slices) the same one launch for one token (``GemvTiles.one_token``:
+                               the shrink per output tile, products summed in fp32 without tl.dot's 16-row tiles),
+                               with that row's tiles (block_n, block_k, split_k, warps, stages)
         T <= fold_gemv_max     (only layers whose base weight's (d_in, d_out) has a ``gemv_shapes`` row whose
                                tiles fit the layer's slices)
                                ``decode_lora_folded(kernel="gemv")``: base GEMM, shrink and expand in ONE launch,
@@ -54,6 +58,8 @@ class ServingTuning:
     fold_gemv_max: int = 0
     # rows (d_in, d_out, block_n, block_k, split_k, warps, stages[, local_shrink 0/1]); d_in = d_out = 0: any shape
     gemv_shapes: tuple = ()
+    # rows (d_in, d_out, block_n, block_k, split_k, warps, stages): T == 1 on the one-launch kernel, one_token tiles
+    gemv_one_token_shapes: tuple = ()
     pdl: bool = False  # serving kernels launched with programmatic dependent launch (decode_lora*(pdl=True))
 
     def __post_init__(self):
@@ -89,6 +95,13 @@ class ServingTuning:
         for r in gemv:
             GemvTiles(*r[2:])  # raises on a bad tile
         object.__setattr__(self, "gemv_shapes", gemv)
+        one = tuple(tuple(r) for r in self.gemv_one_token_shapes)
+        if any(len(r) != 7 or bad_row(r) for r in one):
+            raise ValueError("serving tuning: gemv_one_token_shapes must be rows of 7 ints (d_in, d_out, block_n, "
+                             f"block_k, split_k, warps, stages), got {self.gemv_one_token_shapes!r}")
+        for r in one:
+            GemvTiles(*r[2:], local_shrink=True, one_token=True)
+        object.__setattr__(self, "gemv_one_token_shapes", one)
 
     def tiles_for(self, tokens: int) -> ExpandTiles:
         """The kernel="gemm" tiles for a forward of ``tokens`` tokens."""
@@ -102,12 +115,14 @@ class ServingTuning:
         (the first ``gemv_shapes`` row of that shape, or of 0, 0, whose tiles fit ``slice_offsets`` when given)."""
         if self.fold_gemv_max == 0:
             return None
-        for row in self.gemv_shapes:
-            if (row[0], row[1]) in ((d_in, d_out), (0, 0)):
-                tiles = GemvTiles(*row[2:])
-                if slice_offsets is None or tiles.fits_slices(slice_offsets):
-                    return tiles
-        return None
+        return _first_fitting(self.gemv_shapes, d_in, d_out, slice_offsets)
+
+    def gemv_one_token_tiles_for(self, d_in: int, d_out: int,
+                                 slice_offsets: Optional[tuple] = None) -> Optional[GemvTiles]:
+        """The one-launch kernel's tiles for a ONE-token forward on a base weight of (d_in, d_out), or None (the
+        first ``gemv_one_token_shapes`` row of that shape, or of 0, 0, whose tiles fit ``slice_offsets``)."""
+        rows = tuple(r + (True, True) for r in self.gemv_one_token_shapes)
+        return _first_fitting(rows, d_in, d_out, slice_offsets)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base: Optional["ServingTuning"] = None) -> "ServingTuning":
@@ -117,6 +132,16 @@ class ServingTuning:
         if unknown:
             raise ValueError(f"serving tuning: unknown keys {sorted(unknown)}; known: {sorted(known)}")
         return replace(base or cls(), **dict(d))
+
+
+def _first_fitting(rows: tuple, d_in: int, d_out: int, slice_offsets: Optional[tuple]) -> Optional[GemvTiles]:
+    """The tiles of the first row (d_in, d_out, *GemvTiles fields) of this shape, or of 0, 0, that fit the slices."""
+    for row in rows:
+        if (row[0], row[1]) in ((d_in, d_out), (0, 0)):
+            tiles = GemvTiles(*row[2:])
+            if slice_offsets is None or tiles.fits_slices(slice_offsets):
+                return tiles
+    return None
 
 
 _H200 = MappingProxyType({
@@ -135,6 +160,12 @@ _H200 = MappingProxyType({
     "fold_gemv_max": 16,
     "gemv_shapes": ((3584, 4096, 16, 256, 1, 2, 4), (4096, 3584, 16, 256, 1, 2, 4),
                     (512, 4096, 32, 64, 1, 4, 4, 1), (1792, 4096, 32, 128, 1, 4, 4, 1)),
+    # bench/results/serve/gemv_one_token_2026-11-25 (H200, pdl, T=1): the per-tile kernel with one-token products
+    # (no tl.dot padding to 16 rows) beats every other path on all four TP=8 modules (qkv 6.5 vs 7.1 us, o 3.8 vs
+    # 4.3, gate_up 13.3 vs 13.6, down 8.7 vs 9.2; no LoRA 5.9, 3.7, 12.6, 6.9) and on TP=4's o (6.4 vs 6.5).
+    "gemv_one_token_shapes": ((4096, 768, 32, 128, 4, 4, 3), (512, 4096, 16, 256, 1, 4, 3),
+                              (4096, 3584, 64, 64, 8, 4, 3), (1792, 4096, 64, 64, 8, 4, 3),
+                              (1024, 4096, 32, 256, 1, 8, 3)),
     # bench/results/serve/pdl_2026-11-24: programmatic dependent launch takes 1.0-1.3 us off qkv and gate_up calls
     # of the folded kernels (the expand starts while the GEMM drains), 0.3-2.4 us off the two-launch kernels', and
     # is level (+-0.2 us) on the folded o and down.

@@ -15,7 +15,8 @@ graph and replayed (launch gaps as vLLM's graphs have them):
     fold_gemv     decode_lora_folded(kernel="gemv") per tile candidate (block_n, block_k, warps, stages): base GEMM,
                   shrink and expand in one launch (T <= 64); candidates with local_shrink (the shrink per output
                   tile) are timed plain and with pdl, their best under fold_gemv_local(_pdl); at T=1 those with
-                  one_token too (multiply-and-sum, no tl.dot), under fold_gemv_one_token(_pdl)
+                  one_token too (fp32 products summed over the input once, no tl.dot), under
+                  fold_gemv_one_token(_pdl); ``--gemv-kinds`` times only some of the kinds (shared, local, one_token)
     *_pdl         fold_decode, fold_gemm (best tiles), fold_gemv (best tiles) and two_launch again with pdl=True:
                   launched with programmatic dependent launch (Hopper+), the LoRA weights and slot ids read before
                   the wait on the kernel before
@@ -58,14 +59,25 @@ GEMV_TILES = [  # (block_n, block_k, split_k, warps, stages[, local_shrink[, one
     (32, 256, 2, 4, 3, True), (64, 128, 2, 4, 3, True), (16, 128, 4, 2, 4, True), (32, 128, 4, 4, 3, True),
     (64, 128, 4, 4, 3, True), (32, 256, 4, 4, 3, True), (32, 512, 4, 4, 2, True), (64, 256, 4, 4, 3, True),
     (128, 128, 8, 4, 3, True),
-    (32, 64, 1, 4, 4, True, True), (32, 128, 1, 4, 4, True, True), (64, 128, 1, 4, 3, True, True),
-    (32, 128, 4, 4, 3, True, True), (64, 128, 4, 4, 3, True, True), (128, 128, 1, 4, 3, True, True),
-    (128, 64, 1, 8, 4, True, True), (256, 64, 1, 8, 3, True, True)]
+    *[(bn, bk, sk, w, 3, True, True) for bn, bk, sk, w in (
+        (16, 128, 1, 2), (16, 256, 1, 4), (16, 512, 1, 4), (32, 64, 1, 2), (32, 128, 1, 4), (32, 256, 1, 4),
+        (32, 256, 1, 8), (64, 64, 1, 4), (64, 128, 1, 8), (128, 64, 1, 8), (16, 256, 2, 2), (32, 128, 2, 4),
+        (64, 64, 2, 4), (16, 128, 4, 2), (32, 128, 4, 4), (64, 128, 4, 8), (32, 64, 8, 2), (64, 64, 8, 4),
+        (64, 64, 16, 4), (128, 64, 8, 8), (32, 64, 8, 4), (64, 128, 8, 8), (32, 128, 8, 4), (64, 32, 8, 4),
+        (128, 32, 8, 4), (16, 256, 1, 8), (32, 128, 4, 8), (64, 64, 4, 4), (128, 64, 4, 8), (64, 128, 2, 8),
+        (32, 256, 2, 8), (16, 256, 2, 4), (128, 128, 4, 8))]]
 
 
 def gemv_name(gt) -> str:
     """A GEMV_TILES row's key in the results: fold_gemv_<block_n>x<block_k>k<split_k>w<warps>s<stages>[L[1]]."""
     return "fold_gemv_{}x{}k{}w{}s{}".format(*gt[:5]) + "".join(f for f, v in zip("L1", gt[5:]) if v)
+
+
+def gemv_kind(g) -> str:
+    """A GemvTiles' kind for ``--gemv-kinds``: shared, local or one_token."""
+    return "one_token" if g.one_token else "local" if g.local_shrink else "shared"
+
+
 PATHS = ("base", "gemm_w_ext", "fold_decode", "two_launch", "fold_gemm", "fold_cublas", "fold_gemv", "punica")
 
 
@@ -243,6 +255,8 @@ def main():
     ap.add_argument("--adapter-rank", type=float, default=0.6, help="adapter rank as a fraction of the buffer rank")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
     ap.add_argument("--fold-tiles", default="all", help="fold_gemm tiles: all (TILES) or one 'bm,bn,warps'")
+    ap.add_argument("--gemv-kinds", default="shared,local,one_token",
+                    help="fold_gemv candidates timed: comma-separated subset of shared, local, one_token")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--eager", action="store_true", help="also time every path eagerly: host and wall us per call "
                     "(eager_us; keys eager_<path> = [host, wall])")
@@ -391,6 +405,8 @@ def main():
                         continue
                     if g.one_token and t > 1:
                         continue  # the same kernel as without one_token
+                    if gemv_kind(g) not in a.gemv_kinds.split(","):
+                        continue
                     fam = "fold_gemv_one_token" if g.one_token else "fold_gemv_local" if g.local_shrink else "fold_gemv"
                     try:  # local shrink: every candidate plain and pdl (it reads weights before the wait)
                         for pdl in ((False, True) if g.local_shrink else (False,)):
