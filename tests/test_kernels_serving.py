@@ -236,7 +236,8 @@ def test_tuning_table_lookup_and_overrides():
     one = t.gemv_one_token_tiles_for(512, 4096, (0, 4096))
     assert one.local_shrink and one.one_token and one == GemvTiles(*t.gemv_one_token_shapes[1][2:], True, True)
     assert t.gemv_one_token_tiles_for(4096, 768, (0, 512, 640, 768)) is not None
-    assert t.gemv_one_token_tiles_for(4096, 1536) is None and g.gemv_one_token_tiles_for(7, 9) is None
+    assert t.gemv_one_token_tiles_for(4096, 7168) is None and g.gemv_one_token_tiles_for(7, 9) is None
+    assert t.gemv_one_token_tiles_for(4096, 3584) and h100.gemv_one_token_tiles_for(4096, 3584) is None  # measured
     o1, _ = serving_tuning("cpu", override={"gemv_one_token_shapes": [[0, 0, 32, 16, 2, 1, 1]]})
     assert o1.fold_gemv_max == 0 and o1.gemv_one_token_tiles_for(7, 64) == GemvTiles(32, 16, 2, 1, 1, True, True)
     assert o1.gemv_one_token_tiles_for(7, 64, (0, 48, 64)) is None  # a tile would straddle the slices at 48

@@ -160,12 +160,13 @@ _H200 = MappingProxyType({
     "fold_gemv_max": 16,
     "gemv_shapes": ((3584, 4096, 16, 256, 1, 2, 4), (4096, 3584, 16, 256, 1, 2, 4),
                     (512, 4096, 32, 64, 1, 4, 4, 1), (1792, 4096, 32, 128, 1, 4, 4, 1)),
-    # bench/results/serve/gemv_one_token_2026-11-25 (H200, pdl, T=1): the per-tile kernel with one-token products
-    # (no tl.dot padding to 16 rows) beats every other path on all four TP=8 modules (qkv 6.5 vs 7.1 us, o 3.8 vs
-    # 4.3, gate_up 13.3 vs 13.6, down 8.7 vs 9.2; no LoRA 5.9, 3.7, 12.6, 6.9) and on TP=4's o (6.4 vs 6.5).
-    "gemv_one_token_shapes": ((4096, 768, 32, 128, 4, 4, 3), (512, 4096, 16, 256, 1, 4, 3),
+    # bench/results/serve/gemv_one_token_2026-11-25 (H200, pdl, T=1, us per call): the per-tile kernel with
+    # one-token products (no tl.dot padding to 16 rows) beats every other path on TP=8's four modules (qkv 5.7 vs
+    # 7.1, o 3.7 vs 4.3, gate_up 13.2 vs 13.6, down 8.7 vs 9.2; no LoRA 5.9, 3.7, 12.6, 6.9) and TP=4's qkv (9.6 vs
+    # 10.2) and o (6.4 vs 6.5); on TP=4's gate_up and down (rank 64: A's rows read again per tile) it loses.
+    "gemv_one_token_shapes": ((4096, 768, 32, 128, 8, 4, 3), (512, 4096, 16, 256, 1, 8, 3),
                               (4096, 3584, 64, 64, 8, 4, 3), (1792, 4096, 64, 64, 8, 4, 3),
-                              (1024, 4096, 32, 256, 1, 8, 3)),
+                              (4096, 1536, 64, 64, 16, 4, 3), (1024, 4096, 128, 128, 4, 8, 3)),
     # bench/results/serve/pdl_2026-11-24: programmatic dependent launch takes 1.0-1.3 us off qkv and gate_up calls
     # of the folded kernels (the expand starts while the GEMM drains), 0.3-2.4 us off the two-launch kernels', and
     # is level (+-0.2 us) on the folded o and down.
@@ -176,8 +177,12 @@ _H200 = MappingProxyType({
 TABLE: Mapping[str, Mapping] = MappingProxyType({
     "NVIDIA H200": _H200,
     # The H200's entry: in the H100's own sweep (bench/results/serve/pdl_2026-11-24) the same one-launch rows win
-    # (TP=8 gate_up 16.0 vs 17.1 us at T=1, TP=4 down 16.0 vs 18.0 at T=16, level at T=1) and so does pdl.
-    "NVIDIA H100 80GB HBM3": _H200,
+    # (TP=8 gate_up 16.0 vs 17.1 us at T=1, TP=4 down 16.0 vs 18.0 at T=16, level at T=1) and so does pdl. One
+    # token (gemv_one_token_2026-11-25, H100): the same rows win but TP=8's gate_up (16.1 vs the shared-shrink
+    # kernel's 16.0: that row stays) and down, whose best tiles differ (9.7 vs 10.2 us).
+    "NVIDIA H100 80GB HBM3": MappingProxyType({**_H200, "gemv_one_token_shapes": (
+        (4096, 768, 32, 128, 8, 4, 3), (512, 4096, 16, 256, 1, 8, 3), (1792, 4096, 32, 256, 1, 8, 3),
+        (4096, 1536, 64, 64, 16, 4, 3), (1024, 4096, 128, 128, 4, 8, 3))}),
 })
 
 #: Unknown CUDA GPUs: the kernels are correct on any CUDA device; cut-offs of the measured Hopper parts, with vLLM's
