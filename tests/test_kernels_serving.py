@@ -135,9 +135,10 @@ def test_gemv_local_shrink_matches_float64_oracle(tiles, case):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_gemv_one_token_matches_float64_oracle(seed):
-    """``one_token``: a one-token call multiplies and sums (BLOCK_M = 1, no tl.dot): a token of any slot (ragged
-    ranks, an empty one) or without LoRA, split-K or not, equals the oracle, and equals the tl.dot kernel's result
-    to fp32 rounding; more than one token runs the tl.dot kernel, bit for bit the same as without the flag."""
+    """``one_token``: a one-token call accumulates fp32 products through its K loop and sums them once (BLOCK_M = 1,
+    no tl.dot; 48 inputs in 3 steps of 16): a token of any slot (ragged ranks, an empty one) or without LoRA,
+    split-K or not, equals the oracle, and equals the tl.dot kernel's result to fp32 rounding; more than one token
+    runs the tl.dot kernel, bit for bit the same as without the flag."""
     folded, x, b, idx, rk, scales, offs, want = _oracle_case(400 + seed, [8, 16, 0, 32, 5], [64, 32, 32], 1, 48,
                                                              p_none=0.3)
     for split_k in (1, 3):

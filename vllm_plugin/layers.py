@@ -17,10 +17,10 @@ device's entry in ``bdlora.kernels.tuning`` (one table of measured cut-offs per 
 is built. A layer whose base weight can fold (and whose LoRA rows stay under ``fold_max_extra`` of its outputs) goes
 through ``torch.ops.bdlora.fold_linear`` with the table's cut-offs: up to ``fold_gemv_max`` tokens, on the shapes
 the table lists for it, the one-launch kernel (base GEMM, shrink and expand together; a one-token forward with its
-own tiles where the table has them, ``gemv_one_token_shapes``); up to ``fold_decode_max``
-tokens the per-token ``decode_lora_folded`` kernel, up to ``fold_gemm_max`` its tiled kernel (any token count:
-prefill too), above the base GEMM on W's view and vLLM's punica path; a layer that cannot fold runs the two-launch
-decode kernel up to ``two_launch_max`` tokens and vLLM's path above. The choice is made inside the opaque custom op
+own tiles where the table has them, ``gemv_one_token_shapes``); up to ``fold_decode_max`` tokens the per-token
+``decode_lora_folded`` kernel, up to ``fold_gemm_max`` its tiled kernel (any token count: prefill too), above the
+base GEMM on W's view and vLLM's punica path; a layer that cannot fold runs the two-launch decode kernel up to
+``two_launch_max`` tokens and vLLM's path above. The choice is made inside the opaque custom op
 when it runs, so each captured CUDA-graph size holds its own path. The per-token and tiled kernels run through one
 ``bdlora.kernels.decode.FoldedLaunch`` per layer and tiles, prepared on first use (prefills run eagerly: their host
 time counts). The opt-in flags below keep their fixed behaviour (experiments).

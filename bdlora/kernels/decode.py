@@ -474,10 +474,10 @@ def _fold_gemv_local_kernel(
 
     round: to x's dtype, as the folded GEMM rounds the shrink. BLOCK_M == 1 (``GemvTiles.one_token``, T == 1): the
     fp32 products accumulate per (k, column) through the loop and are summed over k once after it, not tl.dot,
-    which pads the token to 16 rows. Every tile
-    reads A's rows of its slice again (from L2: A is S * L * R rows against W's d_out), so no program waits on
-    another: no grid-wide hand-off, unlike ``_fold_gemv_kernel``. The slot ids, ranks, scales, the tile's B and the
-    first BLOCK_K columns of its W and A rows are read before ``gdc_wait`` (USE_GDC), x after it."""
+    which pads the token to 16 rows. Every tile reads A's rows of its slice again (from L2: A is S * L * R rows
+    against W's d_out), so no program waits on another: no grid-wide hand-off, unlike ``_fold_gemv_kernel``. The
+    slot ids, ranks, scales, the tile's B and the first BLOCK_K columns of its W and A rows are read before
+    ``gdc_wait`` (USE_GDC), x after it."""
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
