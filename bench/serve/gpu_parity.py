@@ -5,8 +5,9 @@
 Builds the tiny random Llama (hidden 256, 4 heads, 2 KV heads) and PEFT-written adapters (BD N=2 r=8, BD N=2 r=16, BD
 N=4 r=16, dense r=8, an lm_head-only r=8) in a temp dir, serves them all at once with vLLM + the plugin
 (``additional_config {"bdlora": True}``) at the given TP degree, in eager mode and with CUDA graphs, and compares
-every request of one mixed batch (base + all adapters) with HF + PEFT on CPU in float32 (teacher forced): greedy token
-equality and the max |logprob| difference. Greedy tokens must be equal, except at a near-tie: a request whose first
+every request of one mixed batch (base + all adapters), and two BD adapters' requests each alone (batch 1: decode
+steps of one token), with HF + PEFT on CPU in float32 (teacher forced): greedy token equality and the max |logprob|
+difference. Greedy tokens must be equal, except at a near-tie: a request whose first
 differing token had HF's own margin (its choice over the engine's, in logprob) below the logprob tolerance still
 passes, listed under ``near_tie_flips`` (with a float16 engine against a float32 reference such a tie can go either
 way); its later tokens are still checked through the logprob bound, teacher forced on the engine's tokens. In eager
@@ -98,7 +99,11 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
         rows = T.parity_report(model, jobs, outs, [adapters[lr.lora_name] if lr else None for _, lr in jobs])
         logits_all = llm.collective_rpc(D.read_logits_lora)[0]
         rows += logits_rows
-        result = {"eager": eager, "startup_s": round(startup, 1), "requests": rows,
+        # batch 1: two BD adapters' requests, each alone (decode steps of ONE token: the one-token paths)
+        alone = [j for j in jobs if j[1] is not None and j[1].lora_name.startswith("bd")][:2]
+        alone_rows = [row for job in alone for row in T.parity_report(
+            model, [job], T.generate_mixed(llm, [job], max_tokens=max_tokens), [adapters[job[1].lora_name]])]
+        result = {"eager": eager, "startup_s": round(startup, 1), "requests": rows, "requests_alone": alone_rows,
                   "logits_lora": {"bd_only": logits_bd, "with_lm_head": logits_all}}
         result["logits_ok"] = (logits_bd.get("class") == "BDLogitsProcessorWithLoRA" and logits_bd["ran"] >= 1
                                and logits_bd["skipped"] > 0 and logits_all["ran"] > logits_bd["ran"])
@@ -129,7 +134,7 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
             again = T.parity_report(model, jobs[:3], T.generate_mixed(llm, jobs[:3], max_tokens=max_tokens),
                                     [adapters[lr.lora_name] if lr else None for _, lr in jobs[:3]])
             result["requests_after_self_check"] = again
-        every = rows + result.get("requests_after_self_check", [])
+        every = rows + alone_rows + result.get("requests_after_self_check", [])
         result["tokens_equal"] = all(r["tokens_equal"] for r in every)
         result["max_logprob_diff"] = max(r["max_logprob_diff"] for r in every)
         result["near_tie_flips"] = [{k: r[k] for k in ("adapter", "hf_gap_at_flip", "max_logprob_diff")}
