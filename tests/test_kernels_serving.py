@@ -133,27 +133,29 @@ def test_gemv_local_shrink_matches_float64_oracle(tiles, case):
     assert torch.equal(ys[0], ys[1]) and not ws.counters.any(), ws.counters
 
 
+@pytest.mark.parametrize("local_shrink", [True, False], ids=["per-tile", "shared"])
 @pytest.mark.parametrize("seed", range(6))
-def test_gemv_one_token_matches_float64_oracle(seed):
+def test_gemv_one_token_matches_float64_oracle(seed, local_shrink):
     """``one_token``: a one-token call accumulates fp32 products through its K loop and sums them once (BLOCK_M = 1,
-    no tl.dot; 48 inputs in 3 steps of 16): a token of any slot (ragged ranks, an empty one) or without LoRA,
+    no tl.dot; 48 inputs in 3 steps of 16), in the per-tile kernel and in the shared-shrink one (whose expand is then
+    a multiply-and-sum too; one slot or several): a token of any slot (ragged ranks, an empty one) or without LoRA,
     split-K or not, equals the oracle, and equals the tl.dot kernel's result to fp32 rounding; more than one token
     runs the tl.dot kernel, bit for bit the same as without the flag."""
-    folded, x, b, idx, rk, scales, offs, want = _oracle_case(400 + seed, [8, 16, 0, 32, 5], [64, 32, 32], 1, 48,
-                                                             p_none=0.3)
-    for split_k in (1, 3):
-        one = GemvTiles(16, 16, split_k, 1, 1, True, True)
-        y = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv", gemv_tiles=one).out
-        torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
-        y_dot = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv",
-                                     gemv_tiles=GemvTiles(16, 16, split_k, 1, 1, True)).out
-        torch.testing.assert_close(y, y_dot, rtol=1e-5, atol=1e-5)
+    for ranks in ([8, 16, 0, 32, 5], [16]):
+        folded, x, b, idx, rk, scales, offs, want = _oracle_case(400 + seed, ranks, [64, 32, 32], 1, 48,
+                                                                 p_none=0.3)
+        for split_k in (1, 3):
+            one = GemvTiles(16, 16, split_k, 1, 1, local_shrink, True)
+            y = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv", gemv_tiles=one).out
+            torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
+            y_dot = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv",
+                                         gemv_tiles=GemvTiles(16, 16, split_k, 1, 1, local_shrink)).out
+            torch.testing.assert_close(y, y_dot, rtol=1e-5, atol=1e-5)
     folded, x, b, idx, rk, scales, offs, _ = _oracle_case(410 + seed, [8, 16], [64, 32, 32], 3, 48)
     ys = [K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv",
-                               gemv_tiles=GemvTiles(16, 16, 2, 1, 1, True, flag)).out for flag in (False, True)]
+                               gemv_tiles=GemvTiles(16, 16, 2, 1, 1, local_shrink, flag)).out
+          for flag in (False, True)]
     assert torch.equal(ys[0], ys[1])
-    with pytest.raises(ValueError, match="one_token is a variant of the local_shrink kernel"):
-        GemvTiles(16, 16, 1, 1, 1, False, True)
 
 
 def test_gemv_local_shrink_refuses_tiles_straddling_slices():

@@ -267,6 +267,14 @@ def _one_slot_factors(b_ptr, ranks_ptr, scales_ptr, cs, cmask, R, BLOCK_R: tl.co
 
 
 @jit
+def _gemv_dot(a, b, PREC: tl.constexpr):
+    """a (M, K) @ b (K, N) in fp32: tl.dot, or for M == 1 (tl.dot takes M >= 16) a broadcast multiply-and-sum."""
+    if a.shape[0] == 1:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return tl.dot(a, b, input_precision=PREC)
+
+
+@jit
 def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scales_ptr, d_out, n_loras, R, sl,
                      one_b, one_r, one_scale,
                      BLOCK_R: tl.constexpr, ONE_SLOT: tl.constexpr, PREC: tl.constexpr, CACHE: tl.constexpr):
@@ -276,7 +284,7 @@ def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scale
 
     for the rows with a slot (a[t] >= 0, rank > 0) and the columns in ``cmask``; ``s_rows`` (rows x 1 pointers) is
     where each row's shrink S starts. Several slots: a loop over them that skips (in the kernel) those no row uses,
-    one tl.dot each. One slot (ONE_SLOT): B, rank and scale come in as ``one_b``, ``one_r``, ``one_scale``
+    one tl.dot each (a multiply-and-sum for one row, ``_gemv_dot``). One slot (ONE_SLOT): B, rank and scale come in as ``one_b``, ``one_r``, ``one_scale``
     (``_one_slot_factors``, the tile's columns, loaded before the caller waited for S; ``cmask`` picks this slice's
     columns of it); unused otherwise. CACHE: the cache modifier of S's load ("" or ".cg" for a shrink another
     program of the same launch wrote)."""
@@ -286,7 +294,7 @@ def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scale
                      cache_modifier=CACHE)
         sv = tl.where((a == 0)[:, None] & (rr < one_r)[None, :], sv, 0.0).to(one_b.dtype)
         bv = tl.where(cmask[None, :], one_b, 0.0)  # a tile straddling two slices: only this slice's columns
-        acc += tl.dot(sv, bv, input_precision=PREC) * one_scale
+        acc += _gemv_dot(sv, bv, PREC) * one_scale
     else:
         for l in range(0, n_loras):
             sel = a == l
@@ -297,7 +305,7 @@ def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scale
                              other=0.0, cache_modifier=CACHE)
                 bv = tl.load(b_ptr + (l * d_out + cs[None, :]).to(tl.int64) * R + rr[:, None],
                              mask=rmask[:, None] & cmask[None, :], other=0.0)
-                acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr + l)
+                acc += _gemv_dot(sv, bv, PREC) * tl.load(scales_ptr + l)
     return acc
 
 
@@ -375,6 +383,8 @@ def _fold_gemv_kernel(
     ids, so they are scheduled first and never wait themselves (the Triton interpreter runs programs in id order).
     With one slot, a W tile's B is loaded before the GEMM loop (it does not depend on the shrink). USE_GDC
     (programmatic dependent launch): that load comes before ``gdc_wait``, x (the previous kernel's output) after.
+    BLOCK_M == 1 (``GemvTiles.one_token``, T == 1): the products are fp32 per (k, column) through the loop, summed
+    over k once after it, not tl.dot (which pads the token to 16 rows).
     """
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -393,17 +403,28 @@ def _fold_gemv_kernel(
         one_b, one_r, one_scale = 0, 0, 0.0
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, d_in)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < k_hi
-        xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rowmask[:, None] & kmask[None, :],
-                     other=0.0)
-        wv = tl.load(w_ptr + cs.to(tl.int64)[None, :] * d_in + ks[:, None], mask=kmask[:, None] & cmask[None, :],
-                     other=0.0)
-        acc += tl.dot(xv, wv, input_precision=PREC)
+    if BLOCK_M == 1:  # one token (GemvTiles.one_token): fp32 products per (k, column), summed over k after the loop
+        acc_k = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < k_hi
+            xk = tl.load(x_ptr + ks[:, None], mask=kmask[:, None], other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + cs.to(tl.int64)[None, :] * d_in + ks[:, None],
+                         mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc_k += xk * wv.to(tl.float32)
+        acc = tl.sum(acc_k, axis=0)[None, :]
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < k_hi
+            xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rowmask[:, None] & kmask[None, :],
+                         other=0.0)
+            wv = tl.load(w_ptr + cs.to(tl.int64)[None, :] * d_in + ks[:, None],
+                         mask=kmask[:, None] & cmask[None, :], other=0.0)
+            acc += tl.dot(xv, wv, input_precision=PREC)
     finish = True
     if SPLIT_K > 1:
         tile_parts = part_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
@@ -442,14 +463,6 @@ def _fold_gemv_kernel(
             if done == n_w_tiles - 1:  # every W tile is past its wait: ready for the next call
                 tl.atomic_xchg(sync_ptr + 1, 0)
                 tl.atomic_xchg(sync_ptr, 0)
-
-
-@jit
-def _gemv_dot(a, b, PREC: tl.constexpr):
-    """a (M, K) @ b (K, N) in fp32: tl.dot, or for M == 1 (tl.dot takes M >= 16) a broadcast multiply-and-sum."""
-    if a.shape[0] == 1:
-        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    return tl.dot(a, b, input_precision=PREC)
 
 
 @jit(do_not_specialize=["T"])
@@ -731,9 +744,10 @@ class GemvTiles:
     programs per tile (each a 1/split_k share of the input columns), warps, pipeline stages; and where the shrink is
     computed: ``local_shrink`` False, by tiles of A's rows that the W tiles wait for (``_fold_gemv_kernel``); True,
     by every W tile for its own slice, so no program waits on another (``_fold_gemv_local_kernel``; every slice
-    offset must then be a multiple of block_n). ``one_token`` (with local_shrink): a call of one token accumulates
-    its fp32 products per (input column, output column) and sums them over the input once, not through tl.dot's
-    16-row tiles (serving: ``gemv_one_token_shapes``)."""
+    offset must then be a multiple of block_n). ``one_token``: a call of one token accumulates its fp32 products
+    per (input column, output column) and sums them over the input once, not through tl.dot's 16-row tiles
+    (serving: ``gemv_one_token_shapes``, with local_shrink; with the shared shrink a benchmark candidate, not yet
+    measured on a GPU)."""
 
     block_n: int = 16
     block_k: int = 256
@@ -741,7 +755,7 @@ class GemvTiles:
     warps: int = 4
     stages: int = 3
     local_shrink: bool = False
-    one_token: bool = False  # local_shrink: a one-token call sums fp32 products instead of tl.dot's 16-row tiles
+    one_token: bool = False  # a one-token call sums fp32 products instead of tl.dot's 16-row tiles
 
     def __post_init__(self):
         _check_dot_tiles(self, ("block_n", "block_k"))
@@ -750,8 +764,6 @@ class GemvTiles:
         for name in ("local_shrink", "one_token"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"GemvTiles: {name} must be true or false, got {getattr(self, name)!r}")
-        if self.one_token and not self.local_shrink:
-            raise ValueError("GemvTiles: one_token is a variant of the local_shrink kernel; set local_shrink=True")
 
     def fits_slices(self, slice_offsets: Sequence[int]) -> bool:
         """Whether these tiles take a layer of these slice offsets (local_shrink: no tile straddles two slices)."""
@@ -999,7 +1011,8 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     launch(_fold_gemv_kernel, ((n_a + n_w) * gt.split_k,),
         y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.shrink, workspace.partials,
         workspace.counters[2:], workspace.counters, t, x.stride(0), y.stride(0), d_in, d_out, a_rows, n_l, r,
-        *offs, n_a, n_w, k_chunk, N_SLICES=n_s, SPLIT_K=gt.split_k, BLOCK_M=max(16, next_pow2(t)),
+        *offs, n_a, n_w, k_chunk, N_SLICES=n_s, SPLIT_K=gt.split_k,
+        BLOCK_M=1 if t == 1 and gt.one_token else max(16, next_pow2(t)),
         BLOCK_N=gt.block_n, BLOCK_K=gt.block_k, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
         PREC=dispatch.dot_precision(x.dtype), USE_GDC=gdc, num_warps=gt.warps, num_stages=gt.stages,
         launch_pdl=gdc,

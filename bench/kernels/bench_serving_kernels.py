@@ -16,7 +16,9 @@ graph and replayed (launch gaps as vLLM's graphs have them):
                   shrink and expand in one launch (T <= 64); candidates with local_shrink (the shrink per output
                   tile) are timed plain and with pdl, their best under fold_gemv_local(_pdl); at T=1 those with
                   one_token too (fp32 products summed over the input once, no tl.dot), under
-                  fold_gemv_one_token(_pdl); ``--gemv-kinds`` times only some of the kinds (shared, local, one_token)
+                  fold_gemv_one_token(_pdl), and the shared-shrink kernel's one_token candidates (plain and pdl)
+                  under fold_gemv_shared_one_token(_pdl); ``--gemv-kinds`` times only some of the kinds (shared,
+                  local, one_token, shared_one_token)
     *_pdl         fold_decode, fold_gemm (best tiles), fold_gemv (best tiles) and two_launch again with pdl=True:
                   launched with programmatic dependent launch (Hopper+), the LoRA weights and slot ids read before
                   the wait on the kernel before
@@ -65,7 +67,11 @@ GEMV_TILES = [  # (block_n, block_k, split_k, warps, stages[, local_shrink[, one
         (64, 64, 2, 4), (16, 128, 4, 2), (32, 128, 4, 4), (64, 128, 4, 8), (32, 64, 8, 2), (64, 64, 8, 4),
         (64, 64, 16, 4), (128, 64, 8, 8), (32, 64, 8, 4), (64, 128, 8, 8), (32, 128, 8, 4), (64, 32, 8, 4),
         (128, 32, 8, 4), (16, 256, 1, 8), (32, 128, 4, 8), (64, 64, 4, 4), (128, 64, 4, 8), (64, 128, 2, 8),
-        (32, 256, 2, 8), (16, 256, 2, 4), (128, 128, 4, 8))]]
+        (32, 256, 2, 8), (16, 256, 2, 4), (128, 128, 4, 8))],
+    # the shared-shrink kernel with one-token products (TP=4's gate_up and down, where the per-tile shrink loses)
+    *[(bn, bk, sk, w, 3, False, True) for bn, bk, sk, w in (
+        (16, 256, 1, 2), (16, 256, 1, 4), (32, 128, 1, 4), (32, 256, 1, 8), (64, 64, 2, 4), (64, 128, 1, 8),
+        (16, 128, 4, 2), (32, 128, 4, 4), (64, 64, 8, 4), (128, 128, 4, 8))]]
 
 
 def gemv_name(gt) -> str:
@@ -74,8 +80,9 @@ def gemv_name(gt) -> str:
 
 
 def gemv_kind(g) -> str:
-    """A GemvTiles' kind for ``--gemv-kinds``: shared, local or one_token."""
-    return "one_token" if g.one_token else "local" if g.local_shrink else "shared"
+    """A GemvTiles' kind for ``--gemv-kinds``: shared, local, one_token (local) or shared_one_token."""
+    return ("one_token" if g.local_shrink else "shared_one_token") if g.one_token else (
+        "local" if g.local_shrink else "shared")
 
 
 PATHS = ("base", "gemm_w_ext", "fold_decode", "two_launch", "fold_gemm", "fold_cublas", "fold_gemv", "punica")
@@ -226,7 +233,8 @@ def check(dev) -> dict:
                 for g, pdl in ((GemvTiles(), False), (GemvTiles(64, 128, 1, 4, 3), False),
                                (GemvTiles(16, 64, 16, 2, 4), False), (GemvTiles(), True),
                                (GemvTiles(16, 64, 4, 2, 2, True), False), (GemvTiles(32, 64, 1, 4, 2, True), True),
-                               (GemvTiles(32, 64, 2, 4, 2, True, True), True)):
+                               (GemvTiles(32, 64, 2, 4, 2, True, True), True),
+                               (GemvTiles(16, 128, 2, 2, 3, False, True), True)):
                     if not g.fits_slices(offs):
                         continue
                     ws.reserve(f, t, g)
@@ -255,8 +263,9 @@ def main():
     ap.add_argument("--adapter-rank", type=float, default=0.6, help="adapter rank as a fraction of the buffer rank")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
     ap.add_argument("--fold-tiles", default="all", help="fold_gemm tiles: all (TILES) or one 'bm,bn,warps'")
-    ap.add_argument("--gemv-kinds", default="shared,local,one_token",
-                    help="fold_gemv candidates timed: comma-separated subset of shared, local, one_token")
+    ap.add_argument("--gemv-kinds", default="shared,local,one_token,shared_one_token",
+                    help="fold_gemv candidates timed: comma-separated subset of shared, local, one_token, "
+                    "shared_one_token")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--eager", action="store_true", help="also time every path eagerly: host and wall us per call "
                     "(eager_us; keys eager_<path> = [host, wall])")
@@ -407,9 +416,10 @@ def main():
                         continue  # the same kernel as without one_token
                     if gemv_kind(g) not in a.gemv_kinds.split(","):
                         continue
-                    fam = "fold_gemv_one_token" if g.one_token else "fold_gemv_local" if g.local_shrink else "fold_gemv"
-                    try:  # local shrink: every candidate plain and pdl (it reads weights before the wait)
-                        for pdl in ((False, True) if g.local_shrink else (False,)):
+                    fam = {"shared": "fold_gemv", "local": "fold_gemv_local", "one_token": "fold_gemv_one_token",
+                           "shared_one_token": "fold_gemv_shared_one_token"}[gemv_kind(g)]
+                    try:  # local shrink or one token: every candidate plain and pdl (as served)
+                        for pdl in ((False, True) if g.local_shrink or g.one_token else (False,)):
                             us = folded_us(kernel="gemv", gemv_tiles=g, workspace=gemv_ws, pdl=pdl)
                             row[gemv_name(gt) + "_pdl" * pdl] = us
                             if best.get(fam + "_pdl" * pdl) is None or us < best[fam + "_pdl" * pdl][0]:
