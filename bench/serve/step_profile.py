@@ -229,7 +229,8 @@ def main():
         return
     python_all = python_profile(generate, most=None)
     python_top = python_all[:25]
-    python_lora = [row for row in python_all if "lora" in row[0]][:40]  # vLLM's LoRA machinery and the plugin
+    # vLLM's LoRA machinery and the plugin (vllm_plugin/..., whose paths need not say "lora")
+    python_lora = [row for row in python_all if "lora" in row[0] or row[0].startswith("vllm_plugin/")][:60]
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         generate()
