@@ -275,6 +275,38 @@ def _gemv_dot(a, b, PREC: tl.constexpr):
 
 
 @jit
+def _gemv_x(x_ptr, rows, stride_x, ks, rowmask, kmask, BLOCK_M: tl.constexpr):
+    """x's columns ``ks`` for one K step of the one-launch kernels: (BLOCK_M, BLOCK_K) for ``tl.dot``, or for one
+    token (BLOCK_M == 1, ``GemvTiles.one_token``) a (BLOCK_K, 1) fp32 column."""
+    if BLOCK_M == 1:  # if / else, one return: Triton type-checks every return statement, taken or not
+        xv = tl.load(x_ptr + ks[:, None], mask=kmask[:, None], other=0.0).to(tl.float32)
+    else:
+        xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rowmask[:, None] & kmask[None, :],
+                     other=0.0)
+    return xv
+
+
+@jit
+def _gemv_step(xv, wv, PREC: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One K step's contribution: x @ w (BLOCK_M, BLOCK_N) by tl.dot, or for one token the fp32 products per
+    (k, column), (BLOCK_K, BLOCK_N): summed over k once after the loop (``_gemv_total``), not per step (a
+    cross-thread reduction each step), and without tl.dot's padding of the token to 16 rows."""
+    if BLOCK_M == 1:
+        prod = xv * wv.to(tl.float32)
+    else:
+        prod = tl.dot(xv, wv, input_precision=PREC)
+    return prod
+
+
+@jit
+def _gemv_total(acc, BLOCK_M: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) result of the ``_gemv_step`` sums (one token: the sum over k)."""
+    if BLOCK_M == 1:
+        acc = tl.sum(acc, axis=0)[None, :]
+    return acc
+
+
+@jit
 def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scales_ptr, d_out, n_loras, R, sl,
                      one_b, one_r, one_scale,
                      BLOCK_R: tl.constexpr, ONE_SLOT: tl.constexpr, PREC: tl.constexpr, CACHE: tl.constexpr):
@@ -384,7 +416,7 @@ def _fold_gemv_kernel(
     With one slot, a W tile's B is loaded before the GEMM loop (it does not depend on the shrink). USE_GDC
     (programmatic dependent launch): that load comes before ``gdc_wait``, x (the previous kernel's output) after.
     BLOCK_M == 1 (``GemvTiles.one_token``, T == 1): the products are fp32 per (k, column) through the loop, summed
-    over k once after it, not tl.dot (which pads the token to 16 rows).
+    over k once after it, not tl.dot (which pads the token to 16 rows; ``_gemv_step``).
     """
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -405,26 +437,15 @@ def _fold_gemv_kernel(
         tl.extra.cuda.gdc_wait()
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, d_in)
-    if BLOCK_M == 1:  # one token (GemvTiles.one_token): fp32 products per (k, column), summed over k after the loop
-        acc_k = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            kmask = ks < k_hi
-            xk = tl.load(x_ptr + ks[:, None], mask=kmask[:, None], other=0.0).to(tl.float32)
-            wv = tl.load(w_ptr + cs.to(tl.int64)[None, :] * d_in + ks[:, None],
-                         mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc_k += xk * wv.to(tl.float32)
-        acc = tl.sum(acc_k, axis=0)[None, :]
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            kmask = ks < k_hi
-            xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rowmask[:, None] & kmask[None, :],
-                         other=0.0)
-            wv = tl.load(w_ptr + cs.to(tl.int64)[None, :] * d_in + ks[:, None],
-                         mask=kmask[:, None] & cmask[None, :], other=0.0)
-            acc += tl.dot(xv, wv, input_precision=PREC)
+    acc = tl.zeros((BLOCK_K if BLOCK_M == 1 else BLOCK_M, BLOCK_N), dtype=tl.float32)  # one token: per (k, column)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < k_hi
+        xv = _gemv_x(x_ptr, rows, stride_x, ks, rowmask, kmask, BLOCK_M)
+        wv = tl.load(w_ptr + cs.to(tl.int64)[None, :] * d_in + ks[:, None], mask=kmask[:, None] & cmask[None, :],
+                     other=0.0)
+        acc += _gemv_step(xv, wv, PREC, BLOCK_M)
+    acc = _gemv_total(acc, BLOCK_M)
     finish = True
     if SPLIT_K > 1:
         tile_parts = part_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
@@ -487,10 +508,10 @@ def _fold_gemv_local_kernel(
 
     round: to x's dtype, as the folded GEMM rounds the shrink. BLOCK_M == 1 (``GemvTiles.one_token``, T == 1): the
     fp32 products accumulate per (k, column) through the loop and are summed over k once after it, not tl.dot,
-    which pads the token to 16 rows. Every tile reads A's rows of its slice again (from L2: A is S * L * R rows
-    against W's d_out), so no program waits on another: no grid-wide hand-off, unlike ``_fold_gemv_kernel``. The
-    slot ids, ranks, scales, the tile's B and the first BLOCK_K columns of its W and A rows are read before
-    ``gdc_wait`` (USE_GDC), x after it."""
+    which pads the token to 16 rows (``_gemv_step``). Every tile reads A's rows of its slice again (from L2: A is
+    S * L * R rows against W's d_out), so no program waits on another: no grid-wide hand-off, unlike
+    ``_fold_gemv_kernel``. The slot ids, ranks, scales, the tile's B and the first BLOCK_K columns of its W and A rows
+    are read before ``gdc_wait`` (USE_GDC), x after it."""
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
@@ -520,36 +541,19 @@ def _fold_gemv_local_kernel(
     av = tl.load(w_ptr + a_rows + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-    if BLOCK_M == 1:
-        # one token: the fp32 products accumulate per (k, column) over the loop and are summed over k once after
-        # it (tl.dot would pad the token to 16 rows; a sum per step costs a cross-thread reduction per step)
-        xk = tl.load(x_ptr + ks[:, None], mask=kmask[:, None], other=0.0).to(tl.float32)
-        acc_k = xk * wv.to(tl.float32)
-        s_k = xk * av.to(tl.float32)
-        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            kmask = ks < k_hi
-            xk = tl.load(x_ptr + ks[:, None], mask=kmask[:, None], other=0.0).to(tl.float32)
-            wv = tl.load(w_ptr + w_rows + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-            av = tl.load(w_ptr + a_rows + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
-            acc_k += xk * wv.to(tl.float32)
-            s_k += xk * av.to(tl.float32)
-        acc = tl.sum(acc_k, axis=0)[None, :]
-        s_acc = tl.sum(s_k, axis=0)[None, :]
-    else:
-        xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rowmask[:, None] & kmask[None, :],
-                     other=0.0)
-        acc = tl.dot(xv, wv, input_precision=PREC)
-        s_acc = tl.dot(xv, av, input_precision=PREC)
-        for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            kmask = ks < k_hi
-            xv = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=rowmask[:, None] & kmask[None, :],
-                         other=0.0)
-            wv = tl.load(w_ptr + w_rows + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-            av = tl.load(w_ptr + a_rows + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
-            acc += tl.dot(xv, wv, input_precision=PREC)
-            s_acc += tl.dot(xv, av, input_precision=PREC)
+    xv = _gemv_x(x_ptr, rows, stride_x, ks, rowmask, kmask, BLOCK_M)
+    acc = _gemv_step(xv, wv, PREC, BLOCK_M)  # one token (BLOCK_M == 1): fp32 products per (k, column)
+    s_acc = _gemv_step(xv, av, PREC, BLOCK_M)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < k_hi
+        xv = _gemv_x(x_ptr, rows, stride_x, ks, rowmask, kmask, BLOCK_M)
+        wv = tl.load(w_ptr + w_rows + ks[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+        av = tl.load(w_ptr + a_rows + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
+        acc += _gemv_step(xv, wv, PREC, BLOCK_M)
+        s_acc += _gemv_step(xv, av, PREC, BLOCK_M)
+    acc = _gemv_total(acc, BLOCK_M)
+    s_acc = _gemv_total(s_acc, BLOCK_M)
     finish = True
     if SPLIT_K > 1:
         per_split = BLOCK_M * (BLOCK_N + BLOCK_J)
@@ -765,6 +769,11 @@ class GemvTiles:
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"GemvTiles: {name} must be true or false, got {getattr(self, name)!r}")
 
+    def block_m(self, tokens: int) -> int:
+        """The kernels' token rows for a call of ``tokens`` tokens: 1 for one token with ``one_token``, else T
+        rounded up to a power of two >= 16 (tl.dot)."""
+        return 1 if tokens == 1 and self.one_token else max(16, next_pow2(tokens))
+
     def fits_slices(self, slice_offsets: Sequence[int]) -> bool:
         """Whether these tiles take a layer of these slice offsets (local_shrink: no tile straddles two slices)."""
         return not self.local_shrink or all(int(o) % self.block_n == 0 for o in slice_offsets[1:-1])
@@ -792,7 +801,7 @@ class GemvWorkspace:
     def needs(folded: "FoldedWeight", tokens: int, tiles: GemvTiles) -> tuple[int, int, int]:
         """(shrink entries, partial floats, counters) one call needs."""
         a_rows = folded.w_ext.shape[0] - folded.d_out
-        block_m = 1 if tokens == 1 and tiles.one_token else max(16, next_pow2(tokens))
+        block_m = tiles.block_m(tokens)
         if tiles.local_shrink:  # per tile: its columns and (at most, one slice's) shrink; no shared shrink
             n_tiles = -(-folded.d_out // tiles.block_n)
             width, shrink = tiles.block_n + max(16, next_pow2(a_rows)), 0
@@ -1003,7 +1012,7 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         launch(_fold_gemv_local_kernel, (n_w * gt.split_k,),
             y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.partials, workspace.counters[2:], t,
             x.stride(0), y.stride(0), d_in, d_out, n_l, r, *offs[:3], k_chunk, SPLIT_K=gt.split_k,
-            BLOCK_M=1 if t == 1 and gt.one_token else max(16, next_pow2(t)), BLOCK_N=gt.block_n,
+            BLOCK_M=gt.block_m(t), BLOCK_N=gt.block_n,
             BLOCK_K=gt.block_k, BLOCK_J=max(16, next_pow2(n_l * r)), PREC=dispatch.dot_precision(x.dtype),
             USE_GDC=gdc, num_warps=gt.warps, num_stages=gt.stages, launch_pdl=gdc,
         )
@@ -1011,9 +1020,8 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     launch(_fold_gemv_kernel, ((n_a + n_w) * gt.split_k,),
         y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.shrink, workspace.partials,
         workspace.counters[2:], workspace.counters, t, x.stride(0), y.stride(0), d_in, d_out, a_rows, n_l, r,
-        *offs, n_a, n_w, k_chunk, N_SLICES=n_s, SPLIT_K=gt.split_k,
-        BLOCK_M=1 if t == 1 and gt.one_token else max(16, next_pow2(t)),
-        BLOCK_N=gt.block_n, BLOCK_K=gt.block_k, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
+        *offs, n_a, n_w, k_chunk, N_SLICES=n_s, SPLIT_K=gt.split_k, BLOCK_M=gt.block_m(t), BLOCK_N=gt.block_n,
+        BLOCK_K=gt.block_k, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
         PREC=dispatch.dot_precision(x.dtype), USE_GDC=gdc, num_warps=gt.warps, num_stages=gt.stages,
         launch_pdl=gdc,
     )

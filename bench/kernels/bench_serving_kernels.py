@@ -416,8 +416,7 @@ def main():
                         continue  # the same kernel as without one_token
                     if gemv_kind(g) not in a.gemv_kinds.split(","):
                         continue
-                    fam = {"shared": "fold_gemv", "local": "fold_gemv_local", "one_token": "fold_gemv_one_token",
-                           "shared_one_token": "fold_gemv_shared_one_token"}[gemv_kind(g)]
+                    fam = "fold_gemv" if gemv_kind(g) == "shared" else "fold_gemv_" + gemv_kind(g)
                     try:  # local shrink or one token: every candidate plain and pdl (as served)
                         for pdl in ((False, True) if g.local_shrink or g.one_token else (False,)):
                             us = folded_us(kernel="gemv", gemv_tiles=g, workspace=gemv_ws, pdl=pdl)
