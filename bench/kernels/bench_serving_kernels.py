@@ -267,6 +267,8 @@ def main():
                     help="fold_gemv candidates timed: comma-separated subset of shared, local, one_token, "
                     "shared_one_token")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--nolora", action="store_true", help="at T=1 also time each fold_gemv family's best tiles on a "
+                    "token without LoRA (keys <family>_nolora): the kernel's GEMV alone, against base (cuBLAS)")
     ap.add_argument("--eager", action="store_true", help="also time every path eagerly: host and wall us per call "
                     "(eager_us; keys eager_<path> = [host, wall])")
     ap.add_argument("--trace", default="", help="comma-separated SHAPE:MODULE:T (e.g. tp4:o:1,tp4:qkv:1): the "
@@ -430,6 +432,12 @@ def main():
                 if "fold_gemv" in best:  # the shared kernel's best tiles, launched with pdl
                     row["fold_gemv_pdl"] = folded_us(kernel="gemv", gemv_tiles=GemvTiles(*best["fold_gemv"][1]),
                                                      workspace=gemv_ws, pdl=True)
+                if t == 1 and a.nolora:  # each family's best tiles on a token without LoRA: A and B are not read,
+                    idx.fill_(-1)        # so this is the kernel's own GEMV against cuBLAS's (base)
+                    for fam, (_, tiles) in list(best.items()):
+                        row[fam + "_nolora"] = folded_us(kernel="gemv", gemv_tiles=GemvTiles(*tiles),
+                                                         workspace=gemv_ws, pdl=fam.endswith("_pdl"))
+                    idx.zero_()
                 if punica is not None and "punica" in paths:
                     try:
                         set_mapping(punica, t, prefill=t > 64)
