@@ -133,29 +133,43 @@ def test_gemv_local_shrink_matches_float64_oracle(tiles, case):
     assert torch.equal(ys[0], ys[1]) and not ws.counters.any(), ws.counters
 
 
-@pytest.mark.parametrize("local_shrink", [True, False], ids=["per-tile", "shared"])
 @pytest.mark.parametrize("seed", range(6))
-def test_gemv_one_token_matches_float64_oracle(seed, local_shrink):
-    """``one_token``: a one-token call accumulates fp32 products through its K loop and sums them once (BLOCK_M = 1,
-    no tl.dot; 48 inputs in 3 steps of 16), in the per-tile kernel and in the shared-shrink one (whose expand is then
-    a multiply-and-sum too; one slot or several): a token of any slot (ragged ranks, an empty one) or without LoRA,
-    split-K or not, equals the oracle, and equals the tl.dot kernel's result to fp32 rounding; more than one token
-    runs the tl.dot kernel, bit for bit the same as without the flag."""
+def test_gemv_one_token_matches_float64_oracle(seed):
+    """``one_token``: a one-token call of the per-tile kernel accumulates fp32 products through its K loop and sums
+    them once (BLOCK_M = 1, no tl.dot; 48 inputs in 3 steps of 16), and reads only its own slot's A rows (BLOCK_J =
+    the rank, not slots x rank): a token of any of 5 slots (ragged ranks, an empty one) or without LoRA, split-K or
+    not, equals the oracle, and equals the tl.dot kernel's result to fp32 rounding; more than one token runs the
+    tl.dot kernel, bit for bit the same as without the flag."""
     for ranks in ([8, 16, 0, 32, 5], [16]):
         folded, x, b, idx, rk, scales, offs, want = _oracle_case(400 + seed, ranks, [64, 32, 32], 1, 48,
                                                                  p_none=0.3)
         for split_k in (1, 3):
-            one = GemvTiles(16, 16, split_k, 1, 1, local_shrink, True)
+            one = GemvTiles(16, 16, split_k, 1, 1, True, True)
+            assert one.shrink_rows(1, 5, 32) == 32 and one.shrink_rows(2, 5, 32) == 256  # 1 token: its slot's
             y = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv", gemv_tiles=one).out
             torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
             y_dot = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv",
-                                         gemv_tiles=GemvTiles(16, 16, split_k, 1, 1, local_shrink)).out
+                                         gemv_tiles=GemvTiles(16, 16, split_k, 1, 1, True)).out
             torch.testing.assert_close(y, y_dot, rtol=1e-5, atol=1e-5)
     folded, x, b, idx, rk, scales, offs, _ = _oracle_case(410 + seed, [8, 16], [64, 32, 32], 3, 48)
     ys = [K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv",
-                               gemv_tiles=GemvTiles(16, 16, 2, 1, 1, local_shrink, flag)).out
+                               gemv_tiles=GemvTiles(16, 16, 2, 1, 1, True, flag)).out
           for flag in (False, True)]
     assert torch.equal(ys[0], ys[1])
+
+
+def test_gemv_one_token_every_slot_of_many():
+    """One token on each of 6 slots in turn (and on none): only that slot's rows are read, at their place among
+    the others' (slot a's rows start at a * R of its slice), and the result is the oracle's."""
+    ranks = [4, 16, 9, 0, 16, 12]
+    folded, x, b, _, rk, scales, offs, _ = _oracle_case(420, ranks, [32, 32], 1, 32)
+    one = GemvTiles(16, 16, 2, 1, 1, True, True)
+    for a in range(-1, len(ranks)):
+        idx = torch.tensor([a], dtype=torch.int32)
+        want = K.decode_lora_folded_ref(x.double(), folded.w_ext.double(), folded.d_out, b.double(), idx, rk,
+                                        scales.double(), offs)
+        y = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv", gemv_tiles=one).out
+        torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4, msg=f"slot {a}")
 
 
 def test_gemv_local_shrink_refuses_tiles_straddling_slices():
@@ -183,6 +197,8 @@ def test_gemv_kernel_refusals():
         GemvTiles(16, 64, 0)
     with pytest.raises(ValueError, match="power of two >= 16"):
         GemvTiles(24, 64)
+    with pytest.raises(ValueError, match="one_token needs local_shrink=True"):
+        GemvTiles(16, 64, 1, 4, 3, False, True)
 
 
 @pytest.mark.parametrize("dtype,kernels", [(torch.float16, ("decode", "gemm", "gemv", "gemv_local")),
@@ -245,7 +261,20 @@ def test_tuning_table_lookup_and_overrides():
     assert o1.fold_gemv_max == 0 and o1.gemv_one_token_tiles_for(7, 64) == GemvTiles(32, 16, 2, 1, 1, True, True)
     assert o1.gemv_one_token_tiles_for(7, 64, (0, 48, 64)) is None  # a tile would straddle the slices at 48
     assert ServingTuning.from_dict({"fold_gemv_max": 0}, g).gemv_tiles_for(7, 9) is None
+    # the per-tile shrink reads every slot's A rows at T > 1 (max_loras x rank), its own slot's at T == 1: rows of
+    # more than gemv_local_max_rows (64) skip it, on to the next row of the shape or the tiled path
+    assert t.gemv_local_max_rows == 64 and ServingTuning().gemv_local_max_rows == 64
+    assert t.gemv_tiles_for(1792, 4096, (0, 4096), 2, 32).local_shrink  # 64 rows
+    assert t.gemv_tiles_for(1792, 4096, (0, 4096), 4, 32) is None  # 128: measured slower, 256: no longer fits
+    assert t.gemv_tiles_for(3584, 4096, (0, 4096), 8, 64) is not None  # the shared-shrink kernel: any slots
+    assert t.gemv_one_token_tiles_for(1792, 4096, (0, 4096), 8, 32) is not None  # one token: 32 rows, its own
+    assert t.gemv_one_token_tiles_for(1024, 4096, (0, 4096), 1, 128) is None
+    two, _ = serving_tuning("cpu", override={"fold_gemv_max": 4, "gemv_local_max_rows": 16, "gemv_shapes": [
+        [0, 0, 16, 16, 2, 1, 1, 1], [0, 0, 32, 16, 2, 1, 1]]})
+    assert two.gemv_tiles_for(7, 64, None, 1, 16) == GemvTiles(16, 16, 2, 1, 1, True)
+    assert two.gemv_tiles_for(7, 64, None, 2, 16) == GemvTiles(32, 16, 2, 1, 1)  # the next row of the shape
     for bad, msg in (({"fold_gemm_max": -1}, "token count"), ({"foo": 1}, "unknown keys"),
+                     ({"gemv_local_max_rows": -1}, "gemv_local_max_rows must be"),
                      ({"fold_gemm_max": 64, "gemm_tiles": [[16, 16, 64, 4]]}, "covers fold_gemm_max"),
                      ({"gemm_tiles": [[UNLIMITED, 24, 64, 4]]}, "power of two"),
                      ({"fold_gemv_max": GEMV_MAX_TOKENS + 1}, "at most"),

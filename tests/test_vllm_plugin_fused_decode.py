@@ -375,12 +375,14 @@ def test_tp1_auto_mode_one_launch_kernel_parity(tiny_llama_dir, vllm_adapters, l
 
 
 def test_tp1_auto_mode_one_token_kernel_parity(tiny_llama_dir, vllm_adapters):
-    """Auto mode with one-token tiles (``gemv_one_token_shapes``; a 0, 0 row, split-K) and no other one-launch row:
-    a request alone (decode steps of ONE token: the per-tile kernel with one-token products), then one without LoRA
-    alone, then a mixed batch of 5 (decode steps of 5 tokens: the tiled kernel, not the one-token tiles). Greedy
-    tokens equal HF+PEFT, logprobs within 1e-4; the path counters and the self-check (a row alone through the
-    one-token tiles) hold."""
-    tuning = {"fold": True, "fold_gemv_max": 0, "gemv_one_token_shapes": [[0, 0, 16, 16, 2, 1, 1]],
+    """Auto mode with one-token tiles (``gemv_one_token_shapes``; a 0, 0 row, split-K) and a per-tile-shrink row
+    that the layers skip (2 slots x rank 16 = 32 A rows per tile, above ``gemv_local_max_rows`` 16; one token reads
+    its own slot's 16): a request alone (decode steps of ONE token: the per-tile kernel with one-token products),
+    then one without LoRA alone, then a mixed batch of 5 (decode steps of 5 tokens: the tiled kernel, neither the
+    one-token tiles nor the skipped row). Greedy tokens equal HF+PEFT, logprobs within 1e-4; the path counters and
+    the self-check (a row alone through the one-token tiles) hold."""
+    tuning = {"fold": True, "fold_gemv_max": 16, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1, 1]],
+              "gemv_local_max_rows": 16, "gemv_one_token_shapes": [[0, 0, 16, 16, 2, 1, 1]],
               "fold_decode_max": 0, "fold_gemm_max": 16, "two_launch_max": 0, "gemm_tiles": [[16, 16, 32, 1]]}
     llm = _start_auto(tiny_llama_dir, tuning)
     try:

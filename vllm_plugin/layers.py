@@ -401,9 +401,10 @@ class _BDLoRAMixin:
             k += 1
             name = f"{base}#{k}"
         build.names.add(name)
-        gemv_tiles = (tuning.gemv_tiles_for(self.input_size, offsets[-1], tuple(offsets))
+        # the per-tile-shrink rows skip layers whose slots x rank A rows would not pay or fit (gemv_local_max_rows)
+        gemv_tiles = (tuning.gemv_tiles_for(self.input_size, offsets[-1], tuple(offsets), max_loras, rank)
                       if tuning and folded is not None else None)
-        one_tiles = (tuning.gemv_one_token_tiles_for(self.input_size, offsets[-1], tuple(offsets))
+        one_tiles = (tuning.gemv_one_token_tiles_for(self.input_size, offsets[-1], tuple(offsets), max_loras, rank)
                      if tuning and folded is not None else None)
         gemv_ws = None
         for tokens, tiles in ((tuning.fold_gemv_max if tuning else 0, gemv_tiles), (1, one_tiles)):

@@ -316,7 +316,7 @@ def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scale
 
     for the rows with a slot (a[t] >= 0, rank > 0) and the columns in ``cmask``; ``s_rows`` (rows x 1 pointers) is
     where each row's shrink S starts. Several slots: a loop over them that skips (in the kernel) those no row uses,
-    one tl.dot each (a multiply-and-sum for one row, ``_gemv_dot``). One slot (ONE_SLOT): B, rank and scale come in
+    one tl.dot each. One slot (ONE_SLOT): B, rank and scale come in
     as ``one_b``, ``one_r``, ``one_scale`` (``_one_slot_factors``, the tile's columns, loaded before the caller
     waited for S; ``cmask`` picks this slice's columns of it); unused otherwise. CACHE: the cache modifier of S's
     load ("" or ".cg" for a shrink another program of the same launch wrote)."""
@@ -326,7 +326,7 @@ def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scale
                      cache_modifier=CACHE)
         sv = tl.where((a == 0)[:, None] & (rr < one_r)[None, :], sv, 0.0).to(one_b.dtype)
         bv = tl.where(cmask[None, :], one_b, 0.0)  # a tile straddling two slices: only this slice's columns
-        acc += _gemv_dot(sv, bv, PREC) * one_scale
+        acc += tl.dot(sv, bv, input_precision=PREC) * one_scale
     else:
         for l in range(0, n_loras):
             sel = a == l
@@ -337,7 +337,7 @@ def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scale
                              other=0.0, cache_modifier=CACHE)
                 bv = tl.load(b_ptr + (l * d_out + cs[None, :]).to(tl.int64) * R + rr[:, None],
                              mask=rmask[:, None] & cmask[None, :], other=0.0)
-                acc += _gemv_dot(sv, bv, PREC) * tl.load(scales_ptr + l)
+                acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr + l)
     return acc
 
 
@@ -415,8 +415,8 @@ def _fold_gemv_kernel(
     ids, so they are scheduled first and never wait themselves (the Triton interpreter runs programs in id order).
     With one slot, a W tile's B is loaded before the GEMM loop (it does not depend on the shrink). USE_GDC
     (programmatic dependent launch): that load comes before ``gdc_wait``, x (the previous kernel's output) after.
-    BLOCK_M == 1 (``GemvTiles.one_token``, T == 1): the products are fp32 per (k, column) through the loop, summed
-    over k once after it, not tl.dot (which pads the token to 16 rows; ``_gemv_step``).
+    (No one-token variant: with one-token products this kernel lost to its tl.dot form on every module measured,
+    bench/results/serve/gemv_2026-11-26.)
     """
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
@@ -437,7 +437,7 @@ def _fold_gemv_kernel(
         tl.extra.cuda.gdc_wait()
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, d_in)
-    acc = tl.zeros((BLOCK_K if BLOCK_M == 1 else BLOCK_M, BLOCK_N), dtype=tl.float32)  # one token: per (k, column)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < k_hi
@@ -500,6 +500,7 @@ def _fold_gemv_local_kernel(
 
         x @ W[cs]^T                                   (BLOCK_M x BLOCK_N)
         S = x @ A[s, l, r]^T for the J = L * R rows (l, r) of slice s with slot l used by a token and r < ranks[l]
+                                                      (one token, BLOCK_M == 1: the R rows of its own slot only)
 
     and with SPLIT_K > 1 stores its fp32 partials; the last of the tile's programs to arrive (cnt[i]) sums them in
     split order (deterministic) and resets cnt[i]. The tile is then finished as
@@ -521,17 +522,22 @@ def _fold_gemv_local_kernel(
     rowmask = rows < T
     cs = c_lo + tl.arange(0, BLOCK_N)
     cmask = cs < d_out
-    j = tl.arange(0, BLOCK_J)  # (slot, rank) rows of this slice's A: l = j // R, r = j % R
-    l_j = j // R
+    j = tl.arange(0, BLOCK_J)
     a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
+    if BLOCK_M == 1:  # one token: only its slot's R rows (l, r) = (a, j), however many slots the layer has
+        l_j = j * 0 + tl.max(a, axis=0)
+        r_j = j
+    else:  # every slot's rows of this slice's A: (l, r) = (j // R, j % R)
+        l_j = j // R
+        r_j = j % R
     used = tl.max(((a[:, None] == l_j[None, :]) & rowmask[:, None]).to(tl.int32), axis=0) > 0
-    jmask = (l_j < n_loras) & used
-    jmask = jmask & ((j % R) < tl.load(ranks_ptr + l_j, mask=jmask, other=0))
-    bt = tl.load(b_ptr + (l_j[:, None] * d_out + cs[None, :]).to(tl.int64) * R + (j % R)[:, None],
+    jmask = (l_j >= 0) & (l_j < n_loras) & (r_j < R) & used
+    jmask = jmask & (r_j < tl.load(ranks_ptr + l_j, mask=jmask, other=0))
+    bt = tl.load(b_ptr + (l_j[:, None] * d_out + cs[None, :]).to(tl.int64) * R + r_j[:, None],
                  mask=jmask[:, None] & cmask[None, :], other=0.0)
     scale_t = tl.load(scales_ptr + a, mask=a >= 0, other=0.0)
     w_rows = cs.to(tl.int64)[None, :] * d_in
-    a_rows = (d_out + sl * (n_loras * R) + j).to(tl.int64)[None, :] * d_in
+    a_rows = (d_out + sl * (n_loras * R) + l_j * R + r_j).to(tl.int64)[None, :] * d_in
     k_lo = split * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, d_in)
     # the first BLOCK_K columns of the W and A tiles are weights: read before the wait, while the kernel before drains
@@ -748,10 +754,9 @@ class GemvTiles:
     programs per tile (each a 1/split_k share of the input columns), warps, pipeline stages; and where the shrink is
     computed: ``local_shrink`` False, by tiles of A's rows that the W tiles wait for (``_fold_gemv_kernel``); True,
     by every W tile for its own slice, so no program waits on another (``_fold_gemv_local_kernel``; every slice
-    offset must then be a multiple of block_n). ``one_token``: a call of one token accumulates its fp32 products
-    per (input column, output column) and sums them over the input once, not through tl.dot's 16-row tiles
-    (serving: ``gemv_one_token_shapes``, with local_shrink; with the shared shrink a benchmark candidate, not yet
-    measured on a GPU)."""
+    offset must then be a multiple of block_n). ``one_token`` (with ``local_shrink`` only): a call of one token
+    accumulates its fp32 products per (input column, output column) and sums them over the input once, not through
+    tl.dot's 16-row tiles, and reads only its own slot's A rows (serving: ``gemv_one_token_shapes``)."""
 
     block_n: int = 16
     block_k: int = 256
@@ -768,11 +773,19 @@ class GemvTiles:
         for name in ("local_shrink", "one_token"):
             if getattr(self, name) not in (True, False):
                 raise ValueError(f"GemvTiles: {name} must be true or false, got {getattr(self, name)!r}")
+        if self.one_token and not self.local_shrink:
+            raise ValueError("GemvTiles: one_token needs local_shrink=True (the shared-shrink kernel has no one-token "
+                             "variant: it was measured slower than its tl.dot form)")
 
     def block_m(self, tokens: int) -> int:
         """The kernels' token rows for a call of ``tokens`` tokens: 1 for one token with ``one_token``, else T
         rounded up to a power of two >= 16 (tl.dot)."""
         return 1 if tokens == 1 and self.one_token else max(16, next_pow2(tokens))
+
+    def shrink_rows(self, tokens: int, n_loras: int, rank: int) -> int:
+        """The per-tile shrink's rows (``local_shrink``: BLOCK_J) for a call of ``tokens`` tokens on a layer of
+        ``n_loras`` slots of rank ``rank``: every slot's, or for one token (``block_m`` 1) its own slot's only."""
+        return max(16, next_pow2(rank if self.block_m(tokens) == 1 else n_loras * rank))
 
     def fits_slices(self, slice_offsets: Sequence[int]) -> bool:
         """Whether these tiles take a layer of these slice offsets (local_shrink: no tile straddles two slices)."""
@@ -1013,7 +1026,7 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
             y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.partials, workspace.counters[2:], t,
             x.stride(0), y.stride(0), d_in, d_out, n_l, r, *offs[:3], k_chunk, SPLIT_K=gt.split_k,
             BLOCK_M=gt.block_m(t), BLOCK_N=gt.block_n,
-            BLOCK_K=gt.block_k, BLOCK_J=max(16, next_pow2(n_l * r)), PREC=dispatch.dot_precision(x.dtype),
+            BLOCK_K=gt.block_k, BLOCK_J=gt.shrink_rows(t, n_l, r), PREC=dispatch.dot_precision(x.dtype),
             USE_GDC=gdc, num_warps=gt.warps, num_stages=gt.stages, launch_pdl=gdc,
         )
         return done

@@ -15,6 +15,11 @@ number of tokens T of that forward:
                                tiles fit the layer's slices)
                                ``decode_lora_folded(kernel="gemv")``: base GEMM, shrink and expand in ONE launch,
                                with that row's tiles (block_n, block_k, split_k, warps, stages[, local_shrink])
+
+    A per-tile-shrink row (local_shrink, and every one-token row) reads its slice's A rows in every tile: every
+    slot's (max_loras x the per-device rank) at T > 1, the token's own slot's (the rank) at T == 1. It applies only
+    while those rows (``GemvTiles.shrink_rows``) are at most ``gemv_local_max_rows``: beyond, its tiles lose to the
+    tiled path or no longer fit in shared memory; the next row of the shape, or the path below, serves instead.
         T <= fold_decode_max   one GEMM with [W; A] + ``decode_lora_folded(kernel="decode")`` (per-token programs)
         T <= fold_gemm_max     one GEMM with [W; A] + ``decode_lora_folded(kernel="gemm")`` (token tiles, tl.dot),
                                tiles from ``gemm_tiles``: the first (max_tokens, block_m, block_n, warps) row with
@@ -60,10 +65,12 @@ class ServingTuning:
     gemv_shapes: tuple = ()
     # rows (d_in, d_out, block_n, block_k, split_k, warps, stages): T == 1 on the one-launch kernel, one_token tiles
     gemv_one_token_shapes: tuple = ()
+    # the most A rows per slice a per-tile-shrink row reads (max_loras x rank; one token: rank), see above
+    gemv_local_max_rows: int = 64
     pdl: bool = False  # serving kernels launched with programmatic dependent launch (decode_lora*(pdl=True))
 
     def __post_init__(self):
-        for name in ("fold_decode_max", "fold_gemm_max", "two_launch_max", "fold_gemv_max"):
+        for name in ("fold_decode_max", "fold_gemm_max", "two_launch_max", "fold_gemv_max", "gemv_local_max_rows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"serving tuning: {name} must be a token count >= 0, got {v!r}")
@@ -110,19 +117,36 @@ class ServingTuning:
                 return tiles
         return self._gemm_tiles[-1][1]
 
-    def gemv_tiles_for(self, d_in: int, d_out: int, slice_offsets: Optional[tuple] = None) -> Optional[GemvTiles]:
-        """The one-launch kernel's tiles for a base weight of (d_in, d_out), or None: that shape does not take it
-        (the first ``gemv_shapes`` row of that shape, or of 0, 0, whose tiles fit ``slice_offsets`` when given)."""
+    def gemv_tiles_for(self, d_in: int, d_out: int, slice_offsets: Optional[tuple] = None, n_loras: int = 1,
+                       rank: int = 0) -> Optional[GemvTiles]:
+        """The one-launch kernel's tiles for a base weight of (d_in, d_out) with ``n_loras`` slots of rank ``rank``
+        (the per-device buffer rank), or None: that shape does not take it (the first ``gemv_shapes`` row of that
+        shape, or of 0, 0, whose tiles fit ``slice_offsets`` when given and, with local_shrink, whose shrink rows
+        are at most ``gemv_local_max_rows``)."""
         if self.fold_gemv_max == 0:
             return None
-        return _first_fitting(self.gemv_shapes, d_in, d_out, slice_offsets)
+        return self._first_fitting(self.gemv_shapes, d_in, d_out, slice_offsets, 2, n_loras, rank)
 
-    def gemv_one_token_tiles_for(self, d_in: int, d_out: int,
-                                 slice_offsets: Optional[tuple] = None) -> Optional[GemvTiles]:
+    def gemv_one_token_tiles_for(self, d_in: int, d_out: int, slice_offsets: Optional[tuple] = None,
+                                 n_loras: int = 1, rank: int = 0) -> Optional[GemvTiles]:
         """The one-launch kernel's tiles for a ONE-token forward on a base weight of (d_in, d_out), or None (the
-        first ``gemv_one_token_shapes`` row of that shape, or of 0, 0, whose tiles fit ``slice_offsets``)."""
+        first ``gemv_one_token_shapes`` row of that shape, or of 0, 0, that fits as in ``gemv_tiles_for``)."""
         rows = tuple(r + (True, True) for r in self.gemv_one_token_shapes)
-        return _first_fitting(rows, d_in, d_out, slice_offsets)
+        return self._first_fitting(rows, d_in, d_out, slice_offsets, 1, n_loras, rank)
+
+    def _first_fitting(self, rows: tuple, d_in: int, d_out: int, slice_offsets: Optional[tuple], tokens: int,
+                       n_loras: int, rank: int) -> Optional[GemvTiles]:
+        """The tiles of the first row (d_in, d_out, *GemvTiles fields) of this shape, or of 0, 0, that fit the
+        slices and, with the shrink per tile, read at most ``gemv_local_max_rows`` A rows per tile for ``tokens``."""
+        for row in rows:
+            if (row[0], row[1]) in ((d_in, d_out), (0, 0)):
+                tiles = GemvTiles(*row[2:])
+                if slice_offsets is not None and not tiles.fits_slices(slice_offsets):
+                    continue
+                if tiles.local_shrink and tiles.shrink_rows(tokens, n_loras, rank) > self.gemv_local_max_rows:
+                    continue
+                return tiles
+        return None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base: Optional["ServingTuning"] = None) -> "ServingTuning":
@@ -132,16 +156,6 @@ class ServingTuning:
         if unknown:
             raise ValueError(f"serving tuning: unknown keys {sorted(unknown)}; known: {sorted(known)}")
         return replace(base or cls(), **dict(d))
-
-
-def _first_fitting(rows: tuple, d_in: int, d_out: int, slice_offsets: Optional[tuple]) -> Optional[GemvTiles]:
-    """The tiles of the first row (d_in, d_out, *GemvTiles fields) of this shape, or of 0, 0, that fit the slices."""
-    for row in rows:
-        if (row[0], row[1]) in ((d_in, d_out), (0, 0)):
-            tiles = GemvTiles(*row[2:])
-            if slice_offsets is None or tiles.fits_slices(slice_offsets):
-                return tiles
-    return None
 
 
 _H200 = MappingProxyType({
@@ -164,6 +178,10 @@ _H200 = MappingProxyType({
     # one-token products (no tl.dot padding to 16 rows) beats every other path on TP=8's four modules (qkv 5.7 vs
     # 7.1, o 3.7 vs 4.3, gate_up 13.2 vs 13.6, down 8.7 vs 9.2; no LoRA 5.9, 3.7, 12.6, 6.9) and TP=4's qkv (9.6 vs
     # 10.2) and o (6.4 vs 6.5); on TP=4's gate_up and down (rank 64: A's rows read again per tile) it loses.
+    # bench/results/serve/gemv_slots_2026-11-26 (H200, TP=8's o and down at 4 and 16 tokens, 2-8 slots of rank
+    # 32): the per-tile rows win up to 64 A rows per slice (down at 2 slots: level with the tiled path, 10.8 us);
+    # at 128 down loses (13.3 vs 12.4-12.6 us), and at 256 down's tiles exceed shared memory (250 KB).
+    "gemv_local_max_rows": 64,
     "gemv_one_token_shapes": ((4096, 768, 32, 128, 8, 4, 3), (512, 4096, 16, 256, 1, 8, 3),
                               (4096, 3584, 64, 64, 8, 4, 3), (1792, 4096, 64, 64, 8, 4, 3),
                               (4096, 1536, 64, 64, 16, 4, 3), (1024, 4096, 128, 128, 4, 8, 3)),

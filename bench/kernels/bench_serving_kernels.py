@@ -16,9 +16,8 @@ graph and replayed (launch gaps as vLLM's graphs have them):
                   shrink and expand in one launch (T <= 64); candidates with local_shrink (the shrink per output
                   tile) are timed plain and with pdl, their best under fold_gemv_local(_pdl); at T=1 those with
                   one_token too (fp32 products summed over the input once, no tl.dot), under
-                  fold_gemv_one_token(_pdl), and the shared-shrink kernel's one_token candidates (plain and pdl)
-                  under fold_gemv_shared_one_token(_pdl); ``--gemv-kinds`` times only some of the kinds (shared,
-                  local, one_token, shared_one_token)
+                  fold_gemv_one_token(_pdl); ``--gemv-kinds`` times only some of the kinds (shared, local,
+                  one_token); ``--nolora``: at T=1 each kind's best tiles again on a token without LoRA
     *_pdl         fold_decode, fold_gemm (best tiles), fold_gemv (best tiles) and two_launch again with pdl=True:
                   launched with programmatic dependent launch (Hopper+), the LoRA weights and slot ids read before
                   the wait on the kernel before
@@ -30,6 +29,8 @@ graph and replayed (launch gaps as vLLM's graphs have them):
         [--trace tp4:o:1,tp4:qkv:1 --tokens ""]   (kernel timelines of one layer's paths, under the torch profiler)
         [--eager]   (also each path's host time per call run eagerly, as a prefill runs: ``eager_us``; and
                      ``eager_fold_gemm_triton``: the same through Triton's launcher, bdlora.kernels.launch off)
+        [--loras 4]   (4 LoRA slots per layer, as --max-loras 4 serves: token i on slot i mod 4, one token on the
+                       last; the single-slot paths fold_cublas and punica are not timed)
 """
 from __future__ import annotations
 
@@ -68,10 +69,7 @@ GEMV_TILES = [  # (block_n, block_k, split_k, warps, stages[, local_shrink[, one
         (64, 64, 16, 4), (128, 64, 8, 8), (32, 64, 8, 4), (64, 128, 8, 8), (32, 128, 8, 4), (64, 32, 8, 4),
         (128, 32, 8, 4), (16, 256, 1, 8), (32, 128, 4, 8), (64, 64, 4, 4), (128, 64, 4, 8), (64, 128, 2, 8),
         (32, 256, 2, 8), (16, 256, 2, 4), (128, 128, 4, 8))],
-    # the shared-shrink kernel with one-token products (TP=4's gate_up and down, where the per-tile shrink loses)
-    *[(bn, bk, sk, w, 3, False, True) for bn, bk, sk, w in (
-        (16, 256, 1, 2), (16, 256, 1, 4), (32, 128, 1, 4), (32, 256, 1, 8), (64, 64, 2, 4), (64, 128, 1, 8),
-        (16, 128, 4, 2), (32, 128, 4, 4), (64, 64, 8, 4), (128, 128, 4, 8))]]
+    ]
 
 
 def gemv_name(gt) -> str:
@@ -80,9 +78,8 @@ def gemv_name(gt) -> str:
 
 
 def gemv_kind(g) -> str:
-    """A GemvTiles' kind for ``--gemv-kinds``: shared, local, one_token (local) or shared_one_token."""
-    return ("one_token" if g.local_shrink else "shared_one_token") if g.one_token else (
-        "local" if g.local_shrink else "shared")
+    """A GemvTiles' kind for ``--gemv-kinds``: shared, local or one_token."""
+    return "one_token" if g.one_token else "local" if g.local_shrink else "shared"
 
 
 PATHS = ("base", "gemm_w_ext", "fold_decode", "two_launch", "fold_gemm", "fold_cublas", "fold_gemv", "punica")
@@ -234,9 +231,9 @@ def check(dev) -> dict:
                                (GemvTiles(16, 64, 16, 2, 4), False), (GemvTiles(), True),
                                (GemvTiles(16, 64, 4, 2, 2, True), False), (GemvTiles(32, 64, 1, 4, 2, True), True),
                                (GemvTiles(32, 64, 2, 4, 2, True, True), True),
-                               (GemvTiles(16, 128, 2, 2, 3, False, True), True)):
-                    if not g.fits_slices(offs):
-                        continue
+                               (GemvTiles(16, 128, 1, 4, 3, True, True), False)):
+                    if not g.fits_slices(offs) or (g.one_token and t > 1 and g.block_k > 64):
+                        continue  # (one_token tiles serve one token: at T > 1 this one's A tile would not fit)
                     ws.reserve(f, t, g)
                     y = decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel="gemv", gemv_tiles=g, workspace=ws,
                                            pdl=pdl).out
@@ -259,13 +256,15 @@ def main():
     ap.add_argument("--out", default="serving_kernels.json")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256,1024,4096,8192")
     ap.add_argument("--shapes", default="tp4,tp8")
+    ap.add_argument("--modules", default="qkv,o,gate_up,down", help="comma-separated subset of qkv, o, gate_up, down")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--adapter-rank", type=float, default=0.6, help="adapter rank as a fraction of the buffer rank")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
     ap.add_argument("--fold-tiles", default="all", help="fold_gemm tiles: all (TILES) or one 'bm,bn,warps'")
-    ap.add_argument("--gemv-kinds", default="shared,local,one_token,shared_one_token",
-                    help="fold_gemv candidates timed: comma-separated subset of shared, local, one_token, "
-                    "shared_one_token")
+    ap.add_argument("--gemv-kinds", default="shared,local,one_token",
+                    help="fold_gemv candidates timed: comma-separated subset of shared, local, one_token")
+    ap.add_argument("--loras", type=int, default=1, help="LoRA slots per layer (--max-loras): token i uses slot "
+                    "i mod L, one token the last slot")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--nolora", action="store_true", help="at T=1 also time each fold_gemv family's best tiles on a "
                     "token without LoRA (keys <family>_nolora): the kernel's GEMV alone, against base (cuBLAS)")
@@ -278,6 +277,10 @@ def main():
     paths = set(a.paths.split(","))
     if paths - set(PATHS):
         ap.error(f"--paths: unknown {sorted(paths - set(PATHS))}; known: {PATHS}")
+    if a.loras < 1:
+        ap.error("--loras: at least 1 slot")
+    if a.loras > 1:  # these two time one slot's factors only
+        paths -= {"fold_cublas", "punica"}
     fold_tiles = TILES if a.fold_tiles == "all" else [tuple(int(v) for v in a.fold_tiles.split(","))]
     from bdlora.kernels import DecodeWorkspace, GemvTiles, GemvWorkspace, decode_lora, decode_lora_folded, fold_weight
     from bdlora.kernels.launch import LAUNCHES
@@ -287,7 +290,7 @@ def main():
     dt = torch.bfloat16
     toks = [int(t) for t in a.tokens.split(",") if t]
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-           "rows": []}
+           "loras": a.loras, "rows": []}
     try:
         import vllm
 
@@ -296,6 +299,11 @@ def main():
     except Exception as e:  # noqa: BLE001 - recorded, the rest still runs
         punica, res["punica_error"] = None, repr(e)
     gen = torch.Generator(device=dev).manual_seed(0)
+    n_l = a.loras
+
+    def slot_ids(t: int) -> torch.Tensor:  # token i on slot i mod L; one token on the last slot
+        return (torch.arange(t, device=dev, dtype=torch.int32) + (n_l - 1 if t == 1 else 0)) % n_l
+
     if not a.no_check:
         res["check"] = check(dev)
         print(json.dumps(res["check"]), flush=True)
@@ -303,7 +311,7 @@ def main():
         spec = SHAPES[shape]
         R = spec["rank"]
         r_used = max(1, int(R * a.adapter_rank))
-        for mod in ("qkv", "o", "gate_up", "down"):
+        for mod in [m for m in ("qkv", "o", "gate_up", "down") if m in a.modules.split(",")]:
             d_in, outs = spec[mod]
             n_s, d_out = len(outs), sum(outs)
             offs = [0]
@@ -312,30 +320,30 @@ def main():
             layers = []
             for _ in range(a.layers):
                 w = torch.randn(d_out, d_in, device=dev, dtype=dt, generator=gen) * 0.02
-                f = fold_weight(w, n_s, 1, R)
-                av = f.lora_a(n_s, 1, R)
-                av[:, :, :r_used] = torch.randn(n_s, 1, r_used, d_in, device=dev, dtype=dt, generator=gen) * 0.02
-                b = torch.zeros(1, d_out, R, device=dev, dtype=dt)
-                b[:, :, :r_used] = torch.randn(1, d_out, r_used, device=dev, dtype=dt, generator=gen) * 0.02
+                f = fold_weight(w, n_s, n_l, R)
+                av = f.lora_a(n_s, n_l, R)
+                av[:, :, :r_used] = torch.randn(n_s, n_l, r_used, d_in, device=dev, dtype=dt, generator=gen) * 0.02
+                b = torch.zeros(n_l, d_out, R, device=dev, dtype=dt)
+                b[:, :, :r_used] = torch.randn(n_l, d_out, r_used, device=dev, dtype=dt, generator=gen) * 0.02
                 b_bd = torch.zeros(n_s * R, d_out, device=dev, dtype=dt)  # fold_cublas: slice s's B^T at rows s*R
                 for i in range(n_s):
                     b_bd[i * R:(i + 1) * R, offs[i]:offs[i + 1]] = b[0, offs[i]:offs[i + 1]].t()
                 a_st = tuple(av[i].unsqueeze(1).contiguous() for i in range(n_s))  # punica: (L, 1, R, d_in)
                 b_st = tuple(b[:, offs[i]:offs[i + 1]].unsqueeze(1).contiguous() for i in range(n_s))
                 layers.append(SimpleNamespace(w=w, f=f, a=av, b=b, a_st=a_st, b_st=b_st, b_bd=b_bd))
-            ranks = torch.tensor([r_used], dtype=torch.int32, device=dev)
-            scales = torch.ones(1, dtype=torch.float32, device=dev)
+            ranks = torch.full((n_l,), r_used, dtype=torch.int32, device=dev)
+            scales = torch.ones(n_l, dtype=torch.float32, device=dev)
             soff = torch.tensor(offs, dtype=torch.int32, device=dev)
             ws = DecodeWorkspace(dev)
             gemv_ws = GemvWorkspace(dev, dt)
             for gt in GEMV_TILES:
                 gemv_ws.reserve(layers[0].f, 64, GemvTiles(*gt))
             for t in range(1, 65):
-                ws.reserve(decode_grid(t, n_s, 1, max(outs), d_in, R, decode_tiles(dev)))
+                ws.reserve(decode_grid(t, n_s, n_l, max(outs), d_in, R, decode_tiles(dev)))
             for trace in [v for v in a.trace.split(",") if v.startswith(f"{shape}:{mod}:")]:
                 t = int(trace.split(":")[2])
                 x = torch.randn(t, d_in, device=dev, dtype=dt, generator=gen)
-                idx = torch.zeros(t, dtype=torch.int32, device=dev)
+                idx = slot_ids(t)
                 L = layers[0]
                 fns = {"base": lambda: F.linear(x, L.w)}
                 for pdl in (False, True):
@@ -348,7 +356,7 @@ def main():
                 Path(a.out).write_text(json.dumps(res, indent=1))
             for t in toks:
                 x = torch.randn(t, d_in, device=dev, dtype=dt, generator=gen)
-                idx = torch.zeros(t, dtype=torch.int32, device=dev)
+                idx = slot_ids(t)
                 row = {"shape": shape, "module": mod, "tokens": t, "rank_buffer": R, "rank_used": r_used}
 
                 def run_base():
@@ -437,7 +445,7 @@ def main():
                     for fam, (_, tiles) in list(best.items()):
                         row[fam + "_nolora"] = folded_us(kernel="gemv", gemv_tiles=GemvTiles(*tiles),
                                                          workspace=gemv_ws, pdl=fam.endswith("_pdl"))
-                    idx.zero_()
+                    idx.copy_(slot_ids(t))
                 if punica is not None and "punica" in paths:
                     try:
                         set_mapping(punica, t, prefill=t > 64)
