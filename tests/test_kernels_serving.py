@@ -262,13 +262,14 @@ def test_tuning_table_lookup_and_overrides():
     assert o1.gemv_one_token_tiles_for(7, 64, (0, 48, 64)) is None  # a tile would straddle the slices at 48
     assert ServingTuning.from_dict({"fold_gemv_max": 0}, g).gemv_tiles_for(7, 9) is None
     # the per-tile shrink reads every slot's A rows at T > 1 (max_loras x rank), its own slot's at T == 1: rows of
-    # more than gemv_local_max_rows (64) skip it, on to the next row of the shape or the tiled path
-    assert t.gemv_local_max_rows == 64 and ServingTuning().gemv_local_max_rows == 64
-    assert t.gemv_tiles_for(1792, 4096, (0, 4096), 2, 32).local_shrink  # 64 rows
-    assert t.gemv_tiles_for(1792, 4096, (0, 4096), 4, 32) is None  # 128: measured slower, 256: no longer fits
+    # more than gemv_local_max_rows (the H200's 128, measured; 64 unmeasured) skip it, on to the next row of the
+    # shape or the tiled path
+    assert t.gemv_local_max_rows == 128 and ServingTuning().gemv_local_max_rows == 64
+    assert t.gemv_tiles_for(1792, 4096, (0, 4096), 4, 32).local_shrink  # 128 rows
+    assert t.gemv_tiles_for(1792, 4096, (0, 4096), 8, 32) is None  # 256: down's tiles no longer fit
     assert t.gemv_tiles_for(3584, 4096, (0, 4096), 8, 64) is not None  # the shared-shrink kernel: any slots
     assert t.gemv_one_token_tiles_for(1792, 4096, (0, 4096), 8, 32) is not None  # one token: 32 rows, its own
-    assert t.gemv_one_token_tiles_for(1024, 4096, (0, 4096), 1, 128) is None
+    assert t.gemv_one_token_tiles_for(1024, 4096, (0, 4096), 1, 256) is None
     two, _ = serving_tuning("cpu", override={"fold_gemv_max": 4, "gemv_local_max_rows": 16, "gemv_shapes": [
         [0, 0, 16, 16, 2, 1, 1, 1], [0, 0, 32, 16, 2, 1, 1]]})
     assert two.gemv_tiles_for(7, 64, None, 1, 16) == GemvTiles(16, 16, 2, 1, 1, True)

@@ -416,7 +416,7 @@ def _fold_gemv_kernel(
     With one slot, a W tile's B is loaded before the GEMM loop (it does not depend on the shrink). USE_GDC
     (programmatic dependent launch): that load comes before ``gdc_wait``, x (the previous kernel's output) after.
     (No one-token variant: with one-token products this kernel lost to its tl.dot form on every module measured,
-    bench/results/serve/gemv_2026-11-26.)
+    bench/results/serve/gemv_slots_2026-11-25.)
     """
     pid = tl.program_id(0)
     tile = pid // SPLIT_K

@@ -178,10 +178,11 @@ _H200 = MappingProxyType({
     # one-token products (no tl.dot padding to 16 rows) beats every other path on TP=8's four modules (qkv 5.7 vs
     # 7.1, o 3.7 vs 4.3, gate_up 13.2 vs 13.6, down 8.7 vs 9.2; no LoRA 5.9, 3.7, 12.6, 6.9) and TP=4's qkv (9.6 vs
     # 10.2) and o (6.4 vs 6.5); on TP=4's gate_up and down (rank 64: A's rows read again per tile) it loses.
-    # bench/results/serve/gemv_slots_2026-11-26 (H200, TP=8's o and down at 4 and 16 tokens, 2-8 slots of rank
-    # 32): the per-tile rows win up to 64 A rows per slice (down at 2 slots: level with the tiled path, 10.8 us);
-    # at 128 down loses (13.3 vs 12.4-12.6 us), and at 256 down's tiles exceed shared memory (250 KB).
-    "gemv_local_max_rows": 64,
+    # bench/results/serve/gemv_slots_2026-11-25 (H200, TP=8's o and down at 4 and 16 tokens, 2-8 slots of rank
+    # 32, us per call, best of plain and pdl): at 64 A rows per slice both rows win or tie the tiled path; at 128
+    # o still wins (6.0-6.1 vs 7.3-7.5) and down loses less (13.3 vs 12.4-12.6), so the layer gains 0.5 us; at 256
+    # o is level (8.9-9.5 vs 8.0-9.8) and down's tiles no longer fit in shared memory (250 KB).
+    "gemv_local_max_rows": 128,
     "gemv_one_token_shapes": ((4096, 768, 32, 128, 8, 4, 3), (512, 4096, 16, 256, 1, 8, 3),
                               (4096, 3584, 64, 64, 8, 4, 3), (1792, 4096, 64, 64, 8, 4, 3),
                               (4096, 1536, 64, 64, 16, 4, 3), (1024, 4096, 128, 128, 4, 8, 3)),

@@ -165,6 +165,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=64, help="output tokens per request (1: the prefill alone)")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--adapters", type=int, default=1, help="LoRA engines: --max-loras and distinct adapters; "
+                    "request i uses adapter i mod N (as auto_proxy.py --adapters)")
     ap.add_argument("--tuning", default=None, help="bd: a JSON dict of bdlora.kernels.tuning keys replacing the "
                     "device's table entry's (as auto_proxy.py --tuning)")
     ap.add_argument("--out", default="prof.json")
@@ -189,7 +191,8 @@ def main():
     root = Path(tempfile.mkdtemp())
     model = P.write_model(root, sh)
     try:
-        kw, lora = P.engine_setup(a.only, sh, root, tuning=json.loads(a.tuning) if a.tuning else None)
+        kw, lora = P.engine_setup(a.only, sh, root, adapters=a.adapters,
+                                  tuning=json.loads(a.tuning) if a.tuning else None)
     except ValueError as e:
         ap.error(str(e))
     lora = P.per_request(lora, a.batch)
@@ -202,7 +205,7 @@ def main():
         t0 = time.perf_counter()
         llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
         plain.append(time.perf_counter() - t0)
-    res = {"device": P.device_name(), "shape": a.shape, "engine": a.only, "batch": a.batch,
+    res = {"device": P.device_name(), "shape": a.shape, "engine": a.only, "batch": a.batch, "adapters": a.adapters,
            "prompt_len": a.prompt_len, "steps": a.steps, "generate_ms_unprofiled": round(1000 * min(plain), 2),
            "generate_ms_unprofiled_runs": [round(1000 * v, 2) for v in plain]}
     if "bdlora.kernels.launch" in sys.modules:  # bdlora's Triton launches: direct (kept kernels) or through Triton
