@@ -316,10 +316,10 @@ def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scale
 
     for the rows with a slot (a[t] >= 0, rank > 0) and the columns in ``cmask``; ``s_rows`` (rows x 1 pointers) is
     where each row's shrink S starts. Several slots: a loop over them that skips (in the kernel) those no row uses,
-    one tl.dot each. One slot (ONE_SLOT): B, rank and scale come in
-    as ``one_b``, ``one_r``, ``one_scale`` (``_one_slot_factors``, the tile's columns, loaded before the caller
-    waited for S; ``cmask`` picks this slice's columns of it); unused otherwise. CACHE: the cache modifier of S's
-    load ("" or ".cg" for a shrink another program of the same launch wrote)."""
+    one tl.dot each. One slot (ONE_SLOT): B, rank and scale come in as ``one_b``, ``one_r``, ``one_scale``
+    (``_one_slot_factors``, the tile's columns, loaded before the caller waited for S; ``cmask`` picks this slice's
+    columns of it); unused otherwise. CACHE: the cache modifier of S's load ("" or ".cg" for a shrink another
+    program of the same launch wrote)."""
     rr = tl.arange(0, BLOCK_R)
     if ONE_SLOT:
         sv = tl.load(s_rows + sl * R + rr[None, :], mask=rowmask[:, None] & (rr < R)[None, :], other=0.0,
