@@ -15,11 +15,6 @@ number of tokens T of that forward:
                                tiles fit the layer's slices)
                                ``decode_lora_folded(kernel="gemv")``: base GEMM, shrink and expand in ONE launch,
                                with that row's tiles (block_n, block_k, split_k, warps, stages[, local_shrink])
-
-    A per-tile-shrink row (local_shrink, and every one-token row) reads its slice's A rows in every tile: every
-    slot's (max_loras x the per-device rank) at T > 1, the token's own slot's (the rank) at T == 1. It applies only
-    while those rows (``GemvTiles.shrink_rows``) are at most ``gemv_local_max_rows``: beyond, its tiles lose to the
-    tiled path or no longer fit in shared memory; the next row of the shape, or the path below, serves instead.
         T <= fold_decode_max   one GEMM with [W; A] + ``decode_lora_folded(kernel="decode")`` (per-token programs)
         T <= fold_gemm_max     one GEMM with [W; A] + ``decode_lora_folded(kernel="gemm")`` (token tiles, tl.dot),
                                tiles from ``gemm_tiles``: the first (max_tokens, block_m, block_n, warps) row with
@@ -28,6 +23,11 @@ number of tokens T of that forward:
     layers that cannot fold (quantized base, dtype mismatch, or LoRA rows above ``fold_max_extra`` x d_out):
         T <= two_launch_max    ``decode_lora`` (two launches: partial shrinks, expand)
         above                  vLLM's punica kernels
+
+A per-tile-shrink row (local_shrink, and every one-token row) reads its slice's A rows in every tile: every slot's
+(max_loras x the per-device rank) at T > 1, the token's own slot's (the rank) at T == 1. It applies only while those
+rows (``GemvTiles.shrink_rows``) are at most ``gemv_local_max_rows``: beyond, its tiles lose to the tiled path or no
+longer fit in shared memory, and the next row of the shape, or the path below, serves instead.
 
 With ``pdl`` the folded and the two-launch kernels are launched with programmatic dependent launch: each starts
 while the kernel before it drains, and reads the LoRA weights and slot ids before it waits for that kernel's output.
@@ -73,7 +73,8 @@ class ServingTuning:
         for name in ("fold_decode_max", "fold_gemm_max", "two_launch_max", "fold_gemv_max", "gemv_local_max_rows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"serving tuning: {name} must be a token count >= 0, got {v!r}")
+                what = "a row count" if name == "gemv_local_max_rows" else "a token count"
+                raise ValueError(f"serving tuning: {name} must be {what} >= 0, got {v!r}")
         for name in ("fold", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"serving tuning: {name} must be true or false, got {getattr(self, name)!r}")
