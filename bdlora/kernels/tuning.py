@@ -126,7 +126,7 @@ class ServingTuning:
         are at most ``gemv_local_max_rows``)."""
         if self.fold_gemv_max == 0:
             return None
-        return self._first_fitting(self.gemv_shapes, d_in, d_out, slice_offsets, 2, n_loras, rank)
+        return self._first_fitting(self.gemv_shapes, d_in, d_out, slice_offsets, self.fold_gemv_max, n_loras, rank)
 
     def gemv_one_token_tiles_for(self, d_in: int, d_out: int, slice_offsets: Optional[tuple] = None,
                                  n_loras: int = 1, rank: int = 0) -> Optional[GemvTiles]:
@@ -138,7 +138,8 @@ class ServingTuning:
     def _first_fitting(self, rows: tuple, d_in: int, d_out: int, slice_offsets: Optional[tuple], tokens: int,
                        n_loras: int, rank: int) -> Optional[GemvTiles]:
         """The tiles of the first row (d_in, d_out, *GemvTiles fields) of this shape, or of 0, 0, that fit the
-        slices and, with the shrink per tile, read at most ``gemv_local_max_rows`` A rows per tile for ``tokens``."""
+        slices and, with the shrink per tile, read at most ``gemv_local_max_rows`` A rows per tile in a call of
+        ``tokens`` tokens (the largest call the rows serve)."""
         for row in rows:
             if (row[0], row[1]) in ((d_in, d_out), (0, 0)):
                 tiles = GemvTiles(*row[2:])
