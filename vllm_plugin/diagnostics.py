@@ -88,7 +88,8 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     result (``fold_max_abs_diff``; its padding rows must be the base output alone) and count the prepared launches
     the layers keep (``kept_plans``: plans made for earlier batches, bound to the slot map, read this mapping), and
     how many take the one-launch kernel (``gemv_layers``; ``gemv_local_shrink_layers``: with the shrink per output
-    tile; ``gemv_one_token_layers``: with one-token tiles, whose fold_linear on the first row alone is checked too)."""
+    tile; ``gemv_one_token_layers``: with one-token tiles, whose fold_linear on the first row alone is checked too;
+    ``fold_one_token_only_layers``: layers folded for those tiles only, whose larger forwards run as unfolded)."""
     import torch
     from vllm.lora.layers import LoRAMapping
 
@@ -106,7 +107,7 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     out = {"layers": 0, "max_abs_diff": 0.0, "max_abs_lora": 0.0, "padding_untouched": True, "slots_ok": True,
            "slot_map": want, "fold_layers": 0, "fold_max_abs_diff": 0.0, "fold_max_abs_out": 0.0,
            "fold_shares_weight": True, "kept_plans": 0, "gemv_layers": 0, "gemv_local_shrink_layers": 0,
-           "gemv_one_token_layers": 0}
+           "gemv_one_token_layers": 0, "fold_one_token_only_layers": 0}
 
     def calls(kind):
         return sum(v for k, v in FUSED_COUNTS.items() if k.startswith(kind + ":"))
@@ -144,6 +145,8 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
             if st.gemv_tiles is not None and st.fold_gemv_max > 0:  # layers on the one-launch kernel, and its kind
                 out["gemv_layers"] += 1
                 out["gemv_local_shrink_layers"] += bool(st.gemv_tiles.local_shrink)
+            if max(st.fold_gemm_max, st.fold_gemv_max) == 0:  # folded for one-token forwards only
+                out["fold_one_token_only_layers"] += 1
             if st.gemv_one_token_tiles is not None:  # one row alone: the one-token tiles
                 y_one = torch.ops.bdlora.fold_linear(x[:1], None, layer.bd_fused_name)
                 out["gemv_one_token_layers"] += 1

@@ -14,16 +14,17 @@
 
 Auto mode (the default of ``--enable-bdlora``, ``FusedDecodeOptions(mode="auto")``): each layer looks up its
 device's entry in ``bdlora.kernels.tuning`` (one table of measured cut-offs per GPU; vLLM's own path on CPU) when it
-is built. A layer whose base weight can fold (and whose LoRA rows stay under ``fold_max_extra`` of its outputs) goes
-through ``torch.ops.bdlora.fold_linear`` with the table's cut-offs: up to ``fold_gemv_max`` tokens, on the shapes
-the table lists for it, the one-launch kernel (base GEMM, shrink and expand together; a one-token forward with its
-own tiles where the table has them, ``gemv_one_token_shapes``); up to ``fold_decode_max`` tokens the per-token
-``decode_lora_folded`` kernel, up to ``fold_gemm_max`` its tiled kernel (any token count: prefill too), above the
-base GEMM on W's view and vLLM's punica path; a layer that cannot fold runs the two-launch decode kernel up to
-``two_launch_max`` tokens and vLLM's path above. The choice is made inside the opaque custom op
-when it runs, so each captured CUDA-graph size holds its own path. The per-token and tiled kernels run through one
-``bdlora.kernels.decode.FoldedLaunch`` per layer and tiles, prepared on first use (prefills run eagerly: their host
-time counts). The opt-in flags below keep their fixed behaviour (experiments).
+is built. A layer whose base weight can fold (and whose LoRA rows stay under ``fold_max_extra`` of its outputs, or
+that has one-token tiles: then it folds for one-token forwards only) goes through ``torch.ops.bdlora.fold_linear``
+with the table's cut-offs: up to ``fold_gemv_max`` tokens, on the shapes the table lists for it, the one-launch
+kernel (base GEMM, shrink and expand together; a one-token forward with its own tiles where the table has them,
+``gemv_one_token_shapes``); up to ``fold_decode_max`` tokens the per-token ``decode_lora_folded`` kernel, up to
+``fold_gemm_max`` its tiled kernel (any token count: prefill too), above the base GEMM on W's view and the LoRA term
+of a layer that cannot fold, which runs the two-launch decode kernel up to ``two_launch_max`` tokens and vLLM's path
+above. The choice is made inside the opaque custom op when it runs, so each captured CUDA-graph size holds its own
+path. The per-token and tiled kernels run through one ``bdlora.kernels.decode.FoldedLaunch`` per layer and tiles,
+prepared on first use (prefills run eagerly: their host time counts). The opt-in flags below keep their fixed
+behaviour (experiments).
 
 Fused decode (``additional_config {"bdlora_fused_decode": true}``, ``--bdlora-fused-decode``): the LoRA term of
 a batch of at most ``max_tokens`` (8) tokens is one :func:`bdlora.kernels.decode_lora` call per module (all slices:
@@ -210,6 +211,17 @@ def _warn_once(key, msg: str, *args) -> None:
         logger.warning(msg, *args)
 
 
+def _info_once(key, msg: str, *args) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.info(msg, *args)
+
+
+def _fold_rows(n_slices: int, max_loras: int, rank: int) -> int:
+    """The LoRA rows a layer's fold holds under its base weight: every slice's A rows of every slot."""
+    return n_slices * max_loras * rank
+
+
 def _count_fused(kind: str, used: str, x: torch.Tensor, st: _FusedState) -> None:
     FUSED_COUNTS[kind + used] += 1
     if used == "torch" and x.is_cuda and st.backend == "auto":
@@ -219,7 +231,12 @@ def _count_fused(kind: str, used: str, x: torch.Tensor, st: _FusedState) -> None
 
 def _lora_linear_impl(y: torch.Tensor, x: torch.Tensor, layer: str) -> None:
     """``torch.ops.bdlora.lora_linear``: y += the LoRA term of the fused BD layer named ``layer`` for x, in place."""
-    layer = _FUSED_LAYERS[layer]
+    _add_lora_term(_FUSED_LAYERS[layer], y, x)
+
+
+def _add_lora_term(layer, y: torch.Tensor, x: torch.Tensor) -> None:
+    """y += the LoRA term of a fused BD layer for x, in place: the two-launch kernel up to ``max_tokens`` tokens,
+    vLLM's punica path above."""
     st = layer._bd_fused
     n = x.shape[0]
     if n <= st.max_tokens and st.slots is not None:
@@ -250,12 +267,14 @@ def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
     fold-mode BD layer named ``layer``. The path is picked here, when the op runs (per CUDA-graph size), by the
     token count T: T == 1 with one-token tiles or T <= fold_gemv_max the one-launch kernel, T <= fold_decode_max
     the per-token kernel, T <= fold_gemm_max the tiled one (both after one GEMM with [W; A]), above the base GEMM on
-    W's view and vLLM's punica path."""
+    W's view and the LoRA term of an unfolded layer (the two-launch kernel up to two_launch_max, vLLM's punica
+    path above)."""
     layer = _FUSED_LAYERS[layer]
     st = layer._bd_fused
     n = x.shape[0]
     one_token = n == 1 and st.gemv_one_token_tiles is not None
-    if (one_token or n <= max(st.fold_gemm_max, st.fold_gemv_max)) and st.slots is not None:
+    fold_max = max(st.fold_gemm_max, st.fold_gemv_max)  # 0: the fold serves one-token forwards only
+    if (one_token or (fold_max and n <= fold_max)) and st.slots is not None:
         if one_token or n <= st.fold_gemv_max:
             kernel = "gemv_one_token" if one_token else "gemv"
             y, ran = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
@@ -271,7 +290,7 @@ def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
         _count_fused(_FOLD_COUNTER[kernel], ran.backend, x, st)
         return y
     y = layer._get_quant_method().apply(layer.base_layer, x, bias)
-    _stock_lora(layer, y, x)
+    _add_lora_term(layer, y, x)
     return y
 
 
@@ -377,14 +396,33 @@ class _BDLoRAMixin:
         offsets = [0]
         for out in outs:
             offsets.append(offsets[-1] + out)
+        one_tiles, one_token_only = None, False
         if opts.mode == "auto":
             tuning = build.tuning(dev)
             want_fold, max_extra = tuning.fold, tuning.fold_max_extra
             two_max, fd_max, fg_max = tuning.two_launch_max, tuning.fold_decode_max, tuning.fold_gemm_max
+            # one token reads only its own slot's A rows, whatever the fold holds: a layer whose LoRA rows are too
+            # many for the fold's GEMMs at T > 1 still folds for its one-token tiles, and runs as an unfolded
+            # layer at T > 1 (base GEMM on W's view, the two-launch kernel, vLLM's path above)
+            one_tiles = tuning.gemv_one_token_tiles_for(self.input_size, offsets[-1], tuple(offsets), max_loras, rank)
+            one_token_only = (one_tiles is not None
+                              and _fold_rows(n_s, max_loras, rank) > max_extra * offsets[-1])
+            if one_token_only:
+                max_extra = None
         else:
             tuning, want_fold, max_extra = None, opts.fold_shrink, None
             two_max = fd_max = fg_max = opts.max_tokens
-        folded = self._fold_base_weight(max_loras, rank, offsets[-1], dtype, max_extra) if want_fold else None
+        folded = (self._fold_base_weight(max_loras, rank, offsets[-1], dtype, max_extra, warn_wide=not one_token_only)
+                  if want_fold else None)
+        if folded is None:
+            one_tiles = None
+        elif one_token_only:
+            fd_max = fg_max = 0
+            _info_once(("fold-one-token", type(self).__name__),
+                       "bdlora kernels (auto): %s folds its %d LoRA rows (slices x --max-loras x per-GPU rank) next "
+                       "to its %d output rows for one-token forwards only; larger forwards run the base GEMM and the "
+                       "two-launch kernel (fold_max_extra %g)", type(self).__name__, _fold_rows(n_s, max_loras, rank),
+                       offsets[-1], tuning.fold_max_extra)
         if folded is not None:  # A under the base weight: (S, L, R, d_in) -> (S, L, 1, R, d_in)
             a_all = folded.lora_a(n_s, max_loras, rank).unsqueeze(2)
         else:
@@ -403,9 +441,7 @@ class _BDLoRAMixin:
         build.names.add(name)
         # the per-tile-shrink rows skip layers whose slots x rank A rows would not pay or fit (gemv_local_max_rows)
         gemv_tiles = (tuning.gemv_tiles_for(self.input_size, offsets[-1], tuple(offsets), max_loras, rank)
-                      if tuning and folded is not None else None)
-        one_tiles = (tuning.gemv_one_token_tiles_for(self.input_size, offsets[-1], tuple(offsets), max_loras, rank)
-                     if tuning and folded is not None else None)
+                      if tuning and folded is not None and not one_token_only else None)
         gemv_ws = None
         for tokens, tiles in ((tuning.fold_gemv_max if tuning else 0, gemv_tiles), (1, one_tiles)):
             if tiles is not None:
@@ -432,17 +468,19 @@ class _BDLoRAMixin:
             logger.warning("bdlora fused decode: VLLM_LORA_ENABLE_DUAL_STREAM=1 runs LoRA through vLLM's dual-stream "
                            "path, which bypasses the fused kernel")
 
-    def _fold_base_weight(self, max_loras: int, rank: int, d_out: int, dtype, max_extra: Optional[float] = None):
+    def _fold_base_weight(self, max_loras: int, rank: int, d_out: int, dtype, max_extra: Optional[float] = None,
+                          warn_wide: bool = True):
         """Moves the base weight into [W; A] (``fold_weight``; ``base_layer.weight`` keeps its Parameter, now a view
         of the top rows) and returns it, or None with a warning where the base layer cannot take it, or (auto mode,
         ``max_extra`` set) where the LoRA rows, slices x slots x rank, exceed ``max_extra`` x d_out: every forward's
-        GEMM multiplies them, so many slots of a high rank make the fold slower than the two-launch path."""
+        GEMM multiplies them, so many slots of a high rank make the fold slower than the two-launch path.
+        ``warn_wide``: warn when a fold without ``max_extra`` holds that many rows (the opt-in fold mode)."""
         from bdlora.kernels import fold_weight
         from bdlora.kernels.tuning import FOLD_MAX_EXTRA
 
         w = getattr(self.base_layer, "weight", None)
         method = type(getattr(self.base_layer, "quant_method", None)).__name__
-        extra_rows = self.n_slices * max_loras * rank
+        extra_rows = _fold_rows(self.n_slices, max_loras, rank)
         if method != "UnquantizedLinearMethod":
             reason = f"its base layer is quantized ({method})"
         elif max_extra is not None and extra_rows > max_extra * d_out:
@@ -457,7 +495,7 @@ class _BDLoRAMixin:
         else:
             folded = fold_weight(w.data, self.n_slices, max_loras, rank)
             w.data = folded.base
-            if max_extra is None and extra_rows > FOLD_MAX_EXTRA * d_out:
+            if max_extra is None and warn_wide and extra_rows > FOLD_MAX_EXTRA * d_out:
                 _warn_once("fold-wide", "bdlora fold_shrink: %s's decode GEMM gets %d LoRA rows next to its %d (+%d%%; "
                            "slices x --max-loras x per-GPU rank), read at every decode step: lower --max-loras or "
                            "--max-lora-rank, or serve without --bdlora-fold-shrink", type(self).__name__, extra_rows,

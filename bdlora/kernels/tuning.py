@@ -20,9 +20,14 @@ number of tokens T of that forward:
                                tiles from ``gemm_tiles``: the first (max_tokens, block_m, block_n, warps) row with
                                T <= max_tokens
         above                  the base GEMM (on W's view) + vLLM's punica kernels
-    layers that cannot fold (quantized base, dtype mismatch, or LoRA rows above ``fold_max_extra`` x d_out):
+    layers that cannot fold (quantized base, dtype mismatch, or LoRA rows above ``fold_max_extra`` x d_out), and
+    fold layers above their cut-offs (after the base GEMM on W's view):
         T <= two_launch_max    ``decode_lora`` (two launches: partial shrinks, expand)
         above                  vLLM's punica kernels
+
+A layer whose LoRA rows (slices x max_loras x rank) exceed ``fold_max_extra`` x d_out but that has one-token tiles
+still folds, for T == 1 only: one token reads its own slot's A rows, so the fold costs it nothing there, while the
+GEMMs of larger forwards would read every slot's. Its larger forwards run as a layer that cannot fold.
 
 A per-tile-shrink row (local_shrink, and every one-token row) reads its slice's A rows in every tile: every slot's
 (max_loras x the per-device rank) at T > 1, the token's own slot's (the rank) at T == 1. It applies only while those
