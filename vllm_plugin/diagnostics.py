@@ -145,7 +145,7 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
             if st.gemv_tiles is not None and st.fold_gemv_max > 0:  # layers on the one-launch kernel, and its kind
                 out["gemv_layers"] += 1
                 out["gemv_local_shrink_layers"] += bool(st.gemv_tiles.local_shrink)
-            if max(st.fold_gemm_max, st.fold_gemv_max) == 0:  # folded for one-token forwards only
+            if st.fold_max == 0:  # folded for one-token forwards only
                 out["fold_one_token_only_layers"] += 1
             if st.gemv_one_token_tiles is not None:  # one row alone: the one-token tiles
                 y_one = torch.ops.bdlora.fold_linear(x[:1], None, layer.bd_fused_name)

@@ -53,6 +53,7 @@ layers hand their weights to oneDNN and drop them, the plugin keeps them as torc
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -194,6 +195,12 @@ class _FusedState:
     def __post_init__(self):
         self.options = KernelOptions(backend=self.backend)
 
+    @property
+    def fold_max(self) -> int:
+        """The most tokens a forward may have for the fold's multi-token kernels; 0: the fold serves one-token
+        forwards only (its LoRA rows are too many for the fold's GEMMs at T > 1)."""
+        return max(self.fold_gemm_max, self.fold_gemv_max)
+
     def plan(self, kernel: str, tiles) -> FoldedLaunch:
         key = (kernel, tiles)
         plan = self.plans.get(key)
@@ -205,16 +212,16 @@ class _FusedState:
         return plan
 
 
+def _log_once(level: int, key, msg: str, *args) -> None:
+    """Logs ``msg`` at ``level`` the first time ``key`` is seen in this process (a message per layer kind, not per
+    layer)."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.log(level, msg, *args)
+
+
 def _warn_once(key, msg: str, *args) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        logger.warning(msg, *args)
-
-
-def _info_once(key, msg: str, *args) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        logger.info(msg, *args)
+    _log_once(logging.WARNING, key, msg, *args)
 
 
 def _fold_rows(n_slices: int, max_loras: int, rank: int) -> int:
@@ -273,8 +280,7 @@ def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
     st = layer._bd_fused
     n = x.shape[0]
     one_token = n == 1 and st.gemv_one_token_tiles is not None
-    fold_max = max(st.fold_gemm_max, st.fold_gemv_max)  # 0: the fold serves one-token forwards only
-    if (one_token or (fold_max and n <= fold_max)) and st.slots is not None:
+    if (one_token or (st.fold_max > 0 and n <= st.fold_max)) and st.slots is not None:
         if one_token or n <= st.fold_gemv_max:
             kernel = "gemv_one_token" if one_token else "gemv"
             y, ran = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
@@ -408,21 +414,20 @@ class _BDLoRAMixin:
             one_token_only = (one_tiles is not None
                               and _fold_rows(n_s, max_loras, rank) > max_extra * offsets[-1])
             if one_token_only:
-                max_extra = None
+                max_extra = math.inf
         else:
             tuning, want_fold, max_extra = None, opts.fold_shrink, None
             two_max = fd_max = fg_max = opts.max_tokens
-        folded = (self._fold_base_weight(max_loras, rank, offsets[-1], dtype, max_extra, warn_wide=not one_token_only)
-                  if want_fold else None)
+        folded = self._fold_base_weight(max_loras, rank, offsets[-1], dtype, max_extra) if want_fold else None
         if folded is None:
             one_tiles = None
         elif one_token_only:
             fd_max = fg_max = 0
-            _info_once(("fold-one-token", type(self).__name__),
-                       "bdlora kernels (auto): %s folds its %d LoRA rows (slices x --max-loras x per-GPU rank) next "
-                       "to its %d output rows for one-token forwards only; larger forwards run the base GEMM and the "
-                       "two-launch kernel (fold_max_extra %g)", type(self).__name__, _fold_rows(n_s, max_loras, rank),
-                       offsets[-1], tuning.fold_max_extra)
+            _log_once(logging.INFO, ("fold-one-token", type(self).__name__),
+                      "bdlora kernels (auto): %s folds its %d LoRA rows (slices x --max-loras x per-GPU rank) next "
+                      "to its %d output rows for one-token forwards only; larger forwards run the base GEMM and the "
+                      "two-launch kernel (fold_max_extra %g)", type(self).__name__, _fold_rows(n_s, max_loras, rank),
+                      offsets[-1], tuning.fold_max_extra)
         if folded is not None:  # A under the base weight: (S, L, R, d_in) -> (S, L, 1, R, d_in)
             a_all = folded.lora_a(n_s, max_loras, rank).unsqueeze(2)
         else:
@@ -468,13 +473,13 @@ class _BDLoRAMixin:
             logger.warning("bdlora fused decode: VLLM_LORA_ENABLE_DUAL_STREAM=1 runs LoRA through vLLM's dual-stream "
                            "path, which bypasses the fused kernel")
 
-    def _fold_base_weight(self, max_loras: int, rank: int, d_out: int, dtype, max_extra: Optional[float] = None,
-                          warn_wide: bool = True):
+    def _fold_base_weight(self, max_loras: int, rank: int, d_out: int, dtype, max_extra: Optional[float] = None):
         """Moves the base weight into [W; A] (``fold_weight``; ``base_layer.weight`` keeps its Parameter, now a view
         of the top rows) and returns it, or None with a warning where the base layer cannot take it, or (auto mode,
         ``max_extra`` set) where the LoRA rows, slices x slots x rank, exceed ``max_extra`` x d_out: every forward's
-        GEMM multiplies them, so many slots of a high rank make the fold slower than the two-launch path.
-        ``warn_wide``: warn when a fold without ``max_extra`` holds that many rows (the opt-in fold mode)."""
+        GEMM multiplies them, so many slots of a high rank make the fold slower than the two-launch path
+        (``math.inf``: a fold for one-token forwards only, where one token reads its own slot's rows alone).
+        ``max_extra`` None (the opt-in fold mode) folds whatever the rows, with a warning above FOLD_MAX_EXTRA."""
         from bdlora.kernels import fold_weight
         from bdlora.kernels.tuning import FOLD_MAX_EXTRA
 
@@ -495,7 +500,7 @@ class _BDLoRAMixin:
         else:
             folded = fold_weight(w.data, self.n_slices, max_loras, rank)
             w.data = folded.base
-            if max_extra is None and warn_wide and extra_rows > FOLD_MAX_EXTRA * d_out:
+            if max_extra is None and extra_rows > FOLD_MAX_EXTRA * d_out:
                 _warn_once("fold-wide", "bdlora fold_shrink: %s's decode GEMM gets %d LoRA rows next to its %d (+%d%%; "
                            "slices x --max-loras x per-GPU rank), read at every decode step: lower --max-loras or "
                            "--max-lora-rank, or serve without --bdlora-fold-shrink", type(self).__name__, extra_rows,
