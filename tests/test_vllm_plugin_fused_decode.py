@@ -232,7 +232,7 @@ def test_fold_base_weight_moves_the_weight_or_says_why_not(caplog):
 
     w = torch.randn(10, 8)
     layer = fake(w.clone())
-    L._WARNED.clear()
+    L._LOGGED.clear()
     with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
         folded = L._BDLoRAMixin._fold_base_weight(layer, 3, 4, 10, torch.float32)
     assert folded.w_ext.shape == (10 + 2 * 3 * 4, 8) and torch.equal(layer.base_layer.weight, w)
@@ -240,7 +240,7 @@ def test_fold_base_weight_moves_the_weight_or_says_why_not(caplog):
     assert not folded.lora_a(2, 3, 4).any()
     assert "24 LoRA rows next to its 10 (+240%" in caplog.text and "--max-loras" in caplog.text  # still folded
     caplog.clear()
-    L._WARNED.clear()
+    L._LOGGED.clear()
     with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
         assert L._BDLoRAMixin._fold_base_weight(fake(torch.randn(96, 8), n_slices=1), 1, 8, 96, torch.float32) is not None
     assert not caplog.text  # 8 rows next to 96 (+8%): no warning
@@ -250,7 +250,7 @@ def test_fold_base_weight_moves_the_weight_or_says_why_not(caplog):
         assert L._BDLoRAMixin._fold_base_weight(fake(w.clone()), 3, 4, 10, torch.float32, 0.25) is None
     assert "its 24 LoRA rows" in caplog.text and "exceed 0.25 x its 10 output rows" in caplog.text
     caplog.clear()
-    L._WARNED.clear()
+    L._LOGGED.clear()
     with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
         assert L._BDLoRAMixin._fold_base_weight(fake(w.clone()), 3, 4, 10, torch.float32, math.inf) is not None
     assert not caplog.text

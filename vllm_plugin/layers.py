@@ -120,7 +120,7 @@ FUSED_COUNTS: Counter = Counter()
 #: the custom op gets the name, a constant that torch.compile may cache, so it must not depend on creation order.
 #: One engine per process (vLLM's workers); a later engine's layers replace an earlier one's.
 _FUSED_LAYERS: "weakref.WeakValueDictionary[str, torch.nn.Module]" = weakref.WeakValueDictionary()
-_WARNED: set = set()
+_LOGGED: set = set()  # keys of the messages logged once per process (_log_once)
 
 
 class _TokenSlots:
@@ -215,8 +215,8 @@ class _FusedState:
 def _log_once(level: int, key, msg: str, *args) -> None:
     """Logs ``msg`` at ``level`` the first time ``key`` is seen in this process (a message per layer kind, not per
     layer)."""
-    if key not in _WARNED:
-        _WARNED.add(key)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
         logger.log(level, msg, *args)
 
 
@@ -403,6 +403,7 @@ class _BDLoRAMixin:
         for out in outs:
             offsets.append(offsets[-1] + out)
         one_tiles, one_token_only = None, False
+        lora_rows = _fold_rows(n_s, max_loras, rank)
         if opts.mode == "auto":
             tuning = build.tuning(dev)
             want_fold, max_extra = tuning.fold, tuning.fold_max_extra
@@ -411,14 +412,12 @@ class _BDLoRAMixin:
             # many for the fold's GEMMs at T > 1 still folds for its one-token tiles, and runs as an unfolded
             # layer at T > 1 (base GEMM on W's view, the two-launch kernel, vLLM's path above)
             one_tiles = tuning.gemv_one_token_tiles_for(self.input_size, offsets[-1], tuple(offsets), max_loras, rank)
-            one_token_only = (one_tiles is not None
-                              and _fold_rows(n_s, max_loras, rank) > max_extra * offsets[-1])
-            if one_token_only:
-                max_extra = math.inf
+            one_token_only = one_tiles is not None and lora_rows > max_extra * offsets[-1]
         else:
             tuning, want_fold, max_extra = None, opts.fold_shrink, None
             two_max = fd_max = fg_max = opts.max_tokens
-        folded = self._fold_base_weight(max_loras, rank, offsets[-1], dtype, max_extra) if want_fold else None
+        folded = (self._fold_base_weight(max_loras, rank, offsets[-1], dtype, math.inf if one_token_only else max_extra)
+                  if want_fold else None)
         if folded is None:
             one_tiles = None
         elif one_token_only:
@@ -426,8 +425,7 @@ class _BDLoRAMixin:
             _log_once(logging.INFO, ("fold-one-token", type(self).__name__),
                       "bdlora kernels (auto): %s folds its %d LoRA rows (slices x --max-loras x per-GPU rank) next "
                       "to its %d output rows for one-token forwards only; larger forwards run the base GEMM and the "
-                      "two-launch kernel (fold_max_extra %g)", type(self).__name__, _fold_rows(n_s, max_loras, rank),
-                      offsets[-1], tuning.fold_max_extra)
+                      "two-launch kernel (fold_max_extra %g)", type(self).__name__, lora_rows, offsets[-1], max_extra)
         if folded is not None:  # A under the base weight: (S, L, R, d_in) -> (S, L, 1, R, d_in)
             a_all = folded.lora_a(n_s, max_loras, rank).unsqueeze(2)
         else:
