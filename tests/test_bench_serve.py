@@ -437,6 +437,7 @@ open(a.out, "w").write("{}")
 
 
 @pytest.mark.parametrize("engines, rc, failed", [(["base=base", "bd=bd"], 0, None),
+                                                 (["base=base", "bd=bd", "bd_before=bd"], 0, None),
                                                  (["base=base", "bad_start=bd", "bd=bd"], 1, "bad_start"),
                                                  (["slow=base", "bad_run=bd"], 1, "bad_run")])
 def test_rr_script_starts_engines_in_turn_and_stops_on_a_failure(tmp_path, engines, rc, failed):
@@ -451,6 +452,7 @@ def test_rr_script_starts_engines_in_turn_and_stops_on_a_failure(tmp_path, engin
     labels = [e.split("=")[0] for e in engines]
     started = {lab: float((out / f"rr_tp4_{lab}.json.started").read_text()) for lab in labels
                if (out / f"rr_tp4_{lab}.json.started").exists()}
+    assert "no such job" not in p.stderr  # each wait names only the engines still running
     if failed is None:
         assert all((out / f"rr_tp4_{lab}.json").exists() for lab in labels)
         assert started["bd"] - started["base"] >= 0.5  # the second started after the first was up

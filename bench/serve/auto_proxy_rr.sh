@@ -38,14 +38,16 @@ for spec in "$@"; do
   done
   i=$((i + 1))
 done
-# measuring: the first engine to exit with an error stops the rest
-remaining=${#pids[@]}
-while [ "$remaining" -gt 0 ]; do
-  wait -n -p done_pid "${pids[@]}"
+# measuring: the first engine to exit with an error stops the rest. Each wait names only the engines still
+# running: bash reaps a finished one, and naming it again prints "no such job".
+declare -A running=()
+for k in "${!pids[@]}"; do running[${pids[$k]}]=${labels[$k]}; done
+while [ "${#running[@]}" -gt 0 ]; do
+  done_pid=
+  wait -n -p done_pid "${!running[@]}"
   rc=$?
-  remaining=$((remaining - 1))
-  if [ "$rc" -ne 0 ]; then
-    for k in "${!pids[@]}"; do [ "${pids[$k]}" = "$done_pid" ] && stop_all "${labels[$k]}"; done
-    stop_all "unknown"
-  fi
+  [ -n "$done_pid" ] || stop_all "unknown"
+  label=${running[$done_pid]}
+  unset "running[$done_pid]"
+  [ "$rc" -eq 0 ] || stop_all "$label"
 done
