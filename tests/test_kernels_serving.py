@@ -113,6 +113,41 @@ def test_gemv_kernel_tiles_and_shared_workspace(tiles):
     assert torch.equal(runs[0], runs[1])
 
 
+SLOT_MAPS = [[3], [3, -1, 3, 3, -1], [2], [1, 3, -1, 1], [-1, -1]]  # one slot of several (rank 0 too), two, none
+
+
+@pytest.mark.parametrize("kernel", ["gemm", "gemv"])
+@pytest.mark.parametrize("slots", range(len(SLOT_MAPS)))
+def test_folded_tile_of_one_slot_of_several(kernel, slots):
+    """Several slots, and every token with a slot on the same one (or on two, or none): the expand takes that slot's
+    B loaded before the wait (``_tile_slot``) and the shared-shrink kernel computes only the shrink rows the expand
+    reads (used slots, below their rank). Garbage in the A rows past each slot's rank changes nothing; the shrink
+    the A tiles leave in the workspace is zero outside the used rows and x @ A inside them."""
+    idx = torch.tensor(SLOT_MAPS[slots], dtype=torch.int32)
+    ranks = [8, 16, 0, 12]
+    folded, x, b, _, rk, scales, offs, _ = _oracle_case(440 + slots, ranks, [32, 16, 16], len(idx), 32)
+    n_s, n_l, r = len(offs) - 1, len(ranks), b.shape[2]
+    a_view = folded.lora_a(n_s, n_l, r)
+    for slot, rank in enumerate(ranks):
+        a_view[:, slot, rank:] = 1e4  # past the slot's rank: never part of its term
+    want = K.decode_lora_folded_ref(x.double(), folded.w_ext.double(), folded.d_out, b.double(), idx, rk,
+                                    scales.double(), offs)
+    tiles = GemvTiles(16, 16, 2, 1, 1)
+    ws = GemvWorkspace("cpu", torch.float32).reserve(folded, len(idx), tiles)
+    ws.shrink.fill_(float("nan"))
+    y = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel=kernel, tiles=ExpandTiles(16, 16, 1),
+                             gemv_tiles=tiles, workspace=ws).out
+    torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
+    if kernel == "gemv":
+        a_rows = folded.w_ext.shape[0] - folded.d_out
+        shrink = ws.shrink[:len(idx) * a_rows].view(len(idx), a_rows)
+        j = torch.arange(a_rows)
+        slot_j, r_j = (j // r) % n_l, j % r
+        used = torch.isin(slot_j, idx) & (r_j < rk.long()[slot_j])
+        assert torch.equal(shrink[:, ~used], torch.zeros_like(shrink[:, ~used]))
+        torch.testing.assert_close(shrink[:, used], (x @ folded.w_ext[folded.d_out:].T)[:, used])
+
+
 LOCAL_CASES = [case for case in CASES if all(w % 16 == 0 for w in case[1][:-1])]  # slice offsets fit block_n 16
 
 

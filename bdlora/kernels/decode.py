@@ -258,12 +258,35 @@ def _decode_folded_expand_kernel(
 
 
 @jit
+def _tile_slot(a, rowmask):
+    """The slot every row of a token tile that has one uses (rows without LoRA, a = -1, aside), or -1 when they use
+    several or none: then the tile's expand can take that slot's B loaded up front (``_slot_factors``)."""
+    hi = tl.max(tl.where(rowmask, a, -1), axis=0)
+    lo = tl.min(tl.where(rowmask & (a >= 0), a, hi), axis=0)
+    return tl.where(lo == hi, hi, -1)
+
+
+@jit
 def _one_slot_factors(b_ptr, ranks_ptr, scales_ptr, cs, cmask, R, BLOCK_R: tl.constexpr):
     """The one slot's B tile (BLOCK_R x cols, rows past R zero), rank and scale, for ``_add_slot_expand``: loaded by
-    the folded kernels up front, before they wait on the shrink (nothing before them in the launch writes these)."""
+    the folded kernels up front, before they wait on the GEMM or the shrink (nothing before them in the launch
+    writes these)."""
     rr = tl.arange(0, BLOCK_R)
     bv = tl.load(b_ptr + cs[None, :] * R + rr[:, None], mask=(rr < R)[:, None] & cmask[None, :], other=0.0)
     return bv, tl.load(ranks_ptr), tl.load(scales_ptr)
+
+
+@jit
+def _slot_factors(b_ptr, ranks_ptr, scales_ptr, slot, cs, cmask, d_out, R, BLOCK_R: tl.constexpr):
+    """``_one_slot_factors`` for slot ``slot`` of several (a scalar tensor: ``_tile_slot``; -1: zeros, nothing
+    read)."""
+    rr = tl.arange(0, BLOCK_R)
+    ok = slot >= 0
+    l = tl.maximum(slot, 0)  # slot 0's rank and scale are read for -1 (a valid address), then dropped
+    rmask = (rr < R) & (rr * 0 + slot >= 0)  # per element: the interpreter's bool & 0-d bool is not a bool mask
+    bv = tl.load(b_ptr + (l * d_out + cs[None, :]).to(tl.int64) * R + rr[:, None],
+                 mask=rmask[:, None] & cmask[None, :], other=0.0)
+    return bv, tl.where(ok, tl.load(ranks_ptr + l), 0), tl.where(ok, tl.load(scales_ptr + l), 0.0)
 
 
 @jit
@@ -307,26 +330,39 @@ def _gemv_total(acc, BLOCK_M: tl.constexpr):
 
 
 @jit
+def _add_loaded_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, one_l, one_b, one_r, one_scale,
+                            BLOCK_R: tl.constexpr, PREC: tl.constexpr, CACHE: tl.constexpr):
+    """``_add_slot_expand`` for the rows of slot ``one_l`` whose B tile, rank and scale were loaded up front."""
+    rr = tl.arange(0, BLOCK_R)
+    sv = tl.load(s_rows + (sl * n_loras + one_l) * R + rr[None, :], mask=rowmask[:, None] & (rr < R)[None, :],
+                 other=0.0, cache_modifier=CACHE)
+    sv = tl.where((a == one_l)[:, None] & (rr < one_r)[None, :], sv, 0.0).to(one_b.dtype)
+    bv = tl.where(cmask[None, :], one_b, 0.0)  # a tile straddling two slices: only this slice's columns
+    return acc + tl.dot(sv, bv, input_precision=PREC) * one_scale
+
+
+@jit
 def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scales_ptr, d_out, n_loras, R, sl,
-                     one_b, one_r, one_scale,
+                     one_l, one_b, one_r, one_scale,
                      BLOCK_R: tl.constexpr, ONE_SLOT: tl.constexpr, PREC: tl.constexpr, CACHE: tl.constexpr):
     """The folded kernels' expand of slice ``sl`` into a (rows x cols) tile: returns
 
     acc[t, c] + scales[a[t]] * S[t, (sl * L + a[t]) * R + :ranks[a[t]]] @ B[a[t], c, :ranks[a[t]]]^T
 
     for the rows with a slot (a[t] >= 0, rank > 0) and the columns in ``cmask``; ``s_rows`` (rows x 1 pointers) is
-    where each row's shrink S starts. Several slots: a loop over them that skips (in the kernel) those no row uses,
-    one tl.dot each. One slot (ONE_SLOT): B, rank and scale come in as ``one_b``, ``one_r``, ``one_scale``
-    (``_one_slot_factors``, the tile's columns, loaded before the caller waited for S; ``cmask`` picks this slice's
-    columns of it); unused otherwise. CACHE: the cache modifier of S's load ("" or ".cg" for a shrink another
+    where each row's shrink S starts. When every row with a slot uses slot ``one_l`` (always with ONE_SLOT, L == 1,
+    one_l = 0; else ``_tile_slot``, -1 when rows use several), its B, rank and scale come in as ``one_b``, ``one_r``,
+    ``one_scale`` (``_slot_factors``, the tile's columns, loaded before the caller waited; ``cmask`` picks this
+    slice's columns of it): one tl.dot. Otherwise a loop over the slots that skips (in the kernel) those no row
+    uses, one tl.dot each, B read there. CACHE: the cache modifier of S's load ("" or ".cg" for a shrink another
     program of the same launch wrote)."""
     rr = tl.arange(0, BLOCK_R)
     if ONE_SLOT:
-        sv = tl.load(s_rows + sl * R + rr[None, :], mask=rowmask[:, None] & (rr < R)[None, :], other=0.0,
-                     cache_modifier=CACHE)
-        sv = tl.where((a == 0)[:, None] & (rr < one_r)[None, :], sv, 0.0).to(one_b.dtype)
-        bv = tl.where(cmask[None, :], one_b, 0.0)  # a tile straddling two slices: only this slice's columns
-        acc += tl.dot(sv, bv, input_precision=PREC) * one_scale
+        acc = _add_loaded_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, 0, one_b, one_r, one_scale,
+                                      BLOCK_R, PREC, CACHE)
+    elif one_l >= 0:
+        acc = _add_loaded_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, one_l, one_b, one_r,
+                                      one_scale, BLOCK_R, PREC, CACHE)
     else:
         for l in range(0, n_loras):
             sel = a == l
@@ -359,9 +395,10 @@ def _fold_expand_gemm_kernel(
     the per-token kernel. Tokens need not be sorted by slot: a tile loops over the slots and skips (inside the
     kernel, no host sync) those no row of the tile uses, so a tile of one adapter does one (BLOCK_M x R) @ (R x
     BLOCK_N) tl.dot and a tile mixing k adapters k of them; nothing is padded to the largest rank beyond BLOCK_R.
-    ONE_SLOT (L == 1): the shrink and B are loaded at once, not after idx. Products in fp32 (PREC for fp32 inputs).
-    USE_GDC (programmatic dependent launch): idx and the one slot's B, rank and scale are read before ``gdc_wait``,
-    h (the GEMM's output) after it.
+    A tile whose rows with a slot all use one (always with ONE_SLOT, L == 1; one token always) does one tl.dot with
+    that slot's B loaded at once, before the GEMM's output is awaited. Products in fp32 (PREC for fp32 inputs).
+    USE_GDC (programmatic dependent launch): idx and that slot's B, rank and scale are read before ``gdc_wait``, h
+    (the GEMM's output) after it.
     """
     pid_m = tl.program_id(0)
     sl = tl.program_id(1)
@@ -376,16 +413,19 @@ def _fold_expand_gemm_kernel(
         cmask = cs < o_hi
         a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
         if ONE_SLOT:
+            one_l = 0
             one_b, one_r, one_scale = _one_slot_factors(b_ptr, ranks_ptr, scales_ptr, cs, cmask, R, BLOCK_R)
         else:
-            one_b, one_r, one_scale = 0, 0, 0.0
+            one_l = _tile_slot(a, rowmask)
+            one_b, one_r, one_scale = _slot_factors(b_ptr, ranks_ptr, scales_ptr, one_l, cs, cmask, d_out, R,
+                                                    BLOCK_R)
         if USE_GDC:
             tl.extra.cuda.gdc_wait()
         acc = tl.load(h_ptr + rows64[:, None] * stride_h + cs[None, :], mask=rowmask[:, None] & cmask[None, :],
                       other=0.0).to(tl.float32)
         acc = _add_slot_expand(acc, h_ptr + rows64[:, None] * stride_h + d_out, a, rowmask, cs, cmask, b_ptr,
-                               ranks_ptr, scales_ptr, d_out, n_loras, R, sl, one_b, one_r, one_scale, BLOCK_R,
-                               ONE_SLOT, PREC, "")
+                               ranks_ptr, scales_ptr, d_out, n_loras, R, sl, one_l, one_b, one_r, one_scale,
+                               BLOCK_R, ONE_SLOT, PREC, "")
         tl.store(y_ptr + rows64[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=rowmask[:, None] & cmask[None, :])
 
@@ -406,15 +446,18 @@ def _fold_gemv_kernel(
     and finishes the tile:
 
     A tile (rows d_out + j): s[:T, j] = h[:T, d_out + j] (rounded to x's dtype, as the folded GEMM rounds it), then
-                             sync[0] += 1 (release)
+                             sync[0] += 1 (release); only the rows j = (s, l, r) the expand reads are read from A
+                             (slot l used by a token, r < ranks[l]), the others are left zero
     W tile (cols c):         waits until sync[0] == n_a_tiles (acquire), then for each slice s its columns get
                              y[t, c] = h[t, c] + scales[a] * s[t, (s * L + a) * R + :ranks[a]] @ B[a, c, :ranks[a]]^T
                              with a = idx[t] (-1 / rank 0: no LoRA term); the last W tile finished resets sync.
 
     Counters are zero between calls (each is reset by its last user). The wait is safe: A programs have the lowest
     ids, so they are scheduled first and never wait themselves (the Triton interpreter runs programs in id order).
-    With one slot, a W tile's B is loaded before the GEMM loop (it does not depend on the shrink). USE_GDC
-    (programmatic dependent launch): that load comes before ``gdc_wait``, x (the previous kernel's output) after.
+    When every token with a slot uses the same one (always with one slot, and for one token), a W tile's B for that
+    slot is loaded before the GEMM loop (it does not depend on the shrink), not after the wait. USE_GDC
+    (programmatic dependent launch): that load and idx come before ``gdc_wait``, x (the previous kernel's output)
+    after.
     (No one-token variant: with one-token products this kernel lost to its tl.dot form on every module measured,
     bench/results/serve/gemv_slots_2026-11-25.)
     """
@@ -428,11 +471,21 @@ def _fold_gemv_kernel(
     rowmask = rows < T
     cs = n0 + tl.arange(0, BLOCK_N)
     cmask = cs < n_end
+    a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
     if ONE_SLOT:
+        one_l = 0
         one_b, one_r, one_scale = _one_slot_factors(b_ptr, ranks_ptr, scales_ptr, cs, cmask & (cs < d_out), R,
                                                     BLOCK_R)
     else:
-        one_b, one_r, one_scale = 0, 0, 0.0
+        one_l = _tile_slot(a, rowmask)
+        one_b, one_r, one_scale = _slot_factors(b_ptr, ranks_ptr, scales_ptr, one_l, cs, cmask & (cs < d_out),
+                                                d_out, R, BLOCK_R)
+    # an A tile reads only the rows (l, r) the expand uses: slot l used by a token, r < ranks[l] (W tiles: j < 0)
+    j = cs - d_out
+    l_j = (j // R) % n_loras
+    used = tl.max(((a[:, None] == l_j[None, :]) & rowmask[:, None]).to(tl.int32), axis=0) > 0
+    keep = used & (j % R < tl.load(ranks_ptr + l_j, mask=cmask & (j >= 0), other=0))
+    cmask_k = cmask & (keep | (j < 0))
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
     k_lo = split * k_chunk
@@ -442,7 +495,7 @@ def _fold_gemv_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < k_hi
         xv = _gemv_x(x_ptr, rows, stride_x, ks, rowmask, kmask, BLOCK_M)
-        wv = tl.load(w_ptr + cs.to(tl.int64)[None, :] * d_in + ks[:, None], mask=kmask[:, None] & cmask[None, :],
+        wv = tl.load(w_ptr + cs.to(tl.int64)[None, :] * d_in + ks[:, None], mask=kmask[:, None] & cmask_k[None, :],
                      other=0.0)
         acc += _gemv_step(xv, wv, PREC, BLOCK_M)
     acc = _gemv_total(acc, BLOCK_M)
@@ -471,13 +524,13 @@ def _fold_gemv_kernel(
                 seen = tl.load(sync_ptr, volatile=True)
             tl.atomic_add(sync_ptr, 0, sem="acquire")  # then one acquire: the shrink stores are visible below
             tl.debug_barrier()
-            a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
             for sl in tl.static_range(N_SLICES):
                 lo, hi = _slice_bounds(sl, O1, O2, O3, O4)
                 if (n0 < hi) & (n0 + BLOCK_N > lo):  # a tile may straddle two slices: each adds its own columns
                     acc = _add_slot_expand(acc, s_ptr + rows[:, None] * a_rows, a, rowmask, cs,
                                            cmask & (cs >= lo) & (cs < hi), b_ptr, ranks_ptr, scales_ptr, d_out,
-                                           n_loras, R, sl, one_b, one_r, one_scale, BLOCK_R, ONE_SLOT, PREC, ".cg")
+                                           n_loras, R, sl, one_l, one_b, one_r, one_scale, BLOCK_R, ONE_SLOT, PREC,
+                                           ".cg")
             tl.store(y_ptr + rows[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=rowmask[:, None] & cmask[None, :])
             done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
