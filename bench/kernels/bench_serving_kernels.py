@@ -22,6 +22,11 @@ graph and replayed (launch gaps as vLLM's graphs have them):
                   launched with programmatic dependent launch (Hopper+), the LoRA weights and slot ids read before
                   the wait on the kernel before
     two_launch    F.linear(x, W) + decode_lora                              (T <= 64)
+    side_stream   F.linear(x, W) on the stream while a second stream computes the LoRA term delta = 0 +
+                  decode_lora(x) from the same x; the stream then waits for it (an event: no kernel) and returns
+                  y and delta apart, for the next kernel to add (a pointwise add fuses into vLLM's compiled
+                  activation / norm kernels). ``side_stream_add`` also adds them (one more kernel, the unfused
+                  bound). Both plain and with pdl (T <= 64)
     punica        F.linear(x, W) + vLLM's PunicaWrapperGPU.add_lora_linear  (vLLM's LoRA kernels at the same rank)
 
     python bench/kernels/bench_serving_kernels.py --out serving_kernels.json [--tokens 1,8,64] [--shapes tp4]
@@ -82,7 +87,8 @@ def gemv_kind(g) -> str:
     return "one_token" if g.one_token else "local" if g.local_shrink else "shared"
 
 
-PATHS = ("base", "gemm_w_ext", "fold_decode", "two_launch", "fold_gemm", "fold_cublas", "fold_gemv", "punica")
+PATHS = ("base", "gemm_w_ext", "fold_decode", "two_launch", "side_stream", "fold_gemm", "fold_cublas", "fold_gemv",
+         "punica")
 
 
 def graph_us(fn, reps: int = 20) -> float:
@@ -338,8 +344,10 @@ def main():
             gemv_ws = GemvWorkspace(dev, dt)
             for gt in GEMV_TILES:
                 gemv_ws.reserve(layers[0].f, 64, GemvTiles(*gt))
+            side_ws = DecodeWorkspace(dev)  # the side stream's own: its kernels run beside the main stream's
             for t in range(1, 65):
                 ws.reserve(decode_grid(t, n_s, n_l, max(outs), d_in, R, decode_tiles(dev)))
+                side_ws.reserve(decode_grid(t, n_s, n_l, max(outs), d_in, R, decode_tiles(dev)))
             for trace in [v for v in a.trace.split(",") if v.startswith(f"{shape}:{mod}:")]:
                 t = int(trace.split(":")[2])
                 x = torch.randn(t, d_in, device=dev, dtype=dt, generator=gen)
@@ -405,6 +413,31 @@ def main():
                             decode_lora(y, x, L.a, L.b, idx, ranks, scales, offs, soff=soff, workspace=ws, pdl=pdl)
 
                     row["two_launch" + "_pdl" * pdl] = graph_us(run_two)
+                side = torch.cuda.Stream()
+                deltas = [torch.empty(t, d_out, device=dev, dtype=dt) for _ in layers]
+                for add in ((False, True) if t <= 64 and "side_stream" in paths else ()):
+                    for pdl in (False, True):
+                        def run_side():
+                            main = torch.cuda.current_stream()
+                            for L, delta in zip(layers, deltas):
+                                side.wait_stream(main)  # x is ready: the LoRA term starts beside the base GEMM
+                                with torch.cuda.stream(side):
+                                    delta.zero_()
+                                    decode_lora(delta, x, L.a, L.b, idx, ranks, scales, offs, soff=soff,
+                                                workspace=side_ws, pdl=pdl)
+                                y = F.linear(x, L.w)
+                                main.wait_stream(side)  # the next kernel (here: the add) reads both
+                                if add:
+                                    y += delta
+
+                        row["side_stream" + "_add" * add + "_pdl" * pdl] = graph_us(run_side)
+                if t <= 64 and "side_stream" in paths:  # y + delta against two_launch's y on layer 0 (bf16 roundings)
+                    L = layers[0]
+                    want = decode_lora(F.linear(x, L.w), x, L.a, L.b, idx, ranks, scales, offs, soff=soff,
+                                       workspace=ws).out.float()
+                    got = F.linear(x, L.w).float() + decode_lora(torch.zeros_like(deltas[0]), x, L.a, L.b, idx, ranks,
+                                                                 scales, offs, soff=soff, workspace=ws).out.float()
+                    row["side_stream_check"] = {"max_rel": round(float((got - want).abs().max() / want.abs().max()), 5)}
                 best = None
                 for bm, bn, nw in (fold_tiles if "fold_gemm" in paths else ()):
                     if bm > 16 and bm > 2 * t:
