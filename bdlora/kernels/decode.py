@@ -267,19 +267,11 @@ def _tile_slot(a, rowmask):
 
 
 @jit
-def _one_slot_factors(b_ptr, ranks_ptr, scales_ptr, cs, cmask, R, BLOCK_R: tl.constexpr):
-    """The one slot's B tile (BLOCK_R x cols, rows past R zero), rank and scale, for ``_add_slot_expand``: loaded by
-    the folded kernels up front, before they wait on the GEMM or the shrink (nothing before them in the launch
-    writes these)."""
-    rr = tl.arange(0, BLOCK_R)
-    bv = tl.load(b_ptr + cs[None, :] * R + rr[:, None], mask=(rr < R)[:, None] & cmask[None, :], other=0.0)
-    return bv, tl.load(ranks_ptr), tl.load(scales_ptr)
-
-
-@jit
 def _slot_factors(b_ptr, ranks_ptr, scales_ptr, slot, cs, cmask, d_out, R, BLOCK_R: tl.constexpr):
-    """``_one_slot_factors`` for slot ``slot`` of several (a scalar tensor: ``_tile_slot``; -1: zeros, nothing
-    read)."""
+    """Slot ``slot``'s B tile (BLOCK_R x cols, rows past R zero), rank and scale, for ``_add_slot_expand``: loaded by
+    the folded kernels up front, before they wait on the GEMM or the shrink (nothing before them in the launch
+    writes these). ``slot``: 0 with one slot (ONE_SLOT), else a scalar tensor from ``_tile_slot`` (-1: zeros,
+    nothing read)."""
     rr = tl.arange(0, BLOCK_R)
     ok = slot >= 0
     l = tl.maximum(slot, 0)  # slot 0's rank and scale are read for -1 (a valid address), then dropped
@@ -414,11 +406,9 @@ def _fold_expand_gemm_kernel(
         a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
         if ONE_SLOT:
             one_l = 0
-            one_b, one_r, one_scale = _one_slot_factors(b_ptr, ranks_ptr, scales_ptr, cs, cmask, R, BLOCK_R)
         else:
             one_l = _tile_slot(a, rowmask)
-            one_b, one_r, one_scale = _slot_factors(b_ptr, ranks_ptr, scales_ptr, one_l, cs, cmask, d_out, R,
-                                                    BLOCK_R)
+        one_b, one_r, one_scale = _slot_factors(b_ptr, ranks_ptr, scales_ptr, one_l, cs, cmask, d_out, R, BLOCK_R)
         if USE_GDC:
             tl.extra.cuda.gdc_wait()
         acc = tl.load(h_ptr + rows64[:, None] * stride_h + cs[None, :], mask=rowmask[:, None] & cmask[None, :],
@@ -474,12 +464,10 @@ def _fold_gemv_kernel(
     a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
     if ONE_SLOT:
         one_l = 0
-        one_b, one_r, one_scale = _one_slot_factors(b_ptr, ranks_ptr, scales_ptr, cs, cmask & (cs < d_out), R,
-                                                    BLOCK_R)
     else:
         one_l = _tile_slot(a, rowmask)
-        one_b, one_r, one_scale = _slot_factors(b_ptr, ranks_ptr, scales_ptr, one_l, cs, cmask & (cs < d_out),
-                                                d_out, R, BLOCK_R)
+    one_b, one_r, one_scale = _slot_factors(b_ptr, ranks_ptr, scales_ptr, one_l, cs, cmask & (cs < d_out), d_out, R,
+                                            BLOCK_R)
     # an A tile reads only the rows (l, r) the expand uses: slot l used by a token, r < ranks[l] (W tiles: j < 0)
     j = cs - d_out
     l_j = (j // R) % n_loras
