@@ -309,7 +309,14 @@ def test_tuning_table_lookup_and_overrides():
         [0, 0, 16, 16, 2, 1, 1, 1], [0, 0, 32, 16, 2, 1, 1]]})
     assert two.gemv_tiles_for(7, 64, None, 1, 16) == GemvTiles(16, 16, 2, 1, 1, True)
     assert two.gemv_tiles_for(7, 64, None, 2, 16) == GemvTiles(32, 16, 2, 1, 1)  # the next row of the shape
+    # the side stream: off in every entry until measured in serving; a shape row (0, 0: any) and a token limit
+    assert all(serving_tuning("cuda", name)[0].side_max == 0 for name in TABLE)
+    side, _ = serving_tuning("cpu", override={"side_max": 8, "side_shapes": [[4096, 1536]]})
+    assert side.side_for(4096, 1536) == 8 and side.side_for(1024, 4096) == 0
+    assert ServingTuning.from_dict({"side_shapes": [[0, 0]]}, side).side_for(7, 9) == 8
+    assert ServingTuning(side_shapes=((0, 0),)).side_for(7, 9) == 0  # side_max 0: never
     for bad, msg in (({"fold_gemm_max": -1}, "token count"), ({"foo": 1}, "unknown keys"),
+                     ({"side_max": -1}, "side_max must be"), ({"side_shapes": [[1, 2, 3]]}, "side_shapes must be"),
                      ({"gemv_local_max_rows": -1}, "gemv_local_max_rows must be"),
                      ({"fold_gemm_max": 64, "gemm_tiles": [[16, 16, 64, 4]]}, "covers fold_gemm_max"),
                      ({"gemm_tiles": [[UNLIMITED, 24, 64, 4]]}, "power of two"),

@@ -52,6 +52,7 @@ layers hand their weights to oneDNN and drop them, the plugin keeps them as torc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import weakref
@@ -96,6 +97,14 @@ class LayerBuild:
     workspaces: dict = field(default_factory=dict)
     tunings: dict = field(default_factory=dict)
 
+    def side_stream(self, dev):
+        """The second CUDA stream this build's layers compute LoRA terms on beside their base GEMMs (``side_max``),
+        one per device; None off CUDA (the term then runs on the one stream, before the GEMM)."""
+        dev = torch.device(dev)
+        if dev.type != "cuda":
+            return None
+        return self.workspaces.setdefault(("side_stream", dev), torch.cuda.Stream(device=dev))
+
     def tuning(self, dev):
         """Auto mode: this build's ``bdlora.kernels.tuning.ServingTuning`` for a device (the table's entry, with the
         options' overrides), looked up once per device and logged."""
@@ -112,8 +121,9 @@ class LayerBuild:
 #: Calls of the BD layers' custom ops in this process, by the path that ran: ``fused:<backend>`` (``lora_linear``:
 #: decode_lora's two launches; backend triton or torch), ``folded:<backend>`` (``fold_linear``: [W; A] GEMM and
 #: decode_lora_folded's per-token kernel), ``fold_gemm:<backend>`` (the same with its tiled kernel),
-#: ``fold_gemv:<backend>`` (its one-launch kernel: base GEMM, shrink and expand together) and ``stock``
-#: (above the cut-offs: vLLM's punica path). Counted on the host, so under CUDA graphs only eager runs and captures
+#: ``fold_gemv:<backend>`` (its one-launch kernel: base GEMM, shrink and expand together), ``side:<backend>``
+#: (``fold_linear``: base GEMM with the two-launch term on a second stream) and ``stock`` (above the cut-offs:
+#: vLLM's punica path). Counted on the host, so under CUDA graphs only eager runs and captures
 #: count (tests run eager).
 FUSED_COUNTS: Counter = Counter()
 #: Fused BD layers of this process by name (the base layer's prefix, e.g. ``model.layers.0.self_attn.qkv_proj``):
@@ -186,6 +196,8 @@ class _FusedState:
     gemv_one_token_tiles: object = None  # GemvTiles(one_token=True) for T == 1 on this shape, or None
     gemv_workspace: object = None  # bdlora.kernels.GemvWorkspace shared by this build's layers on the device
     pdl: bool = False  # auto mode: the tuning's pdl (launch the kernels with programmatic dependent launch)
+    side_max: int = 0  # fold_linear: 2 <= T <= this runs the LoRA term on side_stream beside the base GEMM
+    side_stream: object = None  # LayerBuild.side_stream (None off CUDA)
     options: KernelOptions = field(init=False)  # KernelOptions(backend=backend), built once: every forward uses it
     #: fold_linear's prepared launches (kernel "decode"/"gemm") by (kernel, tiles), built on first use: a prefill
     #: runs eagerly, so the op's host time is paid per call. Bound to ``slots``; dropped when the mapping changes.
@@ -269,16 +281,44 @@ _FOLD_COUNTER = {"gemv": "fold_gemv:", "gemv_one_token": "fold_gemv_one_token:",
                  "gemm": "fold_gemm:"}
 
 
+def _side_linear(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The base layer's output plus its LoRA term, the term computed on the build's second stream while the base
+    GEMM (on W's view) runs on the current one: the side stream waits for x, zeroes a buffer and adds the two-launch
+    kernel's term to it; the current stream runs the GEMM, waits for the side stream (an event, no host sync; CUDA
+    graphs capture both branches) and adds the buffer. The buffer is allocated on the current stream and freed after
+    that wait, so no other work reuses it early. Off CUDA both run on the one stream."""
+    st = layer._bd_fused
+    n = x.shape[0]
+    term = torch.empty(n, st.offsets[-1], dtype=x.dtype, device=x.device)
+    main = torch.cuda.current_stream(x.device) if st.side_stream is not None else None
+    if main is not None:
+        st.side_stream.wait_stream(main)  # x is ready
+    with torch.cuda.stream(st.side_stream) if main is not None else contextlib.nullcontext():
+        term.zero_()
+        ran = decode_lora(term, x, st.lora_a, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
+                          layout="column", nblocks=1, options=st.options, soff=st.soff, workspace=st.workspace,
+                          pdl=st.pdl)
+    y = layer._get_quant_method().apply(layer.base_layer, x, bias)
+    if main is not None:
+        main.wait_stream(st.side_stream)
+    y += term
+    _count_fused("side:", ran.backend, x, st)
+    return y
+
+
 def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str) -> torch.Tensor:
     """``torch.ops.bdlora.fold_linear``: the base layer's output plus its LoRA term for x, as a new tensor, for the
     fold-mode BD layer named ``layer``. The path is picked here, when the op runs (per CUDA-graph size), by the
-    token count T: T == 1 with one-token tiles or T <= fold_gemv_max the one-launch kernel, T <= fold_decode_max
+    token count T: 2 <= T <= side_max the term on a second stream beside the base GEMM (``_side_linear``); T == 1
+    with one-token tiles or T <= fold_gemv_max the one-launch kernel, T <= fold_decode_max
     the per-token kernel, T <= fold_gemm_max the tiled one (both after one GEMM with [W; A]), above the base GEMM on
     W's view and the LoRA term of an unfolded layer (the two-launch kernel up to two_launch_max, vLLM's punica
     path above)."""
     layer = _FUSED_LAYERS[layer]
     st = layer._bd_fused
     n = x.shape[0]
+    if 2 <= n <= st.side_max and st.slots is not None:
+        return _side_linear(layer, x, bias)
     one_token = n == 1 and st.gemv_one_token_tiles is not None
     if (one_token or (st.fold_max > 0 and n <= st.fold_max)) and st.slots is not None:
         if one_token or n <= st.fold_gemv_max:
@@ -402,7 +442,7 @@ class _BDLoRAMixin:
         offsets = [0]
         for out in outs:
             offsets.append(offsets[-1] + out)
-        one_tiles, one_token_only = None, False
+        one_tiles, one_token_only, side_max = None, False, 0
         lora_rows = _fold_rows(n_s, max_loras, rank)
         if opts.mode == "auto":
             tuning = build.tuning(dev)
@@ -413,13 +453,14 @@ class _BDLoRAMixin:
             # layer at T > 1 (base GEMM on W's view, the two-launch kernel, vLLM's path above)
             one_tiles = tuning.gemv_one_token_tiles_for(self.input_size, offsets[-1], tuple(offsets), max_loras, rank)
             one_token_only = one_tiles is not None and lora_rows > max_extra * offsets[-1]
+            side_max = tuning.side_for(self.input_size, offsets[-1])
         else:
             tuning, want_fold, max_extra = None, opts.fold_shrink, None
             two_max = fd_max = fg_max = opts.max_tokens
         folded = (self._fold_base_weight(max_loras, rank, offsets[-1], dtype, math.inf if one_token_only else max_extra)
                   if want_fold else None)
-        if folded is None:
-            one_tiles = None
+        if folded is None:  # the paths below, the side stream included, are fold_linear's
+            one_tiles, side_max = None, 0
         elif one_token_only:
             fd_max = fg_max = 0
             _log_once(logging.INFO, ("fold-one-token", type(self).__name__),
@@ -455,12 +496,13 @@ class _BDLoRAMixin:
             soff=torch.tensor(offsets, dtype=torch.int32, device=dev),
             ranks=torch.zeros(max_loras, dtype=torch.int32, device=dev),
             scales=torch.ones(max_loras, dtype=torch.float32, device=dev),
-            workspace=_decode_workspace(build, dev, two_max, n_s, max(outs), self.input_size, rank),
+            workspace=_decode_workspace(build, dev, max(two_max, side_max), n_s, max(outs), self.input_size, rank),
             folded=folded, fold_decode_max=fd_max if folded is not None else 0,
             fold_gemm_max=fg_max if folded is not None else 0, tuning=tuning,
             fold_gemv_max=tuning.fold_gemv_max if gemv_tiles is not None else 0, gemv_tiles=gemv_tiles,
             gemv_one_token_tiles=one_tiles, gemv_workspace=gemv_ws,
-            pdl=tuning is not None and tuning.pdl)
+            pdl=tuning is not None and tuning.pdl, side_max=side_max,
+            side_stream=build.side_stream(dev) if side_max else None)
         _FUSED_LAYERS[name] = self
         if _can_update_inplace():
             self.bd_fused_name = name

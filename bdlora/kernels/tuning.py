@@ -25,6 +25,11 @@ number of tokens T of that forward:
         T <= two_launch_max    ``decode_lora`` (two launches: partial shrinks, expand)
         above                  vLLM's punica kernels
 
+Before all of these, a fold layer whose (d_in, d_out) has a ``side_shapes`` row ((0, 0): any shape) runs forwards
+of 2 <= T <= ``side_max`` tokens with the base GEMM on W's view while a second CUDA stream computes the LoRA term
+(``decode_lora`` into a zeroed buffer), then one add: the term runs beside the GEMM, not after it. Off in every
+entry (``side_max`` 0) until measured in serving: bench/results/serve/side_stream_2026-11-27 has only module times.
+
 A layer whose LoRA rows (slices x max_loras x rank) exceed ``fold_max_extra`` x d_out but that has one-token tiles
 still folds, for T == 1 only: one token reads its own slot's A rows, so the fold costs it nothing there, while the
 GEMMs of larger forwards would read every slot's. Its larger forwards run as a layer that cannot fold.
@@ -73,9 +78,14 @@ class ServingTuning:
     # the most A rows per slice a per-tile-shrink row reads (max_loras x rank; one token: rank), see above
     gemv_local_max_rows: int = 64
     pdl: bool = False  # serving kernels launched with programmatic dependent launch (decode_lora*(pdl=True))
+    # forwards of 2..side_max tokens on a layer whose (d_in, d_out) has a side_shapes row (0, 0: any): the LoRA term
+    # on a second CUDA stream beside the base GEMM (see above); 0: never
+    side_max: int = 0
+    side_shapes: tuple = ()
 
     def __post_init__(self):
-        for name in ("fold_decode_max", "fold_gemm_max", "two_launch_max", "fold_gemv_max", "gemv_local_max_rows"):
+        for name in ("fold_decode_max", "fold_gemm_max", "two_launch_max", "fold_gemv_max", "gemv_local_max_rows",
+                     "side_max"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 what = "a row count" if name == "gemv_local_max_rows" else "a token count"
@@ -115,6 +125,16 @@ class ServingTuning:
         for r in one:
             GemvTiles(*r[2:], local_shrink=True, one_token=True)
         object.__setattr__(self, "gemv_one_token_shapes", one)
+        side = tuple(tuple(r) for r in self.side_shapes)
+        if any(len(r) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in r) for r in side):
+            raise ValueError("serving tuning: side_shapes must be rows of 2 ints (d_in, d_out; 0, 0: any shape), got "
+                             f"{self.side_shapes!r}")
+        object.__setattr__(self, "side_shapes", side)
+
+    def side_for(self, d_in: int, d_out: int) -> int:
+        """The most tokens a forward of a layer of base weight (d_in, d_out) runs with its LoRA term on a second
+        stream (``side_max`` where a ``side_shapes`` row names the shape or is 0, 0), else 0."""
+        return self.side_max if any(r in ((d_in, d_out), (0, 0)) for r in self.side_shapes) else 0
 
     def tiles_for(self, tokens: int) -> ExpandTiles:
         """The kernel="gemm" tiles for a forward of ``tokens`` tokens."""
