@@ -88,7 +88,8 @@ class LayerBuild:
 
     ``rank``: the per-device buffer rank; ``fused``: the fused-decode options (None: off); ``names``: fused-layer names
     given out in this build; ``workspaces``: one decode workspace (partial shrinks) per device and one workspace of the
-    one-launch folded kernel per (device, dtype), shared by this build's fused layers (their launches never overlap).
+    one-launch folded kernel per (device, dtype), shared by this build's fused layers (their launches never overlap),
+    and the second CUDA stream of the side-stream path per device (``side_stream``).
     A new build starts new ones, so a later engine never resizes buffers an earlier one's graphs captured."""
 
     rank: int
