@@ -262,12 +262,16 @@ def _add_lora_term(layer, y: torch.Tensor, x: torch.Tensor) -> None:
     if n <= st.max_tokens and st.slots is not None:
         if n == 0:
             return
-        ran = decode_lora(y, x, st.lora_a, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
-                          layout="column", nblocks=1, options=st.options, soff=st.soff,
-                          workspace=st.workspace, pdl=st.pdl)
-        _count_fused("fused:", ran.backend, x, st)
+        _count_fused("fused:", _two_launch_term(st, y, x).backend, x, st)
         return
     _stock_lora(layer, y, x)
+
+
+def _two_launch_term(st: "_FusedState", y: torch.Tensor, x: torch.Tensor):
+    """y += the layer's LoRA term for x by ``decode_lora`` (two launches), in place; the kernels' ``LoraResult``."""
+    return decode_lora(y, x, st.lora_a, st.lora_b, st.slots.buf[:x.shape[0]], st.ranks, st.scales, st.offsets,
+                       layout="column", nblocks=1, options=st.options, soff=st.soff, workspace=st.workspace,
+                       pdl=st.pdl)
 
 
 def _stock_lora(layer, y: torch.Tensor, x: torch.Tensor) -> None:
@@ -289,16 +293,13 @@ def _side_linear(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.
     graphs capture both branches) and adds the buffer. The buffer is allocated on the current stream and freed after
     that wait, so no other work reuses it early. Off CUDA both run on the one stream."""
     st = layer._bd_fused
-    n = x.shape[0]
-    term = torch.empty(n, st.offsets[-1], dtype=x.dtype, device=x.device)
+    term = torch.empty(x.shape[0], st.offsets[-1], dtype=x.dtype, device=x.device)
     main = torch.cuda.current_stream(x.device) if st.side_stream is not None else None
     if main is not None:
         st.side_stream.wait_stream(main)  # x is ready
     with torch.cuda.stream(st.side_stream) if main is not None else contextlib.nullcontext():
         term.zero_()
-        ran = decode_lora(term, x, st.lora_a, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
-                          layout="column", nblocks=1, options=st.options, soff=st.soff, workspace=st.workspace,
-                          pdl=st.pdl)
+        ran = _two_launch_term(st, term, x)
     y = layer._get_quant_method().apply(layer.base_layer, x, bias)
     if main is not None:
         main.wait_stream(st.side_stream)

@@ -347,7 +347,8 @@ def main():
             side_ws = DecodeWorkspace(dev)  # the side stream's own: its kernels run beside the main stream's
             for t in range(1, 65):
                 ws.reserve(decode_grid(t, n_s, n_l, max(outs), d_in, R, decode_tiles(dev)))
-                side_ws.reserve(decode_grid(t, n_s, n_l, max(outs), d_in, R, decode_tiles(dev)))
+                if "side_stream" in paths:
+                    side_ws.reserve(decode_grid(t, n_s, n_l, max(outs), d_in, R, decode_tiles(dev)))
             for trace in [v for v in a.trace.split(",") if v.startswith(f"{shape}:{mod}:")]:
                 t = int(trace.split(":")[2])
                 x = torch.randn(t, d_in, device=dev, dtype=dt, generator=gen)
@@ -413,8 +414,9 @@ def main():
                             decode_lora(y, x, L.a, L.b, idx, ranks, scales, offs, soff=soff, workspace=ws, pdl=pdl)
 
                     row["two_launch" + "_pdl" * pdl] = graph_us(run_two)
-                side = torch.cuda.Stream()
-                deltas = [torch.empty(t, d_out, device=dev, dtype=dt) for _ in layers]
+                if t <= 64 and "side_stream" in paths:
+                    side = torch.cuda.Stream()
+                    deltas = [torch.empty(t, d_out, device=dev, dtype=dt) for _ in layers]
                 for add in ((False, True) if t <= 64 and "side_stream" in paths else ()):
                     for pdl in (False, True):
                         def run_side():
