@@ -312,11 +312,17 @@ def test_tuning_table_lookup_and_overrides():
     # the side stream: off in every entry until measured in serving; a shape row (0, 0: any) and a token limit
     assert all(serving_tuning("cuda", name)[0].side_max == 0 for name in TABLE)
     side, _ = serving_tuning("cpu", override={"side_max": 8, "side_shapes": [[4096, 1536]]})
-    assert side.side_for(4096, 1536) == 8 and side.side_for(1024, 4096) == 0
-    assert ServingTuning.from_dict({"side_shapes": [[0, 0]]}, side).side_for(7, 9) == 8
-    assert ServingTuning(side_shapes=((0, 0),)).side_for(7, 9) == 0  # side_max 0: never
+    assert side.side_for(4096, 1536) == (8, False) and side.side_for(1024, 4096) == (0, False)
+    assert ServingTuning.from_dict({"side_shapes": [[0, 0]]}, side).side_for(7, 9) == (8, False)
+    assert ServingTuning(side_shapes=((0, 0),)).side_for(7, 9) == (0, False)  # side_max 0: never
+    # a third entry 1 defers the add to the next compiled kernel; the shape's own row wins over a (0, 0) row
+    defer = ServingTuning.from_dict({"side_shapes": [[0, 0, 1], [4096, 1536, 0], [1024, 4096]]}, side)
+    assert defer.side_shapes == ((0, 0, True), (4096, 1536, False), (1024, 4096))
+    assert defer.side_for(7, 9) == (8, True) and defer.side_for(4096, 1536) == (8, False)
+    assert defer.side_for(1024, 4096) == (8, False)
     for bad, msg in (({"fold_gemm_max": -1}, "token count"), ({"foo": 1}, "unknown keys"),
                      ({"side_max": -1}, "side_max must be"), ({"side_shapes": [[1, 2, 3]]}, "side_shapes must be"),
+                     ({"side_shapes": [[1, 2, 0, 1]]}, "optional 0/1 \\(defer"),
                      ({"gemv_local_max_rows": -1}, "gemv_local_max_rows must be"),
                      ({"fold_gemm_max": 64, "gemm_tiles": [[16, 16, 64, 4]]}, "covers fold_gemm_max"),
                      ({"gemm_tiles": [[UNLIMITED, 24, 64, 4]]}, "power of two"),

@@ -89,7 +89,8 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     the layers keep (``kept_plans``: plans made for earlier batches, bound to the slot map, read this mapping), and
     how many take the one-launch kernel (``gemv_layers``; ``gemv_local_shrink_layers``: with the shrink per output
     tile; ``gemv_one_token_layers``: with one-token tiles, whose fold_linear on the first row alone is checked too;
-    ``fold_one_token_only_layers``: layers folded for those tiles only, whose larger forwards run as unfolded)."""
+    ``fold_one_token_only_layers``: layers folded for those tiles only, whose larger forwards run as unfolded;
+    ``side_deferred_layers``: layers whose output is fold_linear_split's two parts, added by the caller)."""
     import torch
     from vllm.lora.layers import LoRAMapping
 
@@ -107,7 +108,7 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     out = {"layers": 0, "max_abs_diff": 0.0, "max_abs_lora": 0.0, "padding_untouched": True, "slots_ok": True,
            "slot_map": want, "fold_layers": 0, "fold_max_abs_diff": 0.0, "fold_max_abs_out": 0.0,
            "fold_shares_weight": True, "kept_plans": 0, "gemv_layers": 0, "gemv_local_shrink_layers": 0,
-           "gemv_one_token_layers": 0, "fold_one_token_only_layers": 0}
+           "gemv_one_token_layers": 0, "fold_one_token_only_layers": 0, "side_deferred_layers": 0}
 
     def calls(kind):
         return sum(v for k, v in FUSED_COUNTS.items() if k.startswith(kind + ":"))
@@ -134,8 +135,9 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
         out["padding_untouched"] &= bool((y_fused[n:] == 0).all())
         if st.folded is not None:
             base = torch.nn.functional.linear(x, st.folded.base)
-            y_fold = torch.ops.bdlora.fold_linear(x, None, layer.bd_fused_name)
+            y_fold = layer._apply_sync(x)  # fold_linear, or fold_linear_split + its add (side_defer)
             out["fold_layers"] += 1
+            out["side_deferred_layers"] += st.side_defer
             out["fold_max_abs_diff"] = max(out["fold_max_abs_diff"],
                                            float((y_fold[:n] - (base[:n] + y_stock)).abs().max()))
             out["fold_max_abs_out"] = max(out["fold_max_abs_out"], float(y_fold.abs().max()))
@@ -148,7 +150,7 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
             if st.fold_max == 0:  # folded for one-token forwards only
                 out["fold_one_token_only_layers"] += 1
             if st.gemv_one_token_tiles is not None:  # one row alone: the one-token tiles
-                y_one = torch.ops.bdlora.fold_linear(x[:1], None, layer.bd_fused_name)
+                y_one = layer._apply_sync(x[:1])
                 out["gemv_one_token_layers"] += 1
                 out["fold_max_abs_diff"] = max(out["fold_max_abs_diff"],
                                                float((y_one - (base[:1] + y_stock[:1])).abs().max()))

@@ -22,7 +22,10 @@ kernel (base GEMM, shrink and expand together; a one-token forward with its own 
 ``fold_gemm_max`` its tiled kernel (any token count: prefill too), above the base GEMM on W's view and the LoRA term
 of a layer that cannot fold, which runs the two-launch decode kernel up to ``two_launch_max`` tokens and vLLM's path
 above. The choice is made inside the opaque custom op when it runs, so each captured CUDA-graph size holds its own
-path. The per-token and tiled kernels run through one ``bdlora.kernels.decode.FoldedLaunch`` per layer and tiles,
+path. A layer whose shape the table marks ``defer`` (``side_shapes``) goes through
+``torch.ops.bdlora.fold_linear_split`` instead: it returns base output and LoRA term apart (the term computed on a
+second stream beside the base GEMM up to ``side_max`` tokens, zero above) and ``_apply_sync`` adds them in traced
+code, so torch.compile fuses that add into the kernel that reads the layer's output. The per-token and tiled kernels run through one ``bdlora.kernels.decode.FoldedLaunch`` per layer and tiles,
 prepared on first use (prefills run eagerly: their host time counts). The opt-in flags below keep their fixed
 behaviour (experiments).
 
@@ -52,7 +55,6 @@ layers hand their weights to oneDNN and drop them, the plugin keeps them as torc
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import weakref
@@ -123,7 +125,8 @@ class LayerBuild:
 #: decode_lora's two launches; backend triton or torch), ``folded:<backend>`` (``fold_linear``: [W; A] GEMM and
 #: decode_lora_folded's per-token kernel), ``fold_gemm:<backend>`` (the same with its tiled kernel),
 #: ``fold_gemv:<backend>`` (its one-launch kernel: base GEMM, shrink and expand together), ``side:<backend>``
-#: (``fold_linear``: base GEMM with the two-launch term on a second stream) and ``stock`` (above the cut-offs:
+#: (``fold_linear``: base GEMM with the two-launch term on a second stream), ``side_deferred:<backend>``
+#: (``fold_linear_split``: the same, the add left to the compiled graph) and ``stock`` (above the cut-offs:
 #: vLLM's punica path). Counted on the host, so under CUDA graphs only eager runs and captures
 #: count (tests run eager).
 FUSED_COUNTS: Counter = Counter()
@@ -198,6 +201,7 @@ class _FusedState:
     gemv_workspace: object = None  # bdlora.kernels.GemvWorkspace shared by this build's layers on the device
     pdl: bool = False  # auto mode: the tuning's pdl (launch the kernels with programmatic dependent launch)
     side_max: int = 0  # fold_linear: 2 <= T <= this runs the LoRA term on side_stream beside the base GEMM
+    side_defer: bool = False  # forwards go through fold_linear_split (1 <= T <= side_max on side_stream), add traced
     side_stream: object = None  # LayerBuild.side_stream (None off CUDA)
     options: KernelOptions = field(init=False)  # KernelOptions(backend=backend), built once: every forward uses it
     #: fold_linear's prepared launches (kernel "decode"/"gemm") by (kernel, tiles), built on first use: a prefill
@@ -286,41 +290,74 @@ _FOLD_COUNTER = {"gemv": "fold_gemv:", "gemv_one_token": "fold_gemv_one_token:",
                  "gemm": "fold_gemm:"}
 
 
-def _side_linear(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The base layer's output plus its LoRA term, the term computed on the build's second stream while the base
-    GEMM (on W's view) runs on the current one: the side stream waits for x, zeroes a buffer and adds the two-launch
-    kernel's term to it; the current stream runs the GEMM, waits for the side stream (an event, no host sync; CUDA
-    graphs capture both branches) and adds the buffer. The buffer is allocated on the current stream and freed after
-    that wait, so no other work reuses it early. Off CUDA both run on the one stream."""
+def _two_streams(st: "_FusedState", dev, side_work, main_work) -> tuple:
+    """(side_work(), main_work()): side_work issued on the build's second stream once the current stream's work so
+    far is done (x ready; memory the allocator just gave out free there), main_work on the current stream meanwhile,
+    which then waits for the second (an event, no host sync; CUDA graphs capture both branches). Buffers allocated
+    on the current stream before the fork are freed after that wait, so no other work reuses them early. Off CUDA
+    both run on the one stream, side_work first."""
+    main = torch.cuda.current_stream(dev) if st.side_stream is not None else None
+    if main is None:
+        return side_work(), main_work()
+    st.side_stream.wait_stream(main)
+    with torch.cuda.stream(st.side_stream):
+        side = side_work()
+    out = main_work()
+    main.wait_stream(st.side_stream)
+    return side, out
+
+
+def _side_parts(layer, x: torch.Tensor, bias: Optional[torch.Tensor], counter: str) -> tuple:
+    """(base output, LoRA term) of a fold layer for x, apart: the base GEMM (on W's view) on the current stream while
+    the side stream zeroes a buffer and adds the two-launch kernel's term to it (``_two_streams``)."""
     st = layer._bd_fused
     term = torch.empty(x.shape[0], st.offsets[-1], dtype=x.dtype, device=x.device)
-    main = torch.cuda.current_stream(x.device) if st.side_stream is not None else None
-    if main is not None:
-        st.side_stream.wait_stream(main)  # x is ready
-    with torch.cuda.stream(st.side_stream) if main is not None else contextlib.nullcontext():
+
+    def lora_term():
         term.zero_()
-        ran = _two_launch_term(st, term, x)
-    y = layer._get_quant_method().apply(layer.base_layer, x, bias)
-    if main is not None:
-        main.wait_stream(st.side_stream)
-    y += term
-    _count_fused("side:", ran.backend, x, st)
-    return y
+        return _two_launch_term(st, term, x)
+
+    ran, y = _two_streams(st, x.device, lora_term, lambda: layer._get_quant_method().apply(layer.base_layer, x, bias))
+    _count_fused(counter, ran.backend, x, st)
+    return y, term
 
 
 def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str) -> torch.Tensor:
     """``torch.ops.bdlora.fold_linear``: the base layer's output plus its LoRA term for x, as a new tensor, for the
     fold-mode BD layer named ``layer``. The path is picked here, when the op runs (per CUDA-graph size), by the
-    token count T: 2 <= T <= side_max the term on a second stream beside the base GEMM (``_side_linear``); T == 1
-    with one-token tiles or T <= fold_gemv_max the one-launch kernel, T <= fold_decode_max
-    the per-token kernel, T <= fold_gemm_max the tiled one (both after one GEMM with [W; A]), above the base GEMM on
-    W's view and the LoRA term of an unfolded layer (the two-launch kernel up to two_launch_max, vLLM's punica
-    path above)."""
+    token count T: 2 <= T <= side_max the term on a second stream beside the base GEMM, then one add
+    (``_side_parts``), else ``_fold_paths``."""
+    layer = _FUSED_LAYERS[layer]
+    st = layer._bd_fused
+    if 2 <= x.shape[0] <= st.side_max and st.slots is not None:
+        y, term = _side_parts(layer, x, bias, "side:")
+        y += term
+        return y
+    return _fold_paths(layer, x, bias)
+
+
+def _fold_linear_split_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str) -> tuple:
+    """``torch.ops.bdlora.fold_linear_split``: (y, term) with y + term the output of the fold-mode BD layer named
+    ``layer`` (``side_defer``), for the caller to add in traced code, where torch.compile fuses the add into the
+    next kernel. 1 <= T <= side_max: base output and the term from the second stream (``_side_parts``); otherwise
+    ``_fold_paths``' whole output and a zero term, zeroed on the second stream while that output is computed."""
     layer = _FUSED_LAYERS[layer]
     st = layer._bd_fused
     n = x.shape[0]
-    if 2 <= n <= st.side_max and st.slots is not None:
-        return _side_linear(layer, x, bias)
+    if 1 <= n <= st.side_max and st.slots is not None:
+        return _side_parts(layer, x, bias, "side_deferred:")
+    term = torch.empty(n, st.offsets[-1], dtype=x.dtype, device=x.device)
+    term, y = _two_streams(st, x.device, term.zero_, lambda: _fold_paths(layer, x, bias))
+    return y, term
+
+
+def _fold_paths(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """A fold layer's output for x outside the side-stream path, by the token count T: T == 1 with one-token tiles
+    or T <= fold_gemv_max the one-launch kernel, T <= fold_decode_max the per-token kernel, T <= fold_gemm_max the
+    tiled one (both after one GEMM with [W; A]), above the base GEMM on W's view and the LoRA term of an unfolded
+    layer (the two-launch kernel up to two_launch_max, vLLM's punica path above)."""
+    st = layer._bd_fused
+    n = x.shape[0]
     one_token = n == 1 and st.gemv_one_token_tiles is not None
     if (one_token or (st.fold_max > 0 and n <= st.fold_max)) and st.slots is not None:
         if one_token or n <= st.fold_gemv_max:
@@ -346,6 +383,10 @@ def _fold_linear_fake(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
     return x.new_empty(x.shape[0], _FUSED_LAYERS[layer]._bd_fused.folded.d_out)
 
 
+def _fold_linear_split_fake(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str) -> tuple:
+    return _fold_linear_fake(x, bias, layer), _fold_linear_fake(x, bias, layer)
+
+
 def _register_op() -> None:
     global _LIB
     if _LIB is not None:
@@ -357,6 +398,9 @@ def _register_op() -> None:
     lib.define("fold_linear(Tensor x, Tensor? bias, str layer) -> Tensor")
     lib.impl("fold_linear", _fold_linear_impl, "CompositeExplicitAutograd")
     torch.library.register_fake("bdlora::fold_linear", _fold_linear_fake, lib=lib)
+    lib.define("fold_linear_split(Tensor x, Tensor? bias, str layer) -> (Tensor, Tensor)")
+    lib.impl("fold_linear_split", _fold_linear_split_impl, "CompositeExplicitAutograd")
+    torch.library.register_fake("bdlora::fold_linear_split", _fold_linear_split_fake, lib=lib)
     _LIB = lib
 
 
@@ -444,7 +488,7 @@ class _BDLoRAMixin:
         offsets = [0]
         for out in outs:
             offsets.append(offsets[-1] + out)
-        one_tiles, one_token_only, side_max = None, False, 0
+        one_tiles, one_token_only, side_max, side_defer = None, False, 0, False
         lora_rows = _fold_rows(n_s, max_loras, rank)
         if opts.mode == "auto":
             tuning = build.tuning(dev)
@@ -455,14 +499,16 @@ class _BDLoRAMixin:
             # layer at T > 1 (base GEMM on W's view, the two-launch kernel, vLLM's path above)
             one_tiles = tuning.gemv_one_token_tiles_for(self.input_size, offsets[-1], tuple(offsets), max_loras, rank)
             one_token_only = one_tiles is not None and lora_rows > max_extra * offsets[-1]
-            side_max = tuning.side_for(self.input_size, offsets[-1])
+            side_max, side_defer = tuning.side_for(self.input_size, offsets[-1])
+            # a row layer's partial output is all-reduced before the next kernel reads it: it adds its term first
+            side_defer = side_defer and (self.bd_layout == COLUMN or self.tp_size == 1)
         else:
             tuning, want_fold, max_extra = None, opts.fold_shrink, None
             two_max = fd_max = fg_max = opts.max_tokens
         folded = (self._fold_base_weight(max_loras, rank, offsets[-1], dtype, math.inf if one_token_only else max_extra)
                   if want_fold else None)
         if folded is None:  # the paths below, the side stream included, are fold_linear's
-            one_tiles, side_max = None, 0
+            one_tiles, side_max, side_defer = None, 0, False
         elif one_token_only:
             fd_max = fg_max = 0
             _log_once(logging.INFO, ("fold-one-token", type(self).__name__),
@@ -503,7 +549,7 @@ class _BDLoRAMixin:
             fold_gemm_max=fg_max if folded is not None else 0, tuning=tuning,
             fold_gemv_max=tuning.fold_gemv_max if gemv_tiles is not None else 0, gemv_tiles=gemv_tiles,
             gemv_one_token_tiles=one_tiles, gemv_workspace=gemv_ws,
-            pdl=tuning is not None and tuning.pdl, side_max=side_max,
+            pdl=tuning is not None and tuning.pdl, side_max=side_max, side_defer=side_defer,
             side_stream=build.side_stream(dev) if side_max else None)
         _FUSED_LAYERS[name] = self
         if _can_update_inplace():
@@ -556,6 +602,9 @@ class _BDLoRAMixin:
         st = self._bd_fused
         if self.bd_fused_name is None or st.folded is None or x.ndim != 2:
             return super()._apply_sync(x, bias)
+        if st.side_defer:  # the add in traced code: torch.compile fuses it into the kernel that reads the output
+            y, term = torch.ops.bdlora.fold_linear_split(x, bias, self.bd_fused_name)
+            return y + term
         return torch.ops.bdlora.fold_linear(x, bias, self.bd_fused_name)
 
     def set_mapping(self, punica_wrapper):

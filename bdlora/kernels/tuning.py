@@ -27,8 +27,12 @@ number of tokens T of that forward:
 
 Before all of these, a fold layer whose (d_in, d_out) has a ``side_shapes`` row ((0, 0): any shape) runs forwards
 of 2 <= T <= ``side_max`` tokens with the base GEMM on W's view while a second CUDA stream computes the LoRA term
-(``decode_lora`` into a zeroed buffer), then one add: the term runs beside the GEMM, not after it. Off in every
-entry (``side_max`` 0) until measured in serving: bench/results/serve/side_stream_2026-11-27 has only module times.
+(``decode_lora`` into a zeroed buffer), then one add: the term runs beside the GEMM, not after it. A row whose third
+entry is 1 (``defer``) leaves that add to the model's next compiled kernel instead (SiLU-and-mul, add + RMSNorm,
+rotary: the layer returns base output + term as a traced add, which Inductor fuses into that kernel) and takes
+one-token forwards too (1 <= T <= ``side_max``); its other forwards return their output and a zero term. A
+row-parallel layer at TP > 1 adds before its all-reduce, so there ``defer`` is ignored. Off in every entry
+(``side_max`` 0) until measured in serving: bench/results/serve/side_stream_2026-11-27 has only module times.
 
 A layer whose LoRA rows (slices x max_loras x rank) exceed ``fold_max_extra`` x d_out but that has one-token tiles
 still folds, for T == 1 only: one token reads its own slot's A rows, so the fold costs it nothing there, while the
@@ -79,7 +83,7 @@ class ServingTuning:
     gemv_local_max_rows: int = 64
     pdl: bool = False  # serving kernels launched with programmatic dependent launch (decode_lora*(pdl=True))
     # forwards of 2..side_max tokens on a layer whose (d_in, d_out) has a side_shapes row (0, 0: any): the LoRA term
-    # on a second CUDA stream beside the base GEMM (see above); 0: never
+    # on a second CUDA stream beside the base GEMM (see above); 0: never. Rows (d_in, d_out[, defer 0/1]).
     side_max: int = 0
     side_shapes: tuple = ()
 
@@ -126,15 +130,20 @@ class ServingTuning:
             GemvTiles(*r[2:], local_shrink=True, one_token=True)
         object.__setattr__(self, "gemv_one_token_shapes", one)
         side = tuple(tuple(r) for r in self.side_shapes)
-        if any(len(r) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in r) for r in side):
-            raise ValueError("serving tuning: side_shapes must be rows of 2 ints (d_in, d_out; 0, 0: any shape), got "
-                             f"{self.side_shapes!r}")
-        object.__setattr__(self, "side_shapes", side)
+        if any(len(r) not in (2, 3) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in r[:2])
+               or any(not isinstance(v, int) or v not in (0, 1) for v in r[2:]) for r in side):
+            raise ValueError("serving tuning: side_shapes must be rows of 2 ints (d_in, d_out; 0, 0: any shape) and an "
+                             f"optional 0/1 (defer: the add left to the next compiled kernel), got {self.side_shapes!r}")
+        object.__setattr__(self, "side_shapes", tuple(r[:2] + tuple(bool(v) for v in r[2:]) for r in side))
 
-    def side_for(self, d_in: int, d_out: int) -> int:
-        """The most tokens a forward of a layer of base weight (d_in, d_out) runs with its LoRA term on a second
-        stream (``side_max`` where a ``side_shapes`` row names the shape or is 0, 0), else 0."""
-        return self.side_max if any(r in ((d_in, d_out), (0, 0)) for r in self.side_shapes) else 0
+    def side_for(self, d_in: int, d_out: int) -> tuple[int, bool]:
+        """(most tokens, defer) of the side-stream path for a layer of base weight (d_in, d_out): ``side_max`` and
+        the row's defer flag where a ``side_shapes`` row names the shape (else a 0, 0 row), else (0, False)."""
+        rows = ([r for r in self.side_shapes if r[:2] == (d_in, d_out)]
+                or [r for r in self.side_shapes if r[:2] == (0, 0)])
+        if not rows or self.side_max == 0:
+            return 0, False
+        return self.side_max, bool(rows[0][2:] and rows[0][2])
 
     def tiles_for(self, tokens: int) -> ExpandTiles:
         """The kernel="gemm" tiles for a forward of ``tokens`` tokens."""
