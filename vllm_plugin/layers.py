@@ -25,7 +25,8 @@ above. The choice is made inside the opaque custom op when it runs, so each capt
 path. A layer whose shape the table marks ``defer`` (``side_shapes``) goes through
 ``torch.ops.bdlora.fold_linear_split`` instead: it returns base output and LoRA term apart (the term computed on a
 second stream beside the base GEMM up to ``side_max`` tokens, zero above) and ``_apply_sync`` adds them in traced
-code, so torch.compile fuses that add into the kernel that reads the layer's output. The per-token and tiled kernels run through one ``bdlora.kernels.decode.FoldedLaunch`` per layer and tiles,
+code, so torch.compile fuses that add into the kernel that reads the layer's output. The per-token and tiled kernels
+run through one ``bdlora.kernels.decode.FoldedLaunch`` per layer and tiles,
 prepared on first use (prefills run eagerly: their host time counts). The opt-in flags below keep their fixed
 behaviour (experiments).
 

@@ -32,7 +32,8 @@ entry is 1 (``defer``) leaves that add to the model's next compiled kernel inste
 rotary: the layer returns base output + term as a traced add, which Inductor fuses into that kernel) and takes
 one-token forwards too (1 <= T <= ``side_max``); its other forwards return their output and a zero term. A
 row-parallel layer at TP > 1 adds before its all-reduce, so there ``defer`` is ignored. Off in every entry
-(``side_max`` 0) until measured in serving: bench/results/serve/side_stream_2026-11-27 has only module times.
+(``side_max`` 0): served on an H100 (bench/results/serve/side_defer_2026-11-27) the deferred path gains at TP=8's
+gate_up at batch 1 only, its zero term costs at batch 16, and at TP=4 the second stream's kernels slow beside the GEMMs.
 
 A layer whose LoRA rows (slices x max_loras x rank) exceed ``fold_max_extra`` x d_out but that has one-token tiles
 still folds, for T == 1 only: one token reads its own slot's A rows, so the fold costs it nothing there, while the
@@ -133,7 +134,8 @@ class ServingTuning:
         if any(len(r) not in (2, 3) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in r[:2])
                or any(not isinstance(v, int) or v not in (0, 1) for v in r[2:]) for r in side):
             raise ValueError("serving tuning: side_shapes must be rows of 2 ints (d_in, d_out; 0, 0: any shape) and an "
-                             f"optional 0/1 (defer: the add left to the next compiled kernel), got {self.side_shapes!r}")
+                             "optional 0/1 (defer: the add left to the next compiled kernel), got "
+                             f"{self.side_shapes!r}")
         object.__setattr__(self, "side_shapes", tuple(r[:2] + tuple(bool(v) for v in r[2:]) for r in side))
 
     def side_for(self, d_in: int, d_out: int) -> tuple[int, bool]:
