@@ -420,36 +420,34 @@ def test_tp1_auto_mode_one_token_kernel_parity(tiny_llama_dir, vllm_adapters):
 
 def test_tp1_auto_mode_side_stream_parity(tiny_llama_dir, vllm_adapters):
     """Auto mode with the side-stream path on every shape up to 8 tokens (``side_max``; ``side_shapes`` 0, 0), the
-    add deferred (a third entry 1) on qkv (256 -> 512) and down (512 -> 256): those layers return base output and
-    term apart through ``fold_linear_split`` and their caller adds them, from one token up, with a zero term on
-    the other paths; o and gate_up add inside ``fold_linear`` from 2 tokens. A mixed batch of 5 (decode steps of 5
-    tokens: base GEMM + the two-launch term into its own buffer; on CPU both on the one stream) and the self-check's
-    6-token fold op match HF+PEFT / base GEMM + punica; the 27-token prefill takes punica (the deferred layers with a
-    zero term), a request alone its 3-token prefill on the side path and its one-token steps on the tiled fold
-    (o, gate_up) or the side path (qkv, down)."""
+    add deferred (a third entry 1) on qkv (256 -> 512) and down (512 -> 256): those layers go through
+    ``fold_linear_split``, one-token forwards on the side path with base output and one-row term added by the
+    caller, larger ones with their whole output and a zero row. A mixed batch of 5 (decode steps of 5 tokens: base
+    GEMM + the two-launch term into its own buffer, added inside the op; on CPU both on the one stream) and the
+    self-check's 6-token fold op match HF+PEFT / base GEMM + punica; the 27-token prefill takes punica, a request
+    alone its 3-token prefill on the side path and its one-token steps on the tiled fold (o, gate_up) or the
+    deferred side path (qkv, down)."""
     tuning = {"fold": True, "side_max": 8, "side_shapes": [[0, 0], [256, 512, 1], [512, 256, 1]],
               "fold_decode_max": 0, "fold_gemm_max": 16, "two_launch_max": 4, "gemm_tiles": [[16, 16, 32, 1]]}
     side, deferred = "side:" + FUSED_BACKEND, "side_deferred:" + FUSED_BACKEND
     llm = _start_auto(tiny_llama_dir, tuning)
     try:
         counts = _mixed_batch_counts(tiny_llama_dir, vllm_adapters, llm)
-        assert counts.get(side, 0) >= 4 * 7 and counts.get(deferred, 0) >= 4 * 7, counts
-        assert counts.get("stock", 0) >= 8, counts
+        assert counts.get(side, 0) >= 8 * 7 and counts.get("stock", 0) >= 8, counts
         assert not any(k.startswith(("folded:", "fold_gemv", "fused:")) for k in counts), counts
         llm.collective_rpc(D.reset_fused_decode_counters)
         _check(tiny_llama_dir, vllm_adapters, llm, [(PROMPTS[1], "bd4_r16")])
         counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
         # its 3-token prefill takes the side path (8 layers, once), its one-token steps the tiled fold on o and
-        # gate_up and the side path on the deferred layers
-        assert counts.get("fold_gemm:" + FUSED_BACKEND, 0) >= 4 * 7 and counts.get(side) == 4, counts
-        assert counts.get(deferred, 0) >= 4 * 8, counts
+        # gate_up and the deferred side path on qkv and down
+        assert counts.get(side) == 8 and counts.get("fold_gemm:" + FUSED_BACKEND, 0) >= 4 * 7, counts
+        assert counts.get(deferred, 0) >= 4 * 7, counts
         llm.collective_rpc(D.reset_fused_decode_counters)
         check = llm.collective_rpc(D.fused_decode_self_check)[0]  # its 6-token fold op: the side path
         assert check["fold_layers"] == check["layers"] == 8 and check["fold_shares_weight"], check
         assert check["max_abs_lora"] > 1e-3 and check["fold_max_abs_diff"] < 1e-5 and check["padding_untouched"]
         assert check["side_deferred_layers"] == 4, check
-        counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
-        assert counts.get(side) == 4 and counts.get(deferred) == 4, counts
+        assert llm.collective_rpc(D.read_fused_decode_counters)[0].get(side) == 8, check
     finally:
         T.stop_llm(llm)
 

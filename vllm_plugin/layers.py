@@ -23,8 +23,8 @@ kernel (base GEMM, shrink and expand together; a one-token forward with its own 
 of a layer that cannot fold, which runs the two-launch decode kernel up to ``two_launch_max`` tokens and vLLM's path
 above. The choice is made inside the opaque custom op when it runs, so each captured CUDA-graph size holds its own
 path. A layer whose shape the table marks ``defer`` (``side_shapes``) goes through
-``torch.ops.bdlora.fold_linear_split`` instead: it returns base output and LoRA term apart (the term computed on a
-second stream beside the base GEMM up to ``side_max`` tokens, zero above) and ``_apply_sync`` adds them in traced
+``torch.ops.bdlora.fold_linear_split`` instead: it returns base output and a one-row LoRA term apart (for one token,
+the term computed on a second stream beside the base GEMM; a zero row above) and ``_apply_sync`` adds them in traced
 code, so torch.compile fuses that add into the kernel that reads the layer's output. The per-token and tiled kernels
 run through one ``bdlora.kernels.decode.FoldedLaunch`` per layer and tiles,
 prepared on first use (prefills run eagerly: their host time counts). The opt-in flags below keep their fixed
@@ -202,7 +202,7 @@ class _FusedState:
     gemv_workspace: object = None  # bdlora.kernels.GemvWorkspace shared by this build's layers on the device
     pdl: bool = False  # auto mode: the tuning's pdl (launch the kernels with programmatic dependent launch)
     side_max: int = 0  # fold_linear: 2 <= T <= this runs the LoRA term on side_stream beside the base GEMM
-    side_defer: bool = False  # forwards go through fold_linear_split (1 <= T <= side_max on side_stream), add traced
+    side_defer: bool = False  # forwards go through fold_linear_split (T == 1 on side_stream), the add traced
     side_stream: object = None  # LayerBuild.side_stream (None off CUDA)
     options: KernelOptions = field(init=False)  # KernelOptions(backend=backend), built once: every forward uses it
     #: fold_linear's prepared launches (kernel "decode"/"gemm") by (kernel, tiles), built on first use: a prefill
@@ -328,7 +328,11 @@ def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
     fold-mode BD layer named ``layer``. The path is picked here, when the op runs (per CUDA-graph size), by the
     token count T: 2 <= T <= side_max the term on a second stream beside the base GEMM, then one add
     (``_side_parts``), else ``_fold_paths``."""
-    layer = _FUSED_LAYERS[layer]
+    return _added_output(_FUSED_LAYERS[layer], x, bias)
+
+
+def _added_output(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``fold_linear``'s output for a layer: see there."""
     st = layer._bd_fused
     if 2 <= x.shape[0] <= st.side_max and st.slots is not None:
         y, term = _side_parts(layer, x, bias, "side:")
@@ -338,18 +342,18 @@ def _fold_linear_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
 
 
 def _fold_linear_split_impl(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str) -> tuple:
-    """``torch.ops.bdlora.fold_linear_split``: (y, term) with y + term the output of the fold-mode BD layer named
-    ``layer`` (``side_defer``), for the caller to add in traced code, where torch.compile fuses the add into the
-    next kernel. 1 <= T <= side_max: base output and the term from the second stream (``_side_parts``); otherwise
-    ``_fold_paths``' whole output and a zero term, zeroed on the second stream while that output is computed."""
+    """``torch.ops.bdlora.fold_linear_split``: (y, term), term one row wide (1, d_out), with y + term (broadcast) the
+    output of the fold-mode BD layer named ``layer`` (``side_defer``), for the caller to add in traced code, where
+    torch.compile fuses the add into the next kernel. One token (side_max >= 1): base output and the term from the
+    second stream (``_side_parts``); more: ``fold_linear``'s whole output and a zero row, zeroed on the second
+    stream meanwhile (one row: the next kernel reads it broadcast, so a zero term costs one small fill)."""
     layer = _FUSED_LAYERS[layer]
     st = layer._bd_fused
-    n = x.shape[0]
-    if 1 <= n <= st.side_max and st.slots is not None:
+    if x.shape[0] == 1 and st.side_max >= 1 and st.slots is not None:
         return _side_parts(layer, x, bias, "side_deferred:")
-    term = torch.empty(n, st.offsets[-1], dtype=x.dtype, device=x.device)
-    term, y = _two_streams(st, x.device, term.zero_, lambda: _fold_paths(layer, x, bias))
-    return y, term
+    zero = torch.empty(1, st.offsets[-1], dtype=x.dtype, device=x.device)
+    zero, y = _two_streams(st, x.device, zero.zero_, lambda: _added_output(layer, x, bias))
+    return y, zero
 
 
 def _fold_paths(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -385,7 +389,7 @@ def _fold_linear_fake(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str)
 
 
 def _fold_linear_split_fake(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str) -> tuple:
-    return _fold_linear_fake(x, bias, layer), _fold_linear_fake(x, bias, layer)
+    return _fold_linear_fake(x, bias, layer), x.new_empty(1, _FUSED_LAYERS[layer]._bd_fused.folded.d_out)
 
 
 def _register_op() -> None:

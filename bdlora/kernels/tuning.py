@@ -28,9 +28,9 @@ number of tokens T of that forward:
 Before all of these, a fold layer whose (d_in, d_out) has a ``side_shapes`` row ((0, 0): any shape) runs forwards
 of 2 <= T <= ``side_max`` tokens with the base GEMM on W's view while a second CUDA stream computes the LoRA term
 (``decode_lora`` into a zeroed buffer), then one add: the term runs beside the GEMM, not after it. A row whose third
-entry is 1 (``defer``) leaves that add to the model's next compiled kernel instead (SiLU-and-mul, add + RMSNorm,
-rotary: the layer returns base output + term as a traced add, which Inductor fuses into that kernel) and takes
-one-token forwards too (1 <= T <= ``side_max``); its other forwards return their output and a zero term. A
+entry is 1 (``defer``) also runs one-token forwards so (with ``side_max`` >= 1) and leaves their add to the model's
+next compiled kernel (SiLU-and-mul, add + RMSNorm, rotary: the layer returns base output + a one-row term as a traced
+add, which Inductor fuses into that kernel); its other forwards return their whole output and a zero row. A
 row-parallel layer at TP > 1 adds before its all-reduce, so there ``defer`` is ignored. Off in every entry
 (``side_max`` 0): served on an H100 (bench/results/serve/side_defer_2026-11-27) the deferred path gains at TP=8's
 gate_up at batch 1 only, its zero term costs at batch 16, and at TP=4 the second stream's kernels slow beside the GEMMs.
