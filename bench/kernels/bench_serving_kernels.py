@@ -346,9 +346,10 @@ def main():
                 gemv_ws.reserve(layers[0].f, 64, GemvTiles(*gt))
             side_ws = DecodeWorkspace(dev)  # the side stream's own: its kernels run beside the main stream's
             for t in range(1, 65):
-                ws.reserve(decode_grid(t, n_s, n_l, max(outs), d_in, R, decode_tiles(dev)))
+                grid = decode_grid(t, n_s, n_l, max(outs), d_in, R, decode_tiles(dev))
+                ws.reserve(grid)
                 if "side_stream" in paths:
-                    side_ws.reserve(decode_grid(t, n_s, n_l, max(outs), d_in, R, decode_tiles(dev)))
+                    side_ws.reserve(grid)
             for trace in [v for v in a.trace.split(",") if v.startswith(f"{shape}:{mod}:")]:
                 t = int(trace.split(":")[2])
                 x = torch.randn(t, d_in, device=dev, dtype=dt, generator=gen)
