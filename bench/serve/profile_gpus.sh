@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Step profiles on a machine of several GPUs: argument i is GPU i's list of runs, each run
+# "SHAPE BATCH CONFIG..." as bench/serve/side_defer_profile.sh takes them, runs separated by ';' (JSON without
+# spaces). The GPUs' lists run at the same time, each list one engine after another on its own GPU, with its own
+# vLLM / Triton caches (engines compiling at once never share a cache folder). GPU busy per step is measured per
+# GPU, so engines on other GPUs do not enter it; the host's cores are shared. After `source bench/serve/gpu_env.sh`:
+#   bash bench/serve/profile_gpus.sh OUT "tp8 1 base bd ; tp8 16 bd" "tp4 1 base bd" ...
+# Writes OUT/profiles.tar.gz (every run's json and log, folder gpuI/) and OUT/summary.txt (one line per run).
+set -u
+out=$1
+shift
+work=$(mktemp -d)
+i=0
+for list in "$@"; do
+  (
+    export CUDA_VISIBLE_DEVICES=$i VLLM_CACHE_ROOT=/tmp/vllm-cache-gpu$i TRITON_CACHE_DIR=/tmp/triton-cache-gpu$i
+    IFS=';' read -ra runs <<< "$list"
+    for run in "${runs[@]}"; do
+      read -ra words <<< "$run"
+      [ ${#words[@]} -ge 3 ] || continue
+      bash "$(dirname "$0")/side_defer_profile.sh" "${words[0]}" "${words[1]}" "$work/gpu$i" "${words[@]:2}" \
+        | sed "s/^/gpu$i /"
+    done
+  ) > "$work/summary_gpu$i.txt" 2>&1 &
+  i=$((i + 1))
+done
+wait
+mkdir -p "$out"
+cat "$work"/summary_gpu*.txt | tee "$out/summary.txt"
+tar czf "$out/profiles.tar.gz" -C "$work" $(cd "$work" && ls -d gpu* 2>/dev/null)
