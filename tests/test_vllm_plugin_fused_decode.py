@@ -393,12 +393,15 @@ def test_tp1_auto_mode_one_token_kernel_parity(tiny_llama_dir, vllm_adapters):
     its own slot's 16): a request alone (decode steps of ONE token: the per-tile kernel with one-token products),
     then one without LoRA alone, then a mixed batch of 5 (decode steps of 5 tokens: the tiled kernel, neither the
     one-token tiles nor the skipped row). qkv's LoRA rows (3 slices x 2 slots x 16 = 96) exceed ``fold_max_extra``
-    0.15 of its 512 outputs: it folds for one token only, and its 5-token steps run the base GEMM and the two-launch
-    kernel. Greedy tokens equal HF+PEFT, logprobs within 1e-4; the path counters and the self-check (a row alone
-    through the one-token tiles) hold."""
+    0.15 of its 512 outputs: a wide fold, which takes one token on its one-token tiles and, with ``wide_fold_max``
+    16 above ``two_launch_max`` 4, the 5-token steps (and the self-check's 6-token batch) on the tiled fold kernel,
+    whose GEMM reads both slots' A rows. Greedy tokens equal HF+PEFT, logprobs within 1e-4; the path counters and the
+    self-check (a row alone through the one-token tiles) hold. (A wide fold without ``wide_fold_max``, one token
+    only: the TP=2 one-token test.)"""
     tuning = {"fold": True, "fold_gemv_max": 16, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1, 1]],
               "gemv_local_max_rows": 16, "gemv_one_token_shapes": [[0, 0, 64, 64, 2, 1, 1]], "fold_max_extra": 0.15,
-              "fold_decode_max": 0, "fold_gemm_max": 16, "two_launch_max": 8, "gemm_tiles": [[16, 16, 32, 1]]}
+              "fold_decode_max": 0, "fold_gemm_max": 16, "two_launch_max": 4, "wide_fold_max": 16,
+              "gemm_tiles": [[16, 16, 32, 1]]}
     llm = _start_auto(tiny_llama_dir, tuning)
     try:
         for spec in ([(PROMPTS[1], "bd4_r16")], [(PROMPTS[0], None)]):
@@ -408,12 +411,13 @@ def test_tp1_auto_mode_one_token_kernel_parity(tiny_llama_dir, vllm_adapters):
             assert counts.get("fold_gemv_one_token:" + FUSED_BACKEND, 0) >= 8 * 7, counts  # qkv too
             assert not any(k.startswith(("folded:", "fold_gemv:")) for k in counts), counts
         counts = _mixed_batch_counts(tiny_llama_dir, vllm_adapters, llm)
-        assert counts.get("fold_gemm:" + FUSED_BACKEND, 0) >= 6 * 7, counts
-        assert counts.get("fused:" + FUSED_BACKEND, 0) >= 2 * 7, counts  # qkv at 5 tokens: unfolded paths
+        assert counts.get("fold_gemm:" + FUSED_BACKEND, 0) >= 8 * 7, counts  # qkv's wide fold at 5 tokens too
+        assert not counts.get("fused:" + FUSED_BACKEND), counts  # no step of 2-4 tokens: no two-launch term
+        assert counts.get("stock", 0) == 8, counts  # the 27-token prefill, above fold_gemm_max and wide_fold_max
         assert not counts.get("fold_gemv_one_token:" + FUSED_BACKEND), counts
         check = _assert_fold_self_check(llm)
         assert check["gemv_one_token_layers"] == 8 and check["gemv_layers"] == 0, check
-        assert check["fold_one_token_only_layers"] == 2, check
+        assert check["fold_one_token_only_layers"] == 0 and check["fold_wide_layers"] == 2, check
     finally:
         T.stop_llm(llm)
 

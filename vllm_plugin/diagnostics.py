@@ -90,6 +90,7 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     how many take the one-launch kernel (``gemv_layers``; ``gemv_local_shrink_layers``: with the shrink per output
     tile; ``gemv_one_token_layers``: with one-token tiles, whose fold_linear on the first row alone is checked too;
     ``fold_one_token_only_layers``: layers folded for those tiles only, whose larger forwards run as unfolded;
+    ``fold_wide_layers``: folds whose LoRA rows exceed ``fold_max_extra``, those included;
     ``side_deferred_layers``: layers whose output is fold_linear_split's two parts, added by the caller)."""
     import torch
     from vllm.lora.layers import LoRAMapping
@@ -108,7 +109,8 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     out = {"layers": 0, "max_abs_diff": 0.0, "max_abs_lora": 0.0, "padding_untouched": True, "slots_ok": True,
            "slot_map": want, "fold_layers": 0, "fold_max_abs_diff": 0.0, "fold_max_abs_out": 0.0,
            "fold_shares_weight": True, "kept_plans": 0, "gemv_layers": 0, "gemv_local_shrink_layers": 0,
-           "gemv_one_token_layers": 0, "fold_one_token_only_layers": 0, "side_deferred_layers": 0}
+           "gemv_one_token_layers": 0, "fold_one_token_only_layers": 0, "fold_wide_layers": 0,
+           "side_deferred_layers": 0}
 
     def calls(kind):
         return sum(v for k, v in FUSED_COUNTS.items() if k.startswith(kind + ":"))
@@ -149,6 +151,7 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
                 out["gemv_local_shrink_layers"] += bool(st.gemv_tiles.local_shrink)
             if st.fold_max == 0:  # folded for one-token forwards only
                 out["fold_one_token_only_layers"] += 1
+            out["fold_wide_layers"] += st.fold_min > 1
             if st.gemv_one_token_tiles is not None:  # one row alone: the one-token tiles
                 y_one = layer._apply_sync(x[:1])
                 out["gemv_one_token_layers"] += 1

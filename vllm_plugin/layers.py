@@ -195,6 +195,7 @@ class _FusedState:
     folded: object = None  # bdlora.kernels.FoldedWeight ([W; A]) in fold mode, else None
     fold_decode_max: int = 0  # fold_linear: T <= this runs the per-token kernel,
     fold_gemm_max: int = 0  # T <= this the tiled one, above vLLM's path
+    fold_min: int = 1  # the fold's multi-token kernels start here (a wide fold: above two_launch_max)
     tuning: object = None  # auto mode: the device's bdlora.kernels.tuning.ServingTuning (gemm tiles per T)
     fold_gemv_max: int = 0  # fold_linear: T <= this runs the one-launch kernel (before the cut-offs above)
     gemv_tiles: object = None  # its bdlora.kernels.GemvTiles for this layer's shape
@@ -215,8 +216,8 @@ class _FusedState:
 
     @property
     def fold_max(self) -> int:
-        """The most tokens a forward may have for the fold's multi-token kernels; 0: the fold serves one-token
-        forwards only (its LoRA rows are too many for the fold's GEMMs at T > 1)."""
+        """The most tokens a forward may have for the fold's multi-token kernels (from ``fold_min``); 0: the fold
+        serves one-token forwards only (a wide fold without ``wide_fold_max``)."""
         return max(self.fold_gemm_max, self.fold_gemv_max)
 
     def plan(self, kernel: str, tiles) -> FoldedLaunch:
@@ -364,7 +365,7 @@ def _fold_paths(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.T
     st = layer._bd_fused
     n = x.shape[0]
     one_token = n == 1 and st.gemv_one_token_tiles is not None
-    if (one_token or (st.fold_max > 0 and n <= st.fold_max)) and st.slots is not None:
+    if (one_token or (st.fold_max > 0 and st.fold_min <= n <= st.fold_max)) and st.slots is not None:
         if one_token or n <= st.fold_gemv_max:
             kernel = "gemv_one_token" if one_token else "gemv"
             y, ran = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
@@ -493,33 +494,36 @@ class _BDLoRAMixin:
         offsets = [0]
         for out in outs:
             offsets.append(offsets[-1] + out)
-        one_tiles, one_token_only, side_max, side_defer = None, False, 0, False
+        one_tiles, wide, side_max, side_defer, fold_min = None, False, 0, False, 1
         lora_rows = _fold_rows(n_s, max_loras, rank)
         if opts.mode == "auto":
             tuning = build.tuning(dev)
             want_fold, max_extra = tuning.fold, tuning.fold_max_extra
             two_max, fd_max, fg_max = tuning.two_launch_max, tuning.fold_decode_max, tuning.fold_gemm_max
-            # one token reads only its own slot's A rows, whatever the fold holds: a layer whose LoRA rows are too
-            # many for the fold's GEMMs at T > 1 still folds for its one-token tiles, and runs as an unfolded
-            # layer at T > 1 (base GEMM on W's view, the two-launch kernel, vLLM's path above)
+            # a wide fold (LoRA rows above max_extra x d_out) still folds for its one-token tiles (one token reads
+            # only its own slot's A rows) and for wide_fold_max (the tiled fold above two_launch_max, where the
+            # alternative is vLLM's punica path); its other forwards run as an unfolded layer's
             one_tiles = tuning.gemv_one_token_tiles_for(self.input_size, offsets[-1], tuple(offsets), max_loras, rank)
-            one_token_only = one_tiles is not None and lora_rows > max_extra * offsets[-1]
+            wide = (lora_rows > max_extra * offsets[-1]
+                    and (one_tiles is not None or tuning.wide_fold_max > two_max))
             side_max, side_defer = tuning.side_for(self.input_size, offsets[-1])
             # a row layer's partial output is all-reduced before the next kernel reads it: it adds its term first
             side_defer = side_defer and (self.bd_layout == COLUMN or self.tp_size == 1)
         else:
             tuning, want_fold, max_extra = None, opts.fold_shrink, None
             two_max = fd_max = fg_max = opts.max_tokens
-        folded = (self._fold_base_weight(max_loras, rank, offsets[-1], dtype, math.inf if one_token_only else max_extra)
+        folded = (self._fold_base_weight(max_loras, rank, offsets[-1], dtype, math.inf if wide else max_extra)
                   if want_fold else None)
         if folded is None:  # the paths below, the side stream included, are fold_linear's
             one_tiles, side_max, side_defer = None, 0, False
-        elif one_token_only:
-            fd_max = fg_max = 0
-            _log_once(logging.INFO, ("fold-one-token", type(self).__name__),
+        elif wide:
+            fd_max, fg_max = 0, (tuning.wide_fold_max if tuning.wide_fold_max > two_max else 0)
+            fold_min = two_max + 1
+            _log_once(logging.INFO, ("fold-wide", type(self).__name__),
                       "bdlora kernels (auto): %s folds its %d LoRA rows (slices x --max-loras x per-GPU rank) next "
-                      "to its %d output rows for one-token forwards only; larger forwards run the base GEMM and the "
-                      "two-launch kernel (fold_max_extra %g)", type(self).__name__, lora_rows, offsets[-1], max_extra)
+                      "to its %d output rows (above fold_max_extra %g) for one-token forwards%s; other forwards run "
+                      "the base GEMM and the two-launch kernel or vLLM's path", type(self).__name__, lora_rows,
+                      offsets[-1], max_extra, f" and {fold_min}-{fg_max} tokens (wide_fold_max)" if fg_max else "")
         if folded is not None:  # A under the base weight: (S, L, R, d_in) -> (S, L, 1, R, d_in)
             a_all = folded.lora_a(n_s, max_loras, rank).unsqueeze(2)
         else:
@@ -538,7 +542,7 @@ class _BDLoRAMixin:
         build.names.add(name)
         # the per-tile-shrink rows skip layers whose slots x rank A rows would not pay or fit (gemv_local_max_rows)
         gemv_tiles = (tuning.gemv_tiles_for(self.input_size, offsets[-1], tuple(offsets), max_loras, rank)
-                      if tuning and folded is not None and not one_token_only else None)
+                      if tuning and folded is not None and not wide else None)
         gemv_ws = None
         for tokens, tiles in ((tuning.fold_gemv_max if tuning else 0, gemv_tiles), (1, one_tiles)):
             if tiles is not None:
@@ -551,7 +555,7 @@ class _BDLoRAMixin:
             scales=torch.ones(max_loras, dtype=torch.float32, device=dev),
             workspace=_decode_workspace(build, dev, max(two_max, side_max), n_s, max(outs), self.input_size, rank),
             folded=folded, fold_decode_max=fd_max if folded is not None else 0,
-            fold_gemm_max=fg_max if folded is not None else 0, tuning=tuning,
+            fold_gemm_max=fg_max if folded is not None else 0, fold_min=fold_min, tuning=tuning,
             fold_gemv_max=tuning.fold_gemv_max if gemv_tiles is not None else 0, gemv_tiles=gemv_tiles,
             gemv_one_token_tiles=one_tiles, gemv_workspace=gemv_ws,
             pdl=tuning is not None and tuning.pdl, side_max=side_max, side_defer=side_defer,

@@ -35,9 +35,15 @@ row-parallel layer at TP > 1 adds before its all-reduce, so there ``defer`` is i
 (``side_max`` 0): served on an H100 (bench/results/serve/side_defer_2026-11-27) the deferred path gains at TP=8's
 gate_up at batch 1 only, its zero term costs at batch 16, and at TP=4 the second stream's kernels slow beside the GEMMs.
 
-A layer whose LoRA rows (slices x max_loras x rank) exceed ``fold_max_extra`` x d_out but that has one-token tiles
-still folds, for T == 1 only: one token reads its own slot's A rows, so the fold costs it nothing there, while the
-GEMMs of larger forwards would read every slot's. Its larger forwards run as a layer that cannot fold.
+A layer whose LoRA rows (slices x max_loras x rank) exceed ``fold_max_extra`` x d_out (a wide fold: many slots of a
+high rank, e.g. qkv with ``--max-loras`` 4) still folds where it has one-token tiles or ``wide_fold_max`` > 0:
+    T == 1                 its one-token tiles (one token reads its own slot's A rows: the fold costs it nothing)
+    T <= two_launch_max    as a layer that cannot fold (base GEMM on W's view, the two-launch kernel)
+    T <= wide_fold_max     the tiled fold kernel: its GEMM reads every slot's A rows, which costs less than vLLM's
+                           punica kernels do above two_launch_max (23 us per call for TP=8's qkv with 4 slots at 16
+                           tokens, H200, bench/results/serve/multi_gpu_2026-11-27)
+    above                  as a layer that cannot fold (vLLM's punica kernels)
+``wide_fold_max`` is 0 in every entry until it is measured served (then: one-token forwards only, as before).
 
 A per-tile-shrink row (local_shrink, and every one-token row) reads its slice's A rows in every tile: every slot's
 (max_loras x the per-device rank) at T > 1, the token's own slot's (the rank) at T == 1. It applies only while those
@@ -74,6 +80,8 @@ class ServingTuning:
     fold_gemm_max: int = UNLIMITED
     two_launch_max: int = 8
     fold_max_extra: float = FOLD_MAX_EXTRA
+    # a wide fold (LoRA rows above fold_max_extra x d_out) runs two_launch_max < T <= this on the tiled kernel; 0: never
+    wide_fold_max: int = 0
     gemm_tiles: tuple = ((UNLIMITED, 16, 64, 4),)
     fold_gemv_max: int = 0
     # rows (d_in, d_out, block_n, block_k, split_k, warps, stages[, local_shrink 0/1]); d_in = d_out = 0: any shape
@@ -90,7 +98,7 @@ class ServingTuning:
 
     def __post_init__(self):
         for name in ("fold_decode_max", "fold_gemm_max", "two_launch_max", "fold_gemv_max", "gemv_local_max_rows",
-                     "side_max"):
+                     "side_max", "wide_fold_max"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 what = "a row count" if name == "gemv_local_max_rows" else "a token count"
@@ -101,9 +109,10 @@ class ServingTuning:
         if not isinstance(self.fold_max_extra, (int, float)) or self.fold_max_extra < 0:
             raise ValueError(f"serving tuning: fold_max_extra must be a fraction >= 0, got {self.fold_max_extra!r}")
         rows = tuple(tuple(r) for r in self.gemm_tiles)
-        if not rows or any(len(r) != 4 for r in rows) or rows[-1][0] < self.fold_gemm_max:
+        covers = max(self.fold_gemm_max, self.wide_fold_max)
+        if not rows or any(len(r) != 4 for r in rows) or rows[-1][0] < covers:
             raise ValueError("serving tuning: gemm_tiles must be rows (max_tokens, block_m, block_n, warps) whose last "
-                             f"max_tokens covers fold_gemm_max={self.fold_gemm_max}, got {self.gemm_tiles!r}")
+                             f"max_tokens covers fold_gemm_max and wide_fold_max ({covers}), got {self.gemm_tiles!r}")
         # built once (each raises on a bad tile): tiles_for runs in every served forward
         object.__setattr__(self, "_gemm_tiles", tuple((r[0], ExpandTiles(r[1], r[2], r[3])) for r in rows))
         object.__setattr__(self, "gemm_tiles", rows)
