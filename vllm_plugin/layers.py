@@ -15,7 +15,8 @@
 Auto mode (the default of ``--enable-bdlora``, ``FusedDecodeOptions(mode="auto")``): each layer looks up its
 device's entry in ``bdlora.kernels.tuning`` (one table of measured cut-offs per GPU; vLLM's own path on CPU) when it
 is built. A layer whose base weight can fold (and whose LoRA rows stay under ``fold_max_extra`` of its outputs, or
-that has one-token tiles: then it folds for one-token forwards only) goes through ``torch.ops.bdlora.fold_linear``
+that has one-token tiles or ``wide_fold_max``: a wide fold, for those forwards only, see ``bdlora.kernels.tuning``)
+goes through ``torch.ops.bdlora.fold_linear``
 with the table's cut-offs: up to ``fold_gemv_max`` tokens, on the shapes the table lists for it, the one-launch
 kernel (base GEMM, shrink and expand together; a one-token forward with its own tiles where the table has them,
 ``gemv_one_token_shapes``); up to ``fold_decode_max`` tokens the per-token ``decode_lora_folded`` kernel, up to
@@ -575,7 +576,8 @@ class _BDLoRAMixin:
         of the top rows) and returns it, or None with a warning where the base layer cannot take it, or (auto mode,
         ``max_extra`` set) where the LoRA rows, slices x slots x rank, exceed ``max_extra`` x d_out: every forward's
         GEMM multiplies them, so many slots of a high rank make the fold slower than the two-launch path
-        (``math.inf``: a fold for one-token forwards only, where one token reads its own slot's rows alone).
+        (``math.inf``: a wide fold, for one-token forwards, where one token reads its own slot's rows alone, and for
+        ``wide_fold_max``).
         ``max_extra`` None (the opt-in fold mode) folds whatever the rows, with a warning above FOLD_MAX_EXTRA."""
         from bdlora.kernels import fold_weight
         from bdlora.kernels.tuning import FOLD_MAX_EXTRA
