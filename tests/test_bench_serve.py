@@ -610,3 +610,33 @@ def test_step_profile_refuses_ab_direct_without_time_only():
         p = subprocess.run([sys.executable, str(ROOT / "bench" / "serve" / "step_profile.py"), flag, "3"],
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and "--time-only" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_serving_kernels_bench_maps_punica_tokens_to_slots():
+    """bench_serving_kernels.py's punica baseline with --loras N: ``set_mapping`` puts token i on slot slots[i] of
+    vLLM's wrapper (checked with vLLM's CPU wrapper, the same metadata code as the GPU one), so add_lora_linear adds
+    each token's own slot's x A B, as a served batch of N adapters does."""
+    import torch
+    from types import SimpleNamespace
+
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    spec = importlib.util.spec_from_file_location("bench_serving_kernels",
+                                                  ROOT / "bench/kernels/bench_serving_kernels.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    n_slots, rank, d_in, outs = 4, 8, 32, (16, 8)
+    cfg = SimpleNamespace(max_loras=n_slots, specialize_active_lora=False, max_lora_rank=64, fully_sharded_loras=False)
+    punica = PunicaWrapperCPU(64, 256, torch.device("cpu"), lora_config=cfg, max_loras=n_slots)
+    slots = [3, 0, 1, 2, 1, 3, 0]
+    bench.set_mapping(punica, slots, n_slots, prefill=False)
+    assert punica.token_lora_indices[:len(slots)].tolist() == slots
+    gen = torch.Generator().manual_seed(0)
+    a = tuple(torch.randn(n_slots, 1, rank, d_in, generator=gen) for _ in outs)
+    b = tuple(torch.randn(n_slots, 1, o, rank, generator=gen) for o in outs)
+    x = torch.randn(len(slots), d_in, generator=gen)
+    y = torch.zeros(len(slots), sum(outs))
+    punica.add_lora_linear(y, x, a, b, 1.0, outs)
+    want = torch.cat([torch.stack([x[i] @ a[k][s, 0].T @ b[k][s, 0].T for i, s in enumerate(slots)])
+                      for k in range(len(outs))], 1)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-3)

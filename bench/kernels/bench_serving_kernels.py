@@ -35,7 +35,7 @@ graph and replayed (launch gaps as vLLM's graphs have them):
         [--eager]   (also each path's host time per call run eagerly, as a prefill runs: ``eager_us``; and
                      ``eager_fold_gemm_triton``: the same through Triton's launcher, bdlora.kernels.launch off)
         [--loras 4]   (4 LoRA slots per layer, as --max-loras 4 serves: token i on slot i mod 4, one token on the
-                       last; the single-slot paths fold_cublas and punica are not timed)
+                       last, punica's mapping too; the single-slot path fold_cublas is not timed)
 """
 from __future__ import annotations
 
@@ -158,21 +158,25 @@ def kernel_timeline(fn, reps: int = 3) -> list:
     return [[e.name[:120], round(e.time_range.start - t0, 2), round(e.time_range.elapsed_us(), 2)] for e in last]
 
 
-def make_punica(max_tokens: int, dev):
+def make_punica(max_tokens: int, dev, max_loras: int = 1):
     from vllm.lora.punica_wrapper.punica_gpu import PunicaWrapperGPU
 
-    cfg = SimpleNamespace(max_loras=1, specialize_active_lora=False, max_lora_rank=64, fully_sharded_loras=False)
-    return PunicaWrapperGPU(max_tokens, 256, dev, lora_config=cfg, max_loras=1)
+    cfg = SimpleNamespace(max_loras=max_loras, specialize_active_lora=False, max_lora_rank=64,
+                          fully_sharded_loras=False)
+    return PunicaWrapperGPU(max_tokens, 256, dev, lora_config=cfg, max_loras=max_loras)
 
 
-def set_mapping(punica, t: int, prefill: bool):
+def set_mapping(punica, slots: list, n_slots: int, prefill: bool):
+    """punica's metadata for tokens on these slots (0 .. n_slots - 1; adapter id = slot + 1)."""
     from vllm.lora.layers import LoRAMapping
 
-    m = LoRAMapping((1,) * t, (1,) * t, is_prefill=prefill)
+    ids = tuple(s + 1 for s in slots)
+    m = LoRAMapping(ids, ids, is_prefill=prefill)
+    index_to_id = list(range(1, n_slots + 1))
     try:
-        punica.update_metadata(m, [1], 1, 32000)
+        punica.update_metadata(m, index_to_id, n_slots, 32000)
     except TypeError:
-        punica.update_metadata(m, [1], 1, 32000, 0)
+        punica.update_metadata(m, index_to_id, n_slots, 32000, 0)
 
 
 def check(dev) -> dict:
@@ -285,8 +289,8 @@ def main():
         ap.error(f"--paths: unknown {sorted(paths - set(PATHS))}; known: {PATHS}")
     if a.loras < 1:
         ap.error("--loras: at least 1 slot")
-    if a.loras > 1:  # these two time one slot's factors only
-        paths -= {"fold_cublas", "punica"}
+    if a.loras > 1:  # this one times one slot's factors only
+        paths -= {"fold_cublas"}
     fold_tiles = TILES if a.fold_tiles == "all" else [tuple(int(v) for v in a.fold_tiles.split(","))]
     from bdlora.kernels import DecodeWorkspace, GemvTiles, GemvWorkspace, decode_lora, decode_lora_folded, fold_weight
     from bdlora.kernels.launch import LAUNCHES
@@ -301,7 +305,7 @@ def main():
         import vllm
 
         res["vllm"] = vllm.__version__
-        punica = make_punica(max(toks, default=64), dev)
+        punica = make_punica(max(toks, default=64), dev, a.loras)
     except Exception as e:  # noqa: BLE001 - recorded, the rest still runs
         punica, res["punica_error"] = None, repr(e)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -484,7 +488,7 @@ def main():
                     idx.copy_(slot_ids(t))
                 if punica is not None and "punica" in paths:
                     try:
-                        set_mapping(punica, t, prefill=t > 64)
+                        set_mapping(punica, slot_ids(t).tolist(), n_l, prefill=t > 64)
 
                         def run_pu():
                             for L in layers:
