@@ -9,6 +9,8 @@
 set -u
 out=$1
 shift
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "$#" -le "$gpus" ] || { echo "profile_gpus.sh: $# lists for $gpus GPUs (one list per GPU)"; exit 2; }
 work=$(mktemp -d)
 i=0
 for list in "$@"; do
