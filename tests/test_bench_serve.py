@@ -86,6 +86,30 @@ def test_every_preset_expands(preset):
     assert int(cfg.get("concurrent_servers", 1)) >= 1
 
 
+def test_resident_mode_holds_every_adapter_in_a_slot(tmp_path):
+    """adapter_modes [resident]: N distinct adapters (``resident_adapters``) in N GPU slots, each registered under its
+    own name, requests cycling over all of them (a multi-tenant batch); unknown modes and a bad N are refused."""
+    from bench.serve.sweep import lora_slots, prepare_adapters, server_args, shape_from
+
+    cfg = yaml.safe_load((ROOT / "bench/serve/configs/cpu_tiny.yaml").read_text())
+    cfg.update(adapter_modes=["resident"], resident_adapters=3, methods=["bd", "base"],
+               adapters_dir=str(tmp_path / "adapters"))
+    grid = expand_grid(cfg)
+    bd = [g for g in grid if g.method == "bd"]
+    assert bd and all(g.adapter_mode == "resident" and g.id.endswith("-resident") for g in bd)
+    assert lora_slots(cfg, bd[0]) == (3, 3, 3)
+    dirs = prepare_adapters(cfg, bd[0], shape_from(cfg["model"]), tmp_path / "tiny-model")
+    assert len({d.resolve() for d in dirs}) == 3
+    args = server_args(cfg, bd[0], tmp_path / "tiny-model", dirs)
+    assert args[args.index("--max-loras") + 1] == "3" and args[args.index("--max-cpu-loras") + 1] == "3"
+    mods = args[args.index("--lora-modules") + 1:args.index("--lora-modules") + 4]
+    assert mods == [f"a{i}={dirs[i]}" for i in range(3)]
+    for bad, msg in (({"adapter_modes": ["shared"]}, "adapter_modes: unknown \\['shared'\\]"),
+                     ({"resident_adapters": 0}, "resident_adapters: give the number")):
+        with pytest.raises(ValueError, match=msg):
+            lora_slots({**cfg, **bad}, bd[0]) if "resident_adapters" in bad else expand_grid({**cfg, **bad})
+
+
 # ------------------------------------------------------------------------------------------------ client protocol
 
 

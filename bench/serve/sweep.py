@@ -45,6 +45,7 @@ from .server import ServerError, VLLMServer, install_stop_handlers
 from .trace import find_traces, keep_gpu_events, load_trace, profile_request, profiler_args, summarize_events
 
 METHODS = ("base", "lora", "slora", "bd")
+ADAPTER_MODES = ("single", "multi", "resident")
 METHOD_LABELS = {"base": "no LoRA", "lora": "LoRA (vLLM default, NFS)", "slora": "S-LoRA (--fully-sharded-loras)",
                  "bd": "BD-LoRA (bdlora plugin)"}
 
@@ -73,7 +74,7 @@ class ServerConfig:
     rank: int  # the adapter's LoRA rank (BD: the matched rank); 0 for base
     std_rank: int  # the standard LoRA rank of the grid point it belongs to; 0 for base
     nblocks: Optional[int]
-    adapter_mode: str  # single | multi
+    adapter_mode: str  # single | multi | resident (see lora_slots)
     max_lora_rank: Optional[int]
     trainable_params: int
     loads: list[Load]
@@ -98,6 +99,9 @@ def expand_grid(cfg: dict, methods_filter=None, tp_filter=None, ranks_filter=Non
     tps = [t for t in cfg.get("tp", [1]) if not tp_filter or t in tp_filter]
     ranks = [r for r in cfg.get("ranks", [16]) if not ranks_filter or r in ranks_filter]
     modes = cfg.get("adapter_modes", ["single"])
+    unknown = set(modes) - set(ADAPTER_MODES)
+    if unknown:
+        raise ValueError(f"adapter_modes: unknown {sorted(unknown)}; known: {ADAPTER_MODES}")
     n_req = int(cfg.get("num_requests", 128))
     loads_all = [Load(int(l["bs"]), int(l["it"]), int(l["ot"]), int(l.get("num_requests", n_req)))
                  for l in cfg.get("loads", [{"bs": 1, "it": 1024, "ot": 128}])]
@@ -261,7 +265,9 @@ def lora_slots(cfg: dict, sc: ServerConfig) -> tuple[int, int, int]:
     single: one adapter, cached after the warm-up, as in the paper's main runs. multi ("every request a different
     adapter"): requests cycle over max_cpu_loras + 1 names, so under LRU every request misses both the GPU slots and
     the CPU cache and its adapter is loaded from disk (registering one name per request instead would make vLLM load
-    every one of them at startup, for the same effect).
+    every one of them at startup, for the same effect). resident: ``resident_adapters`` (N, default 4) distinct
+    adapters in N GPU slots, loaded by the warm-up, requests cycling over them: a batch of B requests mixes N
+    adapters, as a multi-tenant server's does (``--max-loras N``).
     """
     srv = cfg.get("server", {})
     max_bs = max(l.bs for l in sc.loads)
@@ -269,8 +275,19 @@ def lora_slots(cfg: dict, sc: ServerConfig) -> tuple[int, int, int]:
         max_loras = int(srv.get("max_loras", 1))
         max_cpu = max(max_loras, int(srv.get("max_cpu_loras", max_loras)))
         return max_loras, max_cpu, 1
+    if sc.adapter_mode == "resident":
+        n = resident_adapters(cfg)
+        return n, n, n
     max_loras = max(1, min(max_bs, int(srv.get("multi_max_loras", max_bs))))
     return max_loras, max_loras, max_loras + 1
+
+
+def resident_adapters(cfg: dict) -> int:
+    """The number of adapters a ``resident`` server holds in GPU slots (config ``resident_adapters``, default 4)."""
+    n = cfg.get("resident_adapters", 4)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"resident_adapters: give the number of adapters held in GPU slots (1 or more), got {n!r}")
+    return n
 
 
 def server_args(cfg: dict, sc: ServerConfig, model_dir: Path, adapter_dirs: list[Path]) -> list[str]:
@@ -303,8 +320,11 @@ def prepare_adapters(cfg: dict, sc: ServerConfig, shape, model_dir: Path) -> lis
     if sc.method == "base":
         return []
     root = Path(cfg.get("adapters_dir", "/tmp/bdlora-bench/adapters"))
-    n_distinct = 1 if sc.adapter_mode == "single" else min(int(cfg.get("n_distinct_adapters", 2)),
-                                                           lora_slots(cfg, sc)[2])
+    if sc.adapter_mode == "resident":
+        n_distinct = resident_adapters(cfg)
+    else:
+        n_distinct = 1 if sc.adapter_mode == "single" else min(int(cfg.get("n_distinct_adapters", 2)),
+                                                               lora_slots(cfg, sc)[2])
     kind = f"bd{sc.nblocks}" if sc.method == "bd" else "lora"
     tag = f"{model_dir.name}-{kind}-r{sc.rank}"
     dtype = cfg.get("model", {}).get("dtype", "bfloat16")
@@ -491,16 +511,19 @@ def run_one_load(cfg, sc: ServerConfig, load: Load, server: VLLMServer, out: Pat
     # prompts depend only on the load setting: identical across servers (methods) and across resumed calls
     seed = int(cfg.get("seed", 0)) * 1_000_003 + load.bs * 100_003 + load.it * 31 + load.ot
     n_warm, warm_it, warm_ot, warm_bs = warmup_plan(cfg, load)
-    warm_prompts = random_prompts(model_dir, n_warm, warm_it, seed + 999_983)
     prompts = random_prompts(model_dir, load.num_requests, load.it, seed)
     if sc.method == "base":
         names = ["base"]
         warm_names = ["base"]
     elif sc.adapter_mode == "single":
         names = warm_names = ["a0"]
+    elif sc.adapter_mode == "resident":
+        names = warm_names = [f"a{i}" for i in range(n_names)]
+        n_warm = max(n_warm, n_names)  # the warm-up loads every adapter into its slot
     else:
         names = [f"a{i}" for i in range(n_names)]
         warm_names = names[-1:]  # the measured run starts with a0, which the warm-up just evicted
+    warm_prompts = random_prompts(model_dir, n_warm, warm_it, seed + 999_983)
     timeout_s = float(cfg.get("request_timeout_s", 600))
     # warm-up (not recorded): first-request costs, and in single mode the adapter is then cached, as in the paper
     run_load(server.url, warm_names, warm_prompts, warm_ot, warm_bs, timeout_s)
