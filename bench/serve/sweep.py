@@ -320,11 +320,11 @@ def prepare_adapters(cfg: dict, sc: ServerConfig, shape, model_dir: Path) -> lis
     if sc.method == "base":
         return []
     root = Path(cfg.get("adapters_dir", "/tmp/bdlora-bench/adapters"))
-    if sc.adapter_mode == "resident":
-        n_distinct = resident_adapters(cfg)
+    n_names = lora_slots(cfg, sc)[2]
+    if sc.adapter_mode == "resident":  # every name its own adapter
+        n_distinct = n_names
     else:
-        n_distinct = 1 if sc.adapter_mode == "single" else min(int(cfg.get("n_distinct_adapters", 2)),
-                                                               lora_slots(cfg, sc)[2])
+        n_distinct = 1 if sc.adapter_mode == "single" else min(int(cfg.get("n_distinct_adapters", 2)), n_names)
     kind = f"bd{sc.nblocks}" if sc.method == "bd" else "lora"
     tag = f"{model_dir.name}-{kind}-r{sc.rank}"
     dtype = cfg.get("model", {}).get("dtype", "bfloat16")
