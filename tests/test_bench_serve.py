@@ -107,7 +107,10 @@ def test_resident_mode_holds_every_adapter_in_a_slot(tmp_path):
     for bad, msg in (({"adapter_modes": ["shared"]}, "adapter_modes: unknown \\['shared'\\]"),
                      ({"resident_adapters": 0}, "resident_adapters: give the number")):
         with pytest.raises(ValueError, match=msg):
-            lora_slots({**cfg, **bad}, bd[0]) if "resident_adapters" in bad else expand_grid({**cfg, **bad})
+            expand_grid({**cfg, **bad})
+        if "resident_adapters" in bad:
+            with pytest.raises(ValueError, match=msg):
+                lora_slots({**cfg, **bad}, bd[0])
 
 
 # ------------------------------------------------------------------------------------------------ client protocol

@@ -102,6 +102,8 @@ def expand_grid(cfg: dict, methods_filter=None, tp_filter=None, ranks_filter=Non
     unknown = set(modes) - set(ADAPTER_MODES)
     if unknown:
         raise ValueError(f"adapter_modes: unknown {sorted(unknown)}; known: {ADAPTER_MODES}")
+    if "resident" in modes:
+        resident_adapters(cfg)  # a bad count is refused with the plan, before any server starts
     n_req = int(cfg.get("num_requests", 128))
     loads_all = [Load(int(l["bs"]), int(l["it"]), int(l["ot"]), int(l.get("num_requests", n_req)))
                  for l in cfg.get("loads", [{"bs": 1, "it": 1024, "ot": 128}])]
