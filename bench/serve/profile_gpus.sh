@@ -5,6 +5,10 @@
 # vLLM / Triton caches (engines compiling at once never share a cache folder). GPU busy per step is measured per
 # GPU, so engines on other GPUs do not enter it; the host's cores are shared. After `source bench/serve/gpu_env.sh`:
 #   bash bench/serve/profile_gpus.sh OUT "tp8 1 base bd ; tp8 16 bd" "tp4 1 base bd" ...
+# A run that starts with '!' is a shell command instead, run as written on that GPU with RUN_DIR set to the GPU's
+# folder (e.g. "! python3 bench/kernels/bench_serving_kernels.py --out \$RUN_DIR/k.json"); its output goes to
+# RUN_DIR/cmdK.log and its exit status into the summary, so kernel sweeps and parity runs share the call (join
+# its steps with &&: ; separates runs).
 # Writes OUT/profiles.tar.gz (every run's json and log, folder gpuI/) and OUT/summary.txt (one line per run).
 set -u
 out=$1
@@ -17,7 +21,14 @@ for list in "$@"; do
   (
     export CUDA_VISIBLE_DEVICES=$i VLLM_CACHE_ROOT=/tmp/vllm-cache-gpu$i TRITON_CACHE_DIR=/tmp/triton-cache-gpu$i
     IFS=';' read -ra runs <<< "$list"
+    k=0
     for run in "${runs[@]}"; do
+      if [[ $run =~ ^[[:space:]]*! ]]; then
+        k=$((k + 1)); mkdir -p "$work/gpu$i"
+        RUN_DIR=$work/gpu$i bash -c "${run#*!}" > "$work/gpu$i/cmd$k.log" 2>&1
+        echo "gpu$i cmd$k rc=$? ${run#*!}"; tail -3 "$work/gpu$i/cmd$k.log" | sed "s/^/gpu$i   /"
+        continue
+      fi
       read -ra words <<< "$run"
       [ ${#words[@]} -ge 3 ] || continue
       bash "$(dirname "$0")/side_defer_profile.sh" "${words[0]}" "${words[1]}" "$work/gpu$i" "${words[@]:2}" \
@@ -30,3 +41,4 @@ wait
 mkdir -p "$out"
 cat "$work"/summary_gpu*.txt | tee "$out/summary.txt"
 tar czf "$out/profiles.tar.gz" -C "$work" $(cd "$work" && ls -d gpu* 2>/dev/null)
+rm -rf "$work"
