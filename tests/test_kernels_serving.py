@@ -284,6 +284,13 @@ def test_tuning_table_lookup_and_overrides():
     assert t.gemv_tiles_for(512, 4096).local_shrink and not t.gemv_tiles_for(3584, 4096).local_shrink  # TP=8's o
     assert not u.pdl and not c.pdl  # unmeasured GPUs and CPU: plain launches
     assert h100.fold_gemm_max == t.fold_gemm_max and h100.gemm_tiles == t.gemm_tiles
+    # wide folds (many slots of a high rank): the tiled fold at every size on Hopper (measured), to 256 elsewhere
+    assert h100.wide_fold_max == t.wide_fold_max == UNLIMITED and u.wide_fold_max == 256 and c.wide_fold_max == 0
+    # the tiles a layer compiles before serving: every row whose token range meets its forwards' range
+    rows = [ExpandTiles(*r[1:]) for r in t.gemm_tiles]
+    assert t.tiles_between(1, UNLIMITED) == tuple(rows) and t.tiles_between(9, 128) == (rows[0],)
+    assert t.tiles_between(129, 300) == tuple(rows[1:3]) and t.tiles_between(3000, UNLIMITED) == (rows[3],)
+    assert u.tiles_between(17, 256) == (ExpandTiles(32, 64, 4),) and u.tiles_between(300, 400) == ()
     g, _ = serving_tuning("cpu", override={"fold_gemv_max": 4, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1]]})
     assert g.gemv_tiles_for(7, 9) == GemvTiles(16, 16, 2, 1, 1)
     # one token: its own rows (the per-tile kernel with one_token), whatever fold_gemv_max is; TP=8's four modules

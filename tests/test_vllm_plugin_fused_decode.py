@@ -396,12 +396,14 @@ def test_tp1_auto_mode_one_token_kernel_parity(tiny_llama_dir, vllm_adapters):
     0.15 of its 512 outputs: a wide fold, which takes one token on its one-token tiles and, with ``wide_fold_max``
     16 above ``two_launch_max`` 4, the 5-token steps (and the self-check's 6-token batch) on the tiled fold kernel,
     whose GEMM reads both slots' A rows. Greedy tokens equal HF+PEFT, logprobs within 1e-4; the path counters and the
-    self-check (a row alone through the one-token tiles) hold. (A wide fold without ``wide_fold_max``, one token
-    only: the TP=2 one-token test.)"""
+    self-check (a row alone through the one-token tiles) hold. Two ``gemm_tiles`` rows: the forwards here (5 and 6
+    tokens) take the first, and each layer's first tiled forward launches the second's plan too (compiled before
+    serving, not when a larger batch first comes). (A wide fold without ``wide_fold_max``, one token only: the TP=2
+    one-token test.)"""
     tuning = {"fold": True, "fold_gemv_max": 16, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1, 1]],
               "gemv_local_max_rows": 16, "gemv_one_token_shapes": [[0, 0, 64, 64, 2, 1, 1]], "fold_max_extra": 0.15,
               "fold_decode_max": 0, "fold_gemm_max": 16, "two_launch_max": 4, "wide_fold_max": 16,
-              "gemm_tiles": [[16, 16, 32, 1]]}
+              "gemm_tiles": [[8, 16, 32, 1], [16, 16, 16, 1]]}
     llm = _start_auto(tiny_llama_dir, tuning)
     try:
         for spec in ([(PROMPTS[1], "bd4_r16")], [(PROMPTS[0], None)]):
@@ -418,6 +420,7 @@ def test_tp1_auto_mode_one_token_kernel_parity(tiny_llama_dir, vllm_adapters):
         check = _assert_fold_self_check(llm)
         assert check["gemv_one_token_layers"] == 8 and check["gemv_layers"] == 0, check
         assert check["fold_one_token_only_layers"] == 0 and check["fold_wide_layers"] == 2, check
+        assert check["kept_plans"] == 2 * 8, check  # both tile rows' plans, kept by every layer
     finally:
         T.stop_llm(llm)
 

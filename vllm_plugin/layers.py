@@ -211,6 +211,7 @@ class _FusedState:
     #: runs eagerly, so the op's host time is paid per call. Bound to ``slots``; dropped when the mapping changes.
     plans: dict = field(init=False, default_factory=dict)
     keep_plans: bool = True  # False: a new plan per call (what decode_lora_folded does; bench A/B runs)
+    gemm_rows_warm: bool = False  # every gemm_tiles row this layer may take has been launched once (warm_gemm_rows)
 
     def __post_init__(self):
         self.options = KernelOptions(backend=self.backend)
@@ -230,6 +231,22 @@ class _FusedState:
             if self.keep_plans:
                 self.plans[key] = plan
         return plan
+
+
+    def warm_gemm_rows(self, x: torch.Tensor) -> None:
+        """Launches the tiled plan of every ``gemm_tiles`` row this layer's forwards may take once, on x's first row
+        (output dropped), at its first tiled forward: Triton compiles one kernel per tile row, and a row first met
+        mid-serving (a prefill of 257-2048 tokens, which neither vLLM's warm-up sizes nor its profile run reach)
+        compiled there, a latency spike that vLLM's JIT monitor reported on an H100 (2026-11-27). Skipped while a
+        CUDA graph captures (compiling and launching there would land in the graph); the next eager call does it."""
+        if self.gemm_rows_warm or self.tuning is None or self.slots is None:
+            return
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        self.gemm_rows_warm = True
+        lo = max(self.fold_min, self.fold_decode_max + 1)
+        for tiles in self.tuning.tiles_between(lo, self.fold_gemm_max):
+            self.plan("gemm", tiles)(x[:1])
 
 
 def _log_once(level: int, key, msg: str, *args) -> None:
@@ -375,6 +392,8 @@ def _fold_paths(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.T
                                         workspace=st.gemv_workspace, pdl=st.pdl)
         else:
             kernel = "decode" if n <= st.fold_decode_max else "gemm"
+            if kernel == "gemm":
+                st.warm_gemm_rows(x)
             plan = st.plan(kernel, st.tuning.tiles_for(n) if kernel == "gemm" and st.tuning is not None else None)
             y, ran = plan(x), plan.dispatch
         if bias is not None:
@@ -624,6 +643,7 @@ class _BDLoRAMixin:
         if st is not None:
             st.slots = _token_slots(punica_wrapper)
             st.plans.clear()  # bound to the old slots' buffer
+            st.gemm_rows_warm = False
             if st.slots is None:
                 self.bd_fused_name = None
                 logger.warning("bdlora fused decode: %s has no _token_lora_indices; %s keeps vLLM's LoRA path",

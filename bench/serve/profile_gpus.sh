@@ -9,13 +9,18 @@
 # folder (e.g. "! python3 bench/kernels/bench_serving_kernels.py --out \$RUN_DIR/k.json"); its output goes to
 # RUN_DIR/cmdK.log and its exit status into the summary, so kernel sweeps and parity runs share the call (join
 # its steps with &&: ; separates runs).
-# Writes OUT/profiles.tar.gz (every run's json and log, folder gpuI/) and OUT/summary.txt (one line per run).
+# Writes, as each run finishes (so a call cut off at its time limit still returns the runs done): OUT/gpuI.tar.gz
+# (GPU i's runs' json and log, folder gpuI/) and OUT/summary_gpuI.txt (one line per run); at the end
+# OUT/summary.txt (all of them).
 set -u
 out=$1
 shift
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 [ "$#" -le "$gpus" ] || { echo "profile_gpus.sh: $# lists for $gpus GPUs (one list per GPU)"; exit 2; }
 work=$(mktemp -d)
+mkdir -p "$out"
+# GPU i's folder packed into OUT after each run (written aside, then renamed: never a half-written archive)
+pack() { tar czf "$out/.gpu$1.tar.gz" -C "$work" "gpu$1" && mv "$out/.gpu$1.tar.gz" "$out/gpu$1.tar.gz"; }
 i=0
 for list in "$@"; do
   (
@@ -27,18 +32,20 @@ for list in "$@"; do
         k=$((k + 1)); mkdir -p "$work/gpu$i"
         RUN_DIR=$work/gpu$i bash -c "${run#*!}" > "$work/gpu$i/cmd$k.log" 2>&1
         echo "gpu$i cmd$k rc=$? ${run#*!}"; tail -3 "$work/gpu$i/cmd$k.log" | sed "s/^/gpu$i   /"
+        pack $i
         continue
       fi
       read -ra words <<< "$run"
       [ ${#words[@]} -ge 3 ] || continue
-      bash "$(dirname "$0")/side_defer_profile.sh" "${words[0]}" "${words[1]}" "$work/gpu$i" "${words[@]:2}" \
-        | sed "s/^/gpu$i /"
+      for cfg in "${words[@]:2}"; do  # one engine at a time, packed as it finishes
+        bash "$(dirname "$0")/side_defer_profile.sh" "${words[0]}" "${words[1]}" "$work/gpu$i" "$cfg" \
+          | sed "s/^/gpu$i /"
+        pack $i
+      done
     done
-  ) > "$work/summary_gpu$i.txt" 2>&1 &
+  ) > "$out/summary_gpu$i.txt" 2>&1 &
   i=$((i + 1))
 done
 wait
-mkdir -p "$out"
-cat "$work"/summary_gpu*.txt | tee "$out/summary.txt"
-tar czf "$out/profiles.tar.gz" -C "$work" $(cd "$work" && ls -d gpu* 2>/dev/null)
+cat "$out"/summary_gpu*.txt | tee "$out/summary.txt"
 rm -rf "$work"
