@@ -667,3 +667,31 @@ def test_serving_kernels_bench_maps_punica_tokens_to_slots():
     want = torch.cat([torch.stack([x[i] @ a[k][s, 0].T @ b[k][s, 0].T for i, s in enumerate(slots)])
                       for k in range(len(outs))], 1)
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-3)
+
+
+def test_profile_gpus_runs_commands_per_gpu_and_packs_each_as_it_finishes(tmp_path):
+    """``profile_gpus.sh``: one list per GPU (a fake ``nvidia-smi`` reports two), a ``!`` run is a shell command with
+    CUDA_VISIBLE_DEVICES and RUN_DIR of its GPU; each GPU's folder is packed into OUT after every run and its summary
+    written there line by line (a call cut off at its limit keeps what was done); more lists than GPUs is refused."""
+    import tarfile
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho GPU 0\necho GPU 1\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    out = tmp_path / "out"
+    script = str(ROOT / "bench/serve/profile_gpus.sh")
+    r = subprocess.run(["bash", script, str(out), "! echo gpu=$CUDA_VISIBLE_DEVICES > $RUN_DIR/a.txt ; ! exit 3",
+                        "! echo one > $RUN_DIR/b.txt"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    summary = (out / "summary.txt").read_text()
+    assert "gpu0 cmd1 rc=0" in summary and "gpu0 cmd2 rc=3" in summary and "gpu1 cmd1 rc=0" in summary
+    assert (out / "summary_gpu0.txt").exists() and not list(out.glob(".gpu*"))  # no half-written archive left
+    with tarfile.open(out / "gpu0.tar.gz") as t:
+        assert t.extractfile("gpu0/a.txt").read() == b"gpu=0\n" and "gpu0/cmd2.log" in t.getnames()
+    with tarfile.open(out / "gpu1.tar.gz") as t:
+        assert t.extractfile("gpu1/b.txt").read() == b"one\n"
+    r = subprocess.run(["bash", script, str(tmp_path / "o2"), "a", "b", "c"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "3 lists for 2 GPUs" in r.stdout
