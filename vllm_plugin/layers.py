@@ -232,7 +232,6 @@ class _FusedState:
                 self.plans[key] = plan
         return plan
 
-
     def warm_gemm_rows(self, x: torch.Tensor) -> None:
         """Launches the tiled plan of every ``gemm_tiles`` row this layer's forwards may take once, on x's first row
         (output dropped), at its first tiled forward: Triton compiles one kernel per tile row, and a row first met
