@@ -31,7 +31,9 @@ def test_key_separates_what_triton_specializes_on():
 def test_tail_is_the_keyword_parameters_in_signature_order():
     kern = D._fold_expand_gemm_kernel
     kw = dict(USE_GDC=False, PREC="tf32", ONE_SLOT=True, BLOCK_R=64, BLOCK_N=64, BLOCK_M=16, num_warps=4)
-    assert L._tail(kern, 16, kw) == (16, 64, 64, True, "tf32", False)  # BLOCK_M, BLOCK_N, BLOCK_R, ONE_SLOT, ...
+    # BLOCK_M, BLOCK_N, BLOCK_R, ONE_SLOT, PREC, USE_GDC, then BLOCK_J's default (0) where it is not passed
+    assert L._tail(kern, 16, kw) == (16, 64, 64, True, "tf32", False, 0)
+    assert L._tail(kern, 16, {**kw, "BLOCK_J": 256})[-1] == 256
     assert L._tail(kern, 16, {k: v for k, v in kw.items() if k != "PREC"}) is None  # missing: Triton reports it
     # a constexpr passed positionally (BLOCK_M as the 17th argument) is keyed by its int class only: never kept
     assert L._tail(kern, 17, {k: v for k, v in kw.items() if k != "BLOCK_M"}) is None

@@ -148,6 +148,30 @@ def test_folded_tile_of_one_slot_of_several(kernel, slots):
         torch.testing.assert_close(shrink[:, used], (x @ folded.w_ext[folded.d_out:].T)[:, used])
 
 
+@pytest.mark.parametrize("kernel", ["gemm", "gemv"])
+def test_folded_expand_of_many_slots_one_dot_and_slot_loop(kernel):
+    """Tiles of tokens on many slots: where every slot's rank rows fit one tile (``all_slots_block`` > 0) the expand
+    is ONE tl.dot over all of them, B read at once; where they do not (8 slots of rank 64 by 64 columns) it loops
+    over the slots. Both equal the float64 oracle, with ragged ranks, an empty slot and tokens without LoRA, and with
+    garbage in the A rows past each slot's rank."""
+    from bdlora.kernels.decode import ALL_SLOTS_MAX_ELEMENTS, all_slots_block
+
+    ranks = [64, 3, 0, 40, 17, 64, 9, 33]
+    folded, x, b, idx, rk, scales, offs, _ = _oracle_case(460, ranks, [64, 64], 21, 32, p_none=0.2)
+    a_view = folded.lora_a(2, len(ranks), 64)
+    for slot, rank in enumerate(ranks):
+        a_view[:, slot, rank:] = 1e4
+    want = K.decode_lora_folded_ref(x.double(), folded.w_ext.double(), folded.d_out, b.double(), idx, rk,
+                                    scales.double(), offs)
+    assert all_slots_block(1, 64, 16) == 0 and all_slots_block(4, 64, 64) == 256
+    for block_n in (16, 64):  # 512 rank rows x 16 columns: one dot; x 64: past ALL_SLOTS_MAX_ELEMENTS, the loop
+        assert (all_slots_block(len(ranks), 64, block_n) > 0) == (512 * block_n <= ALL_SLOTS_MAX_ELEMENTS)
+        y = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel=kernel,
+                                 tiles=ExpandTiles(16, block_n, 1), gemv_tiles=GemvTiles(block_n, 16, 2, 1, 1),
+                                 options=K.KernelOptions(backend="triton")).out
+        torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4, msg=f"block_n {block_n}")
+
+
 LOCAL_CASES = [case for case in CASES if all(w % 16 == 0 for w in case[1][:-1])]  # slice offsets fit block_n 16
 
 

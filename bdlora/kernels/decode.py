@@ -282,6 +282,39 @@ def _slot_factors(b_ptr, ranks_ptr, scales_ptr, slot, cs, cmask, d_out, R, BLOCK
 
 
 @jit
+def _all_slot_factors(b_ptr, ranks_ptr, scales_ptr, a, rowmask, cs, cmask, d_out, n_loras, R, BLOCK_J: tl.constexpr):
+    """Every slot's B rows a token tile uses, as ONE (BLOCK_J x cols) tile for ``_add_all_slot_expand``: row j is
+    (slot l, rank r) = (j // R, j % R), read only where slot l is used by a row of the tile and r < ranks[l] (zero
+    elsewhere), and each row's scale (0 without a slot). Loaded by the folded kernels before they wait on the GEMM
+    or the shrink: one round trip for all slots, where the per-slot loop pays one or two per slot."""
+    j = tl.arange(0, BLOCK_J)
+    l_j = j // R
+    used = tl.max(((a[:, None] == l_j[None, :]) & rowmask[:, None]).to(tl.int32), axis=0) > 0
+    jmask = (l_j < n_loras) & used
+    jmask = jmask & (j % R < tl.load(ranks_ptr + l_j, mask=jmask, other=0))
+    bt = tl.load(b_ptr + (l_j[:, None] * d_out + cs[None, :]).to(tl.int64) * R + (j % R)[:, None],
+                 mask=jmask[:, None] & cmask[None, :], other=0.0)
+    return bt, l_j, jmask, tl.load(scales_ptr + a, mask=rowmask & (a >= 0), other=0.0)
+
+
+@jit
+def _add_all_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, bt, l_j, jmask, scale_t,
+                         BLOCK_J: tl.constexpr, PREC: tl.constexpr, CACHE: tl.constexpr):
+    """``_add_slot_expand`` of slice ``sl`` for tiles of several slots in one tl.dot over every slot's rank rows:
+
+    acc[t, c] + scale_t[t] * (S[t, sl * L * R + j] masked to the rows j of t's slot) @ bt[j, c]
+
+    with ``bt``, ``l_j``, ``jmask``, ``scale_t`` from ``_all_slot_factors`` (``cmask`` picks this slice's columns
+    of bt). A row's other slots' shrinks are masked out, so each row gets its own slot's term, as the loop gives."""
+    j = tl.arange(0, BLOCK_J)
+    sv = tl.load(s_rows + sl * n_loras * R + j[None, :],
+                 mask=rowmask[:, None] & (a[:, None] == l_j[None, :]) & jmask[None, :], other=0.0,
+                 cache_modifier=CACHE)
+    bv = tl.where(cmask[None, :], bt, 0.0)
+    return acc + tl.dot(sv.to(bt.dtype), bv, input_precision=PREC) * scale_t[:, None]
+
+
+@jit
 def _gemv_dot(a, b, PREC: tl.constexpr):
     """a (M, K) @ b (K, N) in fp32: tl.dot, or for M == 1 (tl.dot takes M >= 16) a broadcast multiply-and-sum."""
     if a.shape[0] == 1:
@@ -374,7 +407,7 @@ def _fold_expand_gemm_kernel(
     y_ptr, h_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr,
     T, stride_y, stride_h, d_out, n_loras, R, O1, O2, O3, O4,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, ONE_SLOT: tl.constexpr,
-    PREC: tl.constexpr, USE_GDC: tl.constexpr,
+    PREC: tl.constexpr, USE_GDC: tl.constexpr, BLOCK_J: tl.constexpr = 0,
 ):
     """``decode_lora_folded``'s tiled launch after the base GEMM (kernel="gemm", any token count): for token tile m,
     slice s and column tile c (one program each), with h = x @ [W; A]^T and the slice's columns [lo, hi):
@@ -389,8 +422,10 @@ def _fold_expand_gemm_kernel(
     BLOCK_N) tl.dot and a tile mixing k adapters k of them; nothing is padded to the largest rank beyond BLOCK_R.
     A tile whose rows with a slot all use one (always with ONE_SLOT, L == 1; one token always) does one tl.dot with
     that slot's B loaded at once, before the GEMM's output is awaited. Products in fp32 (PREC for fp32 inputs).
-    USE_GDC (programmatic dependent launch): idx and that slot's B, rank and scale are read before ``gdc_wait``, h
-    (the GEMM's output) after it.
+    BLOCK_J > 0 (several slots whose L x R rank rows fit one tile, ``all_slots_block``): every tile does ONE tl.dot
+    over all slots' rank rows instead (``_add_all_slot_expand``), their B read at once.
+    USE_GDC (programmatic dependent launch): idx and that slot's B (or every used slot's), rank and scale are read
+    before ``gdc_wait``, h (the GEMM's output) after it.
     """
     pid_m = tl.program_id(0)
     sl = tl.program_id(1)
@@ -404,18 +439,29 @@ def _fold_expand_gemm_kernel(
         cs = c_lo + tl.arange(0, BLOCK_N)
         cmask = cs < o_hi
         a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
-        if ONE_SLOT:
-            one_l = 0
+        s_rows = h_ptr + rows64[:, None] * stride_h + d_out
+        if BLOCK_J > 0:
+            bt, l_j, jmask, scale_t = _all_slot_factors(b_ptr, ranks_ptr, scales_ptr, a, rowmask, cs, cmask, d_out,
+                                                        n_loras, R, BLOCK_J)
+            if USE_GDC:
+                tl.extra.cuda.gdc_wait()
+            acc = tl.load(h_ptr + rows64[:, None] * stride_h + cs[None, :], mask=rowmask[:, None] & cmask[None, :],
+                          other=0.0).to(tl.float32)
+            acc = _add_all_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, bt, l_j, jmask, scale_t,
+                                       BLOCK_J, PREC, "")
         else:
-            one_l = _tile_slot(a, rowmask)
-        one_b, one_r, one_scale = _slot_factors(b_ptr, ranks_ptr, scales_ptr, one_l, cs, cmask, d_out, R, BLOCK_R)
-        if USE_GDC:
-            tl.extra.cuda.gdc_wait()
-        acc = tl.load(h_ptr + rows64[:, None] * stride_h + cs[None, :], mask=rowmask[:, None] & cmask[None, :],
-                      other=0.0).to(tl.float32)
-        acc = _add_slot_expand(acc, h_ptr + rows64[:, None] * stride_h + d_out, a, rowmask, cs, cmask, b_ptr,
-                               ranks_ptr, scales_ptr, d_out, n_loras, R, sl, one_l, one_b, one_r, one_scale,
-                               BLOCK_R, ONE_SLOT, PREC, "")
+            if ONE_SLOT:
+                one_l = 0
+            else:
+                one_l = _tile_slot(a, rowmask)
+            one_b, one_r, one_scale = _slot_factors(b_ptr, ranks_ptr, scales_ptr, one_l, cs, cmask, d_out, R,
+                                                    BLOCK_R)
+            if USE_GDC:
+                tl.extra.cuda.gdc_wait()
+            acc = tl.load(h_ptr + rows64[:, None] * stride_h + cs[None, :], mask=rowmask[:, None] & cmask[None, :],
+                          other=0.0).to(tl.float32)
+            acc = _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scales_ptr, d_out, n_loras,
+                                   R, sl, one_l, one_b, one_r, one_scale, BLOCK_R, ONE_SLOT, PREC, "")
         tl.store(y_ptr + rows64[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=rowmask[:, None] & cmask[None, :])
 
@@ -426,7 +472,7 @@ def _fold_gemv_kernel(
     T, stride_x, stride_y, d_in, d_out, a_rows, n_loras, R, O1, O2, O3, O4, n_a_tiles, n_w_tiles, k_chunk,
     N_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ONE_SLOT: tl.constexpr, PREC: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    USE_GDC: tl.constexpr, BLOCK_J: tl.constexpr = 0,
 ):
     """``decode_lora_folded``'s one-launch path (kernel="gemv", T <= BLOCK_M tokens): the base GEMM, every slot's
     shrink and the expand in ONE kernel. Tile i is BLOCK_N rows of [W; A]: tiles 0 .. n_a_tiles-1 are A's rows
@@ -445,9 +491,10 @@ def _fold_gemv_kernel(
     Counters are zero between calls (each is reset by its last user). The wait is safe: A programs have the lowest
     ids, so they are scheduled first and never wait themselves (the Triton interpreter runs programs in id order).
     When every token with a slot uses the same one (always with one slot, and for one token), a W tile's B for that
-    slot is loaded before the GEMM loop (it does not depend on the shrink), not after the wait. USE_GDC
-    (programmatic dependent launch): that load and idx come before ``gdc_wait``, x (the previous kernel's output)
-    after.
+    slot is loaded before the GEMM loop (it does not depend on the shrink), not after the wait; with BLOCK_J > 0
+    (several slots whose rank rows fit one tile, ``all_slots_block``) every used slot's B is, for one tl.dot over
+    all of them (``_add_all_slot_expand``). USE_GDC (programmatic dependent launch): those loads and idx come before
+    ``gdc_wait``, x (the previous kernel's output) after.
     (No one-token variant: with one-token products this kernel lost to its tl.dot form on every module measured,
     bench/results/serve/gemv_slots_2026-11-25.)
     """
@@ -462,12 +509,16 @@ def _fold_gemv_kernel(
     cs = n0 + tl.arange(0, BLOCK_N)
     cmask = cs < n_end
     a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
-    if ONE_SLOT:
-        one_l = 0
+    if BLOCK_J > 0:
+        bt, bt_l, bt_mask, scale_t = _all_slot_factors(b_ptr, ranks_ptr, scales_ptr, a, rowmask, cs,
+                                                       cmask & (cs < d_out), d_out, n_loras, R, BLOCK_J)
     else:
-        one_l = _tile_slot(a, rowmask)
-    one_b, one_r, one_scale = _slot_factors(b_ptr, ranks_ptr, scales_ptr, one_l, cs, cmask & (cs < d_out), d_out, R,
-                                            BLOCK_R)
+        if ONE_SLOT:
+            one_l = 0
+        else:
+            one_l = _tile_slot(a, rowmask)
+        one_b, one_r, one_scale = _slot_factors(b_ptr, ranks_ptr, scales_ptr, one_l, cs, cmask & (cs < d_out), d_out,
+                                                R, BLOCK_R)
     # an A tile reads only the rows (l, r) the expand uses: slot l used by a token, r < ranks[l] (W tiles: j < 0)
     j = cs - d_out
     l_j = (j // R) % n_loras
@@ -515,10 +566,15 @@ def _fold_gemv_kernel(
             for sl in tl.static_range(N_SLICES):
                 lo, hi = _slice_bounds(sl, O1, O2, O3, O4)
                 if (n0 < hi) & (n0 + BLOCK_N > lo):  # a tile may straddle two slices: each adds its own columns
-                    acc = _add_slot_expand(acc, s_ptr + rows[:, None] * a_rows, a, rowmask, cs,
-                                           cmask & (cs >= lo) & (cs < hi), b_ptr, ranks_ptr, scales_ptr, d_out,
-                                           n_loras, R, sl, one_l, one_b, one_r, one_scale, BLOCK_R, ONE_SLOT, PREC,
-                                           ".cg")
+                    if BLOCK_J > 0:
+                        acc = _add_all_slot_expand(acc, s_ptr + rows[:, None] * a_rows, a, rowmask,
+                                                   cmask & (cs >= lo) & (cs < hi), n_loras, R, sl, bt, bt_l,
+                                                   bt_mask, scale_t, BLOCK_J, PREC, ".cg")
+                    else:
+                        acc = _add_slot_expand(acc, s_ptr + rows[:, None] * a_rows, a, rowmask, cs,
+                                               cmask & (cs >= lo) & (cs < hi), b_ptr, ranks_ptr, scales_ptr, d_out,
+                                               n_loras, R, sl, one_l, one_b, one_r, one_scale, BLOCK_R, ONE_SLOT,
+                                               PREC, ".cg")
             tl.store(y_ptr + rows[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=rowmask[:, None] & cmask[None, :])
             done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
@@ -881,6 +937,22 @@ class GemvWorkspace:
         return n_s <= self.shrink.numel() and n_p <= self.partials.numel() and n_c <= self.counters.numel()
 
 
+#: The most B elements (slots x rank rows, by columns) a tile of the folded kernels loads at once to expand tokens of
+#: several slots in one tl.dot (``all_slots_block``): 4 slots of rank 64 by 64 columns. Larger tiles loop over the
+#: slots, one or two memory round trips each.
+ALL_SLOTS_MAX_ELEMENTS = 256 * 64
+
+
+def all_slots_block(n_loras: int, rank: int, block_n: int) -> int:
+    """BLOCK_J of the folded expand kernels for ``n_loras`` slots of buffer rank ``rank`` and tiles of ``block_n``
+    columns: every slot's rank rows padded to a power of two when they fit ``ALL_SLOTS_MAX_ELEMENTS``, else 0 (the
+    per-slot loop). One slot: 0 (its own path, ONE_SLOT)."""
+    if n_loras <= 1:
+        return 0
+    block_j = max(16, next_pow2(n_loras * rank))
+    return block_j if block_j * block_n <= ALL_SLOTS_MAX_ELEMENTS else 0
+
+
 #: ``decode_lora_folded`` kernels: "decode" (one program per token x slice x column tile; decode steps), "gemm"
 #: (token tiles through tl.dot; any token count) and "gemv" (base GEMM, shrink and expand in one launch; up to
 #: ``GEMV_MAX_TOKENS``). Which one serves which token count is data (bdlora.kernels.tuning).
@@ -965,7 +1037,8 @@ class FoldedLaunch:
             self._rest = (self.d_out, stride_h, self.d_out, n_l, r, *offs)
             self._launch = KeptLaunch(_fold_expand_gemm_kernel, fresh=(0, 1), varying=(6,), BLOCK_M=t.block_m,
                                       BLOCK_N=t.block_n, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
-                                      PREC=dispatch.dot_precision(w.dtype), USE_GDC=gdc, num_warps=t.warps,
+                                      PREC=dispatch.dot_precision(w.dtype), USE_GDC=gdc,
+                                      BLOCK_J=all_slots_block(n_l, r, t.block_n), num_warps=t.warps,
                                       launch_pdl=gdc)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -1076,7 +1149,7 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         workspace.counters[2:], workspace.counters, t, x.stride(0), y.stride(0), d_in, d_out, a_rows, n_l, r,
         *offs, n_a, n_w, k_chunk, N_SLICES=n_s, SPLIT_K=gt.split_k, BLOCK_M=gt.block_m(t), BLOCK_N=gt.block_n,
         BLOCK_K=gt.block_k, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
-        PREC=dispatch.dot_precision(x.dtype), USE_GDC=gdc, num_warps=gt.warps, num_stages=gt.stages,
-        launch_pdl=gdc,
+        PREC=dispatch.dot_precision(x.dtype), USE_GDC=gdc, BLOCK_J=all_slots_block(n_l, r, gt.block_n),
+        num_warps=gt.warps, num_stages=gt.stages, launch_pdl=gdc,
     )
     return done
