@@ -282,36 +282,42 @@ def _slot_factors(b_ptr, ranks_ptr, scales_ptr, slot, cs, cmask, d_out, R, BLOCK
 
 
 @jit
-def _all_slot_factors(b_ptr, ranks_ptr, scales_ptr, a, rowmask, cs, cmask, d_out, n_loras, R, BLOCK_J: tl.constexpr):
-    """Every slot's B rows a token tile uses, as ONE (BLOCK_J x cols) tile for ``_add_all_slot_expand``: row j is
-    (slot l, rank r) = (j // R, j % R), read only where slot l is used by a row of the tile and r < ranks[l] (zero
-    elsewhere), and each row's scale (0 without a slot). Loaded by the folded kernels before they wait on the GEMM
-    or the shrink: one round trip for all slots, where the per-slot loop pays one or two per slot."""
+def _all_slot_factors(b_ptr, ranks_ptr, scales_ptr, a, rowmask, cs, cmask, d_out, n_loras, R,
+                      BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr):
+    """Every slot's B as ONE (BLOCK_J x cols) tile for ``_add_all_slot_expand``: row j is (slot l, rank r) = (j //
+    BLOCK_R, j % BLOCK_R), zero past the slots or past R; the slot's rank per row j; each token row's scale (0
+    without a slot). Loaded by the folded kernels before they wait on the GEMM or the shrink: one round trip for all
+    slots, where the per-slot loop pays one or two per slot. Rows are BLOCK_R apart and masked only per slot and by
+    R, so each slot's B rows load as contiguous vectors (a mask by the slot's rank, a loaded value, would split them
+    into 2-byte loads); the rank masks the shrink instead, as the one-slot path does."""
     j = tl.arange(0, BLOCK_J)
-    l_j = j // R
-    used = tl.max(((a[:, None] == l_j[None, :]) & rowmask[:, None]).to(tl.int32), axis=0) > 0
-    jmask = (l_j < n_loras) & used
-    jmask = jmask & (j % R < tl.load(ranks_ptr + l_j, mask=jmask, other=0))
-    bt = tl.load(b_ptr + (l_j[:, None] * d_out + cs[None, :]).to(tl.int64) * R + (j % R)[:, None],
-                 mask=jmask[:, None] & cmask[None, :], other=0.0)
-    return bt, l_j, jmask, tl.load(scales_ptr + a, mask=rowmask & (a >= 0), other=0.0)
+    l_j = j // BLOCK_R
+    r_j = j % BLOCK_R
+    on = (l_j < n_loras) & (r_j < R)
+    bt = tl.load(b_ptr + (l_j[:, None] * d_out + cs[None, :]).to(tl.int64) * R + r_j[:, None],
+                 mask=on[:, None] & cmask[None, :], other=0.0)
+    rank_j = tl.load(ranks_ptr + l_j, mask=l_j < n_loras, other=0)
+    return bt, rank_j, tl.load(scales_ptr + a, mask=rowmask & (a >= 0), other=0.0)
 
 
 @jit
-def _add_all_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, bt, l_j, jmask, scale_t,
-                         BLOCK_J: tl.constexpr, PREC: tl.constexpr, CACHE: tl.constexpr):
+def _add_all_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, bt, rank_j, scale_t,
+                         BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, PREC: tl.constexpr, CACHE: tl.constexpr):
     """``_add_slot_expand`` of slice ``sl`` for tiles of several slots in one tl.dot over every slot's rank rows:
 
-    acc[t, c] + scale_t[t] * (S[t, sl * L * R + j] masked to the rows j of t's slot) @ bt[j, c]
+    acc[t, c] + scale_t[t] * (S[t, (sl * L + l) * R + r] for j = (l, r) of t's slot, r < its rank; else 0) @ bt[j, c]
 
-    with ``bt``, ``l_j``, ``jmask``, ``scale_t`` from ``_all_slot_factors`` (``cmask`` picks this slice's columns
-    of bt). A row's other slots' shrinks are masked out, so each row gets its own slot's term, as the loop gives."""
+    with ``bt``, ``rank_j``, ``scale_t`` from ``_all_slot_factors`` (``cmask`` picks this slice's columns of bt). A
+    row's other slots' shrinks are masked out, so each row gets its own slot's term, as the loop gives."""
     j = tl.arange(0, BLOCK_J)
-    sv = tl.load(s_rows + sl * n_loras * R + j[None, :],
-                 mask=rowmask[:, None] & (a[:, None] == l_j[None, :]) & jmask[None, :], other=0.0,
+    l_j = j // BLOCK_R
+    r_j = j % BLOCK_R
+    sv = tl.load(s_rows + (sl * n_loras + l_j[None, :]) * R + r_j[None, :],
+                 mask=rowmask[:, None] & (a[:, None] == l_j[None, :]) & (r_j < R)[None, :], other=0.0,
                  cache_modifier=CACHE)
+    sv = tl.where((r_j < rank_j)[None, :], sv, 0.0).to(bt.dtype)
     bv = tl.where(cmask[None, :], bt, 0.0)
-    return acc + tl.dot(sv.to(bt.dtype), bv, input_precision=PREC) * scale_t[:, None]
+    return acc + tl.dot(sv, bv, input_precision=PREC) * scale_t[:, None]
 
 
 @jit
@@ -441,14 +447,14 @@ def _fold_expand_gemm_kernel(
         a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
         s_rows = h_ptr + rows64[:, None] * stride_h + d_out
         if BLOCK_J > 0:
-            bt, l_j, jmask, scale_t = _all_slot_factors(b_ptr, ranks_ptr, scales_ptr, a, rowmask, cs, cmask, d_out,
-                                                        n_loras, R, BLOCK_J)
+            bt, rank_j, scale_t = _all_slot_factors(b_ptr, ranks_ptr, scales_ptr, a, rowmask, cs, cmask, d_out,
+                                                    n_loras, R, BLOCK_R, BLOCK_J)
             if USE_GDC:
                 tl.extra.cuda.gdc_wait()
             acc = tl.load(h_ptr + rows64[:, None] * stride_h + cs[None, :], mask=rowmask[:, None] & cmask[None, :],
                           other=0.0).to(tl.float32)
-            acc = _add_all_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, bt, l_j, jmask, scale_t,
-                                       BLOCK_J, PREC, "")
+            acc = _add_all_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, bt, rank_j, scale_t,
+                                       BLOCK_R, BLOCK_J, PREC, "")
         else:
             if ONE_SLOT:
                 one_l = 0
@@ -510,8 +516,8 @@ def _fold_gemv_kernel(
     cmask = cs < n_end
     a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
     if BLOCK_J > 0:
-        bt, bt_l, bt_mask, scale_t = _all_slot_factors(b_ptr, ranks_ptr, scales_ptr, a, rowmask, cs,
-                                                       cmask & (cs < d_out), d_out, n_loras, R, BLOCK_J)
+        bt, bt_rank, scale_t = _all_slot_factors(b_ptr, ranks_ptr, scales_ptr, a, rowmask, cs, cmask & (cs < d_out),
+                                                 d_out, n_loras, R, BLOCK_R, BLOCK_J)
     else:
         if ONE_SLOT:
             one_l = 0
@@ -568,8 +574,8 @@ def _fold_gemv_kernel(
                 if (n0 < hi) & (n0 + BLOCK_N > lo):  # a tile may straddle two slices: each adds its own columns
                     if BLOCK_J > 0:
                         acc = _add_all_slot_expand(acc, s_ptr + rows[:, None] * a_rows, a, rowmask,
-                                                   cmask & (cs >= lo) & (cs < hi), n_loras, R, sl, bt, bt_l,
-                                                   bt_mask, scale_t, BLOCK_J, PREC, ".cg")
+                                                   cmask & (cs >= lo) & (cs < hi), n_loras, R, sl, bt, bt_rank,
+                                                   scale_t, BLOCK_R, BLOCK_J, PREC, ".cg")
                     else:
                         acc = _add_slot_expand(acc, s_ptr + rows[:, None] * a_rows, a, rowmask, cs,
                                                cmask & (cs >= lo) & (cs < hi), b_ptr, ranks_ptr, scales_ptr, d_out,
@@ -945,11 +951,11 @@ ALL_SLOTS_MAX_ELEMENTS = 256 * 64
 
 def all_slots_block(n_loras: int, rank: int, block_n: int) -> int:
     """BLOCK_J of the folded expand kernels for ``n_loras`` slots of buffer rank ``rank`` and tiles of ``block_n``
-    columns: every slot's rank rows padded to a power of two when they fit ``ALL_SLOTS_MAX_ELEMENTS``, else 0 (the
-    per-slot loop). One slot: 0 (its own path, ONE_SLOT)."""
+    columns: every slot's BLOCK_R (the rank's power of two, >= 16) rows, the slots padded to a power of two, when they
+    fit ``ALL_SLOTS_MAX_ELEMENTS``, else 0 (the per-slot loop). One slot: 0 (its own path, ONE_SLOT)."""
     if n_loras <= 1:
         return 0
-    block_j = max(16, next_pow2(n_loras * rank))
+    block_j = next_pow2(n_loras) * max(16, next_pow2(rank))
     return block_j if block_j * block_n <= ALL_SLOTS_MAX_ELEMENTS else 0
 
 
