@@ -154,7 +154,7 @@ def test_folded_expand_of_many_slots_one_dot_and_slot_loop(kernel):
     is ONE tl.dot over all of them, B read at once; where they do not (8 slots of rank 64 by 64 columns) it loops
     over the slots. Both equal the float64 oracle, with ragged ranks, an empty slot and tokens without LoRA, and with
     garbage in the A rows past each slot's rank."""
-    from bdlora.kernels.decode import ALL_SLOTS_MAX_ELEMENTS, all_slots_block
+    from bdlora.kernels.decode import _expand_warps, all_slots_block
 
     ranks = [64, 3, 0, 40, 17, 64, 9, 33]
     folded, x, b, idx, rk, scales, offs, _ = _oracle_case(460, ranks, [64, 64], 21, 32, p_none=0.2)
@@ -163,11 +163,14 @@ def test_folded_expand_of_many_slots_one_dot_and_slot_loop(kernel):
         a_view[:, slot, rank:] = 1e4
     want = K.decode_lora_folded_ref(x.double(), folded.w_ext.double(), folded.d_out, b.double(), idx, rk,
                                     scales.double(), offs)
-    assert all_slots_block(1, 64, 16) == 0 and all_slots_block(4, 64, 64) == 256
-    for block_n in (16, 64):  # 512 rank rows x 16 columns: one dot; x 64: past ALL_SLOTS_MAX_ELEMENTS, the loop
-        assert (all_slots_block(len(ranks), 64, block_n) > 0) == (512 * block_n <= ALL_SLOTS_MAX_ELEMENTS)
+    # 64 B elements per thread: 4 slots of rank 64 by 64 columns need 8 warps (the expand kernel takes them), 8 by
+    # 16 columns 4 (the one-launch kernel keeps its tiles' warps: with fewer it loops); one slot never
+    assert all_slots_block(1, 64, 16, 8) == 0 and all_slots_block(4, 64, 64, 8) == 256
+    assert all_slots_block(4, 64, 64, 4) == 0 and _expand_warps(4, 64, 64, 4) == 8 and _expand_warps(4, 64, 16, 4) == 4
+    assert all_slots_block(8, 64, 16, 4) == 512 and all_slots_block(8, 64, 64, 8) == 0
+    for block_n in (16, 64):  # 512 rank rows x 16 columns: one dot; x 64: past 8 warps' registers, the loop
         y = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel=kernel,
-                                 tiles=ExpandTiles(16, block_n, 1), gemv_tiles=GemvTiles(block_n, 16, 2, 1, 1),
+                                 tiles=ExpandTiles(16, block_n, 1), gemv_tiles=GemvTiles(block_n, 16, 2, 4, 1),
                                  options=K.KernelOptions(backend="triton")).out
         torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4, msg=f"block_n {block_n}")
 

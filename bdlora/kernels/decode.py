@@ -943,20 +943,29 @@ class GemvWorkspace:
         return n_s <= self.shrink.numel() and n_p <= self.partials.numel() and n_c <= self.counters.numel()
 
 
-#: The most B elements (slots x rank rows, by columns) a tile of the folded kernels loads at once to expand tokens of
-#: several slots in one tl.dot (``all_slots_block``): 4 slots of rank 64 by 64 columns. Larger tiles loop over the
-#: slots, one or two memory round trips each.
-ALL_SLOTS_MAX_ELEMENTS = 256 * 64
+#: The most B elements per thread a tile of the folded kernels holds to expand tokens of several slots in one tl.dot
+#: (``all_slots_block``): beyond, its registers spill. Compiled for sm90, the expand kernel's 256 rank rows (4 slots
+#: of 64) by 64 columns take 255 registers and 48 bytes of stack at 4 warps, 159 registers and no stack at 8.
+ALL_SLOTS_PER_THREAD = 64
 
 
-def all_slots_block(n_loras: int, rank: int, block_n: int) -> int:
-    """BLOCK_J of the folded expand kernels for ``n_loras`` slots of buffer rank ``rank`` and tiles of ``block_n``
-    columns: every slot's BLOCK_R (the rank's power of two, >= 16) rows, the slots padded to a power of two, when they
-    fit ``ALL_SLOTS_MAX_ELEMENTS``, else 0 (the per-slot loop). One slot: 0 (its own path, ONE_SLOT)."""
+def all_slots_block(n_loras: int, rank: int, block_n: int, warps: int) -> int:
+    """BLOCK_J of the folded expand kernels for ``n_loras`` slots of buffer rank ``rank``, tiles of ``block_n``
+    columns and ``warps`` warps: every slot's BLOCK_R (the rank's power of two, >= 16) rows, the slots padded to a
+    power of two, when that B tile fits ``ALL_SLOTS_PER_THREAD`` elements per thread, else 0 (the per-slot loop).
+    One slot: 0 (its own path, ONE_SLOT)."""
     if n_loras <= 1:
         return 0
     block_j = next_pow2(n_loras) * max(16, next_pow2(rank))
-    return block_j if block_j * block_n <= ALL_SLOTS_MAX_ELEMENTS else 0
+    return block_j if block_j * block_n <= ALL_SLOTS_PER_THREAD * 32 * warps else 0
+
+
+def _expand_warps(n_loras: int, rank: int, block_n: int, warps: int) -> int:
+    """The tiled expand kernel's warps: the tiles' own, or as many as (up to 8) its all-slots B tile needs to fit
+    in registers (it has no K loop, so more warps only split the tile finer)."""
+    if all_slots_block(n_loras, rank, block_n, 8) == 0:
+        return warps
+    return max(warps, -(-next_pow2(n_loras) * max(16, next_pow2(rank)) * block_n // (ALL_SLOTS_PER_THREAD * 32)))
 
 
 #: ``decode_lora_folded`` kernels: "decode" (one program per token x slice x column tile; decode steps), "gemm"
@@ -1041,10 +1050,11 @@ class FoldedLaunch:
             t = tiles or ExpandTiles()
             self._block_m, self._grid_rest = t.block_m, (n_s, -(-widest // t.block_n))
             self._rest = (self.d_out, stride_h, self.d_out, n_l, r, *offs)
+            warps = _expand_warps(n_l, r, t.block_n, t.warps)
             self._launch = KeptLaunch(_fold_expand_gemm_kernel, fresh=(0, 1), varying=(6,), BLOCK_M=t.block_m,
                                       BLOCK_N=t.block_n, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
                                       PREC=dispatch.dot_precision(w.dtype), USE_GDC=gdc,
-                                      BLOCK_J=all_slots_block(n_l, r, t.block_n), num_warps=t.warps,
+                                      BLOCK_J=all_slots_block(n_l, r, t.block_n, warps), num_warps=warps,
                                       launch_pdl=gdc)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -1155,7 +1165,7 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         workspace.counters[2:], workspace.counters, t, x.stride(0), y.stride(0), d_in, d_out, a_rows, n_l, r,
         *offs, n_a, n_w, k_chunk, N_SLICES=n_s, SPLIT_K=gt.split_k, BLOCK_M=gt.block_m(t), BLOCK_N=gt.block_n,
         BLOCK_K=gt.block_k, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
-        PREC=dispatch.dot_precision(x.dtype), USE_GDC=gdc, BLOCK_J=all_slots_block(n_l, r, gt.block_n),
+        PREC=dispatch.dot_precision(x.dtype), USE_GDC=gdc, BLOCK_J=all_slots_block(n_l, r, gt.block_n, gt.warps),
         num_warps=gt.warps, num_stages=gt.stages, launch_pdl=gdc,
     )
     return done
