@@ -635,9 +635,13 @@ def _fold_gemv_local_kernel(
         r_j = j % R
     used = tl.max(((a[:, None] == l_j[None, :]) & rowmask[:, None]).to(tl.int32), axis=0) > 0
     jmask = (l_j >= 0) & (l_j < n_loras) & (r_j < R) & used
+    if BLOCK_M == 1:  # its slot's B rows masked by R only (contiguous: vector loads); S is 0 past the rank (A's mask)
+        bmask = (l_j >= 0) & (l_j < n_loras) & (r_j < R)
+    else:
+        bmask = jmask
     jmask = jmask & (r_j < tl.load(ranks_ptr + l_j, mask=jmask, other=0))
     bt = tl.load(b_ptr + (l_j[:, None] * d_out + cs[None, :]).to(tl.int64) * R + r_j[:, None],
-                 mask=jmask[:, None] & cmask[None, :], other=0.0)
+                 mask=bmask[:, None] & cmask[None, :], other=0.0)
     scale_t = tl.load(scales_ptr + a, mask=a >= 0, other=0.0)
     w_rows = cs.to(tl.int64)[None, :] * d_in
     a_rows = (d_out + sl * (n_loras * R) + l_j * R + r_j).to(tl.int64)[None, :] * d_in
@@ -1088,8 +1092,9 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
         y[t] = x[t] @ W^T, and for a = token_lora_indices[t] >= 0, for each slice s (columns soff[s]:soff[s+1]):
         y[t, soff[s]:soff[s+1]] += scales[a] * (x[t] @ A[s, a, :ranks[a]]^T) @ B[a, soff[s]:soff[s+1], :ranks[a]]^T
 
-    ``folded``: W and A (S, L, R, d_in) in one tensor (``fold_weight``); lora_b (L, d_out, R); ranks (L,) int;
-    scales (L,) float. Each slot's factors are plain low rank (BD-LoRA's per-device adapter, rank r/N: no padding to
+    ``folded``: W and A (S, L, R, d_in) in one tensor (``fold_weight``); lora_b (L, d_out, R), finite past each
+    slot's rank (the kernels may read those columns, for contiguous loads, and multiply them by zero; vLLM's buffers
+    hold zeros there); ranks (L,) int; scales (L,) float. Each slot's factors are plain low rank (BD-LoRA's per-device adapter, rank r/N: no padding to
     another device's blocks). Every slot's shrink is computed for every token (S * L * R extra output columns of the
     GEMM: cheap when they are few next to d_out). Triton: the GEMM (cuBLAS via torch) and one launch after it,
     ``kernel`` "decode" (``_decode_folded_expand_kernel``, one program per token: decode steps) or "gemm"
