@@ -402,8 +402,8 @@ def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scale
                 rmask = rr < r
                 sv = tl.load(s_rows + (sl * n_loras + l) * R + rr[None, :], mask=sel[:, None] & rmask[None, :],
                              other=0.0, cache_modifier=CACHE)
-                bv = tl.load(b_ptr + (l * d_out + cs[None, :]).to(tl.int64) * R + rr[:, None],
-                             mask=rmask[:, None] & cmask[None, :], other=0.0)
+                bv = tl.load(b_ptr + (l * d_out + cs[None, :]).to(tl.int64) * R + rr[:, None],  # masked by R, not
+                             mask=(rr < R)[:, None] & cmask[None, :], other=0.0)  # the rank: vector loads (S is 0)
                 acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr + l)
     return acc
 

@@ -1,0 +1,128 @@
+"""The serving kernels compiled for Hopper (sm90) on any machine, no GPU needed: the global loads of their PTX and
+the registers and stack ptxas gives a thread. Whether a tile's loads are vectors and whether its registers spill is
+known before a device call (BENCHMARKS.md, "Several slots in one tile": a B tile masked by a loaded rank compiled to
+168 two-byte loads per thread).
+
+    python bench/kernels/sm90_codegen.py        (the tiled expand and the one-token kernel at the table's tiles)
+
+``compile_sm90`` compiles one kernel of a fresh copy of ``bdlora.kernels.decode`` (so it also works where the tests
+run Triton's interpreter) through ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, with ptxas from Triton's
+wheel; ``codegen_why_not`` says why it cannot here.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from types import ModuleType
+
+#: Integer arguments compiled as multiples of 16, as Triton specializes them when served (strides, widths, ranks).
+DIVISIBLE = ("stride_x", "stride_y", "stride_h", "d_in", "d_out", "R", "a_rows", "k_chunk", "O1", "O2", "O3")
+_I32_PTRS = ("idx_ptr", "ranks_ptr", "cnt_ptr", "sync_ptr")
+_F32_PTRS = ("scales_ptr", "part_ptr")
+
+
+def _triton_bin(tool: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+
+
+def codegen_why_not() -> str | None:
+    """None when sm90 code can be built here (Triton with its NVIDIA backend's ptxas and cuobjdump), else why not."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means no codegen
+        return f"triton does not import: {e}"
+    missing = [t for t in ("ptxas", "cuobjdump") if not os.access(_triton_bin(t), os.X_OK)]
+    return f"Triton's wheel has no {', '.join(missing)}" if missing else None
+
+
+def compiled_decode() -> ModuleType:
+    """A copy of ``bdlora.kernels.decode`` whose kernels are compiled Triton functions (JITFunction), even where
+    TRITON_INTERPRET=1 made the imported module's kernels interpreted."""
+    import bdlora.kernels.decode as decode
+    from triton import knobs
+
+    name = "bdlora.kernels._decode_sm90"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, decode.__file__)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # Triton resolves the kernels' globals through sys.modules
+    with knobs.runtime.scope():
+        knobs.runtime.interpret = False
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def compile_sm90(kernel, constexprs: dict, num_warps: int, num_stages: int = 3) -> dict:
+    """Compile ``kernel`` (a kernel of ``compiled_decode()``) for sm90 with bf16 tensors, int32 slot ids and ranks,
+    fp32 scales and partials; returns {"loads": {PTX global load instruction: count}, "registers": n, "stack":
+    bytes per thread}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(kernel.arg_names)
+    sig = {}
+    for n in names:
+        if n in constexprs:
+            sig[n] = "constexpr"
+        elif n.endswith("_ptr"):
+            sig[n] = "*i32" if n in _I32_PTRS else "*fp32" if n in _F32_PTRS else "*bf16"
+        else:
+            sig[n] = "i32"
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n in DIVISIBLE}
+    compiled = triton.compile(ASTSource(kernel, sig, dict(constexprs), attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    loads = Counter(re.findall(r"ld\.global[.\w]*", compiled.asm["ptx"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run([_triton_bin("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
+                               check=True).stdout
+    regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
+    return {"loads": dict(loads), "registers": int(regs), "stack": int(stack)}
+
+
+def expand_config(n_loras: int, rank: int, block_m: int, block_n: int, warps: int) -> tuple[dict, int]:
+    """The tiled expand kernel's constexprs and warps as ``FoldedLaunch`` launches it (bf16, PDL)."""
+    from bdlora.kernels.decode import _expand_warps, all_slots_block
+    from bdlora.kernels.dispatch import next_pow2
+
+    w = _expand_warps(n_loras, rank, block_n, warps)
+    return ({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_R": max(16, next_pow2(rank)), "ONE_SLOT": n_loras == 1,
+             "PREC": "tf32", "USE_GDC": True, "BLOCK_J": all_slots_block(n_loras, rank, block_n, w)}, w)
+
+
+def one_token_config(rank: int, block_n: int, block_k: int, split_k: int) -> dict:
+    """The per-tile-shrink kernel's constexprs for a one-token forward (``GemvTiles(..., True, True)``, PDL)."""
+    from bdlora.kernels.dispatch import next_pow2
+
+    return {"SPLIT_K": split_k, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "BLOCK_J": max(16, next_pow2(rank)), "PREC": "tf32", "USE_GDC": True}
+
+
+def main() -> None:
+    why = codegen_why_not()
+    if why:
+        raise SystemExit(f"sm90_codegen: {why}")
+    mod = compiled_decode()
+    for n_l, rank in ((1, 64), (4, 64), (4, 32), (8, 64)):
+        for bm, bn, warps in ((16, 64, 4), (32, 64, 4), (64, 64, 4), (32, 128, 4)):
+            cx, w = expand_config(n_l, rank, bm, bn, warps)
+            print(f"expand {n_l} slots rank {rank} tile {bm}x{bn} warps {w} BLOCK_J {cx['BLOCK_J']}:",
+                  compile_sm90(mod._fold_expand_gemm_kernel, cx, w))
+    for rank, bn, bk, sk, warps in ((64, 64, 64, 16, 4), (64, 128, 128, 4, 8), (32, 32, 128, 8, 4)):
+        print(f"one token rank {rank} tiles {bn}x{bk} split {sk} warps {warps}:",
+              compile_sm90(mod._fold_gemv_local_kernel, one_token_config(rank, bn, bk, sk), warps))
+
+
+if __name__ == "__main__":
+    main()

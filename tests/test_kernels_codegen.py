@@ -1,0 +1,52 @@
+"""The serving kernels' Hopper (sm90) code, built on the CPU machine (``bench/kernels/sm90_codegen.py``: Triton's
+compiler and the ptxas of its wheel, no GPU): the B tiles of the tiled expand and of the one-token kernel load as
+16-byte vectors, and no tile the launchers pick spills registers. Both went wrong once where the interpreter's
+float64 checks (test_kernels_serving.py) cannot see it: a B tile masked by each slot's loaded rank compiled to 168
+two-byte loads per thread, and 4 slots' 256 rank rows by 64 columns at 4 warps took 255 registers and 48 bytes of
+stack (BENCHMARKS.md, "Several slots in one tile"). No timing here.
+"""
+import pytest
+
+from bench.kernels import sm90_codegen as cg
+
+pytestmark = pytest.mark.skipif(cg.codegen_why_not() is not None, reason=str(cg.codegen_why_not()))
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return cg.compiled_decode()
+
+
+def _b16(stats: dict) -> int:
+    return stats["loads"].get("ld.global.b16", 0)
+
+
+@pytest.mark.parametrize("n_loras,rank,block_m", [(4, 64, 16), (4, 64, 64), (4, 32, 32), (2, 64, 16)])
+def test_all_slots_expand_tile_loads_vectors_and_does_not_spill(kernels, n_loras, rank, block_m):
+    """Several slots in one tl.dot, at the table's 64-column tiles: the launcher's warps hold the B tile (no
+    stack), and B comes in 16-byte loads: two-byte loads, if any, are no more than the shrink's elements per thread
+    (the first version's B tile alone took 168 for 32 shrink elements)."""
+    cx, warps = cg.expand_config(n_loras, rank, block_m, 64, 4)
+    assert cx["BLOCK_J"] > 0
+    stats = cg.compile_sm90(kernels._fold_expand_gemm_kernel, cx, warps)
+    assert stats["stack"] == 0, stats
+    shrink_per_thread = block_m * cx["BLOCK_J"] // (32 * warps)
+    assert stats["loads"].get("ld.global.v4.b32", 0) > 0 and _b16(stats) <= shrink_per_thread, stats
+
+
+def test_slot_loop_loads_b_as_vectors(kernels):
+    """8 slots of rank 64 do not fit one tile: the per-slot loop. Its B rows are masked by R, not by the loaded
+    rank, so they too come in vectors: 64 x 64 B elements per slot over 128 threads would be 32 two-byte loads."""
+    cx, warps = cg.expand_config(8, 64, 16, 64, 4)
+    assert cx["BLOCK_J"] == 0 and warps == 4
+    stats = cg.compile_sm90(kernels._fold_expand_gemm_kernel, cx, warps)
+    assert stats["stack"] == 0 and _b16(stats) <= 16, stats
+
+
+@pytest.mark.parametrize("tiles", [(64, 64, 64, 16, 4), (64, 128, 128, 4, 8), (32, 32, 128, 8, 4)])
+def test_one_token_kernel_loads_b_as_vectors(kernels, tiles):
+    """The batch-1 kernel at the H100 and H200 table's one-token tiles (TP=4 qkv and o, TP=8's rank): its slot's B
+    rows are masked by R only (S is 0 past the rank), so no B element comes in a two-byte load."""
+    rank, bn, bk, split_k, warps = tiles
+    stats = cg.compile_sm90(kernels._fold_gemv_local_kernel, cg.one_token_config(rank, bn, bk, split_k), warps)
+    assert stats["stack"] == 0 and _b16(stats) <= 2, stats
