@@ -594,7 +594,7 @@ def _fold_gemv_local_kernel(
     y_ptr, x_ptr, w_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr, part_ptr, cnt_ptr,
     T, stride_x, stride_y, d_in, d_out, n_loras, R, O1, O2, O3, k_chunk,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_J: tl.constexpr, PREC: tl.constexpr, USE_GDC: tl.constexpr,
+    BLOCK_J: tl.constexpr, PREC: tl.constexpr, USE_GDC: tl.constexpr, BLOCK_R: tl.constexpr = 16,
 ):
     """``decode_lora_folded``'s one-launch path with the shrink computed per tile (kernel="gemv",
     ``GemvTiles.local_shrink``; T <= BLOCK_M tokens, every slice offset a multiple of BLOCK_N). Program p computes
@@ -602,8 +602,9 @@ def _fold_gemv_local_kernel(
     [k * k_chunk, (k + 1) * k_chunk), k = p % SPLIT_K, of both
 
         x @ W[cs]^T                                   (BLOCK_M x BLOCK_N)
-        S = x @ A[s, l, r]^T for the J = L * R rows (l, r) of slice s with slot l used by a token and r < ranks[l]
-                                                      (one token, BLOCK_M == 1: the R rows of its own slot only)
+        S = x @ A[s, l, r]^T for the rows (l, r) of slice s with slot l used by a token and r < ranks[l], row j =
+                                       (j // BLOCK_R, j % BLOCK_R) of BLOCK_J (one token, BLOCK_M == 1: (its
+                                       slot, j), its own slot's rows only)
 
     and with SPLIT_K > 1 stores its fp32 partials; the last of the tile's programs to arrive (cnt[i]) sums them in
     split order (deterministic) and resets cnt[i]. The tile is then finished as
@@ -630,15 +631,13 @@ def _fold_gemv_local_kernel(
     if BLOCK_M == 1:  # one token: only its slot's R rows (l, r) = (a, j), however many slots the layer has
         l_j = j * 0 + tl.max(a, axis=0)
         r_j = j
-    else:  # every slot's rows of this slice's A: (l, r) = (j // R, j % R)
-        l_j = j // R
-        r_j = j % R
+    else:  # every slot's rows of this slice's A, BLOCK_R apart (a power of two: each slot's rows are contiguous)
+        l_j = j // BLOCK_R
+        r_j = j % BLOCK_R
     used = tl.max(((a[:, None] == l_j[None, :]) & rowmask[:, None]).to(tl.int32), axis=0) > 0
-    jmask = (l_j >= 0) & (l_j < n_loras) & (r_j < R) & used
-    if BLOCK_M == 1:  # its slot's B rows masked by R only (contiguous: vector loads); S is 0 past the rank (A's mask)
-        bmask = (l_j >= 0) & (l_j < n_loras) & (r_j < R)
-    else:
-        bmask = jmask
+    # B rows masked per slot and by R only, not by use or rank (contiguous: vector loads); S is 0 there (A's mask)
+    bmask = (l_j >= 0) & (l_j < n_loras) & (r_j < R)
+    jmask = bmask & used
     jmask = jmask & (r_j < tl.load(ranks_ptr + l_j, mask=jmask, other=0))
     bt = tl.load(b_ptr + (l_j[:, None] * d_out + cs[None, :]).to(tl.int64) * R + r_j[:, None],
                  mask=bmask[:, None] & cmask[None, :], other=0.0)
@@ -891,8 +890,11 @@ class GemvTiles:
 
     def shrink_rows(self, tokens: int, n_loras: int, rank: int) -> int:
         """The per-tile shrink's rows (``local_shrink``: BLOCK_J) for a call of ``tokens`` tokens on a layer of
-        ``n_loras`` slots of rank ``rank``: every slot's, or for one token (``block_m`` 1) its own slot's only."""
-        return max(16, next_pow2(rank if self.block_m(tokens) == 1 else n_loras * rank))
+        ``n_loras`` slots of rank ``rank``: every slot's (each slot's rows padded to the rank's power of two, the
+        slots to a power of two), or for one token (``block_m`` 1) its own slot's only."""
+        if self.block_m(tokens) == 1:
+            return max(16, next_pow2(rank))
+        return max(16, next_pow2(n_loras) * next_pow2(rank))
 
     def fits_slices(self, slice_offsets: Sequence[int]) -> bool:
         """Whether these tiles take a layer of these slice offsets (local_shrink: no tile straddles two slices)."""
@@ -924,7 +926,8 @@ class GemvWorkspace:
         block_m = tiles.block_m(tokens)
         if tiles.local_shrink:  # per tile: its columns and (at most, one slice's) shrink; no shared shrink
             n_tiles = -(-folded.d_out // tiles.block_n)
-            width, shrink = tiles.block_n + max(16, next_pow2(a_rows)), 0
+            # BLOCK_J <= 2 x next_pow2(a_rows): next_pow2(L) x next_pow2(R) is a power of two below 4 L R
+            width, shrink = tiles.block_n + max(16, 2 * next_pow2(a_rows)), 0
         else:
             n_tiles = -(-a_rows // tiles.block_n) + -(-folded.d_out // tiles.block_n)
             width, shrink = tiles.block_n, GEMV_MAX_TOKENS * max(1, a_rows)
@@ -1157,11 +1160,13 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     d_in = x.shape[1]
     k_chunk = -(-d_in // (gt.split_k * gt.block_k)) * gt.block_k
     if gt.local_shrink:
+        block_j = gt.shrink_rows(t, n_l, r)  # one token: its slot's rows; else every slot's, BLOCK_R apart
+        block_r = block_j // next_pow2(n_l) if gt.block_m(t) > 1 else 16
         launch(_fold_gemv_local_kernel, (n_w * gt.split_k,),
             y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.partials, workspace.counters[2:], t,
             x.stride(0), y.stride(0), d_in, d_out, n_l, r, *offs[:3], k_chunk, SPLIT_K=gt.split_k,
             BLOCK_M=gt.block_m(t), BLOCK_N=gt.block_n,
-            BLOCK_K=gt.block_k, BLOCK_J=gt.shrink_rows(t, n_l, r), PREC=dispatch.dot_precision(x.dtype),
+            BLOCK_K=gt.block_k, BLOCK_J=block_j, BLOCK_R=block_r, PREC=dispatch.dot_precision(x.dtype),
             USE_GDC=gdc, num_warps=gt.warps, num_stages=gt.stages, launch_pdl=gdc,
         )
         return done

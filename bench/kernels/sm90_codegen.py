@@ -3,7 +3,7 @@ the registers and stack ptxas gives a thread. Whether a tile's loads are vectors
 known before a device call (BENCHMARKS.md, "Several slots in one tile": a B tile masked by a loaded rank compiled to
 168 two-byte loads per thread).
 
-    python bench/kernels/sm90_codegen.py        (the tiled expand and the one-token kernel at the table's tiles)
+    python bench/kernels/sm90_codegen.py        (the tiled expand and the per-tile-shrink kernel at the table's tiles)
 
 ``compile_sm90`` compiles one kernel of a fresh copy of ``bdlora.kernels.decode`` (so it also works where the tests
 run Triton's interpreter) through ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, with ptxas from Triton's
@@ -101,12 +101,17 @@ def expand_config(n_loras: int, rank: int, block_m: int, block_n: int, warps: in
              "PREC": "tf32", "USE_GDC": True, "BLOCK_J": all_slots_block(n_loras, rank, block_n, w)}, w)
 
 
-def one_token_config(rank: int, block_n: int, block_k: int, split_k: int) -> dict:
-    """The per-tile-shrink kernel's constexprs for a one-token forward (``GemvTiles(..., True, True)``, PDL)."""
+def local_config(n_loras: int, rank: int, block_n: int, block_k: int, split_k: int, tokens: int) -> dict:
+    """The per-tile-shrink kernel's constexprs as ``decode_lora_folded`` launches it for ``tokens`` tokens (bf16,
+    PDL; one token: ``GemvTiles(..., True, True)``, its slot's rows only)."""
+    from bdlora.kernels.decode import GemvTiles
     from bdlora.kernels.dispatch import next_pow2
 
-    return {"SPLIT_K": split_k, "BLOCK_M": 1, "BLOCK_N": block_n, "BLOCK_K": block_k,
-            "BLOCK_J": max(16, next_pow2(rank)), "PREC": "tf32", "USE_GDC": True}
+    tiles = GemvTiles(block_n, block_k, split_k, 4, 3, True, tokens == 1)
+    block_j = tiles.shrink_rows(tokens, n_loras, rank)
+    return {"SPLIT_K": split_k, "BLOCK_M": tiles.block_m(tokens), "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "BLOCK_J": block_j, "BLOCK_R": block_j // next_pow2(n_loras) if tokens > 1 else 16, "PREC": "tf32",
+            "USE_GDC": True}
 
 
 def main() -> None:
@@ -119,9 +124,11 @@ def main() -> None:
             cx, w = expand_config(n_l, rank, bm, bn, warps)
             print(f"expand {n_l} slots rank {rank} tile {bm}x{bn} warps {w} BLOCK_J {cx['BLOCK_J']}:",
                   compile_sm90(mod._fold_expand_gemm_kernel, cx, w))
-    for rank, bn, bk, sk, warps in ((64, 64, 64, 16, 4), (64, 128, 128, 4, 8), (32, 32, 128, 8, 4)):
-        print(f"one token rank {rank} tiles {bn}x{bk} split {sk} warps {warps}:",
-              compile_sm90(mod._fold_gemv_local_kernel, one_token_config(rank, bn, bk, sk), warps))
+    for n_l, rank, bn, bk, sk, warps, tokens in ((1, 64, 64, 64, 16, 4, 1), (4, 64, 128, 128, 4, 8, 1),
+                                                 (4, 32, 32, 128, 8, 4, 1), (4, 32, 32, 64, 1, 4, 16),
+                                                 (4, 32, 32, 128, 1, 4, 16), (2, 32, 32, 128, 1, 4, 4)):
+        print(f"per-tile shrink, {tokens} tokens, {n_l} slots rank {rank} tiles {bn}x{bk} split {sk} warps {warps}:",
+              compile_sm90(mod._fold_gemv_local_kernel, local_config(n_l, rank, bn, bk, sk, tokens), warps))
 
 
 if __name__ == "__main__":
