@@ -55,3 +55,14 @@ def test_per_tile_shrink_kernel_loads_b_as_vectors(kernels, tiles):
     stats = cg.compile_sm90(kernels._fold_gemv_local_kernel, cg.local_config(n_l, rank, bn, bk, split_k, tokens),
                             warps)
     assert stats["stack"] <= max_stack and _b16(stats) <= 2, stats
+
+
+@pytest.mark.parametrize("nb,block_r", [(1, 64), (4, 16)])
+def test_two_launch_expand_loads_b_as_vectors(kernels, nb, block_r):
+    """The two-launch kernel's expand (a wide layer's 2-8 token forwards, unfoldable layers): B masked by the buffer
+    rank, not by the slot's loaded rank (its shrink is 0 past it), comes in vectors (before: 40 two-byte loads per
+    thread with a plain B, 12 with a 4-block one)."""
+    stats = cg.compile_sm90(kernels._decode_expand_kernel, {"NB": nb, "K_SPLITS": 32, "BLOCK_R": block_r,
+                                                            "BLOCK_N": 64, "BLOCK_S": 16, "USE_GDC": True}, 4)
+    b_per_thread = 64 * block_r // (4 * 32)
+    assert stats["stack"] == 0 and _b16(stats) <= b_per_thread // 2, stats

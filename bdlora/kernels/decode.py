@@ -165,11 +165,11 @@ def _decode_expand_kernel(
         c_end = (j + 1) * bs_out
         if c_lo < c_end:  # a narrower slice's surplus tiles have no columns
             rr = tl.arange(0, BLOCK_R)
-            rmask = rr < r // NB
             cs = c_lo + tl.arange(0, BLOCK_N)
             cmask = cs < c_end
             b_base = b_ptr + (a.to(tl.int64) * d_total) * RB
-            bv = tl.load(b_base + (o_lo + cs)[:, None] * RB + rr[None, :], mask=cmask[:, None] & rmask[None, :],
+            # masked by RB, not by the slot's rank (a loaded value: 2-byte loads); its shrink is 0 past the rank
+            bv = tl.load(b_base + (o_lo + cs)[:, None] * RB + rr[None, :], mask=cmask[:, None] & (rr < RB)[None, :],
                          other=0.0)
             sc = tl.load(scales_ptr + a)
             if USE_GDC:

@@ -3,7 +3,8 @@ the registers and stack ptxas gives a thread. Whether a tile's loads are vectors
 known before a device call (BENCHMARKS.md, "Several slots in one tile": a B tile masked by a loaded rank compiled to
 168 two-byte loads per thread).
 
-    python bench/kernels/sm90_codegen.py        (the tiled expand and the per-tile-shrink kernel at the table's tiles)
+    python bench/kernels/sm90_codegen.py [decode.py of another version]
+        (the tiled expand, the per-tile-shrink kernel and the two-launch kernels at the table's tiles)
 
 ``compile_sm90`` compiles one kernel of a fresh copy of ``bdlora.kernels.decode`` (so it also works where the tests
 run Triton's interpreter) through ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, with ptxas from Triton's
@@ -21,8 +22,9 @@ from collections import Counter
 from types import ModuleType
 
 #: Integer arguments compiled as multiples of 16, as Triton specializes them when served (strides, widths, ranks).
-DIVISIBLE = ("stride_x", "stride_y", "stride_h", "d_in", "d_out", "R", "a_rows", "k_chunk", "O1", "O2", "O3")
-_I32_PTRS = ("idx_ptr", "ranks_ptr", "cnt_ptr", "sync_ptr")
+DIVISIBLE = ("stride_x", "stride_y", "stride_h", "d_in", "d_out", "d_total", "R", "KA", "RB", "a_rows", "k_chunk",
+             "O1", "O2", "O3")
+_I32_PTRS = ("idx_ptr", "ranks_ptr", "cnt_ptr", "sync_ptr", "soff_ptr")
 _F32_PTRS = ("scales_ptr", "part_ptr")
 
 
@@ -42,16 +44,19 @@ def codegen_why_not() -> str | None:
     return f"Triton's wheel has no {', '.join(missing)}" if missing else None
 
 
-def compiled_decode() -> ModuleType:
+def compiled_decode(path: str | None = None) -> ModuleType:
     """A copy of ``bdlora.kernels.decode`` whose kernels are compiled Triton functions (JITFunction), even where
-    TRITON_INTERPRET=1 made the imported module's kernels interpreted."""
+    TRITON_INTERPRET=1 made the imported module's kernels interpreted; ``path``: another version of that file (e.g.
+    ``git show REV:bdlora/kernels/decode.py`` saved aside), to compare before and after a change."""
     import bdlora.kernels.decode as decode
     from triton import knobs
 
-    name = "bdlora.kernels._decode_sm90"
+    path = os.path.abspath(path or decode.__file__)
+    name = "bdlora.kernels._decode_sm90" + ("" if path == os.path.abspath(decode.__file__) else
+                                            f"_{abs(hash(path)):x}")
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, decode.__file__)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # Triton resolves the kernels' globals through sys.modules
     with knobs.runtime.scope():
@@ -63,12 +68,13 @@ def compiled_decode() -> ModuleType:
 def compile_sm90(kernel, constexprs: dict, num_warps: int, num_stages: int = 3) -> dict:
     """Compile ``kernel`` (a kernel of ``compiled_decode()``) for sm90 with bf16 tensors, int32 slot ids and ranks,
     fp32 scales and partials; returns {"loads": {PTX global load instruction: count}, "registers": n, "stack":
-    bytes per thread}."""
+    bytes per thread}. Constexprs the kernel does not take are left out."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(kernel.arg_names)
+    constexprs = {k: v for k, v in constexprs.items() if k in names}  # an older version may lack some
     sig = {}
     for n in names:
         if n in constexprs:
@@ -118,12 +124,18 @@ def main() -> None:
     why = codegen_why_not()
     if why:
         raise SystemExit(f"sm90_codegen: {why}")
-    mod = compiled_decode()
+    mod = compiled_decode(sys.argv[1] if len(sys.argv) > 1 else None)
     for n_l, rank in ((1, 64), (4, 64), (4, 32), (8, 64)):
         for bm, bn, warps in ((16, 64, 4), (32, 64, 4), (64, 64, 4), (32, 128, 4)):
             cx, w = expand_config(n_l, rank, bm, bn, warps)
             print(f"expand {n_l} slots rank {rank} tile {bm}x{bn} warps {w} BLOCK_J {cx['BLOCK_J']}:",
                   compile_sm90(mod._fold_expand_gemm_kernel, cx, w))
+    for nb, block_r in ((1, 64), (4, 16)):  # the two-launch kernels, a plain (NB 1) and a 4-block B
+        print(f"two-launch shrink, NB {nb}, BLOCK_R {block_r}:", compile_sm90(
+            mod._decode_shrink_kernel, {"NA": 1, "NB": nb, "BLOCK_R": block_r, "BLOCK_K": 128, "USE_GDC": True}, 4))
+        print(f"two-launch expand, NB {nb}, BLOCK_R {block_r}:", compile_sm90(
+            mod._decode_expand_kernel, {"NB": nb, "K_SPLITS": 32, "BLOCK_R": block_r, "BLOCK_N": 64, "BLOCK_S": 16,
+                                        "USE_GDC": True}, 4))
     for n_l, rank, bn, bk, sk, warps, tokens in ((1, 64, 64, 64, 16, 4, 1), (4, 64, 128, 128, 4, 8, 1),
                                                  (4, 32, 32, 128, 8, 4, 1), (4, 32, 32, 64, 1, 4, 16),
                                                  (4, 32, 32, 128, 1, 4, 16), (2, 32, 32, 128, 1, 4, 4)):
