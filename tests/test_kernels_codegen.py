@@ -66,3 +66,20 @@ def test_two_launch_expand_loads_b_as_vectors(kernels, nb, block_r):
                                                             "BLOCK_N": 64, "BLOCK_S": 16, "USE_GDC": True}, 4)
     b_per_thread = 64 * block_r // (4 * 32)
     assert stats["stack"] == 0 and _b16(stats) <= b_per_thread // 2, stats
+
+
+@pytest.mark.parametrize("n_loras,rank", [(4, 64), (4, 32)])
+def test_shared_shrink_kernel_loads_b_as_vectors(kernels, n_loras, rank):
+    """The shared-shrink one-launch kernel at TP=4 down's and TP=8 gate_up's tiles (16 x 256, 2 warps), 16 tokens
+    on 4 slots: every used slot's B in one tile, masked per slot and by R (before: 16 + 16 two-byte loads of B and
+    the shrink per thread with rank 64)."""
+    stats = cg.compile_sm90(kernels._fold_gemv_kernel, cg.shared_gemv_config(n_loras, rank, 16, 256, 1, 2), 2, 4)
+    assert stats["stack"] == 0 and _b16(stats) == 0 and stats["loads"].get("ld.global.cg.b16", 0) == 0, stats
+
+
+def test_per_token_folded_expand_loads_b_as_vectors(kernels):
+    """The per-token folded expand (unknown GPUs' 1-8 token forwards) with 4 slots: B masked by R, not by the
+    token's slot's loaded rank (before: 44 two-byte loads per thread; 32 B elements per thread)."""
+    stats = cg.compile_sm90(kernels._decode_folded_expand_kernel, {"BLOCK_L": 4, "BLOCK_R": 64, "BLOCK_N": 64,
+                                                                   "ONE_SLOT": False, "USE_GDC": True}, 4)
+    assert stats["stack"] == 0 and _b16(stats) <= 16, stats

@@ -251,8 +251,8 @@ def _decode_folded_expand_kernel(
                 rmask = rr < r
                 s = tl.load(h_row + d_out + (sl * n_loras + a) * R + rr, mask=rmask, other=0.0)
                 s = s.to(tl.float32) * sc
-                bv = tl.load(b_ptr + (a.to(tl.int64) * d_out + cs[:, None]) * R + rr[None, :],
-                             mask=cmask[:, None] & rmask[None, :], other=0.0)
+                bv = tl.load(b_ptr + (a.to(tl.int64) * d_out + cs[:, None]) * R + rr[None, :],  # masked by R, not
+                             mask=cmask[:, None] & (rr < R)[None, :], other=0.0)  # the rank: vector loads (s is 0)
                 acc += tl.sum(bv.to(tl.float32) * s[None, :], axis=1)
         tl.store(y_ptr + t.to(tl.int64) * stride_y + cs, acc.to(y_ptr.dtype.element_ty), mask=cmask)
 

@@ -120,6 +120,17 @@ def local_config(n_loras: int, rank: int, block_n: int, block_k: int, split_k: i
             "USE_GDC": True}
 
 
+def shared_gemv_config(n_loras: int, rank: int, block_n: int, block_k: int, split_k: int, warps: int) -> dict:
+    """The shared-shrink one-launch kernel's constexprs as ``decode_lora_folded`` launches it for 16 tokens of one
+    slice (bf16, PDL)."""
+    from bdlora.kernels.decode import all_slots_block
+    from bdlora.kernels.dispatch import next_pow2
+
+    return {"N_SLICES": 1, "SPLIT_K": split_k, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "BLOCK_R": max(16, next_pow2(rank)), "ONE_SLOT": n_loras == 1, "PREC": "tf32", "USE_GDC": True,
+            "BLOCK_J": all_slots_block(n_loras, rank, block_n, warps)}
+
+
 def main() -> None:
     why = codegen_why_not()
     if why:
@@ -130,6 +141,13 @@ def main() -> None:
             cx, w = expand_config(n_l, rank, bm, bn, warps)
             print(f"expand {n_l} slots rank {rank} tile {bm}x{bn} warps {w} BLOCK_J {cx['BLOCK_J']}:",
                   compile_sm90(mod._fold_expand_gemm_kernel, cx, w))
+    for n_l, rank in ((1, 64), (4, 64), (4, 32)):  # TP=4 down's and TP=8 gate_up's one-launch tiles
+        print(f"shared shrink, 16 tokens, {n_l} slots rank {rank}, tiles 16x256 split 1 warps 2:", compile_sm90(
+            mod._fold_gemv_kernel, shared_gemv_config(n_l, rank, 16, 256, 1, 2), 2, 4))
+    for n_l in (1, 4):  # the per-token folded expand (fold_decode_max: unknown GPUs)
+        print(f"per-token folded expand, {n_l} slots rank 64:", compile_sm90(
+            mod._decode_folded_expand_kernel, {"BLOCK_L": n_l, "BLOCK_R": 64, "BLOCK_N": 64, "ONE_SLOT": n_l == 1,
+                                               "USE_GDC": True}, 4))
     for nb, block_r in ((1, 64), (4, 16)):  # the two-launch kernels, a plain (NB 1) and a 4-block B
         print(f"two-launch shrink, NB {nb}, BLOCK_R {block_r}:", compile_sm90(
             mod._decode_shrink_kernel, {"NA": 1, "NB": nb, "BLOCK_R": block_r, "BLOCK_K": 128, "USE_GDC": True}, 4))
