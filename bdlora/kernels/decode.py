@@ -445,16 +445,9 @@ def _fold_expand_gemm_kernel(
         cs = c_lo + tl.arange(0, BLOCK_N)
         cmask = cs < o_hi
         a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
-        s_rows = h_ptr + rows64[:, None] * stride_h + d_out
         if BLOCK_J > 0:
             bt, rank_j, scale_t = _all_slot_factors(b_ptr, ranks_ptr, scales_ptr, a, rowmask, cs, cmask, d_out,
                                                     n_loras, R, BLOCK_R, BLOCK_J)
-            if USE_GDC:
-                tl.extra.cuda.gdc_wait()
-            acc = tl.load(h_ptr + rows64[:, None] * stride_h + cs[None, :], mask=rowmask[:, None] & cmask[None, :],
-                          other=0.0).to(tl.float32)
-            acc = _add_all_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, bt, rank_j, scale_t,
-                                       BLOCK_R, BLOCK_J, PREC, "")
         else:
             if ONE_SLOT:
                 one_l = 0
@@ -462,10 +455,15 @@ def _fold_expand_gemm_kernel(
                 one_l = _tile_slot(a, rowmask)
             one_b, one_r, one_scale = _slot_factors(b_ptr, ranks_ptr, scales_ptr, one_l, cs, cmask, d_out, R,
                                                     BLOCK_R)
-            if USE_GDC:
-                tl.extra.cuda.gdc_wait()
-            acc = tl.load(h_ptr + rows64[:, None] * stride_h + cs[None, :], mask=rowmask[:, None] & cmask[None, :],
-                          other=0.0).to(tl.float32)
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+        acc = tl.load(h_ptr + rows64[:, None] * stride_h + cs[None, :], mask=rowmask[:, None] & cmask[None, :],
+                      other=0.0).to(tl.float32)
+        s_rows = h_ptr + rows64[:, None] * stride_h + d_out
+        if BLOCK_J > 0:
+            acc = _add_all_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, bt, rank_j, scale_t,
+                                       BLOCK_R, BLOCK_J, PREC, "")
+        else:
             acc = _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scales_ptr, d_out, n_loras,
                                    R, sl, one_l, one_b, one_r, one_scale, BLOCK_R, ONE_SLOT, PREC, "")
         tl.store(y_ptr + rows64[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -896,6 +894,13 @@ class GemvTiles:
             return max(16, next_pow2(rank))
         return max(16, next_pow2(n_loras) * next_pow2(rank))
 
+    def shrink_stride(self, tokens: int, n_loras: int, rank: int) -> int:
+        """The per-tile shrink's rows per slot (BLOCK_R: slot l's rows start at l x BLOCK_R of BLOCK_J) for a call
+        of ``tokens`` tokens; one token reads its own slot's rows only, so its BLOCK_R is unused (16)."""
+        if self.block_m(tokens) == 1:
+            return 16
+        return self.shrink_rows(tokens, n_loras, rank) // next_pow2(n_loras)
+
     def fits_slices(self, slice_offsets: Sequence[int]) -> bool:
         """Whether these tiles take a layer of these slice offsets (local_shrink: no tile straddles two slices)."""
         return not self.local_shrink or all(int(o) % self.block_n == 0 for o in slice_offsets[1:-1])
@@ -970,9 +975,10 @@ def all_slots_block(n_loras: int, rank: int, block_n: int, warps: int) -> int:
 def _expand_warps(n_loras: int, rank: int, block_n: int, warps: int) -> int:
     """The tiled expand kernel's warps: the tiles' own, or as many as (up to 8) its all-slots B tile needs to fit
     in registers (it has no K loop, so more warps only split the tile finer)."""
-    if all_slots_block(n_loras, rank, block_n, 8) == 0:
+    block_j = all_slots_block(n_loras, rank, block_n, 8)
+    if block_j == 0:
         return warps
-    return max(warps, -(-next_pow2(n_loras) * max(16, next_pow2(rank)) * block_n // (ALL_SLOTS_PER_THREAD * 32)))
+    return max(warps, -(-block_j * block_n // (ALL_SLOTS_PER_THREAD * 32)))
 
 
 #: ``decode_lora_folded`` kernels: "decode" (one program per token x slice x column tile; decode steps), "gemm"
@@ -1097,9 +1103,9 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
 
     ``folded``: W and A (S, L, R, d_in) in one tensor (``fold_weight``); lora_b (L, d_out, R), finite past each
     slot's rank (the kernels may read those columns, for contiguous loads, and multiply them by zero; vLLM's buffers
-    hold zeros there); ranks (L,) int; scales (L,) float. Each slot's factors are plain low rank (BD-LoRA's per-device adapter, rank r/N: no padding to
-    another device's blocks). Every slot's shrink is computed for every token (S * L * R extra output columns of the
-    GEMM: cheap when they are few next to d_out). Triton: the GEMM (cuBLAS via torch) and one launch after it,
+    hold zeros there); ranks (L,) int; scales (L,) float. Each slot's factors are plain low rank (BD-LoRA's
+    per-device adapter, rank r/N: no padding to another device's blocks). Every slot's shrink is computed for
+    every token (S * L * R extra output columns of the GEMM: cheap when they are few next to d_out). Triton: the GEMM (cuBLAS via torch) and one launch after it,
     ``kernel`` "decode" (``_decode_folded_expand_kernel``, one program per token: decode steps) or "gemm"
     (``_fold_expand_gemm_kernel``, token tiles of ``tiles`` through tl.dot: any token count, tokens in any slot
     order); or ``kernel`` "gemv": ONE launch for everything (``_fold_gemv_kernel``, or ``_fold_gemv_local_kernel``
@@ -1160,13 +1166,12 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     d_in = x.shape[1]
     k_chunk = -(-d_in // (gt.split_k * gt.block_k)) * gt.block_k
     if gt.local_shrink:
-        block_j = gt.shrink_rows(t, n_l, r)  # one token: its slot's rows; else every slot's, BLOCK_R apart
-        block_r = block_j // next_pow2(n_l) if gt.block_m(t) > 1 else 16
         launch(_fold_gemv_local_kernel, (n_w * gt.split_k,),
             y, x, folded.w_ext, lora_b, idx, ranks, scales, workspace.partials, workspace.counters[2:], t,
             x.stride(0), y.stride(0), d_in, d_out, n_l, r, *offs[:3], k_chunk, SPLIT_K=gt.split_k,
             BLOCK_M=gt.block_m(t), BLOCK_N=gt.block_n,
-            BLOCK_K=gt.block_k, BLOCK_J=block_j, BLOCK_R=block_r, PREC=dispatch.dot_precision(x.dtype),
+            BLOCK_K=gt.block_k, BLOCK_J=gt.shrink_rows(t, n_l, r), BLOCK_R=gt.shrink_stride(t, n_l, r),
+            PREC=dispatch.dot_precision(x.dtype),
             USE_GDC=gdc, num_warps=gt.warps, num_stages=gt.stages, launch_pdl=gdc,
         )
         return done
