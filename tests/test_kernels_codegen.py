@@ -12,74 +12,69 @@ from bench.kernels import sm90_codegen as cg
 pytestmark = pytest.mark.skipif(cg.codegen_why_not() is not None, reason=str(cg.codegen_why_not()))
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    return cg.compiled_decode()
-
-
 def _b16(stats: dict) -> int:
     return stats["loads"].get("ld.global.b16", 0)
 
 
 @pytest.mark.parametrize("n_loras,rank,block_m", [(4, 64, 16), (4, 64, 64), (4, 32, 32), (2, 64, 16)])
-def test_all_slots_expand_tile_loads_vectors_and_does_not_spill(kernels, n_loras, rank, block_m):
+def test_all_slots_expand_tile_loads_vectors_and_does_not_spill(n_loras, rank, block_m):
     """Several slots in one tl.dot, at the table's 64-column tiles: the launcher's warps hold the B tile (no
     stack), and B comes in 16-byte loads: two-byte loads, if any, are no more than the shrink's elements per thread
     (the first version's B tile alone took 168 for 32 shrink elements)."""
     cx, warps = cg.expand_config(n_loras, rank, block_m, 64, 4)
     assert cx["BLOCK_J"] > 0
-    stats = cg.compile_sm90(kernels._fold_expand_gemm_kernel, cx, warps)
+    stats = cg.compile_sm90("_fold_expand_gemm_kernel", cx, warps)
     assert stats["stack"] == 0, stats
     shrink_per_thread = block_m * cx["BLOCK_J"] // (32 * warps)
     assert stats["loads"].get("ld.global.v4.b32", 0) > 0 and _b16(stats) <= shrink_per_thread, stats
 
 
-def test_slot_loop_loads_b_as_vectors(kernels):
+def test_slot_loop_loads_b_as_vectors():
     """8 slots of rank 64 do not fit one tile: the per-slot loop. Its B rows are masked by R, not by the loaded
     rank, so they too come in vectors: 64 x 64 B elements per slot over 128 threads would be 32 two-byte loads."""
     cx, warps = cg.expand_config(8, 64, 16, 64, 4)
     assert cx["BLOCK_J"] == 0 and warps == 4
-    stats = cg.compile_sm90(kernels._fold_expand_gemm_kernel, cx, warps)
+    stats = cg.compile_sm90("_fold_expand_gemm_kernel", cx, warps)
     assert stats["stack"] == 0 and _b16(stats) <= 16, stats
 
 
 @pytest.mark.parametrize("tiles", [(4, 64, 64, 64, 16, 4, 1, 0), (4, 64, 128, 128, 4, 8, 1, 0),
                                    (4, 32, 32, 128, 8, 4, 1, 0), (4, 32, 32, 64, 1, 4, 16, 0),
                                    (4, 32, 32, 128, 1, 4, 16, 32)])
-def test_per_tile_shrink_kernel_loads_b_as_vectors(kernels, tiles):
+def test_per_tile_shrink_kernel_loads_b_as_vectors(tiles):
     """The per-tile-shrink kernel at the H100 and H200 table's tiles: one token (batch 1: TP=4's qkv and o, TP=8's
     rank) and 16 tokens on 4 slots (TP=8's o and down). B rows are masked per slot and by R only (S is 0 past the
     rank and for unused slots), BLOCK_R apart, so no B element comes in a two-byte load (before: 32 per thread).
     TP=8 down's 16-token tiles (32 x 128, 4 slots) still spill a little: 32 bytes (before: 88)."""
     n_l, rank, bn, bk, split_k, warps, tokens, max_stack = tiles
-    stats = cg.compile_sm90(kernels._fold_gemv_local_kernel, cg.local_config(n_l, rank, bn, bk, split_k, tokens),
+    stats = cg.compile_sm90("_fold_gemv_local_kernel", cg.local_config(n_l, rank, bn, bk, split_k, tokens),
                             warps)
     assert stats["stack"] <= max_stack and _b16(stats) <= 2, stats
 
 
 @pytest.mark.parametrize("nb,block_r", [(1, 64), (4, 16)])
-def test_two_launch_expand_loads_b_as_vectors(kernels, nb, block_r):
+def test_two_launch_expand_loads_b_as_vectors(nb, block_r):
     """The two-launch kernel's expand (a wide layer's 2-8 token forwards, unfoldable layers): B masked by the buffer
     rank, not by the slot's loaded rank (its shrink is 0 past it), comes in vectors (before: 40 two-byte loads per
     thread with a plain B, 12 with a 4-block one)."""
-    stats = cg.compile_sm90(kernels._decode_expand_kernel, {"NB": nb, "K_SPLITS": 32, "BLOCK_R": block_r,
+    stats = cg.compile_sm90("_decode_expand_kernel", {"NB": nb, "K_SPLITS": 32, "BLOCK_R": block_r,
                                                             "BLOCK_N": 64, "BLOCK_S": 16, "USE_GDC": True}, 4)
     b_per_thread = 64 * block_r // (4 * 32)
     assert stats["stack"] == 0 and _b16(stats) <= b_per_thread // 2, stats
 
 
 @pytest.mark.parametrize("n_loras,rank", [(4, 64), (4, 32)])
-def test_shared_shrink_kernel_loads_b_as_vectors(kernels, n_loras, rank):
+def test_shared_shrink_kernel_loads_b_as_vectors(n_loras, rank):
     """The shared-shrink one-launch kernel at TP=4 down's and TP=8 gate_up's tiles (16 x 256, 2 warps), 16 tokens
     on 4 slots: every used slot's B in one tile, masked per slot and by R (before: 16 + 16 two-byte loads of B and
     the shrink per thread with rank 64)."""
-    stats = cg.compile_sm90(kernels._fold_gemv_kernel, cg.shared_gemv_config(n_loras, rank, 16, 256, 1, 2), 2, 4)
+    stats = cg.compile_sm90("_fold_gemv_kernel", cg.shared_gemv_config(n_loras, rank, 16, 256, 1, 2), 2, 4)
     assert stats["stack"] == 0 and _b16(stats) == 0 and stats["loads"].get("ld.global.cg.b16", 0) == 0, stats
 
 
-def test_per_token_folded_expand_loads_b_as_vectors(kernels):
+def test_per_token_folded_expand_loads_b_as_vectors():
     """The per-token folded expand (unknown GPUs' 1-8 token forwards) with 4 slots: B masked by R, not by the
     token's slot's loaded rank (before: 44 two-byte loads per thread; 32 B elements per thread)."""
-    stats = cg.compile_sm90(kernels._decode_folded_expand_kernel, {"BLOCK_L": 4, "BLOCK_R": 64, "BLOCK_N": 64,
+    stats = cg.compile_sm90("_decode_folded_expand_kernel", {"BLOCK_L": 4, "BLOCK_R": 64, "BLOCK_N": 64,
                                                                    "ONE_SLOT": False, "USE_GDC": True}, 4)
     assert stats["stack"] == 0 and _b16(stats) <= 16, stats

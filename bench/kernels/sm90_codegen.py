@@ -6,13 +6,15 @@ known before a device call (BENCHMARKS.md, "Several slots in one tile": a B tile
     python bench/kernels/sm90_codegen.py [decode.py of another version]
         (the tiled expand, the per-tile-shrink kernel and the two-launch kernels at the table's tiles)
 
-``compile_sm90`` compiles one kernel of a fresh copy of ``bdlora.kernels.decode`` (so it also works where the tests
-run Triton's interpreter) through ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, with ptxas from Triton's
-wheel; ``codegen_why_not`` says why it cannot here.
+``compile_sm90`` compiles one kernel of a fresh copy of ``bdlora.kernels.decode`` through ``triton.compile`` for
+``GPUTarget("cuda", 90, 32)``, with ptxas from Triton's wheel, in a Python process of its own: once Triton's
+interpreter has run a kernel (the CPU tests do), it leaves ``triton.language`` patched, and code built in that
+process afterwards fails. ``codegen_why_not`` says why it cannot run here.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -65,14 +67,29 @@ def compiled_decode(path: str | None = None) -> ModuleType:
     return mod
 
 
-def compile_sm90(kernel, constexprs: dict, num_warps: int, num_stages: int = 3) -> dict:
-    """Compile ``kernel`` (a kernel of ``compiled_decode()``) for sm90 with bf16 tensors, int32 slot ids and ranks,
-    fp32 scales and partials; returns {"loads": {PTX global load instruction: count}, "registers": n, "stack":
-    bytes per thread}. Constexprs the kernel does not take are left out."""
+def compile_sm90(kernel: str, constexprs: dict, num_warps: int, num_stages: int = 3,
+                 path: str | None = None) -> dict:
+    """Compile the kernel named ``kernel`` of ``compiled_decode(path)`` for sm90 with bf16 tensors, int32 slot ids
+    and ranks, fp32 scales and partials, in a fresh Python process (see the module docstring); returns {"loads":
+    {PTX global load instruction: count}, "registers": n, "stack": bytes per thread}. Constexprs the kernel does
+    not take are left out."""
+    job = json.dumps({"kernel": kernel, "constexprs": constexprs, "num_warps": num_warps, "num_stages": num_stages,
+                      "path": path})
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile", job], capture_output=True,
+                          text=True, env={**os.environ, "TRITON_INTERPRET": "0"})
+    if done.returncode != 0:
+        raise RuntimeError(f"sm90_codegen: compiling {kernel} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _compile_here(kernel: str, constexprs: dict, num_warps: int, num_stages: int = 3,
+                  path: str | None = None) -> dict:
+    """``compile_sm90`` in this process (no interpreted kernel may have run in it)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    kernel = getattr(compiled_decode(path), kernel)
     names = list(kernel.arg_names)
     constexprs = {k: v for k, v in constexprs.items() if k in names}  # an older version may lack some
     sig = {}
@@ -111,13 +128,11 @@ def local_config(n_loras: int, rank: int, block_n: int, block_k: int, split_k: i
     """The per-tile-shrink kernel's constexprs as ``decode_lora_folded`` launches it for ``tokens`` tokens (bf16,
     PDL; one token: ``GemvTiles(..., True, True)``, its slot's rows only)."""
     from bdlora.kernels.decode import GemvTiles
-    from bdlora.kernels.dispatch import next_pow2
 
     tiles = GemvTiles(block_n, block_k, split_k, 4, 3, True, tokens == 1)
-    block_j = tiles.shrink_rows(tokens, n_loras, rank)
     return {"SPLIT_K": split_k, "BLOCK_M": tiles.block_m(tokens), "BLOCK_N": block_n, "BLOCK_K": block_k,
-            "BLOCK_J": block_j, "BLOCK_R": block_j // next_pow2(n_loras) if tokens > 1 else 16, "PREC": "tf32",
-            "USE_GDC": True}
+            "BLOCK_J": tiles.shrink_rows(tokens, n_loras, rank), "BLOCK_R": tiles.shrink_stride(tokens, n_loras, rank),
+            "PREC": "tf32", "USE_GDC": True}
 
 
 def shared_gemv_config(n_loras: int, rank: int, block_n: int, block_k: int, split_k: int, warps: int) -> dict:
@@ -132,34 +147,38 @@ def shared_gemv_config(n_loras: int, rank: int, block_n: int, block_k: int, spli
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--compile"]:  # compile_sm90's child process: one kernel, its stats as the last line
+        print(json.dumps(_compile_here(**json.loads(sys.argv[2]))))
+        return
     why = codegen_why_not()
     if why:
         raise SystemExit(f"sm90_codegen: {why}")
-    mod = compiled_decode(sys.argv[1] if len(sys.argv) > 1 else None)
+    path = sys.argv[1] if len(sys.argv) > 1 else None
+    runs = []  # (label, kernel, constexprs, warps, stages)
     for n_l, rank in ((1, 64), (4, 64), (4, 32), (8, 64)):
         for bm, bn, warps in ((16, 64, 4), (32, 64, 4), (64, 64, 4), (32, 128, 4)):
             cx, w = expand_config(n_l, rank, bm, bn, warps)
-            print(f"expand {n_l} slots rank {rank} tile {bm}x{bn} warps {w} BLOCK_J {cx['BLOCK_J']}:",
-                  compile_sm90(mod._fold_expand_gemm_kernel, cx, w))
+            runs.append((f"expand {n_l} slots rank {rank} tile {bm}x{bn} warps {w} BLOCK_J {cx['BLOCK_J']}",
+                         "_fold_expand_gemm_kernel", cx, w, 3))
     for n_l, rank in ((1, 64), (4, 64), (4, 32)):  # TP=4 down's and TP=8 gate_up's one-launch tiles
-        print(f"shared shrink, 16 tokens, {n_l} slots rank {rank}, tiles 16x256 split 1 warps 2:", compile_sm90(
-            mod._fold_gemv_kernel, shared_gemv_config(n_l, rank, 16, 256, 1, 2), 2, 4))
+        runs.append((f"shared shrink, 16 tokens, {n_l} slots rank {rank}, tiles 16x256 split 1 warps 2",
+                     "_fold_gemv_kernel", shared_gemv_config(n_l, rank, 16, 256, 1, 2), 2, 4))
     for n_l in (1, 4):  # the per-token folded expand (fold_decode_max: unknown GPUs)
-        print(f"per-token folded expand, {n_l} slots rank 64:", compile_sm90(
-            mod._decode_folded_expand_kernel, {"BLOCK_L": n_l, "BLOCK_R": 64, "BLOCK_N": 64, "ONE_SLOT": n_l == 1,
-                                               "USE_GDC": True}, 4))
+        runs.append((f"per-token folded expand, {n_l} slots rank 64", "_decode_folded_expand_kernel",
+                     {"BLOCK_L": n_l, "BLOCK_R": 64, "BLOCK_N": 64, "ONE_SLOT": n_l == 1, "USE_GDC": True}, 4, 3))
     for nb, block_r in ((1, 64), (4, 16)):  # the two-launch kernels, a plain (NB 1) and a 4-block B
-        print(f"two-launch shrink, NB {nb}, BLOCK_R {block_r}:", compile_sm90(
-            mod._decode_shrink_kernel, {"NA": 1, "NB": nb, "BLOCK_R": block_r, "BLOCK_K": 128, "USE_GDC": True}, 4))
-        print(f"two-launch expand, NB {nb}, BLOCK_R {block_r}:", compile_sm90(
-            mod._decode_expand_kernel, {"NB": nb, "K_SPLITS": 32, "BLOCK_R": block_r, "BLOCK_N": 64, "BLOCK_S": 16,
-                                        "USE_GDC": True}, 4))
+        runs.append((f"two-launch shrink, NB {nb}, BLOCK_R {block_r}", "_decode_shrink_kernel",
+                     {"NA": 1, "NB": nb, "BLOCK_R": block_r, "BLOCK_K": 128, "USE_GDC": True}, 4, 3))
+        runs.append((f"two-launch expand, NB {nb}, BLOCK_R {block_r}", "_decode_expand_kernel",
+                     {"NB": nb, "K_SPLITS": 32, "BLOCK_R": block_r, "BLOCK_N": 64, "BLOCK_S": 16, "USE_GDC": True},
+                     4, 3))
     for n_l, rank, bn, bk, sk, warps, tokens in ((1, 64, 64, 64, 16, 4, 1), (4, 64, 128, 128, 4, 8, 1),
                                                  (4, 32, 32, 128, 8, 4, 1), (4, 32, 32, 64, 1, 4, 16),
                                                  (4, 32, 32, 128, 1, 4, 16), (2, 32, 32, 128, 1, 4, 4)):
-        print(f"per-tile shrink, {tokens} tokens, {n_l} slots rank {rank} tiles {bn}x{bk} split {sk} warps {warps}:",
-              compile_sm90(mod._fold_gemv_local_kernel, local_config(n_l, rank, bn, bk, sk, tokens), warps))
-
+        runs.append((f"per-tile shrink, {tokens} tokens, {n_l} slots rank {rank} tiles {bn}x{bk} split {sk} warps "
+                     f"{warps}", "_fold_gemv_local_kernel", local_config(n_l, rank, bn, bk, sk, tokens), warps, 3))
+    for label, kernel, cx, warps, stages in runs:
+        print(f"{label}:", compile_sm90(kernel, cx, warps, stages, path))
 
 if __name__ == "__main__":
     main()
