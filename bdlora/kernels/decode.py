@@ -399,9 +399,10 @@ def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scale
             sel = a == l
             r = tl.load(ranks_ptr + l)
             if (tl.max(sel.to(tl.int32), axis=0) > 0) & (r > 0):
-                rmask = rr < r
-                sv = tl.load(s_rows + (sl * n_loras + l) * R + rr[None, :], mask=sel[:, None] & rmask[None, :],
+                # S loaded masked by R (vector loads; a mask by the loaded rank gives 2-byte ones), cut to the rank
+                sv = tl.load(s_rows + (sl * n_loras + l) * R + rr[None, :], mask=sel[:, None] & (rr < R)[None, :],
                              other=0.0, cache_modifier=CACHE)
+                sv = tl.where((rr < r)[None, :], sv, 0.0).to(sv.dtype)
                 bv = tl.load(b_ptr + (l * d_out + cs[None, :]).to(tl.int64) * R + rr[:, None],  # masked by R, not
                              mask=(rr < R)[:, None] & cmask[None, :], other=0.0)  # the rank: vector loads (S is 0)
                 acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr + l)

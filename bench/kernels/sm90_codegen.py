@@ -25,7 +25,10 @@ from types import ModuleType
 
 #: Integer arguments compiled as multiples of 16, as Triton specializes them when served (strides, widths, ranks).
 DIVISIBLE = ("stride_x", "stride_y", "stride_h", "d_in", "d_out", "d_total", "R", "KA", "RB", "a_rows", "k_chunk",
-             "O1", "O2", "O3")
+             "O1", "O2", "O3", "O4")
+#: Integer arguments that take any value (token and slot counts, grid sizes): no divisibility assumed. An argument
+#: in neither list stops the compile, so a new one cannot silently compile as unaligned (O4 once did).
+ANY_VALUE = ("T", "n_loras", "n_groups", "k_splits", "n_a_tiles", "n_w_tiles")
 _I32_PTRS = ("idx_ptr", "ranks_ptr", "cnt_ptr", "sync_ptr", "soff_ptr")
 _F32_PTRS = ("scales_ptr", "part_ptr")
 
@@ -71,7 +74,8 @@ def compile_sm90(kernel: str, constexprs: dict, num_warps: int, num_stages: int 
                  path: str | None = None) -> dict:
     """Compile the kernel named ``kernel`` of ``compiled_decode(path)`` for sm90 with bf16 tensors, int32 slot ids
     and ranks, fp32 scales and partials, in a fresh Python process (see the module docstring); returns {"loads":
-    {PTX global load instruction: count}, "registers": n, "stack": bytes per thread}. Constexprs the kernel does
+    {PTX global load instruction: count}, "stores": {the same for stores}, "registers": n, "stack": bytes per
+    thread}. Constexprs the kernel does
     not take are left out."""
     job = json.dumps({"kernel": kernel, "constexprs": constexprs, "num_warps": num_warps, "num_stages": num_stages,
                       "path": path})
@@ -98,12 +102,15 @@ def _compile_here(kernel: str, constexprs: dict, num_warps: int, num_stages: int
             sig[n] = "constexpr"
         elif n.endswith("_ptr"):
             sig[n] = "*i32" if n in _I32_PTRS else "*fp32" if n in _F32_PTRS else "*bf16"
-        else:
+        elif n in DIVISIBLE or n in ANY_VALUE:
             sig[n] = "i32"
+        else:
+            raise ValueError(f"sm90_codegen: {kernel.fn.__name__}'s argument {n} is in neither DIVISIBLE nor ANY_VALUE")
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n in DIVISIBLE}
     compiled = triton.compile(ASTSource(kernel, sig, dict(constexprs), attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     loads = Counter(re.findall(r"ld\.global[.\w]*", compiled.asm["ptx"]))
+    stores = Counter(re.findall(r"st\.global[.\w]*", compiled.asm["ptx"]))
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         with open(cubin, "wb") as f:
@@ -111,7 +118,7 @@ def _compile_here(kernel: str, constexprs: dict, num_warps: int, num_stages: int
         usage = subprocess.run([_triton_bin("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
                                check=True).stdout
     regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
-    return {"loads": dict(loads), "registers": int(regs), "stack": int(stack)}
+    return {"loads": dict(loads), "stores": dict(stores), "registers": int(regs), "stack": int(stack)}
 
 
 def expand_config(n_loras: int, rank: int, block_m: int, block_n: int, warps: int) -> tuple[dict, int]:
