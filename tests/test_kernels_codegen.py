@@ -44,18 +44,39 @@ def test_one_slot_tile_and_slot_loop_move_vectors(n_loras, block_n):
     assert stats["stack"] == 0 and _scalar_bf16(stats) == 0, stats
 
 
-@pytest.mark.parametrize("tiles", [(4, 64, 64, 64, 16, 4, 1, 0), (4, 64, 128, 128, 4, 8, 1, 0),
-                                   (4, 32, 32, 128, 8, 4, 1, 0), (4, 32, 32, 64, 1, 4, 16, 0),
-                                   (4, 32, 32, 128, 1, 4, 16, 32)])
+@pytest.mark.parametrize("tiles", [(4, 32, 32, 64, 1, 4, 16, 0), (4, 32, 32, 128, 1, 4, 16, 32)])
 def test_per_tile_shrink_kernel_loads_b_as_vectors(tiles):
-    """The per-tile-shrink kernel at the H100 and H200 table's tiles: one token (batch 1: TP=4's qkv and o, TP=8's
-    rank) and 16 tokens on 4 slots (TP=8's o and down). B rows are masked per slot and by R only (S is 0 past the
-    rank and for unused slots), BLOCK_R apart, so no B element comes in a two-byte load (before: 32 per thread).
-    TP=8 down's 16-token tiles (32 x 128, 4 slots) still spill a little: 32 bytes (before: 88)."""
+    """The per-tile-shrink kernel at 16 tokens on 4 slots (TP=8's o and down). B rows are masked per slot and by R
+    only (S is 0 past the rank and for unused slots), BLOCK_R apart, so no B element comes in a two-byte load
+    (before: 32 per thread). TP=8 down's 16-token tiles (32 x 128, 4 slots) still spill a little: 32 bytes (before:
+    88)."""
     n_l, rank, bn, bk, split_k, warps, tokens, max_stack = tiles
     stats = cg.compile_sm90("_fold_gemv_local_kernel", cg.local_config(n_l, rank, bn, bk, split_k, tokens),
                             warps)
     assert stats["stack"] <= max_stack and _b16(stats) <= 2, stats
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("module", list(cg.ONE_TOKEN_TILES))
+def test_one_token_kernel_vectors_and_its_k_loop_pipelined_when_stages_say_so(module, stages):
+    """The one-token kernel at every one-token tile of the H100 and H200 tables (batch 1): no B element in a
+    two-byte load (before: 32 per thread on TP=4's qkv and o), no stack, and its K loop, which has no tl.dot,
+    pipelined (cp.async, loads issued ahead) exactly when ``stages`` > 1: Triton does so only when the loop says
+    num_stages itself. Stages 1 is the code the tables were measured with."""
+    rank, (bn, bk, split_k, warps) = module[1], cg.ONE_TOKEN_TILES[module]
+    stats = cg.compile_sm90("_fold_gemv_local_kernel", cg.local_config(1, rank, bn, bk, split_k, 1, stages), warps,
+                            stages)
+    assert stats["stack"] == 0 and _b16(stats) <= 2, stats
+    assert (stats["async_copies"] > 0) == (stages > 1), stats
+
+
+def test_codegen_tool_covers_the_tables_one_token_tiles():
+    """Every one-token row of the GPU tables is one of ``ONE_TOKEN_TILES`` (compiled above), at stages 1."""
+    from bdlora.kernels.tuning import TABLE
+
+    for name, entry in TABLE.items():
+        for row in entry["gemv_one_token_shapes"]:
+            assert tuple(row[2:6]) in cg.ONE_TOKEN_TILES.values() and row[6] == 1, (name, row)
 
 
 @pytest.mark.parametrize("nb,block_r", [(1, 64), (4, 16)])

@@ -200,13 +200,13 @@ def test_gemv_one_token_matches_float64_oracle(seed):
     """``one_token``: a one-token call of the per-tile kernel accumulates fp32 products through its K loop and sums
     them once (BLOCK_M = 1, no tl.dot; 48 inputs in 3 steps of 16), and reads only its own slot's A rows (BLOCK_J =
     the rank, not slots x rank): a token of any of 5 slots (ragged ranks, an empty one) or without LoRA, split-K or
-    not, equals the oracle, and equals the tl.dot kernel's result to fp32 rounding; more than one token runs the
+    not, its K loop pipelined or not, equals the oracle, and equals the tl.dot kernel's result to fp32 rounding; more than one token runs the
     tl.dot kernel, bit for bit the same as without the flag."""
     for ranks in ([8, 16, 0, 32, 5], [16]):
         folded, x, b, idx, rk, scales, offs, want = _oracle_case(400 + seed, ranks, [64, 32, 32], 1, 48,
                                                                  p_none=0.3)
-        for split_k in (1, 3):
-            one = GemvTiles(16, 16, split_k, 1, 1, True, True)
+        for split_k, stages in ((1, 1), (3, 3)):  # stages > 1: the K loop pipelined on a GPU (same sums)
+            one = GemvTiles(16, 16, split_k, 1, stages, True, True)
             assert one.shrink_rows(1, 5, 32) == 32 and one.shrink_rows(2, 5, 32) == 256  # 1 token: its slot's
             y = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemv", gemv_tiles=one).out
             torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)

@@ -594,6 +594,7 @@ def _fold_gemv_local_kernel(
     T, stride_x, stride_y, d_in, d_out, n_loras, R, O1, O2, O3, k_chunk,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_J: tl.constexpr, PREC: tl.constexpr, USE_GDC: tl.constexpr, BLOCK_R: tl.constexpr = 16,
+    STAGES: tl.constexpr = 1,
 ):
     """``decode_lora_folded``'s one-launch path with the shrink computed per tile (kernel="gemv",
     ``GemvTiles.local_shrink``; T <= BLOCK_M tokens, every slice offset a multiple of BLOCK_N). Program p computes
@@ -615,7 +616,8 @@ def _fold_gemv_local_kernel(
     which pads the token to 16 rows (``_gemv_step``). Every tile reads A's rows of its slice again (from L2: A is
     S * L * R rows against W's d_out), so no program waits on another: no grid-wide hand-off, unlike
     ``_fold_gemv_kernel``. The slot ids, ranks, scales, the tile's B and the first BLOCK_K columns of its W and A rows
-    are read before ``gdc_wait`` (USE_GDC), x after it."""
+    are read before ``gdc_wait`` (USE_GDC), x after it. STAGES (``GemvTiles.stages``): the K loop's pipeline depth,
+    its W, A (and x) tiles loaded STAGES - 1 steps ahead; 1: each step's loads wait for the step before."""
     pid = tl.program_id(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
@@ -655,7 +657,9 @@ def _fold_gemv_local_kernel(
     xv = _gemv_x(x_ptr, rows, stride_x, ks, rowmask, kmask, BLOCK_M)
     acc = _gemv_step(xv, wv, PREC, BLOCK_M)  # one token (BLOCK_M == 1): fp32 products per (k, column)
     s_acc = _gemv_step(xv, av, PREC, BLOCK_M)
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+    # STAGES: the loop's loads issued that many steps ahead (cp.async); Triton pipelines a loop without tl.dot (one
+    # token) only when told so here, and with tl.dot the launch's num_stages = STAGES gives the same code as before
+    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < k_hi
         xv = _gemv_x(x_ptr, rows, stride_x, ks, rowmask, kmask, BLOCK_M)
@@ -1172,7 +1176,7 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
             x.stride(0), y.stride(0), d_in, d_out, n_l, r, *offs[:3], k_chunk, SPLIT_K=gt.split_k,
             BLOCK_M=gt.block_m(t), BLOCK_N=gt.block_n,
             BLOCK_K=gt.block_k, BLOCK_J=gt.shrink_rows(t, n_l, r), BLOCK_R=gt.shrink_stride(t, n_l, r),
-            PREC=dispatch.dot_precision(x.dtype),
+            PREC=dispatch.dot_precision(x.dtype), STAGES=gt.stages,
             USE_GDC=gdc, num_warps=gt.warps, num_stages=gt.stages, launch_pdl=gdc,
         )
         return done

@@ -242,9 +242,11 @@ _H200 = MappingProxyType({
     # o still wins (6.0-6.1 vs 7.3-7.5) and down loses less (13.3 vs 12.4-12.6), so the layer gains 0.5 us; at 256
     # o is level (8.9-9.5 vs 8.0-9.8) and down's tiles no longer fit in shared memory (250 KB).
     "gemv_local_max_rows": 128,
-    "gemv_one_token_shapes": ((4096, 768, 32, 128, 8, 4, 3), (512, 4096, 16, 256, 1, 8, 3),
-                              (4096, 3584, 64, 64, 8, 4, 3), (1792, 4096, 64, 64, 8, 4, 3),
-                              (4096, 1536, 64, 64, 16, 4, 3), (1024, 4096, 128, 128, 4, 8, 3)),
+    # Stages 1: measured when a one-token K loop was never pipelined, whatever stages said (no tl.dot in it);
+    # 2-4 pipeline it since 2026-11-28, not yet measured.
+    "gemv_one_token_shapes": ((4096, 768, 32, 128, 8, 4, 1), (512, 4096, 16, 256, 1, 8, 1),
+                              (4096, 3584, 64, 64, 8, 4, 1), (1792, 4096, 64, 64, 8, 4, 1),
+                              (4096, 1536, 64, 64, 16, 4, 1), (1024, 4096, 128, 128, 4, 8, 1)),
     # bench/results/serve/pdl_2026-11-24: programmatic dependent launch takes 1.0-1.3 us off qkv and gate_up calls
     # of the folded kernels (the expand starts while the GEMM drains), 0.3-2.4 us off the two-launch kernels', and
     # is level (+-0.2 us) on the folded o and down.
@@ -265,8 +267,8 @@ TABLE: Mapping[str, Mapping] = MappingProxyType({
     # token (gemv_one_token_2026-11-25, H100): the same rows win but TP=8's gate_up (16.1 vs the shared-shrink
     # kernel's 16.0: that row stays) and down, whose best tiles differ (9.7 vs 10.2 us).
     "NVIDIA H100 80GB HBM3": MappingProxyType({**_H200, "gemv_one_token_shapes": (
-        (4096, 768, 32, 128, 8, 4, 3), (512, 4096, 16, 256, 1, 8, 3), (1792, 4096, 32, 256, 1, 8, 3),
-        (4096, 1536, 64, 64, 16, 4, 3), (1024, 4096, 128, 128, 4, 8, 3))}),
+        (4096, 768, 32, 128, 8, 4, 1), (512, 4096, 16, 256, 1, 8, 1), (1792, 4096, 32, 256, 1, 8, 1),
+        (4096, 1536, 64, 64, 16, 4, 1), (1024, 4096, 128, 128, 4, 8, 1))}),
 })
 
 #: Unknown CUDA GPUs: the kernels are correct on any CUDA device; cut-offs of the measured Hopper parts, with vLLM's

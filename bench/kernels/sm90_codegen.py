@@ -74,8 +74,9 @@ def compile_sm90(kernel: str, constexprs: dict, num_warps: int, num_stages: int 
                  path: str | None = None) -> dict:
     """Compile the kernel named ``kernel`` of ``compiled_decode(path)`` for sm90 with bf16 tensors, int32 slot ids
     and ranks, fp32 scales and partials, in a fresh Python process (see the module docstring); returns {"loads":
-    {PTX global load instruction: count}, "stores": {the same for stores}, "registers": n, "stack": bytes per
-    thread}. Constexprs the kernel does
+    {PTX global load instruction: count}, "stores": {the same for stores}, "async_copies": cp.async instructions
+    (a pipelined loop's loads), "registers": n, "stack": bytes per thread, "shared": shared memory bytes per
+    program}. Constexprs the kernel does
     not take are left out."""
     job = json.dumps({"kernel": kernel, "constexprs": constexprs, "num_warps": num_warps, "num_stages": num_stages,
                       "path": path})
@@ -111,6 +112,7 @@ def _compile_here(kernel: str, constexprs: dict, num_warps: int, num_stages: int
                               options={"num_warps": num_warps, "num_stages": num_stages})
     loads = Counter(re.findall(r"ld\.global[.\w]*", compiled.asm["ptx"]))
     stores = Counter(re.findall(r"st\.global[.\w]*", compiled.asm["ptx"]))
+    async_copies = len(re.findall(r"cp\.async\.c[ag]", compiled.asm["ptx"]))  # a pipelined loop's loads
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         with open(cubin, "wb") as f:
@@ -118,7 +120,8 @@ def _compile_here(kernel: str, constexprs: dict, num_warps: int, num_stages: int
         usage = subprocess.run([_triton_bin("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
                                check=True).stdout
     regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
-    return {"loads": dict(loads), "stores": dict(stores), "registers": int(regs), "stack": int(stack)}
+    return {"loads": dict(loads), "stores": dict(stores), "async_copies": async_copies, "registers": int(regs),
+            "stack": int(stack), "shared": int(compiled.metadata.shared)}
 
 
 def expand_config(n_loras: int, rank: int, block_m: int, block_n: int, warps: int) -> tuple[dict, int]:
@@ -131,15 +134,17 @@ def expand_config(n_loras: int, rank: int, block_m: int, block_n: int, warps: in
              "PREC": "tf32", "USE_GDC": True, "BLOCK_J": all_slots_block(n_loras, rank, block_n, w)}, w)
 
 
-def local_config(n_loras: int, rank: int, block_n: int, block_k: int, split_k: int, tokens: int) -> dict:
+def local_config(n_loras: int, rank: int, block_n: int, block_k: int, split_k: int, tokens: int,
+                 stages: int = 3) -> dict:
     """The per-tile-shrink kernel's constexprs as ``decode_lora_folded`` launches it for ``tokens`` tokens (bf16,
-    PDL; one token: ``GemvTiles(..., True, True)``, its slot's rows only)."""
+    PDL; one token: ``GemvTiles(..., True, True)``, its slot's rows only); compile it with ``stages`` as
+    num_stages too."""
     from bdlora.kernels.decode import GemvTiles
 
-    tiles = GemvTiles(block_n, block_k, split_k, 4, 3, True, tokens == 1)
+    tiles = GemvTiles(block_n, block_k, split_k, 4, stages, True, tokens == 1)
     return {"SPLIT_K": split_k, "BLOCK_M": tiles.block_m(tokens), "BLOCK_N": block_n, "BLOCK_K": block_k,
             "BLOCK_J": tiles.shrink_rows(tokens, n_loras, rank), "BLOCK_R": tiles.shrink_stride(tokens, n_loras, rank),
-            "PREC": "tf32", "USE_GDC": True}
+            "PREC": "tf32", "USE_GDC": True, "STAGES": stages}
 
 
 def shared_gemv_config(n_loras: int, rank: int, block_n: int, block_k: int, split_k: int, warps: int) -> dict:
@@ -151,6 +156,14 @@ def shared_gemv_config(n_loras: int, rank: int, block_n: int, block_k: int, spli
     return {"N_SLICES": 1, "SPLIT_K": split_k, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k,
             "BLOCK_R": max(16, next_pow2(rank)), "ONE_SLOT": n_loras == 1, "PREC": "tf32", "USE_GDC": True,
             "BLOCK_J": all_slots_block(n_loras, rank, block_n, warps)}
+
+
+#: The one-token tiles of the H200 and H100 tables (``gemv_one_token_shapes``): (module, its rank per GPU) ->
+#: (block_n, block_k, split_k, warps).
+ONE_TOKEN_TILES = {("TP=8 qkv", 32): (32, 128, 8, 4), ("TP=8 o", 32): (16, 256, 1, 8),
+                   ("TP=8 gate_up, H200", 32): (64, 64, 8, 4), ("TP=8 down, H200", 32): (64, 64, 8, 4),
+                   ("TP=8 down, H100", 32): (32, 256, 1, 8), ("TP=4 qkv", 64): (64, 64, 16, 4),
+                   ("TP=4 o", 64): (128, 128, 4, 8)}
 
 
 def main() -> None:
@@ -179,9 +192,13 @@ def main() -> None:
         runs.append((f"two-launch expand, NB {nb}, BLOCK_R {block_r}", "_decode_expand_kernel",
                      {"NB": nb, "K_SPLITS": 32, "BLOCK_R": block_r, "BLOCK_N": 64, "BLOCK_S": 16, "USE_GDC": True},
                      4, 3))
-    for n_l, rank, bn, bk, sk, warps, tokens in ((1, 64, 64, 64, 16, 4, 1), (4, 64, 128, 128, 4, 8, 1),
-                                                 (4, 32, 32, 128, 8, 4, 1), (4, 32, 32, 64, 1, 4, 16),
-                                                 (4, 32, 32, 128, 1, 4, 16), (2, 32, 32, 128, 1, 4, 4)):
+    for (module, rank), (bn, bk, sk, warps) in ONE_TOKEN_TILES.items():  # the K loop, not pipelined and pipelined
+        for stages in (1, 3):
+            runs.append((f"one token, {module} (rank {rank}), tiles {bn}x{bk} split {sk} warps {warps} stages "
+                         f"{stages}", "_fold_gemv_local_kernel", local_config(1, rank, bn, bk, sk, 1, stages), warps,
+                         stages))
+    for n_l, rank, bn, bk, sk, warps, tokens in ((4, 32, 32, 64, 1, 4, 16), (4, 32, 32, 128, 1, 4, 16),
+                                                 (2, 32, 32, 128, 1, 4, 4)):
         runs.append((f"per-tile shrink, {tokens} tokens, {n_l} slots rank {rank} tiles {bn}x{bk} split {sk} warps "
                      f"{warps}", "_fold_gemv_local_kernel", local_config(n_l, rank, bn, bk, sk, tokens), warps, 3))
     for label, kernel, cx, warps, stages in runs:
