@@ -368,6 +368,35 @@ def test_tuning_table_lookup_and_overrides():
                      ({"gemv_shapes": [[0, 0, 16, 16, 2, 1, 1, 2]]}, "optional 0/1"),
                      ({"gemv_shapes": [[0, 0, 16, 16, 2, 3, 1]]}, "warps"), ({"pdl": 1}, "true or false"),
                      ({"gemv_one_token_shapes": [[0, 0, 16, 16, 2, 1, 1, 1]]}, "gemv_one_token_shapes must be rows"),
-                     ({"gemv_one_token_shapes": [[0, 0, 16, 24, 2, 1, 1]]}, "power of two")):
+                     ({"gemv_one_token_shapes": [[0, 0, 16, 24, 2, 1, 1]]}, "power of two"),
+                     ({"gemm_shapes": [[0, 0, 256, 16, 16, 64]]}, "gemm_shapes must be rows of 7 ints"),
+                     ({"gemm_shapes": [[0, 0, -1, 16, 16, 64, 4]]}, "gemm_shapes must be rows"),
+                     ({"gemm_shapes": [[0, 0, 256, 16, 16, 48, 4]]}, "power of two")):
         with pytest.raises(ValueError, match=msg):
             serving_tuning("cpu", override=bad)
+
+
+def test_gemm_rows_per_layer_shape_and_slot_rows():
+    """A layer's tiled-kernel rows: its shape's ``gemm_shapes`` rows where its slots hold at least min_slot_rows
+    rank rows per slice, then ``gemm_tiles``. The Hopper tables give TP=4's four shapes with 4 slots of rank 64 (256
+    rows: measured) 32-token tiles from 17 to 128 tokens; one slot, TP=8's shapes and 8 slots of rank 32 keep the
+    table's rows."""
+    for name in TABLE:
+        t, _ = serving_tuning("cuda", name)
+        for d_in, d_out in ((4096, 1536), (1024, 4096), (4096, 7168), (3584, 4096)):  # TP=4's qkv, o, gate_up, down
+            four = t.gemm_rows(d_in, d_out, 4, 64)
+            assert four.tiles_for(1) == four.tiles_for(16) == ExpandTiles(16, 64, 4)
+            assert four.tiles_for(17) == four.tiles_for(64) == four.tiles_for(128) == ExpandTiles(32, 64, 4)
+            assert four.tiles_for(1000) == t.tiles_for(1000) and four.tiles_for(10 ** 7) == t.tiles_for(10 ** 7)
+            assert t.gemm_rows(d_in, d_out, 8, 64).tiles_for(64) == ExpandTiles(32, 64, 4)
+            one = t.gemm_rows(d_in, d_out, 1, 64)
+            assert one.tiles_for(64) == t.tiles_for(64) == ExpandTiles(16, 64, 4)
+            # the shadowed table row (16 x 64 up to 128 tokens) is never compiled for this layer
+            assert four.tiles_between(17, 128) == (ExpandTiles(32, 64, 4),)
+            assert ExpandTiles(16, 64, 4) in four.tiles_between(1, 128)
+        assert t.gemm_rows(4096, 768, 8, 32).tiles_for(64) == ExpandTiles(16, 64, 4)  # TP=8's qkv: 256 rows, kept
+        assert t.gemm_rows(512, 4096, 4, 32) is t.gemm_rows()  # no row of its own: the table's rows themselves
+    o, _ = serving_tuning("cpu", override={"fold": True, "fold_gemm_max": 64, "gemm_tiles": [[64, 16, 32, 1]],
+                                           "gemm_shapes": [[0, 0, 32, 64, 32, 16, 1]]})
+    assert o.gemm_rows(7, 9, 2, 16).tiles_for(5) == ExpandTiles(32, 16, 1)  # 0, 0: any shape, 32 rows
+    assert o.gemm_rows(7, 9, 1, 16).tiles_for(5) == ExpandTiles(16, 32, 1)  # 16 rows: the table's

@@ -197,7 +197,7 @@ class _FusedState:
     fold_decode_max: int = 0  # fold_linear: T <= this runs the per-token kernel,
     fold_gemm_max: int = 0  # T <= this the tiled one, above vLLM's path
     fold_min: int = 1  # the fold's multi-token kernels start here (a wide fold: above two_launch_max)
-    tuning: object = None  # auto mode: the device's bdlora.kernels.tuning.ServingTuning (gemm tiles per T)
+    gemm_rows: object = None  # auto mode: this layer's kernel="gemm" tiles per T (ServingTuning.gemm_rows)
     fold_gemv_max: int = 0  # fold_linear: T <= this runs the one-launch kernel (before the cut-offs above)
     gemv_tiles: object = None  # its bdlora.kernels.GemvTiles for this layer's shape
     gemv_one_token_tiles: object = None  # GemvTiles(one_token=True) for T == 1 on this shape, or None
@@ -211,7 +211,7 @@ class _FusedState:
     #: runs eagerly, so the op's host time is paid per call. Bound to ``slots``; dropped when the mapping changes.
     plans: dict = field(init=False, default_factory=dict)
     keep_plans: bool = True  # False: a new plan per call (what decode_lora_folded does; bench A/B runs)
-    gemm_rows_warm: bool = False  # every gemm_tiles row this layer may take has been launched once (warm_gemm_rows)
+    gemm_rows_warm: bool = False  # every gemm_rows row this layer may take has been launched once (warm_gemm_rows)
 
     def __post_init__(self):
         self.options = KernelOptions(backend=self.backend)
@@ -233,18 +233,18 @@ class _FusedState:
         return plan
 
     def warm_gemm_rows(self, x: torch.Tensor) -> None:
-        """Launches the tiled plan of every ``gemm_tiles`` row this layer's forwards may take once, on x's first row
+        """Launches the tiled plan of every ``gemm_rows`` row this layer's forwards may take once, on x's first row
         (output dropped), at its first tiled forward: Triton compiles one kernel per tile row, and a row first met
         mid-serving (a prefill of 257-2048 tokens, which neither vLLM's warm-up sizes nor its profile run reach)
         compiled there, a latency spike that vLLM's JIT monitor reported on an H100 (2026-11-27). Skipped while a
         CUDA graph captures (compiling and launching there would land in the graph); the next eager call does it."""
-        if self.gemm_rows_warm or self.tuning is None or self.slots is None:
+        if self.gemm_rows_warm or self.gemm_rows is None or self.slots is None:
             return
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return
         self.gemm_rows_warm = True
         lo = max(self.fold_min, self.fold_decode_max + 1)
-        for tiles in self.tuning.tiles_between(lo, self.fold_gemm_max):
+        for tiles in self.gemm_rows.tiles_between(lo, self.fold_gemm_max):
             self.plan("gemm", tiles)(x[:1])
 
 
@@ -393,7 +393,8 @@ def _fold_paths(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.T
             kernel = "decode" if n <= st.fold_decode_max else "gemm"
             if kernel == "gemm":
                 st.warm_gemm_rows(x)
-            plan = st.plan(kernel, st.tuning.tiles_for(n) if kernel == "gemm" and st.tuning is not None else None)
+            plan = st.plan(kernel, st.gemm_rows.tiles_for(n) if kernel == "gemm" and st.gemm_rows is not None
+                           else None)
             y, ran = plan(x), plan.dispatch
         if bias is not None:
             y += bias
@@ -574,7 +575,8 @@ class _BDLoRAMixin:
             scales=torch.ones(max_loras, dtype=torch.float32, device=dev),
             workspace=_decode_workspace(build, dev, max(two_max, side_max), n_s, max(outs), self.input_size, rank),
             folded=folded, fold_decode_max=fd_max if folded is not None else 0,
-            fold_gemm_max=fg_max if folded is not None else 0, fold_min=fold_min, tuning=tuning,
+            fold_gemm_max=fg_max if folded is not None else 0, fold_min=fold_min,
+            gemm_rows=tuning.gemm_rows(self.input_size, offsets[-1], max_loras, rank) if tuning else None,
             fold_gemv_max=tuning.fold_gemv_max if gemv_tiles is not None else 0, gemv_tiles=gemv_tiles,
             gemv_one_token_tiles=one_tiles, gemv_workspace=gemv_ws,
             pdl=tuning is not None and tuning.pdl, side_max=side_max, side_defer=side_defer,

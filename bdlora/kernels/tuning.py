@@ -17,8 +17,8 @@ number of tokens T of that forward:
                                with that row's tiles (block_n, block_k, split_k, warps, stages[, local_shrink])
         T <= fold_decode_max   one GEMM with [W; A] + ``decode_lora_folded(kernel="decode")`` (per-token programs)
         T <= fold_gemm_max     one GEMM with [W; A] + ``decode_lora_folded(kernel="gemm")`` (token tiles, tl.dot),
-                               tiles from ``gemm_tiles``: the first (max_tokens, block_m, block_n, warps) row with
-                               T <= max_tokens
+                               tiles from the layer's ``gemm_shapes`` rows, then ``gemm_tiles``: the first
+                               (max_tokens, block_m, block_n, warps) row with T <= max_tokens (``gemm_rows``)
         above                  the base GEMM (on W's view) + vLLM's punica kernels
     layers that cannot fold (quantized base, dtype mismatch, or LoRA rows above ``fold_max_extra`` x d_out), and
     fold layers above their cut-offs (after the base GEMM on W's view):
@@ -74,6 +74,31 @@ FOLD_MAX_EXTRA = 0.25
 
 
 @dataclass(frozen=True)
+class GemmRows:
+    """A layer's kernel="gemm" tiles by token count: (max_tokens, ExpandTiles) rows, the first with T <= max_tokens
+    serving a forward of T tokens (the last row above its max_tokens)."""
+
+    rows: tuple
+
+    def tiles_for(self, tokens: int) -> ExpandTiles:
+        """The tiles of a forward of ``tokens`` tokens."""
+        for max_t, tiles in self.rows:
+            if tokens <= max_t:
+                return tiles
+        return self.rows[-1][1]
+
+    def tiles_between(self, lo: int, hi: int) -> tuple:
+        """The distinct tiles that forwards of ``lo`` to ``hi`` tokens take (the rows whose token range meets
+        lo..hi), in row order: what a layer compiles before serving."""
+        out, prev = [], 0
+        for max_t, tiles in self.rows:
+            if prev < hi and max_t >= lo and max_t > prev and tiles not in out:  # this row serves prev + 1 .. max_t
+                out.append(tiles)
+            prev = max(prev, max_t)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
 class ServingTuning:
     """One device's cut-offs (token counts per forward) and tiles; see the module docstring."""
 
@@ -85,6 +110,10 @@ class ServingTuning:
     # a wide fold (LoRA rows above fold_max_extra x d_out) runs two_launch_max < T <= this on the tiled kernel; 0: never
     wide_fold_max: int = 0
     gemm_tiles: tuple = ((UNLIMITED, 16, 64, 4),)
+    # rows (d_in, d_out, min_slot_rows, max_tokens, block_m, block_n, warps): a layer of base weight (d_in, d_out;
+    # 0, 0: any) whose slots hold at least min_slot_rows rank rows per slice (max_loras x rank, the B rows a tiled
+    # expand program reads) takes these rows before gemm_tiles
+    gemm_shapes: tuple = ()
     fold_gemv_max: int = 0
     # rows (d_in, d_out, block_n, block_k, split_k, warps, stages[, local_shrink 0/1]); d_in = d_out = 0: any shape
     gemv_shapes: tuple = ()
@@ -116,8 +145,15 @@ class ServingTuning:
             raise ValueError("serving tuning: gemm_tiles must be rows (max_tokens, block_m, block_n, warps) whose last "
                              f"max_tokens covers fold_gemm_max and wide_fold_max ({covers}), got {self.gemm_tiles!r}")
         # built once (each raises on a bad tile): tiles_for runs in every served forward
-        object.__setattr__(self, "_gemm_tiles", tuple((r[0], ExpandTiles(r[1], r[2], r[3])) for r in rows))
+        object.__setattr__(self, "_gemm_tiles", GemmRows(tuple((r[0], ExpandTiles(*r[1:])) for r in rows)))
         object.__setattr__(self, "gemm_tiles", rows)
+        shaped = tuple(tuple(r) for r in self.gemm_shapes)
+        if any(len(r) != 7 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in r) for r in shaped):
+            raise ValueError("serving tuning: gemm_shapes must be rows of 7 ints (d_in, d_out, min_slot_rows, "
+                             f"max_tokens, block_m, block_n, warps), got {self.gemm_shapes!r}")
+        for r in shaped:
+            ExpandTiles(*r[4:])  # raises on a bad tile
+        object.__setattr__(self, "gemm_shapes", shaped)
         if self.fold_gemv_max > GEMV_MAX_TOKENS:
             raise ValueError(f"serving tuning: fold_gemv_max is at most {GEMV_MAX_TOKENS} (the one-launch kernel's "
                              f"token tile), got {self.fold_gemv_max}")
@@ -159,21 +195,21 @@ class ServingTuning:
         return self.side_max, bool(rows[0][2:] and rows[0][2])
 
     def tiles_for(self, tokens: int) -> ExpandTiles:
-        """The kernel="gemm" tiles for a forward of ``tokens`` tokens."""
-        for max_t, tiles in self._gemm_tiles:
-            if tokens <= max_t:
-                return tiles
-        return self._gemm_tiles[-1][1]
+        """The kernel="gemm" tiles of ``gemm_tiles`` for a forward of ``tokens`` tokens (a layer's own: its
+        ``gemm_rows``)."""
+        return self._gemm_tiles.tiles_for(tokens)
 
     def tiles_between(self, lo: int, hi: int) -> tuple:
-        """The distinct kernel="gemm" tiles that forwards of ``lo`` to ``hi`` tokens take (the ``gemm_tiles`` rows
-        whose token range meets lo..hi), in row order: what a layer compiles before serving."""
-        out, prev = [], 0
-        for max_t, tiles in self._gemm_tiles:
-            if prev < hi and max_t >= lo and tiles not in out:  # this row serves prev + 1 .. max_t
-                out.append(tiles)
-            prev = max_t
-        return tuple(out)
+        """``GemmRows.tiles_between`` of ``gemm_tiles``."""
+        return self._gemm_tiles.tiles_between(lo, hi)
+
+    def gemm_rows(self, d_in: int = 0, d_out: int = 0, n_loras: int = 1, rank: int = 0) -> "GemmRows":
+        """The kernel="gemm" rows of a layer of base weight (d_in, d_out) with ``n_loras`` slots of rank ``rank``
+        (the per-device buffer rank): its ``gemm_shapes`` rows (that shape's, or 0, 0's, with min_slot_rows <=
+        n_loras x rank), then ``gemm_tiles``."""
+        own = tuple((r[3], ExpandTiles(*r[4:])) for r in self.gemm_shapes
+                    if r[:2] in ((d_in, d_out), (0, 0)) and n_loras * rank >= r[2])
+        return GemmRows(own + self._gemm_tiles.rows) if own else self._gemm_tiles
 
     def gemv_tiles_for(self, d_in: int, d_out: int, slice_offsets: Optional[tuple] = None, n_loras: int = 1,
                        rank: int = 0) -> Optional[GemvTiles]:
@@ -224,6 +260,14 @@ _H200 = MappingProxyType({
     # to punica. The two-launch kernel (unfoldable layers) beats punica up to 8-16 tokens.
     "fold": True, "fold_decode_max": 0, "fold_gemm_max": UNLIMITED, "two_launch_max": 8,
     "gemm_tiles": ((128, 16, 64, 4), (256, 32, 64, 4), (2048, 64, 64, 4), (UNLIMITED, 32, 128, 4)),
+    # bench/results/serve/slot_expand_2026-11-27 (H100 and H200, TP=4's shapes, 4 slots of rank 64 per GPU, us per
+    # call): 32-token tiles beat 16 at 64 tokens on all four modules (H100, the one-dot kernels: qkv 16.7 vs 17.4, o
+    # 12.7 vs 13.7, gate_up 35.1 vs 38.9, down 20.9 vs 21.7; H200 and the kernels before: 0.6-2.4 us), and at 32 with
+    # 4 and 8 slots on qkv (wide_fold_2026-11-27, H100); 16 still wins at 16 tokens. One slot (128 rows fewer) and
+    # TP=8's shapes (rank 32; fewer column tiles, so fewer programs) keep 16 (within 0.3 us, or 16 faster).
+    "gemm_shapes": tuple((d_in, d_out, 256, max_t, block_m, 64, 4)
+                         for d_in, d_out in ((4096, 1536), (1024, 4096), (4096, 7168), (3584, 4096))
+                         for max_t, block_m in ((16, 16), (128, 32))),
     # bench/results/serve/serving_kernels_gemv_h200_2026-11-24.json: the one-launch kernel beats cuBLAS + the tiled
     # expand at 1-16 tokens on TP=4's down (3584 -> 4096: 13.7 vs 15.0 us) and TP=8's gate_up (4096 -> 3584: 14.1
     # vs 15.5 us); on qkv and o (few or short rows) and at 64 tokens the cuBLAS GEMM wins.
