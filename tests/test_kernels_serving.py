@@ -309,6 +309,13 @@ def test_tuning_table_lookup_and_overrides():
     h100, _ = serving_tuning("cuda", "NVIDIA H100 80GB HBM3")
     assert h100.gemv_tiles_for(4096, 3584) == t.gemv_tiles_for(4096, 3584) and h100.pdl and t.pdl
     assert t.gemv_tiles_for(512, 4096).local_shrink and not t.gemv_tiles_for(3584, 4096).local_shrink  # TP=8's o
+    # a shared-shrink row while the slots' rank rows per slice are at most gemv_shared_max_rows (128 on Hopper):
+    # TP=4's down with 4 slots of rank 64 (256) takes the tiled path, TP=8's gate_up with 4 of rank 32 keeps it
+    for tab in (t, h100):
+        assert tab.gemv_tiles_for(3584, 4096, None, 1, 64) is not None and tab.gemv_tiles_for(3584, 4096, None, 2, 64)
+        assert tab.gemv_tiles_for(3584, 4096, None, 4, 64) is None
+        assert tab.gemv_tiles_for(4096, 3584, None, 4, 32) == tab.gemv_tiles_for(4096, 3584)
+    assert u.gemv_shared_max_rows == UNLIMITED
     assert not u.pdl and not c.pdl  # unmeasured GPUs and CPU: plain launches
     assert h100.fold_gemm_max == t.fold_gemm_max and h100.gemm_tiles == t.gemm_tiles
     # wide folds (many slots of a high rank): the tiled fold at every size on Hopper (measured), to 256 elsewhere
@@ -336,7 +343,7 @@ def test_tuning_table_lookup_and_overrides():
     assert t.gemv_local_max_rows == 128 and ServingTuning().gemv_local_max_rows == 64
     assert t.gemv_tiles_for(1792, 4096, (0, 4096), 4, 32).local_shrink  # 128 rows
     assert t.gemv_tiles_for(1792, 4096, (0, 4096), 8, 32) is None  # 256: down's tiles no longer fit
-    assert t.gemv_tiles_for(3584, 4096, (0, 4096), 8, 64) is not None  # the shared-shrink kernel: any slots
+    assert t.gemv_tiles_for(3584, 4096, (0, 4096), 8, 64) is None  # shared shrink: gemv_shared_max_rows (above)
     assert t.gemv_one_token_tiles_for(1792, 4096, (0, 4096), 8, 32) is not None  # one token: 32 rows, its own
     assert t.gemv_one_token_tiles_for(1024, 4096, (0, 4096), 1, 256) is None
     two, _ = serving_tuning("cpu", override={"fold_gemv_max": 4, "gemv_local_max_rows": 16, "gemv_shapes": [
@@ -358,6 +365,7 @@ def test_tuning_table_lookup_and_overrides():
                      ({"side_max": -1}, "side_max must be"), ({"side_shapes": [[1, 2, 3]]}, "side_shapes must be"),
                      ({"side_shapes": [[1, 2, 0, 1]]}, "optional 0/1 \\(defer"),
                      ({"gemv_local_max_rows": -1}, "gemv_local_max_rows must be"),
+                     ({"gemv_shared_max_rows": -1}, "gemv_shared_max_rows must be a row count"),
                      ({"fold_gemm_max": 64, "gemm_tiles": [[16, 16, 64, 4]]}, "covers fold_gemm_max"),
                      ({"wide_fold_max": -1}, "wide_fold_max must be a token count"),
                      ({"fold_gemm_max": 16, "wide_fold_max": 64, "gemm_tiles": [[16, 16, 64, 4]]},

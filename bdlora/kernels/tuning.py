@@ -50,7 +50,9 @@ forwards only.
 A per-tile-shrink row (local_shrink, and every one-token row) reads its slice's A rows in every tile: every slot's
 (max_loras x the per-device rank) at T > 1, the token's own slot's (the rank) at T == 1. It applies only while those
 rows (``GemvTiles.shrink_rows``) are at most ``gemv_local_max_rows``: beyond, its tiles lose to the tiled path or no
-longer fit in shared memory, and the next row of the shape, or the path below, serves instead.
+longer fit in shared memory, and the next row of the shape, or the path below, serves instead. A shared-shrink row
+(``gemv_shapes`` without local_shrink) likewise applies only while the slots' rank rows per slice (max_loras x the
+per-device rank) are at most ``gemv_shared_max_rows``: its A tiles grow with them, and past it the tiled path won.
 
 With ``pdl`` the folded and the two-launch kernels are launched with programmatic dependent launch: each starts
 while the kernel before it drains, and reads the LoRA weights and slot ids before it waits for that kernel's output.
@@ -121,6 +123,8 @@ class ServingTuning:
     gemv_one_token_shapes: tuple = ()
     # the most A rows per slice a per-tile-shrink row reads (max_loras x rank; one token: rank), see above
     gemv_local_max_rows: int = 64
+    # the most slot rank rows per slice (max_loras x rank) for which a shared-shrink gemv_shapes row applies
+    gemv_shared_max_rows: int = UNLIMITED
     pdl: bool = False  # serving kernels launched with programmatic dependent launch (decode_lora*(pdl=True))
     # forwards of 2..side_max tokens on a layer whose (d_in, d_out) has a side_shapes row (0, 0: any): the LoRA term
     # on a second CUDA stream beside the base GEMM (see above); 0: never. Rows (d_in, d_out[, defer 0/1]).
@@ -129,10 +133,11 @@ class ServingTuning:
 
     def __post_init__(self):
         for name in ("fold_decode_max", "fold_gemm_max", "two_launch_max", "fold_gemv_max", "gemv_local_max_rows",
+                     "gemv_shared_max_rows",
                      "side_max", "wide_fold_max"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                what = "a row count" if name == "gemv_local_max_rows" else "a token count"
+                what = "a row count" if name.endswith("_rows") else "a token count"
                 raise ValueError(f"serving tuning: {name} must be {what} >= 0, got {v!r}")
         for name in ("fold", "pdl"):
             if not isinstance(getattr(self, name), bool):
@@ -216,7 +221,7 @@ class ServingTuning:
         """The one-launch kernel's tiles for a base weight of (d_in, d_out) with ``n_loras`` slots of rank ``rank``
         (the per-device buffer rank), or None: that shape does not take it (the first ``gemv_shapes`` row of that
         shape, or of 0, 0, whose tiles fit ``slice_offsets`` when given and, with local_shrink, whose shrink rows
-        are at most ``gemv_local_max_rows``)."""
+        are at most ``gemv_local_max_rows``, without it whose slots' rows are at most ``gemv_shared_max_rows``)."""
         if self.fold_gemv_max == 0:
             return None
         return self._first_fitting(self.gemv_shapes, d_in, d_out, slice_offsets, self.fold_gemv_max, n_loras, rank)
@@ -232,13 +237,16 @@ class ServingTuning:
                        n_loras: int, rank: int) -> Optional[GemvTiles]:
         """The tiles of the first row (d_in, d_out, *GemvTiles fields) of this shape, or of 0, 0, that fit the
         slices and, with the shrink per tile, read at most ``gemv_local_max_rows`` A rows per tile in a call of
-        ``tokens`` tokens (the largest call the rows serve)."""
+        ``tokens`` tokens (the largest call the rows serve); a shared-shrink row, whose slots hold at most
+        ``gemv_shared_max_rows`` rank rows per slice."""
         for row in rows:
             if (row[0], row[1]) in ((d_in, d_out), (0, 0)):
                 tiles = GemvTiles(*row[2:])
                 if slice_offsets is not None and not tiles.fits_slices(slice_offsets):
                     continue
                 if tiles.local_shrink and tiles.shrink_rows(tokens, n_loras, rank) > self.gemv_local_max_rows:
+                    continue
+                if not tiles.local_shrink and n_loras * rank > self.gemv_shared_max_rows:
                     continue
                 return tiles
         return None
@@ -286,6 +294,12 @@ _H200 = MappingProxyType({
     # o still wins (6.0-6.1 vs 7.3-7.5) and down loses less (13.3 vs 12.4-12.6), so the layer gains 0.5 us; at 256
     # o is level (8.9-9.5 vs 8.0-9.8) and down's tiles no longer fit in shared memory (250 KB).
     "gemv_local_max_rows": 128,
+    # bench/results/serve/slot_expand_2026-11-27, 4 slots of rank 64 on TP=4's down (256 rows per slice), us per
+    # call: the shared-shrink row loses to the tiled path at 4 and 16 tokens (H200, kernels before: 19.8-20.0 vs
+    # 18.2-18.3; H100, one-dot kernels: 20.6 vs 19.7), and served (TP=4, batch 16, four adapters, H200) the step
+    # without one-launch rows took 3.237 ms against 3.348. 4 slots of rank 32 on TP=8's gate_up (128 rows) still
+    # win (17.6 vs 18.0; H100 18.3 vs 20.1).
+    "gemv_shared_max_rows": 128,
     # Stages 1: measured when a one-token K loop was never pipelined, whatever stages said (no tl.dot in it);
     # 2-4 pipeline it since 2026-11-28, not yet measured.
     "gemv_one_token_shapes": ((4096, 768, 32, 128, 8, 4, 1), (512, 4096, 16, 256, 1, 8, 1),
