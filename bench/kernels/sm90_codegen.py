@@ -197,10 +197,11 @@ def main() -> None:
             runs.append((f"one token, {module} (rank {rank}), tiles {bn}x{bk} split {sk} warps {warps} stages "
                          f"{stages}", "_fold_gemv_local_kernel", local_config(1, rank, bn, bk, sk, 1, stages), warps,
                          stages))
-    for n_l, rank, bn, bk, sk, warps, tokens in ((4, 32, 32, 64, 1, 4, 16), (4, 32, 32, 128, 1, 4, 16),
-                                                 (2, 32, 32, 128, 1, 4, 4)):
+    for n_l, rank, bn, bk, sk, warps, stages, tokens in ((4, 32, 32, 64, 1, 4, 4, 16), (4, 32, 32, 128, 1, 4, 4, 16),
+                                                         (2, 32, 32, 128, 1, 4, 4, 4)):  # TP=8's o and down rows
         runs.append((f"per-tile shrink, {tokens} tokens, {n_l} slots rank {rank} tiles {bn}x{bk} split {sk} warps "
-                     f"{warps}", "_fold_gemv_local_kernel", local_config(n_l, rank, bn, bk, sk, tokens), warps, 3))
+                     f"{warps} stages {stages}", "_fold_gemv_local_kernel",
+                     local_config(n_l, rank, bn, bk, sk, tokens, stages), warps, stages))
     for label, kernel, cx, warps, stages in runs:
         print(f"{label}:", compile_sm90(kernel, cx, warps, stages, path))
 
