@@ -200,8 +200,8 @@ def test_gemv_one_token_matches_float64_oracle(seed):
     """``one_token``: a one-token call of the per-tile kernel accumulates fp32 products through its K loop and sums
     them once (BLOCK_M = 1, no tl.dot; 48 inputs in 3 steps of 16), and reads only its own slot's A rows (BLOCK_J =
     the rank, not slots x rank): a token of any of 5 slots (ragged ranks, an empty one) or without LoRA, split-K or
-    not, its K loop pipelined or not, equals the oracle, and equals the tl.dot kernel's result to fp32 rounding; more than one token runs the
-    tl.dot kernel, bit for bit the same as without the flag."""
+    not, its K loop pipelined or not, equals the oracle, and equals the tl.dot kernel's result to fp32 rounding;
+    more than one token runs the tl.dot kernel, bit for bit the same as without the flag."""
     for ranks in ([8, 16, 0, 32, 5], [16]):
         folded, x, b, idx, rk, scales, offs, want = _oracle_case(400 + seed, ranks, [64, 32, 32], 1, 48,
                                                                  p_none=0.3)
@@ -294,15 +294,17 @@ def test_tuning_table_lookup_and_overrides():
     t, src = serving_tuning("cuda", "NVIDIA H200")
     assert src == "table:NVIDIA H200" and t.fold and t.fold_gemm_max == UNLIMITED
     assert t == ServingTuning.from_dict(TABLE["NVIDIA H200"])
-    assert t.tiles_for(1) == ExpandTiles(*t.gemm_tiles[0][1:]) and t.tiles_for(10 ** 6) == ExpandTiles(
-        *t.gemm_tiles[-1][1:])
+    table = t.gemm_rows()  # gemm_tiles alone: no layer shape
+    assert table.tiles_for(1) == ExpandTiles(*t.gemm_tiles[0][1:])
+    assert table.tiles_for(10 ** 6) == ExpandTiles(*t.gemm_tiles[-1][1:])
     u, src = serving_tuning("cuda", "Some Future GPU")
     assert src == "default:cuda" and u.fold and u.fold_gemm_max == 256  # conservative: vLLM's kernels above
     c, src = serving_tuning("cpu")
     assert src == "default:cpu" and not c.fold and c.fold_gemm_max == 0 and c.two_launch_max == 0
     o, src = serving_tuning("cpu", override={"fold": True, "fold_decode_max": 2, "fold_gemm_max": 16,
                                              "gemm_tiles": [[16, 16, 32, 1]]})
-    assert src == "default:cpu + override" and o.fold and o.fold_decode_max == 2 and o.tiles_for(5).block_n == 32
+    assert src == "default:cpu + override" and o.fold and o.fold_decode_max == 2
+    assert o.gemm_rows().tiles_for(5).block_n == 32
     # the one-launch kernel: only on the shapes measured for it (Hopper), any shape with a 0, 0 row; PDL on Hopper
     assert t.fold_gemv_max == 16 and t.gemv_tiles_for(3584, 4096) == GemvTiles(*t.gemv_shapes[0][2:])
     assert t.gemv_tiles_for(4096, 1536) is None
@@ -322,9 +324,10 @@ def test_tuning_table_lookup_and_overrides():
     assert h100.wide_fold_max == t.wide_fold_max == UNLIMITED and u.wide_fold_max == 256 and c.wide_fold_max == 0
     # the tiles a layer compiles before serving: every row whose token range meets its forwards' range
     rows = [ExpandTiles(*r[1:]) for r in t.gemm_tiles]
-    assert t.tiles_between(1, UNLIMITED) == tuple(rows) and t.tiles_between(9, 128) == (rows[0],)
-    assert t.tiles_between(129, 300) == tuple(rows[1:3]) and t.tiles_between(3000, UNLIMITED) == (rows[3],)
-    assert u.tiles_between(17, 256) == (ExpandTiles(32, 64, 4),) and u.tiles_between(300, 400) == ()
+    assert table.tiles_between(1, UNLIMITED) == tuple(rows) and table.tiles_between(9, 128) == (rows[0],)
+    assert table.tiles_between(129, 300) == tuple(rows[1:3]) and table.tiles_between(3000, UNLIMITED) == (rows[3],)
+    unknown = u.gemm_rows()
+    assert unknown.tiles_between(17, 256) == (ExpandTiles(32, 64, 4),) and unknown.tiles_between(300, 400) == ()
     g, _ = serving_tuning("cpu", override={"fold_gemv_max": 4, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1]]})
     assert g.gemv_tiles_for(7, 9) == GemvTiles(16, 16, 2, 1, 1)
     # one token: its own rows (the per-tile kernel with one_token), whatever fold_gemv_max is; TP=8's four modules
@@ -391,14 +394,15 @@ def test_gemm_rows_per_layer_shape_and_slot_rows():
     table's rows."""
     for name in TABLE:
         t, _ = serving_tuning("cuda", name)
+        table = t.gemm_rows()
         for d_in, d_out in ((4096, 1536), (1024, 4096), (4096, 7168), (3584, 4096)):  # TP=4's qkv, o, gate_up, down
             four = t.gemm_rows(d_in, d_out, 4, 64)
             assert four.tiles_for(1) == four.tiles_for(16) == ExpandTiles(16, 64, 4)
             assert four.tiles_for(17) == four.tiles_for(64) == four.tiles_for(128) == ExpandTiles(32, 64, 4)
-            assert four.tiles_for(1000) == t.tiles_for(1000) and four.tiles_for(10 ** 7) == t.tiles_for(10 ** 7)
+            assert four.tiles_for(1000) == table.tiles_for(1000) and four.tiles_for(10 ** 7) == table.tiles_for(10 ** 7)
             assert t.gemm_rows(d_in, d_out, 8, 64).tiles_for(64) == ExpandTiles(32, 64, 4)
             one = t.gemm_rows(d_in, d_out, 1, 64)
-            assert one.tiles_for(64) == t.tiles_for(64) == ExpandTiles(16, 64, 4)
+            assert one.tiles_for(64) == table.tiles_for(64) == ExpandTiles(16, 64, 4)
             # the shadowed table row (16 x 64 up to 128 tokens) is never compiled for this layer
             assert four.tiles_between(17, 128) == (ExpandTiles(32, 64, 4),)
             assert ExpandTiles(16, 64, 4) in four.tiles_between(1, 128)

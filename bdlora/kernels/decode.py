@@ -396,16 +396,12 @@ def _add_slot_expand(acc, s_rows, a, rowmask, cs, cmask, b_ptr, ranks_ptr, scale
                                       one_scale, BLOCK_R, PREC, CACHE)
     else:
         for l in range(0, n_loras):
-            sel = a == l
             r = tl.load(ranks_ptr + l)
-            if (tl.max(sel.to(tl.int32), axis=0) > 0) & (r > 0):
-                # S loaded masked by R (vector loads; a mask by the loaded rank gives 2-byte ones), cut to the rank
-                sv = tl.load(s_rows + (sl * n_loras + l) * R + rr[None, :], mask=sel[:, None] & (rr < R)[None, :],
-                             other=0.0, cache_modifier=CACHE)
-                sv = tl.where((rr < r)[None, :], sv, 0.0).to(sv.dtype)
+            if (tl.max((a == l).to(tl.int32), axis=0) > 0) & (r > 0):
                 bv = tl.load(b_ptr + (l * d_out + cs[None, :]).to(tl.int64) * R + rr[:, None],  # masked by R, not
                              mask=(rr < R)[:, None] & cmask[None, :], other=0.0)  # the rank: vector loads (S is 0)
-                acc += tl.dot(sv, bv, input_precision=PREC) * tl.load(scales_ptr + l)
+                acc = _add_loaded_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, l, bv, r,
+                                              tl.load(scales_ptr + l), BLOCK_R, PREC, CACHE)
     return acc
 
 
@@ -1110,7 +1106,8 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     slot's rank (the kernels may read those columns, for contiguous loads, and multiply them by zero; vLLM's buffers
     hold zeros there); ranks (L,) int; scales (L,) float. Each slot's factors are plain low rank (BD-LoRA's
     per-device adapter, rank r/N: no padding to another device's blocks). Every slot's shrink is computed for
-    every token (S * L * R extra output columns of the GEMM: cheap when they are few next to d_out). Triton: the GEMM (cuBLAS via torch) and one launch after it,
+    every token (S * L * R extra output columns of the GEMM: cheap when they are few next to d_out). Triton: the
+    GEMM (cuBLAS via torch) and one launch after it,
     ``kernel`` "decode" (``_decode_folded_expand_kernel``, one program per token: decode steps) or "gemm"
     (``_fold_expand_gemm_kernel``, token tiles of ``tiles`` through tl.dot: any token count, tokens in any slot
     order); or ``kernel`` "gemv": ONE launch for everything (``_fold_gemv_kernel``, or ``_fold_gemv_local_kernel``

@@ -149,7 +149,7 @@ class ServingTuning:
         if not rows or any(len(r) != 4 for r in rows) or rows[-1][0] < covers:
             raise ValueError("serving tuning: gemm_tiles must be rows (max_tokens, block_m, block_n, warps) whose last "
                              f"max_tokens covers fold_gemm_max and wide_fold_max ({covers}), got {self.gemm_tiles!r}")
-        # built once (each raises on a bad tile): tiles_for runs in every served forward
+        # built once (each raises on a bad tile): GemmRows.tiles_for runs in every served forward
         object.__setattr__(self, "_gemm_tiles", GemmRows(tuple((r[0], ExpandTiles(*r[1:])) for r in rows)))
         object.__setattr__(self, "gemm_tiles", rows)
         shaped = tuple(tuple(r) for r in self.gemm_shapes)
@@ -199,19 +199,10 @@ class ServingTuning:
             return 0, False
         return self.side_max, bool(rows[0][2:] and rows[0][2])
 
-    def tiles_for(self, tokens: int) -> ExpandTiles:
-        """The kernel="gemm" tiles of ``gemm_tiles`` for a forward of ``tokens`` tokens (a layer's own: its
-        ``gemm_rows``)."""
-        return self._gemm_tiles.tiles_for(tokens)
-
-    def tiles_between(self, lo: int, hi: int) -> tuple:
-        """``GemmRows.tiles_between`` of ``gemm_tiles``."""
-        return self._gemm_tiles.tiles_between(lo, hi)
-
     def gemm_rows(self, d_in: int = 0, d_out: int = 0, n_loras: int = 1, rank: int = 0) -> "GemmRows":
         """The kernel="gemm" rows of a layer of base weight (d_in, d_out) with ``n_loras`` slots of rank ``rank``
         (the per-device buffer rank): its ``gemm_shapes`` rows (that shape's, or 0, 0's, with min_slot_rows <=
-        n_loras x rank), then ``gemm_tiles``."""
+        n_loras x rank), then ``gemm_tiles`` (no arguments: ``gemm_tiles`` alone, unless a 0, 0 row applies)."""
         own = tuple((r[3], ExpandTiles(*r[4:])) for r in self.gemm_shapes
                     if r[:2] in ((d_in, d_out), (0, 0)) and n_loras * rank >= r[2])
         return GemmRows(own + self._gemm_tiles.rows) if own else self._gemm_tiles
