@@ -168,7 +168,9 @@ def test_folded_expand_of_many_slots_one_dot_and_slot_loop(kernel):
     assert all_slots_block(1, 64, 16, 8) == 0 and all_slots_block(4, 64, 64, 8) == 256
     assert all_slots_block(4, 64, 64, 4) == 0 and _expand_warps(4, 64, 64, 4) == 8 and _expand_warps(4, 64, 16, 4) == 4
     assert all_slots_block(8, 64, 16, 4) == 512 and all_slots_block(8, 64, 64, 8) == 0
-    for block_n in (16, 64):  # 512 rank rows x 16 columns: one dot; x 64: past 8 warps' registers, the loop
+    # the H100's 16 x 32 one-warp rows (4 slots of rank 64): one dot, on 4 warps
+    assert all_slots_block(4, 64, 32, 8) == 256 and _expand_warps(4, 64, 32, 1) == 4
+    for block_n in (16, 32, 64):  # 512 rank rows x 16 or 32 columns: one dot; x 64: past 8 warps' registers: loop
         y = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel=kernel,
                                  tiles=ExpandTiles(16, block_n, 1), gemv_tiles=GemvTiles(block_n, 16, 2, 4, 1),
                                  options=K.KernelOptions(backend="triton")).out
@@ -335,7 +337,9 @@ def test_tuning_table_lookup_and_overrides():
     assert one.local_shrink and one.one_token and one == GemvTiles(*t.gemv_one_token_shapes[1][2:], True, True)
     assert t.gemv_one_token_tiles_for(4096, 768, (0, 512, 640, 768)) is not None
     assert t.gemv_one_token_tiles_for(4096, 7168) is None and g.gemv_one_token_tiles_for(7, 9) is None
-    assert t.gemv_one_token_tiles_for(4096, 3584) and h100.gemv_one_token_tiles_for(4096, 3584) is None  # measured
+    # measured per GPU: TP=8's gate_up pipelined on the H100 (3 stages), TP=4's down on the H100 only
+    assert t.gemv_one_token_tiles_for(4096, 3584).stages == 1 and h100.gemv_one_token_tiles_for(4096, 3584).stages == 3
+    assert t.gemv_one_token_tiles_for(3584, 4096) is None and h100.gemv_one_token_tiles_for(3584, 4096) is not None
     o1, _ = serving_tuning("cpu", override={"gemv_one_token_shapes": [[0, 0, 32, 16, 2, 1, 1]]})
     assert o1.fold_gemv_max == 0 and o1.gemv_one_token_tiles_for(7, 64) == GemvTiles(32, 16, 2, 1, 1, True, True)
     assert o1.gemv_one_token_tiles_for(7, 64, (0, 48, 64)) is None  # a tile would straddle the slices at 48
@@ -390,22 +394,31 @@ def test_tuning_table_lookup_and_overrides():
 def test_gemm_rows_per_layer_shape_and_slot_rows():
     """A layer's tiled-kernel rows: its shape's ``gemm_shapes`` rows where its slots hold at least min_slot_rows
     rank rows per slice, then ``gemm_tiles``. The Hopper tables give TP=4's four shapes with 4 slots of rank 64 (256
-    rows: measured) 32-token tiles from 17 to 128 tokens; one slot, TP=8's shapes and 8 slots of rank 32 keep the
-    table's rows."""
-    for name in TABLE:
+    rows: measured) their own tiles up to 128 tokens: the H200 16 x 64 to 16 tokens, then 32 x 64; the H100 (its
+    own sweep, 2026-11-28) 16 x 32 with one warp to 32 tokens (gate_up: 16), then 32 x 64 (o: 2 warps; gate_up 32 x
+    64 to 32 and 64 x 64 to 64). One slot, TP=8's shapes and 8 slots of rank 32 keep the table's rows."""
+    h200_rows = {shape: ((16, ExpandTiles(16, 64, 4)), (128, ExpandTiles(32, 64, 4)))
+                 for shape in ((4096, 1536), (1024, 4096), (4096, 7168), (3584, 4096))}
+    small, big = ExpandTiles(16, 32, 1), ExpandTiles(32, 64, 4)
+    h100_rows = {(4096, 1536): ((32, small), (128, big)), (1024, 4096): ((32, small), (128, ExpandTiles(32, 64, 2))),
+                 (3584, 4096): ((32, small), (128, big)),
+                 (4096, 7168): ((16, small), (32, big), (64, ExpandTiles(64, 64, 4)), (128, big))}
+    for name, own_rows in (("NVIDIA H200", h200_rows), ("NVIDIA H100 80GB HBM3", h100_rows)):
         t, _ = serving_tuning("cuda", name)
         table = t.gemm_rows()
-        for d_in, d_out in ((4096, 1536), (1024, 4096), (4096, 7168), (3584, 4096)):  # TP=4's qkv, o, gate_up, down
+        for (d_in, d_out), rows in own_rows.items():  # TP=4's qkv, o, gate_up, down
             four = t.gemm_rows(d_in, d_out, 4, 64)
-            assert four.tiles_for(1) == four.tiles_for(16) == ExpandTiles(16, 64, 4)
-            assert four.tiles_for(17) == four.tiles_for(64) == four.tiles_for(128) == ExpandTiles(32, 64, 4)
+            low = 1
+            for max_t, tiles in rows:  # each row serves its whole token range, from the row before's end
+                assert four.tiles_for(low) == four.tiles_for(max_t) == tiles, (name, d_in, d_out, max_t)
+                assert tiles in four.tiles_between(low, max_t)
+                low = max_t + 1
             assert four.tiles_for(1000) == table.tiles_for(1000) and four.tiles_for(10 ** 7) == table.tiles_for(10 ** 7)
-            assert t.gemm_rows(d_in, d_out, 8, 64).tiles_for(64) == ExpandTiles(32, 64, 4)
+            assert t.gemm_rows(d_in, d_out, 8, 64).tiles_for(64) == four.tiles_for(64)
             one = t.gemm_rows(d_in, d_out, 1, 64)
             assert one.tiles_for(64) == table.tiles_for(64) == ExpandTiles(16, 64, 4)
-            # the shadowed table row (16 x 64 up to 128 tokens) is never compiled for this layer
-            assert four.tiles_between(17, 128) == (ExpandTiles(32, 64, 4),)
-            assert ExpandTiles(16, 64, 4) in four.tiles_between(1, 128)
+            # the shadowed table row (16 x 64 up to 128 tokens) is never compiled for this layer's 17-128 tokens
+            assert ExpandTiles(16, 64, 4) not in four.tiles_between(rows[0][0] + 1, 128)
         assert t.gemm_rows(4096, 768, 8, 32).tiles_for(64) == ExpandTiles(16, 64, 4)  # TP=8's qkv: 256 rows, kept
         assert t.gemm_rows(512, 4096, 4, 32) is t.gemm_rows()  # no row of its own: the table's rows themselves
     o, _ = serving_tuning("cpu", override={"fold": True, "fold_gemm_max": 64, "gemm_tiles": [[64, 16, 32, 1]],

@@ -292,7 +292,7 @@ _H200 = MappingProxyType({
     # win (17.6 vs 18.0; H100 18.3 vs 20.1).
     "gemv_shared_max_rows": 128,
     # Stages 1: measured when a one-token K loop was never pipelined, whatever stages said (no tl.dot in it);
-    # 2-4 pipeline it since 2026-11-28, not yet measured.
+    # 2-4 pipeline it since 2026-11-28, measured on the H100 only (its entry below).
     "gemv_one_token_shapes": ((4096, 768, 32, 128, 8, 4, 1), (512, 4096, 16, 256, 1, 8, 1),
                               (4096, 3584, 64, 64, 8, 4, 1), (1792, 4096, 64, 64, 8, 4, 1),
                               (4096, 1536, 64, 64, 16, 4, 1), (1024, 4096, 128, 128, 4, 8, 1)),
@@ -315,9 +315,31 @@ TABLE: Mapping[str, Mapping] = MappingProxyType({
     # (TP=8 gate_up 16.0 vs 17.1 us at T=1, TP=4 down 16.0 vs 18.0 at T=16, level at T=1) and so does pdl. One
     # token (gemv_one_token_2026-11-25, H100): the same rows win but TP=8's gate_up (16.1 vs the shared-shrink
     # kernel's 16.0: that row stays) and down, whose best tiles differ (9.7 vs 10.2 us).
-    "NVIDIA H100 80GB HBM3": MappingProxyType({**_H200, "gemv_one_token_shapes": (
-        (4096, 768, 32, 128, 8, 4, 1), (512, 4096, 16, 256, 1, 8, 1), (1792, 4096, 32, 256, 1, 8, 1),
-        (4096, 1536, 64, 64, 16, 4, 1), (1024, 4096, 128, 128, 4, 8, 1))}),
+    # 2026-11-28, bench/results/serve/pipelined_one_token_2026-11-28 (H100, us per call, best of plain and pdl, two
+    # sweeps on two machines). One token, one slot: with the K loop pipelined, 64 x 64 split 8 at 3 stages wins
+    # TP=8's qkv (5.53-5.54; the old row 5.99, the tiled path 7.6) and 128 x 128 split 4 at 3 stages TP=8's gate_up
+    # (14.76-14.81; the shared-shrink row 16.8, the tiled path 16.4); unpipelined tiles still win where a program's
+    # K loop is short: TP=8's o (32 x 128: 3.61-3.66 vs 3.77) and down (16 x 256: 9.16-9.29 vs 9.55), TP=4's o
+    # (128 x 128 split 4: 6.26; stages 2-4 6.59-7.12), and TP=4's down gains a row (128 x 64 split 8: 14.97-15.05
+    # vs the tiled path's 15.82). TP=4's qkv is level at every stages (9.98-10.38); TP=4's gate_up stays off (26.95
+    # vs 26.38). Four slots of rank 64 (TP=4's shapes): 16 x 32 tiles with 1 warp win at 16 tokens on all four
+    # (qkv 15.38-15.61 vs 16.04-16.15 for 16 x 64, o 9.16-9.38 vs 9.59-10.09, gate_up 29.53-29.64 vs 29.81-29.90,
+    # down 17.90-17.92 vs 18.51-18.67) and at 32 on qkv, o and down (16.13 / 9.44 / 18.56 vs 32 x 64's 16.35 /
+    # 9.88 / 18.92); at 64, 32 x 64 (o: 2 warps, 9.68 vs 10.17) and on gate_up 64 x 64 (31.16-31.22 vs 32.33-32.42;
+    # at 32, 32 x 64: 30.39 vs 31.60).
+    "NVIDIA H100 80GB HBM3": MappingProxyType({
+        **_H200,
+        "gemv_one_token_shapes": (
+            (4096, 768, 64, 64, 8, 4, 3), (512, 4096, 32, 128, 1, 4, 1), (4096, 3584, 128, 128, 4, 8, 3),
+            (1792, 4096, 16, 256, 1, 8, 1), (4096, 1536, 64, 64, 16, 4, 1), (1024, 4096, 128, 128, 4, 8, 1),
+            (3584, 4096, 128, 64, 8, 8, 1)),
+        "gemm_shapes": (  # (d_in, d_out, min_slot_rows, max_tokens, block_m, block_n, warps)
+            (4096, 1536, 256, 32, 16, 32, 1), (4096, 1536, 256, 128, 32, 64, 4),
+            (1024, 4096, 256, 32, 16, 32, 1), (1024, 4096, 256, 128, 32, 64, 2),
+            (3584, 4096, 256, 32, 16, 32, 1), (3584, 4096, 256, 128, 32, 64, 4),
+            (4096, 7168, 256, 16, 16, 32, 1), (4096, 7168, 256, 32, 32, 64, 4), (4096, 7168, 256, 64, 64, 64, 4),
+            (4096, 7168, 256, 128, 32, 64, 4)),
+    }),
 })
 
 #: Unknown CUDA GPUs: the kernels are correct on any CUDA device; cut-offs of the measured Hopper parts, with vLLM's
