@@ -671,8 +671,9 @@ def test_serving_kernels_bench_maps_punica_tokens_to_slots():
 
 def test_profile_gpus_runs_commands_per_gpu_and_packs_each_as_it_finishes(tmp_path):
     """``profile_gpus.sh``: one list per GPU (a fake ``nvidia-smi`` reports two), a ``!`` run is a shell command with
-    CUDA_VISIBLE_DEVICES and RUN_DIR of its GPU; each GPU's folder is packed into OUT after every run and its summary
-    written there line by line (a call cut off at its limit keeps what was done); more lists than GPUs is refused."""
+    CUDA_VISIBLE_DEVICES and RUN_DIR of its GPU; each GPU's folder, its summary inside, is packed into OUT after
+    every run (a call cut off at its limit keeps what was done); OUT holds one archive per GPU and summary.txt and
+    nothing else (the device tool brings back 8 files); more lists than GPUs is refused."""
     import tarfile
 
     fake = tmp_path / "bin"
@@ -687,9 +688,10 @@ def test_profile_gpus_runs_commands_per_gpu_and_packs_each_as_it_finishes(tmp_pa
     assert r.returncode == 0, r.stderr
     summary = (out / "summary.txt").read_text()
     assert "gpu0 cmd1 rc=0" in summary and "gpu0 cmd2 rc=3" in summary and "gpu1 cmd1 rc=0" in summary
-    assert (out / "summary_gpu0.txt").exists() and not list(out.glob(".gpu*"))  # no half-written archive left
+    assert sorted(p.name for p in out.iterdir()) == ["gpu0.tar.gz", "gpu1.tar.gz", "summary.txt"]
     with tarfile.open(out / "gpu0.tar.gz") as t:
         assert t.extractfile("gpu0/a.txt").read() == b"gpu=0\n" and "gpu0/cmd2.log" in t.getnames()
+        assert b"gpu0 cmd2 rc=3" in t.extractfile("gpu0/summary.txt").read()
     with tarfile.open(out / "gpu1.tar.gz") as t:
         assert t.extractfile("gpu1/b.txt").read() == b"one\n"
     r = subprocess.run(["bash", script, str(tmp_path / "o2"), "a", "b", "c"], env=env, capture_output=True,

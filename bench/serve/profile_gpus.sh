@@ -10,8 +10,9 @@
 # RUN_DIR/cmdK.log and its exit status into the summary, so kernel sweeps and parity runs share the call (join
 # its steps with &&: ; separates runs).
 # Writes, as each run finishes (so a call cut off at its time limit still returns the runs done): OUT/gpuI.tar.gz
-# (GPU i's runs' json and log, folder gpuI/) and OUT/summary_gpuI.txt (one line per run); at the end
-# OUT/summary.txt (all of them).
+# (folder gpuI/: GPU i's runs' json and log, and summary.txt, one line per run); at the end OUT/summary.txt (all
+# GPUs' lines). So OUT holds one file per GPU plus one: the device tool brings back at most 8 files (4 GPUs with a
+# summary file each beside their archives was 9, and nothing past the 8th came back).
 set -u
 out=$1
 shift
@@ -23,6 +24,7 @@ mkdir -p "$out"
 pack() { tar czf "$out/.gpu$1.tar.gz" -C "$work" "gpu$1" && mv "$out/.gpu$1.tar.gz" "$out/gpu$1.tar.gz"; }
 i=0
 for list in "$@"; do
+  mkdir -p "$work/gpu$i"
   (
     export CUDA_VISIBLE_DEVICES=$i VLLM_CACHE_ROOT=/tmp/vllm-cache-gpu$i TRITON_CACHE_DIR=/tmp/triton-cache-gpu$i
     IFS=';' read -ra runs <<< "$list"
@@ -43,9 +45,9 @@ for list in "$@"; do
         pack $i
       done
     done
-  ) > "$out/summary_gpu$i.txt" 2>&1 &
+  ) > "$work/gpu$i/summary.txt" 2>&1 &
   i=$((i + 1))
 done
 wait
-cat "$out"/summary_gpu*.txt | tee "$out/summary.txt"
+for ((i = 0; i < $#; i++)); do pack $i; cat "$work/gpu$i/summary.txt"; done | tee "$out/summary.txt"
 rm -rf "$work"
