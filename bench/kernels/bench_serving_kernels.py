@@ -8,6 +8,8 @@ graph and replayed (launch gaps as vLLM's graphs have them):
 
     base          F.linear(x, W)                                            (the floor: no LoRA)
     gemm_w_ext    F.linear(x, [W; A])                                       (the folded GEMM alone)
+    gemm_rows     F.linear(x, W') with W' of d_out + E rows, E in ``--extra-rows`` (key gemm_rows_<E>): what E more
+                  rows under W cost cuBLAS (its tile and wave quantization), against base (E = 0) and gemm_w_ext
     fold_decode   F.linear(x, [W; A]) + decode_lora_folded(kernel="decode")  (T <= 64)
     fold_gemm     F.linear(x, [W; A]) + decode_lora_folded(kernel="gemm") per tile candidate (block_m, block_n, warps)
     fold_cublas   F.linear(x, [W; A]) + torch.addmm(h[:, :d_out], h[:, d_out:], B_bd) with the slot's B laid out
@@ -93,7 +95,7 @@ def gemv_kind(g) -> str:
     return "one_token" if g.one_token else "local" if g.local_shrink else "shared"
 
 
-PATHS = ("base", "gemm_w_ext", "fold_decode", "two_launch", "side_stream", "fold_gemm", "fold_cublas", "fold_gemv",
+PATHS = ("base", "gemm_w_ext", "gemm_rows", "fold_decode", "two_launch", "side_stream", "fold_gemm", "fold_cublas", "fold_gemv",
          "punica")
 
 
@@ -281,6 +283,8 @@ def main():
                     help="fold_gemv candidates timed: comma-separated subset of shared, local, one_token")
     ap.add_argument("--loras", type=int, default=1, help="LoRA slots per layer (--max-loras): token i uses slot "
                     "i mod L, one token the last slot")
+    ap.add_argument("--extra-rows", default="0,32,64,128,192,256,384,512",
+                    help="gemm_rows: the row counts E added under W (comma-separated)")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--nolora", action="store_true", help="at T=1 also time each fold_gemv family's best tiles on a "
                     "token without LoRA (keys <family>_nolora): the kernel's GEMV alone, against base (cuBLAS)")
@@ -305,6 +309,7 @@ def main():
     dev = torch.device("cuda")
     dt = torch.bfloat16
     toks = [int(t) for t in a.tokens.split(",") if t]
+    extra_rows = [int(e) for e in a.extra_rows.split(",") if e]
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
            "loras": a.loras, "rows": []}
     try:
@@ -396,6 +401,17 @@ def main():
                 if "gemm_w_ext" in paths:
                     row["gemm_w_ext"] = graph_us(run_wext)
                     timers["gemm_w_ext"] = run_wext
+
+                for extra in (extra_rows if "gemm_rows" in paths else ()):
+                    tall = [torch.randn(d_out + extra, d_in, device=dev, dtype=dt, generator=gen) * 0.02
+                            for _ in layers]  # one per layer, so each call streams its weight from HBM
+
+                    def run_rows(ws=tall):
+                        for w in ws:
+                            F.linear(x, w)
+
+                    row[f"gemm_rows_{extra}"] = graph_us(run_rows)
+                    del tall
 
                 def run_cublas():
                     for L in layers:
