@@ -31,7 +31,7 @@ for list in "$@"; do
     k=0
     for run in "${runs[@]}"; do
       if [[ $run =~ ^[[:space:]]*! ]]; then
-        k=$((k + 1)); mkdir -p "$work/gpu$i"
+        k=$((k + 1))
         RUN_DIR=$work/gpu$i bash -c "${run#*!}" > "$work/gpu$i/cmd$k.log" 2>&1
         echo "gpu$i cmd$k rc=$? ${run#*!}"; tail -3 "$work/gpu$i/cmd$k.log" | sed "s/^/gpu$i   /"
         pack $i
