@@ -309,7 +309,12 @@ def main():
     dev = torch.device("cuda")
     dt = torch.bfloat16
     toks = [int(t) for t in a.tokens.split(",") if t]
-    extra_rows = [int(e) for e in a.extra_rows.split(",") if e]
+    try:
+        extra_rows = [int(e) for e in a.extra_rows.split(",") if e]
+    except ValueError:
+        ap.error(f"--extra-rows: comma-separated row counts (e.g. 0,64,128), got {a.extra_rows!r}")
+    if any(e < 0 for e in extra_rows):
+        ap.error(f"--extra-rows: row counts >= 0, got {a.extra_rows!r}")
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
            "loras": a.loras, "rows": []}
     try:
