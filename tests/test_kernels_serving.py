@@ -40,6 +40,7 @@ CASES = [  # (ranks per slot, slice widths, tokens, d_in)
     ([8, 16, 0, 32, 5], [64, 32, 32], 9, 64),  # several slots, an empty one, ragged ranks
     ([8, 16, 0, 32, 5], [40, 72], 50, 32),  # two slices of widths that are no tile multiple
     ([4, 24], [48, 16, 16, 24], 23, 40),  # four slices (the most the kernels take)
+    ([38, 0, 40, 19], [48, 16, 16], 6, 48),  # a buffer rank of 40 (bdlora.max_rank 152 at TP=4: 38 in 40 rows)
 ]
 
 
@@ -204,7 +205,7 @@ def test_gemv_one_token_matches_float64_oracle(seed):
     the rank, not slots x rank): a token of any of 5 slots (ragged ranks, an empty one) or without LoRA, split-K or
     not, its K loop pipelined or not, equals the oracle, and equals the tl.dot kernel's result to fp32 rounding;
     more than one token runs the tl.dot kernel, bit for bit the same as without the flag."""
-    for ranks in ([8, 16, 0, 32, 5], [16]):
+    for ranks in ([8, 16, 0, 32, 5], [16], [38, 40, 0]):  # buffer ranks 32, 16 and 40 (no power of 2)
         folded, x, b, idx, rk, scales, offs, want = _oracle_case(400 + seed, ranks, [64, 32, 32], 1, 48,
                                                                  p_none=0.3)
         for split_k, stages in ((1, 1), (3, 3)):  # stages > 1: the K loop pipelined on a GPU (same sums)

@@ -245,7 +245,7 @@ def _wrap_create(orig_create):
         if tp != tp_size_of(cfg):
             raise BDLoraError(f"tensor-parallel group has {tp} ranks but the config says {tp_size_of(cfg)}")
         runtime = BDRuntime(tp_size=tp, tp_rank=tp_rank, min_nblocks=opts.min_nblocks,
-                            device_rank=device_rank(lora_config.max_lora_rank, tp, opts.min_nblocks))
+                            device_rank=device_rank(lora_config.max_lora_rank, tp, opts.min_nblocks, opts.max_rank))
         # This build's layer classes carry its state (buffer rank, fused decode): nothing global to set and reset.
         build = bd_layers.LayerBuild(rank=runtime.device_rank, fused=fused_decode_options(cfg))
         bd_classes = bd_layers.layer_classes(build)

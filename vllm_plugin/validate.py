@@ -46,9 +46,16 @@ class BDOptions:
     ``min_nblocks``: the smallest nblocks (dense adapters count as 1) the server must hold when nblocks is below the
     tensor-parallel degree. The per-device LoRA buffers have rank ``max_lora_rank / min(min_nblocks, tp)``; the
     default (``min_nblocks = tp``) makes them exactly ``1/tp`` of stock vLLM's.
+
+    ``max_rank``: the largest adapter rank r the server holds, where it is below ``--max-lora-rank`` (which vLLM
+    takes only from 1, 8, 16, 32, 64, 128, 256, 320, 512): the buffers then hold ``max_rank / min(min_nblocks, tp)``
+    ranks, rounded up to a multiple of ``DEVICE_RANK_MULTIPLE``, instead of ``max_lora_rank``'s share. A BD adapter of
+    r=152 at TP=4 (the parameter-matched rank of an r=64 LoRA on Llama-3.1-8B) needs ``--max-lora-rank 256``: 64 rows
+    per GPU, 26 of them zeros that every folded GEMM reads; with ``max_rank`` 152, 40.
     """
 
     min_nblocks: Optional[int] = None
+    max_rank: Optional[int] = None
 
 
 _ON = ("1", "true", "yes", "on")
@@ -83,13 +90,14 @@ def _config_switch(vllm_config: Any, key: str, known: tuple, example: str, int_k
 
 def bd_options(vllm_config: Any) -> Optional[BDOptions]:
     """The BD options of an engine config, or None when BD mode is off."""
-    value = _config_switch(vllm_config, CONFIG_KEY, ("min_nblocks",), "{'min_nblocks': 1}")
+    value = _config_switch(vllm_config, CONFIG_KEY, ("min_nblocks", "max_rank"), "{'min_nblocks': 1}")
     if value is None:
         return None
-    mn = value.get("min_nblocks")
-    if mn is not None and (isinstance(mn, bool) or not isinstance(mn, int) or mn < 1):
-        raise BDLoraError(f"additional_config['bdlora']['min_nblocks'] must be a positive integer, got {mn!r}")
-    return BDOptions(min_nblocks=mn)
+    for key in ("min_nblocks", "max_rank"):
+        v = value.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise BDLoraError(f"additional_config['bdlora']['{key}'] must be a positive integer, got {v!r}")
+    return BDOptions(min_nblocks=value.get("min_nblocks"), max_rank=value.get("max_rank"))
 
 
 @dataclass(frozen=True)
@@ -172,15 +180,26 @@ def tp_size_of(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
 
 
-def device_rank(max_lora_rank: int, tp_size: int, min_nblocks: Optional[int] = None) -> int:
+#: ``max_rank``'s per-device buffer rank is rounded up to this: rows of B (out x rank, bf16) start 16-byte aligned.
+DEVICE_RANK_MULTIPLE = 8
+
+
+def device_rank(max_lora_rank: int, tp_size: int, min_nblocks: Optional[int] = None,
+                max_rank: Optional[int] = None) -> int:
     """Rank of the per-device LoRA buffers in BD mode.
 
     An adapter of rank r with N blocks holds ``r / min(N, M)`` ranks on each of the M devices (M | N: N/M whole
     blocks; N | M: one block, shared). With ``max_lora_rank`` the largest r and ``min_nblocks`` the smallest N
-    served, that is at most ``max_lora_rank / min(min_nblocks, M)``.
+    served, that is at most ``max_lora_rank / min(min_nblocks, M)``; with ``max_rank`` (BDOptions) the largest r
+    instead, ``max_rank / min(min_nblocks, M)`` rounded up to a multiple of ``DEVICE_RANK_MULTIPLE``, never above
+    max_lora_rank's share.
     """
     m = min(min_nblocks or tp_size, tp_size)
-    return max(1, math.ceil(max_lora_rank / m))
+    share = max(1, math.ceil(max_lora_rank / m))
+    if max_rank is None:
+        return share
+    own = math.ceil(math.ceil(max_rank / m) / DEVICE_RANK_MULTIPLE) * DEVICE_RANK_MULTIPLE
+    return min(share, own)
 
 
 def local_rank_of(r: int, nblocks: int, tp_size: int) -> int:
@@ -190,7 +209,8 @@ def local_rank_of(r: int, nblocks: int, tp_size: int) -> int:
 
 def engine_device_rank(vllm_config: Any) -> int:
     opts = bd_options(vllm_config) or BDOptions()
-    return device_rank(vllm_config.lora_config.max_lora_rank, tp_size_of(vllm_config), opts.min_nblocks)
+    return device_rank(vllm_config.lora_config.max_lora_rank, tp_size_of(vllm_config), opts.min_nblocks,
+                       opts.max_rank)
 
 
 def check_vllm_version(version: Optional[str] = None) -> str:
@@ -230,6 +250,11 @@ def validate_engine_config(vllm_config: Any) -> None:
     if getattr(lora, "fully_sharded_loras", False):
         raise BDLoraError("--enable-bdlora and --fully-sharded-loras exclude each other: BD-LoRA shards the adapter "
                           "itself and needs no LoRA communication; drop --fully-sharded-loras")
+    max_lora_rank = int(getattr(lora, "max_lora_rank", 0) or 0)
+    if opts.max_rank is not None and max_lora_rank and opts.max_rank > max_lora_rank:
+        raise BDLoraError(f"additional_config['bdlora']['max_rank'] {opts.max_rank} is above --max-lora-rank "
+                          f"{max_lora_rank}; vLLM refuses adapters above --max-lora-rank, so raise it to at least "
+                          f"{opts.max_rank} (one of vLLM's values) or lower max_rank")
 
 
 # ----------------------------------------------------------------------------------------------- adapter checks
@@ -306,6 +331,7 @@ class EngineFacts:
     model_type: str
     num_kv_heads: Optional[int]
     config_shapes: tuple = ()  # ((leaf, (d_out, d_in)), ...) from the model config (config_module_shapes)
+    bd_max_rank: Optional[int] = None  # additional_config bdlora.max_rank
 
     @classmethod
     def of(cls, vllm_config: Any) -> "EngineFacts":
@@ -319,7 +345,8 @@ class EngineFacts:
         kv = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
         return cls(
             bd=opts is not None, tp_size=tp, max_lora_rank=max_rank,
-            device_rank=device_rank(max_rank, tp, opts.min_nblocks) if (opts and max_rank) else max_rank,
+            device_rank=device_rank(max_rank, tp, opts.min_nblocks, opts.max_rank) if (opts and max_rank) else max_rank,
+            bd_max_rank=opts.max_rank if opts else None,
             model_path=str(getattr(mc, "model", "") or ""), model_type=str(getattr(text, "model_type", "") or ""),
             num_kv_heads=int(kv) if kv else None,
             config_shapes=tuple(sorted(config_module_shapes(text).items())) if text is not None else (),
@@ -511,11 +538,18 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
     r_local = local_rank_of(cfg.r, n, m)
     if r_local > facts.device_rank:
         what = "a dense adapter (served as nblocks=1)" if not cfg.is_bd else f"nblocks={n}"
+        mr = facts.bd_max_rank
+        if mr is None:
+            sized = f"max_lora_rank {facts.max_lora_rank} / min(min_nblocks, tp)"
+            fix = f"'{{\"bdlora\": {{\"min_nblocks\": {n}}}}}' or a larger --max-lora-rank"
+        else:
+            sized = f"bdlora.max_rank {mr} / min(min_nblocks, tp), rounded up to a multiple of {DEVICE_RANK_MULTIPLE}"
+            fix = (f"'{{\"bdlora\": {{\"max_rank\": {cfg.r}}}}}'" if cfg.r > mr else
+                   f"'{{\"bdlora\": {{\"max_rank\": {mr}, \"min_nblocks\": {n}}}}}'")
         raise BDLoraError(
             f"{path}: {what} with r={cfg.r} needs rank {r_local} on each of the {m} devices, but BD mode sized the "
-            f"per-device LoRA buffers for rank {facts.device_rank} (= max_lora_rank {facts.max_lora_rank} / "
-            f"min(min_nblocks, tp)). Restart with --additional-config '{{\"bdlora\": {{\"min_nblocks\": {n}}}}}' "
-            f"or a larger --max-lora-rank"
+            f"per-device LoRA buffers for rank {facts.device_rank} (= {sized}). Restart with --additional-config "
+            f"{fix}"
         )
     shapes = _read_header(weights)
     keys = list(shapes)

@@ -277,6 +277,9 @@ def main():
     ap.add_argument("--modules", default="qkv,o,gate_up,down", help="comma-separated subset of qkv, o, gate_up, down")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--adapter-rank", type=float, default=0.6, help="adapter rank as a fraction of the buffer rank")
+    ap.add_argument("--buffer-rank", default="", help="SHAPE=R,...: that shape's buffer rank R instead of max_lora_rank "
+                    "256 / TP (additional_config bdlora.max_rank: 152 gives tp4=40,tp8=24); the adapter keeps the "
+                    "rank --adapter-rank gives at the default buffer, at most R")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
     ap.add_argument("--fold-tiles", default="all", help="fold_gemm tiles: all (TILES) or one 'bm,bn,warps'")
     ap.add_argument("--gemv-kinds", default="shared,local,one_token",
@@ -299,6 +302,12 @@ def main():
         ap.error(f"--paths: unknown {sorted(paths - set(PATHS))}; known: {PATHS}")
     if a.loras < 1:
         ap.error("--loras: at least 1 slot")
+    try:
+        buffer_rank = {k: int(v) for k, v in (kv.split("=") for kv in a.buffer_rank.split(",") if kv)}
+    except ValueError:
+        ap.error(f"--buffer-rank: SHAPE=R pairs (e.g. tp4=40,tp8=24), got {a.buffer_rank!r}")
+    if set(buffer_rank) - set(SHAPES) or any(r < 1 for r in buffer_rank.values()):
+        ap.error(f"--buffer-rank: shapes of {sorted(SHAPES)} and ranks >= 1, got {a.buffer_rank!r}")
     if a.loras > 1:  # this one times one slot's factors only
         paths -= {"fold_cublas"}
     fold_tiles = TILES if a.fold_tiles == "all" else [tuple(int(v) for v in a.fold_tiles.split(","))]
@@ -335,8 +344,8 @@ def main():
         print(json.dumps(res["check"]), flush=True)
     for shape in a.shapes.split(","):
         spec = SHAPES[shape]
-        R = spec["rank"]
-        r_used = max(1, int(R * a.adapter_rank))
+        R = buffer_rank.get(shape, spec["rank"])
+        r_used = min(R, max(1, int(spec["rank"] * a.adapter_rank)))
         for mod in [m for m in ("qkv", "o", "gate_up", "down") if m in a.modules.split(",")]:
             d_in, outs = spec[mod]
             n_s, d_out = len(outs), sum(outs)

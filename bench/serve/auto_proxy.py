@@ -149,10 +149,13 @@ def ttft_ms(llm, lora, n_req, length, vocab=V):
 ENGINES = ("base", "lora", "bd", "bd_fold", "bd_fused", "bd_stock")
 
 
-def engine_setup(only: str, sh, root: Path, adapters: int = 1, tuning=None, mem: float = 0.45) -> tuple:
+def engine_setup(only: str, sh, root: Path, adapters: int = 1, tuning=None, mem: float = 0.45,
+                 bd_options=None) -> tuple:
     """(vLLM ``LLM`` keyword arguments, the LoRA requests or None) of engine ``only`` (``ENGINES``: see the module
     docstring) at shape ``sh``, its adapters written under ``root``; ``tuning``: a dict of bdlora.kernels.tuning keys
-    replacing the device's entry (bd only). ValueError for an unknown engine or a tuning outside bd."""
+    replacing the device's entry (bd only); ``bd_options``: ``additional_config["bdlora"]`` settings (e.g.
+    ``{"max_rank": 38}``: buffers of rank 40 for the rank-38 adapters). ValueError for an unknown engine or a tuning
+    or options outside bd."""
     from vllm.lora.request import LoRARequest
 
     if only not in ENGINES:
@@ -161,6 +164,8 @@ def engine_setup(only: str, sh, root: Path, adapters: int = 1, tuning=None, mem:
               max_num_batched_tokens=8192, gpu_memory_utilization=mem, enable_prefix_caching=False)
     if tuning is not None and only != "bd":
         raise ValueError("--tuning applies to the auto mode (--only bd)")
+    if bd_options and not only.startswith("bd"):
+        raise ValueError("--bd-options applies to the bd engines")
     if only == "base":
         return kw, None
     if only == "lora":
@@ -168,7 +173,7 @@ def engine_setup(only: str, sh, root: Path, adapters: int = 1, tuning=None, mem:
         return kw, [LoRARequest(f"r64_{i}", 1 + i, str(write_adapter(root, f"lora64_{i}", 64, False, sh, seed=i)))
                     for i in range(adapters)]
     mode = only[3:] or "auto"
-    extra = {"bdlora": True}
+    extra = {"bdlora": dict(bd_options) if bd_options else True}
     if mode == "fold":
         extra["bdlora_fused_decode"] = {"fold_shrink": True}
     elif mode == "fused":
@@ -216,6 +221,8 @@ def main():
     ap.add_argument("--mem", type=float, default=0.45, help="gpu_memory_utilization (0.28 for three engines)")
     ap.add_argument("--tuning", default=None, help="bd engines: a JSON dict of bdlora.kernels.tuning keys replacing "
                     "the device's table entry's (e.g. '{\"fold_gemv_max\": 0}'), recorded as tuning_override")
+    ap.add_argument("--bd-options", default=None, help="bd engines: a JSON dict of additional_config['bdlora'] "
+                    "settings (e.g. '{\"max_rank\": 38}'), recorded as bd_options")
     ap.add_argument("--label", default=None, help="the engine's name in the result (default: --only)")
     ap.add_argument("--adapters", type=int, default=1,
                     help="LoRA engines: --max-loras and distinct adapters; request i of a batch uses adapter i mod N")
@@ -238,11 +245,14 @@ def main():
            "engine": a.label or a.only, "adapters": a.adapters, "rows": []}
     tuning = json.loads(a.tuning) if a.tuning else None
     try:
-        kw, lora = engine_setup(a.only, sh, root, a.adapters, tuning, a.mem)
+        kw, lora = engine_setup(a.only, sh, root, a.adapters, tuning, a.mem,
+                                json.loads(a.bd_options) if a.bd_options else None)
     except ValueError as e:
         ap.error(str(e))
     if tuning is not None:
         res["tuning_override"] = tuning
+    if a.bd_options:
+        res["bd_options"] = json.loads(a.bd_options)
     try:
         import vllm
 

@@ -2,7 +2,8 @@
 # Step profiles (bench/serve/step_profile.py, --adapters 4, 64 steps) of one shard shape and batch, one engine per
 # configuration, one after another, on the GPU machine after `source bench/serve/gpu_env.sh`:
 #   bash bench/serve/side_defer_profile.sh SHAPE BATCH OUT CONFIG...
-# CONFIG: base | bd | NAME=JSON (bd with that tuning override, e.g. side_shapes rows whose defer entry is 1).
+# CONFIG: base | bd | lora | NAME=JSON (bd with that tuning override, e.g. side_shapes rows whose defer entry is 1) |
+# NAME@JSON[=JSON] (bd with those additional_config["bdlora"] settings, e.g. r40@{"max_rank":38}, and that tuning).
 # Writes OUT/step_SHAPE_bBATCH_NAME_a4.json and .log; prints GPU busy ms per step and the unprofiled generate ms.
 set -u
 shape=$1 batch=$2 out=$3
@@ -10,7 +11,9 @@ shift 3
 mkdir -p "$out"
 for cfg in "$@"; do
   case $cfg in
-    base|bd) name=$cfg; args=(--only "$cfg") ;;
+    base|bd|lora) name=$cfg; args=(--only "$cfg") ;;
+    *@*=*) name=${cfg%%@*}; rest=${cfg#*@}; args=(--only bd --bd-options "${rest%%=*}" --tuning "${rest#*=}") ;;
+    *@*) name=${cfg%%@*}; args=(--only bd --bd-options "${cfg#*@}") ;;
     *=*) name=${cfg%%=*}; args=(--only bd --tuning "${cfg#*=}") ;;
     *) echo "bad config $cfg"; exit 2 ;;
   esac

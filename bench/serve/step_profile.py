@@ -169,6 +169,8 @@ def main():
                     "request i uses adapter i mod N (as auto_proxy.py --adapters)")
     ap.add_argument("--tuning", default=None, help="bd: a JSON dict of bdlora.kernels.tuning keys replacing the "
                     "device's table entry's (as auto_proxy.py --tuning)")
+    ap.add_argument("--bd-options", default=None, help="bd: a JSON dict of additional_config['bdlora'] settings "
+                    "(e.g. '{\"max_rank\": 38}', as auto_proxy.py --bd-options)")
     ap.add_argument("--out", default="prof.json")
     ap.add_argument("--ab-direct", type=int, default=0, metavar="ROUNDS",
                     help="with --time-only: ROUNDS pairs of generates in this one engine, bdlora's direct launches "
@@ -192,7 +194,8 @@ def main():
     model = P.write_model(root, sh)
     try:
         kw, lora = P.engine_setup(a.only, sh, root, adapters=a.adapters,
-                                  tuning=json.loads(a.tuning) if a.tuning else None)
+                                  tuning=json.loads(a.tuning) if a.tuning else None,
+                                  bd_options=json.loads(a.bd_options) if a.bd_options else None)
     except ValueError as e:
         ap.error(str(e))
     lora = P.per_request(lora, a.batch)
@@ -206,7 +209,8 @@ def main():
         llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
         plain.append(time.perf_counter() - t0)
     res = {"device": P.device_name(), "shape": a.shape, "engine": a.only, "batch": a.batch, "adapters": a.adapters,
-           "prompt_len": a.prompt_len, "steps": a.steps, "generate_ms_unprofiled": round(1000 * min(plain), 2),
+           "prompt_len": a.prompt_len, "steps": a.steps, "bd_options": json.loads(a.bd_options) if a.bd_options else None,
+           "generate_ms_unprofiled": round(1000 * min(plain), 2),
            "generate_ms_unprofiled_runs": [round(1000 * v, 2) for v in plain]}
     if "bdlora.kernels.launch" in sys.modules:  # bdlora's Triton launches: direct (kept kernels) or through Triton
         from bdlora.kernels.launch import LAUNCHES
