@@ -66,17 +66,17 @@ def build(root: Path) -> tuple[Path, dict]:
 
 
 def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int, fused=None,
-             tie_tol: float = 0.0) -> dict:
+             tie_tol: float = 0.0, max_lora_rank: int = 16, bd_options=None) -> dict:
     from vllm.lora.request import LoRARequest
 
     from bdlora.vllm_plugin import diagnostics as D
     from bench.serve import harness as T
 
-    extra = {"bdlora": True}
+    extra = {"bdlora": dict(bd_options) if bd_options else True}
     if fused is not None:
         extra["bdlora_fused_decode"] = fused
     t0 = time.time()
-    llm = T.start_llm(model, tensor_parallel_size=tp, enable_lora=True, max_lora_rank=16,
+    llm = T.start_llm(model, tensor_parallel_size=tp, enable_lora=True, max_lora_rank=max_lora_rank,
                       max_loras=len(adapters) + 1, additional_config=extra, enforce_eager=eager,
                       dtype=dtype, gpu_memory_utilization=0.3)
     startup = time.time() - t0
@@ -169,6 +169,10 @@ def main(argv=None) -> int:
     p.add_argument("--auto-tuning", default=None,
                    help="with --auto: JSON of bdlora.kernels.tuning.ServingTuning keys replacing the table's, e.g. "
                         "small cut-offs so that the tiny model's batches take every path")
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--bd-options", default=None,
+                   help="JSON of additional_config['bdlora'] settings, e.g. '{\"max_rank\": 20}' with --max-lora-rank "
+                        "32: buffers of rank 24 (no power of 2) for the adapters of rank 8 and 16")
     args = p.parse_args(argv)
     import torch
 
@@ -200,11 +204,13 @@ def main(argv=None) -> int:
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bdlora-gpu-parity-"))
     model, adapters = build(root)
     report = {"vllm": vllm.__version__, "tp": args.tp, "dtype": args.dtype, "workdir": str(root), "modes": [],
+              "max_lora_rank": args.max_lora_rank, "bd_options": json.loads(args.bd_options) if args.bd_options else None,
               "fused_decode": fused}
     ok = True
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         try:
-            res = run_mode(model, adapters, args.tp, mode == "eager", args.dtype, args.max_tokens, fused, args.tol)
+            res = run_mode(model, adapters, args.tp, mode == "eager", args.dtype, args.max_tokens, fused, args.tol,
+                           args.max_lora_rank, json.loads(args.bd_options) if args.bd_options else None)
         except Exception as e:  # keep the other mode's result; the report says what broke
             res = {"eager": mode == "eager", "error": f"{type(e).__name__}: {e}"[:2000], "pass": False}
             print(f"[{mode}] ERROR {res['error'][:500]} -> FAIL", flush=True)

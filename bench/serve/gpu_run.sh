@@ -3,8 +3,8 @@
 #
 #   bash bench/serve/gpu_run.sh PRESET [extra bench.serve.sweep args ...]
 #
-# Needs, on this machine: the vLLM bundle extracted in /tmp/site, or /tmp/stage/part.00 (staged by the previous call)
-# plus .vllm_bundle/p2 carried in this one (then it is extracted here). Writes into $OUT (at most 8 files come back):
+# Needs, on this machine: the vLLM bundle extracted in /tmp/site, or its first parts staged by the previous calls plus
+# its last carried in this one (then it is extracted here; bench/serve/gpu_env.sh). Writes into $OUT (at most 8 files come back):
 #   serve_PRESET.tar.gz  all results (LLMPerf JSON per server x load, server.json with errors/log tails, results.csv);
 #                        unpack with: mkdir -p bench/results/serve/PRESET && tar xzf serve_PRESET.tar.gz -C bench/results/serve/PRESET
 #   sweep_PRESET.log     the sweep's log;  table_PRESET.md  the markdown table;  results_PRESET.csv

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Device call 1 (4 GPUs; also the staging call): kernels at the buffer ranks bdlora.max_rank gives (TP=4: 40, TP=8:
+# Device call 1 (4 GPUs; also the first staging call: carry .vllm_bundle/p1): kernels at the buffer ranks bdlora.max_rank gives (TP=4: 40, TP=8:
 # 24, for the proxy's rank-38 / rank-19 adapters) beside the buffer ranks of max_lora_rank (64, 32), GPU beside GPU.
 # Writes OUT/call1.tar.gz (r/: every json and log).
 set -u
 out=$1
-r=/tmp/r && mkdir -p $r
+r=/tmp/r && mkdir -p $r /tmp/stage && cp .vllm_bundle/p*/part.* /tmp/stage/
 export PYTHONPATH=$PWD
 K="python3 bench/kernels/bench_serving_kernels.py"
 run() { gpu=$1 name=$2; shift 2; CUDA_VISIBLE_DEVICES=$gpu timeout 500 $K "$@" --out $r/$name.json > $r/$name.log 2>&1; echo "$name rc=$?" >> $r/rc.txt; }
