@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Step profiles (bench/serve/step_profile.py, --adapters 4, 64 steps) of one shard shape and batch, one engine per
+# Step profiles (bench/serve/step_profile.py, --adapters $ADAPTERS (default 4), 64 steps) of one shard shape and batch, one engine per
 # configuration, one after another, on the GPU machine after `source bench/serve/gpu_env.sh`:
 #   bash bench/serve/side_defer_profile.sh SHAPE BATCH OUT CONFIG...
 # CONFIG: base | bd | lora | NAME=JSON (bd with that tuning override, e.g. side_shapes rows whose defer entry is 1) |
 # NAME@JSON[=JSON] (bd with those additional_config["bdlora"] settings, e.g. r40@{"max_rank":38}, and that tuning).
-# Writes OUT/step_SHAPE_bBATCH_NAME_a4.json and .log; prints GPU busy ms per step and the unprofiled generate ms.
+# Writes OUT/step_SHAPE_bBATCH_NAME_aADAPTERS.json and .log; prints GPU busy ms per step and the unprofiled generate ms.
 set -u
-shape=$1 batch=$2 out=$3
+shape=$1 batch=$2 out=$3 adapters=${ADAPTERS:-4}
 shift 3
 mkdir -p "$out"
 for cfg in "$@"; do
@@ -17,10 +17,10 @@ for cfg in "$@"; do
     *=*) name=${cfg%%=*}; args=(--only bd --tuning "${cfg#*=}") ;;
     *) echo "bad config $cfg"; exit 2 ;;
   esac
-  res="$out/step_${shape}_b${batch}_${name}_a4"
-  timeout 290 python3 bench/serve/step_profile.py --shape "$shape" --batch "$batch" --steps 64 --adapters 4 \
+  res="$out/step_${shape}_b${batch}_${name}_a${adapters}"
+  timeout 290 python3 bench/serve/step_profile.py --shape "$shape" --batch "$batch" --steps 64 --adapters "$adapters" \
     "${args[@]}" --out "$res.json" > "$res.log" 2>&1
   rc=$?
-  echo "$shape b$batch $name rc=$rc $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("busy/step", d["busy_per_step_ms"], "generate", d["generate_ms_unprofiled"])' "$res.json" 2>/dev/null)"
+  echo "$shape b$batch a$adapters $name rc=$rc $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("busy/step", d["busy_per_step_ms"], "generate", d["generate_ms_unprofiled"])' "$res.json" 2>/dev/null)"
   [ $rc -eq 0 ] || tail -5 "$res.log"
 done
