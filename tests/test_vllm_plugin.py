@@ -138,7 +138,7 @@ def test_engine_config_checks_max_rank(tiny_llama_dir):
         config({"max_ranks": 152})
     from bdlora.vllm_plugin.validate import engine_device_rank
 
-    assert engine_device_rank(config({"max_rank": 38})) == 40 and engine_device_rank(config(True)) == 64
+    assert engine_device_rank(config({"max_rank": 38})) == 48 and engine_device_rank(config(True)) == 64
 
 
 def test_device_rank_sizing():
@@ -147,10 +147,10 @@ def test_device_rank_sizing():
     assert device_rank(16, 2) == 8 and device_rank(16, 1) == 16 and device_rank(64, 4) == 16
     assert device_rank(16, 4, min_nblocks=2) == 8 and device_rank(16, 4, min_nblocks=1) == 16
     # bdlora.max_rank: the largest adapter r instead of max_lora_rank (vLLM's 256 for a BD r=152), per device
-    # rounded up to 8 rows, never above max_lora_rank's share
-    assert device_rank(256, 4, max_rank=152) == 40 and device_rank(256, 8, max_rank=152) == 24
-    assert device_rank(256, 1, max_rank=152) == 152 and device_rank(32, 1, max_rank=20) == 24
-    assert device_rank(256, 4, min_nblocks=1, max_rank=152) == 152 and device_rank(16, 2, max_rank=16) == 8
+    # rounded up to 16 rows, never above max_lora_rank's share
+    assert device_rank(256, 4, max_rank=152) == 48 and device_rank(256, 8, max_rank=152) == 32
+    assert device_rank(256, 1, max_rank=152) == 160 and device_rank(64, 1, max_rank=40) == 48
+    assert device_rank(256, 4, min_nblocks=1, max_rank=152) == 160 and device_rank(16, 2, max_rank=16) == 8
     assert device_rank(64, 4, max_rank=60) == 16  # 15 -> 16 = the share
     # M | N: each device holds N/M whole blocks; N | M: one block, shared.
     assert local_rank_of(16, 4, 2) == 8 and local_rank_of(16, 2, 4) == 8 and local_rank_of(8, 1, 2) == 8
@@ -263,17 +263,23 @@ def test_frontend_refusals_unit(vllm_adapters, tiny_llama_dir, tmp_path):
     with pytest.raises(BDLoraError, match=r"needs rank 16 on each of the 2 devices.*min_nblocks"):
         validate_adapter(str(vllm_adapters["dense_r16"]), cfg_tp2)
     validate_adapter(str(vllm_adapters["dense_r16"]), _fake_config(tiny_llama_dir, tp=2, min_nblocks=1))
-    # bdlora.max_rank sizes the buffers (16 at TP=2 with 8 per device): an adapter above it is refused naming
-    # max_rank and the value to restart with; below it, one that needs more blocks than it has names min_nblocks.
-    cfg_mr = _fake_config(tiny_llama_dir, tp=2, max_rank=64, bd_max_rank=16)
+    # bdlora.max_rank sizes the buffers (32 at TP=2: 16 per device, a multiple of 16): an adapter above it is refused
+    # naming max_rank and the value to restart with; within it, one that needs more blocks than it has names
+    # min_nblocks (and keeps max_rank).
+    from peft import LoraConfig
+
+    from bench.serve.harness import make_peft_adapter
+
+    dense_r32 = make_peft_adapter(tiny_llama_dir, tmp_path / "dense_r32", LoraConfig(
+        r=32, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]), seed=5)
+    cfg_mr = _fake_config(tiny_llama_dir, tp=2, max_rank=64, bd_max_rank=32)
     validate_adapter(str(vllm_adapters["bd2_r16"]), cfg_mr)
-    with pytest.raises(BDLoraError, match=r"needs rank 16 on each of the 2 devices.*rank 8 \(= bdlora.max_rank 16 "
-                       r".*'\{\"bdlora\": \{\"max_rank\": 16, \"min_nblocks\": 1\}\}'"):
-        validate_adapter(str(vllm_adapters["dense_r16"]), cfg_mr)
-    with pytest.raises(BDLoraError, match=r"needs rank 16 on each of the 1 devices.* for rank 8 .*"
-                       r"'\{\"bdlora\": \{\"max_rank\": 16\}\}'"):
-        validate_adapter(str(vllm_adapters["bd2_r16"]), _fake_config(tiny_llama_dir, tp=1, max_rank=64,
-                                                                     bd_max_rank=8))
+    with pytest.raises(BDLoraError, match=r"needs rank 32 on each of the 2 devices.*rank 16 \(= bdlora.max_rank 32 "
+                       r".*'\{\"bdlora\": \{\"max_rank\": 32, \"min_nblocks\": 1\}\}'"):
+        validate_adapter(str(dense_r32), cfg_mr)
+    with pytest.raises(BDLoraError, match=r"needs rank 32 on each of the 1 devices.* for rank 16 .*"
+                       r"'\{\"bdlora\": \{\"max_rank\": 32\}\}'"):
+        validate_adapter(str(dense_r32), _fake_config(tiny_llama_dir, tp=1, max_rank=64, bd_max_rank=16))
     # Rank above --max-lora-rank.
     with pytest.raises(BDLoraError, match="larger than --max-lora-rank 8"):
         validate_adapter(str(vllm_adapters["bd2_r16"]), _fake_config(tiny_llama_dir, tp=2, max_rank=8))
@@ -455,8 +461,8 @@ def test_tp1_stock_mode_refuses_bd_and_counts_sharded_collectives(bd_llm, tiny_l
 
 
 def test_tp1_max_rank_sizes_buffers_to_the_adapters(bd_llm, tiny_llama_dir, vllm_adapters, tmp_path):
-    """``bdlora.max_rank`` 20 under --max-lora-rank 32: buffers of rank 24 (20 rounded up to 8), not 32. Adapters of
-    rank 20 and 24 (the whole buffer) and one of rank 8 in one batch match HF + PEFT; one of rank 32 is refused with
+    """``bdlora.max_rank`` 40 under --max-lora-rank 64: buffers of rank 48 (40 rounded up to 16), not 64. Adapters of
+    rank 40 and 48 (the whole buffer) and one of rank 8 in one batch match HF + PEFT; one of rank 64 is refused with
     the max_rank to restart with, and the engine keeps serving."""
     from vllm.lora.request import LoRARequest
 
@@ -466,22 +472,22 @@ def test_tp1_max_rank_sizes_buffers_to_the_adapters(bd_llm, tiny_llama_dir, vllm
     T.stop_llm(bd_llm)  # one in-process engine at a time
     dirs = {f"bd2_r{r}": make_peft_adapter(tiny_llama_dir, tmp_path / f"bd2_r{r}",
                                            BDLoraSpec(nblocks=2, r=r, lora_alpha=16).to_peft_config(), seed=r)
-            for r in (20, 24, 32)}
+            for r in (40, 48, 64)}
     dirs["dense_r8"] = vllm_adapters["dense_r8"]
     ids = {name: i + 1 for i, name in enumerate(dirs)}
     req = lambda n: None if n is None else LoRARequest(n, ids[n], str(dirs[n]))  # noqa: E731
-    llm = T.start_llm(tiny_llama_dir, env=INPROC, enable_lora=True, max_lora_rank=32, max_loras=3,
-                      additional_config={"bdlora": {"max_rank": 20}})
+    llm = T.start_llm(tiny_llama_dir, env=INPROC, enable_lora=True, max_lora_rank=64, max_loras=3,
+                      additional_config={"bdlora": {"max_rank": 40}})
     try:
-        jobs = [(PROMPTS[0], "bd2_r20"), (PROMPTS[1], "bd2_r24"), (PROMPTS[2], "dense_r8"), (PROMPTS[1], None)]
+        jobs = [(PROMPTS[0], "bd2_r40"), (PROMPTS[1], "bd2_r48"), (PROMPTS[2], "dense_r8"), (PROMPTS[1], None)]
         rows = T.assert_parity(llm, tiny_llama_dir, [(p, req(n)) for p, n in jobs],
                                [dirs[n] if n else None for _, n in jobs], TOL)
         assert rows[0]["tokens"] != rows[-1]["tokens"]
-        mem = llm.collective_rpc(D.lora_memory, args=(ids["bd2_r20"],))[0]
-        assert mem["buffer_ranks"] == [24], mem
-        with pytest.raises(ValueError, match=r"needs rank 32 .* for rank 24 .*\{\"max_rank\": 32\}"):
-            T.generate_mixed(llm, [(PROMPTS[0], req("bd2_r32"))])
-        T.assert_parity(llm, tiny_llama_dir, [(PROMPTS[2], req("bd2_r20"))], [dirs["bd2_r20"]], TOL)
+        mem = llm.collective_rpc(D.lora_memory, args=(ids["bd2_r40"],))[0]
+        assert mem["buffer_ranks"] == [48], mem
+        with pytest.raises(ValueError, match=r"needs rank 64 .* for rank 48 .*\{\"max_rank\": 64\}"):
+            T.generate_mixed(llm, [(PROMPTS[0], req("bd2_r64"))])
+        T.assert_parity(llm, tiny_llama_dir, [(PROMPTS[2], req("bd2_r40"))], [dirs["bd2_r40"]], TOL)
     finally:
         T.stop_llm(llm)
 

@@ -51,7 +51,7 @@ class BDOptions:
     takes only from 1, 8, 16, 32, 64, 128, 256, 320, 512): the buffers then hold ``max_rank / min(min_nblocks, tp)``
     ranks, rounded up to a multiple of ``DEVICE_RANK_MULTIPLE``, instead of ``max_lora_rank``'s share. A BD adapter of
     r=152 at TP=4 (the parameter-matched rank of an r=64 LoRA on Llama-3.1-8B) needs ``--max-lora-rank 256``: 64 rows
-    per GPU, 26 of them zeros that every folded GEMM reads; with ``max_rank`` 152, 40.
+    per GPU, 26 of them zeros that every folded GEMM reads; with ``max_rank`` 152, 48.
     """
 
     min_nblocks: Optional[int] = None
@@ -180,8 +180,11 @@ def tp_size_of(vllm_config: Any) -> int:
     return int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
 
 
-#: ``max_rank``'s per-device buffer rank is rounded up to this: rows of B (out x rank, bf16) start 16-byte aligned.
-DEVICE_RANK_MULTIPLE = 8
+#: ``max_rank``'s per-device buffer rank is rounded up to this. Triton specializes integer arguments divisible by 16,
+#: so at such a rank the kernels' B rows and rank masks load as vectors; at 40 or 24 (multiples of 8 only) they load
+#: element by element, and the expand took up to 2 us more per call than at 64 (H200, 4 slots,
+#: bench/results/serve/max_rank_2026-11-28).
+DEVICE_RANK_MULTIPLE = 16
 
 
 def device_rank(max_lora_rank: int, tp_size: int, min_nblocks: Optional[int] = None,
