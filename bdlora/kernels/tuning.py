@@ -260,13 +260,21 @@ _H200 = MappingProxyType({
     "fold": True, "fold_decode_max": 0, "fold_gemm_max": UNLIMITED, "two_launch_max": 8,
     "gemm_tiles": ((128, 16, 64, 4), (256, 32, 64, 4), (2048, 64, 64, 4), (UNLIMITED, 32, 128, 4)),
     # bench/results/serve/slot_expand_2026-11-27 (H100 and H200, TP=4's shapes, 4 slots of rank 64 per GPU, us per
-    # call): 32-token tiles beat 16 at 64 tokens on all four modules (H100, the one-dot kernels: qkv 16.7 vs 17.4, o
-    # 12.7 vs 13.7, gate_up 35.1 vs 38.9, down 20.9 vs 21.7; H200 and the kernels before: 0.6-2.4 us), and at 32 with
-    # 4 and 8 slots on qkv (wide_fold_2026-11-27, H100); 16 still wins at 16 tokens. One slot (128 rows fewer) and
-    # TP=8's shapes (rank 32; fewer column tiles, so fewer programs) keep 16 (within 0.3 us, or 16 faster).
-    "gemm_shapes": tuple((d_in, d_out, 256, max_t, block_m, 64, 4)
-                         for d_in, d_out in ((4096, 1536), (1024, 4096), (4096, 7168), (3584, 4096))
-                         for max_t, block_m in ((16, 16), (128, 32))),
+    # call): 32-token tiles beat 16 at 64 tokens on all four modules; one slot (128 rows fewer) and TP=8's shapes
+    # (rank 32; fewer column tiles, so fewer programs) keep 16 (within 0.3 us, or 16 faster).
+    # bench/results/serve/max_rank_2026-11-28/call5 (H200, 4 slots of rank 64, the one-dot expand, us per call):
+    # 16 x 32 on one warp wins at 16 tokens (qkv 13.52 vs 14.24 for 16 x 64, o 8.10 vs 8.80, down 14.35 vs 14.91);
+    # at 32, 16 x 64 (gate_up 32 x 64 on 2 warps: 23.67 vs 23.88); at 64, 32 x 64 (o on 2 warps) and gate_up 64 x
+    # 64 (24.72 vs 25.69); at 128, 64 x 64 on all four (o 10.02 vs 11.21 for 32 x 64, gate_up 28.79 vs 30.51, down
+    # 17.39 vs 18.46).
+    "gemm_shapes": (  # (d_in, d_out, min_slot_rows, max_tokens, block_m, block_n, warps)
+        (4096, 1536, 256, 16, 16, 32, 1), (4096, 1536, 256, 32, 16, 64, 4), (4096, 1536, 256, 64, 32, 64, 4),
+        (4096, 1536, 256, 128, 64, 64, 4),
+        (1024, 4096, 256, 16, 16, 32, 1), (1024, 4096, 256, 32, 16, 64, 4), (1024, 4096, 256, 64, 32, 64, 2),
+        (1024, 4096, 256, 128, 64, 64, 4),
+        (4096, 7168, 256, 16, 16, 32, 1), (4096, 7168, 256, 32, 32, 64, 2), (4096, 7168, 256, 128, 64, 64, 4),
+        (3584, 4096, 256, 16, 16, 32, 1), (3584, 4096, 256, 32, 16, 64, 4), (3584, 4096, 256, 64, 32, 64, 4),
+        (3584, 4096, 256, 128, 64, 64, 4)),
     # bench/results/serve/serving_kernels_gemv_h200_2026-11-24.json: the one-launch kernel beats cuBLAS + the tiled
     # expand at 1-16 tokens on TP=4's down (3584 -> 4096: 13.7 vs 15.0 us) and TP=8's gate_up (4096 -> 3584: 14.1
     # vs 15.5 us); on qkv and o (few or short rows) and at 64 tokens the cuBLAS GEMM wins.
@@ -291,11 +299,17 @@ _H200 = MappingProxyType({
     # without one-launch rows took 3.237 ms against 3.348. 4 slots of rank 32 on TP=8's gate_up (128 rows) still
     # win (17.6 vs 18.0; H100 18.3 vs 20.1).
     "gemv_shared_max_rows": 128,
-    # Stages 1: measured when a one-token K loop was never pipelined, whatever stages said (no tl.dot in it);
-    # 2-4 pipeline it since 2026-11-28, measured on the H100 only (its entry below).
-    "gemv_one_token_shapes": ((4096, 768, 32, 128, 8, 4, 1), (512, 4096, 16, 256, 1, 8, 1),
-                              (4096, 3584, 64, 64, 8, 4, 1), (1792, 4096, 64, 64, 8, 4, 1),
-                              (4096, 1536, 64, 64, 16, 4, 1), (1024, 4096, 128, 128, 4, 8, 1)),
+    # bench/results/serve/max_rank_2026-11-28/call5 (H200, one slot, T=1, us per call, pdl; no LoRA in brackets):
+    # the rows measured on 2026-11-25 had gone slow under the kernels of 2026-11-27/28 (TP=8's gate_up 64 x 64
+    # split 8 at stages 1: 23.1 us, 11.69 at 3 stages [11.82]; down 12.56, 8.31 at 16 x 256 split 1 [6.93]). Now:
+    # TP=8 qkv 64 x 64 split 8 at 3 stages 5.39 [5.89], o 32 x 128 split 1 3.55 [3.62], gate_up 11.69, down 8.31;
+    # TP=4 qkv 64 x 64 split 16 at 3 stages 8.93 (stages 1: 9.21) [7.50], o 128 x 128 split 4 5.76 [4.63], down
+    # 128 x 64 split 8 12.22 [12.36] (the tiled path 15.10; new row). TP=4's gate_up stays on the tiled path
+    # (20.43 [20.58]). Served, TP=8 batch 1 with the old rows took 2.237 ms per step against 1.678 without LoRA.
+    "gemv_one_token_shapes": ((4096, 768, 64, 64, 8, 4, 3), (512, 4096, 32, 128, 1, 4, 1),
+                              (4096, 3584, 64, 64, 8, 4, 3), (1792, 4096, 16, 256, 1, 8, 1),
+                              (4096, 1536, 64, 64, 16, 4, 3), (1024, 4096, 128, 128, 4, 8, 1),
+                              (3584, 4096, 128, 64, 8, 8, 1)),
     # bench/results/serve/pdl_2026-11-24: programmatic dependent launch takes 1.0-1.3 us off qkv and gate_up calls
     # of the folded kernels (the expand starts while the GEMM drains), 0.3-2.4 us off the two-launch kernels', and
     # is level (+-0.2 us) on the folded o and down.
