@@ -550,7 +550,8 @@ def test_gpu_parity_script_runs_on_cpu(tmp_path):
     with the fused decode path in fold mode: its own HF + PEFT comparison passes, every request's tokens equal (no
     flip, so no HF margin to report), the fold op ran in every layer, sharing the base layer's weight, and the
     logits' lm_head LoRA term ran only once an adapter with lm_head factors was in a slot; requests alone (batch
-    1) pass too."""
+    1) pass too. With ``--bd-options '{"max_rank": 40}'`` under --max-lora-rank 64: the folded buffers hold rank 48
+    (no power of two), as the GPU run of 2026-11-28 checked at rank 24."""
     import json
     import os
     import subprocess
@@ -559,12 +560,15 @@ def test_gpu_parity_script_runs_on_cpu(tmp_path):
     out = tmp_path / "parity.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "serve" / "gpu_parity.py"), "--tp", "1", "--modes", "eager",
-                           "--fused-decode", "--fold-shrink", "--out", str(out), "--workdir", str(tmp_path / "work")],
+                           "--fused-decode", "--fold-shrink", "--out", str(out), "--workdir", str(tmp_path / "work"),
+                           "--max-lora-rank", "64", "--bd-options", '{"max_rank": 40}'],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["pass"] and report["dtype"] == "float32" and report["tp"] == 1
+    assert report["bd_options"] == {"max_rank": 40} and report["max_lora_rank"] == 64
     (mode,) = report["modes"]
+    assert [m["buffer_ranks"] for m in mode["memory_bd2_r16"]] == [[48]], mode["memory_bd2_r16"]
     # base + 5 adapters twice in one batch, then (first) base + the 3 BD adapters twice
     assert len(mode["requests"]) == 12 + 8 and mode["max_logprob_diff"] < 1e-4
     # and two BD adapters' requests alone (batch 1: one-token decode steps)

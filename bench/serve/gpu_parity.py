@@ -171,8 +171,8 @@ def main(argv=None) -> int:
                         "small cut-offs so that the tiny model's batches take every path")
     p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--bd-options", default=None,
-                   help="JSON of additional_config['bdlora'] settings, e.g. '{\"max_rank\": 20}' with --max-lora-rank "
-                        "32: buffers of rank 24 (no power of 2) for the adapters of rank 8 and 16")
+                   help="JSON of additional_config['bdlora'] settings, e.g. '{\"max_rank\": 40}' with --max-lora-rank "
+                        "64: buffers of rank 48 (no power of 2) for the adapters of rank 8 and 16")
     args = p.parse_args(argv)
     import torch
 
