@@ -639,6 +639,21 @@ def test_step_profile_refuses_ab_direct_without_time_only():
         assert p.returncode == 2 and "--time-only" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+def test_bench_flags_refuse_bad_values_with_usage_messages():
+    """``--buffer-rank`` (bench_serving_kernels.py) names the shapes it knows; ``--bd-options`` (step_profile.py)
+    belongs to the bd engines: both exit 2 with a usage message, no traceback, before anything runs."""
+    for args, msg in ((["--buffer-rank", "tp5=40"], "--buffer-rank: shapes of"),
+                      (["--buffer-rank", "tp4=x"], "--buffer-rank: SHAPE=R pairs"),
+                      (["--buffer-rank", "tp4=0"], "ranks >= 1")):
+        p = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels" / "bench_serving_kernels.py"), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "serve" / "step_profile.py"), "--only", "base",
+                        "--bd-options", '{"max_rank": 38}', "--shape", "tiny"], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert p.returncode == 2 and "--bd-options applies to the bd engines" in p.stderr, p.stderr[-2000:]
+
+
 def test_serving_kernels_bench_maps_punica_tokens_to_slots():
     """bench_serving_kernels.py's punica baseline with --loras N: ``set_mapping`` puts token i on slot slots[i] of
     vLLM's wrapper (checked with vLLM's CPU wrapper, the same metadata code as the GPU one), so add_lora_linear adds
