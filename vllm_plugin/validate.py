@@ -51,7 +51,8 @@ class BDOptions:
     takes only from 1, 8, 16, 32, 64, 128, 256, 320, 512): the buffers then hold ``max_rank / min(min_nblocks, tp)``
     ranks, rounded up to a multiple of ``DEVICE_RANK_MULTIPLE``, instead of ``max_lora_rank``'s share. A BD adapter of
     r=152 at TP=4 (the parameter-matched rank of an r=64 LoRA on Llama-3.1-8B) needs ``--max-lora-rank 256``: 64 rows
-    per GPU, 26 of them zeros that every folded GEMM reads; with ``max_rank`` 152, 48.
+    per GPU, 26 of them zeros; with ``max_rank`` 152, 48: a quarter less LoRA memory per slot (the kernels take the
+    same time at 48 as at 64: BENCHMARKS.md, "bdlora.max_rank").
     """
 
     min_nblocks: Optional[int] = None

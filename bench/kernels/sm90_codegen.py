@@ -162,7 +162,8 @@ def shared_gemv_config(n_loras: int, rank: int, block_n: int, block_k: int, spli
 #: (block_n, block_k, split_k, warps).
 ONE_TOKEN_TILES = {("TP=8 qkv; gate_up, H200", 32): (64, 64, 8, 4), ("TP=8 o", 32): (32, 128, 1, 4),
                    ("TP=8 gate_up, H100", 32): (128, 128, 4, 8), ("TP=8 down", 32): (16, 256, 1, 8),
-                   ("TP=4 qkv", 64): (64, 64, 16, 4), ("TP=4 o", 64): (128, 128, 4, 8), ("TP=4 down", 64): (128, 64, 8, 8)}
+                   ("TP=4 qkv", 64): (64, 64, 16, 4), ("TP=4 o", 64): (128, 128, 4, 8),
+                   ("TP=4 down", 64): (128, 64, 8, 8)}
 
 
 def main() -> None:

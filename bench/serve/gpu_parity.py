@@ -204,7 +204,8 @@ def main(argv=None) -> int:
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bdlora-gpu-parity-"))
     model, adapters = build(root)
     report = {"vllm": vllm.__version__, "tp": args.tp, "dtype": args.dtype, "workdir": str(root), "modes": [],
-              "max_lora_rank": args.max_lora_rank, "bd_options": json.loads(args.bd_options) if args.bd_options else None,
+              "max_lora_rank": args.max_lora_rank,
+              "bd_options": json.loads(args.bd_options) if args.bd_options else None,
               "fused_decode": fused}
     ok = True
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:

@@ -209,7 +209,8 @@ def main():
         llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
         plain.append(time.perf_counter() - t0)
     res = {"device": P.device_name(), "shape": a.shape, "engine": a.only, "batch": a.batch, "adapters": a.adapters,
-           "prompt_len": a.prompt_len, "steps": a.steps, "bd_options": json.loads(a.bd_options) if a.bd_options else None,
+           "prompt_len": a.prompt_len, "steps": a.steps,
+           "bd_options": json.loads(a.bd_options) if a.bd_options else None,
            "generate_ms_unprofiled": round(1000 * min(plain), 2),
            "generate_ms_unprofiled_runs": [round(1000 * v, 2) for v in plain]}
     if "bdlora.kernels.launch" in sys.modules:  # bdlora's Triton launches: direct (kept kernels) or through Triton
