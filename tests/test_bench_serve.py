@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -637,6 +638,42 @@ def test_step_profile_refuses_ab_direct_without_time_only():
         p = subprocess.run([sys.executable, str(ROOT / "bench" / "serve" / "step_profile.py"), flag, "3"],
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and "--time-only" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_bundle_parts_split_then_join_from_staged_and_carried_parts(tmp_path):
+    """``bench/bundle_parts.sh``: a bundle split into parts, one folder each (the last with SHA256SUM), joins back
+    bit for bit from the parts staged by earlier calls plus the last folder carried; with a part missing, or no
+    SHA256SUM carried, it says what to do and leaves no half-written file."""
+    data = os.urandom(5000)
+    (tmp_path / "bundle.bin").write_bytes(data)
+    lib = ROOT / "bench" / "bundle_parts.sh"
+    env = {**os.environ, "BUNDLE_PART_SIZE": "2K"}
+
+    def sh(cmd):
+        return subprocess.run(["bash", "-c", f"source {lib} && {cmd}"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    dest = tmp_path / "joined.bin"
+    assert sh(f"split_bundle bundle.bin dir {dest}").returncode == 0
+    assert sorted(p.name for p in (tmp_path / "dir").iterdir()) == ["p1", "p2", "p3"]
+    assert (tmp_path / "dir/p3/SHA256SUM").read_text().split() == [__import__("hashlib").sha256(data).hexdigest(),
+                                                                    str(dest)]
+    (tmp_path / "stage").mkdir()
+    for k in (1, 2):  # the staging calls: each carried its folder and copied its part
+        shutil.copy(tmp_path / f"dir/p{k}/part.0{k - 1}", tmp_path / "stage")
+    carried = tmp_path / "carried"
+    (carried / "p3").mkdir(parents=True)
+    for f in (tmp_path / "dir/p3").iterdir():
+        shutil.copy(f, carried / "p3")
+    p = sh(f"join_bundle stage carried {dest}")
+    assert p.returncode == 0 and dest.read_bytes() == data, p.stdout + p.stderr
+    dest.unlink()
+    (tmp_path / "stage/part.01").unlink()
+    p = sh(f"join_bundle stage carried {dest}")
+    assert p.returncode == 4 and "missing or corrupt" in p.stdout and "cp carried/p*/part.* stage/" in p.stdout
+    assert not dest.exists()
+    p = sh(f"join_bundle stage stage {dest}")
+    assert p.returncode == 3 and "carry the bundle's last part" in p.stdout and not dest.exists()
 
 
 def test_bench_flags_refuse_bad_values_with_usage_messages():

