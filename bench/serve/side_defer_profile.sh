@@ -4,7 +4,8 @@
 #   bash bench/serve/side_defer_profile.sh SHAPE BATCH OUT CONFIG...
 # CONFIG: base | bd | lora | NAME=JSON (bd with that tuning override, e.g. side_shapes rows whose defer entry is 1) |
 # NAME@JSON[=JSON] (bd with those additional_config["bdlora"] settings, e.g. r40@{"max_rank":38}, and that tuning).
-# Writes OUT/step_SHAPE_bBATCH_NAME_aADAPTERS.json and .log; prints GPU busy ms per step and the unprofiled generate ms.
+# Writes OUT/step_SHAPE_bBATCH_NAME_aADAPTERS.json and .log; prints GPU busy ms per step (with the prefill, and of the
+# decode steps alone) and the unprofiled generate ms.
 set -u
 shape=$1 batch=$2 out=$3 adapters=${ADAPTERS:-4}
 shift 3
@@ -21,6 +22,6 @@ for cfg in "$@"; do
   timeout 290 python3 bench/serve/step_profile.py --shape "$shape" --batch "$batch" --steps 64 --adapters "$adapters" \
     "${args[@]}" --out "$res.json" > "$res.log" 2>&1
   rc=$?
-  echo "$shape b$batch a$adapters $name rc=$rc $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("busy/step", d["busy_per_step_ms"], "generate", d["generate_ms_unprofiled"])' "$res.json" 2>/dev/null)"
+  echo "$shape b$batch a$adapters $name rc=$rc $(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print("busy/step", d["busy_per_step_ms"], "decode busy/step", d.get("decode_busy_per_step_ms"), "generate", d["generate_ms_unprofiled"])' "$res.json" 2>/dev/null)"
   [ $rc -eq 0 ] || tail -5 "$res.log"
 done

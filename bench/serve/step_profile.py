@@ -5,6 +5,9 @@ wall span of the kernels, the union of GPU kernel intervals (busy), the GPU's id
 side: the CPU ops by total time (count, total and per call: e.g. ``bdlora::fold_linear``, the plugin's op, against
 ``aten::mm``) and the kernel launches' CUDA runtime calls. busy ~ wall: GPU-bound (the kernels decide the time);
 busy << wall: the host (scheduler, input preparation, LoRA metadata, op dispatch and kernel launches) does.
+``busy_per_step_ms`` is the generate's busy over its steps, the prompts' prefill included (1/steps of it: at batch 64
+with 128-token prompts, an 8192-token prefill); ``decode_busy_per_step_ms`` takes a profiled prefill-only generate
+(max_tokens 1) off first, so it is the decode steps' own.
 
     PYTHONPATH=/tmp/site python3 bench/serve/step_profile.py --shape tp8 --only bd --out prof.json
     PYTHONPATH=/tmp/site python3 bench/serve/step_profile.py --shape tp4 --only bd --prompt-len 1024 --steps 1 \
@@ -156,6 +159,18 @@ def set_logits_skip(worker, enabled: bool) -> int:
     return len(layers)
 
 
+def profiled_trace(fn) -> dict:
+    """The chrome trace (CPU ops and CUDA kernels) of torch.profiler around one call of ``fn``."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+    path = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(path))
+    return json.loads(path.read_text())
+
+
 def main():
     import auto_proxy as P
 
@@ -239,17 +254,18 @@ def main():
     python_top = python_all[:25]
     # vLLM's LoRA machinery and the plugin (vllm_plugin/..., whose paths need not say "lora")
     python_lora = [row for row in python_all if "lora" in row[0] or row[0].startswith("vllm_plugin/")][:60]
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        generate()
-    path = Path(tempfile.mkdtemp()) / "trace.json"
-    prof.export_chrome_trace(str(path))
-    trace = json.loads(path.read_text())
+    trace = profiled_trace(generate)
     busy, span, n, top = busy_ms(trace)
     res.update({"kernel_span_ms": round(span, 2), "gpu_busy_ms": round(busy, 2), "gpu_idle_ms": round(span - busy, 2),
                 "kernels": n, "busy_per_step_ms": round(busy / a.steps, 4),
                 "span_per_step_ms": round(span / a.steps, 4), "top_kernels_ms": top, "host": host_ops(trace),
                 "python_top": python_top, "python_lora": python_lora})
+    if a.steps > 1:  # the decode steps alone: busy_per_step_ms also carries 1/steps of the prompts' prefill
+        first = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0, detokenize=False)
+        prefill, _, _, prefill_top = busy_ms(profiled_trace(
+            lambda: llm.generate(prompts, first, lora_request=lora, use_tqdm=False)))
+        res.update({"prefill_busy_ms": round(prefill, 3), "prefill_top_kernels_ms": prefill_top,
+                    "decode_busy_per_step_ms": round((busy - prefill) / (a.steps - 1), 4)})
     print(json.dumps(res, indent=1), flush=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
 
