@@ -738,6 +738,36 @@ def test_serving_kernels_bench_maps_punica_tokens_to_slots():
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-3)
 
 
+def test_profile_gpus_engine_runs_pass_adapters_options_and_tuning(tmp_path):
+    """A run "SHAPE[:ADAPTERS] BATCH CONFIG..." starts one step_profile.py per CONFIG (a fake ``python3`` records its
+    arguments): ``:1`` gives --adapters 1 (4 without), ``NAME@JSON`` --bd-options, ``NAME@JSON=JSON`` both, and
+    ``NAME=JSON`` --tuning, each named in its output file."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho GPU 0\n")
+    log = tmp_path / "args.log"
+    (fake / "python3").write_text(f"#!/bin/sh\n[ \"$1\" = -c ] && exit 0\nprintf '%s|' \"$@\" >> {log}\necho >> {log}\n")
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    run = 'tp4:1 1 base r48@{"max_rank":152} ; tp8 64 both@{"max_rank":19}={"pdl":false} t={"side_max":0}'
+    r = subprocess.run(["bash", str(ROOT / "bench/serve/profile_gpus.sh"), str(tmp_path / "out"), run], env=env,
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    calls = [line.split("|")[:-1] for line in log.read_text().splitlines()]
+    assert len(calls) == 4, calls
+    def opt(call, flag):
+        return call[call.index(flag) + 1] if flag in call else None
+    base, r48, both, tuned = calls
+    assert (opt(base, "--shape"), opt(base, "--batch"), opt(base, "--adapters"), opt(base, "--only")) == (
+        "tp4", "1", "1", "base") and opt(base, "--out").endswith("step_tp4_b1_base_a1.json")
+    assert opt(r48, "--bd-options") == '{"max_rank":152}' and opt(r48, "--tuning") is None
+    assert opt(r48, "--out").endswith("step_tp4_b1_r48_a1.json")
+    assert (opt(both, "--adapters"), opt(both, "--bd-options"), opt(both, "--tuning")) == (
+        "4", '{"max_rank":19}', '{"pdl":false}') and opt(both, "--out").endswith("step_tp8_b64_both_a4.json")
+    assert opt(tuned, "--tuning") == '{"side_max":0}' and opt(tuned, "--bd-options") is None
+
+
 def test_profile_gpus_runs_commands_per_gpu_and_packs_each_as_it_finishes(tmp_path):
     """``profile_gpus.sh``: one list per GPU (a fake ``nvidia-smi`` reports two), a ``!`` run is a shell command with
     CUDA_VISIBLE_DEVICES and RUN_DIR of its GPU; each GPU's folder, its summary inside, is packed into OUT after
