@@ -5,7 +5,8 @@
 #   mkdir -p STAGE && cp DIR/p*/part.* STAGE/
 # and the last call carries the last folder and joins.
 
-# split_bundle FILE DIR DEST: FILE in parts DIR/pK/part.NN; SHA256SUM names DEST (where join_bundle writes it)
+# split_bundle FILE DIR DEST: FILE in parts DIR/pK/part.NN (replacing DIR's earlier parts only); SHA256SUM names
+# DEST (where join_bundle writes it)
 split_bundle() {
   local file=$1 dir=$2 dest=$3 f k=1 last=""
   mkdir -p "$dir" && rm -rf "$dir"/p[0-9]* "$dir"/part.*

@@ -706,6 +706,9 @@ def test_bench_flags_refuse_bad_values_with_usage_messages():
                         "--bd-options", '{"max_rank": 38}', "--shape", "tiny"], capture_output=True, text=True,
                        timeout=300, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert p.returncode == 2 and "--bd-options applies to the bd engines" in p.stderr, p.stderr[-2000:]
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "serve" / "step_profile.py"), "--bd-options", "{max_rank"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--bd-options: invalid loads value" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_serving_kernels_bench_maps_punica_tokens_to_slots():

@@ -278,8 +278,8 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--adapter-rank", type=float, default=0.6, help="adapter rank as a fraction of the buffer rank")
     ap.add_argument("--buffer-rank", default="", help="SHAPE=R,...: that shape's buffer rank R instead of "
-                    "max_lora_rank 256 / TP (additional_config bdlora.max_rank: 152 gives tp4=40,tp8=24); the adapter keeps the "
-                    "rank --adapter-rank gives at the default buffer, at most R")
+                    "max_lora_rank 256 / TP (additional_config bdlora.max_rank: 152 gives tp4=48, tp8 keeps 32); "
+                    "the adapter keeps the rank --adapter-rank gives at the default buffer, at most R")
     ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
     ap.add_argument("--fold-tiles", default="all", help="fold_gemm tiles: all (TILES) or one 'bm,bn,warps'")
     ap.add_argument("--gemv-kinds", default="shared,local,one_token",

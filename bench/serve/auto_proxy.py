@@ -221,7 +221,7 @@ def main():
     ap.add_argument("--mem", type=float, default=0.45, help="gpu_memory_utilization (0.28 for three engines)")
     ap.add_argument("--tuning", default=None, help="bd engines: a JSON dict of bdlora.kernels.tuning keys replacing "
                     "the device's table entry's (e.g. '{\"fold_gemv_max\": 0}'), recorded as tuning_override")
-    ap.add_argument("--bd-options", default=None, help="bd engines: a JSON dict of additional_config['bdlora'] "
+    ap.add_argument("--bd-options", default=None, type=json.loads, help="bd engines: a JSON dict of additional_config['bdlora'] "
                     "settings (e.g. '{\"max_rank\": 38}'), recorded as bd_options")
     ap.add_argument("--label", default=None, help="the engine's name in the result (default: --only)")
     ap.add_argument("--adapters", type=int, default=1,
@@ -246,13 +246,13 @@ def main():
     tuning = json.loads(a.tuning) if a.tuning else None
     try:
         kw, lora = engine_setup(a.only, sh, root, a.adapters, tuning, a.mem,
-                                json.loads(a.bd_options) if a.bd_options else None)
+                                a.bd_options)
     except ValueError as e:
         ap.error(str(e))
     if tuning is not None:
         res["tuning_override"] = tuning
     if a.bd_options:
-        res["bd_options"] = json.loads(a.bd_options)
+        res["bd_options"] = a.bd_options
     try:
         import vllm
 

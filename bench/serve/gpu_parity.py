@@ -170,7 +170,7 @@ def main(argv=None) -> int:
                    help="with --auto: JSON of bdlora.kernels.tuning.ServingTuning keys replacing the table's, e.g. "
                         "small cut-offs so that the tiny model's batches take every path")
     p.add_argument("--max-lora-rank", type=int, default=16)
-    p.add_argument("--bd-options", default=None,
+    p.add_argument("--bd-options", default=None, type=json.loads,
                    help="JSON of additional_config['bdlora'] settings, e.g. '{\"max_rank\": 40}' with --max-lora-rank "
                         "64: buffers of rank 48 (no power of 2) for the adapters of rank 8 and 16")
     args = p.parse_args(argv)
@@ -204,14 +204,13 @@ def main(argv=None) -> int:
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bdlora-gpu-parity-"))
     model, adapters = build(root)
     report = {"vllm": vllm.__version__, "tp": args.tp, "dtype": args.dtype, "workdir": str(root), "modes": [],
-              "max_lora_rank": args.max_lora_rank,
-              "bd_options": json.loads(args.bd_options) if args.bd_options else None,
+              "max_lora_rank": args.max_lora_rank, "bd_options": args.bd_options,
               "fused_decode": fused}
     ok = True
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         try:
             res = run_mode(model, adapters, args.tp, mode == "eager", args.dtype, args.max_tokens, fused, args.tol,
-                           args.max_lora_rank, json.loads(args.bd_options) if args.bd_options else None)
+                           args.max_lora_rank, args.bd_options)
         except Exception as e:  # keep the other mode's result; the report says what broke
             res = {"eager": mode == "eager", "error": f"{type(e).__name__}: {e}"[:2000], "pass": False}
             print(f"[{mode}] ERROR {res['error'][:500]} -> FAIL", flush=True)

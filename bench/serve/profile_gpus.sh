@@ -3,7 +3,8 @@
 # "SHAPE[:ADAPTERS] BATCH CONFIG..." as bench/serve/side_defer_profile.sh takes them (ADAPTERS: 4 unless given),
 # runs separated by ';' (JSON without spaces). The GPUs' lists run at the same time, each list one engine after
 # another on its own GPU, with its own vLLM / Triton caches (engines compiling at once never share a cache
-# folder). GPU busy per step is measured per GPU, so engines on other GPUs do not enter it; the host's cores are shared. After `source bench/serve/gpu_env.sh`:
+# folder). GPU busy per step is measured per GPU, so engines on other GPUs do not enter it; the host's cores are
+# shared. After `source bench/serve/gpu_env.sh`:
 #   bash bench/serve/profile_gpus.sh OUT "tp8 1 base bd ; tp8 16 bd" "tp4 1 base bd" ...
 # A run that starts with '!' is a shell command instead, run as written on that GPU with RUN_DIR set to the GPU's
 # folder (e.g. "! python3 bench/kernels/bench_serving_kernels.py --out \$RUN_DIR/k.json"); its output goes to
@@ -39,9 +40,9 @@ for list in "$@"; do
       fi
       read -ra words <<< "$run"
       [ ${#words[@]} -ge 3 ] || continue
+      shape=${words[0]%%:*} adapters=4
+      [[ ${words[0]} == *:* ]] && adapters=${words[0]#*:}
       for cfg in "${words[@]:2}"; do  # one engine at a time, packed as it finishes
-        shape=${words[0]%%:*} adapters=4
-        [[ ${words[0]} == *:* ]] && adapters=${words[0]#*:}
         ADAPTERS=$adapters bash "$(dirname "$0")/side_defer_profile.sh" "$shape" "${words[1]}" "$work/gpu$i" "$cfg" \
           | sed "s/^/gpu$i /"
         pack $i

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Step profiles (bench/serve/step_profile.py, --adapters $ADAPTERS (default 4), 64 steps) of one shard shape and batch, one engine per
-# configuration, one after another, on the GPU machine after `source bench/serve/gpu_env.sh`:
+# Step profiles (bench/serve/step_profile.py, --adapters $ADAPTERS (default 4), 64 steps) of one shard shape and
+# batch, one engine per configuration, one after another, on the GPU machine after `source bench/serve/gpu_env.sh`:
 #   bash bench/serve/side_defer_profile.sh SHAPE BATCH OUT CONFIG...
 # CONFIG: base | bd | lora | NAME=JSON (bd with that tuning override, e.g. side_shapes rows whose defer entry is 1) |
 # NAME@JSON[=JSON] (bd with those additional_config["bdlora"] settings, e.g. r40@{"max_rank":38}, and that tuning).

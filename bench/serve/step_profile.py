@@ -184,7 +184,7 @@ def main():
                     "request i uses adapter i mod N (as auto_proxy.py --adapters)")
     ap.add_argument("--tuning", default=None, help="bd: a JSON dict of bdlora.kernels.tuning keys replacing the "
                     "device's table entry's (as auto_proxy.py --tuning)")
-    ap.add_argument("--bd-options", default=None, help="bd: a JSON dict of additional_config['bdlora'] settings "
+    ap.add_argument("--bd-options", default=None, type=json.loads, help="bd: a JSON dict of additional_config['bdlora'] settings "
                     "(e.g. '{\"max_rank\": 38}', as auto_proxy.py --bd-options)")
     ap.add_argument("--out", default="prof.json")
     ap.add_argument("--ab-direct", type=int, default=0, metavar="ROUNDS",
@@ -210,7 +210,7 @@ def main():
     try:
         kw, lora = P.engine_setup(a.only, sh, root, adapters=a.adapters,
                                   tuning=json.loads(a.tuning) if a.tuning else None,
-                                  bd_options=json.loads(a.bd_options) if a.bd_options else None)
+                                  bd_options=a.bd_options)
     except ValueError as e:
         ap.error(str(e))
     lora = P.per_request(lora, a.batch)
@@ -224,8 +224,7 @@ def main():
         llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
         plain.append(time.perf_counter() - t0)
     res = {"device": P.device_name(), "shape": a.shape, "engine": a.only, "batch": a.batch, "adapters": a.adapters,
-           "prompt_len": a.prompt_len, "steps": a.steps,
-           "bd_options": json.loads(a.bd_options) if a.bd_options else None,
+           "prompt_len": a.prompt_len, "steps": a.steps, "bd_options": a.bd_options,
            "generate_ms_unprofiled": round(1000 * min(plain), 2),
            "generate_ms_unprofiled_runs": [round(1000 * v, 2) for v in plain]}
     if "bdlora.kernels.launch" in sys.modules:  # bdlora's Triton launches: direct (kept kernels) or through Triton
