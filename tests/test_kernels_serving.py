@@ -93,6 +93,65 @@ def test_gemm_kernel_any_tiles_and_mixed_tiles(tiles):
     torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("tiles", [ExpandTiles(16, 16, 1), ExpandTiles(32, 64, 2), ExpandTiles(64, 16, 4)])
+@pytest.mark.parametrize("case", [3, 4, 5, 6])
+def test_gemm_kernel_on_tokens_grouped_by_slot(tiles, case):
+    """``sort_tokens``: the tiled kernel on the tokens grouped by slot (each tile one slot's rows, SGMV's segments),
+    for several slots of ragged ranks, an empty one, tokens without LoRA in any order: the float64 oracle."""
+    ranks, d_outs, t, d_in = CASES[case]
+    folded, x, b, idx, rk, scales, offs, want = _oracle_case(700 + case, ranks, d_outs, t, d_in, p_none=0.3)
+    y, d = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemm", tiles=tiles, sort_tokens=True,
+                                options=K.KernelOptions(backend="triton"))
+    assert d.backend == "triton"
+    torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
+
+
+SORTED_MAPS = [[-1] * 7, [2] * 19, [0, 1, 2, 3] * 9, [3, -1, 0, 0, 9, -1, 1] * 5]  # none, one slot, interleaved, ids >= L
+
+
+def test_sorted_plan_follows_its_slot_map_and_masks_the_padding():
+    """A prepared launch (as a served layer keeps one) on a slot map longer than the call's tokens (a CUDA graph's
+    padding, and the rest of the buffer: -1 past the batch), its ``SlotSegments`` regrouped in place after each new
+    map: every call equals the oracle of the map it ran under, rows past T are never written, and the groups are the
+    stable order with the tokens without a slot (or an id past the slots) last."""
+    from bdlora.kernels.decode import FoldedLaunch
+
+    ranks = [8, 16, 0, 12]
+    folded, x, b, _, rk, scales, offs, _ = _oracle_case(730, ranks, [32, 16, 16], 40, 32)
+    gen = torch.Generator().manual_seed(731)
+    w = folded.w_ext[:folded.d_out]
+    per_slice = [[None if r == 0 else (folded.lora_a(3, 4, b.shape[2])[s, slot, :r], b[slot, lo:hi, :r])
+                  for slot, r in enumerate(ranks)] for s, (lo, hi) in enumerate(zip(offs, offs[1:]))]
+    buf = torch.full((64,), -1, dtype=torch.int32)
+    seg = K.slot_segments(buf, len(ranks))
+    plan = FoldedLaunch(folded, b, buf, rk, scales, offs, kernel="gemm", tiles=ExpandTiles(16, 16, 1), segments=seg)
+    for m in SORTED_MAPS:
+        t = len(m)
+        buf.fill_(-1)
+        buf[:t] = torch.tensor(m, dtype=torch.int32)
+        buf[t + 3] = 1  # a stale id past the call's tokens: grouped, never read (the kernel masks tokens >= T)
+        seg.update(buf)
+        key = torch.where((buf >= 0) & (buf < 4), buf.long(), 4)
+        assert torch.equal(seg.order.long(), torch.sort(key, stable=True).indices)
+        assert seg.starts.tolist() == [0] + torch.bincount(key, minlength=5).cumsum(0).tolist()
+        xt = torch.randn(t, x.shape[1], generator=gen)
+        ids = [v if 0 <= v < 4 else -1 for v in m]
+        want = folded_oracle(xt, w, per_slice, ids, ranks, scales, offs)
+        torch.testing.assert_close(plan(xt).double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_sorted_segments_refusals():
+    from bdlora.kernels.decode import FoldedLaunch
+
+    folded, x, b, idx, rk, scales, offs, _ = _oracle_case(740, [8, 16], [32], 5, 32)
+    for seg, kernel in ((K.slot_segments(idx, 3), "gemm"), (K.slot_segments(idx[:4], 2), "gemm"),
+                        (K.slot_segments(idx, 2), "decode")):
+        with pytest.raises(ValueError, match="segments"):
+            FoldedLaunch(folded, b, idx, rk, scales, offs, kernel=kernel, segments=seg)
+    with pytest.raises(ValueError, match="slot ids for buffers"):
+        K.slot_segments(idx, 2).update(idx[:3])
+
+
 @pytest.mark.parametrize("tiles", [GemvTiles(16, 16, 1, 1, 1), GemvTiles(32, 32, 2, 2, 2), GemvTiles(16, 64, 4, 1, 1)])
 def test_gemv_kernel_tiles_and_shared_workspace(tiles):
     """The one-launch kernel on one workspace shared by two folds of different shapes, called again and again: every
@@ -322,6 +381,10 @@ def test_tuning_table_lookup_and_overrides():
         assert tab.gemv_tiles_for(4096, 3584, None, 4, 32) == tab.gemv_tiles_for(4096, 3584)
     assert u.gemv_shared_max_rows == UNLIMITED
     assert not u.pdl and not c.pdl  # unmeasured GPUs and CPU: plain launches
+    assert not u.gemm_sorted and not c.gemm_sorted  # the tiled kernel on unsorted tokens unless measured
+    assert serving_tuning("cpu", override={"gemm_sorted": True})[0].gemm_sorted
+    with pytest.raises(ValueError, match="gemm_sorted must be true or false"):
+        serving_tuning("cpu", override={"gemm_sorted": 1})
     assert h100.fold_gemm_max == t.fold_gemm_max and h100.gemm_tiles == t.gemm_tiles
     # wide folds (many slots of a high rank): the tiled fold at every size on Hopper (measured), to 256 elsewhere
     assert h100.wide_fold_max == t.wide_fold_max == UNLIMITED and u.wide_fold_max == 256 and c.wide_fold_max == 0

@@ -342,13 +342,15 @@ def _assert_fold_self_check(llm, plans: bool = True) -> dict:
     return check
 
 
-def test_tp1_auto_mode_every_path_parity(tiny_llama_dir, vllm_adapters):
+@pytest.mark.parametrize("gemm_sorted", [False, True], ids=["tokens-as-batched", "tokens-grouped-by-slot"])
+def test_tp1_auto_mode_every_path_parity(tiny_llama_dir, vllm_adapters, gemm_sorted):
     """``--enable-bdlora``'s auto mode (the table's paths; here a tuning override, since on CPU the table keeps vLLM's
     path): a mixed batch of 5 requests (prefill of 27 tokens: vLLM's punica path after the base GEMM on the folded
     weight's view; decode steps of 5 tokens: the tiled kernel) and one of 2 (prefill of 8 tokens: tiled; decode
     steps: the per-token kernel). Greedy tokens equal HF+PEFT, logprobs within 1e-4, every path ran (counters), and
-    the per-layer self-check (fold op vs base GEMM + punica, with padding rows) holds."""
-    llm = _start_auto(tiny_llama_dir, AUTO_TUNING)
+    the per-layer self-check (fold op vs base GEMM + punica, with padding rows) holds. ``gemm_sorted``: the tiled
+    kernel runs on the tokens grouped by slot (regrouped at each new slot map)."""
+    llm = _start_auto(tiny_llama_dir, {**AUTO_TUNING, "gemm_sorted": gemm_sorted})
     try:
         counts = _mixed_batch_counts(tiny_llama_dir, vllm_adapters, llm)
         assert counts.get("stock", 0) >= 8 and counts.get("fold_gemm:" + FUSED_BACKEND, 0) >= 8 * 7, counts
@@ -359,7 +361,9 @@ def test_tp1_auto_mode_every_path_parity(tiny_llama_dir, vllm_adapters):
         assert counts.get("fold_gemm:" + FUSED_BACKEND, 0) >= 8, counts
         assert counts.get("folded:" + FUSED_BACKEND, 0) >= 8 * 7, counts
         assert not counts.get("stock"), counts
-        _assert_fold_self_check(llm)  # 6 tokens: the tiled kernel
+        check = _assert_fold_self_check(llm)  # 6 tokens: the tiled kernel
+        # each layer's tiled plan runs on the grouped tokens, regrouped for the self-check's own slot map
+        assert (check["sorted_plans"] >= check["fold_layers"]) if gemm_sorted else check["sorted_plans"] == 0, check
     finally:
         T.stop_llm(llm)
 

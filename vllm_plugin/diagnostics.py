@@ -86,7 +86,8 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     padding rows stayed untouched and whether the int32 slot map matches the mapping (-1 after it). Layers in fold
     mode also run ``torch.ops.bdlora.fold_linear`` on the same rows, checked against the base GEMM plus punica's
     result (``fold_max_abs_diff``; its padding rows must be the base output alone) and count the prepared launches
-    the layers keep (``kept_plans``: plans made for earlier batches, bound to the slot map, read this mapping), and
+    the layers keep (``kept_plans``: plans made for earlier batches, bound to the slot map, read this mapping;
+    ``sorted_plans``: those of the tiled kernel on the tokens grouped by slot, ``gemm_sorted``), and
     how many take the one-launch kernel (``gemv_layers``; ``gemv_local_shrink_layers``: with the shrink per output
     tile; ``gemv_one_token_layers``: with one-token tiles, whose fold_linear on the first row alone is checked too;
     ``fold_one_token_only_layers``: layers folded for those tiles only, whose larger forwards run as unfolded;
@@ -110,7 +111,7 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
            "slot_map": want, "fold_layers": 0, "fold_max_abs_diff": 0.0, "fold_max_abs_out": 0.0,
            "fold_shares_weight": True, "kept_plans": 0, "gemv_layers": 0, "gemv_local_shrink_layers": 0,
            "gemv_one_token_layers": 0, "fold_one_token_only_layers": 0, "fold_wide_layers": 0,
-           "side_deferred_layers": 0}
+           "side_deferred_layers": 0, "sorted_plans": 0}
 
     def calls(kind):
         return sum(v for k, v in FUSED_COUNTS.items() if k.startswith(kind + ":"))
@@ -146,6 +147,7 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
             out["fold_shares_weight"] &= layer.base_layer.weight.data_ptr() == st.folded.w_ext.data_ptr()
             out["padding_untouched"] &= bool(torch.allclose(y_fold[n:], base[n:], rtol=1e-5, atol=1e-5))
             out["kept_plans"] += len(st.plans)  # fold_linear's prepared launches this layer keeps (FoldedLaunch)
+            out["sorted_plans"] += sum(plan.sorted for plan in st.plans.values())  # on tokens grouped by slot
             if st.gemv_tiles is not None and st.fold_gemv_max > 0:  # layers on the one-launch kernel, and its kind
                 out["gemv_layers"] += 1
                 out["gemv_local_shrink_layers"] += bool(st.gemv_tiles.local_shrink)

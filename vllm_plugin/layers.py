@@ -67,7 +67,7 @@ from typing import Optional
 import torch
 
 from bdlora.kernels import KernelOptions, decode_lora, decode_lora_folded
-from bdlora.kernels.decode import FoldedLaunch
+from bdlora.kernels.decode import FoldedLaunch, SlotSegments
 from bdlora.spec import COLUMN, ROW, BDLoraError
 
 from . import vllm_api as api
@@ -148,6 +148,7 @@ class _TokenSlots:
     def __init__(self, wrapper):
         src = wrapper._token_lora_indices
         self.buf = torch.full((src.shape[0],), -1, dtype=torch.int32, device=src.device)
+        self._segments: dict = {}  # n_loras -> SlotSegments of buf (segments())
         self._wrapper = weakref.ref(wrapper)
         orig = wrapper.update_metadata
 
@@ -167,6 +168,20 @@ class _TokenSlots:
         if n:
             self.buf[:n].copy_(w._token_lora_indices[:n])
         self.buf[n:].fill_(-1)
+        for seg in self._segments.values():
+            seg.update(self.buf)
+
+    def segments(self, n_loras: int) -> SlotSegments:
+        """``buf`` grouped by slot for ``n_loras`` slots (the tiled kernel on sorted tokens, ``gemm_sorted``): one
+        ``SlotSegments`` per slot count, regrouped at every refresh (a few small kernels, once per slot map)."""
+        seg = self._segments.get(n_loras)
+        if seg is None:
+            # first asked for inside a forward (inference mode), but updated by every later refresh, also outside it:
+            # normal tensors (an inference tensor may not be written outside inference mode)
+            with torch.inference_mode(False):
+                seg = self._segments[n_loras] = SlotSegments.empty(self.buf.shape[0], n_loras, self.buf.device)
+            seg.update(self.buf)
+        return seg
 
 
 def _token_slots(wrapper) -> Optional[_TokenSlots]:
@@ -198,6 +213,7 @@ class _FusedState:
     fold_gemm_max: int = 0  # T <= this the tiled one, above vLLM's path
     fold_min: int = 1  # the fold's multi-token kernels start here (a wide fold: above two_launch_max)
     gemm_rows: object = None  # auto mode: this layer's kernel="gemm" tiles per T (ServingTuning.gemm_rows)
+    gemm_sorted: bool = False  # kernel="gemm" on the tokens grouped by slot (ServingTuning.gemm_sorted, 2+ slots)
     fold_gemv_max: int = 0  # fold_linear: T <= this runs the one-launch kernel (before the cut-offs above)
     gemv_tiles: object = None  # its bdlora.kernels.GemvTiles for this layer's shape
     gemv_one_token_tiles: object = None  # GemvTiles(one_token=True) for T == 1 on this shape, or None
@@ -226,8 +242,11 @@ class _FusedState:
         key = (kernel, tiles)
         plan = self.plans.get(key)
         if plan is None:
+            n_loras = self.lora_b.shape[0]
+            segments = (self.slots.segments(n_loras) if kernel == "gemm" and self.gemm_sorted and n_loras > 1
+                        else None)
             plan = FoldedLaunch(self.folded, self.lora_b, self.slots.buf, self.ranks, self.scales, self.offsets,
-                                kernel=kernel, tiles=tiles, pdl=self.pdl, options=self.options)
+                                kernel=kernel, tiles=tiles, pdl=self.pdl, options=self.options, segments=segments)
             if self.keep_plans:
                 self.plans[key] = plan
         return plan
@@ -577,6 +596,7 @@ class _BDLoRAMixin:
             folded=folded, fold_decode_max=fd_max if folded is not None else 0,
             fold_gemm_max=fg_max if folded is not None else 0, fold_min=fold_min,
             gemm_rows=tuning.gemm_rows(self.input_size, offsets[-1], max_loras, rank) if tuning else None,
+            gemm_sorted=bool(tuning and tuning.gemm_sorted),
             fold_gemv_max=tuning.fold_gemv_max if gemv_tiles is not None else 0, gemv_tiles=gemv_tiles,
             gemv_one_token_tiles=one_tiles, gemv_workspace=gemv_ws,
             pdl=tuning is not None and tuning.pdl, side_max=side_max, side_defer=side_defer,

@@ -10,8 +10,8 @@ The kernels take one :class:`bdlora.layout.LoraFactors` per segment (the one ada
 layouts and the pack/unpack of block-diagonal factors: see ``bdlora.layout``.
 """
 from .cublas import CublasLoraLinearFn
-from .decode import (DecodeWorkspace, FoldedWeight, GemvTiles, GemvWorkspace, decode_lora, decode_lora_folded,
-                     fold_weight, stack_decode_weights)
+from .decode import (DecodeWorkspace, FoldedWeight, GemvTiles, GemvWorkspace, SlotSegments, decode_lora,
+                     decode_lora_folded, fold_weight, slot_segments, stack_decode_weights)
 from .dispatch import Dispatch, KernelOptions, LoraResult
 from .dropout import dropout_keep_mask, keep_mask_torch, segment_keep_mask
 from .grouped import fused_lora_linear, grouped_lora
@@ -27,6 +27,7 @@ __all__ = [
     "GemvWorkspace",
     "KernelOptions",
     "LoraResult",
+    "SlotSegments",
     "bd_matmul",
     "decode_lora",
     "decode_lora_folded",
@@ -43,6 +44,7 @@ __all__ = [
     "keep_mask_torch",
     "lora_delta_ref",
     "segment_keep_mask",
+    "slot_segments",
     "stack_decode_weights",
     "torch_keep_masks",
 ]

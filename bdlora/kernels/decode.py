@@ -467,6 +467,60 @@ def _fold_expand_gemm_kernel(
                  mask=rowmask[:, None] & cmask[None, :])
 
 
+@jit(do_not_specialize=["T"])  # one compiled kernel for every token count, as the unsorted one
+def _fold_expand_sorted_kernel(
+    y_ptr, h_ptr, b_ptr, order_ptr, starts_ptr, ranks_ptr, scales_ptr,
+    T, stride_y, stride_h, d_out, n_loras, R, O1, O2, O3, O4,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+    PREC: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    """``_fold_expand_gemm_kernel`` on tokens grouped by slot (``SlotSegments``; SGMV's segments): token tile m,
+    slice s and column tile c (one program each). Group g < L is slot g's tokens, group L the tokens without LoRA;
+    ``order[starts[g]:starts[g + 1]]`` are group g's tokens. Group g < L takes ceil(count_g / BLOCK_M) tiles, in
+    group order, and group L every program after them (grid: ceil(T / BLOCK_M) + L tiles cover every group; tokens
+    >= T, the padding of a longer slot map, are masked). For tile m of group g, starting at position p0:
+
+    rows = order[p0 + [0, BLOCK_M)] (within the group, < T); cols = lo + c * BLOCK_N + [0, BLOCK_N)
+    y[rows, cols] = h[rows, cols] + scales[g] * h[rows, d_out + (s * L + g) * R + :ranks[g]] @ B[g, cols, :ranks[g]]^T
+                    (g < L; group L: the copy alone)
+
+    Every tile has one slot, so each program reads that slot's B tile alone (the unsorted kernel, with tokens of
+    several slots in a tile, reads every slot's B or loops over them). USE_GDC: the groups, the slot's B, rank and
+    scale are read before ``gdc_wait`` (nothing before this launch writes them), h after it."""
+    pid_m = tl.program_id(0)
+    sl = tl.program_id(1)
+    tile = tl.program_id(2)
+    o_lo, o_hi = _slice_bounds(sl, O1, O2, O3, O4)
+    c_lo = o_lo + tile * BLOCK_N
+    if c_lo < o_hi:
+        g = tl.arange(0, BLOCK_G)
+        lo_g = tl.load(starts_ptr + g, mask=g <= n_loras, other=0)
+        hi_g = tl.load(starts_ptr + g + 1, mask=g <= n_loras, other=0)
+        tiles_g = tl.where(g < n_loras, (hi_g - lo_g + BLOCK_M - 1) // BLOCK_M, 0)
+        ends_g = tl.cumsum(tiles_g, axis=0)  # the first tile past group g
+        grp = tl.sum(((ends_g <= pid_m) & (g < n_loras)).to(tl.int32), axis=0)  # L: no slot
+        first = tl.sum(tl.where(g == grp, ends_g - tiles_g, 0), axis=0)  # group L: every slot's tiles
+        p0 = tl.sum(tl.where(g == grp, lo_g, 0), axis=0) + (pid_m - first) * BLOCK_M
+        p_end = tl.sum(tl.where(g == grp, hi_g, 0), axis=0)
+        ps = p0 + tl.arange(0, BLOCK_M)
+        rows = tl.load(order_ptr + ps, mask=ps < p_end, other=T)
+        rowmask = rows < T
+        rows64 = rows.to(tl.int64)
+        cs = c_lo + tl.arange(0, BLOCK_N)
+        cmask = cs < o_hi
+        slot = tl.where(grp < n_loras, grp, -1)
+        one_b, one_r, one_scale = _slot_factors(b_ptr, ranks_ptr, scales_ptr, slot, cs, cmask, d_out, R, BLOCK_R)
+        if USE_GDC:
+            tl.extra.cuda.gdc_wait()
+        acc = tl.load(h_ptr + rows64[:, None] * stride_h + cs[None, :], mask=rowmask[:, None] & cmask[None, :],
+                      other=0.0).to(tl.float32)
+        if slot >= 0:
+            acc = _add_loaded_slot_expand(acc, h_ptr + rows64[:, None] * stride_h + d_out, rows * 0 + slot, rowmask,
+                                          cmask, n_loras, R, sl, slot, one_b, one_r, one_scale, BLOCK_R, PREC, "")
+        tl.store(y_ptr + rows64[:, None] * stride_y + cs[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=rowmask[:, None] & cmask[None, :])
+
+
 @jit(do_not_specialize=["T"])
 def _fold_gemv_kernel(
     y_ptr, x_ptr, w_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr, s_ptr, part_ptr, cnt_ptr, sync_ptr,
@@ -831,6 +885,46 @@ def fold_weight(weight: torch.Tensor, n_slices: int, n_loras: int, rank: int) ->
     return FoldedWeight(w_ext, d_out)
 
 
+@dataclass(frozen=True)
+class SlotSegments:
+    """A token -> slot map grouped by slot, for the tiled expand on sorted tokens (``FoldedLaunch(segments=...)``):
+    ``order`` (int32, N) the token positions stably sorted by slot, the tokens without one (-1) last; ``starts``
+    (int32, L + 2): group g's tokens are ``order[starts[g]:starts[g + 1]]``, group L those without a slot. Persistent
+    buffers, rewritten in place by ``update`` (a CUDA graph that reads them sees each new map)."""
+
+    order: torch.Tensor
+    starts: torch.Tensor
+
+    @classmethod
+    def empty(cls, n_tokens: int, n_loras: int, device) -> "SlotSegments":
+        return cls(torch.zeros(n_tokens, dtype=torch.int32, device=device),
+                   torch.zeros(n_loras + 2, dtype=torch.int32, device=device))
+
+    @property
+    def n_loras(self) -> int:
+        return self.starts.shape[0] - 2
+
+    def update(self, token_lora_indices: torch.Tensor) -> "SlotSegments":
+        """Groups ``token_lora_indices`` (N ints, -1 = no LoRA; ids outside [0, L) count as -1) into these buffers,
+        on its device and without a host sync (a few small kernels: where, a stable sort, searchsorted)."""
+        idx = token_lora_indices.to(device=self.order.device)
+        n_l = self.n_loras
+        if idx.shape[0] != self.order.shape[0]:
+            raise ValueError(f"SlotSegments: {idx.shape[0]} slot ids for buffers of {self.order.shape[0]} tokens")
+        key = torch.where((idx >= 0) & (idx < n_l), idx.long(), n_l)
+        sorted_key, order = torch.sort(key, stable=True)
+        groups = torch.arange(n_l + 2, device=idx.device, dtype=sorted_key.dtype)
+        self.order.copy_(order)
+        self.starts.copy_(torch.searchsorted(sorted_key, groups))
+        return self
+
+
+def slot_segments(token_lora_indices: torch.Tensor, n_loras: int) -> SlotSegments:
+    """New ``SlotSegments`` of ``token_lora_indices`` for ``n_loras`` slots."""
+    seg = SlotSegments.empty(token_lora_indices.shape[0], n_loras, token_lora_indices.device)
+    return seg.update(token_lora_indices)
+
+
 def _check_dot_tiles(tiles, dims: tuple[str, ...]) -> None:
     """Raises unless the ``dims`` fields of a tiles dataclass are powers of two >= 16 (tl.dot) and its warps valid."""
     for name in dims:
@@ -1025,16 +1119,23 @@ class FoldedLaunch:
     ``decode_lora_folded`` builds one per call. The tensors are bound, not copied: every call reads the current
     contents of ``token_lora_indices``, ``ranks`` and ``scales`` when they are passed ready (int32, int32, float32 on
     the device; otherwise the plan binds converted copies, as a one-off call may). ``like`` (decode_lora_folded's x)
-    joins the Triton-or-torch decision when given.
+    joins the Triton-or-torch decision when given. ``segments`` (kernel "gemm", several slots): the tiles run on the
+    tokens grouped by slot (``_fold_expand_sorted_kernel``), as ``segments`` holds them: it must group the current
+    contents of ``token_lora_indices`` (``SlotSegments.update`` after each change of the map).
     """
 
     def __init__(self, folded: FoldedWeight, lora_b: torch.Tensor, token_lora_indices: torch.Tensor,
                  ranks: torch.Tensor, scales: torch.Tensor, slice_offsets: Sequence[int], *, kernel: str = "gemm",
                  tiles: ExpandTiles | None = None, pdl: bool = False, options: KernelOptions = DEFAULT_OPTIONS,
-                 like: torch.Tensor | None = None):
+                 like: torch.Tensor | None = None, segments: SlotSegments | None = None):
         _check_folded(folded, lora_b, slice_offsets, kernel)
         if kernel == "gemv":
             raise ValueError("FoldedLaunch: kernel='gemv' (tiles that depend on T) goes through decode_lora_folded")
+        if segments is not None and (kernel != "gemm" or segments.n_loras != lora_b.shape[0]
+                                     or segments.order.shape[0] != token_lora_indices.shape[0]):
+            raise ValueError(f"FoldedLaunch: segments (for {segments.n_loras} slots, {segments.order.shape[0]} "
+                             f"tokens) need kernel='gemm' and must group this slot map ({lora_b.shape[0]} slots, "
+                             f"{token_lora_indices.shape[0]} tokens)")
         w = folded.w_ext
         self.folded, self.lora_b, self.d_out = folded, lora_b, folded.d_out
         self.offsets = tuple(int(o) for o in slice_offsets)
@@ -1044,8 +1145,11 @@ class FoldedLaunch:
         self.dispatch = Dispatch("decode_lora_folded", options.backend, self.use, note)
         n_l, _, r = lora_b.shape
         n_s = len(self.offsets) - 1
-        gdc = _pdl_launch(pdl, w.device, (token_lora_indices, ranks), (scales,))
+        seg = () if segments is None else (segments.order, segments.starts)
+        gdc = _pdl_launch(pdl, w.device, (token_lora_indices, ranks) + seg, (scales,))
         self.idx = token_lora_indices.to(device=w.device, dtype=torch.int32)
+        self._extra_tiles = 0  # token tiles past ceil(T / block_m): the sorted kernel's per-slot remainders
+        self.sorted = segments is not None and lora_b.shape[0] > 1  # the tiled kernel on tokens grouped by slot
         self.ranks = ranks.to(device=w.device, dtype=torch.int32)
         self.scales = scales.to(device=w.device, dtype=torch.float32)
         offs = list(self.offsets[1:]) + [self.d_out] * (MAX_FOLDED_SLICES - n_s)
@@ -1064,6 +1168,14 @@ class FoldedLaunch:
             t = tiles or ExpandTiles()
             self._block_m, self._grid_rest = t.block_m, (n_s, -(-widest // t.block_n))
             self._rest = (self.d_out, stride_h, self.d_out, n_l, r, *offs)
+            if segments is not None and n_l > 1:  # one slot per tile: no all-slot B tile, the tiles' own warps
+                self._args = (lora_b, segments.order, segments.starts, self.ranks, self.scales)
+                self._launch = KeptLaunch(_fold_expand_sorted_kernel, fresh=(0, 1), varying=(7,),
+                                          BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_R=block_r,
+                                          BLOCK_G=next_pow2(n_l + 1), PREC=dispatch.dot_precision(w.dtype),
+                                          USE_GDC=gdc, num_warps=t.warps, launch_pdl=gdc)
+                self._extra_tiles = n_l
+                return
             warps = _expand_warps(n_l, r, t.block_n, t.warps)
             self._launch = KeptLaunch(_fold_expand_gemm_kernel, fresh=(0, 1), varying=(6,), BLOCK_M=t.block_m,
                                       BLOCK_N=t.block_n, BLOCK_R=block_r, ONE_SLOT=n_l == 1,
@@ -1085,7 +1197,8 @@ class FoldedLaunch:
         if self._block_m == 0:
             self._launch((t,) + self._grid_rest, y, h, *self._args)
         else:
-            self._launch((-(-t // self._block_m),) + self._grid_rest, y, h, *self._args, t, *self._rest)
+            self._launch((-(-t // self._block_m) + self._extra_tiles,) + self._grid_rest, y, h, *self._args, t,
+                         *self._rest)
         return y
 
 
@@ -1094,7 +1207,7 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
                        options: KernelOptions = DEFAULT_OPTIONS, soff: torch.Tensor | None = None,
                        kernel: str = "decode", tiles: ExpandTiles | None = None,
                        gemv_tiles: GemvTiles | None = None, workspace: GemvWorkspace | None = None,
-                       pdl: bool = False) -> LoraResult:
+                       pdl: bool = False, sort_tokens: bool = False) -> LoraResult:
     """Base layer plus multi-slice BGMV/SGMV with the shrink inside the base GEMM (Punica/vLLM semantics, -1 = no
     LoRA); returns ``LoraResult(y, Dispatch)`` with a new y (T, d_out):
 
@@ -1116,7 +1229,9 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     one when None). No host sync (CUDA-graph safe with int32 ``token_lora_indices`` and ``ranks``, float32
     ``scales``, on the device; the slice offsets are kernel arguments, ``soff`` is accepted and unused). At most
     ``MAX_FOLDED_SLICES`` slices. The shrink is rounded to x's dtype by the GEMM, as in PEFT's ``lora_B(lora_A(x))``.
-    ``pdl``: launch the Triton kernel with programmatic dependent launch where the GPU has it (``dispatch.pdl_ok``:
+    ``sort_tokens`` (kernel "gemm", several slots): the tiles run on the tokens grouped by slot
+    (``slot_segments``, computed here; a layer served keeps one ``SlotSegments`` per slot map instead), each tile
+    reading one slot's B. ``pdl``: launch the Triton kernel with programmatic dependent launch where the GPU has it (``dispatch.pdl_ok``:
     Hopper or later) and the slot ids, ranks and scales are passed ready (``_pdl_launch``), so that it starts, and
     reads what the kernel before it does not write (B, the slot ids), while that kernel drains; what it writes waits
     (``gdc_wait``). Elsewhere ignored. Only x may be written by the kernel just before the call.
@@ -1124,8 +1239,11 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     """
     _check_folded(folded, lora_b, slice_offsets, kernel)
     if kernel != "gemv":
+        segments = None
+        if sort_tokens and kernel == "gemm":
+            segments = slot_segments(token_lora_indices.to(x.device), lora_b.shape[0])
         plan = FoldedLaunch(folded, lora_b, token_lora_indices, ranks, scales, slice_offsets, kernel=kernel,
-                            tiles=tiles, pdl=pdl, options=options, like=x)
+                            tiles=tiles, pdl=pdl, options=options, like=x, segments=segments)
         return LoraResult(plan(x), plan.dispatch)
     d_out = folded.d_out
     n_l, _, r = lora_b.shape

@@ -18,7 +18,8 @@ number of tokens T of that forward:
         T <= fold_decode_max   one GEMM with [W; A] + ``decode_lora_folded(kernel="decode")`` (per-token programs)
         T <= fold_gemm_max     one GEMM with [W; A] + ``decode_lora_folded(kernel="gemm")`` (token tiles, tl.dot),
                                tiles from the layer's ``gemm_shapes`` rows, then ``gemm_tiles``: the first
-                               (max_tokens, block_m, block_n, warps) row with T <= max_tokens (``gemm_rows``)
+                               (max_tokens, block_m, block_n, warps) row with T <= max_tokens (``gemm_rows``);
+                               with ``gemm_sorted`` and several slots, on the tokens grouped by slot
         above                  the base GEMM (on W's view) + vLLM's punica kernels
     layers that cannot fold (quantized base, dtype mismatch, or LoRA rows above ``fold_max_extra`` x d_out), and
     fold layers above their cut-offs (after the base GEMM on W's view):
@@ -116,6 +117,9 @@ class ServingTuning:
     # 0, 0: any) whose slots hold at least min_slot_rows rank rows per slice (max_loras x rank, the B rows a tiled
     # expand program reads) takes these rows before gemm_tiles
     gemm_shapes: tuple = ()
+    # the tiled kernel with several slots runs on the tokens grouped by slot (SlotSegments, once per slot map):
+    # each token tile then reads one slot's B, not every slot's
+    gemm_sorted: bool = False
     fold_gemv_max: int = 0
     # rows (d_in, d_out, block_n, block_k, split_k, warps, stages[, local_shrink 0/1]); d_in = d_out = 0: any shape
     gemv_shapes: tuple = ()
@@ -139,7 +143,7 @@ class ServingTuning:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 what = "a row count" if name.endswith("_rows") else "a token count"
                 raise ValueError(f"serving tuning: {name} must be {what} >= 0, got {v!r}")
-        for name in ("fold", "pdl"):
+        for name in ("fold", "pdl", "gemm_sorted"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"serving tuning: {name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.fold_max_extra, (int, float)) or self.fold_max_extra < 0:

@@ -12,6 +12,9 @@ graph and replayed (launch gaps as vLLM's graphs have them):
                   rows under W cost cuBLAS (its tile and wave quantization), against base (E = 0) and gemm_w_ext
     fold_decode   F.linear(x, [W; A]) + decode_lora_folded(kernel="decode")  (T <= 64)
     fold_gemm     F.linear(x, [W; A]) + decode_lora_folded(kernel="gemm") per tile candidate (block_m, block_n, warps)
+    fold_sorted   fold_gemm with the tokens grouped by slot (``SlotSegments``, computed once before the graph, as a
+                  served layer does once per slot map): each tile reads one slot's B (several slots only; key
+                  fold_sorted_<bm>x<bn>w<warps>, the best under fold_sorted(_pdl), _tiles)
     fold_cublas   F.linear(x, [W; A]) + torch.addmm(h[:, :d_out], h[:, d_out:], B_bd) with the slot's B laid out
                   block-diagonally over the slices (S * R, d_out): one slot, cuBLAS only (no Triton launch)
     fold_gemv     decode_lora_folded(kernel="gemv") per tile candidate (block_n, block_k, warps, stages): base GEMM,
@@ -95,8 +98,8 @@ def gemv_kind(g) -> str:
     return "one_token" if g.one_token else "local" if g.local_shrink else "shared"
 
 
-PATHS = ("base", "gemm_w_ext", "gemm_rows", "fold_decode", "two_launch", "side_stream", "fold_gemm", "fold_cublas",
-         "fold_gemv", "punica")
+PATHS = ("base", "gemm_w_ext", "gemm_rows", "fold_decode", "two_launch", "side_stream", "fold_gemm", "fold_sorted",
+         "fold_cublas", "fold_gemv", "punica")
 
 
 def graph_us(fn, reps: int = 20) -> float:
@@ -234,6 +237,11 @@ def check(dev) -> dict:
                         err = (y.double() - ref).abs().max().item()
                         key = f"{d_out}x{d_in} L={n_l} T={t} {kern} {tiles.block_m}x{tiles.block_n}{' pdl' * pdl}"
                         out[key] = round(err / lora, 5)
+                        if kern == "gemm" and n_l > 1:  # the tokens grouped by slot (fold_sorted)
+                            ys = decode_lora_folded(x, f, b, idx, rk, sc, offs, kernel=kern, tiles=tiles, pdl=pdl,
+                                                    sort_tokens=True).out
+                            out[key.replace(" gemm ", " sorted ")] = round((ys.double() - ref).abs().max().item()
+                                                                          / lora, 5)
             if t <= 64:  # the two-launch kernel (layers that cannot fold), plain and pdl launches
                 soff = torch.tensor(offs, dtype=torch.int32, device=dev)
                 for pdl in (False, True):
@@ -313,7 +321,7 @@ def main():
     fold_tiles = TILES if a.fold_tiles == "all" else [tuple(int(v) for v in a.fold_tiles.split(","))]
     from bdlora.kernels import DecodeWorkspace, GemvTiles, GemvWorkspace, decode_lora, decode_lora_folded, fold_weight
     from bdlora.kernels.launch import LAUNCHES
-    from bdlora.kernels.decode import ExpandTiles, decode_grid, decode_tiles
+    from bdlora.kernels.decode import ExpandTiles, FoldedLaunch, decode_grid, decode_tiles, slot_segments
 
     dev = torch.device("cuda")
     dt = torch.bfloat16
@@ -494,6 +502,29 @@ def main():
                     row["fold_gemm"], row["fold_gemm_tiles"] = best
                     row["fold_gemm_pdl"] = folded_us(kernel="gemm", tiles=ExpandTiles(*best[1]), pdl=True)
                     timers["fold_gemm"] = folded_run(kernel="gemm", tiles=ExpandTiles(*best[1]))
+                if "fold_sorted" in paths and n_l > 1:  # one SlotSegments for the slot map, as served
+                    seg = slot_segments(idx, n_l)
+
+                    def sorted_us(tiles, pdl=False):
+                        plans = [FoldedLaunch(L.f, L.b, idx, ranks, scales, offs, kernel="gemm", tiles=tiles,
+                                              pdl=pdl, segments=seg) for L in layers]
+
+                        def run():
+                            for plan in plans:
+                                plan(x)
+
+                        return graph_us(run)
+
+                    best = None
+                    for bm, bn, nw in fold_tiles:
+                        if bm > 16 and bm > 2 * t:
+                            continue
+                        us = sorted_us(ExpandTiles(bm, bn, nw))
+                        row[f"fold_sorted_{bm}x{bn}w{nw}"] = us
+                        if best is None or us < best[0]:
+                            best = (us, [bm, bn, nw])
+                    row["fold_sorted"], row["fold_sorted_tiles"] = best
+                    row["fold_sorted_pdl"] = sorted_us(ExpandTiles(*best[1]), pdl=True)
                 best = {}  # per kernel of the family (shared / local shrink): (us, tiles), and pdl
                 for gt in (GEMV_TILES if t <= 64 and "fold_gemv" in paths else ()):
                     g = GemvTiles(*gt)
