@@ -460,22 +460,21 @@ def test_tuning_table_lookup_and_overrides():
 
 def test_gemm_rows_per_layer_shape_and_slot_rows():
     """A layer's tiled-kernel rows: its shape's ``gemm_shapes`` rows where its slots hold at least min_slot_rows
-    rank rows per slice, then ``gemm_tiles``. The Hopper tables give TP=4's four shapes with 4 slots of rank 64 (256
-    rows: measured) their own tiles up to 128 tokens: the H200 16 x 32 with one warp to 16 tokens, 16 x 64 to 32
-    (gate_up 32 x 64 on 2 warps), 32 x 64 to 64 (o on 2 warps; gate_up 64 x 64), 64 x 64 to 128; the H100 (its
-    own sweep, 2026-11-28) 16 x 32 with one warp to 32 tokens (gate_up: 16), then 32 x 64 (o: 2 warps; gate_up 32 x
-    64 to 32 and 64 x 64 to 64). One slot, TP=8's shapes and 8 slots of rank 32 keep the table's rows."""
+    rank rows per slice, then ``gemm_tiles``. The H200 groups tokens by slot (``gemm_sorted``): 16 x 64 tiles on 4
+    warps to 128 tokens for every shape, and TP=4's gate_up and down with 4 slots of rank 64 (256 rows) 32 x 64 from
+    65 to 128 (measured 2026-11-28). The H100, on tokens as batched (its own sweep, 2026-11-28): 16 x 32 with one
+    warp to 32 tokens (gate_up: 16), then 32 x 64 (o: 2 warps; gate_up 32 x 64 to 32 and 64 x 64 to 64). One slot,
+    TP=8's shapes and 8 slots of rank 32 keep the table's rows."""
     small, big = ExpandTiles(16, 32, 1), ExpandTiles(32, 64, 4)
-    mid, wide = ExpandTiles(16, 64, 4), ExpandTiles(64, 64, 4)
-    h200_rows = {(4096, 1536): ((16, small), (32, mid), (64, big), (128, wide)),
-                 (1024, 4096): ((16, small), (32, mid), (64, ExpandTiles(32, 64, 2)), (128, wide)),
-                 (4096, 7168): ((16, small), (32, ExpandTiles(32, 64, 2)), (128, wide)),
-                 (3584, 4096): ((16, small), (32, mid), (64, big), (128, wide))}
+    mid = ExpandTiles(16, 64, 4)
+    h200_rows = {(4096, 1536): ((128, mid),), (1024, 4096): ((128, mid),),
+                 (4096, 7168): ((64, mid), (128, big)), (3584, 4096): ((64, mid), (128, big))}
     h100_rows = {(4096, 1536): ((32, small), (128, big)), (1024, 4096): ((32, small), (128, ExpandTiles(32, 64, 2))),
                  (3584, 4096): ((32, small), (128, big)),
                  (4096, 7168): ((16, small), (32, big), (64, ExpandTiles(64, 64, 4)), (128, big))}
     for name, own_rows in (("NVIDIA H200", h200_rows), ("NVIDIA H100 80GB HBM3", h100_rows)):
         t, _ = serving_tuning("cuda", name)
+        assert t.gemm_sorted == (name == "NVIDIA H200")
         table = t.gemm_rows()
         for (d_in, d_out), rows in own_rows.items():  # TP=4's qkv, o, gate_up, down
             four = t.gemm_rows(d_in, d_out, 4, 64)

@@ -263,22 +263,16 @@ _H200 = MappingProxyType({
     # to punica. The two-launch kernel (unfoldable layers) beats punica up to 8-16 tokens.
     "fold": True, "fold_decode_max": 0, "fold_gemm_max": UNLIMITED, "two_launch_max": 8,
     "gemm_tiles": ((128, 16, 64, 4), (256, 32, 64, 4), (2048, 64, 64, 4), (UNLIMITED, 32, 128, 4)),
-    # bench/results/serve/slot_expand_2026-11-27 (H100 and H200, TP=4's shapes, 4 slots of rank 64 per GPU, us per
-    # call): 32-token tiles beat 16 at 64 tokens on all four modules; one slot (128 rows fewer) and TP=8's shapes
-    # (rank 32; fewer column tiles, so fewer programs) keep 16 (within 0.3 us, or 16 faster).
-    # bench/results/serve/max_rank_2026-11-28/call5 (H200, 4 slots of rank 64, the one-dot expand, us per call):
-    # 16 x 32 on one warp wins at 16 tokens (qkv 13.52 vs 14.24 for 16 x 64, o 8.10 vs 8.80, down 14.35 vs 14.91);
-    # at 32, 16 x 64 (gate_up 32 x 64 on 2 warps: 23.67 vs 23.88); at 64, 32 x 64 (o on 2 warps) and gate_up 64 x
-    # 64 (24.72 vs 25.69); at 128, 64 x 64 on all four (o 10.02 vs 11.21 for 32 x 64, gate_up 28.79 vs 30.51, down
-    # 17.39 vs 18.46).
+    # On tokens as batched (requests cycling over slots interleave them), the tiles mixed slots, and the best rows
+    # grew with T (bench/results/serve/max_rank_2026-11-28/call5; the H100's rows below are of that kind). Grouped
+    # by slot (bench/results/serve/sorted_2026-11-28/call1, 4 slots of rank 64, us per call, tokens as batched ->
+    # grouped): TP=4 at 64 tokens qkv 13.93 -> 12.90, o 9.31 -> 8.28, gate_up 24.71 -> 23.80, down 15.61 -> 14.41;
+    # at 128 gate_up 28.97 -> 25.45; TP=8 level to -0.5. 16 x 64 on 4 warps is the best sorted tile everywhere to 64
+    # tokens (each slot's 16 tokens one tile), 32 x 64 on gate_up and down at 128.
+    "gemm_sorted": True,
     "gemm_shapes": (  # (d_in, d_out, min_slot_rows, max_tokens, block_m, block_n, warps)
-        (4096, 1536, 256, 16, 16, 32, 1), (4096, 1536, 256, 32, 16, 64, 4), (4096, 1536, 256, 64, 32, 64, 4),
-        (4096, 1536, 256, 128, 64, 64, 4),
-        (1024, 4096, 256, 16, 16, 32, 1), (1024, 4096, 256, 32, 16, 64, 4), (1024, 4096, 256, 64, 32, 64, 2),
-        (1024, 4096, 256, 128, 64, 64, 4),
-        (4096, 7168, 256, 16, 16, 32, 1), (4096, 7168, 256, 32, 32, 64, 2), (4096, 7168, 256, 128, 64, 64, 4),
-        (3584, 4096, 256, 16, 16, 32, 1), (3584, 4096, 256, 32, 16, 64, 4), (3584, 4096, 256, 64, 32, 64, 4),
-        (3584, 4096, 256, 128, 64, 64, 4)),
+        (4096, 7168, 256, 64, 16, 64, 4), (4096, 7168, 256, 128, 32, 64, 4),
+        (3584, 4096, 256, 64, 16, 64, 4), (3584, 4096, 256, 128, 32, 64, 4)),
     # bench/results/serve/serving_kernels_gemv_h200_2026-11-24.json: the one-launch kernel beats cuBLAS + the tiled
     # expand at 1-16 tokens on TP=4's down (3584 -> 4096: 13.7 vs 15.0 us) and TP=8's gate_up (4096 -> 3584: 14.1
     # vs 15.5 us); on qkv and o (few or short rows) and at 64 tokens the cuBLAS GEMM wins.
@@ -347,6 +341,7 @@ TABLE: Mapping[str, Mapping] = MappingProxyType({
     # at 32, 32 x 64: 30.39 vs 31.60).
     "NVIDIA H100 80GB HBM3": MappingProxyType({
         **_H200,
+        "gemm_sorted": False,  # not measured on an H100: its rows below are for tokens as batched
         "gemv_one_token_shapes": (
             (4096, 768, 64, 64, 8, 4, 3), (512, 4096, 32, 128, 1, 4, 1), (4096, 3584, 128, 128, 4, 8, 3),
             (1792, 4096, 16, 256, 1, 8, 1), (4096, 1536, 64, 64, 16, 4, 1), (1024, 4096, 128, 128, 4, 8, 1),
