@@ -198,6 +198,16 @@ def _slice_bounds(sl, O1, O2, O3, O4):
 
 
 @jit
+def _tile_columns(sl, tile, O1, O2, O3, O4, BLOCK_N: tl.constexpr):
+    """Column tile ``tile`` of slice ``sl`` (the expand kernels' grid is sized by the widest slice): (live, cols,
+    cmask), live False for a tile past the slice's end, cmask the columns within it."""
+    o_lo, o_hi = _slice_bounds(sl, O1, O2, O3, O4)
+    c_lo = o_lo + tile * BLOCK_N
+    cs = c_lo + tl.arange(0, BLOCK_N)
+    return c_lo < o_hi, cs, cs < o_hi
+
+
+@jit
 def _decode_folded_expand_kernel(
     y_ptr, h_ptr, b_ptr, idx_ptr, ranks_ptr, scales_ptr,
     stride_y, stride_h, d_out, n_loras, R, O1, O2, O3, O4,
@@ -432,15 +442,11 @@ def _fold_expand_gemm_kernel(
     """
     pid_m = tl.program_id(0)
     sl = tl.program_id(1)
-    tile = tl.program_id(2)
-    o_lo, o_hi = _slice_bounds(sl, O1, O2, O3, O4)
-    c_lo = o_lo + tile * BLOCK_N
-    if c_lo < o_hi:
+    live, cs, cmask = _tile_columns(sl, tl.program_id(2), O1, O2, O3, O4, BLOCK_N)
+    if live:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rowmask = rows < T
         rows64 = rows.to(tl.int64)
-        cs = c_lo + tl.arange(0, BLOCK_N)
-        cmask = cs < o_hi
         a = tl.load(idx_ptr + rows, mask=rowmask, other=-1)
         if BLOCK_J > 0:
             bt, rank_j, scale_t = _all_slot_factors(b_ptr, ranks_ptr, scales_ptr, a, rowmask, cs, cmask, d_out,
@@ -489,10 +495,8 @@ def _fold_expand_sorted_kernel(
     scale are read before ``gdc_wait`` (nothing before this launch writes them), h after it."""
     pid_m = tl.program_id(0)
     sl = tl.program_id(1)
-    tile = tl.program_id(2)
-    o_lo, o_hi = _slice_bounds(sl, O1, O2, O3, O4)
-    c_lo = o_lo + tile * BLOCK_N
-    if c_lo < o_hi:
+    live, cs, cmask = _tile_columns(sl, tl.program_id(2), O1, O2, O3, O4, BLOCK_N)
+    if live:
         g = tl.arange(0, BLOCK_G)
         lo_g = tl.load(starts_ptr + g, mask=g <= n_loras, other=0)
         hi_g = tl.load(starts_ptr + g + 1, mask=g <= n_loras, other=0)
@@ -506,8 +510,6 @@ def _fold_expand_sorted_kernel(
         rows = tl.load(order_ptr + ps, mask=ps < p_end, other=T)
         rowmask = rows < T
         rows64 = rows.to(tl.int64)
-        cs = c_lo + tl.arange(0, BLOCK_N)
-        cmask = cs < o_hi
         slot = tl.where(grp < n_loras, grp, -1)
         one_b, one_r, one_scale = _slot_factors(b_ptr, ranks_ptr, scales_ptr, slot, cs, cmask, d_out, R, BLOCK_R)
         if USE_GDC:
