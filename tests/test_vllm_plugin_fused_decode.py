@@ -351,14 +351,16 @@ def test_tp1_auto_mode_every_path_parity(tiny_llama_dir, vllm_adapters, gemm_sor
     the per-layer self-check (fold op vs base GEMM + punica, with padding rows) holds. ``gemm_sorted``: the tiled
     kernel runs on the tokens grouped by slot (regrouped at each new slot map)."""
     llm = _start_auto(tiny_llama_dir, {**AUTO_TUNING, "gemm_sorted": gemm_sorted})
+    tiled, other = ("fold_gemm_sorted:", "fold_gemm:") if gemm_sorted else ("fold_gemm:", "fold_gemm_sorted:")
     try:
         counts = _mixed_batch_counts(tiny_llama_dir, vllm_adapters, llm)
-        assert counts.get("stock", 0) >= 8 and counts.get("fold_gemm:" + FUSED_BACKEND, 0) >= 8 * 7, counts
+        assert counts.get("stock", 0) >= 8 and counts.get(tiled + FUSED_BACKEND, 0) >= 8 * 7, counts
         assert not counts.get("folded:" + FUSED_BACKEND) and not any(k.startswith("fused:") for k in counts), counts
+        assert not counts.get(other + FUSED_BACKEND), counts
         llm.collective_rpc(D.reset_fused_decode_counters)
         _check(tiny_llama_dir, vllm_adapters, llm, [(PROMPTS[1], "bd4_r16"), (PROMPTS[0], "bd2_r8")])
         counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
-        assert counts.get("fold_gemm:" + FUSED_BACKEND, 0) >= 8, counts
+        assert counts.get(tiled + FUSED_BACKEND, 0) >= 8, counts
         assert counts.get("folded:" + FUSED_BACKEND, 0) >= 8 * 7, counts
         assert not counts.get("stock"), counts
         check = _assert_fold_self_check(llm)  # 6 tokens: the tiled kernel

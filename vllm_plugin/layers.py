@@ -125,7 +125,8 @@ class LayerBuild:
 
 #: Calls of the BD layers' custom ops in this process, by the path that ran: ``fused:<backend>`` (``lora_linear``:
 #: decode_lora's two launches; backend triton or torch), ``folded:<backend>`` (``fold_linear``: [W; A] GEMM and
-#: decode_lora_folded's per-token kernel), ``fold_gemm:<backend>`` (the same with its tiled kernel),
+#: decode_lora_folded's per-token kernel), ``fold_gemm:<backend>`` (the same with its tiled kernel;
+#: ``fold_gemm_sorted:<backend>`` on the tokens grouped by slot, ``gemm_sorted``),
 #: ``fold_gemv:<backend>`` (its one-launch kernel: base GEMM, shrink and expand together), ``side:<backend>``
 #: (``fold_linear``: base GEMM with the two-launch term on a second stream), ``side_deferred:<backend>``
 #: (``fold_linear_split``: the same, the add left to the compiled graph) and ``stock`` (above the cut-offs:
@@ -325,7 +326,7 @@ def _stock_lora(layer, y: torch.Tensor, x: torch.Tensor) -> None:
 
 #: FUSED_COUNTS prefix per kernel ("gemv_one_token": the one-launch kernel with a layer's one-token tiles)
 _FOLD_COUNTER = {"gemv": "fold_gemv:", "gemv_one_token": "fold_gemv_one_token:", "decode": "folded:",
-                 "gemm": "fold_gemm:"}
+                 "gemm": "fold_gemm:", "gemm_sorted": "fold_gemm_sorted:"}
 
 
 def _two_streams(st: "_FusedState", dev, side_work, main_work) -> tuple:
@@ -415,6 +416,8 @@ def _fold_paths(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.T
             plan = st.plan(kernel, st.gemm_rows.tiles_for(n) if kernel == "gemm" and st.gemm_rows is not None
                            else None)
             y, ran = plan(x), plan.dispatch
+            if plan.sorted:
+                kernel = "gemm_sorted"
         if bias is not None:
             y += bias
         _count_fused(_FOLD_COUNTER[kernel], ran.backend, x, st)
