@@ -106,7 +106,8 @@ def test_gemm_kernel_on_tokens_grouped_by_slot(tiles, case):
     torch.testing.assert_close(y.double(), want, rtol=1e-4, atol=1e-4)
 
 
-SORTED_MAPS = [[-1] * 7, [2] * 19, [0, 1, 2, 3] * 9, [3, -1, 0, 0, 9, -1, 1] * 5]  # none, one slot, interleaved, ids >= L
+# no slot, one slot, four interleaved (requests cycling over adapters), ids past the slots (counted as none)
+SORTED_MAPS = [[-1] * 7, [2] * 19, [0, 1, 2, 3] * 9, [3, -1, 0, 0, 9, -1, 1] * 5]
 
 
 def test_sorted_plan_follows_its_slot_map_and_masks_the_padding():

@@ -1233,7 +1233,8 @@ def decode_lora_folded(x: torch.Tensor, folded: FoldedWeight, lora_b: torch.Tens
     ``MAX_FOLDED_SLICES`` slices. The shrink is rounded to x's dtype by the GEMM, as in PEFT's ``lora_B(lora_A(x))``.
     ``sort_tokens`` (kernel "gemm", several slots): the tiles run on the tokens grouped by slot
     (``slot_segments``, computed here; a layer served keeps one ``SlotSegments`` per slot map instead), each tile
-    reading one slot's B. ``pdl``: launch the Triton kernel with programmatic dependent launch where the GPU has it (``dispatch.pdl_ok``:
+    reading one slot's B.
+    ``pdl``: launch the Triton kernel with programmatic dependent launch where the GPU has it (``dispatch.pdl_ok``:
     Hopper or later) and the slot ids, ranks and scales are passed ready (``_pdl_launch``), so that it starts, and
     reads what the kernel before it does not write (B, the slot ids), while that kernel drains; what it writes waits
     (``gdc_wait``). Elsewhere ignored. Only x may be written by the kernel just before the call.
