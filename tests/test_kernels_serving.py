@@ -112,9 +112,10 @@ SORTED_MAPS = [[-1] * 7, [2] * 19, [0, 1, 2, 3] * 9, [3, -1, 0, 0, 9, -1, 1] * 5
 
 def test_sorted_plan_follows_its_slot_map_and_masks_the_padding():
     """A prepared launch (as a served layer keeps one) on a slot map longer than the call's tokens (a CUDA graph's
-    padding, and the rest of the buffer: -1 past the batch), its ``SlotSegments`` regrouped in place after each new
-    map: every call equals the oracle of the map it ran under, rows past T are never written, and the groups are the
-    stable order with the tokens without a slot (or an id past the slots) last."""
+    padding, and the rest of the buffer: -1 past the batch, here with a stale id too), its ``SlotSegments``
+    regrouped in place after each new map: every call equals the oracle of the map it ran under (the tokens past T
+    are grouped but masked), and the groups are the stable order with the tokens without a slot (or an id past the
+    slots) last."""
     from bdlora.kernels.decode import FoldedLaunch
 
     ranks = [8, 16, 0, 12]
