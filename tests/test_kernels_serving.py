@@ -94,11 +94,12 @@ def test_gemm_kernel_any_tiles_and_mixed_tiles(tiles):
 
 
 @pytest.mark.parametrize("tiles", [ExpandTiles(16, 16, 1), ExpandTiles(32, 64, 2), ExpandTiles(64, 16, 4)])
-@pytest.mark.parametrize("case", [3, 4, 5, 6])
+@pytest.mark.parametrize("case", [3, 4, 5, 6, 7])
 def test_gemm_kernel_on_tokens_grouped_by_slot(tiles, case):
     """``sort_tokens``: the tiled kernel on the tokens grouped by slot (each tile one slot's rows, SGMV's segments),
-    for several slots of ragged ranks, an empty one, tokens without LoRA in any order: the float64 oracle."""
-    ranks, d_outs, t, d_in = CASES[case]
+    for several slots of ragged ranks, an empty one, tokens without LoRA in any order, and fewer tokens than slots
+    (the grid is then one tile per token): the float64 oracle."""
+    ranks, d_outs, t, d_in = (CASES + [([8, 16, 0, 32, 5, 12, 3, 7], [40, 24], 3, 32)])[case]
     folded, x, b, idx, rk, scales, offs, want = _oracle_case(700 + case, ranks, d_outs, t, d_in, p_none=0.3)
     y, d = K.decode_lora_folded(x, folded, b, idx, rk, scales, offs, kernel="gemm", tiles=tiles, sort_tokens=True,
                                 options=K.KernelOptions(backend="triton"))

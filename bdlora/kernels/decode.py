@@ -483,8 +483,9 @@ def _fold_expand_sorted_kernel(
     """``_fold_expand_gemm_kernel`` on tokens grouped by slot (``SlotSegments``; SGMV's segments): token tile m,
     slice s and column tile c (one program each). Group g < L is slot g's tokens, group L the tokens without LoRA;
     ``order[starts[g]:starts[g + 1]]`` are group g's tokens. Group g < L takes ceil(count_g / BLOCK_M) tiles, in
-    group order, and group L every program after them (grid: ceil(T / BLOCK_M) + L tiles cover every group; tokens
-    >= T, the padding of a longer slot map, are masked). For tile m of group g, starting at position p0:
+    group order, and group L every program after them (grid: min(ceil(T / BLOCK_M) + L, T) tiles cover every
+    group, as no tile is empty; tokens >= T, the padding of a longer slot map, are masked). For tile m of group g,
+    starting at position p0:
 
     rows = order[p0 + [0, BLOCK_M)] (within the group, < T); cols = lo + c * BLOCK_N + [0, BLOCK_N)
     y[rows, cols] = h[rows, cols] + scales[g] * h[rows, d_out + (s * L + g) * R + :ranks[g]] @ B[g, cols, :ranks[g]]^T
@@ -1199,8 +1200,10 @@ class FoldedLaunch:
         if self._block_m == 0:
             self._launch((t,) + self._grid_rest, y, h, *self._args)
         else:
-            self._launch((-(-t // self._block_m) + self._extra_tiles,) + self._grid_rest, y, h, *self._args, t,
-                         *self._rest)
+            tiles = -(-t // self._block_m)
+            if self._extra_tiles:  # grouped: a tile per group remainder, at most one per token (none is empty)
+                tiles = min(tiles + self._extra_tiles, t)
+            self._launch((tiles,) + self._grid_rest, y, h, *self._args, t, *self._rest)
         return y
 
 
