@@ -267,8 +267,8 @@ _H200 = MappingProxyType({
     # grew with T (bench/results/serve/max_rank_2026-11-28/call5; the H100's rows below are of that kind). Grouped
     # by slot (bench/results/serve/sorted_2026-11-28/call1, 4 slots of rank 64, us per call, tokens as batched ->
     # grouped): TP=4 at 64 tokens qkv 13.93 -> 12.90, o 9.31 -> 8.28, gate_up 24.71 -> 23.80, down 15.61 -> 14.41;
-    # at 128 gate_up 28.97 -> 25.45; TP=8 level to -0.5. 16 x 64 on 4 warps is the best sorted tile everywhere to 64
-    # tokens (each slot's 16 tokens one tile), 32 x 64 on gate_up and down at 128.
+    # at 128 gate_up 28.97 -> 25.45; TP=8 level (+0.2 to -0.4). 16 x 64 on 4 warps is the best sorted tile everywhere
+    # to 64 tokens (each slot's 16 tokens one tile), 32 x 64 on gate_up and down at 128.
     "gemm_sorted": True,
     "gemm_shapes": (  # (d_in, d_out, min_slot_rows, max_tokens, block_m, block_n, warps)
         (4096, 7168, 256, 64, 16, 64, 4), (4096, 7168, 256, 128, 32, 64, 4),
