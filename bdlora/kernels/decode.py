@@ -230,12 +230,8 @@ def _decode_folded_expand_kernel(
     """
     t = tl.program_id(0)
     sl = tl.program_id(1)
-    tile = tl.program_id(2)
-    o_lo, o_hi = _slice_bounds(sl, O1, O2, O3, O4)
-    c_lo = o_lo + tile * BLOCK_N
-    if c_lo < o_hi:  # a narrower slice's surplus tiles have no columns
-        cs = c_lo + tl.arange(0, BLOCK_N)
-        cmask = cs < o_hi
+    live, cs, cmask = _tile_columns(sl, tl.program_id(2), O1, O2, O3, O4, BLOCK_N)
+    if live:  # a narrower slice's surplus tiles have no columns
         h_row = h_ptr + t.to(tl.int64) * stride_h
         a = tl.load(idx_ptr + t)
         ll = tl.arange(0, BLOCK_L)
@@ -1152,7 +1148,6 @@ class FoldedLaunch:
         gdc = _pdl_launch(pdl, w.device, (token_lora_indices, ranks) + seg, (scales,))
         self.idx = token_lora_indices.to(device=w.device, dtype=torch.int32)
         self._extra_tiles = 0  # token tiles past ceil(T / block_m): the sorted kernel's per-slot remainders
-        self.sorted = segments is not None and lora_b.shape[0] > 1  # the tiled kernel on tokens grouped by slot
         self.ranks = ranks.to(device=w.device, dtype=torch.int32)
         self.scales = scales.to(device=w.device, dtype=torch.float32)
         offs = list(self.offsets[1:]) + [self.d_out] * (MAX_FOLDED_SLICES - n_s)
@@ -1185,6 +1180,11 @@ class FoldedLaunch:
                                       PREC=dispatch.dot_precision(w.dtype), USE_GDC=gdc,
                                       BLOCK_J=all_slots_block(n_l, r, t.block_n, warps), num_warps=warps,
                                       launch_pdl=gdc)
+
+    @property
+    def sorted(self) -> bool:
+        """Whether the tiled kernel runs on the tokens grouped by slot (segments given, several slots)."""
+        return self._extra_tiles > 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]

@@ -19,7 +19,8 @@
 # Needs /tmp/qsite (a warm machine's earlier call) or the bundle's parts (bench/bundle_parts.sh): all but the last
 # staged by earlier calls (carry .cache/quality_bundle/pK, command `mkdir -p /tmp/qstage && cp
 # .cache/quality_bundle/p*/part.* /tmp/qstage/`), the last folder carried in this call. Resumes from
-# bench/results/quality/results.jsonl (earlier calls, travelling with the checkout) and /tmp/bench-quality (a warm machine). Writes into $OUT: results.jsonl (all runs,
+# bench/results/quality/results.jsonl (earlier calls, travelling with the checkout) and /tmp/bench-quality (a warm
+# machine). Writes into $OUT: results.jsonl (all runs,
 # deduplicated), quality_table.md, quality.png, quality.log (every shard, lines tagged [sI]), gpu_util.csv.
 set -uo pipefail
 T0=$(date +%s)

@@ -221,8 +221,9 @@ def main():
     ap.add_argument("--mem", type=float, default=0.45, help="gpu_memory_utilization (0.28 for three engines)")
     ap.add_argument("--tuning", default=None, help="bd engines: a JSON dict of bdlora.kernels.tuning keys replacing "
                     "the device's table entry's (e.g. '{\"fold_gemv_max\": 0}'), recorded as tuning_override")
-    ap.add_argument("--bd-options", default=None, type=json.loads, help="bd engines: a JSON dict of additional_config['bdlora'] "
-                    "settings (e.g. '{\"max_rank\": 38}'), recorded as bd_options")
+    ap.add_argument("--bd-options", default=None, type=json.loads,
+                    help="bd engines: a JSON dict of additional_config['bdlora'] settings "
+                         "(e.g. '{\"max_rank\": 38}'), recorded as bd_options")
     ap.add_argument("--label", default=None, help="the engine's name in the result (default: --only)")
     ap.add_argument("--adapters", type=int, default=1,
                     help="LoRA engines: --max-loras and distinct adapters; request i of a batch uses adapter i mod N")

@@ -184,8 +184,9 @@ def main():
                     "request i uses adapter i mod N (as auto_proxy.py --adapters)")
     ap.add_argument("--tuning", default=None, help="bd: a JSON dict of bdlora.kernels.tuning keys replacing the "
                     "device's table entry's (as auto_proxy.py --tuning)")
-    ap.add_argument("--bd-options", default=None, type=json.loads, help="bd: a JSON dict of additional_config['bdlora'] settings "
-                    "(e.g. '{\"max_rank\": 38}', as auto_proxy.py --bd-options)")
+    ap.add_argument("--bd-options", default=None, type=json.loads,
+                    help="bd: a JSON dict of additional_config['bdlora'] settings "
+                         "(e.g. '{\"max_rank\": 38}', as auto_proxy.py --bd-options)")
     ap.add_argument("--out", default="prof.json")
     ap.add_argument("--ab-direct", type=int, default=0, metavar="ROUNDS",
                     help="with --time-only: ROUNDS pairs of generates in this one engine, bdlora's direct launches "
