@@ -489,6 +489,57 @@ def test_rr_script_starts_engines_in_turn_and_stops_on_a_failure(tmp_path, engin
         assert "bd" not in started or failed != "bad_start"  # nothing starts after a failed start
 
 
+_TURN_ENGINE = '''
+import argparse, sys, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from bench.serve.auto_proxy import _wait_turn  # the real turn protocol
+ap = argparse.ArgumentParser()
+for k in ("--shape", "--only", "--label", "--rr", "--index", "--count", "--rounds", "--mem", "--out", "--tuning"):
+    ap.add_argument(k)
+a = ap.parse_args()
+if a.label == "bad_start":
+    sys.exit("No available memory for the cache blocks")
+time.sleep(0.3)
+print(f"{{a.only}} engine up in 0.3s", flush=True)
+rr, index, count = Path(a.rr), int(a.index), int(a.count)
+for rnd in range(int(a.rounds)):
+    _wait_turn(rr, rnd, index, count, limit_s=60)
+    with open(rr.parent / "measured.txt", "a") as f:
+        f.write(f"{{rnd}}:{{index}}:{{a.shape}}:{{a.label}}\\n")
+    time.sleep(0.1)
+    (rr / "turn").write_text(f"{{rnd}}:{{index + 1}}" if index + 1 < count else f"{{rnd + 1}}:0")
+open(a.out, "w").write("{{}}")
+'''
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_rr_script_shares_turns_across_gpus(tmp_path, bad):
+    """Two auto_proxy_rr.sh calls (one per GPU) with one RR_DIR measure in turns with each other: the engines get
+    indices RR_FIRST.. of RR_TOTAL, one engine measures at a time in index order over both calls, every round; when
+    an engine of one call fails to start, the other call's engines stop instead of waiting for its turn."""
+    script = _rr_script_with_engine(tmp_path, _TURN_ENGINE.format(root=str(ROOT)))
+    turns = tmp_path / "turns"
+    calls = [("tp4", "0", ["base=base", "bd=bd"]), ("tp8", "2", ["base=base", "bad_start=bd" if bad else "bd=bd"])]
+    procs = [subprocess.Popen(["bash", str(script), shape, str(tmp_path / "out"), "2", "0.3", *engines],
+                              env={**os.environ, "RR_DIR": str(turns), "RR_FIRST": first, "RR_TOTAL": "4"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for shape, first, engines in calls]
+    results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
+    measured = (tmp_path / "measured.txt").read_text().split() if (tmp_path / "measured.txt").exists() else []
+    if not bad:
+        assert [r[2] for r in results] == [0, 0], results
+        assert measured == [f"{rnd}:{i}:{name}" for rnd in (0, 1)
+                            for i, name in enumerate(["tp4:base", "tp4:bd", "tp8:base", "tp8:bd"])]
+    else:
+        assert [r[2] for r in results] == [1, 1], results
+        assert measured == []  # nobody measured: engine 3 never came up
+        assert "engine 'bad_start' failed" in results[1][1]
+        assert (turns / "failed").read_text().split() == ["tp8", "bad_start"]
+        log = (tmp_path / "out" / "rr_tp4_base.log").read_text()
+        assert "round robin: engine tp8 bad_start failed; not measuring" in log
+
+
 def test_step_profile_reads_gpu_busy_and_host_ops_from_a_profiler_trace(tmp_path, monkeypatch):
     """``step_profile.py``'s trace readers: busy_ms takes the union of kernel intervals (overlaps counted once,
     gaps as idle); host_ops counts and times the CPU ops of a real torch.profiler trace (three aten::mm calls here),

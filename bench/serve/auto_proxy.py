@@ -195,6 +195,8 @@ def _wait_turn(rr: Path, rnd: int, index: int, count: int, limit_s: float = 900)
     (rr / f"ready_{index}").touch()
     t0 = time.time()
     while time.time() - t0 < limit_s:
+        if (rr / "failed").exists():  # an engine of this turn folder failed (auto_proxy_rr.sh wrote its name)
+            raise RuntimeError(f"round robin: engine {(rr / 'failed').read_text().strip()} failed; not measuring")
         if rnd == 0 and index == 0 and all((rr / f"ready_{i}").exists() for i in range(count)):
             if not (rr / "turn").exists():
                 (rr / "turn").write_text("0:0")

@@ -6,28 +6,37 @@
 # Engines start one at a time: each after the one before reports "engine up" (engines profiling memory at the same
 # moment see each other's allocations and fail). If an engine exits with an error, the others are stopped and this
 # script exits 1 at once (they would otherwise wait for its turn).
+# Several GPUs measuring in turns with each other: one call per GPU (CUDA_VISIBLE_DEVICES), all with RR_DIR (a turn
+# folder they share, kept) and RR_TOTAL (engines over all calls), each with RR_FIRST (the index of its first engine);
+# the GPUs start their engines at once and none measures until all are up (no compile beside a measurement).
 set -u
 shape=$1 out=$2 rounds=$3 mem=$4
 shift 4
-rr=$(mktemp -d)
-trap 'rm -rf "$rr"' EXIT  # the turn files
-mkdir -p "$out"
+first=${RR_FIRST:-0} total=${RR_TOTAL:-$#}
+if [ -n "${RR_DIR:-}" ]; then
+  rr=$RR_DIR
+else
+  rr=$(mktemp -d)
+  trap 'rm -rf "$rr"' EXIT  # the turn files
+fi
+mkdir -p "$out" "$rr"
 pids=()
 labels=()
 
 stop_all() {
   echo "auto_proxy_rr: engine '$1' failed (see $out/rr_${shape}_$1.log); stopping the others" >&2
+  [ -e "$rr/failed" ] || echo "$shape $1" > "$rr/failed"  # the other GPUs' engines stop waiting for a turn
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
   wait
   exit 1
 }
 
-i=0
+i=$first
 for spec in "$@"; do
   IFS='=' read -r label only tuning <<< "$spec"
   log="$out/rr_${shape}_${label}.log"
-  args=(--shape "$shape" --only "$only" --label "$label" --rr "$rr" --index "$i" --count "$#" --rounds "$rounds" ${PROXY_ARGS:-}
-        --mem "$mem" --out "$out/rr_${shape}_${label}.json")
+  args=(--shape "$shape" --only "$only" --label "$label" --rr "$rr" --index "$i" --count "$total" --rounds "$rounds"
+        ${PROXY_ARGS:-} --mem "$mem" --out "$out/rr_${shape}_${label}.json")
   [ -n "${tuning:-}" ] && args+=(--tuning "$tuning")
   python3 "$(dirname "$0")/auto_proxy.py" "${args[@]}" > "$log" 2>&1 &
   pids+=($!)
