@@ -421,13 +421,17 @@ def test_rr_table_min_median_and_change_against_base(tmp_path, capsys):
         (tmp_path / f"rr_tp4_{engine}.json").write_text(json.dumps({"shape": "tp4", "engine": engine, "rows": rows}))
 
     write("base", [2.0, 2.2, 2.1], [10.0, 12.0, 11.0])
+    (tmp_path / "rr_tp4_steps.json").write_text(json.dumps({"shape": "tp4", "engine": "steps", "rows": [
+        {"batch": 1, "decode_ms_per_step": 2.4, "step_ms": 2.5, "round": 0},
+        {"batch": 1, "decode_ms_per_step": 2.6, "step_ms": 2.2, "round": 1}]}))  # the median engine step
     write("bd", [2.3, 2.2, 2.5, 2.4, None], [11.0, 11.0, 13.0, 12.0])  # None: a round auto_proxy flagged as noise
     md = report.rr_table([tmp_path])
-    assert "| base | 2.000 (2.100) | 10.000 (11.000) |" in md
     # paired, rounds 0-2 (round 3 has no base): 2.3/2.0, 2.2/2.2, 2.5/2.1 -> +15%, 0%, +19.0%: median +15.0%;
     # TTFT 11/10, 11/12, 13/11 -> +10%, -8.3%, +18.2%: median +10.0%
-    assert "| bd | 2.200 (2.350) [+10.0%, +11.9%; +15.0%] | 11.000 (11.500) [+10.0%, +4.5%; +10.0%] |" in md
-    assert "over 4 rounds" in md and "| engine | B=1 | TTFT B=1 |" in md and "paired median" in md
+    assert "| bd | 2.200 (2.350) [+10.0%, +11.9%; +15.0%] | – | 11.000 (11.500) [+10.0%, +4.5%; +10.0%] |" in md
+    assert "over 4 rounds" in md and "| engine | B=1 | step B=1 | TTFT B=1 |" in md and "paired median" in md
+    assert "| steps | 2.400 (2.500) [+20.0%, +19.0%; +19.1%] | 2.200 (2.350) | – |" in md, md
+    assert "| base | 2.000 (2.100) | – | 10.000 (11.000) |" in md
     assert report.main(["--rr", str(tmp_path)]) == 0 and "[+10.0%, +11.9%; +15.0%]" in capsys.readouterr().out
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -613,12 +617,17 @@ def test_auto_proxy_side_by_side_on_vllm_cpu(tmp_path):
         for row in r["rows"]:
             v = row.get("decode_ms_per_step", row.get("ttft_ms"))
             assert isinstance(v, float) and v > 0 or v is None and "noise" in row, row
+            if "ttft_ms" not in row:  # the engine's steps timed one by one: prefill, warm-up and drain left out
+                # 144 tokens: 143 decode steps (+1 with async scheduling) less 1 prefill step and 4 + 4
+                assert 133 <= row["step_count"] <= 136, row
+                assert 0 < row["step_ms_p10"] <= row["step_ms"] <= row["step_ms_p90"], row
     counts = results["bd"]["path_counts"]
     assert any(k.startswith(("fold_gemm:", "folded:")) for k in counts), counts
     assert results["bd"]["tuning_override"] == json.loads(tuning)
     md = report.rr_table([out])
-    assert "tiny: min (median) over 2 rounds" in md and "| engine | B=1 | B=4 | TTFT B=1 |" in md
-    assert md.count("; ") >= 2 * 3, md  # lora and bd: a paired change in each of the three columns
+    assert "tiny: min (median) over 2 rounds" in md
+    assert "| engine | B=1 | B=4 | step B=1 | step B=4 | TTFT B=1 |" in md, md
+    assert md.count("; ") >= 2 * 5, md  # lora and bd: a paired change in each of the five columns
 
 
 @pytest.mark.vllm

@@ -17,6 +17,8 @@ adapter i mod N (one slot by default, as before).
 
 decode ms/step = (time of 144 new tokens - time of 16) / 128 at batch B with prompts of --prompt-len tokens (128;
 1024 for the issue's IT/OT 1024/128 case) (min of --reps runs each, default 2);
+step ms = the median wall time of one engine step in steady decode (``step_ms``: each ``llm_engine.step()`` timed,
+the prefill's steps left out; also its 10th and 90th percentiles), the client's TPOT without the prefill's jitter;
 ttft ms = one generate of max_tokens=1 (prefill only) for B prompts of --ttft-len tokens (min of 3), chunked prefill
 at 8192 tokens per step for every engine. For bd the plugin's path counters (``layers.FUSED_COUNTS``, counted at
 CUDA-graph capture and in eager runs) are recorded.
@@ -30,6 +32,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -128,6 +131,33 @@ def decode_ms(llm, lora, n_req, vocab=V, reps=2, prompt_len=128):
     if tl <= ts:  # 128 more steps took no time: the machine's noise exceeded the steps, not a measurement
         return None
     return round(1000 * (tl - ts) / 128, 3)
+
+
+def step_ms(llm, lora, n_req, vocab=V, prompt_len=128, steps=128, chunk=8192) -> Optional[dict]:
+    """Wall time of each engine step in steady decode, as a client sees it (TPOT): ``n_req`` requests of
+    ``prompt_len`` tokens added to the engine at once, then ``llm_engine.step()`` timed one call at a time until all
+    finish. The prefill's steps (``ceil(n_req * prompt_len / chunk)``, chunked prefill) and 4 more on each side are
+    left out, so no prefill, warm-up or drain is in it: {"median", "p10", "p90", "steps"} in ms (None when fewer
+    than 16 steps remain). Unlike ``decode_ms`` (two generates subtracted) the prefill's jitter does not enter."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    sp = SamplingParams(max_tokens=steps + 16, ignore_eos=True, temperature=0.0, detokenize=False)
+    loras = per_request(lora, n_req)
+    tag = time.perf_counter_ns()
+    for i, p in enumerate(_prompts(n_req, prompt_len, salt=3, vocab=vocab)):
+        engine.add_request(f"step{tag}-{i}", p, sp, lora_request=loras[i] if isinstance(loras, list) else loras)
+    times = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    skip = -(-n_req * prompt_len // chunk) + 4
+    kept = sorted(times[skip:-4])
+    if len(kept) < 16:
+        return None
+    q = lambda f: round(1000 * kept[int(f * (len(kept) - 1))], 3)  # noqa: E731
+    return {"median": q(0.5), "p10": q(0.1), "p90": q(0.9), "steps": len(kept)}
 
 
 def ttft_ms(llm, lora, n_req, length, vocab=V):
@@ -275,6 +305,10 @@ def main():
         for b in [int(x) for x in a.batches.split(",")]:
             row = {"batch": b, "decode_ms_per_step": decode_ms(llm, lora, b, vocab, a.reps, a.prompt_len),
                    "prompt_len": a.prompt_len, "round": rnd}
+            steps = step_ms(llm, lora, b, vocab, a.prompt_len)
+            if steps is not None:
+                row.update(step_ms=steps["median"], step_ms_p10=steps["p10"], step_ms_p90=steps["p90"],
+                           step_count=steps["steps"])
             if row["decode_ms_per_step"] is None:  # recorded as noise; report --rr leaves it out
                 row["noise"] = "the 144-token generate took no longer than the 16-token one"
             res["rows"].append(row)

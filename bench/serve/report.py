@@ -180,7 +180,8 @@ def trace_table(dirs: Iterable[Path]) -> str:
 
 def rr_table(dirs: Iterable[Path], base: str = "base") -> str:
     """Markdown table of ``auto_proxy.py`` results (``rr_<shape>_<engine>.json``) in each of ``dirs`` (one run of
-    engines side by side each): per run, shape and engine, decode ms per step at each batch and TTFT, as the minimum
+    engines side by side each): per run, shape and engine, decode ms per step at each batch ("B=", two generates
+    subtracted; "step B=": the median engine step in steady decode) and TTFT, as the minimum
     (median) over rounds and, beside it, the change of each against the ``base`` engine of the same run and shape,
     and the paired change: the median over rounds of engine / base - 1 within the same round (the engines measure in
     turns, so a round's values are minutes apart and share the machine's state; this cancels drift between rounds
@@ -192,12 +193,13 @@ def rr_table(dirs: Iterable[Path], base: str = "base") -> str:
             r = json.loads(p.read_text())
             eng = runs[r["shape"]].setdefault(r["engine"], defaultdict(dict))
             for i, row in enumerate(r.get("rows", [])):
-                key = f"TTFT B={row['batch']}" if "ttft_ms" in row else f"B={row['batch']}"
-                value = row.get("ttft_ms", row.get("decode_ms_per_step"))
-                if value is not None:  # None: auto_proxy flagged that round's difference as noise
-                    eng[key][row.get("round", i)] = value
+                for metric, label in (("decode_ms_per_step", "B="), ("step_ms", "step B="), ("ttft_ms", "TTFT B=")):
+                    value = row.get(metric)
+                    if value is not None:  # None: auto_proxy flagged that round's difference as noise
+                        eng[f"{label}{row['batch']}"][row.get("round", i)] = value
         for shape, engines in runs.items():
-            keys = sorted({k for e in engines.values() for k in e}, key=lambda k: ("TTFT" in k, int(k.split("=")[1])))
+            keys = sorted({k for e in engines.values() for k in e},
+                          key=lambda k: ("TTFT" in k, "step" in k, int(k.split("=")[1])))
             n = max(len(v) for e in engines.values() for v in e.values())
             lines += [f"\n`{d}`, {shape}: min (median) over {n} rounds; [min, median; paired median] vs `{base}`\n",
                       "| engine | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]

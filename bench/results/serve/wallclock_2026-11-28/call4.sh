@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# Device call 4 (the same 2 H200s, warm): IT/OT 1024/128 and TTFT. auto_proxy.py with 1024-token prompts (decode ms per
-# step at a 1024-token context, batch 1, 16, 64) and TTFT of 1024-token prompts at batch 1 and 16 (prefill-only
-# generate, min of 3), four adapters: no LoRA, vLLM's LoRA (r64) and bd (--enable-bdlora alone). TP=4 on GPU 0, TP=8
-# on GPU 1, one turn folder for the six engines, 2 rounds. Writes OUT/call4.tar.gz (r4/).
+# Device call 4 (the same 2 H200s, restaged with p1-p3: idle after call 3): the wall-clock A/B of tokens grouped
+# by slot.
+# auto_proxy.py's decode ms per step ((144-token generate - 16-token generate) / 128, unprofiled, min of 2 per round),
+# four adapters (requests cycling over them), 128-token prompts, batch 16 and 64: no LoRA, bd (the H200 entry as
+# committed: gemm_sorted on) and unsorted (the same with gemm_sorted off). TP=4 on GPU 0, TP=8 on GPU 1; the six
+# engines share one turn folder, so none measures while another measures or compiles. 3 rounds. New beside call 3:
+# step_ms, the median wall time of one engine step in steady decode (no prefill in it).
+# Writes OUT/call4.tar.gz (r4/: every json and log).
 set -u
 out=$1
 source bench/serve/gpu_env.sh || exit 1
 r=/tmp/r4 && mkdir -p $r && turns=$(mktemp -d)
-export PROXY_ARGS="--adapters 4 --batches 1,16,64 --ttft 1,16 --prompt-len 1024"
-CUDA_VISIBLE_DEVICES=0 RR_DIR=$turns RR_FIRST=0 RR_TOTAL=6 timeout 570 bash bench/serve/auto_proxy_rr.sh tp4 $r 2 0.28 \
-  base=base lora=lora bd=bd > $r/gpu0.txt 2>&1 &
-CUDA_VISIBLE_DEVICES=1 RR_DIR=$turns RR_FIRST=3 RR_TOTAL=6 timeout 570 bash bench/serve/auto_proxy_rr.sh tp8 $r 2 0.28 \
-  base=base lora=lora bd=bd > $r/gpu1.txt 2>&1 &
+export PROXY_ARGS="--adapters 4 --batches 16,64 --ttft="
+U='unsorted=bd={"gemm_sorted":false}'
+CUDA_VISIBLE_DEVICES=0 RR_DIR=$turns RR_FIRST=0 RR_TOTAL=6 timeout 570 bash bench/serve/auto_proxy_rr.sh tp4 $r 3 0.28 \
+  base=base bd=bd "$U" > $r/gpu0.txt 2>&1 &
+CUDA_VISIBLE_DEVICES=1 RR_DIR=$turns RR_FIRST=3 RR_TOTAL=6 timeout 570 bash bench/serve/auto_proxy_rr.sh tp8 $r 3 0.28 \
+  base=base bd=bd "$U" > $r/gpu1.txt 2>&1 &
 wait
 nvidia-smi -L > $r/gpus.txt
 tar czf $out/call4.tar.gz -C /tmp r4
