@@ -494,7 +494,7 @@ def test_rr_script_starts_engines_in_turn_and_stops_on_a_failure(tmp_path, engin
 
 
 _TURN_ENGINE = '''
-import argparse, sys, time
+import argparse, os, sys, time
 from pathlib import Path
 sys.path.insert(0, {root!r})
 from bench.serve.auto_proxy import _wait_turn  # the real turn protocol
@@ -509,8 +509,8 @@ print(f"{{a.only}} engine up in 0.3s", flush=True)
 rr, index, count = Path(a.rr), int(a.index), int(a.count)
 for rnd in range(int(a.rounds)):
     _wait_turn(rr, rnd, index, count, limit_s=60)
-    with open(rr.parent / "measured.txt", "a") as f:
-        f.write(f"{{rnd}}:{{index}}:{{a.shape}}:{{a.label}}\\n")
+    with open(os.environ["MEASURED"], "a") as f:  # one line per turn, in the order the turns ran
+        f.write(f"{{rnd}}:{{index}}:{{os.environ['CUDA_VISIBLE_DEVICES']}}:{{a.shape}}:{{a.label}}\\n")
     time.sleep(0.1)
     (rr / "turn").write_text(f"{{rnd}}:{{index + 1}}" if index + 1 < count else f"{{rnd + 1}}:0")
 open(a.out, "w").write("{{}}")
@@ -518,30 +518,41 @@ open(a.out, "w").write("{{}}")
 
 
 @pytest.mark.parametrize("bad", [False, True])
-def test_rr_script_shares_turns_across_gpus(tmp_path, bad):
-    """Two auto_proxy_rr.sh calls (one per GPU) with one RR_DIR measure in turns with each other: the engines get
-    indices RR_FIRST.. of RR_TOTAL, one engine measures at a time in index order over both calls, every round; when
-    an engine of one call fails to start, the other call's engines stop instead of waiting for its turn."""
+def test_gpus_script_shares_turns_across_gpus(tmp_path, bad):
+    """auto_proxy_gpus.sh runs one auto_proxy_rr.sh per list on GPU k (CUDA_VISIBLE_DEVICES=k, its own caches), all
+    with one turn folder: the engines get indices 0..3 of 4 over both lists, and one engine measures at a time, in
+    index order over both GPUs, every round. When an engine of one GPU fails to start, the other GPU's engines stop
+    instead of waiting for its turn, naming it, and the script exits 1."""
     script = _rr_script_with_engine(tmp_path, _TURN_ENGINE.format(root=str(ROOT)))
-    turns = tmp_path / "turns"
-    calls = [("tp4", "0", ["base=base", "bd=bd"]), ("tp8", "2", ["base=base", "bad_start=bd" if bad else "bd=bd"])]
-    procs = [subprocess.Popen(["bash", str(script), shape, str(tmp_path / "out"), "2", "0.3", *engines],
-                              env={**os.environ, "RR_DIR": str(turns), "RR_FIRST": first, "RR_TOTAL": "4"},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for shape, first, engines in calls]
-    results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
+    gpus = script.parent / "auto_proxy_gpus.sh"
+    gpus.write_text((ROOT / "bench" / "serve" / "auto_proxy_gpus.sh").read_text())
+    out = tmp_path / "out"
+    p = subprocess.run(["bash", str(gpus), str(out), "2", "0.3", "tp4 base=base bd=bd",
+                        f"tp8 base=base {'bad_start' if bad else 'bd'}=bd"], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "MEASURED": str(tmp_path / "measured.txt")})
     measured = (tmp_path / "measured.txt").read_text().split() if (tmp_path / "measured.txt").exists() else []
     if not bad:
-        assert [r[2] for r in results] == [0, 0], results
+        assert p.returncode == 0, p.stderr + (out / "gpu1.txt").read_text()
         assert measured == [f"{rnd}:{i}:{name}" for rnd in (0, 1)
-                            for i, name in enumerate(["tp4:base", "tp4:bd", "tp8:base", "tp8:bd"])]
+                            for i, name in enumerate(["0:tp4:base", "0:tp4:bd", "1:tp8:base", "1:tp8:bd"])]
     else:
-        assert [r[2] for r in results] == [1, 1], results
+        assert p.returncode == 1
         assert measured == []  # nobody measured: engine 3 never came up
-        assert "engine 'bad_start' failed" in results[1][1]
-        assert (turns / "failed").read_text().split() == ["tp8", "bad_start"]
-        log = (tmp_path / "out" / "rr_tp4_base.log").read_text()
-        assert "round robin: engine tp8 bad_start failed; not measuring" in log
+        assert "engine 'bad_start' failed" in (out / "gpu1.txt").read_text()
+        assert "round robin: engine tp8 bad_start failed; not measuring" in (out / "rr_tp4_base.log").read_text()
+
+
+def test_gpus_script_refuses_more_lists_than_gpus(tmp_path):
+    """With nvidia-smi present, auto_proxy_gpus.sh refuses more lists than GPUs by count, starting nothing."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-0)'\n")
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    p = subprocess.run(["bash", str(ROOT / "bench" / "serve" / "auto_proxy_gpus.sh"), str(tmp_path / "out"), "1",
+                        "0.3", "tp4 base=base", "tp8 base=base"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}"})
+    assert p.returncode == 2 and "2 lists for 1 GPUs" in p.stderr, p.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_step_profile_reads_gpu_busy_and_host_ops_from_a_profiler_trace(tmp_path, monkeypatch):

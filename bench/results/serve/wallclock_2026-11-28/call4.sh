@@ -7,17 +7,4 @@
 # engines share one turn folder, so none measures while another measures or compiles. 3 rounds. New beside call 3:
 # step_ms, the median wall time of one engine step in steady decode (no prefill in it).
 # Writes OUT/call4.tar.gz (r4/: every json and log).
-set -u
-out=$1
-source bench/serve/gpu_env.sh || exit 1
-r=/tmp/r4 && mkdir -p $r && turns=$(mktemp -d)
-export PROXY_ARGS="--adapters 4 --batches 16,64 --ttft="
-U='unsorted=bd={"gemm_sorted":false}'
-CUDA_VISIBLE_DEVICES=0 RR_DIR=$turns RR_FIRST=0 RR_TOTAL=6 timeout 570 bash bench/serve/auto_proxy_rr.sh tp4 $r 3 0.28 \
-  base=base bd=bd "$U" > $r/gpu0.txt 2>&1 &
-CUDA_VISIBLE_DEVICES=1 RR_DIR=$turns RR_FIRST=3 RR_TOTAL=6 timeout 570 bash bench/serve/auto_proxy_rr.sh tp8 $r 3 0.28 \
-  base=base bd=bd "$U" > $r/gpu1.txt 2>&1 &
-wait
-nvidia-smi -L > $r/gpus.txt
-tar czf $out/call4.tar.gz -C /tmp r4
-python3 -m bench.serve.report --rr $r 2>&1 | tail -30
+bash "$(dirname "$0")/call3.sh" "$1" 4
