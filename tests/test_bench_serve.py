@@ -634,6 +634,8 @@ def test_auto_proxy_side_by_side_on_vllm_cpu(tmp_path):
                 assert 0 < row["step_ms_p10"] <= row["step_ms"] <= row["step_ms_p90"], row
         # every kept step's time, in order, per batch and round (the distribution behind the median)
         times = {(t["round"], t["batch"]): t["times"] for t in r["step_times_ms"]}
+        # final outputs only (as LLM.generate): one per request, none per step
+        assert all(t["outputs"] == t["batch"] for t in r["step_times_ms"]), r["step_times_ms"]
         assert sorted(times) == [(rnd, b) for rnd in (0, 1) for b in (1, 4)], times
         row = next(x for x in r["rows"] if x["round"] == 1 and x["batch"] == 4 and "ttft_ms" not in x)
         n = row["step_count"]
