@@ -517,6 +517,16 @@ open(a.out, "w").write("{{}}")
 '''
 
 
+def _path_with_gpus(tmp_path, n: int) -> str:
+    """PATH with a stand-in nvidia-smi listing ``n`` GPUs first (the same answer on every machine)."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    lines = "".join(f"echo 'GPU {k}: NVIDIA H200 (UUID: GPU-{k})'\n" for k in range(n))
+    (fake_bin / "nvidia-smi").write_text("#!/bin/sh\n" + lines)
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    return f"{fake_bin}{os.pathsep}{os.environ['PATH']}"
+
+
 @pytest.mark.parametrize("bad", [False, True])
 def test_gpus_script_shares_turns_across_gpus(tmp_path, bad):
     """auto_proxy_gpus.sh runs one auto_proxy_rr.sh per list on GPU k (CUDA_VISIBLE_DEVICES=k, its own caches), all
@@ -529,7 +539,8 @@ def test_gpus_script_shares_turns_across_gpus(tmp_path, bad):
     out = tmp_path / "out"
     p = subprocess.run(["bash", str(gpus), str(out), "2", "0.3", "tp4 base=base bd=bd",
                         f"tp8 base=base {'bad_start' if bad else 'bd'}=bd"], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "MEASURED": str(tmp_path / "measured.txt")})
+                       timeout=120, env={**os.environ, "MEASURED": str(tmp_path / "measured.txt"),
+                                         "PATH": _path_with_gpus(tmp_path, 2)})
     measured = (tmp_path / "measured.txt").read_text().split() if (tmp_path / "measured.txt").exists() else []
     if not bad:
         assert p.returncode == 0, p.stderr + (out / "gpu1.txt").read_text()
@@ -544,13 +555,9 @@ def test_gpus_script_shares_turns_across_gpus(tmp_path, bad):
 
 def test_gpus_script_refuses_more_lists_than_gpus(tmp_path):
     """With nvidia-smi present, auto_proxy_gpus.sh refuses more lists than GPUs by count, starting nothing."""
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-0)'\n")
-    (fake_bin / "nvidia-smi").chmod(0o755)
     p = subprocess.run(["bash", str(ROOT / "bench" / "serve" / "auto_proxy_gpus.sh"), str(tmp_path / "out"), "1",
                         "0.3", "tp4 base=base", "tp8 base=base"], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}"})
+                       env={**os.environ, "PATH": _path_with_gpus(tmp_path, 1)})
     assert p.returncode == 2 and "2 lists for 1 GPUs" in p.stderr, p.stderr
     assert not (tmp_path / "out").exists()
 

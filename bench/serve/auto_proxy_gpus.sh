@@ -11,7 +11,7 @@
 set -u
 out=$1 rounds=$2 mem=$3
 shift 3
-if command -v nvidia-smi > /dev/null; then  # (no GPUs: the lists share the host, as the tests run it)
+if command -v nvidia-smi > /dev/null; then  # (without it: CPU engines, all lists on the host)
   gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
   [ "$#" -le "$gpus" ] || { echo "auto_proxy_gpus.sh: $# lists for $gpus GPUs (one list per GPU)" >&2; exit 2; }
 fi
