@@ -418,8 +418,20 @@ def test_tuning_table_lookup_and_overrides():
     # more than gemv_local_max_rows (the H200's 128, measured; 64 unmeasured) skip it, on to the next row of the
     # shape or the tiled path
     assert t.gemv_local_max_rows == 128 and ServingTuning().gemv_local_max_rows == 64
-    assert t.gemv_tiles_for(1792, 4096, (0, 4096), 4, 32).local_shrink  # 128 rows
+    assert t.gemv_tiles_for(512, 4096, (0, 4096), 4, 32).local_shrink  # TP=8's o at 128 rows
     assert t.gemv_tiles_for(1792, 4096, (0, 4096), 8, 32) is None  # 256: down's tiles no longer fit
+    # a shape's own limit (gemv_shape_max_rows): TP=8's down keeps its row to 64 rows (2 slots of rank 32) and runs
+    # the tiled path with 4 (measured, H200); the H100 inherits it; other shapes keep the global limits
+    for tab in (t, h100):
+        assert tab.gemv_tiles_for(1792, 4096, (0, 4096), 2, 32).local_shrink
+        assert tab.gemv_tiles_for(1792, 4096, (0, 4096), 4, 32) is None
+        assert tab.gemv_one_token_tiles_for(1792, 4096, (0, 4096), 4, 32) is not None  # one token: its own 32 rows
+    lim, _ = serving_tuning("cpu", override={"fold_gemv_max": 4, "gemv_shape_max_rows": [[7, 64, 256]],
+                                             "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1, 1], [0, 0, 32, 16, 2, 1, 1]]})
+    assert lim.gemv_tiles_for(7, 64, None, 8, 32).local_shrink  # 256 rows: its own limit, above the global 64
+    assert lim.gemv_tiles_for(8, 64, None, 8, 32) == GemvTiles(32, 16, 2, 1, 1)  # another shape: the global limit
+    assert ServingTuning.from_dict({"gemv_shape_max_rows": [[7, 64, 0]]}, lim).gemv_tiles_for(7, 64, None, 1, 16) \
+        is None  # 0: no row of the shape applies
     assert t.gemv_tiles_for(3584, 4096, (0, 4096), 8, 64) is None  # shared shrink: gemv_shared_max_rows (above)
     assert t.gemv_one_token_tiles_for(1792, 4096, (0, 4096), 8, 32) is not None  # one token: 32 rows, its own
     assert t.gemv_one_token_tiles_for(1024, 4096, (0, 4096), 1, 256) is None
@@ -443,6 +455,8 @@ def test_tuning_table_lookup_and_overrides():
                      ({"side_shapes": [[1, 2, 0, 1]]}, "optional 0/1 \\(defer"),
                      ({"gemv_local_max_rows": -1}, "gemv_local_max_rows must be"),
                      ({"gemv_shared_max_rows": -1}, "gemv_shared_max_rows must be a row count"),
+                     ({"gemv_shape_max_rows": [[1792, 4096]]}, "gemv_shape_max_rows must be rows of 3 ints"),
+                     ({"gemv_shape_max_rows": [[1792, 4096, -1]]}, "gemv_shape_max_rows must be rows of 3"),
                      ({"fold_gemm_max": 64, "gemm_tiles": [[16, 16, 64, 4]]}, "covers fold_gemm_max"),
                      ({"wide_fold_max": -1}, "wide_fold_max must be a token count"),
                      ({"fold_gemm_max": 16, "wide_fold_max": 64, "gemm_tiles": [[16, 16, 64, 4]]},

@@ -54,6 +54,8 @@ rows (``GemvTiles.shrink_rows``) are at most ``gemv_local_max_rows``: beyond, it
 longer fit in shared memory, and the next row of the shape, or the path below, serves instead. A shared-shrink row
 (``gemv_shapes`` without local_shrink) likewise applies only while the slots' rank rows per slice (max_loras x the
 per-device rank) are at most ``gemv_shared_max_rows``: its A tiles grow with them, and past it the tiled path won.
+A ``gemv_shape_max_rows`` row (d_in, d_out, max_rows) replaces both limits for the rows of its shape, where that
+shape's crossover lies lower than the others' (TP=8's down with four slots, H200).
 
 With ``pdl`` the folded and the two-launch kernels are launched with programmatic dependent launch: each starts
 while the kernel before it drains, and reads the LoRA weights and slot ids before it waits for that kernel's output.
@@ -129,6 +131,9 @@ class ServingTuning:
     gemv_local_max_rows: int = 64
     # the most slot rank rows per slice (max_loras x rank) for which a shared-shrink gemv_shapes row applies
     gemv_shared_max_rows: int = UNLIMITED
+    # rows (d_in, d_out, max_rows): for the gemv_shapes and gemv_one_token_shapes rows of that base weight, the most
+    # rows (as gemv_local_max_rows / gemv_shared_max_rows count them) instead of those two
+    gemv_shape_max_rows: tuple = ()
     pdl: bool = False  # serving kernels launched with programmatic dependent launch (decode_lora*(pdl=True))
     # forwards of 2..side_max tokens on a layer whose (d_in, d_out) has a side_shapes row (0, 0: any): the LoRA term
     # on a second CUDA stream beside the base GEMM (see above); 0: never. Rows (d_in, d_out[, defer 0/1]).
@@ -193,6 +198,11 @@ class ServingTuning:
                              "optional 0/1 (defer: the add left to the next compiled kernel), got "
                              f"{self.side_shapes!r}")
         object.__setattr__(self, "side_shapes", tuple(r[:2] + tuple(bool(v) for v in r[2:]) for r in side))
+        limits = tuple(tuple(r) for r in self.gemv_shape_max_rows)
+        if any(len(r) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in r) for r in limits):
+            raise ValueError("serving tuning: gemv_shape_max_rows must be rows of 3 ints (d_in, d_out, max_rows), got "
+                             f"{self.gemv_shape_max_rows!r}")
+        object.__setattr__(self, "gemv_shape_max_rows", limits)
 
     def side_for(self, d_in: int, d_out: int) -> tuple[int, bool]:
         """(most tokens, defer) of the side-stream path for a layer of base weight (d_in, d_out): ``side_max`` and
@@ -233,15 +243,18 @@ class ServingTuning:
         """The tiles of the first row (d_in, d_out, *GemvTiles fields) of this shape, or of 0, 0, that fit the
         slices and, with the shrink per tile, read at most ``gemv_local_max_rows`` A rows per tile in a call of
         ``tokens`` tokens (the largest call the rows serve); a shared-shrink row, whose slots hold at most
-        ``gemv_shared_max_rows`` rank rows per slice."""
+        ``gemv_shared_max_rows`` rank rows per slice (both: the shape's ``gemv_shape_max_rows`` where it has one)."""
+        own_limit = next((r[2] for r in self.gemv_shape_max_rows if r[:2] == (d_in, d_out)), None)
+        local_max = self.gemv_local_max_rows if own_limit is None else own_limit
+        shared_max = self.gemv_shared_max_rows if own_limit is None else own_limit
         for row in rows:
             if (row[0], row[1]) in ((d_in, d_out), (0, 0)):
                 tiles = GemvTiles(*row[2:])
                 if slice_offsets is not None and not tiles.fits_slices(slice_offsets):
                     continue
-                if tiles.local_shrink and tiles.shrink_rows(tokens, n_loras, rank) > self.gemv_local_max_rows:
+                if tiles.local_shrink and tiles.shrink_rows(tokens, n_loras, rank) > local_max:
                     continue
-                if not tiles.local_shrink and n_loras * rank > self.gemv_shared_max_rows:
+                if not tiles.local_shrink and n_loras * rank > shared_max:
                     continue
                 return tiles
         return None
@@ -297,6 +310,12 @@ _H200 = MappingProxyType({
     # without one-launch rows took 3.237 ms against 3.348. 4 slots of rank 32 on TP=8's gate_up (128 rows) still
     # win (17.6 vs 18.0; H100 18.3 vs 20.1).
     "gemv_shared_max_rows": 128,
+    # bench/results/serve/gemv_slots_2026-11-28 (H200, TP=8, 4 slots of rank 32 = 128 rows, tokens interleaved, us
+    # per call at 4 / 8 / 16 tokens): TP=8's down row (per-tile shrink) takes 12.74 / 12.83 / 12.91 against the
+    # tiled path's 9.95 / 9.88 / 10.18 (it lost by 0.8 us on 2026-11-25, before the tiled kernel's gains); its o row
+    # still wins (5.39-5.53 against 5.75-6.04), gate_up's shared row too (14.62-14.81 against 15.32-15.73). Down's
+    # row measured winning or level at 64 rows (gemv_slots_2026-11-25), so it stops there.
+    "gemv_shape_max_rows": ((1792, 4096, 64),),
     # bench/results/serve/max_rank_2026-11-28/call5 (H200, one slot, T=1, us per call, pdl; no LoRA in brackets):
     # the rows measured on 2026-11-25 had gone slow under the kernels of 2026-11-27/28 (TP=8's gate_up 64 x 64
     # split 8 at stages 1: 23.1 us, 11.69 at 3 stages [11.82]; down 12.56, 8.31 at 16 x 256 split 1 [6.93]). Now:
