@@ -361,6 +361,7 @@ TABLE: Mapping[str, Mapping] = MappingProxyType({
     "NVIDIA H100 80GB HBM3": MappingProxyType({
         **_H200,
         "gemm_sorted": False,  # not measured on an H100: its rows below are for tokens as batched
+        # gemv_shape_max_rows: the H200's (TP=8's down row stops at 64 rows), not measured on an H100
         "gemv_one_token_shapes": (
             (4096, 768, 64, 64, 8, 4, 3), (512, 4096, 32, 128, 1, 4, 1), (4096, 3584, 128, 128, 4, 8, 3),
             (1792, 4096, 16, 256, 1, 8, 1), (4096, 1536, 64, 64, 16, 4, 1), (1024, 4096, 128, 128, 4, 8, 1),
