@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -438,6 +439,30 @@ def test_rr_table_min_median_and_change_against_base(tmp_path, capsys):
     with pytest.raises(SystemExit):
         report.main(["--rr", str(empty)])
     assert "no rr_*.json" in capsys.readouterr().err
+
+
+def test_rr_table_quiet_column_from_step_times(tmp_path):
+    """``report --rr``'s "quiet B=" column: per round the least median over 128-step windows of the kept step times
+    (``quiet_ms``), a round of fewer steps left out; min (median) over rounds and the changes as for the others."""
+    from bench.serve import report
+
+    assert report.quiet_ms([2.0] * 128 + [3.0] * 128) == 2.0 and report.quiet_ms([3.0] * 128 + [2.2] * 130) == 2.2
+    assert report.quiet_ms([1.0] * 127) is None
+    assert report.quiet_ms([5.0, 1.0, 1.0, 9.0, 9.0, 9.0], window=3) == 1.0  # windows [5, 1, 1], [9, 9, 9]
+
+    def write(engine, steps):
+        rows = [{"batch": 1, "step_ms": statistics.median(t), "round": i} for i, t in enumerate(steps)]
+        (tmp_path / f"rr_tp8_{engine}.json").write_text(json.dumps({
+            "shape": "tp8", "engine": engine, "rows": rows,
+            "step_times_ms": [{"batch": 1, "round": i, "times": t, "outputs": 1} for i, t in enumerate(steps)]}))
+
+    write("base", [[2.0] * 128 + [3.0] * 128, [2.5] * 100])
+    write("bd", [[3.0] * 128 + [2.2] * 128, [2.3] * 128])
+    md = report.rr_table([tmp_path])
+    assert "| engine | step B=1 | quiet B=1 |" in md, md
+    # bd: rounds 2.2 and 2.3; base: round 0 only (round 1 kept 100 steps); paired: round 0, 2.2 / 2.0
+    assert "| bd | 2.300 (2.450) [-8.0%, -2.0%; -2.0%] | 2.200 (2.250) [+10.0%, +12.5%; +10.0%] |" in md, md
+    assert "| base | 2.500 (2.500) | 2.000 (2.000) |" in md, md
 
 
 def _rr_script_with_engine(tmp_path, engine_py: str) -> Path:

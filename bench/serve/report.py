@@ -178,10 +178,23 @@ def trace_table(dirs: Iterable[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+QUIET_WINDOW = 128  # steps per window of ``quiet_ms``
+
+
+def quiet_ms(times: list, window: int = QUIET_WINDOW) -> Optional[float]:
+    """The least median over windows of ``window`` consecutive engine steps (``step_times_ms``; windows start every
+    ``window`` steps): the engine's step in its quietest stretch of the round. On these hosts an engine's steps hold one
+    level for seconds and then another (bench/results/serve/tpot_2026-11-28), so a round's median can mix levels that
+    the quietest window does not. None when the round kept fewer than ``window`` steps."""
+    medians = [statistics.median(times[i:i + window]) for i in range(0, len(times) - window + 1, window)]
+    return min(medians) if medians else None
+
+
 def rr_table(dirs: Iterable[Path], base: str = "base") -> str:
     """Markdown table of ``auto_proxy.py`` results (``rr_<shape>_<engine>.json``) in each of ``dirs`` (one run of
     engines side by side each): per run, shape and engine, decode ms per step at each batch ("B=", two generates
-    subtracted; "step B=": the median engine step in steady decode) and TTFT, as the minimum
+    subtracted; "step B=": the median engine step in steady decode; "quiet B=": ``quiet_ms`` of the round's steps,
+    where the result keeps them) and TTFT, as the minimum
     (median) over rounds and, beside it, the change of each against the ``base`` engine of the same run and shape,
     and the paired change: the median over rounds of engine / base - 1 within the same round (the engines measure in
     turns, so a round's values are minutes apart and share the machine's state; this cancels drift between rounds
@@ -197,9 +210,13 @@ def rr_table(dirs: Iterable[Path], base: str = "base") -> str:
                     value = row.get(metric)
                     if value is not None:  # None: auto_proxy flagged that round's difference as noise
                         eng[f"{label}{row['batch']}"][row.get("round", i)] = value
+            for steps in r.get("step_times_ms", []):
+                value = quiet_ms(steps["times"])
+                if value is not None:
+                    eng[f"quiet B={steps['batch']}"][steps["round"]] = round(value, 3)
         for shape, engines in runs.items():
             keys = sorted({k for e in engines.values() for k in e},
-                          key=lambda k: ("TTFT" in k, "step" in k, int(k.split("=")[1])))
+                          key=lambda k: ("TTFT" in k, "quiet" in k, "step" in k, int(k.split("=")[1])))
             n = max(len(v) for e in engines.values() for v in e.values())
             lines += [f"\n`{d}`, {shape}: min (median) over {n} rounds; [min, median; paired median] vs `{base}`\n",
                       "| engine | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
