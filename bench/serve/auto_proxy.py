@@ -17,8 +17,9 @@ adapter i mod N (one slot by default, as before).
 
 decode ms/step = (time of 144 new tokens - time of 16) / 128 at batch B with prompts of --prompt-len tokens (128;
 1024 for the issue's IT/OT 1024/128 case) (min of --reps runs each, default 2);
-step ms = the median wall time of one engine step in steady decode (``step_ms``: each ``llm_engine.step()`` timed,
-the prefill's steps left out; also its 10th and 90th percentiles), the client's TPOT without the prefill's jitter;
+step ms = the median wall time of one engine step in steady decode (``step_ms``: each ``llm_engine.step()`` timed
+over --step-tokens steps per request, 128; 1024 for IT/OT 128/1024; the prefill's steps left out; also its 10th and
+90th percentiles, and every kept step's time), the client's TPOT without the prefill's jitter;
 ttft ms = one generate of max_tokens=1 (prefill only) for B prompts of --ttft-len tokens (min of 3), chunked prefill
 at 8192 tokens per step for every engine. For bd the plugin's path counters (``layers.FUSED_COUNTS``, counted at
 CUDA-graph capture and in eager runs) are recorded.
