@@ -201,8 +201,9 @@ def engine_setup(only: str, sh, root: Path, adapters: int = 1, tuning=None, mem:
 
     if only not in ENGINES:
         raise ValueError(f"--only {only!r}: one of {', '.join(ENGINES)}")
-    kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
-              max_num_batched_tokens=BATCHED_TOKENS, gpu_memory_utilization=mem, enable_prefix_caching=False)
+    kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN,
+              max_num_seqs=64, max_num_batched_tokens=BATCHED_TOKENS, gpu_memory_utilization=mem,
+              enable_prefix_caching=False)
     if tuning is not None and only != "bd":
         raise ValueError("--tuning applies to the auto mode (--only bd)")
     if bd_options and not only.startswith("bd"):
@@ -327,8 +328,8 @@ def main():
                    "prompt_len": a.prompt_len, "round": rnd}
             steps = step_ms(llm, lora, b, vocab, a.prompt_len, a.step_tokens)
             if steps is not None:
-                row.update(step_tokens=a.step_tokens, step_ms=steps["median"], step_ms_p10=steps["p10"], step_ms_p90=steps["p90"],
-                           step_count=steps["steps"])
+                row.update(step_tokens=a.step_tokens, step_ms=steps["median"], step_ms_p10=steps["p10"],
+                           step_ms_p90=steps["p90"], step_count=steps["steps"])
                 res.setdefault("step_times_ms", []).append({"batch": b, "round": rnd, "times": steps["times"],
                                                              "outputs": steps["outputs"]})
             if row["decode_ms_per_step"] is None:  # recorded as noise; report --rr leaves it out
