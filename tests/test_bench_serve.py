@@ -809,7 +809,8 @@ def test_bundle_parts_split_then_join_from_staged_and_carried_parts(tmp_path):
 
 def test_bench_flags_refuse_bad_values_with_usage_messages():
     """``--buffer-rank`` (bench_serving_kernels.py) names the shapes it knows; ``--bd-options`` (step_profile.py)
-    belongs to the bd engines; auto_proxy.py's ``--step-tokens`` fits the engines: all exit 2 with a usage message, no traceback, before anything runs."""
+    belongs to the bd engines; auto_proxy.py's ``--step-tokens`` fits the engines: all exit 2 with a usage message,
+    no traceback, before anything runs."""
     for args, msg in ((["--buffer-rank", "tp5=40"], "--buffer-rank: shapes of"),
                       (["--buffer-rank", "tp4=x"], "--buffer-rank: SHAPE=R pairs"),
                       (["--buffer-rank", "tp4=0"], "ranks >= 1")):
