@@ -58,11 +58,14 @@ def test_fit_token_budget_halves_until_the_memory_model_admits(tmp_path, monkeyp
 @pytest.mark.slow
 def test_pipeline_vs_dp_cpu_smoke(tmp_path):
     out = tmp_path / "pvd.json"
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    scratch = tmp_path / "scratch"  # a TMPDIR of its own: the random model and data it writes are removed at exit
+    scratch.mkdir()
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", TMPDIR=str(scratch))
     cmd = [sys.executable, str(ROOT / "bench" / "train" / "bench_engine.py"), "--pipeline-vs-dp", "--cpu-smoke",
            "--out", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert not list(scratch.glob("bdlora-*")), list(scratch.iterdir())
     res = json.loads(out.read_text())
     assert res["partial"] is False and res["backend"] == "gloo" and res["processes"] == 2 and not res["skipped"]
     assert "pipeline.p2p_groups" in res["settings"]["p2p"]  # the engine's own message groups, no bench patch

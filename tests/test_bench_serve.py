@@ -13,6 +13,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -363,11 +364,13 @@ def test_decode_probe_cpu_smoke(tmp_path):
     # without the Triton interpreter the op takes its torch fallback: seconds instead of many minutes
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    scratch = _scratch(tmp_path, env)
     proc = subprocess.run([sys.executable, str(ROOT / "bench/serve/decode_probe.py"), "--cpu-smoke", "--layers", "1,2",
                            "--targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                            "--rank", "16", "--nblocks", "2", "--batch", "2", "--modes", "fused_eager",
                            "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(scratch.glob("bdlora-*")), list(scratch.iterdir())  # its models and adapters: removed at exit
     result = json.loads(out.read_text())
     assert [m["layers"] for m in result["modes"]] == [1, 2]
     for mode in result["modes"]:
@@ -463,6 +466,15 @@ def test_rr_table_quiet_column_from_step_times(tmp_path):
     # bd: rounds 2.2 and 2.3; base: round 0 only (round 1 kept 100 steps); paired: round 0, 2.2 / 2.0
     assert "| bd | 2.300 (2.450) [-8.0%, -2.0%; -2.0%] | 2.200 (2.250) [+10.0%, +12.5%; +10.0%] |" in md, md
     assert "| base | 2.500 (2.500) | 2.000 (2.000) |" in md, md
+
+
+def _scratch(tmp_path, env: dict) -> Path:
+    """A TMPDIR of its own for a bench script run (set in ``env``; vLLM's IPC sockets stay in the system's, whose
+    path is short enough for them), so the test can see what the script leaves there."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env.update(TMPDIR=str(scratch), VLLM_RPC_BASE_PATH=tempfile.gettempdir())
+    return scratch
 
 
 def _rr_script_with_engine(tmp_path, engine_py: str) -> Path:
@@ -645,12 +657,14 @@ def test_auto_proxy_side_by_side_on_vllm_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the torch fallback: 2 min, not 14
     env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", VLLM_CPU_KVCACHE_SPACE="1",
                PROXY_ARGS="--batches 1,4 --ttft 1 --ttft-len 64 --adapters 2 --reps 1 --step-tokens 64")
+    scratch = _scratch(tmp_path, env)
     p = subprocess.run(["bash", str(ROOT / "bench" / "serve" / "auto_proxy_rr.sh"), "tiny", str(out), "2", "0.28",
                         "base=base", "lora=lora", f"bd=bd={tuning}"], env=env, capture_output=True, text=True,
                        timeout=900)
     logs = "".join((out / f"rr_tiny_{e}.log").read_text()[-1500:] for e in ("base", "lora", "bd")
                    if (out / f"rr_tiny_{e}.log").exists())
     assert p.returncode == 0, p.stderr + logs
+    assert not list(scratch.glob("bdlora-*")), list(scratch.iterdir())  # each engine's model and adapters: removed
     results = {e: json.loads((out / f"rr_tiny_{e}.json").read_text()) for e in ("base", "lora", "bd")}
     for name, r in results.items():
         assert r["shape"] == "tiny" and r["device"] == "cpu" and r["adapters"] == 2, r
@@ -722,10 +736,12 @@ def test_step_profile_of_decode_steps_takes_the_prefill_off(tmp_path):
     out = tmp_path / "decode.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    scratch = _scratch(tmp_path, env)
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "serve" / "step_profile.py"), "--shape", "tiny",
                         "--only", "base", "--steps", "3", "--batch", "2", "--out", str(out)], env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
+    assert not list(scratch.glob("bdlora-*")), list(scratch.iterdir())  # model and traces: removed
     r = json.loads(out.read_text())
     assert (r["steps"], r["batch"], r["prefill_busy_ms"], r["decode_busy_per_step_ms"]) == (3, 2, 0, 0), r
     assert r["prefill_top_kernels_ms"] == {} and r["busy_per_step_ms"] == 0, r

@@ -27,9 +27,11 @@ CUDA-graph capture and in eager runs) are recorded.
     PYTHONPATH=/tmp/site python3 bench/serve/auto_proxy.py --shape tp4 --only base --out base.json
 """
 import argparse
+import atexit
 import gc
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -293,7 +295,8 @@ def main():
 
     sh = SHARDS[a.shape]
     vocab = dims(sh)[3]
-    root = Path(tempfile.mkdtemp())
+    root = Path(tempfile.mkdtemp(prefix="bdlora-auto-proxy-"))
+    atexit.register(shutil.rmtree, root, True)  # the proxy model and its adapters: this run's scratch only
     model = write_model(root, sh)
     res = {"device": device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "shape": a.shape,
            "engine": a.label or a.only, "adapters": a.adapters, "rows": []}

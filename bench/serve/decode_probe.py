@@ -25,8 +25,10 @@ machine it exits with a message.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -168,6 +170,7 @@ def main(argv=None) -> int:
     import vllm
 
     root = Path(tempfile.mkdtemp(prefix="bdlora-probe-"))
+    atexit.register(shutil.rmtree, root, True)  # the probe's models and adapters: this run's scratch only
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     out = {"vllm": vllm.__version__, "device": device, "args": vars(args), "modes": []}
     for layers in layer_counts:

@@ -14,8 +14,10 @@ with 128-token prompts, an 8192-token prefill); ``decode_busy_per_step_ms`` take
         --out prefill.json     # the TTFT case: one prefill of 1024 tokens (no CUDA graph above the capture sizes)
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -166,9 +168,10 @@ def profiled_trace(fn) -> dict:
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         fn()
-    path = Path(tempfile.mkdtemp()) / "trace.json"
-    prof.export_chrome_trace(str(path))
-    return json.loads(path.read_text())
+    with tempfile.TemporaryDirectory(prefix="bdlora-trace-") as d:  # a trace can take hundreds of MB
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text())
 
 
 def main():
@@ -206,7 +209,8 @@ def main():
     from vllm import LLM, SamplingParams
 
     sh = P.SHARDS[a.shape]
-    root = Path(tempfile.mkdtemp())
+    root = Path(tempfile.mkdtemp(prefix="bdlora-step-profile-"))
+    atexit.register(shutil.rmtree, root, True)  # the proxy model and its adapters: this run's scratch only
     model = P.write_model(root, sh)
     try:
         kw, lora = P.engine_setup(a.only, sh, root, adapters=a.adapters,

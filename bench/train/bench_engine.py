@@ -71,12 +71,14 @@ Estimated (not measured) ~2 min on 2 H200s; ``--time-limit`` 200 s.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import datetime
 import gc
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -425,6 +427,7 @@ def run_throughput(args) -> int:
         return 2
     t_start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="bdlora-bench-train-"))
+    atexit.register(shutil.rmtree, tmp, True)  # the random model and data: this run's scratch only
     device = torch.device("cuda", torch.cuda.current_device()) if cuda and not args.cpu_smoke else torch.device("cpu")
     shape_info = None
     random_weights = None  # RandomWeights of a config-only folder (llama8b)
@@ -876,6 +879,7 @@ def run_pipeline_vs_dp(args) -> int:
         return 2
     backend = "gloo" if args.cpu_smoke else "nccl"
     tmp = Path(tempfile.mkdtemp(prefix="bdlora-bench-pvd-"))
+    atexit.register(shutil.rmtree, tmp, True)  # the random model and data: this run's scratch only
     if args.cpu_smoke:
         model = args.model or build_random_llama(tmp / "tiny", init_std=0.05)
         data = make_data(tmp / "task.jsonl", 120, max_words=12)
