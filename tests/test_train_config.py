@@ -31,6 +31,14 @@ def test_unknown_key_lists_valid_keys(tmp_path, data_file):
     for key in ("nblocks", "lr", "batch_size", "max_steps", "resume"):
         assert key in msg
 
+    # a misspelt key of transformers' TrainingArguments: that key and bdlora's for it; a data key of another tool
+    p.write_text(f"train_file: {data_file}\nlerning_rate: 1e-4\ndata: d.jsonl\n")
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_yaml(p)
+    msg = str(e.value)
+    assert "'lerning_rate' (did you mean 'learning_rate'? bdlora's key for it is 'lr')" in msg, msg
+    assert "'data' (bdlora's key is 'train_file'" in msg, msg
+
 
 @pytest.mark.parametrize("tool, text, hints", [
     ("axolotl", "base_model: x\nlora_r: 8\nmicro_batch_size: 2\nsequence_len: 512\nsample_packing: true\n"

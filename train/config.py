@@ -476,7 +476,8 @@ _ONE_DATASET = ("bdlora's key is 'train_file': one file (.json/.jsonl/.parquet/.
                 "a dataset id from the HF cache; each record's format is detected (alpaca, ShareGPT, messages, "
                 "prompt/completion, text) or set by data_format")
 OTHER_TOOLS_WHY = {
-    "datasets": _ONE_DATASET, "dataset": _ONE_DATASET,
+    "datasets": _ONE_DATASET, "dataset": _ONE_DATASET, "data": _ONE_DATASET, "data_path": _ONE_DATASET,
+    "dataset_path": _ONE_DATASET, "train_data": _ONE_DATASET,
     "adapter": "bdlora always trains a BD-LoRA adapter: drop it",
     "finetuning_type": "bdlora always trains a BD-LoRA adapter: drop it",
     "peft_type": "bdlora always trains a BD-LoRA adapter: drop it",
@@ -518,7 +519,14 @@ def unknown_keys_message(unknown: list[str], valid: list[str]) -> str:
             hints.append(f"{k!r} ({OTHER_TOOLS_WHY[k]})")
             continue
         close = difflib.get_close_matches(k, valid, n=1)
-        hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        if close:
+            hints.append(f"{k!r} (did you mean {close[0]!r}?)")
+            continue
+        # a misspelt key of transformers or another tool ('lerning_rate'): that key and bdlora's for it
+        named = {**TRAINING_ARGS_NAMED, **OTHER_TOOLS_NAMED}
+        close = difflib.get_close_matches(k, list(named), n=1)
+        hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}? bdlora's key for it is {named[close[0]]!r})"
+                                 if close else ""))
     return (f"unknown key(s) {', '.join(hints)}; valid keys are: {', '.join(valid)} (other transformers "
             "TrainingArguments fields go under training_args)")
 
