@@ -567,6 +567,34 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def _launched_distributed() -> bool:
+    """True under accelerate launch / torchrun with more than one process, or with FSDP or DeepSpeed configured."""
+    env = os.environ
+    return (int(env.get("WORLD_SIZE", "1")) > 1
+            or any(env.get(k, "").lower() in ("1", "true") for k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")))
+
+
+def use_one_gpu_unless_launched() -> Optional[str]:
+    """A run that was not launched data parallel trains on one GPU: transformers' Trainer would otherwise wrap the
+    model in ``torch.nn.DataParallel`` over every visible GPU, multiplying the job's batch (and changing its steps
+    and result) behind the user's back. Narrows ``CUDA_VISIBLE_DEVICES`` to its first GPU before CUDA starts (what
+    torch documents for choosing devices) and returns a note saying so; None when nothing was changed."""
+    if _launched_distributed() or _use_cpu() or not torch.cuda.is_available():
+        return None
+    count = torch.cuda.device_count()
+    if count <= 1:
+        return None
+    how = (f"to train on all {count} GPUs, launch data parallel: accelerate launch --num_processes {count} "
+           "-m bdlora.train --config JOB.yaml (or an FSDP config, examples/accelerate/)")
+    if torch.cuda.is_initialized():
+        raise ConfigError(f"{count} GPUs are visible to one training process whose CUDA is already started; "
+                          f"bdlora trains one process on one GPU: set CUDA_VISIBLE_DEVICES to one GPU, or {how}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    first = visible.split(",")[0].strip() if visible else "0"
+    os.environ["CUDA_VISIBLE_DEVICES"] = first
+    return f"{count} GPUs visible; this one process trains on GPU {first}; {how}"
+
+
 def _world() -> tuple[int, int]:
     from accelerate import PartialState
 
@@ -586,6 +614,7 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     t0 = time.time()
     cfg.validate()
     out = Path(cfg.output_dir)
+    gpu_note = use_one_gpu_unless_launched()
     world, rank = _world()
     state = PartialState()
     main = state.is_main_process
@@ -607,6 +636,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     model, spec = build_peft_model(cfg, model_dir)
     model.peft_config["default"].base_model_name_or_path = base_id  # the id the user gave, not a cache path
     if main:
+        if gpu_note:
+            print(f"bdlora train: {gpu_note}", file=sys.stderr)
         warning = warn_unservable_nblocks(spec, model.config)
         if warning:
             print(f"bdlora train: warning: {warning}", file=sys.stderr)
