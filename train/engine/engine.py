@@ -38,6 +38,7 @@ from bdlora.spec import BDLoraError
 from .config import ConfigError, JobConfig, RunConfig
 from .data import DatasetSplit, EpochSampler, Sample
 from .early_exit import DIVERGING, OVERFITTING, UNDERPERFORMING, EarlyExit, select_after_warmup, warmup_steps
+from .reporting import RunReporter
 from .memory import JobFootprint, MemoryModel, device_budget_bytes
 from .multilora import BatchContext, JobAdapter, dropout_rng, inject_multilora, round_seed
 from .packing import MicroBatch, build_microbatch, plan_microbatches
@@ -572,6 +573,15 @@ class Engine:
             self.load_checkpoint(self.out / CHECKPOINT)
             self.log(f"[engine] resumed from {self.out / CHECKPOINT} at round {self.round}")
         rounds_this_call = 0
+        reporter = RunReporter(self.jobs, self.out, self.jobs[0].cfg.progress, self.rank == 0)
+        try:
+            return self._run_rounds(reporter)
+        finally:
+            reporter.close()
+
+    def _run_rounds(self, reporter: RunReporter) -> list[dict]:
+        run = self.run_cfg
+        rounds_this_call = 0
         while True:
             active = self.admit_next()
             if not active:
@@ -589,6 +599,7 @@ class Engine:
             rounds_this_call += 1
             self.round_log.append({"round": self.round, "time_s": dt, "train_s": t1 - t0, "tokens": info["tokens"],
                                    "microbatches": info["microbatches"], "active": len(active), "evals": n_eval})
+            reporter.after_round()
             if run.log_every and self.round % run.log_every == 0:
                 self.print_progress(active, info)
             finished_now = any(j.status == "done" for j in active)

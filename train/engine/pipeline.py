@@ -63,6 +63,7 @@ from .engine import (Engine, EngineError, adapter_is_finite, atomic_torch_save, 
                      plot_job)
 from .multilora import dropout_rng, round_seed
 from .packing import MicroBatch
+from .reporting import RunReporter
 
 
 def stage_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -793,6 +794,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
             return None
         return _write_results(engine, out, gathered, stats)
 
+    reporter = None
     try:
         # -- segments ---------------------------------------------------------------------------------------------
         stats = {"busy": 0.0, "wall": 0.0, "microbatches": 0, "sim_busy": 0, "sim_slots": 0.0, "max_active": 0}
@@ -802,6 +804,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
             segment, stats = resumed
             engine.log(f"[pipeline] resumed from {out / STATE_DIR} at segment {segment} (round {engine.round})")
         rounds_this_call = 0
+        reporter = RunReporter(engine.jobs, out, engine.jobs[0].cfg.progress, engine.rank == 0)
         while True:
             active = engine.admit_next()
             if not active:
@@ -871,6 +874,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
                                      "tokens": info["tokens"], "microbatches": len(stream), "active": len(active),
                                      "jobs": [j.name for j in active], "evals": n_eval,
                                      "bubble_schedule_unit_slots": sim_bubble})
+            reporter.after_round()
             if run.log_every:
                 engine.print_progress(active, info)
             finished_now = any(j.status == "done" for j in active)
@@ -897,6 +901,8 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
                   f"{st_['bubble_theory_max_D_minus_L_over_D']:.3f}")
         return result
     finally:  # break the engine <-> stage cycle: nothing may keep this stage's process groups past their destruction
+        if reporter is not None:
+            reporter.close()
         engine.stage = None
         st.fwd_group = st.bwd_group = None
 
