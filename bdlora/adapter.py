@@ -442,6 +442,7 @@ class _AtomicDir:
         dest, old = self.dest, None
         try:
             if exc_type is None:
+                _follow_umask(self.tmp)
                 if os.path.lexists(dest):
                     old = dest.parent / _work_name(dest, "old")
                     os.replace(dest, old)
@@ -458,6 +459,16 @@ class _AtomicDir:
             if old is not None:
                 _remove(old)
         return False
+
+
+def _follow_umask(folder: Path) -> None:
+    """Modes of a finished folder as ``open``/``mkdir`` give under the umask (0644 / 0755 with the usual 022): some
+    writers (safetensors) create their files 0600, which a server running as another user cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in [folder, *folder.rglob("*")]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def atomic_output_dir(dest: str | os.PathLike, overwrite: bool = True):

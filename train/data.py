@@ -9,10 +9,10 @@ Sources (:func:`read_records`):
 * a folder written by ``Dataset.save_to_disk``/``DatasetDict.save_to_disk`` (a ``DatasetDict`` takes the split,
   default ``train``), or a folder of such data files: all of them in name order, or with a split, the files
   ``datasets`` assigns to that split (``train-*.parquet``, ``test.jsonl``, ...);
-* a dataset id from the Hugging Face cache, ``ORG/NAME`` or ``ORG/NAME:SPLIT`` (or the ``split`` argument; default
-  ``train``): a snapshot fetched with ``huggingface-cli download --repo-type dataset ORG/NAME`` (the hub cache,
-  ``$HF_HOME/hub``), else a dataset prepared by ``datasets.load_dataset`` (``$HF_HOME/datasets``); online (no
-  ``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE``) ``datasets`` downloads it.
+* a hub dataset id, ``ORG/NAME`` or ``ORG/NAME:SPLIT`` (or the ``split`` argument; default ``train``): its snapshot
+  in the hub cache (``$HF_HOME/hub``; downloaded there by :func:`bdlora.hub.download` unless ``HF_HUB_OFFLINE`` is
+  set, as ``hf download --repo-type dataset ORG/NAME`` would), its data files for the split read by datasets' naming
+  rules; a repository whose data those rules do not find is loaded by ``datasets.load_dataset``.
 
 Records read through Arrow lose their null fields (a mixed file's schema gives every record every key, null where
 it had none): a key whose value is None counts as absent everywhere below. Record numbers in messages are 1-based
@@ -243,52 +243,32 @@ class Source:
         return records
 
 
-def _hub_help(repo_id: str) -> str:
-    import datasets
-    from bdlora.models import hub_cache_dir
-
-    return (f"{repo_id!r} is not a local file or folder, and no dataset of that id is in the Hugging Face cache "
-            f"(hub snapshots under {hub_cache_dir()}, prepared datasets under {datasets.config.HF_DATASETS_CACHE}). "
-            f"Offline it cannot be downloaded: on a connected machine run `huggingface-cli download --repo-type "
-            f"dataset {repo_id}` (or `python -c \"import datasets; datasets.load_dataset('{repo_id}')\"`), then "
-            f"copy that HF_HOME cache here or set HF_HOME to it")
-
-
-def _offline() -> bool:
-    import datasets
-    from huggingface_hub import constants
-
-    return bool(datasets.config.HF_HUB_OFFLINE or constants.HF_HUB_OFFLINE)
-
-
 def _resolve_hub(repo_id: str, split: Optional[str]) -> Source:
     import datasets
-    from huggingface_hub import snapshot_download
+
+    from bdlora.hub import HubError, download
 
     split = split or "train"
     where = f"{repo_id}:{split}"
     try:
-        snap = snapshot_download(repo_id, repo_type="dataset", local_files_only=True)
-    except Exception:  # noqa: BLE001 - not in the hub cache
-        snap = None
-    if snap is not None:
+        snap = download(repo_id, repo_type="dataset")
+    except HubError as e:
+        raise DataError(str(e)) from None
+    try:
         # The snapshot's data files for the split by datasets' naming rules, each read on its own (so splits may
         # differ in schema; a README `configs:` section is not read).
-        files = _folder_files(Path(snap), split)
-        return Source(where, "hub", split, {"hub": repo_id, "revision": Path(snap).name, "split": split,
+        files = _folder_files(snap, split)
+        return Source(where, "hub", split, {"hub": repo_id, "revision": snap.name, "split": split,
                                             "files": [f.relative_to(snap).as_posix() for f in files]}, files=files)
+    except DataError as e:
+        if "no split" in str(e):
+            raise DataError(f"{where}: {e}") from None
+        # no data files by the naming rules (e.g. a README `configs:` layout): datasets knows the repository
     try:
         ds = datasets.load_dataset(repo_id, split=split)
-        ident = {"hub": repo_id, "fingerprint": ds._fingerprint, "split": split}
-    except ValueError as e:
-        if "split" in str(e).lower():
-            raise DataError(f"{where}: {e}") from None
-        raise DataError(f"{where}: cannot be loaded ({e})") from None
-    except Exception as e:  # noqa: BLE001
-        if _offline() or isinstance(e, (ConnectionError, FileNotFoundError)):
-            raise DataError(_hub_help(repo_id)) from None
-        raise DataError(f"{where}: cannot be loaded ({type(e).__name__}: {e})") from None
-    return Source(where, "hub", split, ident, dataset=ds)
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message says which
+        raise DataError(f"{where}: datasets could not load it ({type(e).__name__}: {e})") from None
+    return Source(where, "hub", split, {"hub": repo_id, "fingerprint": ds._fingerprint, "split": split}, dataset=ds)
 
 
 def resolve_source(source: str | os.PathLike, split: Optional[str] = None) -> Source:

@@ -1,4 +1,5 @@
-"""Quickstart: fine-tune a BD-LoRA adapter on SmolLM2-135M-Instruct on a CPU in a few minutes.
+"""Quickstart: fine-tune a BD-LoRA adapter on SmolLM2-135M-Instruct in a few minutes (on the GPU when there is one,
+else on the CPU).
 
     python -m bdlora.train.quickstart [--steps 60] [--out outputs/quickstart]
 
@@ -46,7 +47,8 @@ def greedy_answers(model, tokenizer, records: list[dict], max_new_tokens: int = 
     model.eval()
     try:
         for i in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", dynamic_ncols=True):
-            enc = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = tokenizer(prompts[i:i + batch_size], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(model.device)
             gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             new = gen[:, enc["input_ids"].shape[1]:]
@@ -131,21 +133,22 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     # 2. base model accuracy.
     tokenizer = load_tokenizer(model_dir)
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
     base_preds = greedy_answers(base, tokenizer, held_out, desc="base model")
     base_acc = exact_match(base_preds, held_out)
     _log(f"base model exact match: {base_acc:.1%} ({round(base_acc * len(held_out))}/{len(held_out)})")
     del base
 
-    # 3. train through the same trainer as `bdlora train`.
-    for stale in ("checkpoints", "adapter", "metrics.jsonl", "runs"):
+    # 3. train through the same trainer as `bdlora train` (the quickstart replaces its own earlier outputs).
+    for stale in ("metrics.jsonl", "runs"):
         p = out / stale
         if p.is_dir():
             shutil.rmtree(p)
         elif p.exists():
             p.unlink()
     cfg = TrainConfig(
-        model=str(model_dir), nblocks=args.nblocks, r=args.rank, lora_alpha=16.0, lora_dropout=0.0,
+        model="smollm2", overwrite_output_dir=True, nblocks=args.nblocks, r=args.rank, lora_alpha=16.0, lora_dropout=0.0,
         train_file=str(data_dir / "train.jsonl"), eval_file=str(data_dir / "eval.jsonl"), max_length=128,
         lr=args.lr, scheduler="cosine", warmup_ratio=0.1, batch_size=args.batch_size, grad_accum=1,
         max_steps=args.steps, seed=args.seed, eval_every=0, eval_batch_size=16, log_every=1,
@@ -160,7 +163,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     # 4. reload the saved PEFT folder exactly as a user would and score it.
     from peft import PeftModel
 
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
     tuned = PeftModel.from_pretrained(base, str(adapter_dir))
     preds = greedy_answers(tuned, tokenizer, held_out, desc="BD-LoRA model")
     acc = exact_match(preds, held_out)
@@ -181,6 +186,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         from .data import prompt_text, to_messages
 
         prompts = [prompt_text(tokenizer, to_messages(r)) for r in held_out[:8]]
+        del tuned, base
+        if device == "cuda":
+            torch.cuda.empty_cache()
         try:
             served = serve_with_vllm(adapter_dir, model_dir, prompts, tp=args.tp)
         except Exception as e:  # serving is an extra: report, do not fail the quickstart

@@ -620,6 +620,7 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     main = state.is_main_process
     if main:
         _prepare_output_dir(out)
+        claim_output_dir(out, cfg)
     with state.main_process_first():
         model_dir, base_id = resolve_model_and_id(cfg.model)
         tokenizer = load_tokenizer(model_dir)
@@ -707,6 +708,15 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
             if validate_adapter:
                 _validate_saved(adapter_dir, spec)
             _plot_losses(trainer.state.log_history, out / "loss.png")
+            if cfg.push_to_hub:
+                from bdlora.hub import HubError, push_adapter
+
+                try:
+                    url = push_adapter(adapter_dir, cfg.hub_model_id, private=cfg.hub_private_repo)
+                except HubError as e:
+                    raise TrainingError(f"the adapter is saved in {adapter_dir}, but {e}; push it later with "
+                                        f"`bdlora push {adapter_dir} {cfg.hub_model_id}`") from None
+                print(f"bdlora train: pushed {adapter_dir} to {url}", flush=True)
         trainer.accelerator.wait_for_everyone()
     if record is not None:
         digest = params_digest(full_trainable_state(unwrapped))
@@ -744,6 +754,43 @@ def _prepare_output_dir(out: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def _job_differences(previous: dict, cfg: TrainConfig) -> list[str]:
+    """The keys that make ``cfg`` a different job from the one whose train_config.yaml is ``previous``."""
+    defaults, now = TrainConfig.field_defaults(), cfg.to_dict()
+    return [k for k in TrainConfig.RESUME_INVARIANT if previous.get(k, defaults.get(k)) != now[k]]
+
+
+def claim_output_dir(out: Path, cfg: TrainConfig) -> None:
+    """A job's output_dir may hold only its own work: another job's trained adapter or checkpoints are never
+    replaced unless ``overwrite_output_dir`` (then they are removed now), and this job's own are continued with
+    ``resume`` or replaced with ``overwrite_output_dir``; a ConfigError says which and what to do."""
+    import yaml
+
+    adapter = out / "adapter"
+    has_adapter = (adapter / "adapter_config.json").is_file()
+    checkpoints = list_checkpoints(out)
+    if not has_adapter and not checkpoints:
+        return
+    if cfg.overwrite_output_dir:
+        for old in checkpoints + ([adapter] if adapter.exists() else []):
+            shutil.rmtree(old)
+        return
+    held = "a trained adapter (adapter/)" if has_adapter else f"checkpoints ({checkpoints[-1].name})"
+    try:
+        previous = yaml.safe_load((out / CONFIG_NAME).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        previous = None
+    differs = _job_differences(previous, cfg) if isinstance(previous, dict) else ["train_config.yaml unreadable"]
+    if differs:
+        raise ConfigError(f"output_dir: {out} holds {held} of another job (it differs in {', '.join(differs[:6])}); "
+                          "bdlora never replaces a trained adapter unasked: choose another output_dir, or set "
+                          "overwrite_output_dir: true to replace it")
+    if cfg.resume is None:
+        raise ConfigError(f"output_dir: {out} holds {held} of this same job; set resume: auto to continue it (a "
+                          "finished job is not trained again), overwrite_output_dir: true to train it again from "
+                          "the start, or choose another output_dir")
+
+
 def _validate_saved(adapter_dir: Path, spec: BDLoraSpec) -> None:
     """The saved folder must load with bdlora's strict reader and reproduce the training scale."""
     from bdlora.adapter import load_adapter
@@ -758,15 +805,23 @@ def _validate_saved(adapter_dir: Path, spec: BDLoraSpec) -> None:
 
 
 def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str, **facts) -> None:
-    """README.md of the adapter folder: what the adapter is and the exact command that serves it."""
+    """README.md of the adapter folder: what the adapter is and the command that serves it (the base as the user
+    named it; the adapter as its hub id when pushed, else this folder)."""
+    from bdlora.models import _is_hub_id
+
     n = spec.nblocks
     tp = f" --tensor-parallel-size {n}" if n > 1 else ""
     rank_flag = next(v for v in (1, 8, 16, 32, 64, 128, 256, 320, 512) if v >= spec.r)
-    name = Path(cfg.output_dir).name or "adapter"
+    hub_id = cfg.hub_model_id if getattr(cfg, "push_to_hub", False) else None
+    name = (hub_id.split("/")[-1] if hub_id else Path(cfg.output_dir).name) or "adapter"
+    base_repo = base.partition("@")[0]
     ev = facts.get("eval_metrics") or {}
-    lines = [
-        "---", f"base_model: {base}", "library_name: peft", "tags: [bdlora, bd-lora, lora, block-diagonal, peft]",
-        "---", "", f"# BD-LoRA adapter for {base}", "",
+    meta = ["---"] + ([f"base_model: {base_repo}"] if _is_hub_id(base_repo) else []) + [
+        "library_name: peft", "tags: [bdlora, bd-lora, lora, block-diagonal, peft]", "---"]
+    data = cfg.train_file if cfg.train_file and _is_hub_id(cfg.train_file.split(":")[0]) else \
+        Path(str(cfg.train_file)).name
+    lines = meta + [
+        "", f"# BD-LoRA adapter for {base}", "",
         f"A Block-Diagonal LoRA (BD-LoRA) adapter trained with bdlora: {n} blocks, total rank {spec.r} "
         f"({spec.block_rank} per block), rsLoRA scale {spec.scale:.6g} (alpha {spec.lora_alpha:g} per block; saved as "
         f"PEFT `lora_alpha` {spec.peft_lora_alpha:g} with `use_rslora`). Served at tensor-parallel size {n}, every "
@@ -774,7 +829,7 @@ def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str
         "",
         f"- column-parallel modules (B block-diagonal): {', '.join(spec.column_modules) or '-'}",
         f"- row-parallel modules (A block-diagonal): {', '.join(spec.row_modules) or '-'}",
-        f"- data: {cfg.train_file} ({cfg.data_format}), {facts.get('steps')} steps, lr {cfg.lr:g}, "
+        f"- data: {data} ({cfg.data_format}), {facts.get('steps')} steps, lr {cfg.lr:g}, "
         f"batch {cfg.batch_size} x {cfg.grad_accum}",
     ]
     if ev:
@@ -786,11 +841,15 @@ def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str
         lines.append(f"- trained on a bitsandbytes {what} quantized base (QLoRA-style); the adapter weights are full "
                      "precision in the same format as any BD-LoRA adapter and load on the unquantized base (on a "
                      "k-bit base in PEFT: call `bdlora.quant.enable_bdlora_on_kbit()` first)")
+    where = (f"vLLM downloads the adapter from the hub as `{hub_id}`." if hub_id else
+             "Run it in this folder (`.` is the adapter).")
     lines += [
-        "", "## Serve with vLLM", "", "```bash", "pip install bdlora vllm",
-        f"vllm serve {base} --enable-lora --enable-bdlora{tp} --max-lora-rank {rank_flag} \\",
-        f"    --lora-modules {name}=/path/to/this/folder", "```", "",
-        "The plugin also serves it at any tensor-parallel size M with M | N or N | M. It loads in PEFT as it is "
+        "", "## Serve with vLLM", "",
+        f"With vLLM and bdlora installed (bdlora's README: install). {where}", "", "```bash",
+        f"vllm serve {base_repo} --enable-lora --enable-bdlora{tp} --max-lora-rank {rank_flag} \\",
+        f"    --lora-modules {name}={hub_id or '.'}", "```", "",
+        f"Requests name the adapter as the model: `\"model\": \"{name}\"`. The plugin also serves it at any "
+        f"tensor-parallel size M with M | {n} or {n} | M. It loads in PEFT as it is "
         "(`PeftModel.from_pretrained(base, folder)`, peft >= 0.21); for engines without BD support, "
         "`bdlora convert to-dense` gives an equivalent standard LoRA.", "",
     ]
@@ -832,6 +891,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML job file (keys: see --print-config)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (YAML value), e.g. --set max_steps=10; repeatable")
+    p.add_argument("--output-dir", default=None, metavar="DIR", help="output_dir of the job (same as --set "
+                   "output_dir=DIR)")
     p.add_argument("--print-config", action="store_true", help="print every config key with its default and help")
     return p
 
@@ -849,6 +910,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         overrides = dict(parse_override(s) for s in args.set)
+        if args.output_dir is not None:
+            overrides["output_dir"] = args.output_dir
         cfg = TrainConfig.from_yaml(args.config, overrides)
         run_training(cfg)
     except BDLoraError as e:  # ConfigError / DataError / TrainingError
@@ -857,5 +920,5 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-__all__ = ["TrainResult", "TrainingError", "build_peft_model", "kbit_quantization_config", "list_checkpoints",
+__all__ = ["TrainResult", "TrainingError", "build_peft_model", "claim_output_dir", "kbit_quantization_config", "list_checkpoints",
            "load_base_model", "load_kbit_base_model", "main", "resolve_model_path", "resume_checkpoint", "run_training", "write_model_card"]

@@ -36,9 +36,13 @@ def generate(model: str, adapter: str, prompts: list[str], tp: int = 1, max_toke
     _cpu_env(tp)
     # vLLM accepts only these values of max_lora_rank: the smallest one that holds the adapter.
     max_rank = next((v for v in (8, 16, 32, 64, 128, 256, 320, 512) if v >= cfg.r), cfg.r)
+    import torch
+
+    # on a GPU, leave room for what the calling process already holds (the quickstart's training and scoring)
+    gpu = {"gpu_memory_utilization": 0.5} if torch.cuda.is_available() else {}
     llm = LLM(model, tensor_parallel_size=tp, enable_lora=True, max_lora_rank=max_rank, max_loras=2,
               additional_config={"bdlora": True}, dtype=dtype or "auto", max_model_len=512, seed=0,
-              enforce_eager=True)
+              enforce_eager=True, **gpu)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outs = llm.generate(prompts, params, lora_request=LoRARequest("adapter", 1, str(adapter)), use_tqdm=False)
     return [o.outputs[0].text.strip() for o in outs]

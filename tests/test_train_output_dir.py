@@ -1,0 +1,61 @@
+"""A trained adapter is never replaced unasked: a second, different job with the same output_dir is refused (the
+first job's adapter and checkpoints untouched), the same job continues only with resume, and overwrite_output_dir
+replaces the old job's work; `--output-dir` on the command line sets the folder."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from bdlora.train.config import ConfigError, TrainConfig
+from bdlora.train.tasks import toy_chat_records, write_jsonl
+from bdlora.train.trainer import list_checkpoints, run_training
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return str(write_jsonl(toy_chat_records(16, seed=2), tmp_path_factory.mktemp("outdir") / "d.jsonl"))
+
+
+def _cfg(model, data, out, **kw):
+    base = dict(model=str(model), train_file=data, nblocks=2, r=4, max_steps=2, batch_size=4, eval_fraction=0.0,
+                save_every=1, output_dir=str(out), progress=False, report_to=[])
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _bytes(out):
+    return (out / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+def test_a_trained_adapter_is_never_replaced_unasked(tiny_llama_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    run_training(_cfg(tiny_llama_dir, data_file, out, lr=1e-3))
+    first, ckpts = _bytes(out), [p.name for p in list_checkpoints(out)]
+    with pytest.raises(ConfigError, match=r"holds a trained adapter \(adapter/\) of another job \(it differs in lr, "
+                                          r"max_steps\).*overwrite_output_dir: true"):
+        run_training(_cfg(tiny_llama_dir, data_file, out, lr=3e-3, max_steps=3))
+    with pytest.raises(ConfigError, match="holds a trained adapter .* of this same job; set resume: auto"):
+        run_training(_cfg(tiny_llama_dir, data_file, out, lr=1e-3))
+    assert _bytes(out) == first and [p.name for p in list_checkpoints(out)] == ckpts
+    again = run_training(_cfg(tiny_llama_dir, data_file, out, lr=1e-3, resume="auto"))  # the same job, finished
+    assert again.step == 2 and _bytes(out) == first
+    other = run_training(_cfg(tiny_llama_dir, data_file, out, lr=3e-3, max_steps=3, overwrite_output_dir=True))
+    assert other.step == 3 and _bytes(out) != first
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-2", "checkpoint-3"]  # the new job's only
+
+
+def test_output_dir_flag_and_the_refusal_on_the_command_line(tiny_llama_dir, data_file, tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(dict(model=str(tiny_llama_dir), train_file=data_file, nblocks=2, r=4, max_steps=1,
+                                       batch_size=4, eval_fraction=0.0, progress=False, report_to=[])))
+    cmd = [sys.executable, "-m", "bdlora.train", "--config", str(job), "--output-dir", str(tmp_path / "cli")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "cli" / "adapter" / "adapter_config.json").is_file()
+    r = subprocess.run(cmd + ["--set", "lr=0.01"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("bdlora train: error: output_dir:")
