@@ -9,11 +9,21 @@ docs/architecture.md has the layout.
 
 from .adapter import Adapter, AdapterConfig, load_adapter, read_config, save_adapter
 from .layout import COLUMN, ROW, LoraFactors
+from .peft_model import prepare_bd_model
 from .spec import PRESETS, BDLoraError, BDLoraSpec, matched_lora_rank
 
-__version__ = "0.1.0"
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bdlora")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "Adapter", "AdapterConfig", "BDLoraError", "BDLoraSpec", "COLUMN", "LoraFactors", "PRESETS", "ROW",
-    "load_adapter", "matched_lora_rank", "read_config", "save_adapter",
+    "load_adapter", "matched_lora_rank", "prepare_bd_model", "read_config", "save_adapter",
 ]

@@ -161,6 +161,7 @@ class BDLoraSpec:
         seen: set[str] = set()
         for name, module in model.named_modules():
             leaf = name.rsplit(".", 1)[-1]
+            module = getattr(module, "base_layer", module)  # a PEFT LoRA layer wraps the nn.Linear it adapts
             if leaf not in self.target_modules or not isinstance(module, nn.Linear):
                 continue
             seen.add(leaf)

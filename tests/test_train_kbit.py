@@ -416,7 +416,8 @@ def test_resume_check_accepts_checkpoints_from_before_the_kbit_keys(tiny_llama_d
 
 
 def test_check_bd_structure_refuses_a_wrong_block_count(tiny_llama_dir, train_file):
-    from bdlora.train.trainer import build_peft_model, check_bd_structure
+    from bdlora.peft_model import check_bd_structure
+    from bdlora.train.trainer import build_peft_model
 
     model, spec = build_peft_model(_cfg(tiny_llama_dir, train_file), tiny_llama_dir)
     expected = {n: (ROW if spec.layout_of(n.rsplit(".", 1)[-1]) == ROW else COLUMN) for n, _ in _lora_layers(model)}

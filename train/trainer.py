@@ -50,7 +50,7 @@ from typing import Any, Optional
 import torch
 
 from bdlora.adapter import atomic_output_dir
-from bdlora.layout import COLUMN, ROW
+from bdlora.peft_model import check_bd_structure, init_block_a_like_lora
 from bdlora.spec import BDLoraError, BDLoraSpec
 
 from .config import ConfigError, TrainConfig, parse_override
@@ -90,52 +90,6 @@ def load_tokenizer(model_dir: Path):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
-
-
-def init_block_a_like_lora(peft_model) -> None:
-    """Re-initialize block-diagonal A factors as N independent standard LoRA A's (kaiming-uniform, a=sqrt(5)).
-
-    PEFT's BlockDiagonalLinear draws its packed (r, d_in/N) weight with a=0; a standard LoRA A of one shard,
-    (r/N, d_in/N), uses a=sqrt(5). Both have fan-in d_in/N, so one call on the packed weight gives each block the
-    distribution of an independent shard LoRA.
-    """
-    from peft.tuners.lora.variants import BlockDiagonalLinear
-
-    for module in peft_model.modules():
-        lora_a = getattr(module, "lora_A", None)
-        if not isinstance(lora_a, torch.nn.ModuleDict):
-            continue
-        for sub in lora_a.values():
-            if isinstance(sub, BlockDiagonalLinear):
-                torch.nn.init.kaiming_uniform_(sub.weight, a=math.sqrt(5))
-
-
-def check_bd_structure(peft_model, spec: BDLoraSpec, expected: dict[str, str]) -> None:
-    """After get_peft_model: exactly the expected modules carry LoRA, with the right factor block-diagonal."""
-    from peft.tuners.lora.variants import BlockDiagonalLinear
-
-    seen = {}
-    for name, module in peft_model.named_modules():
-        if isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict) and "default" in module.lora_A:
-            a, b = module.lora_A["default"], module.lora_B["default"]
-            layout = ROW if isinstance(a, BlockDiagonalLinear) else COLUMN if isinstance(b, BlockDiagonalLinear) else None
-            key = name.removeprefix("base_model.model.")
-            bd = a if layout == ROW else b if layout == COLUMN else None
-            if bd is not None and (bd.nblocks != spec.nblocks or not bd.weight.is_floating_point()
-                                   or tuple(bd.weight.shape) != (bd.out_features, bd.in_features // spec.nblocks)):
-                raise BDLoraError(f"{key}: block-diagonal factor of {bd.nblocks} blocks, shape "
-                                  f"{tuple(bd.weight.shape)}, {bd.weight.dtype}; expected {spec.nblocks} blocks packed "
-                                  f"as ({bd.out_features}, {bd.in_features // spec.nblocks}) float")
-            seen[key] = layout
-    want = dict(expected)
-    if spec.nblocks == 1:  # one block: PEFT may or may not wrap a 1-block matrix; layout is moot
-        seen = {k: want.get(k) for k in seen}
-    if seen != want:
-        extra = sorted(set(seen) - set(want))
-        missing = sorted(set(want) - set(seen))
-        wrong = sorted(k for k in set(seen) & set(want) if seen[k] != want[k])
-        raise BDLoraError(f"PEFT built a different adapter than the spec: unexpected {extra[:5]}, missing "
-                          f"{missing[:5]}, wrong block-diagonal factor {wrong[:5]}")
 
 
 def load_base_model(cfg: TrainConfig, model_dir: Path, device_type: Optional[str] = None):

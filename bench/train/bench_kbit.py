@@ -111,7 +111,7 @@ def build_peft(model, nblocks: int, r: int, lora_alpha: float):
 
     from bdlora import BDLoraSpec
     from bdlora.quant import check_kbit_bd, enable_bdlora_on_kbit
-    from bdlora.train.trainer import check_bd_structure, init_block_a_like_lora
+    from bdlora.peft_model import check_bd_structure, init_block_a_like_lora
 
     spec = BDLoraSpec.from_preset("llama", nblocks=nblocks, r=r, lora_alpha=lora_alpha)
     expected = spec.matching_modules(model)
