@@ -95,10 +95,28 @@ def smollm2_gguf() -> Path:
     return found[0]
 
 
+#: SmolLM2-135M-Instruct's special tokens as HuggingFaceTB's own tokenizer has them. Set explicitly: transformers
+#: reads them from the GGUF differently by release (5.17 made <|im_start|> the end token, so a chat turn never ends).
+SMOLLM2_SPECIAL = {"bos": ("<|im_start|>", 1), "eos": ("<|im_end|>", 2), "pad": ("<|im_end|>", 2),
+                   "unk": ("<|endoftext|>", 0)}
+
+
+def _smollm2_ok(folder: Path) -> bool:
+    import json
+
+    try:
+        tok = json.loads((folder / "tokenizer_config.json").read_text())
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return tok.get("eos_token") == SMOLLM2_SPECIAL["eos"][0] and cfg.get("eos_token_id") == SMOLLM2_SPECIAL["eos"][1]
+
+
 def smollm2_path(cache_dir: Optional[str | os.PathLike] = None) -> Path:
-    """SmolLM2-135M-Instruct as a safetensors folder, converted from the package's GGUF on first use."""
+    """SmolLM2-135M-Instruct as a safetensors folder, converted from the package's GGUF on first use (again when a
+    cached conversion has other special tokens than :data:`SMOLLM2_SPECIAL`)."""
     cache = Path(cache_dir or DEFAULT_CACHE) / "SmolLM2-135M-Instruct"
-    if (cache / "config.json").is_file():
+    if (cache / "config.json").is_file() and _smollm2_ok(cache):
         return cache
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -111,6 +129,13 @@ def smollm2_path(cache_dir: Optional[str | os.PathLike] = None) -> Path:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
+        for role, (token, token_id) in SMOLLM2_SPECIAL.items():
+            if tok.convert_tokens_to_ids(token) != token_id:
+                raise RuntimeError(f"{gguf}: token {token!r} is not id {token_id}; not SmolLM2's vocabulary")
+            setattr(tok, f"{role}_token", token)
+            if role != "unk":
+                setattr(model.config, f"{role}_token_id", token_id)
+                setattr(model.generation_config, f"{role}_token_id", token_id)
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
     return cache

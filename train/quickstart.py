@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-in-4bit", action="store_true",
                    help="train on a bitsandbytes 4-bit base (the adapter is then scored and served on the unquantized "
                         "base, as it would be deployed)")
+    p.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="training precision (auto: bf16 on a GPU that supports it, else fp32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--data-only", action="store_true",
                    help="only write OUT/data/{train,eval}.jsonl (for bdlora/configs/quickstart.yaml) and exit")
@@ -152,7 +154,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         train_file=str(data_dir / "train.jsonl"), eval_file=str(data_dir / "eval.jsonl"), max_length=128,
         lr=args.lr, scheduler="cosine", warmup_ratio=0.1, batch_size=args.batch_size, grad_accum=1,
         max_steps=args.steps, seed=args.seed, eval_every=0, eval_batch_size=16, log_every=1,
-        output_dir=str(out), report_to=["tensorboard"], load_in_4bit=args.load_in_4bit,
+        output_dir=str(out), report_to=["tensorboard"], load_in_4bit=args.load_in_4bit, precision=args.precision,
     )
     _log(f"training BD-LoRA N={cfg.nblocks} r={cfg.r} for {cfg.max_steps} steps of {cfg.batch_size} examples"
          + (" on a 4-bit (nf4) base" if args.load_in_4bit else ""))
