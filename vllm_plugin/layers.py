@@ -256,7 +256,7 @@ class _FusedState:
         """Launches the tiled plan of every ``gemm_rows`` row this layer's forwards may take once, on x's first row
         (output dropped), at its first tiled forward: Triton compiles one kernel per tile row, and a row first met
         mid-serving (a prefill of 257-2048 tokens, which neither vLLM's warm-up sizes nor its profile run reach)
-        compiled there, a latency spike that vLLM's JIT monitor reported on an H100 (2026-11-27). Skipped while a
+        compiled there, a latency spike that vLLM's JIT monitor reported on an H100. Skipped while a
         CUDA graph captures (compiling and launching there would land in the graph); the next eager call does it."""
         if self.gemm_rows_warm or self.gemm_rows is None or self.slots is None:
             return

@@ -28,7 +28,7 @@ CONFIG_KEY = "bdlora"
 #: ``{"max_tokens": n, "backend": "auto" | "triton" | "torch"}``.
 FUSED_DECODE_KEY = "bdlora_fused_decode"
 #: Largest batch (tokens in one forward) the fused decode kernels take by default (bdlora.kernels.decode_lora):
-#: measured in serving at batch 1 (bench/results/serve/trace_8b_tp4_twokernel); larger batches keep vLLM's kernels,
+#: measured in serving at batch 1 (traces of the decode step); larger batches keep vLLM's kernels,
 #: whose tiles suit many tokens.
 FUSED_DECODE_MAX_TOKENS = 8
 PEFT_PREFIX = "base_model.model."
@@ -183,8 +183,7 @@ def tp_size_of(vllm_config: Any) -> int:
 
 #: ``max_rank``'s per-device buffer rank is rounded up to this. Triton specializes integer arguments divisible by 16,
 #: so at such a rank the kernels' B rows and rank masks load as vectors; at 40 or 24 (multiples of 8 only) they load
-#: element by element, and the expand took up to 2 us more per call than at 64 (H200, 4 slots,
-#: bench/results/serve/max_rank_2026-11-28).
+#: element by element, and the expand took up to 2 us more per call than at 64 (H200, 4 slots).
 DEVICE_RANK_MULTIPLE = 16
 
 

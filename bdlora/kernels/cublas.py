@@ -27,8 +27,7 @@ Per adapter i with rows R_i = seg[i]:seg[i+1] and c_i = scale_i / (1 - p_i) (p_i
   Triton kernels of ``dropout.py`` that draw it from its counter hash where they read or write the element:
   S_i (drop_shrink: reads X once, no Xin, no mask), the LoRA dX (drop_expand_t: written masked, then the base
   GEMM adds onto it as above) and dA_i (drop_wgrad_a: reads X again); only X is saved. The materialized route
-  (bernoulli, `logical_not`, masked_fill twice) took ~0.25 ms of a ~1 ms layer at 8192 x 4096 bf16 on an H200
-  (bench/results/kernels/*profile*2026-11-22*).
+  (bernoulli, `logical_not`, masked_fill twice) took ~0.25 ms of a ~1 ms layer at 8192 x 4096 bf16 on an H200.
   On CUDA, for B_i dense as the GEMMs see it and r_i <= 64 (``KernelOptions.fused_dsdb``), dS_i and dB_i come from one Triton
   kernel that reads dY once (``dsdb_dense``, fp32 atomics; dY is the widest operand of an MLP up-projection:
   8192 x 14336, r 16 on an H200: 80 us vs 129 us for the two GEMMs).
@@ -62,8 +61,8 @@ from .dropout import drop_expand_t, drop_shrink, drop_wgrad_a, dropout_keys, fus
 BD_GEMMS = ("auto", "dense", "blocks")
 DENSE_MAX_RANK = 128
 
-# Tiles and splits: the best of a sweep at 8192 rows x 4096 / 14336 columns, r 16 / 32 / 64 (H200, 2026-11-22;
-# bench/kernels/tune_dsdb.py; bench/results/kernels/h200-dsdb-dense-sweep-shipped-*), as shipped: 8192 x 14336:
+# Tiles and splits: the best of a sweep at 8192 rows x 4096 / 14336 columns, r 16 / 32 / 64 (H200,
+# bench/kernels/tune_dsdb.py), as shipped: 8192 x 14336:
 # r 16 80 us vs 129 us for the two GEMMs, r 32 92 vs 130, r 64 122 vs 133; 8192 x 4096: r 16 34 vs 50, r 64 45 vs
 # 51. Not taken above rank 64 (not swept; the grouped path's dS/dB kernel spilled registers at rank 128, grouped.py).
 DSDB_MAX_RANK = 64

@@ -57,7 +57,7 @@ class DecodeTiles:
 
 def decode_tiles(device: torch.device) -> DecodeTiles:
     """The tiles for ``device``. GPU: one memory round trip per program and enough programs at batch 1 to spread
-    the LoRA weights' read over the SMs (bench/results/serve/trace_8b_tp4*: in serving, with the base model's
+    the LoRA weights' read over the SMs (traces of served decode steps: with the base model's
     weights streaming through L2 between layers, a kernel's latency chain is what a decode step pays)."""
     if device.type == "cuda":
         return DecodeTiles(block_k=128, block_n=64, block_s=16, warps=4)
@@ -549,8 +549,8 @@ def _fold_gemv_kernel(
     (several slots whose rank rows fit one tile, ``all_slots_block``) every used slot's B is, for one tl.dot over
     all of them (``_add_all_slot_expand``). USE_GDC (programmatic dependent launch): those loads and idx come before
     ``gdc_wait``, x (the previous kernel's output) after.
-    (No one-token variant: with one-token products this kernel lost to its tl.dot form on every module measured,
-    bench/results/serve/gemv_slots_2026-11-25.)
+    (No one-token variant: with one-token products this kernel lost to its tl.dot form on every module measured
+    on an H200.)
     """
     pid = tl.program_id(0)
     tile = pid // SPLIT_K

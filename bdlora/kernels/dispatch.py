@@ -39,7 +39,7 @@ TORCH_DROPOUTS = ("counter", "bernoulli")
 
 # ``fused_lora_linear`` issues ~8 GEMMs per adapter segment on the cuBLAS path (5 Triton launches in all on the
 # Triton path): with several segments of a small layer the launches dominate. Measured on an H200 with the training
-# engine's cuBLAS route (fp32 factors, per-job cuBLAS GEMMs; bench/results/train/*2026-11-22*): SmolLM2 shape
+# engine's cuBLAS route (fp32 factors, per-job cuBLAS GEMMs): SmolLM2 shape
 # (576 x 576 .. 576 x 1536) 1.7x faster than Triton with one job but 0.80x / 0.53x with 4 / 8; Llama-8B shape
 # (4096 x 4096 .. 4096 x 14336) 1.24x / 1.16x faster with 1 / 4.
 CUBLAS_MIN_WEIGHT = 2048 * 2048  # d_in x d_out from which cuBLAS is preferred for any number of segments

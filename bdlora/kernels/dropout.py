@@ -14,7 +14,7 @@ draw u >= thr = ceil(fp32(p) * 2^16), i.e. iff u / 2^16 >= p in fp32: P(keep) = 
 kernels (the element itself is one 2-byte read): one 16-bit draw per element and ~5 integer ops each keep it near
 the memory time; Philox (``tl.rand``: 10 rounds for 4 words, one used per element) and torch's ``bernoulli_``
 (55 us + a 33 us copy + a 21 us ``logical_not`` for an 8192 x 4096 mask on an H200,
-``bench/results/kernels/*profile*``) cost several times that. Pair counters must stay below 2^31.
+measured) cost several times that. Pair counters must stay below 2^31.
 
 Who draws which mask: the cuBLAS path and the torch references use ``segment_keep_mask(seed, i, ...)`` for adapter
 i over its own segment's rows (local row t); the grouped Triton kernels use index 0 over the rows of the whole call
@@ -265,7 +265,7 @@ def fused_ok(x: torch.Tensor, a: torch.Tensor, enabled: bool | None) -> bool:
 
 
 # Tiles per kernel on GPUs: the best of a sweep at 8192 rows x 4096 / 14336 columns, r 16 / 64, bf16, on an H200
-# (2026-11-22, bench/kernels/tune_dropout.py; bench/results/kernels/h200-dropout-tiles-2026-11-22.*; ``target`` =
+# (bench/kernels/tune_dropout.py; ``target`` =
 # programs wanted for drop_wgrad_a's row splits). At 8192 x 4096, r 16: shrink 34 us, LoRA dX 27 us, dA 40 us
 # (one GEMM on a saved x * keep: 30 us; the bernoulli draw alone: 58 us).
 GPU_TILES = MappingProxyType({  # read-only data

@@ -296,7 +296,7 @@ class _Plan:
         self.wtiles = torch.tensor(wtiles or [(0, 0, 0)], dtype=torch.int32).to(dev, non_blocking=True)
         self.block_r = max(16, next_pow2(max(r // ad.blocks_b for ad, r in zip(adapters, ranks))))
         # dS/dB kernel: ranks in chunks of at most 64 (32 under the interpreter, so CPU tests cover several chunks):
-        # two fp32 (rows x BLOCK_R) accumulators of BLOCK_R = 128 spilled registers on the H200 (2026-11-22 profile:
+        # two fp32 (rows x BLOCK_R) accumulators of BLOCK_R = 128 spilled registers on the H200 (a profile:
         # 4 ms a call at the 8B shape with rank 128)
         self.dsdb_block_r = min(self.block_r, 64 if x.is_cuda else 32)
         self.dsdb_rank_chunks = cdiv(self.block_r, self.dsdb_block_r)

@@ -33,7 +33,7 @@ entry is 1 (``defer``) also runs one-token forwards so (with ``side_max`` >= 1) 
 next compiled kernel (SiLU-and-mul, add + RMSNorm, rotary: the layer returns base output + a one-row term as a traced
 add, which Inductor fuses into that kernel); its other forwards return their whole output and a zero row. A
 row-parallel layer at TP > 1 adds before its all-reduce, so there ``defer`` is ignored. Off in every entry
-(``side_max`` 0): served on an H100 (bench/results/serve/side_defer_2026-11-27) the deferred path gains at TP=8's
+(``side_max`` 0): served on an H100 the deferred path gains at TP=8's
 gate_up at batch 1 only, its zero term costs at batch 16, and at TP=4 the second stream's kernels slow beside the GEMMs.
 
 A layer whose LoRA rows (slices x max_loras x rank) exceed ``fold_max_extra`` x d_out (a wide fold: many slots of a
@@ -42,10 +42,10 @@ high rank, e.g. qkv with ``--max-loras`` 4) still folds where it has one-token t
     T <= two_launch_max    as a layer that cannot fold (base GEMM on W's view, the two-launch kernel)
     T <= wide_fold_max     the tiled fold kernel: its GEMM reads every slot's A rows, which costs less than vLLM's
                            punica kernels do above two_launch_max (23 us per call for TP=8's qkv with 4 slots at 16
-                           tokens, H200, bench/results/serve/multi_gpu_2026-11-27)
+                           tokens, H200)
     above                  as a layer that cannot fold (vLLM's punica kernels)
 The Hopper entries fold wide layers at every size (``wide_fold_max`` unlimited: measured on 4 and 8 slots, kernels
-and served, bench/results/serve/wide_fold_2026-11-27); unknown GPUs up to their ``fold_gemm_max`` (256); 0: one-token
+and served); unknown GPUs up to their ``fold_gemm_max`` (256); 0: one-token
 forwards only.
 
 A per-tile-shrink row (local_shrink, and every one-token row) reads its slice's A rows in every tile: every slot's
@@ -270,98 +270,54 @@ class ServingTuning:
 
 
 _H200 = MappingProxyType({
-    # 2026-11-24, bench/results/serve/serving_kernels_h200_2026-11-24.json: per module, the tiled kernel ("gemm")
-    # is as fast as the per-token one at 1-8 tokens (TP=8 shard: within 0.3 us; TP=4: 0.7-1.5 us faster), so it
-    # serves every size; it beats vLLM's punica path at every T measured (1-8192) on every module, so no cut-off
-    # to punica. The two-launch kernel (unfoldable layers) beats punica up to 8-16 tokens.
+    # Per-module times of every path at 1-8192 tokens (bench/kernels/bench_serving_kernels.py): the tiled kernel is
+    # as fast as the per-token one at 1-8 tokens and beats vLLM's punica path at every token count on every module
+    # of the TP=4 and TP=8 Llama-8B shards, so it serves every size; the two-launch kernel (layers that cannot fold)
+    # beats punica up to 8-16 tokens.
     "fold": True, "fold_decode_max": 0, "fold_gemm_max": UNLIMITED, "two_launch_max": 8,
     "gemm_tiles": ((128, 16, 64, 4), (256, 32, 64, 4), (2048, 64, 64, 4), (UNLIMITED, 32, 128, 4)),
-    # On tokens as batched (requests cycling over slots interleave them), the tiles mixed slots, and the best rows
-    # grew with T (bench/results/serve/max_rank_2026-11-28/call5; the H100's rows below are of that kind). Grouped
-    # by slot (bench/results/serve/sorted_2026-11-28/call1, 4 slots of rank 64, us per call, tokens as batched ->
-    # grouped): TP=4 at 64 tokens qkv 13.93 -> 12.90, o 9.31 -> 8.28, gate_up 24.71 -> 23.80, down 15.61 -> 14.41;
-    # at 128 gate_up 28.97 -> 25.45; TP=8 level (+0.2 to -0.4). 16 x 64 on 4 warps is the best sorted tile everywhere
-    # to 64 tokens (each slot's 16 tokens one tile), 32 x 64 on gate_up and down at 128.
+    # With several adapters, tokens grouped by slot give each tile one slot's B: 0.9-1.2 us less per module call at
+    # 64 tokens on TP=4 (level on TP=8); 16 x 64 tiles are the best grouped tiles to 64 tokens, 32 x 64 on gate_up
+    # and down at 128.
     "gemm_sorted": True,
     "gemm_shapes": (  # (d_in, d_out, min_slot_rows, max_tokens, block_m, block_n, warps)
         (4096, 7168, 256, 64, 16, 64, 4), (4096, 7168, 256, 128, 32, 64, 4),
         (3584, 4096, 256, 64, 16, 64, 4), (3584, 4096, 256, 128, 32, 64, 4)),
-    # bench/results/serve/serving_kernels_gemv_h200_2026-11-24.json: the one-launch kernel beats cuBLAS + the tiled
-    # expand at 1-16 tokens on TP=4's down (3584 -> 4096: 13.7 vs 15.0 us) and TP=8's gate_up (4096 -> 3584: 14.1
-    # vs 15.5 us); on qkv and o (few or short rows) and at 64 tokens the cuBLAS GEMM wins.
-    # bench/results/serve/gemv_local_2026-11-25: with the shrink computed per tile (local_shrink, no wait on other
-    # programs) it also wins on TP=8's o (512 -> 4096: 4.4 vs 5.4 us, H100, pdl) and down (1792 -> 4096: 10.1 vs
-    # 10.8); at TP=4's rank (64, twice the A rows per tile) it loses everywhere.
+    # The one-launch kernel beats cuBLAS + the tiled expand at 1-16 tokens on TP=4's down and TP=8's gate_up, and,
+    # with the shrink per output tile (the rows ending in 1), on TP=8's o and down; elsewhere the GEMM wins.
     "fold_gemv_max": 16,
     "gemv_shapes": ((3584, 4096, 16, 256, 1, 2, 4), (4096, 3584, 16, 256, 1, 2, 4),
                     (512, 4096, 32, 64, 1, 4, 4, 1), (1792, 4096, 32, 128, 1, 4, 4, 1)),
-    # bench/results/serve/gemv_one_token_2026-11-25 (H200, pdl, T=1, us per call): the per-tile kernel with
-    # one-token products (no tl.dot padding to 16 rows) beats every other path on TP=8's four modules (qkv 5.7 vs
-    # 7.1, o 3.7 vs 4.3, gate_up 13.2 vs 13.6, down 8.7 vs 9.2; no LoRA 5.9, 3.7, 12.6, 6.9) and TP=4's qkv (9.6 vs
-    # 10.2) and o (6.4 vs 6.5); on TP=4's gate_up and down (rank 64: A's rows read again per tile) it loses.
-    # bench/results/serve/gemv_slots_2026-11-25 (H200, TP=8's o and down at 4 and 16 tokens, 2-8 slots of rank
-    # 32, us per call, best of plain and pdl): at 64 A rows per slice both rows win or tie the tiled path; at 128
-    # o still wins (6.0-6.1 vs 7.3-7.5) and down loses less (13.3 vs 12.4-12.6), so the layer gains 0.5 us; at 256
-    # o is level (8.9-9.5 vs 8.0-9.8) and down's tiles no longer fit in shared memory (250 KB).
+    # Per-tile-shrink rows win or tie the tiled path up to 128 A rows per slice; at 256 they no longer fit in shared
+    # memory.
     "gemv_local_max_rows": 128,
-    # bench/results/serve/slot_expand_2026-11-27, 4 slots of rank 64 on TP=4's down (256 rows per slice), us per
-    # call: the shared-shrink row loses to the tiled path at 4 and 16 tokens (H200, kernels before: 19.8-20.0 vs
-    # 18.2-18.3; H100, one-dot kernels: 20.6 vs 19.7), and served (TP=4, batch 16, four adapters, H200) the step
-    # without one-launch rows took 3.237 ms against 3.348. 4 slots of rank 32 on TP=8's gate_up (128 rows) still
-    # win (17.6 vs 18.0; H100 18.3 vs 20.1).
+    # With 4 slots of rank 64 on TP=4's down (256 rows per slice) the shared-shrink row loses to the tiled path,
+    # kernels and served; at 128 rows (TP=8's gate_up) it still wins.
     "gemv_shared_max_rows": 128,
-    # bench/results/serve/gemv_slots_2026-11-28 (H200, TP=8, 4 slots of rank 32 = 128 rows, tokens interleaved, us
-    # per call at 4 / 8 / 16 tokens): TP=8's down row (per-tile shrink) takes 12.74 / 12.83 / 12.91 against the
-    # tiled path's 9.95 / 9.88 / 10.18 (it lost by 0.8 us on 2026-11-25, before the tiled kernel's gains); its o row
-    # still wins (5.39-5.53 against 5.75-6.04), gate_up's shared row too (14.62-14.81 against 15.32-15.73). Down's
-    # row measured winning or level at 64 rows (gemv_slots_2026-11-25), so it stops there.
+    # TP=8's down with 4 slots of rank 32 (128 rows): its row takes 12.7-12.9 us against the tiled path's 9.9-10.2,
+    # while o and gate_up keep theirs; it wins or ties at 64 rows, so it stops there.
     "gemv_shape_max_rows": ((1792, 4096, 64),),
-    # bench/results/serve/max_rank_2026-11-28/call5 (H200, one slot, T=1, us per call, pdl; no LoRA in brackets):
-    # the rows measured on 2026-11-25 had gone slow under the kernels of 2026-11-27/28 (TP=8's gate_up 64 x 64
-    # split 8 at stages 1: 23.1 us, 11.69 at 3 stages [11.82]; down 12.56, 8.31 at 16 x 256 split 1 [6.93]). Now:
-    # TP=8 qkv 64 x 64 split 8 at 3 stages 5.39 [5.89], o 32 x 128 split 1 3.55 [3.62], gate_up 11.69, down 8.31;
-    # TP=4 qkv 64 x 64 split 16 at 3 stages 8.93 (stages 1: 9.21) [7.50], o 128 x 128 split 4 5.76 [4.63], down
-    # 128 x 64 split 8 12.22 [12.36] (the tiled path 15.10; new row). TP=4's gate_up stays on the tiled path
-    # (20.43 [20.58]). Served, TP=8 batch 1 with the old rows took 2.237 ms per step against 1.678 without LoRA.
+    # One token, one slot: one-token products (no tl.dot padding to 16 rows) beat every other path on TP=8's four
+    # modules and TP=4's qkv, o and down (e.g. TP=8 qkv 5.39 us at 3 stages against 5.89 without LoRA's GEMM);
+    # a 3-stage K loop wins where a program's loop is long and narrow. TP=4's gate_up stays on the tiled path.
     "gemv_one_token_shapes": ((4096, 768, 64, 64, 8, 4, 3), (512, 4096, 32, 128, 1, 4, 1),
                               (4096, 3584, 64, 64, 8, 4, 3), (1792, 4096, 16, 256, 1, 8, 1),
                               (4096, 1536, 64, 64, 16, 4, 3), (1024, 4096, 128, 128, 4, 8, 1),
                               (3584, 4096, 128, 64, 8, 8, 1)),
-    # bench/results/serve/pdl_2026-11-24: programmatic dependent launch takes 1.0-1.3 us off qkv and gate_up calls
-    # of the folded kernels (the expand starts while the GEMM drains), 0.3-2.4 us off the two-launch kernels', and
-    # is level (+-0.2 us) on the folded o and down.
+    # Programmatic dependent launch takes 1.0-1.3 us off the folded qkv and gate_up calls and 0.3-2.4 us off the
+    # two-launch kernels'; level on the folded o and down.
     "pdl": True,
-    # bench/results/serve/wide_fold_2026-11-27 (H100): with 4 and 8 slots on qkv (TP=4 and TP=8 shards) the tiled
-    # fold beats vLLM's punica at every T from 1 to 8192 (4 slots: 19.4 vs 46.9 us at 16 tokens on TP=4, 271 vs 475
-    # at 8192; 8 slots: 27.3 vs 71.7, 393 vs 533), and served at real TP=4 with four resident adapters it took BD's
-    # TPOT at batch 64 from 10.42 to 7.85 ms (1024/128) and batch 16's from 5.66 to 4.88. One slot on the H200
-    # (serving_kernels_h200_2026-11-24): 2-3x faster than punica at every T as well.
+    # With 4 and 8 slots on qkv the tiled fold beats punica at every token count (e.g. 19.4 vs 46.9 us at 16 tokens
+    # on TP=4 with 4 slots), and served at TP=4 with four adapters it took batch 64's TPOT from 10.42 to 7.85 ms.
     "wide_fold_max": UNLIMITED,
 })
-#: Measured entries (BENCHMARKS.md, "One flag: the serving path picked per token count"). Keys: device names.
-#: Read-only (data, not state): a new GPU's entry is added here, in the source.
 TABLE: Mapping[str, Mapping] = MappingProxyType({
     "NVIDIA H200": _H200,
-    # The H200's entry: in the H100's own sweep (bench/results/serve/pdl_2026-11-24) the same one-launch rows win
-    # (TP=8 gate_up 16.0 vs 17.1 us at T=1, TP=4 down 16.0 vs 18.0 at T=16, level at T=1) and so does pdl. One
-    # token (gemv_one_token_2026-11-25, H100): the same rows win but TP=8's gate_up (16.1 vs the shared-shrink
-    # kernel's 16.0: that row stays) and down, whose best tiles differ (9.7 vs 10.2 us).
-    # 2026-11-28, bench/results/serve/pipelined_one_token_2026-11-28 (H100, us per call, best of plain and pdl, two
-    # sweeps on two machines). One token, one slot: with the K loop pipelined, 64 x 64 split 8 at 3 stages wins
-    # TP=8's qkv (5.53-5.54; the old row 5.99, the tiled path 7.6) and 128 x 128 split 4 at 3 stages TP=8's gate_up
-    # (14.76-14.81; the shared-shrink row 16.8, the tiled path 16.4); unpipelined tiles still win where a program's
-    # K loop is short: TP=8's o (32 x 128: 3.61-3.66 vs 3.77) and down (16 x 256: 9.16-9.29 vs 9.55), TP=4's o
-    # (128 x 128 split 4: 6.26; stages 2-4 6.59-7.12), and TP=4's down gains a row (128 x 64 split 8: 14.97-15.05
-    # vs the tiled path's 15.82). TP=4's qkv is level at every stages (9.98-10.38); TP=4's gate_up stays off (26.95
-    # vs 26.38). Four slots of rank 64 (TP=4's shapes): 16 x 32 tiles with 1 warp win at 16 tokens on all four
-    # (qkv 15.38-15.61 vs 16.04-16.15 for 16 x 64, o 9.16-9.38 vs 9.59-10.09, gate_up 29.53-29.64 vs 29.81-29.90,
-    # down 17.90-17.92 vs 18.51-18.67) and at 32 on qkv, o and down (16.13 / 9.44 / 18.56 vs 32 x 64's 16.35 /
-    # 9.88 / 18.92); at 64, 32 x 64 (o: 2 warps, 9.68 vs 10.17) and on gate_up 64 x 64 (31.16-31.22 vs 32.33-32.42;
-    # at 32, 32 x 64: 30.39 vs 31.60).
+    # The H100's own sweep picked the H200's one-launch rows and pdl; its one-token rows and its tiles for four
+    # slots of rank 64 (16 x 32 with 1 warp up to 32 tokens, larger above) are its own measurements.
     "NVIDIA H100 80GB HBM3": MappingProxyType({
         **_H200,
         "gemm_sorted": False,  # not measured on an H100: its rows below are for tokens as batched
-        # gemv_shape_max_rows: the H200's (TP=8's down row stops at 64 rows), not measured on an H100
         "gemv_one_token_shapes": (
             (4096, 768, 64, 64, 8, 4, 3), (512, 4096, 32, 128, 1, 4, 1), (4096, 3584, 128, 128, 4, 8, 3),
             (1792, 4096, 16, 256, 1, 8, 1), (4096, 1536, 64, 64, 16, 4, 1), (1024, 4096, 128, 128, 4, 8, 1),

@@ -46,7 +46,7 @@ def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1) -> list[
 
     Keeping a job in one micro-batch keeps the (job, micro-batch) segments near the number of jobs, and each
     segment costs a set of LoRA launches per layer, what bounds an 8B-shape step on the host (item-by-item FFD
-    spread 8 jobs over 2 micro-batches as 16 segments; bench/results/train/*2026-11-22*).
+    spread 8 jobs over 2 micro-batches as 16 segments).
     Returns bins whose items are ordered by (job, original order); every item appears exactly once. An item longer
     than the budget gets a bin of its own (callers truncate samples to at most the budget).
     """
