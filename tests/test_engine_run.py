@@ -191,7 +191,8 @@ def test_cli_yaml_run_and_resume(tiny_llama_dir, data_file, tmp_path):
     from bdlora import load_adapter
 
     cfg = run_dict(tiny_llama_dir, data_file, tmp_path / "out", [{"name": "x", "r": 4, "nblocks": 2}],
-                   save_every=1, resume="auto", save_plots=True, log_every=1)
+                   save_every=1, resume="auto", save_plots=True, log_every=1, report_to=["tensorboard"],
+                   progress=True)
     cfg_path = tmp_path / "run.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -208,6 +209,9 @@ def test_cli_yaml_run_and_resume(tiny_llama_dir, data_file, tmp_path):
     with open(tmp_path / "out" / "results.csv") as f:
         (row,) = list(csv.DictReader(f))
     assert row["steps"] == "3" and row["stop_reason"] == "completed"
+    # report_to and progress are honoured: tensorboard events per job, a bar over the run's steps
+    assert list((tmp_path / "out" / "runs" / "x").glob("events.out.tfevents.*"))
+    assert "bdlora sweep" in p.stderr and "3/3" in p.stderr
     ad = load_adapter(row["adapter"])
     assert ad.config.nblocks == 2 and ad.config.r == 4
     bad = tmp_path / "bad.yaml"

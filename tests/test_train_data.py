@@ -80,7 +80,7 @@ def test_json_and_jsonl_files_and_split(tok, tmp_path):
     jl = tmp_path / "d.jsonl"
     jl.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     assert read_records(js) == read_records(jl) == recs
-    cfg = TrainConfig.from_dict(dict(train_file=str(jl), eval_fraction=0.25, seed=3))
+    cfg = TrainConfig.from_dict(dict(model="tiny-random", train_file=str(jl), eval_fraction=0.25, seed=3))
     tr, ev = load_datasets(cfg, tok)
     assert len(tr) == 15 and len(ev) == 5
     assert sorted(e.index for e in tr + ev) == list(range(20))

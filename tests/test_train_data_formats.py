@@ -211,7 +211,7 @@ def test_mixed_schema_file_through_arrow(tmp_path):
 
 
 def _fake_hub_cache(root: Path, repo_id: str, splits: dict) -> None:
-    """The layout `huggingface-cli download --repo-type dataset` leaves: refs/main and a snapshot of parquet files."""
+    """The layout `hf download --repo-type dataset` leaves: refs/main and a snapshot of parquet files."""
     import datasets
 
     repo = root / "hub" / ("datasets--" + repo_id.replace("/", "--"))
@@ -271,8 +271,8 @@ def test_hub_names_from_the_offline_cache(tok, hf_home, tmp_path, monkeypatch):
     assert read_records("other/prepared") == RECORDS["sharegpt"]
     with pytest.raises(DataError, match="no split|Unknown split"):
         read_records("toyorg/toyset:validation")
-    with pytest.raises(DataError, match=r"'nobody/nothing' is not a local file.*huggingface-cli download "
-                                        r"--repo-type dataset nobody/nothing.*HF_HOME"):
+    with pytest.raises(DataError, match=r"dataset 'nobody/nothing' is not in the local Hugging Face cache.*"
+                                        r"`hf download nobody/nothing --repo-type dataset`.*HF_HOME"):
         read_records("nobody/nothing")
 
 
@@ -380,7 +380,8 @@ def test_engine_reads_every_format(tok, tmp_path):
     from bdlora.train.engine.engine import load_job_data
 
     def job(name, path, **kw):
-        return JobConfig.from_dict({"name": name, "train_file": str(path), "eval_fraction": 0.2, **kw})
+        return JobConfig.from_dict({"name": name, "model": "tiny-random", "train_file": str(path), "eval_fraction": 0.2,
+                                    **kw})
 
     recs = [r for rs in RECORDS.values() for r in rs]
     path = _write(recs, tmp_path / "all.jsonl")

@@ -80,7 +80,7 @@ def test_every_format_and_file_type_trains(tiny_llama_dir, tmp_path, fmt, suffix
 
 # ---------------------------------------------------------------------------------------------------- models
 def _fake_hub_model(hf_home, repo: str, source):
-    """The layout `huggingface-cli download` leaves in HF_HOME: snapshots/<rev>/ files + refs/main."""
+    """The layout `hf download` leaves in HF_HOME: snapshots/<rev>/ files + refs/main."""
     rev = "0123456789abcdef0123456789abcdef01234567"
     root = hf_home / "hub" / f"models--{repo.replace('/', '--')}"
     shutil.copytree(source, root / "snapshots" / rev)
@@ -110,7 +110,7 @@ def test_missing_hub_id_and_bad_model_folder(tiny_llama_dir, data_file, tmp_path
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
     rc = _cli(tmp_path, _base("nobody/not-cached", data_file, tmp_path / "o"))
     _refused(capsys, rc, "'nobody/not-cached' is not in the local Hugging Face cache",
-             "huggingface-cli download nobody/not-cached")
+             "`hf download nobody/not-cached`")
     (tmp_path / "empty-folder").mkdir()
     rc = _cli(tmp_path, _base(str(tmp_path / "empty-folder"), data_file, tmp_path / "o"))
     _refused(capsys, rc, "has no config.json")

@@ -253,7 +253,13 @@ def _resolve_hub(repo_id: str, split: Optional[str]) -> Source:
     try:
         snap = download(repo_id, repo_type="dataset")
     except HubError as e:
-        raise DataError(str(e)) from None
+        # offline or unreachable: a dataset that datasets.load_dataset prepared before ($HF_HOME/datasets) still loads
+        try:
+            ds = datasets.load_dataset(repo_id, split=split)
+        except Exception:  # noqa: BLE001 - not prepared either: the hub's message says what to do
+            raise DataError(str(e)) from None
+        return Source(where, "hub", split, {"hub": repo_id, "fingerprint": ds._fingerprint, "split": split},
+                      dataset=ds)
     try:
         # The snapshot's data files for the split by datasets' naming rules, each read on its own (so splits may
         # differ in schema; a README `configs:` section is not read).

@@ -729,6 +729,8 @@ def claim_output_dir(out: Path, cfg: TrainConfig) -> None:
         for old in checkpoints + ([adapter] if adapter.exists() else []):
             shutil.rmtree(old)
         return
+    if cfg.resume is not None and checkpoints:
+        return  # a resume: check_resume_compatible compares the job with its checkpoint's, key by key
     held = "a trained adapter (adapter/)" if has_adapter else f"checkpoints ({checkpoints[-1].name})"
     try:
         previous = yaml.safe_load((out / CONFIG_NAME).read_text()) or {}
