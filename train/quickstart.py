@@ -114,7 +114,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from .config import TrainConfig
     from .tasks import CODE_BOOK, color_code_task, write_jsonl
-    from .trainer import load_tokenizer, run_training
+    from .trainer import load_tokenizer, run_training, use_one_gpu_unless_launched
+
+    # before anything starts CUDA: scoring, training and (at --tp 1) serving share one GPU
+    gpu_note = use_one_gpu_unless_launched() if args.tp == 1 else None
+    if gpu_note:
+        _log(gpu_note)
 
     out = Path(args.out)
     # 1. data: generated at run time, deterministic in the seed.
