@@ -4,6 +4,7 @@ replaces the old job's work; `--output-dir` on the command line sets the folder.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -59,3 +60,31 @@ def test_output_dir_flag_and_the_refusal_on_the_command_line(tiny_llama_dir, dat
     r = subprocess.run(cmd + ["--set", "lr=0.01"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("bdlora train: error: output_dir:")
+
+
+def test_one_process_trains_on_one_gpu(monkeypatch):
+    """A run not launched data parallel narrows CUDA_VISIBLE_DEVICES to its first GPU before CUDA starts (else
+    transformers' DataParallel would multiply its batch over every GPU); launched runs are left alone; a process
+    whose CUDA already started with several GPUs is refused with what to do. (The GPU machines run the real thing:
+    tests/test_train_fsdp.py on 2 and 4 GPUs.)"""
+    import torch
+
+    from bdlora.train.trainer import use_one_gpu_unless_launched
+
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    for k in ("WORLD_SIZE", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5,7")
+    note = use_one_gpu_unless_launched()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2"
+    assert "4 GPUs visible; this one process trains on GPU 2" in note and "accelerate launch --num_processes 4" in note
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert use_one_gpu_unless_launched() is None and os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(ConfigError, match="CUDA is already started; bdlora trains one process on one GPU"):
+        use_one_gpu_unless_launched()
