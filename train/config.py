@@ -266,7 +266,9 @@ class TrainConfig:
                               "tatsu-lab/alpaca:train)")
         if self.push_to_hub and not self.hub_model_id:
             bad("hub_model_id", "push_to_hub needs the repository to push to: hub_model_id: user/name")
-        if self.hub_model_id is not None and not _looks_like_repo_id(self.hub_model_id):
+        from bdlora.hub import is_repo_id
+
+        if self.hub_model_id is not None and not is_repo_id(self.hub_model_id):
             bad("hub_model_id", f"{self.hub_model_id!r} is not a hub repository id (user/name or org/name)")
         if self.eval_file is None and not 0.0 <= self.eval_fraction < 1.0:
             bad("eval_fraction", f"must be in [0, 1), got {self.eval_fraction}")
@@ -507,11 +509,6 @@ OTHER_TOOLS_WHY = {
     "tensorboard": "trackers are chosen by report_to: write report_to: [tensorboard] (or [])",
     "defaults": "every top-level key is a default of every job: write its keys at the top level",
 }
-
-
-def _looks_like_repo_id(value: str) -> bool:
-    parts = value.split("/")
-    return len(parts) == 2 and all(p and not p.startswith(".") and " " not in p for p in parts)
 
 
 def unknown_keys_message(unknown: list[str], valid: list[str]) -> str:

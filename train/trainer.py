@@ -763,7 +763,7 @@ def _validate_saved(adapter_dir: Path, spec: BDLoraSpec) -> None:
 def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str, **facts) -> None:
     """README.md of the adapter folder: what the adapter is and the command that serves it (the base as the user
     named it; the adapter as its hub id when pushed, else this folder)."""
-    from bdlora.models import _is_hub_id
+    from bdlora.hub import is_repo_id
 
     n = spec.nblocks
     tp = f" --tensor-parallel-size {n}" if n > 1 else ""
@@ -772,9 +772,9 @@ def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str
     name = (hub_id.split("/")[-1] if hub_id else Path(cfg.output_dir).name) or "adapter"
     base_repo = base.partition("@")[0]
     ev = facts.get("eval_metrics") or {}
-    meta = ["---"] + ([f"base_model: {base_repo}"] if _is_hub_id(base_repo) else []) + [
+    meta = ["---"] + ([f"base_model: {base_repo}"] if is_repo_id(base_repo) else []) + [
         "library_name: peft", "tags: [bdlora, bd-lora, lora, block-diagonal, peft]", "---"]
-    data = cfg.train_file if cfg.train_file and _is_hub_id(cfg.train_file.split(":")[0]) else \
+    data = cfg.train_file if cfg.train_file and is_repo_id(cfg.train_file.split(":")[0]) else \
         Path(str(cfg.train_file)).name
     lines = meta + [
         "", f"# BD-LoRA adapter for {base}", "",
