@@ -59,7 +59,7 @@ def vllm_adapters(tiny_llama_dir, tmp_path_factory):
     from peft import LoraConfig
 
     from bdlora import BDLoraSpec
-    from bench.serve.harness import make_peft_adapter
+    from bdlora.vllm_plugin.testing import make_peft_adapter
 
     root = tmp_path_factory.mktemp("vllm-adapters")
     all7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

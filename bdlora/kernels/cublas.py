@@ -61,8 +61,8 @@ from .dropout import drop_expand_t, drop_shrink, drop_wgrad_a, dropout_keys, fus
 BD_GEMMS = ("auto", "dense", "blocks")
 DENSE_MAX_RANK = 128
 
-# Tiles and splits: the best of a sweep at 8192 rows x 4096 / 14336 columns, r 16 / 32 / 64 (H200,
-# bench/kernels/tune_dsdb.py), as shipped: 8192 x 14336:
+# Tiles and splits: the best of a sweep at 8192 rows x 4096 / 14336 columns, r 16 / 32 / 64 (H200), as shipped:
+# 8192 x 14336:
 # r 16 80 us vs 129 us for the two GEMMs, r 32 92 vs 130, r 64 122 vs 133; 8192 x 4096: r 16 34 vs 50, r 64 45 vs
 # 51. Not taken above rank 64 (not swept; the grouped path's dS/dB kernel spilled registers at rank 128, grouped.py).
 DSDB_MAX_RANK = 64

@@ -265,8 +265,7 @@ def fused_ok(x: torch.Tensor, a: torch.Tensor, enabled: bool | None) -> bool:
 
 
 # Tiles per kernel on GPUs: the best of a sweep at 8192 rows x 4096 / 14336 columns, r 16 / 64, bf16, on an H200
-# (bench/kernels/tune_dropout.py; ``target`` =
-# programs wanted for drop_wgrad_a's row splits). At 8192 x 4096, r 16: shrink 34 us, LoRA dX 27 us, dA 40 us
+# (``target`` = programs wanted for drop_wgrad_a's row splits). At 8192 x 4096, r 16: shrink 34 us, LoRA dX 27 us, dA 40 us
 # (one GEMM on a saved x * keep: 30 us; the bernoulli draw alone: 58 us).
 GPU_TILES = MappingProxyType({  # read-only data
     "shrink": MappingProxyType(dict(BT=32, BK=128, num_warps=4, num_stages=4)),

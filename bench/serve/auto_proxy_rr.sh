@@ -6,7 +6,7 @@
 # Engines start one at a time: each after the one before reports "engine up" (engines profiling memory at the same
 # moment see each other's allocations and fail). If an engine exits with an error, the others are stopped and this
 # script exits 1 at once (they would otherwise wait for its turn).
-# Several GPUs measuring in turns with each other (auto_proxy_gpus.sh does this): one call per GPU
+# Several GPUs measuring in turns with each other: one call per GPU
 # (CUDA_VISIBLE_DEVICES), all with RR_DIR (a turn folder they share, kept) and RR_TOTAL (engines over all calls),
 # each with RR_FIRST (the index of its first engine); none measures until all are up (no compile beside a measurement).
 set -u

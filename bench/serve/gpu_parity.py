@@ -39,9 +39,6 @@ import tempfile
 import time
 from pathlib import Path
 
-if not __package__:  # run as a file (python bench/serve/x.py): the repository root makes bench.serve importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 55], [101, 202, 303, 404, 45, 46, 47]]
 
 
@@ -50,7 +47,7 @@ def build(root: Path) -> tuple[Path, dict]:
 
     from bdlora.models import build_random_llama
     from bdlora.spec import BDLoraSpec
-    from bench.serve.harness import make_peft_adapter
+    from bdlora.vllm_plugin.testing import make_peft_adapter
 
     model = build_random_llama(root / "tiny-llama", init_std=0.05)
     all7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -70,7 +67,7 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
     from vllm.lora.request import LoRARequest
 
     from bdlora.vllm_plugin import diagnostics as D
-    from bench.serve import harness as T
+    from bdlora.vllm_plugin import testing as T
 
     extra = {"bdlora": dict(bd_options) if bd_options else True}
     if fused is not None:

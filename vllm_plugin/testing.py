@@ -1,8 +1,9 @@
-"""Host-side harness of the serving tests and GPU scripts (not installed): engines and servers started the way a
-user would, HF + PEFT references on the same weights, parity reports.
+"""Testing helpers: check a BD adapter served by vLLM against HF transformers + PEFT on the same weights.
 
-Used by ``tests/test_vllm_plugin*.py``, ``bench/serve/gpu_parity.py`` and ``bench/serve/decode_probe.py``; the probes
-that run inside vLLM workers are :mod:`bdlora.vllm_plugin.diagnostics`.
+Engines (``start_llm``) and OpenAI servers (``start_server``) started the way a user starts them, HF + PEFT
+teacher-forced references (``hf_teacher_forced``) and token-by-token parity reports (``assert_parity``). The test
+suite, ``bench/serve/gpu_parity.py`` and anyone checking their own adapter use the same functions. Nothing here is
+imported by the serving path; the probes that run inside vLLM workers are :mod:`bdlora.vllm_plugin.diagnostics`.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def http_call(url: str, payload=None, timeout: float = 120) -> tuple[int, str]:
 
 
 def start_server(model_dir, args, log_path, env: dict | None = None, startup_s: float = 300):
-    """``bdlora serve MODEL args`` on 127.0.0.1 (a new session); returns (process, base URL) once /health answers."""
+    """``bdlora serve MODEL args`` on 127.0.0.1 (in its own process group); returns (process, base URL) once /health answers."""
     import os
     import subprocess
     import time
