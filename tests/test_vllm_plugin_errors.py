@@ -5,8 +5,9 @@ every case (a TP=2 start costs about a minute on CPU):
   worker is asked, with HTTP 400 (404 for a missing folder) and a message naming the adapter and the file at fault;
 * after each refusal the server keeps serving: a good request gives HF+PEFT's tokens, and a good load works;
 * a worker-side failure of ``add_lora`` (forced on rank 0, rank 1 or both through ``BDLORA_TEST_FAIL_ADD_LORA``,
-  read by :mod:`bdlora.vllm_plugin.rpc_fix`) leaves no stale reply: the next good load succeeds and serves correct
-  outputs (vLLM 0.32's ``collective_rpc`` alone makes it fail with the previous adapter's error);
+  read by ``tests/faults/sitecustomize.py`` in every server process) leaves no stale reply: the next good load
+  succeeds and serves correct outputs (vLLM 0.32's ``collective_rpc`` alone makes it fail with the previous
+  adapter's error);
 * a completion that names a loaded adapter whose files were damaged since is refused with 400, naming the file.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +34,9 @@ FAULTS = {"fault-r0": "0", "fault-r1": "1", "fault-all": None}
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server-tp2") / "server.log"
+    faults = Path(__file__).parent / "faults"  # sitecustomize: the injection in every server process
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(faults), os.environ.get("PYTHONPATH")])),
            "BDLORA_TEST_FAIL_ADD_LORA": ",".join(n if r is None else f"{n}@{r}" for n, r in FAULTS.items())}
     proc, base = T.start_server(tiny_llama_dir, [
         "--tensor-parallel-size", "2", "--dtype", "float32", "--max-lora-rank", "16", "--max-loras", "2",

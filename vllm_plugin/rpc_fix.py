@@ -14,17 +14,12 @@ reply is read. After all ranks replied, a failure on any rank removes the adapte
 (no half-loaded adapter) and raises one error naming the adapter, its path and the failed ranks; vLLM's
 ``LoRAAdapterNotFoundError`` is re-raised as such (``/v1/load_lora_adapter`` answers 404 for it). The engine core
 reports the error to the caller as before (a failed utility call), and keeps running.
-
-Tests only: ``BDLORA_TEST_FAIL_ADD_LORA="name[@rank],..."`` makes :func:`worker_add_lora` fail for adapters of that
-name (on that rank, or on all), to force a worker-side failure behind the front-end checks.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-FAULT_ENV = "BDLORA_TEST_FAIL_ADD_LORA"
 _FAILURE = "__bdlora_add_lora_failure__"
 
 
@@ -36,23 +31,10 @@ def _worker_rank(worker: Any) -> int:
     return 0
 
 
-def _injected_fault(lora_request: Any, rank: int) -> bool:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return False
-    for item in spec.split(","):
-        name, _, at = item.strip().partition("@")
-        if name == getattr(lora_request, "lora_name", None) and (not at or int(at) == rank):
-            return True
-    return False
-
-
 def worker_add_lora(worker: Any, lora_request: Any) -> Any:
     """Runs in each worker (sent through ``collective_rpc``): the worker's ``add_lora``, never raising."""
     rank = _worker_rank(worker)
     try:
-        if _injected_fault(lora_request, rank):
-            raise RuntimeError(f"fault injected by {FAULT_ENV} (tests only) on rank {rank}")
         return bool(worker.add_lora(lora_request))
     except Exception as e:  # noqa: BLE001 - reported to the engine core after every rank replied
         try:
