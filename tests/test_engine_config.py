@@ -241,6 +241,6 @@ def test_sweep_example_parses_in_the_new_vocabulary(monkeypatch):
     monkeypatch.chdir(root)  # its paths are relative to the working directory: the repository root
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # no deprecated name left in the example
-        run = load_run(root / "bdlora" / "configs" / "sweep_example.yaml")
+        run = load_run(root / "examples" / "sweep.yaml")
     assert len(run.jobs) == 1 + 16 + 4 and run.resume and run.early_exit.enabled
     assert {j.nblocks for j in run.jobs} == {3} and all(j.r % 3 == 0 for j in run.jobs)

@@ -163,6 +163,6 @@ def test_shipped_configs_parse():
     import yaml
 
     root = Path(__file__).resolve().parents[1]
-    for p in (root / "bdlora" / "configs" / "quickstart.yaml", root / "examples" / "job.yaml"):
+    for p in (root / "examples" / "quickstart.yaml", root / "examples" / "job.yaml"):
         raw = yaml.safe_load(p.read_text())
         TrainConfig.from_dict({**raw, "train_file": raw.get("train_file") or "x.jsonl"}, source=str(p))

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training precision (auto: bf16 on a GPU that supports it, else fp32)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--data-only", action="store_true",
-                   help="only write OUT/data/{train,eval}.jsonl (for bdlora/configs/quickstart.yaml) and exit")
+                   help="only write OUT/data/{train,eval}.jsonl (for examples/quickstart.yaml) and exit")
     return p
 
 
