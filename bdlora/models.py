@@ -200,18 +200,27 @@ def torch_dtype_of(precision: str, device_type: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
+def missing_attention_package(attn_implementation: Optional[str]) -> Optional[str]:
+    """The message for a flash-attention implementation whose package is not installed, or None."""
+    if not attn_implementation or not attn_implementation.startswith("flash_attention"):
+        return None
+    import importlib.util
+
+    pkg = "flash_attn_interface" if attn_implementation == "flash_attention_3" else "flash_attn"
+    if importlib.util.find_spec(pkg) is not None:
+        return None
+    return (f"attn_implementation {attn_implementation!r} needs the {pkg} package, which is not installed; use sdpa "
+            "or install flash-attn")
+
+
 def load_causal_lm(path: str | os.PathLike, dtype, attn_implementation: Optional[str] = None,
                    device: Optional[str] = None):
     """The frozen base model, loaded straight in ``dtype`` (no fp32 copy), ``use_cache`` off, on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    if attn_implementation and attn_implementation.startswith("flash_attention"):
-        import importlib.util
-
-        pkg = "flash_attn_interface" if attn_implementation == "flash_attention_3" else "flash_attn"
-        if importlib.util.find_spec(pkg) is None:
-            raise ModelNotFound(f"attn_implementation {attn_implementation!r} needs the {pkg} package, which is not "
-                                "installed; use sdpa or install flash-attn")
+    problem = missing_attention_package(attn_implementation)
+    if problem:
+        raise ModelNotFound(problem)
     kwargs = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

@@ -36,6 +36,8 @@ schedule with a 5% warm-up).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 import difflib
 import math
 import os
@@ -226,12 +228,11 @@ class TrainConfig:
         def bad(key, msg):
             raise ConfigError(f"{source}: {key}: {msg}")
 
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            kind = _KINDS.get(f.name)
-            if kind is None or (v is None and f.name in _OPTIONAL):
+        for name, (kind, optional) in _field_kinds().items():
+            v = getattr(self, name)
+            if v is None and optional:
                 continue
-            setattr(self, f.name, _coerce(v, kind, lambda m, k=f.name: bad(k, m)))
+            setattr(self, name, _coerce(v, kind, lambda m, k=name: bad(k, m)))
         if self.nblocks < 1:
             bad("nblocks", f"must be >= 1 (the serving tensor-parallel size), got {self.nblocks}")
         if self.r < 1:
@@ -396,24 +397,22 @@ class TrainConfig:
 
 # ---------------------------------------------------------------------------------------------------- value kinds
 _INT, _FLOAT, _BOOL, _STR, _STRLIST, _FLOATLIST = "int", "float", "bool", "str", "strlist", "floatlist"
-_KINDS = {
-    "nblocks": _INT, "r": _INT, "batch_size": _INT, "grad_accum": _INT, "max_length": _INT, "eval_every": _INT,
-    "save_every": _INT, "save_total_limit": _INT, "log_every": _INT, "seed": _INT, "max_steps": _INT,
-    "warmup_steps": _INT, "eval_batch_size": _INT,
-    "lora_alpha": _FLOAT, "lora_dropout": _FLOAT, "eval_fraction": _FLOAT, "lr": _FLOAT, "weight_decay": _FLOAT,
-    "adam_eps": _FLOAT, "max_grad_norm": _FLOAT, "warmup_ratio": _FLOAT, "epochs": _FLOAT,
-    "gradient_checkpointing": _BOOL, "packing": _BOOL, "progress": _BOOL, "record_samples": _BOOL,
-    "overwrite_output_dir": _BOOL, "push_to_hub": _BOOL, "hub_private_repo": _BOOL, "hub_model_id": _STR,
-    "load_in_4bit": _BOOL, "load_in_8bit": _BOOL, "bnb_4bit_use_double_quant": _BOOL, "kbit_upcast_fp32": _BOOL,
-    "bnb_4bit_quant_type": _STR, "bnb_4bit_compute_dtype": _STR,
-    "model": _STR, "a_init": _STR, "data_format": _STR, "scheduler": _STR, "precision": _STR, "output_dir": _STR,
-    "train_file": _STR, "eval_file": _STR, "attn_implementation": _STR,
-    "target_modules": _STRLIST, "column_modules": _STRLIST, "row_modules": _STRLIST, "report_to": _STRLIST,
-    "adam_betas": _FLOATLIST,
-}
-_OPTIONAL = {"model", "hub_model_id", "max_steps", "warmup_steps", "eval_batch_size", "train_file", "eval_file", "attn_implementation",
-             "target_modules", "column_modules", "row_modules", "report_to", "bnb_4bit_quant_type",
-             "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype"}
+_KIND_OF_TYPE = {int: _INT, float: _FLOAT, bool: _BOOL, str: _STR, list[str]: _STRLIST, list[float]: _FLOATLIST}
+
+
+@functools.lru_cache(maxsize=None)
+def _field_kinds() -> dict:
+    """{field: (value kind, may be None)} read from TrainConfig's annotations (``Optional[X]`` may be None); fields
+    whose type has no generic check (``training_args``) and ``resume`` (checked with its own message) are left out."""
+    kinds = {}
+    for name, hint in typing.get_type_hints(TrainConfig).items():
+        args = typing.get_args(hint)
+        optional = typing.get_origin(hint) is typing.Union and type(None) in args
+        base = next(a for a in args if a is not type(None)) if optional else hint
+        kind = _KIND_OF_TYPE.get(base)
+        if kind is not None and name != "resume":
+            kinds[name] = (kind, optional)
+    return kinds
 
 
 def _number(v: Any, fail) -> float:

@@ -134,7 +134,7 @@ def load_kbit_base_model(cfg: TrainConfig, model_dir: Path, device_type: str):
     from accelerate import PartialState
     from transformers import AutoModelForCausalLM
 
-    from bdlora.models import torch_dtype_of
+    from bdlora.models import missing_attention_package, torch_dtype_of
     from bdlora.quant import bnb_problem, disable_cpu_inference_packing
 
     key = "load_in_4bit" if cfg.load_in_4bit else "load_in_8bit"
@@ -142,13 +142,8 @@ def load_kbit_base_model(cfg: TrainConfig, model_dir: Path, device_type: str):
     if problem is not None:
         raise ConfigError(f"{key}: {problem}")
     attn = cfg.attn_implementation
-    if attn and attn.startswith("flash_attention"):
-        import importlib.util
-
-        pkg = "flash_attn_interface" if attn == "flash_attention_3" else "flash_attn"
-        if importlib.util.find_spec(pkg) is None:
-            raise ConfigError(f"attn_implementation: {attn!r} needs the {pkg} package, which is not installed; use "
-                              "sdpa or install flash-attn")
+    if missing_attention_package(attn):
+        raise ConfigError(f"attn_implementation: {missing_attention_package(attn)}")
     kwargs: dict[str, Any] = {"dtype": torch_dtype_of(cfg.precision, device_type),
                               "quantization_config": kbit_quantization_config(cfg, device_type)}
     if attn:
