@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import importlib.util
 from typing import Optional
 
@@ -156,15 +157,11 @@ def _make_variant_class():
     return BdLoraKbitVariant
 
 
-_VARIANT_CLASS = None
-
-
+@functools.lru_cache(maxsize=None)
 def kbit_variant_class():
-    """:class:`BdLoraKbitVariant` (built lazily: importing bdlora must not import PEFT)."""
-    global _VARIANT_CLASS
-    if _VARIANT_CLASS is None:
-        _VARIANT_CLASS = _make_variant_class()
-    return _VARIANT_CLASS
+    """:class:`BdLoraKbitVariant`, one class per process (built on first use: importing bdlora must not import
+    PEFT)."""
+    return _make_variant_class()
 
 
 def _requested_variants(config) -> list[str]:

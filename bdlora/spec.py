@@ -34,6 +34,17 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+#: vLLM's fused column-parallel modules (q/k/v and gate/up packed), as adapters of other tools may name them.
+FUSED_COLUMN_MODULES = ("qkv_proj", "gate_up_proj")
+
+
+def serving_layout(leaf: str) -> str:
+    """How vLLM shards a projection of this name under tensor parallelism: COLUMN for every preset's column-parallel
+    names and vLLM's fused ones, ROW otherwise."""
+    columns = {name for preset in PRESETS.values() for name in preset[COLUMN]} | set(FUSED_COLUMN_MODULES)
+    return COLUMN if leaf in columns else ROW
+
+
 class BDLoraError(ValueError):
     """Bad BD-LoRA configuration or adapter; the message says what is wrong and how to fix it."""
 
@@ -274,6 +285,6 @@ def servable_tp_degrees(model_config, nblocks: int | None = None, limit: int = 1
 
 
 __all__ = [
-    "BDLoraError", "BDLoraSpec", "PRESETS", "matched_lora_rank", "peft_scaling", "preset_for", "rslora_block_scale",
-    "servable_tp_degrees", "vllm_can_serve_tp",
+    "BDLoraError", "BDLoraSpec", "FUSED_COLUMN_MODULES", "PRESETS", "matched_lora_rank", "peft_scaling", "preset_for",
+    "rslora_block_scale", "servable_tp_degrees", "serving_layout", "vllm_can_serve_tp",
 ]

@@ -1,7 +1,7 @@
 """The serving kernels of ``--enable-bdlora`` (``decode_lora_folded``: one GEMM with [W; A], then the per-token or the
 tiled expand kernel; or the one-launch kernel doing all three) against a float64 oracle built from the separate factors, on fresh random ragged inputs (slots
 of different ranks, an empty slot, tokens without LoRA, in any order), on CPU through the Triton interpreter; and the
-per-GPU tuning table (``bdlora.kernels.tuning``). No timing here: speed is measured by
+per-GPU tuning table (``bdlora.vllm_plugin.fast_path.tuning``). No timing here: speed is measured by
 bench/kernels/bench_serving_kernels.py on a GPU.
 """
 import os
@@ -16,7 +16,10 @@ import torch  # noqa: E402
 
 import bdlora.kernels as K  # noqa: E402
 from bdlora.kernels.decode import GEMV_MAX_TOKENS, ExpandTiles, GemvTiles, GemvWorkspace  # noqa: E402
-from bdlora.kernels.tuning import TABLE, UNLIMITED, ServingTuning, serving_tuning  # noqa: E402
+from bdlora.vllm_plugin.fast_path.tuning import (CONFIG_DIR, UNLIMITED, ServingTuning, read_config,  # noqa: E402
+                                                 serving_tuning)
+
+GPU_FILES = ("NVIDIA H200", "NVIDIA H100 80GB HBM3")
 from folded_cases import folded_layer, folded_oracle  # noqa: E402
 
 
@@ -357,18 +360,18 @@ def test_folded_refuses_bad_kernel_and_too_many_slices():
 
 def test_tuning_table_lookup_and_overrides():
     t, src = serving_tuning("cuda", "NVIDIA H200")
-    assert src == "table:NVIDIA H200" and t.fold and t.fold_gemm_max == UNLIMITED
-    assert t == ServingTuning.from_dict(TABLE["NVIDIA H200"])
+    assert src == "NVIDIA_H200.json" and t.fold and t.fold_gemm_max == UNLIMITED
+    assert t == ServingTuning.from_dict(read_config(CONFIG_DIR / "NVIDIA_H200.json"))
     table = t.gemm_rows()  # gemm_tiles alone: no layer shape
     assert table.tiles_for(1) == ExpandTiles(*t.gemm_tiles[0][1:])
     assert table.tiles_for(10 ** 6) == ExpandTiles(*t.gemm_tiles[-1][1:])
     u, src = serving_tuning("cuda", "Some Future GPU")
-    assert src == "default:cuda" and u.fold and u.fold_gemm_max == 256  # conservative: vLLM's kernels above
+    assert src == "default_cuda.json" and u.fold and u.fold_gemm_max == 256  # conservative: vLLM's kernels above
     c, src = serving_tuning("cpu")
-    assert src == "default:cpu" and not c.fold and c.fold_gemm_max == 0 and c.two_launch_max == 0
+    assert src == "cpu.json" and not c.fold and c.fold_gemm_max == 0 and c.two_launch_max == 0
     o, src = serving_tuning("cpu", override={"fold": True, "fold_decode_max": 2, "fold_gemm_max": 16,
                                              "gemm_tiles": [[16, 16, 32, 1]]})
-    assert src == "default:cpu + override" and o.fold and o.fold_decode_max == 2
+    assert src == "cpu.json + override" and o.fold and o.fold_decode_max == 2
     assert o.gemm_rows().tiles_for(5).block_n == 32
     # the one-launch kernel: only on the shapes measured for it (Hopper), any shape with a 0, 0 row; PDL on Hopper
     assert t.fold_gemv_max == 16 and t.gemv_tiles_for(3584, 4096) == GemvTiles(*t.gemv_shapes[0][2:])
@@ -389,8 +392,6 @@ def test_tuning_table_lookup_and_overrides():
     with pytest.raises(ValueError, match="gemm_sorted must be true or false"):
         serving_tuning("cpu", override={"gemm_sorted": 1})
     assert h100.fold_gemm_max == t.fold_gemm_max and h100.gemm_tiles == t.gemm_tiles
-    # wide folds (many slots of a high rank): the tiled fold at every size on Hopper (measured), to 256 elsewhere
-    assert h100.wide_fold_max == t.wide_fold_max == UNLIMITED and u.wide_fold_max == 256 and c.wide_fold_max == 0
     # the tiles a layer compiles before serving: every row whose token range meets its forwards' range
     rows = [ExpandTiles(*r[1:]) for r in t.gemm_tiles]
     assert table.tiles_between(1, UNLIMITED) == tuple(rows) and table.tiles_between(9, 128) == (rows[0],)
@@ -440,7 +441,7 @@ def test_tuning_table_lookup_and_overrides():
     assert two.gemv_tiles_for(7, 64, None, 1, 16) == GemvTiles(16, 16, 2, 1, 1, True)
     assert two.gemv_tiles_for(7, 64, None, 2, 16) == GemvTiles(32, 16, 2, 1, 1)  # the next row of the shape
     # the side stream: off in every entry until measured in serving; a shape row (0, 0: any) and a token limit
-    assert all(serving_tuning("cuda", name)[0].side_max == 0 for name in TABLE)
+    assert all(serving_tuning("cuda", name)[0].side_max == 0 for name in GPU_FILES)
     side, _ = serving_tuning("cpu", override={"side_max": 8, "side_shapes": [[4096, 1536]]})
     assert side.side_for(4096, 1536) == (8, False) and side.side_for(1024, 4096) == (0, False)
     assert ServingTuning.from_dict({"side_shapes": [[0, 0]]}, side).side_for(7, 9) == (8, False)
@@ -458,9 +459,7 @@ def test_tuning_table_lookup_and_overrides():
                      ({"gemv_shape_max_rows": [[1792, 4096]]}, "gemv_shape_max_rows must be rows of 3 ints"),
                      ({"gemv_shape_max_rows": [[1792, 4096, -1]]}, "gemv_shape_max_rows must be rows of 3"),
                      ({"fold_gemm_max": 64, "gemm_tiles": [[16, 16, 64, 4]]}, "covers fold_gemm_max"),
-                     ({"wide_fold_max": -1}, "wide_fold_max must be a token count"),
-                     ({"fold_gemm_max": 16, "wide_fold_max": 64, "gemm_tiles": [[16, 16, 64, 4]]},
-                      "covers fold_gemm_max and wide_fold_max \\(64\\)"),
+                     ({"wide_fold_max": 64}, "unknown keys"),
                      ({"gemm_tiles": [[UNLIMITED, 24, 64, 4]]}, "power of two"),
                      ({"fold_gemv_max": GEMV_MAX_TOKENS + 1}, "at most"),
                      ({"gemv_shapes": [[0, 0, 16, 16, 2]]}, "rows of 7 ints"),
@@ -479,7 +478,7 @@ def test_gemm_rows_per_layer_shape_and_slot_rows():
     """A layer's tiled-kernel rows: its shape's ``gemm_shapes`` rows where its slots hold at least min_slot_rows
     rank rows per slice, then ``gemm_tiles``. The H200 groups tokens by slot (``gemm_sorted``): 16 x 64 tiles on 4
     warps to 128 tokens for every shape, and TP=4's gate_up and down with 4 slots of rank 64 (256 rows) 32 x 64 from
-    65 to 128 (measured 2026-11-28). The H100, on tokens as batched (its own sweep, 2026-11-28): 16 x 32 with one
+    65 to 128 (measured). The H100, on tokens as batched (its own sweep): 16 x 32 with one
     warp to 32 tokens (gate_up: 16), then 32 x 64 (o: 2 warps; gate_up 32 x 64 to 32 and 64 x 64 to 64). One slot,
     TP=8's shapes and 8 slots of rank 32 keep the table's rows."""
     small, big = ExpandTiles(16, 32, 1), ExpandTiles(32, 64, 4)
@@ -514,3 +513,37 @@ def test_gemm_rows_per_layer_shape_and_slot_rows():
                                            "gemm_shapes": [[0, 0, 32, 64, 32, 16, 1]]})
     assert o.gemm_rows(7, 9, 2, 16).tiles_for(5) == ExpandTiles(32, 16, 1)  # 0, 0: any shape, 32 rows
     assert o.gemm_rows(7, 9, 1, 16).tiles_for(5) == ExpandTiles(16, 32, 1)  # 16 rows: the table's
+
+
+def test_tuning_files_are_named_rows_that_read_back_as_written(tmp_path):
+    """Every tuning file names its rows' fields (no positional rows), says why for what it sets, and reads back to the
+    same ServingTuning after a round trip through the named form; a row with a field of another row kind, or
+    lacking one, is refused with the fields it takes; null is unlimited."""
+    import json
+
+    from bdlora.vllm_plugin.fast_path.tuning import ROW_FIELDS, config_file
+
+    files = sorted(CONFIG_DIR.glob("*.json"))
+    assert {f.name for f in files} >= {"NVIDIA_H200.json", "NVIDIA_H100_80GB_HBM3.json", "default_cuda.json",
+                                       "cpu.json"}
+    for f in files:
+        raw = json.loads(f.read_text())
+        assert isinstance(raw.pop("why"), dict) and raw, f
+        for key, rows in raw.items():
+            if key in ROW_FIELDS:
+                assert all(isinstance(r, dict) and set(r) <= set(ROW_FIELDS[key]) for r in rows), (f, key)
+        ServingTuning.from_dict(raw)
+    assert config_file("cuda", "NVIDIA H200").name == "NVIDIA_H200.json"
+    assert config_file("cuda", "Some Future GPU").name == "default_cuda.json" and config_file("cpu").name == "cpu.json"
+    t = ServingTuning.from_dict({"gemv_shapes": [{"d_in": 0, "d_out": 0, "block_n": 16, "block_k": 16, "split_k": 2,
+                                                  "warps": 1, "stages": 1, "local_shrink": True}],
+                                 "fold_gemm_max": None, "gemm_tiles": [{"max_tokens": None, "block_m": 16,
+                                                                         "block_n": 64, "warps": 4}]})
+    assert t.gemv_shapes == ((0, 0, 16, 16, 2, 1, 1, True),) and t.fold_gemm_max == UNLIMITED
+    assert t == ServingTuning.from_dict({"gemv_shapes": [[0, 0, 16, 16, 2, 1, 1, 1]], "fold_gemm_max": UNLIMITED,
+                                         "gemm_tiles": [[UNLIMITED, 16, 64, 4]]})
+    with pytest.raises(ValueError, match="gemm_tiles rows have the fields"):
+        ServingTuning.from_dict({"gemm_tiles": [{"max_tokens": 8, "block_m": 16, "block_n": 64, "warps": 4,
+                                                 "d_in": 1}]})
+    with pytest.raises(ValueError, match="lacks \\['warps'\\]"):
+        ServingTuning.from_dict({"gemm_tiles": [{"max_tokens": 8, "block_m": 16, "block_n": 64}]})

@@ -20,7 +20,7 @@ import os
 
 logger = logging.getLogger("bdlora.vllm_plugin")
 
-_REGISTERED = False
+_REGISTERED = False  # vLLM calls the plugin in every process, sometimes more than once: install the hooks once
 
 
 def register() -> None:

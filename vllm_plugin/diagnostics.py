@@ -10,9 +10,9 @@ what does one adapter cost per rank, do the fused kernels agree with vLLM's -- a
   (``_mcp_apply``, ``apply``) is a LoRA collective. Run the engine with ``enforce_eager=True`` so calls are not
   traced away by torch.compile.
 * :func:`lora_memory` reports the bytes one adapter occupies on a rank.
-* :func:`read_fused_decode_counters` / :func:`reset_fused_decode_counters`: calls of the fused decode op
-  (``bdlora_fused_decode``) by path; :func:`fused_decode_self_check` compares, on every BD layer of a worker, the
-  fused op with vLLM's punica path for one token -> adapter mapping.
+* :func:`read_path_counts` / :func:`reset_path_counts`: calls of the fast path's custom ops by the path that ran
+  (:mod:`bdlora.vllm_plugin.fast_path.ladder`); :func:`fused_decode_self_check` compares, on every BD layer of a
+  worker, the fast path's ops with vLLM's punica path for one token -> adapter mapping.
 * :func:`read_logits_lora`: whether the logits ran the lm_head LoRA term (only while an adapter has lm_head factors).
 """
 
@@ -21,6 +21,8 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
+#: Collective calls by (base | lora, op): the wrapped collectives are module-level functions of vLLM, so what they
+#: count is per process (one engine's worker per process).
 COUNTS: Counter = Counter()
 
 _TARGETS = (  # vllm_api touch points
@@ -62,20 +64,31 @@ def read_collective_counters(worker=None) -> dict:
     return {f"{kind}:{op}": n for (kind, op), n in COUNTS.items()}
 
 
-def reset_fused_decode_counters(worker=None) -> bool:
-    from .layers import FUSED_COUNTS
+def _builds(worker) -> list:
+    """The fast-path builds (:class:`bdlora.vllm_plugin.fast_path.state.LayerBuild`) of a worker's BD layers."""
+    builds = []
+    for layer in _adapter_manager(worker).modules.values():
+        build = getattr(layer, "_bd_build", None)
+        if build is not None and all(b is not build for b in builds):
+            builds.append(build)
+    return builds
 
-    FUSED_COUNTS.clear()
+
+def reset_path_counts(worker) -> bool:
+    for build in _builds(worker):
+        build.path_counts.clear()
     return True
 
 
-def read_fused_decode_counters(worker=None) -> dict:
-    """{"fused:triton" | "fused:torch": calls that ran bdlora's decode kernel, "folded:triton" | "folded:torch": the
-    same in fold mode, "stock": calls above max_tokens that ran vLLM's punica path}, counted in this process since the
-    last reset."""
-    from .layers import FUSED_COUNTS
-
-    return dict(FUSED_COUNTS)
+def read_path_counts(worker) -> dict:
+    """Calls of the fast path's custom ops on this worker since the last reset, by path: ``fused:<backend>``
+    (two-launch kernel), ``folded:`` / ``fold_gemm:`` / ``fold_gemm_sorted:`` / ``fold_gemv:`` /
+    ``fold_gemv_one_token:`` (the folded kernels), ``side:`` / ``side_deferred:`` (the side stream) and ``stock``
+    (vLLM's punica path above the cut-offs); see :mod:`bdlora.vllm_plugin.fast_path.ladder`."""
+    counts: Counter = Counter()
+    for build in _builds(worker):
+        counts.update(build.path_counts)
+    return dict(counts)
 
 
 def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) -> dict:
@@ -96,8 +109,9 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     import torch
     from vllm.lora.layers import LoRAMapping
 
-    from .layers import FUSED_COUNTS
+    from . import vllm_api as api
 
+    set_forward_context = api.resolve("forward_context.set_forward_context")
     mgr = _adapter_manager(worker)
     slots = list(mgr.lora_index_to_id)
     if lora_ids is None:
@@ -106,7 +120,6 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
     want = [slots.index(i) if i else -1 for i in lora_ids]
     mgr.set_adapter_mapping(LoRAMapping(tuple(lora_ids), tuple(lora_ids), is_prefill=False))
     n = len(lora_ids)
-    gen = torch.Generator().manual_seed(seed)
     out = {"layers": 0, "max_abs_diff": 0.0, "max_abs_lora": 0.0, "padding_untouched": True, "slots_ok": True,
            "slot_map": want, "fold_layers": 0, "fold_max_abs_diff": 0.0, "fold_max_abs_out": 0.0,
            "fold_shares_weight": True, "kept_plans": 0, "gemv_layers": 0, "gemv_local_shrink_layers": 0,
@@ -114,9 +127,19 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
            "side_deferred_layers": 0, "sorted_plans": 0}
 
     def calls(kind):
-        return sum(v for k, v in FUSED_COUNTS.items() if k.startswith(kind + ":"))
+        return sum(v for k, v in read_path_counts(worker).items() if k.startswith(kind + ":"))
 
     before = {kind: calls(kind) for kind in ("fused", "folded")}
+    with set_forward_context(None, worker.vllm_config):  # the custom ops find their layers in the forward context
+        _self_check_layers(mgr, lora_ids, want, n, pad, torch.Generator().manual_seed(seed), out)
+    out["fused_calls"] = calls("fused") - before["fused"]
+    out["folded_calls"] = calls("folded") - before["folded"]
+    return out
+
+
+def _self_check_layers(mgr, lora_ids, want, n, pad, gen, out) -> None:
+    import torch
+
     for layer in mgr.modules.values():
         st = getattr(layer, "_bd_fused", None)
         if st is None or getattr(layer, "bd_fused_name", None) is None:
@@ -125,7 +148,7 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
         d_in, d_out = a0.shape[-1], sum(layer.output_slices)
         buf = st.slots.buf
         out["slots_ok"] &= buf[:n].tolist() == want and bool((buf[n:] == -1).all())
-        extra = max(0, min(pad, st.max_tokens - n))
+        extra = max(0, min(pad, st.two_launch_max - n))
         x = torch.randn(n + extra, d_in, generator=gen).to(a0.dtype).to(a0.device)
         y_stock = torch.zeros(n, d_out, dtype=a0.dtype, device=a0.device)
         layer.punica_wrapper.add_lora_linear(y_stock, x[:n], layer.lora_a_stacked, layer.lora_b_stacked, 1.0,
@@ -159,9 +182,6 @@ def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) 
                 out["gemv_one_token_layers"] += 1
                 out["fold_max_abs_diff"] = max(out["fold_max_abs_diff"],
                                                float((y_one - (base[:1] + y_stock[:1])).abs().max()))
-    out["fused_calls"] = calls("fused") - before["fused"]
-    out["folded_calls"] = calls("folded") - before["folded"]
-    return out
 
 
 def logits_lora_layers(worker) -> list:

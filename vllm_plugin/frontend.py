@@ -1,21 +1,25 @@
-"""Front-end patches: the ``--enable-bdlora``, ``--bdlora-fused-decode`` and ``--bdlora-fold-shrink`` flags,
-engine-config checks, and adapter checks where requests and ``/v1/load_lora_adapter`` calls arrive (so a bad adapter
-never reaches, and never kills, the engine)."""
+"""Front-end patches: the ``--enable-bdlora`` flag, engine-config checks, and adapter checks where requests and
+``/v1/load_lora_adapter`` calls arrive (so a bad adapter never reaches, and never kills, the engine)."""
 
 from __future__ import annotations
 
+import argparse
 import contextvars
 import functools
+import logging
 from typing import Any, Optional
 
 from bdlora.spec import BDLoraError
 
 from . import vllm_api as api
-from .validate import AdapterNotFound, CONFIG_KEY, FUSED_DECODE_KEY, validate_adapter, validate_engine_config
+from .validate import AdapterNotFound, CONFIG_KEY, validate_adapter, validate_engine_config
+
+logger = logging.getLogger("bdlora.vllm_plugin")
 
 FLAG = "--enable-bdlora"
-FUSED_FLAG = "--bdlora-fused-decode"
-FOLD_FLAG = "--bdlora-fold-shrink"
+#: Former opt-in kernel experiments, now what --enable-bdlora does: accepted (hidden, with a warning) so that old
+#: command lines still start.
+LEGACY_FLAGS = ("--bdlora-fused-decode", "--bdlora-fold-shrink")
 
 
 def _add_cli_args(orig_add):
@@ -29,26 +33,11 @@ def _add_cli_args(orig_add):
                 FLAG, action="store_true", default=False,
                 help="Serve BD-LoRA adapters (PEFT use_bdlora): each tensor-parallel rank loads only its own "
                      "blocks and runs them with no LoRA collective. Per forward and module it runs the fastest "
-                     "measured path for the token count (bdlora.kernels.tuning, per GPU: the LoRA shrink folded "
+                     "measured path for the token count (per GPU: the LoRA shrink folded "
                      "into the base GEMM and one expand launch; vLLM's kernels on CPU). Implies --enable-lora; "
                      "same as --additional-config '{\"bdlora\": true}'.")
-            group.add_argument(
-                FUSED_FLAG, action="store_true", default=False,
-                help="Experiment (instead of the automatic choice): in BD mode, compute the LoRA term of small "
-                     "batches (<= 8 tokens: decode) with bdlora's "
-                     "decode kernels (one shrink and one expand launch per module for all its slices) instead "
-                     "of vLLM's punica shrink + expand per slice: ~0.6-0.9 ms less per output token at batch 1 "
-                     "on Llama-8B TP=4 (BENCHMARKS.md). "
-                     "Implies --enable-bdlora; same as --additional-config "
-                     "'{\"bdlora_fused_decode\": true}'.")
-            group.add_argument(
-                FOLD_FLAG, action="store_true", default=False,
-                help="Experiment: with the fused decode, store each BD layer's LoRA A buffers under its base weight, "
-                     "so "
-                     "that one GEMM computes the base output and the LoRA shrink and a single launch adds the "
-                     "expand (unquantized base weights; best with few --max-loras). Implies "
-                     f"{FUSED_FLAG}; same as --additional-config "
-                     "'{\"bdlora_fused_decode\": {\"fold_shrink\": true}}'.")
+            for legacy in LEGACY_FLAGS:
+                group.add_argument(legacy, action="store_true", default=False, help=argparse.SUPPRESS)
         return parser
 
     return add_cli_args
@@ -57,18 +46,14 @@ def _add_cli_args(orig_add):
 def _from_cli_args(orig_from):
     def from_cli_args(cls, args):
         engine_args = orig_from(cls, args)
-        fold = getattr(args, "bdlora_fold_shrink", False)
-        fused = getattr(args, "bdlora_fused_decode", False) or fold
-        if getattr(args, "enable_bdlora", False) or fused:
+        legacy = getattr(args, "bdlora_fused_decode", False) or getattr(args, "bdlora_fold_shrink", False)
+        if getattr(args, "enable_bdlora", False) or legacy:
             extra = dict(engine_args.additional_config or {})
             if not extra.get(CONFIG_KEY):
                 extra[CONFIG_KEY] = True
-            if fused and not extra.get(FUSED_DECODE_KEY):
-                extra[FUSED_DECODE_KEY] = True
-            if fold:
-                value = extra[FUSED_DECODE_KEY]
-                value = {"max_tokens": value} if isinstance(value, int) and value is not True else value
-                extra[FUSED_DECODE_KEY] = {**(value if isinstance(value, dict) else {}), "fold_shrink": True}
+            if legacy:
+                logger.warning("%s: --enable-bdlora picks bdlora's kernels per token count by default; the flag "
+                               "has no effect and will be removed", " / ".join(LEGACY_FLAGS))
             engine_args.additional_config = extra
             engine_args.enable_lora = True
         return engine_args

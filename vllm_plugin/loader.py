@@ -1,7 +1,7 @@
 """Worker side of BD mode: build the LoRA layers with the BD classes, and load each adapter zero-free per rank.
 
 ``WorkerLoRAManager.create_lora_manager`` is wrapped: in BD mode this build's BD layer classes
-(:func:`bdlora.vllm_plugin.layers.layer_classes`, carrying the per-device buffer rank and the fused-decode options) go
+(:func:`bdlora.vllm_plugin.layers.layer_classes`, carrying the per-device buffer rank and the fast path's build) go
 in front of ``vllm.lora.utils._all_lora_classes`` while the manager wraps the model (restored right after; the logits
 processor is wrapped by :class:`~bdlora.vllm_plugin.layers.BDLogitsProcessorWithLoRA`, which skips the lm_head term
 while no slot has lm_head factors), and the worker's ``LoRAModel`` class is swapped for :class:`BDLoRAModel`, whose
@@ -10,8 +10,8 @@ while no slot has lm_head factors), and the worker's ``LoRAModel`` class is swap
 ``--max-lora-rank``). Dense adapters are served as ``nblocks=1``, which is exactly vLLM's standard sharding.
 ``_load_adapter`` is wrapped to refuse BD folders when BD mode is off (vLLM 0.26's ``PEFTHelper`` drops ``use_bdlora``
 silently) and, in BD mode, to lift vLLM 0.32's "does not support block-diagonal LoRA" check for the adapter being
-loaded. With ``bdlora_fused_decode`` the BD layers are also built with the buffers and hooks of the fused decode path
-(:mod:`bdlora.vllm_plugin.layers`).
+loaded. The BD layers are built with the buffers and hooks of the fast path (:mod:`bdlora.vllm_plugin.fast_path`)
+unless ``{"bdlora": {"kernels": false}}``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from bdlora.spec import BDLoraError
 
 from . import layers as bd_layers
 from . import vllm_api as api
-from .validate import (bd_options, device_rank, fused_decode_options, local_rank_of, refuse_bd_without_mode,
-                       tp_size_of)
+from .fast_path.state import LayerBuild
+from .validate import bd_options, device_rank, local_rank_of, refuse_bd_without_mode, tp_size_of
 
 from bdlora.adapter import PEFT_A_SUFFIX as _A, PEFT_B_SUFFIX as _B
 
@@ -48,6 +48,8 @@ class BDRuntime:
     layer_map: dict = field(default_factory=dict)  # vLLM sub-module name -> (layer, layout or None, slice index)
 
 
+#: The adapter being loaded in this thread (set by the wrapped ``_load_adapter``, read by ``BDLoRAModel``): vLLM
+#: calls ``from_local_checkpoint`` without a way to pass the per-rank runtime, so it travels thread-locally.
 _ctx = threading.local()
 
 
@@ -246,8 +248,10 @@ def _wrap_create(orig_create):
             raise BDLoraError(f"tensor-parallel group has {tp} ranks but the config says {tp_size_of(cfg)}")
         runtime = BDRuntime(tp_size=tp, tp_rank=tp_rank, min_nblocks=opts.min_nblocks,
                             device_rank=device_rank(lora_config.max_lora_rank, tp, opts.min_nblocks, opts.max_rank))
-        # This build's layer classes carry its state (buffer rank, fused decode): nothing global to set and reset.
-        build = bd_layers.LayerBuild(rank=runtime.device_rank, fused=fused_decode_options(cfg))
+        # This build's layer classes carry its state (buffer rank, fast path): nothing global to set and reset. Its
+        # layers enter the engine's own registry, which vLLM's forward context hands to the custom ops.
+        build = LayerBuild(rank=runtime.device_rank, options=opts.kernels,
+                           registry=cfg.compilation_config.static_forward_context)
         bd_classes = bd_layers.layer_classes(build)
         with api.swapped("lora.utils._all_lora_classes",
                          lambda saved: bd_classes + tuple(c for c in saved if not getattr(c, "bdlora", False))), \

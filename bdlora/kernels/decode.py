@@ -1077,7 +1077,7 @@ def _expand_warps(n_loras: int, rank: int, block_n: int, warps: int) -> int:
 
 #: ``decode_lora_folded`` kernels: "decode" (one program per token x slice x column tile; decode steps), "gemm"
 #: (token tiles through tl.dot; any token count) and "gemv" (base GEMM, shrink and expand in one launch; up to
-#: ``GEMV_MAX_TOKENS``). Which one serves which token count is data (bdlora.kernels.tuning).
+#: ``GEMV_MAX_TOKENS``). Which one serves which token count is data (bdlora.vllm_plugin.fast_path.tuning).
 FOLDED_KERNELS = ("decode", "gemm", "gemv")
 MAX_FOLDED_SLICES = 4
 

@@ -128,6 +128,7 @@ def _hooks() -> bool:
     return any(h is not None and getattr(h, "calls", True) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
+#: The kept launches of this process: they are bound to Triton's compiled kernels, which are process-wide too.
 LAUNCHES = LaunchCache(enabled=os.environ.get("BDLORA_DIRECT_LAUNCH", "1") != "0")
 
 

@@ -1,5 +1,5 @@
 """Per-module serving cost of every BD-LoRA serving path at each token count, on one GPU, in CUDA graphs: the data
-behind ``bdlora/kernels/tuning.py`` (cut-offs and tiles per GPU).
+behind ``vllm_plugin/fast_path/configs/` (one JSON file per GPU)` (cut-offs and tiles per GPU).
 
 For the per-GPU module shapes of a Llama-3.1-8B shard at TP=4 and TP=8 (qkv, o, gate_up, down; bf16; one LoRA slot
 of the per-GPU buffer rank, every token on the adapter) and T tokens, times one call of each path on

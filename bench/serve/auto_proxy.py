@@ -11,7 +11,7 @@ Engines (each in its own process, ``--only``):
   lora   vLLM's default LoRA, dense r64 on all 7 projections (its per-GPU rank at TP=4 and TP=8: A or B is replicated)
   bd     the bdlora plugin with ``additional_config {"bdlora": true}`` only (= ``--enable-bdlora``), a BD adapter of
          r152 / N blocks served as one GPU's share: N=1 at rank 152/TP (38 at TP=4, 19 at TP=8), buffer rank 256/TP
-  bd_<mode>  the same with the opt-in modes (fold | fused | stock) for comparison
+  bd_stock  the same with ``{"bdlora": {"kernels": false}}``: vLLM's punica kernels at the BD rank
 --adapters N: the LoRA engines get --max-loras N and N distinct adapters of that rank; request i of a batch uses
 adapter i mod N (one slot by default, as before).
 
@@ -21,8 +21,8 @@ step ms = the median wall time of one engine step in steady decode (``step_ms``:
 over --step-tokens steps per request, 128; 1024 for IT/OT 128/1024; the prefill's steps left out; also its 10th and
 90th percentiles, and every kept step's time), the client's TPOT without the prefill's jitter;
 ttft ms = one generate of max_tokens=1 (prefill only) for B prompts of --ttft-len tokens (min of 3), chunked prefill
-at 8192 tokens per step for every engine. For bd the plugin's path counters (``layers.FUSED_COUNTS``, counted at
-CUDA-graph capture and in eager runs) are recorded.
+at 8192 tokens per step for every engine. For bd the plugin's path counters (``diagnostics.read_path_counts``,
+counted at CUDA-graph capture and in eager runs) are recorded.
 
     PYTHONPATH=/tmp/site python3 bench/serve/auto_proxy.py --shape tp4 --only base --out base.json
 """
@@ -191,13 +191,13 @@ def ttft_ms(llm, lora, n_req, length, vocab=V):
     return round(1000 * best, 2)
 
 
-ENGINES = ("base", "lora", "bd", "bd_fold", "bd_fused", "bd_stock")
+ENGINES = ("base", "lora", "bd", "bd_stock")
 
 
 def engine_setup(only: str, sh, root: Path, adapters: int = 1, tuning=None, mem: float = 0.45,
                  bd_options=None) -> tuple:
     """(vLLM ``LLM`` keyword arguments, the LoRA requests or None) of engine ``only`` (``ENGINES``: see the module
-    docstring) at shape ``sh``, its adapters written under ``root``; ``tuning``: a dict of bdlora.kernels.tuning keys
+    docstring) at shape ``sh``, its adapters written under ``root``; ``tuning``: a dict of bdlora.vllm_plugin.fast_path.tuning keys
     replacing the device's entry (bd only); ``bd_options``: ``additional_config["bdlora"]`` settings (e.g.
     ``{"max_rank": 38}``: buffers of rank 40 for the rank-38 adapters). ValueError for an unknown engine or a tuning
     or options outside bd."""
@@ -218,16 +218,12 @@ def engine_setup(only: str, sh, root: Path, adapters: int = 1, tuning=None, mem:
         kw.update(enable_lora=True, max_lora_rank=64, max_loras=adapters)
         return kw, [LoRARequest(f"r64_{i}", 1 + i, str(write_adapter(root, f"lora64_{i}", 64, False, sh, seed=i)))
                     for i in range(adapters)]
-    mode = only[3:] or "auto"
-    extra = {"bdlora": dict(bd_options) if bd_options else True}
-    if mode == "fold":
-        extra["bdlora_fused_decode"] = {"fold_shrink": True}
-    elif mode == "fused":
-        extra["bdlora_fused_decode"] = True
-    elif mode == "stock":
-        extra["bdlora_fused_decode"] = False
+    bd = dict(bd_options or {})
+    if only == "bd_stock":
+        bd["kernels"] = False
     elif tuning is not None:
-        extra["bdlora_fused_decode"] = {"mode": "auto", "tuning": tuning}
+        bd["kernels"] = {"tuning": tuning}
+    extra = {"bdlora": bd or True}
     kw.update(enable_lora=True, max_lora_rank=sh["bd_max"], max_loras=adapters, additional_config=extra)
     r = sh["bd_rank"]
     return kw, [LoRARequest(f"bd{r}_{i}", 1 + i, str(write_adapter(root, f"bd{r}_{i}", r, True, sh, seed=i)))
@@ -267,7 +263,7 @@ def main():
     ap.add_argument("--count", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mem", type=float, default=0.45, help="gpu_memory_utilization (0.28 for three engines)")
-    ap.add_argument("--tuning", default=None, help="bd engines: a JSON dict of bdlora.kernels.tuning keys replacing "
+    ap.add_argument("--tuning", default=None, help="bd engines: a JSON dict of bdlora.vllm_plugin.fast_path.tuning keys replacing "
                     "the device's table entry's (e.g. '{\"fold_gemv_max\": 0}'), recorded as tuning_override")
     ap.add_argument("--bd-options", default=None, type=json.loads,
                     help="bd engines: a JSON dict of additional_config['bdlora'] settings "
@@ -351,9 +347,9 @@ def main():
             nxt = (rnd, a.index + 1) if a.index + 1 < a.count else (rnd + 1, 0)
             (Path(a.rr) / "turn").write_text(f"{nxt[0]}:{nxt[1]}")
     if a.only.startswith("bd"):
-        from bdlora.vllm_plugin.layers import FUSED_COUNTS
+        from bdlora.vllm_plugin.diagnostics import read_path_counts
 
-        res["path_counts"] = dict(FUSED_COUNTS)
+        res["path_counts"] = llm.collective_rpc(read_path_counts)[0]
     Path(a.out).write_text(json.dumps(res, indent=1))
     del llm
     gc.collect()

@@ -16,14 +16,13 @@ summary and writes JSON; exit status 0 iff every check passed. A first batch of 
 logits' lm_head LoRA term: skipped while no slot has lm_head factors, run on its first call and again once the lm_head
 adapter is in a slot (``logits_lora``, ``logits_ok``).
 
-``--fused-decode`` serves with the fused decode path (``additional_config {"bdlora_fused_decode":
-...}``, optionally ``--fused-backend torch`` and ``--fused-max-tokens``) and adds two checks per TP rank: the fused op
-ran (counters; in graph mode only the capture and eager-size runs are counted) and a per-layer self-check
-(``diagnostics.fused_decode_self_check``: fused op vs vLLM's punica path on random inputs with CUDA-graph-style padding
-rows, and the int32 token -> slot map). ``--fold-shrink`` adds ``fold_shrink`` (the shrink inside the base GEMM)
-and checks that every fused layer folded, shares its weight with the base layer, and that the fold op equals the
-base GEMM plus punica's result. ``--auto`` serves with ``--enable-bdlora``'s own choice (the GPU's tuning table;
-``--auto-tuning JSON`` replaces table keys, e.g. small cut-offs so that every path runs) with the same checks.
+The engine runs bdlora's kernels per token count (``--enable-bdlora``'s default: the GPU's tuning file; ``--tuning
+JSON`` replaces its keys, e.g. small cut-offs so that the tiny model's batches take every path; ``--backend torch``
+the kernels' torch fallback); each TP rank then also checks that they ran (path counters; in graph mode only the
+capture and eager-size runs are counted) and a per-layer self-check (``diagnostics.fused_decode_self_check``: the
+ops against vLLM's punica path on random inputs with CUDA-graph-style padding rows, the int32 token -> slot map, and
+for folded layers the shared weight and the fold op against the base GEMM plus punica's result). ``--stock`` serves
+with ``{"bdlora": {"kernels": false}}`` (vLLM's kernels at the BD rank) instead.
 Use ``--tag`` to keep separate JSON files.
 
 Needs the plugin's entry point to be visible (``pip install --no-deps -e .`` in the checkout).
@@ -62,16 +61,14 @@ def build(root: Path) -> tuple[Path, dict]:
     return model, adapters
 
 
-def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int, fused=None,
+def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int, kernels=None,
              tie_tol: float = 0.0, max_lora_rank: int = 16, bd_options=None) -> dict:
     from vllm.lora.request import LoRARequest
 
     from bdlora.vllm_plugin import diagnostics as D
     from bdlora.vllm_plugin import testing as T
 
-    extra = {"bdlora": dict(bd_options) if bd_options else True}
-    if fused is not None:
-        extra["bdlora_fused_decode"] = fused
+    extra = {"bdlora": {**(bd_options or {}), "kernels": kernels if kernels is not None else False}}
     t0 = time.time()
     llm = T.start_llm(model, tensor_parallel_size=tp, enable_lora=True, max_lora_rank=max_lora_rank,
                       max_loras=len(adapters) + 1, additional_config=extra, enforce_eager=eager,
@@ -90,8 +87,8 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
         logits_bd = llm.collective_rpc(D.read_logits_lora)[0]
         if eager:
             llm.collective_rpc(D.reset_collective_counters)
-        if fused is not None:
-            llm.collective_rpc(D.reset_fused_decode_counters)
+        if kernels is not None:
+            llm.collective_rpc(D.reset_path_counts)
         outs = T.generate_mixed(llm, jobs, max_tokens=max_tokens)
         rows = T.parity_report(model, jobs, outs, [adapters[lr.lora_name] if lr else None for _, lr in jobs])
         logits_all = llm.collective_rpc(D.read_logits_lora)[0]
@@ -112,21 +109,19 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
             result["lora_collectives"] = sum(v for c in counts for k, v in c.items() if k.startswith("lora:"))
             result["memory_bd2_r16"] = [{k: v for k, v in m.items() if k != "shapes"}
                                         for m in llm.collective_rpc(D.lora_memory, args=(ids["bd2_r16"],))]
-        if fused is not None:
-            result["fused_counters"] = llm.collective_rpc(D.read_fused_decode_counters)
-            checks = llm.collective_rpc(D.fused_decode_self_check)
+        counters = llm.collective_rpc(D.read_path_counts) if kernels is not None else []  # before the self-check's
+        checks = llm.collective_rpc(D.fused_decode_self_check) if kernels is not None else []
+        if any(c["layers"] for c in checks):  # the device's tuning (or --tuning) sends some size to bdlora's kernels
+            result["fused_counters"] = counters
             result["fused_self_check"] = checks
             tol = 1e-4 if dtype == "float32" else 3e-2  # relative to the largest LoRA term
-            auto = fused.get("mode") == "auto"
-            ran = ("folded", "fold_gemm", "fold_gemv", "fused") if auto else ("folded",) if fused.get("fold_shrink") else ("fused",)
+            ran = ("folded", "fold_gemm", "fold_gemv", "fused")
             result["fused_ok"] = (
                 (not eager or all(any(k.startswith(ran) for k in c) for c in result["fused_counters"]))
                 and all(c["layers"] > 0 and c["slots_ok"] and c["padding_untouched"]
                         and c["max_abs_diff"] <= tol * max(1.0, c["max_abs_lora"]) for c in checks)
-                and all(not fused.get("fold_shrink") and not auto
-                        or ((c["fold_layers"] == c["layers"] or auto and c["fold_layers"] > 0)
-                            and c["fold_shares_weight"]
-                            and c["fold_max_abs_diff"] <= tol * max(1.0, c["fold_max_abs_out"])) for c in checks))
+                and all(c["fold_layers"] == 0 or (c["fold_shares_weight"]
+                        and c["fold_max_abs_diff"] <= tol * max(1.0, c["fold_max_abs_out"])) for c in checks))
             # after the self-check's crafted mapping the engine must still serve correctly
             again = T.parity_report(model, jobs[:3], T.generate_mixed(llm, jobs[:3], max_tokens=max_tokens),
                                     [adapters[lr.lora_name] if lr else None for _, lr in jobs[:3]])
@@ -154,18 +149,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--tol", type=float, help="max |logprob diff| to pass (default 1e-4 in float32, else 1e-2)")
     p.add_argument("--workdir", default=None)
-    p.add_argument("--fused-decode", action="store_true",
-                   help="serve with additional_config bdlora_fused_decode (bdlora's decode kernels)")
-    p.add_argument("--fused-backend", default="auto", choices=("auto", "triton", "torch"))
-    p.add_argument("--fused-max-tokens", type=int, default=64)
-    p.add_argument("--fold-shrink", action="store_true",
-                   help="with --fused-decode: fold_shrink (the LoRA shrink inside the base layer's GEMM)")
-    p.add_argument("--auto", action="store_true",
-                   help="--enable-bdlora's auto kernels (the device's tuning table; layers whose LoRA rows exceed "
-                        "fold_max_extra keep the two-launch path), checked like --fused-decode")
-    p.add_argument("--auto-tuning", default=None,
-                   help="with --auto: JSON of bdlora.kernels.tuning.ServingTuning keys replacing the table's, e.g. "
-                        "small cut-offs so that the tiny model's batches take every path")
+    p.add_argument("--stock", action="store_true",
+                   help="serve with {'bdlora': {'kernels': false}}: vLLM's punica kernels at the BD rank")
+    p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"), help="bdlora's kernels' backend")
+    p.add_argument("--tuning", default=None,
+                   help="JSON of ServingTuning keys replacing the device's tuning file's, e.g. small cut-offs so that "
+                        "the tiny model's batches take every path")
     p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--bd-options", default=None, type=json.loads,
                    help="JSON of additional_config['bdlora'] settings, e.g. '{\"max_rank\": 40}' with --max-lora-rank "
@@ -178,16 +167,9 @@ def main(argv=None) -> int:
         args.dtype = "float16" if on_gpu else "float32"
     if args.tol is None:
         args.tol = 1e-4 if args.dtype == "float32" else 1e-2
-    if args.fold_shrink and not args.fused_decode:
-        p.error("--fold-shrink needs --fused-decode")
-    fused = ({"max_tokens": args.fused_max_tokens, "backend": args.fused_backend, "fold_shrink": args.fold_shrink}
-             if args.fused_decode else None)
-    if args.auto:
-        if args.fused_decode:
-            p.error("--auto and --fused-decode exclude each other")
-        fused = {"mode": "auto", "backend": args.fused_backend}
-        if args.auto_tuning:
-            fused["tuning"] = json.loads(args.auto_tuning)
+    if args.stock and args.tuning:
+        p.error("--stock and --tuning exclude each other")
+    kernels = None if args.stock else {"backend": args.backend, "tuning": json.loads(args.tuning or "{}")}
     # Probes are sent to the workers as callables; counters are installed by register() in every worker.
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("BDLORA_COUNT_COLLECTIVES", "1")
@@ -202,11 +184,11 @@ def main(argv=None) -> int:
     model, adapters = build(root)
     report = {"vllm": vllm.__version__, "tp": args.tp, "dtype": args.dtype, "workdir": str(root), "modes": [],
               "max_lora_rank": args.max_lora_rank, "bd_options": args.bd_options,
-              "fused_decode": fused}
+              "kernels": kernels}
     ok = True
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         try:
-            res = run_mode(model, adapters, args.tp, mode == "eager", args.dtype, args.max_tokens, fused, args.tol,
+            res = run_mode(model, adapters, args.tp, mode == "eager", args.dtype, args.max_tokens, kernels, args.tol,
                            args.max_lora_rank, args.bd_options)
         except Exception as e:  # keep the other mode's result; the report says what broke
             res = {"eager": mode == "eager", "error": f"{type(e).__name__}: {e}"[:2000], "pass": False}
@@ -218,7 +200,7 @@ def main(argv=None) -> int:
                   f"max_logprob_diff={res['max_logprob_diff']:.3e} "
                   f"lora_collectives={res.get('lora_collectives', 'n/a')} startup={res['startup_s']}s "
                   f"classes={res['layer_classes']}"
-                  + (f" fused_ok={res['fused_ok']} fused_counters={res['fused_counters']}" if fused else "")
+                  + (f" fused_ok={res['fused_ok']} fused_counters={res['fused_counters']}" if "fused_ok" in res else "")
                   + f" -> {'PASS' if res['pass'] else 'FAIL'}", flush=True)
         ok &= res["pass"]
         report["modes"].append(res)

@@ -115,50 +115,11 @@ def ab_pairs(generate, rounds: int, switch) -> dict:
             "paired_change": round(ratios[len(ratios) // 2], 4)}
 
 
-def op_host_us(generate, switch, func: str = "_fold_linear_impl") -> dict:
-    """Host microseconds per call of the plugin's op ``func`` (cumulative, from ``python_profile``: cProfile inflates
-    both arms alike) in one generate with ``switch(True)`` and one with ``switch(False)``, each after a warm-up
-    generate: what the switch changes in the op itself, whether or not the GPU hides it in the served time."""
-    out = {}
-    try:
-        for enabled in (True, False):
-            switch(enabled)
-            generate()
-            for name, calls, cum_ms, _ in python_profile(generate, most=None):
-                if name.endswith(f"({func})") and calls:
-                    out["on" if enabled else "off"] = {"calls": calls, "us_per_call": round(1000 * cum_ms / calls, 1)}
-    finally:
-        switch(True)
-    return out
-
-
 def set_direct(enabled: bool) -> None:
     """bdlora's direct launches of kept kernels (bdlora/kernels/launch.py) on, or off: Triton's launcher."""
     from bdlora.kernels.launch import LAUNCHES
 
     LAUNCHES.enabled = enabled
-
-
-def set_plans(enabled: bool) -> None:
-    """The BD layers' kept prepared launches (``FoldedLaunch`` per layer and tiles) on, or off: a new plan per call,
-    the one-off ``decode_lora_folded`` path."""
-    from bdlora.vllm_plugin.layers import _FUSED_LAYERS
-
-    for layer in list(_FUSED_LAYERS.values()):
-        layer._bd_fused.keep_plans = enabled
-        layer._bd_fused.plans.clear()
-
-
-def set_logits_skip(worker, enabled: bool) -> int:
-    """(Through ``LLM.collective_rpc``.) The BD engine's logits processor skips vLLM's lm_head LoRA term while no slot
-    has lm_head factors, or (off) runs it every step as vLLM does (``BDLogitsProcessorWithLoRA.skip_zero_term``);
-    returns how many such layers this worker has."""
-    from bdlora.vllm_plugin.diagnostics import logits_lora_layers
-
-    layers = logits_lora_layers(worker)
-    for layer in layers:
-        layer.skip_zero_term = enabled
-    return len(layers)
 
 
 def profiled_trace(fn) -> dict:
@@ -185,8 +146,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--adapters", type=int, default=1, help="LoRA engines: --max-loras and distinct adapters; "
                     "request i uses adapter i mod N (as auto_proxy.py --adapters)")
-    ap.add_argument("--tuning", default=None, help="bd: a JSON dict of bdlora.kernels.tuning keys replacing the "
-                    "device's table entry's (as auto_proxy.py --tuning)")
+    ap.add_argument("--tuning", default=None, help="bd: a JSON dict of bdlora.vllm_plugin.fast_path.tuning keys replacing the "
+                    "device's tuning file's (as auto_proxy.py --tuning)")
     ap.add_argument("--bd-options", default=None, type=json.loads,
                     help="bd: a JSON dict of additional_config['bdlora'] settings "
                          "(e.g. '{\"max_rank\": 38}', as auto_proxy.py --bd-options)")
@@ -195,16 +156,11 @@ def main():
                     help="with --time-only: ROUNDS pairs of generates in this one engine, bdlora's direct launches "
                     "(bdlora/kernels/launch.py) on then off, paired per round (engine processes differ more than "
                     "that change)")
-    ap.add_argument("--ab-plans", type=int, default=0, metavar="ROUNDS",
-                    help="with --time-only: the same pairing with the BD layers' kept prepared launches on then off "
-                    "(a new plan per call)")
-    ap.add_argument("--ab-logits", type=int, default=0, metavar="ROUNDS",
-                    help="with --time-only: the same pairing with the logits' zero lm_head LoRA term skipped then run")
     ap.add_argument("--time-only", action="store_true", help="only the unprofiled generate times (no cProfile, no "
                     "torch profiler): A/B runs of the host time")
     a = ap.parse_args()
-    if (a.ab_direct or a.ab_plans or a.ab_logits) and not a.time_only:
-        ap.error("--ab-direct, --ab-plans and --ab-logits pair unprofiled generates: add --time-only")
+    if a.ab_direct and not a.time_only:
+        ap.error("--ab-direct pairs unprofiled generates: add --time-only")
     import torch
     from vllm import LLM, SamplingParams
 
@@ -239,17 +195,6 @@ def main():
     generate = lambda: llm.generate(prompts, sp, lora_request=lora, use_tqdm=False)  # noqa: E731
     if a.ab_direct:
         res["ab_direct"] = ab_pairs(generate, a.ab_direct, set_direct)
-    if a.ab_plans:
-        res["ab_plans"] = ab_pairs(generate, a.ab_plans, set_plans)
-        res["ab_plans"]["op_host_us_profiled"] = op_host_us(generate, set_plans)
-    if a.ab_logits:
-        if not all(llm.collective_rpc(set_logits_skip, args=(True,))):
-            ap.error("--ab-logits: this engine's logits processor is not BDLogitsProcessorWithLoRA (use --only bd)")
-        res["ab_logits"] = ab_pairs(generate, a.ab_logits,
-                                    lambda on: llm.collective_rpc(set_logits_skip, args=(on,)))
-        from bdlora.vllm_plugin.diagnostics import read_logits_lora
-
-        res["ab_logits"]["terms"] = llm.collective_rpc(read_logits_lora)[0]  # ran / skipped: both arms happened
     if a.time_only:
         print(json.dumps(res, indent=1), flush=True)
         Path(a.out).write_text(json.dumps(res, indent=1))

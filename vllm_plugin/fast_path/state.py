@@ -1,0 +1,237 @@
+"""The state of the fast path: per engine (:class:`LayerBuild`), per punica wrapper (:class:`TokenSlots`) and per
+layer (:class:`LayerState`). Every buffer a CUDA graph may capture is allocated here, when the layers are built."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from bdlora.kernels import KernelOptions
+from bdlora.kernels.decode import FoldedLaunch, SlotSegments
+
+from .. import vllm_api as api
+from . import FastPathOptions
+
+logger = logging.getLogger("bdlora.vllm_plugin")
+
+#: Prefix of the fast-path layers' names in the engine's registry (never one of vLLM's own layer prefixes).
+NAME_PREFIX = "bdlora:"
+
+
+@dataclass
+class LayerBuild:
+    """What one BD-mode LoRA manager (one engine's worker) builds its layers with, handed to the layers through the
+    classes of :func:`bdlora.vllm_plugin.layers.layer_classes` (the loader makes one per ``create_lora_manager``).
+
+    ``rank``: the per-device buffer rank; ``options``: the fast path's options (None: vLLM's kernels for every
+    size); ``registry``: the engine's ``compilation_config.static_forward_context``, where each fast-path layer is
+    entered under its name for the custom ops to find through vLLM's forward context; ``path_counts``: calls of the
+    custom ops by the path that ran (:func:`bdlora.vllm_plugin.diagnostics.read_path_counts`); ``workspaces``: one
+    decode workspace per device, one one-launch workspace per (device, dtype) and the side stream per device, shared by
+    this build's layers (their launches never overlap). A new build starts new ones, so a later engine never resizes
+    buffers an earlier one's graphs captured."""
+
+    rank: int
+    options: Optional[FastPathOptions] = None
+    registry: dict = field(default_factory=dict)
+    path_counts: Counter = field(default_factory=Counter)
+    workspaces: dict = field(default_factory=dict)
+    tunings: dict = field(default_factory=dict)
+    logged: set = field(default_factory=set)
+
+    def tuning(self, dev):
+        """This build's ``ServingTuning`` for a device (its JSON file, with the options' overrides), looked up once per
+        device and logged."""
+        from .tuning import device_tuning
+
+        dev = torch.device(dev)
+        if dev not in self.tunings:
+            tuning, source = device_tuning(dev, self.options.tuning_dict())
+            self.tunings[dev] = tuning
+            logger.info("bdlora kernels on %s: %s (%s)", dev, tuning, source)
+        return self.tunings[dev]
+
+    def register(self, prefix: str, layer) -> str:
+        """Enters ``layer`` in the engine's registry under a name made from its base layer's prefix (numbered where
+        a prefix repeats or is empty) and returns the name the custom ops take."""
+        base = NAME_PREFIX + (prefix or type(layer).__name__)
+        name, k = base, 1
+        while name in self.registry:
+            k += 1
+            name = f"{base}#{k}"
+        self.registry[name] = layer
+        return name
+
+    def log_once(self, level: int, key, msg: str, *args) -> None:
+        """Logs ``msg`` the first time this build sees ``key`` (a message per layer kind, not per layer)."""
+        if key not in self.logged:
+            self.logged.add(key)
+            logger.log(level, msg, *args)
+
+    def side_stream(self, dev):
+        """The second CUDA stream this build's layers compute LoRA terms on beside their base GEMMs (``side_max``),
+        one per device; None off CUDA (the term then runs on the one stream, before the GEMM)."""
+        dev = torch.device(dev)
+        if dev.type != "cuda":
+            return None
+        return self.workspaces.setdefault(("side_stream", dev), torch.cuda.Stream(device=dev))
+
+    def decode_workspace(self, dev, max_tokens: int, n_slices: int, max_out: int, d_in: int, rank: int):
+        """This build's two-launch workspace for the device, grown at layer build time (before any CUDA-graph capture)
+        so that every batch of up to ``max_tokens`` tokens through the layer fits."""
+        from bdlora.kernels.decode import DecodeWorkspace, decode_grid, decode_tiles
+
+        dev = torch.device(dev)
+        ws = self.workspaces.setdefault(dev, DecodeWorkspace(dev))
+        tiles = decode_tiles(dev)
+        for t in range(1, max_tokens + 1):
+            ws.reserve(decode_grid(t, n_slices, 1, max_out, d_in, rank, tiles))
+        return ws
+
+    def gemv_workspace(self, dev, dtype, folded, max_tokens: int, tiles):
+        """This build's one-launch workspace for the device and dtype, grown at layer build time for batches of up to
+        ``max_tokens`` tokens through the folded layer."""
+        from bdlora.kernels import GemvWorkspace
+
+        dev = torch.device(dev)
+        ws = self.workspaces.setdefault(("gemv", dev, dtype), GemvWorkspace(dev, dtype))
+        return ws.reserve(folded, max_tokens, tiles)
+
+
+class TokenSlots:
+    """Per punica wrapper: ``buf`` (int32, max_num_batched_tokens) = the wrapper's token -> LoRA slot map for the
+    current batch, -1 after it (padding tokens of a CUDA graph add no LoRA, and stale or uninitialized entries of
+    ``_token_lora_indices`` are never read). Refreshed right after each ``update_metadata`` (host side, before the
+    forward), so a captured graph, which reads ``buf``, sees every new mapping."""
+
+    def __init__(self, wrapper):
+        src = wrapper._token_lora_indices
+        self.buf = torch.full((src.shape[0],), -1, dtype=torch.int32, device=src.device)
+        self._segments: dict = {}  # n_loras -> SlotSegments of buf (segments())
+        self._wrapper = weakref.ref(wrapper)
+        orig = wrapper.update_metadata
+
+        def update_metadata(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            self.refresh()
+            return out
+
+        api.patch(wrapper, "update_metadata", update_metadata, point="PunicaWrapperBase.update_metadata")  # instance
+        self.refresh()
+
+    @classmethod
+    def of(cls, wrapper) -> Optional["TokenSlots"]:
+        """The wrapper's TokenSlots (made on first use), or None where it has no ``_token_lora_indices``."""
+        slots = getattr(wrapper, "_bdlora_token_slots", None)
+        if slots is None and isinstance(getattr(wrapper, "_token_lora_indices", None), torch.Tensor):
+            slots = cls(wrapper)
+            wrapper._bdlora_token_slots = slots
+        return slots
+
+    def refresh(self) -> None:
+        w = self._wrapper()
+        if w is None:
+            return
+        n = min(int(w.indices_len[0] or 0), self.buf.shape[0])
+        if n:
+            self.buf[:n].copy_(w._token_lora_indices[:n])
+        self.buf[n:].fill_(-1)
+        for seg in self._segments.values():
+            seg.update(self.buf)
+
+    def segments(self, n_loras: int) -> SlotSegments:
+        """``buf`` grouped by slot for ``n_loras`` slots (the tiled kernel on sorted tokens, ``gemm_sorted``): one
+        ``SlotSegments`` per slot count, regrouped at every refresh (a few small kernels, once per slot map)."""
+        seg = self._segments.get(n_loras)
+        if seg is None:
+            # first asked for inside a forward (inference mode), but updated by every later refresh, also outside it:
+            # normal tensors (an inference tensor may not be written outside inference mode)
+            with torch.inference_mode(False):
+                seg = self._segments[n_loras] = SlotSegments.empty(self.buf.shape[0], n_loras, self.buf.device)
+            seg.update(self.buf)
+        return seg
+
+
+@dataclass
+class LayerState:
+    """One BD layer's fast-path buffers and cut-offs (all persistent: a CUDA graph captures their addresses)."""
+
+    name: str
+    two_launch_max: int  # the two-launch kernel serves T <= this, vLLM's punica path above
+    backend: str
+    lora_a: torch.Tensor  # (S, L, R, d_in), a view of the tensor behind lora_a_stacked
+    lora_b: torch.Tensor  # (L, sum d_out, R)
+    b_shared: bool  # lora_b is lora_b_stacked[0]'s storage (one slice) rather than a copy
+    offsets: tuple  # slice column offsets (S + 1 ints)
+    soff: torch.Tensor  # the same, int32 on the device
+    ranks: torch.Tensor  # (L,) int32: rank in use per slot, 0 = empty
+    scales: torch.Tensor  # (L,) float32: ones (vLLM folds the scale into B)
+    build: Optional[LayerBuild] = None  # the engine's build: path counters, messages logged once
+    workspace: object = None  # bdlora.kernels.DecodeWorkspace shared by this engine's layers on the device
+    slots: Optional[TokenSlots] = None
+    folded: object = None  # bdlora.kernels.FoldedWeight ([W; A]) where the layer folds, else None
+    fold_decode_max: int = 0  # fold_linear: T <= this runs the per-token kernel,
+    fold_gemm_max: int = 0  # T <= this the tiled one, above vLLM's path
+    fold_min: int = 1  # the fold's multi-token kernels start here (a wide fold: above two_launch_max)
+    gemm_rows: object = None  # this layer's kernel="gemm" tiles per T (ServingTuning.gemm_rows)
+    gemm_sorted: bool = False  # kernel="gemm" on the tokens grouped by slot (ServingTuning.gemm_sorted, 2+ slots)
+    fold_gemv_max: int = 0  # fold_linear: T <= this runs the one-launch kernel (before the cut-offs above)
+    gemv_tiles: object = None  # its bdlora.kernels.GemvTiles for this layer's shape
+    gemv_one_token_tiles: object = None  # GemvTiles(one_token=True) for T == 1 on this shape, or None
+    gemv_workspace: object = None  # bdlora.kernels.GemvWorkspace shared by this build's layers on the device
+    pdl: bool = False  # the tuning's pdl (launch the kernels with programmatic dependent launch)
+    side_max: int = 0  # fold_linear: 2 <= T <= this runs the LoRA term on side_stream beside the base GEMM
+    side_defer: bool = False  # forwards go through fold_linear_split (T == 1 on side_stream), the add traced
+    side_stream: object = None  # LayerBuild.side_stream (None off CUDA)
+    options: KernelOptions = field(init=False)  # KernelOptions(backend=backend), built once: every forward uses it
+    #: fold_linear's prepared launches (kernel "decode"/"gemm") by (kernel, tiles), built on first use: a prefill
+    #: runs eagerly, so the op's host time is paid per call. Bound to ``slots``; dropped when the mapping changes.
+    plans: dict = field(init=False, default_factory=dict)
+    gemm_rows_warm: bool = False  # every gemm_rows row this layer may take has been launched once (warm_gemm_rows)
+
+    def __post_init__(self):
+        self.options = KernelOptions(backend=self.backend)
+
+    @property
+    def fold_max(self) -> int:
+        """The most tokens a forward may have for the fold's multi-token kernels (from ``fold_min``); 0: the fold
+        serves one-token forwards only."""
+        return max(self.fold_gemm_max, self.fold_gemv_max)
+
+    def plan(self, kernel: str, tiles) -> FoldedLaunch:
+        key = (kernel, tiles)
+        plan = self.plans.get(key)
+        if plan is None:
+            n_loras = self.lora_b.shape[0]
+            segments = (self.slots.segments(n_loras) if kernel == "gemm" and self.gemm_sorted and n_loras > 1
+                        else None)
+            plan = self.plans[key] = FoldedLaunch(
+                self.folded, self.lora_b, self.slots.buf, self.ranks, self.scales, self.offsets, kernel=kernel,
+                tiles=tiles, pdl=self.pdl, options=self.options, segments=segments)
+        return plan
+
+    def rebind(self, slots: Optional[TokenSlots]) -> None:
+        """A new punica wrapper's slot map: the prepared launches were bound to the old one."""
+        self.slots = slots
+        self.plans.clear()
+        self.gemm_rows_warm = False
+
+    def warm_gemm_rows(self, x: torch.Tensor) -> None:
+        """Launches the tiled plan of every ``gemm_rows`` row this layer's forwards may take once, on x's first row
+        (output dropped), at its first tiled forward: Triton compiles one kernel per tile row, and a row first met
+        mid-serving (a prefill of 257-2048 tokens, which neither vLLM's warm-up sizes nor its profile run reach)
+        compiled there, a latency spike that vLLM's JIT monitor reported on an H100. Skipped while a
+        CUDA graph captures (compiling and launching there would land in the graph); the next eager call does it."""
+        if self.gemm_rows_warm or self.gemm_rows is None or self.slots is None:
+            return
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        self.gemm_rows_warm = True
+        lo = max(self.fold_min, self.fold_decode_max + 1)
+        for tiles in self.gemm_rows.tiles_between(lo, self.fold_gemm_max):
+            self.plan("gemm", tiles)(x[:1])
