@@ -96,7 +96,7 @@ def test_non_finite_factors_are_never_written(tiny_llama_dir, data_file, tmp_pat
     from bdlora.adapter import Adapter, AdapterConfig
     from bdlora.layout import LoraFactors
     from bdlora.train.engine.early_exit import DIVERGING
-    from bdlora.train.engine.engine import adapter_is_finite
+    from bdlora.train.engine.jobs import adapter_is_finite
 
     eng = _engine(tiny_llama_dir, data_file, tmp_path / "run", [{"name": "n"}], eval_every=100, max_rounds=1,
                   defaults={"max_steps": 4, "batch_size": 2, "max_length": 64})
@@ -105,7 +105,7 @@ def test_non_finite_factors_are_never_written(tiny_llama_dir, data_file, tmp_pat
     assert job.status == "active" and job.best_state is None
     with torch.no_grad():
         next(iter(job.adapter.parameters())).view(-1)[3] = float("nan")
-    eng._finish(job, DIVERGING)
+    eng.finish(job, DIVERGING)
     assert job.result["adapter"] is None and not (tmp_path / "run" / "adapters" / "n").exists()
     assert "not finite" in capsys.readouterr().out
     cfg = AdapterConfig(r=2, lora_alpha=2.0, use_rslora=True, target_modules=["q_proj"])
@@ -231,5 +231,5 @@ def test_pad_multiple_auto_resolves_by_device(tiny_llama_dir, data_file, tmp_pat
     eng = _engine(tiny_llama_dir, data_file, tmp_path / "p16", [{"name": "a", "max_steps": 1}], pad_multiple=16)
     assert eng.pad_multiple == 16
     job = eng.jobs[0]
-    mbs = eng._microbatches([(job.id, list(range(4)))])
+    mbs = eng.microbatches([(job.id, list(range(4)))])
     assert mbs and all(mb.input_ids.shape[1] % 16 == 0 for mb in mbs)

@@ -31,7 +31,7 @@ def test_stage_loader_reads_only_its_tensors_and_equals_the_full_load(tmp_path, 
     layers, with the embeddings on the first, norm + head on the last."""
     from transformers import AutoModelForCausalLM
 
-    from bdlora.train.engine.pipeline import _OtherStage, load_stage_model, stage_bounds
+    from bdlora.train.engine.model import _OtherStage, load_stage_model, stage_bounds
 
     path = _save_llama(tmp_path / "m", 5, tied, shard)
     assert (path / "model.safetensors.index.json").is_file() == (shard is not None)
@@ -65,8 +65,8 @@ def test_stage_loader_reads_only_its_tensors_and_equals_the_full_load(tmp_path, 
 
 
 def test_stage_loader_needs_safetensors(tmp_path):
-    from bdlora.train.engine.engine import EngineError
-    from bdlora.train.engine.pipeline import load_stage_model
+    from bdlora.train.engine.scheduler import EngineError
+    from bdlora.train.engine.model import load_stage_model
 
     path = _save_llama(tmp_path / "m", 2, False)
     (path / "model.safetensors").unlink()

@@ -230,7 +230,7 @@ def test_memory_model_counts_lora_dropout_keep_masks():
     # lora_dropout > 0 stores a one-byte keep-mask per LoRA input element until backward (int8 in the grouped
     # kernel over every row of the module call, bool per job's rows on the torch paths): the model adds
     # T * sum(d_in) bytes per module that any dropout job adapts, once per module, not per job
-    from bdlora.train.engine.engine import Job
+    from bdlora.train.engine.jobs import Job
 
     base = {"model": "m", "output_dir": "o", "train_file": "x.jsonl", "nblocks": 1}
     run = parse_run({**base, "jobs": [{"name": "drop", "lora_dropout": 0.1}, {"name": "nodrop"},

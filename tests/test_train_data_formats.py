@@ -377,7 +377,7 @@ def test_padding_free_collator_matches_padded_loss(tok, tiny_llama_dir):
 def test_engine_reads_every_format(tok, tmp_path):
     from bdlora.train.engine.config import JobConfig
     from bdlora.train.engine.data import tokenize_records
-    from bdlora.train.engine.engine import load_job_data
+    from bdlora.train.engine.jobs import load_job_data
 
     def job(name, path, **kw):
         return JobConfig.from_dict({"name": name, "model": "tiny-random", "train_file": str(path), "eval_fraction": 0.2,

@@ -40,12 +40,10 @@ GPU (``device_id``) for launchers that run the pipeline.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import inspect
 import json
 import math
-import os
 import time
 import weakref
 from collections import defaultdict
@@ -58,229 +56,17 @@ import torch.nn as nn
 
 from bdlora.adapter import Adapter, AdapterConfig, save_adapter
 
+from . import checkpoint
+from .checkpoint import atomic_torch_save
 from .config import RunConfig
-from .engine import (Engine, EngineError, adapter_is_finite, atomic_torch_save, format_table, job_run_state, job_tensor_state,
-                     plot_job)
+from .engine import Engine
+from .jobs import adapter_is_finite, job_run_state, job_tensor_state, record_train_step
+from .loop import Advance, run_loop
+from .model import _OtherStage, stage_bounds
 from .multilora import dropout_rng, round_seed
 from .packing import MicroBatch
-from .reporting import RunReporter
-
-
-def stage_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Even split of ``n_layers`` decoder layers into ``stages`` contiguous ranges (earlier stages get extras)."""
-    if stages > n_layers:
-        raise ValueError(f"{stages} pipeline stages but the model has only {n_layers} decoder layers")
-    base, extra = divmod(n_layers, stages)
-    out, lo = [], 0
-    for s in range(stages):
-        hi = lo + base + (1 if s < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
-
-
-class _OtherStage(nn.Module):
-    """Stands in for a decoder layer that another pipeline stage holds (never materialized here)."""
-
-    def __init__(self, index: int):
-        super().__init__()
-        self.index = index
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError(f"decoder layer {self.index} lives on another pipeline stage")
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Every parameter registered inside goes to the meta device (no memory, no initialization work: nn.Linear's
-    ``reset_parameters`` runs after the registration); buffers are created normally, so the rotary embedding's
-    non-persistent ``inv_freq`` is computed as in a normal load."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        register(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-def _rss_bytes() -> Optional[int]:
-    """This process's resident set size now (Linux /proc), or None."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _reset_peak_rss() -> bool:
-    """Resets this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0: ``/proc/self/clear_refs``), so the
-    next :func:`_peak_rss_bytes` is the peak since now; False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_bytes() -> Optional[int]:
-    """This process's peak resident set size (Linux ``VmHWM``; else getrusage's ``ru_maxrss``, KiB on Linux), or
-    None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import resource
-    except ImportError:
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _checkpoint_index(path: Path) -> dict[str, Path]:
-    """{tensor key: safetensors file} of the checkpoint folder: ``model.safetensors.index.json``'s weight map
-    (sharded) or the keys of the single ``model.safetensors`` (read from its header only)."""
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        with open(index) as f:
-            return {k: path / v for k, v in json.load(f)["weight_map"].items()}
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise EngineError(f"{path}: a pipeline stage loads its layers from safetensors files, but the folder has "
-                          "neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(str(single), framework="pt", device="cpu") as f:
-        return {k: single for k in f.keys()}
-
-
-def _module_name(model: nn.Module, target: Optional[nn.Module]) -> Optional[str]:
-    if target is None:
-        return None
-    return next((n for n, m in model.named_modules() if m is target), None)
-
-
-def load_stage_model(path, dtype: torch.dtype, device, attn_implementation: Optional[str], stage: int,
-                     stages: int) -> nn.Module:
-    """Pipeline stage ``stage`` of ``stages`` of the causal LM in folder ``path``, holding only what it runs.
-
-    The model is built with its parameters on the meta device; the decoder layers of other stages are replaced by
-    placeholders (:class:`_OtherStage`, so this stage's layers keep their module paths ``model.layers.<i>``), the
-    input embeddings are dropped on every stage but the first, the final norm (an identity there) and the LM head on
-    every stage but the last. Only the remaining parameters are materialized on ``device`` in their built dtype
-    (``dtype``), each read by key from the checkpoint's safetensors (``model.safetensors`` or the shards of
-    ``model.safetensors.index.json``), one ``safe_open`` per tensor, so the file's memory map never holds more than
-    one tensor's pages. A tied LM head (``tie_word_embeddings``) reads the input embeddings' tensor. The stage's
-    memory is about 1/``stages`` of the weights (plus the embeddings / head at the ends); what it read is recorded in
-    ``model.stage_load`` (keys, bytes read, bytes materialized, the checkpoint's total bytes, the peak RSS growth
-    over the load)."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    exact = _reset_peak_rss()
-    rss0 = _rss_bytes()
-    path, device = Path(path), torch.device(device)
-    config = AutoConfig.from_pretrained(str(path))
-    kwargs = {"dtype": dtype}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
-    model.config.use_cache = False
-    decoder = getattr(model, model.base_model_prefix)
-    n_layers = len(decoder.layers)
-    lo, hi = stage_bounds(n_layers, stages)[stage]
-    first, last = stage == 0, stage == stages - 1
-    in_name = _module_name(model, model.get_input_embeddings())
-    out_name = _module_name(model, model.get_output_embeddings())
-    tied = dict(getattr(model, "_tied_weights_keys", None) or {}) if isinstance(
-        getattr(model, "_tied_weights_keys", None), dict) else {}
-    if getattr(config, "tie_word_embeddings", False) and in_name and out_name:
-        tied.setdefault(f"{out_name}.weight", f"{in_name}.weight")
-    for i in range(n_layers):
-        if not lo <= i < hi:
-            decoder.layers[i] = _OtherStage(i)
-
-    def drop(name):
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, None)
-
-    if not first and in_name:
-        drop(in_name)
-    if not last:
-        decoder.norm = nn.Identity()
-        if out_name:
-            drop(out_name)
-
-    files = _checkpoint_index(path)
-    prefix = model.base_model_prefix + "."
-
-    def key_of(name: str) -> str:
-        for k in (name, tied.get(name), name[len(prefix):] if name.startswith(prefix) else None):
-            if k is not None and k in files:
-                return k
-        raise EngineError(f"{path}: pipeline stage {stage}: tensor {name!r} is not in the checkpoint's safetensors")
-
-    keys, read, done = [], 0, {}
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        for kind in ("_parameters", "_buffers"):
-            for leaf, t in list(getattr(mod, kind).items()):
-                if t is None:
-                    continue
-                name = f"{mod_name}.{leaf}" if mod_name else leaf
-                if kind == "_buffers":  # buffers were built normally; a persistent one in the checkpoint is read
-                    if leaf in mod._non_persistent_buffers_set or name not in files:
-                        continue
-                elif not t.is_meta:
-                    continue
-                if id(t) in done:  # tied on this stage: materialized once, shared
-                    getattr(mod, kind)[leaf] = done[id(t)]
-                    continue
-                key = key_of(name)
-                with safe_open(str(files[key]), framework="pt", device="cpu") as f:
-                    src = f.get_tensor(key)
-                    read += src.numel() * src.element_size()
-                    # a copy: the safetensors tensor maps the file; the model keeps no view of it
-                    val = src.to(device=device, dtype=t.dtype, copy=True)
-                    del src
-                keys.append(key)
-                new = nn.Parameter(val, requires_grad=t.requires_grad) if kind == "_parameters" else val
-                getattr(mod, kind)[leaf] = new
-                done[id(t)] = new
-    left = [n for n, p in model.named_parameters() if p.is_meta]
-    if left:
-        raise EngineError(f"{path}: pipeline stage {stage}: parameters left unloaded: {left[:5]}")
-    model.to(device).eval()
-    total = 0
-    for file in sorted(set(files.values())):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for k in f.keys():
-                sl = f.get_slice(k)
-                total += math.prod(sl.get_shape()) * _SAFETENSORS_BYTES[sl.get_dtype()]
-    materialized = sum(p.numel() * p.element_size() for p in model.parameters())
-    peak = _peak_rss_bytes()
-    model.stage_load = {"stage": stage, "layers": [lo, hi], "keys": keys, "bytes_read": read,
-                        "bytes_materialized": materialized, "checkpoint_bytes": total,
-                        # the process's peak RSS over the load minus its RSS before (CPU memory; on a GPU the
-                        # weights go to the device): exact where the peak could be reset first (Linux
-                        # /proc/self/clear_refs), else an upper bound (the peak since the process started); None
-                        # off Linux
-                        "peak_rss_growth_bytes": peak - rss0 if peak is not None and rss0 is not None else None,
-                        "peak_rss_growth_exact": exact}
-    return model
-
-
-_SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-                      "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+from .reporting import RunReporter, format_table, plot_job, result_rows, write_results_csv
+from .scheduler import EngineError
 
 
 @dataclass
@@ -560,10 +346,10 @@ class _Stage:
 
 
 class StageEngine(Engine):
-    """The engine on one pipeline stage. Its decision code (:meth:`Engine.after_step`: evaluation history, ALTO
-    early exit, best-validation factors, warm-up parking and top-k; :meth:`Engine.admit`: backfill under
-    ``max_active_jobs`` and the memory model) runs unchanged; these three hooks feed it numbers that every rank
-    shares, so every rank decides identically. ``stage`` is set once this rank's :class:`_Stage` exists."""
+    """The engine on one pipeline stage. Its scheduler (:class:`~.scheduler.Scheduler`: evaluation history, ALTO
+    early exit, best-validation factors, warm-up parking and top-k; backfill under ``max_active_jobs`` and the
+    memory model) runs unchanged; these three hooks feed it numbers that every rank shares, so every rank decides
+    identically. ``stage`` is set once this rank's :class:`_Stage` exists."""
 
     stage: Optional["_Stage"] = None
 
@@ -577,9 +363,9 @@ class StageEngine(Engine):
         self.load_stats = {k: v for k, v in getattr(self.model, "stage_load", {}).items() if k != "keys"}
         self.to_save: list = []  # (job, adapter) finished at this boundary: gathered from every stage, then written
 
-    def _fits(self, jobs):
+    def fits(self, jobs):
         """The memory model on this stage's modules; every rank takes the worst stage's answer."""
-        ok, pred = super()._fits(jobs)
+        ok, pred = super().fits(jobs)
         over = pred / self.mem_budget if self.mem_budget else 0.0
         t = torch.tensor([over, pred], dtype=torch.float64, device=self.device)
         self.stage.dist.all_reduce(t, op=self.stage.dist.ReduceOp.MAX)
@@ -593,7 +379,7 @@ class StageEngine(Engine):
             return {}
         vstream = []
         for job in jobs:
-            for mb in self._microbatches([(job.id, list(range(len(job.data.val))))], split="val"):
+            for mb in self.microbatches([(job.id, list(range(len(job.data.val))))], split="val"):
                 vstream.append(PMB(len(vstream), job.id, -1, mb))  # single-job bins: one job per micro-batch
         st.loss_sums = {}
         for pm in vstream:
@@ -610,13 +396,13 @@ class StageEngine(Engine):
         st.dist.broadcast_object_list(box, src=st.P - 1)
         return box[0]
 
-    def _finish(self, job, reason, write=True):
+    def finish(self, job, reason, write=True):
         """The engine's own (best-validation restore on overfitting/divergence, result row, slot freed) without its
         rank-0 save, which would write only stage 0's layers: the stages' factors are gathered after the decisions."""
         adapter = job.adapter
         rank, self.rank = self.rank, -1
         try:
-            super()._finish(job, reason, write)
+            super().finish(job, reason, write)
         finally:
             self.rank = rank
         if write and adapter is not None:
@@ -638,7 +424,7 @@ def _build_stream(engine, jobs: list, counts: dict[int, int]) -> tuple[list[PMB]
                 continue
             k = job.step + i
             idx = job.sampler.next_batch()
-            bins = plan_microbatches([(job.id, idx)], lambda j: engine._lengths(j), run.token_budget,
+            bins = plan_microbatches([(job.id, idx)], lambda j: engine.lengths(j), run.token_budget,
                                      engine.pad_multiple)
             mbs = [build_microbatch(b, lambda j: engine.jobs[j].data.train, engine.pad_id, engine.pad_multiple)
                    for b in bins]
@@ -683,7 +469,7 @@ def _save_checkpoint(engine, dist, stage: int, stages: int, segment: int, stats:
 
 def _load_checkpoint(engine, dist, stage: int, stages: int) -> Optional[tuple[int, dict]]:
     """With ``resume``: rank 0 reads ``run_state.pt`` and broadcasts it (every rank resumes, or none), each stage
-    adds its own file of that segment and the engine's own :meth:`Engine.restore` restores the jobs.
+    adds its own file of that segment and the engine's own :func:`.checkpoint.restore` restores the jobs.
     Returns (segment, this stage's statistics) or None."""
     d = Path(engine.run_cfg.output_dir) / STATE_DIR
     box = [None]
@@ -697,8 +483,8 @@ def _load_checkpoint(engine, dist, stage: int, stages: int) -> Optional[tuple[in
         raise EngineError(f"{d / RUN_STATE} was written by a {shared['stages']}-stage pipeline, this run has "
                            f"{stages} stages; resume with the same pipeline_stages or set resume: false")
     mine = torch.load(_stage_file(d, stage, shared["segment"]), map_location="cpu", weights_only=False)
-    engine.restore({"round": shared["round"], "round_log": shared["round_log"], "memory_points": [],
-                    "jobs": {n: {**js, **mine["jobs"].get(n, {})} for n, js in shared["jobs"].items()}})
+    checkpoint.restore(engine, {"round": shared["round"], "round_log": shared["round_log"], "memory_points": [],
+                                "jobs": {n: {**js, **mine["jobs"].get(n, {})} for n, js in shared["jobs"].items()}})
     return shared["segment"], mine["stats"]
 
 
@@ -794,102 +580,71 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
             return None
         return _write_results(engine, out, gathered, stats)
 
-    reporter = None
-    try:
-        # -- segments ---------------------------------------------------------------------------------------------
-        stats = {"busy": 0.0, "wall": 0.0, "microbatches": 0, "sim_busy": 0, "sim_slots": 0.0, "max_active": 0}
-        segment = 0
-        resumed = _load_checkpoint(engine, dist, s, P)
-        if resumed is not None:
-            segment, stats = resumed
-            engine.log(f"[pipeline] resumed from {out / STATE_DIR} at segment {segment} (round {engine.round})")
-        rounds_this_call = 0
-        reporter = RunReporter(engine.jobs, out, engine.jobs[0].cfg.progress, engine.rank == 0)
-        while True:
-            active = engine.admit_next()
-            if not active:
-                break
-            counts = {j.id: engine.next_eval_step(j, j.step) - j.step for j in active}
-            tokens0 = sum(j.tokens for j in active)
-            stream, step_targets, mbs_in_step = _build_stream(engine, active, counts)
-            ops, sim_bubble = simulate_schedule(stream, P)
-            st.loss_sums = {}
-            fold_peak()
-            engine.reset_peak_memory()
-            dist.barrier()
-            t0, busy0 = time.perf_counter(), st.busy
-            for kind, m in ops[s]:
-                if kind == "F":
-                    st.forward(stream[m], step_targets)
-                else:
-                    st.backward(stream[m], mbs_in_step)
-            st.finish_sends()
-            # drain: every job's last step of the segment; stage 0 knows its total norm; one broadcast, every stage
-            # applies it
-            vec = torch.tensor([st.norm_total.get(j.id, -1.0) for j in engine.jobs], dtype=torch.float64,
-                               device=engine.device)
-            dist.broadcast(vec, 0)
-            for jid in list(st.pending):
-                st.apply(jid, float(vec[jid]))
-            engine.observe_memory(active)  # this stage's peak over the segment: every stage at the same boundaries
-            t1 = time.perf_counter()
-            n_ops = sum(len(o) for o in ops)
-            stats["busy"] += st.busy - busy0
-            stats["wall"] += t1 - t0
-            stats["microbatches"] += len(stream)
-            stats["sim_busy"] += n_ops
-            stats["sim_slots"] += n_ops / max(1.0 - sim_bubble, 1e-12)
-            stats["max_active"] = max(stats["max_active"], len(active))
-            # the segment's train losses: the last stage has them; every rank records the same numbers
-            losses = None
-            if s == P - 1:
-                sums: dict = defaultdict(float)
-                for pm in stream:
-                    sums[(pm.job, pm.step)] += st.loss_sums[pm.idx]
-                losses = {key: v / max(step_targets[key], 1) for key, v in sums.items()}
-            box = [losses]
-            dist.broadcast_object_list(box, src=P - 1)
-            losses = box[0]
-            for job in active:  # Engine.train_round's per-step bookkeeping
-                for _ in range(counts[job.id]):
-                    loss = losses[(job.id, job.step)]
-                    job.step += 1
-                    job.history["train"].append((job.step, loss))
-                    job.detector.report_train(job.step, loss)
-                    job.history["ema"].append((job.step, job.detector.ema if job.detector.ema is not None else loss))
-            n_eval = engine.after_step()  # every active job is due: evaluation, early exit, warm-up, completion
-            save_finished()
-            dt = time.perf_counter() - t0
-            for j in active:
-                j.time_s += dt
-                if j.result is not None:
-                    j.result["time_s"] = round(j.time_s, 3)
-            prev_round = engine.round
-            seg_rounds = max(counts.values())
-            engine.round += seg_rounds
-            segment += 1
-            rounds_this_call += seg_rounds
-            info = {"microbatches": len(stream), "tokens": sum(j.tokens for j in active) - tokens0}
-            engine.round_log.append({"round": engine.round, "segment": segment, "time_s": dt, "train_s": t1 - t0,
-                                     "tokens": info["tokens"], "microbatches": len(stream), "active": len(active),
-                                     "jobs": [j.name for j in active], "evals": n_eval,
-                                     "bubble_schedule_unit_slots": sim_bubble})
-            reporter.after_round()
-            if run.log_every:
-                engine.print_progress(active, info)
-            finished_now = any(j.status == "done" for j in active)
-            ce = run.save_every
-            stop = run.max_rounds is not None and rounds_this_call >= run.max_rounds
-            if stop or (ce and (engine.round // ce > prev_round // ce or finished_now)):
-                _save_checkpoint(engine, dist, s, P, segment, stats)
-            if stop:
-                result = write_results()
-                engine.log(f"[pipeline] stopped after {rounds_this_call} rounds (max_rounds, segment {segment}); "
-                           "run again to resume")
-                return result
-            if finished_now:
-                write_results()
-        _save_checkpoint(engine, dist, s, P, segment, stats)
+    stats = {"busy": 0.0, "wall": 0.0, "microbatches": 0, "sim_busy": 0, "sim_slots": 0.0, "max_active": 0}
+    segment = 0
+
+    def advance(active) -> Advance:
+        """One segment: every active job streamed up to its next evaluation point, the pipeline drained, the last
+        stage's losses shared, then the scheduler's decisions and the finished jobs' adapters gathered."""
+        nonlocal segment
+        counts = {j.id: engine.scheduler.next_eval_step(j, j.step) - j.step for j in active}
+        tokens0 = sum(j.tokens for j in active)
+        stream, step_targets, mbs_in_step = _build_stream(engine, active, counts)
+        ops, sim_bubble = simulate_schedule(stream, P)
+        st.loss_sums = {}
+        fold_peak()
+        engine.reset_peak_memory()
+        dist.barrier()
+        t0, busy0 = time.perf_counter(), st.busy
+        for kind, m in ops[s]:
+            if kind == "F":
+                st.forward(stream[m], step_targets)
+            else:
+                st.backward(stream[m], mbs_in_step)
+        st.finish_sends()
+        # drain: every job's last step of the segment; stage 0 knows its total norm; one broadcast, every stage
+        # applies it
+        vec = torch.tensor([st.norm_total.get(j.id, -1.0) for j in engine.jobs], dtype=torch.float64,
+                           device=engine.device)
+        dist.broadcast(vec, 0)
+        for jid in list(st.pending):
+            st.apply(jid, float(vec[jid]))
+        engine.observe_memory(active)  # this stage's peak over the segment: every stage at the same boundaries
+        t1 = time.perf_counter()
+        n_ops = sum(len(o) for o in ops)
+        stats["busy"] += st.busy - busy0
+        stats["wall"] += t1 - t0
+        stats["microbatches"] += len(stream)
+        stats["sim_busy"] += n_ops
+        stats["sim_slots"] += n_ops / max(1.0 - sim_bubble, 1e-12)
+        stats["max_active"] = max(stats["max_active"], len(active))
+        # the segment's train losses: the last stage has them; every rank records the same numbers
+        losses = None
+        if s == P - 1:
+            sums: dict = defaultdict(float)
+            for pm in stream:
+                sums[(pm.job, pm.step)] += st.loss_sums[pm.idx]
+            losses = {key: v / max(step_targets[key], 1) for key, v in sums.items()}
+        box = [losses]
+        dist.broadcast_object_list(box, src=P - 1)
+        losses = box[0]
+        for job in active:  # the engine's per-step bookkeeping
+            for _ in range(counts[job.id]):
+                record_train_step(job, losses[(job.id, job.step)])
+        n_eval = engine.after_step()  # every active job is due: evaluation, early exit, warm-up, completion
+        save_finished()
+        segment += 1
+        info = {"microbatches": len(stream), "tokens": sum(j.tokens for j in active) - tokens0}
+        return Advance(rounds=max(counts.values()), train_s=t1 - t0, info=info, evals=n_eval,
+                       log_fields={"segment": segment, "jobs": [j.name for j in active],
+                                   "bubble_schedule_unit_slots": sim_bubble})
+
+    def stopped(rounds: int):
+        result = write_results()
+        engine.log(f"[pipeline] stopped after {rounds} rounds (max_rounds, segment {segment}); run again to resume")
+        return result
+
+    def ended():
         result = write_results()
         if result is not None:
             st_ = result["pipeline"]
@@ -900,6 +655,17 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
                   f"{st_['bubble_schedule_unit_slots']:.3f}, theory max((D-L)/D,0) = "
                   f"{st_['bubble_theory_max_D_minus_L_over_D']:.3f}")
         return result
+
+    reporter = None
+    try:
+        resumed = _load_checkpoint(engine, dist, s, P)
+        if resumed is not None:
+            segment, loaded = resumed
+            stats.update(loaded)
+            engine.log(f"[pipeline] resumed from {out / STATE_DIR} at segment {segment} (round {engine.round})")
+        reporter = RunReporter(engine.jobs, out, engine.jobs[0].cfg.progress, engine.rank == 0)
+        return run_loop(engine, advance, lambda: _save_checkpoint(engine, dist, s, P, segment, stats),
+                        write_results, stopped, ended, reporter)
     finally:  # break the engine <-> stage cycle: nothing may keep this stage's process groups past their destruction
         if reporter is not None:
             reporter.close()
@@ -909,12 +675,8 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
 
 def _write_results(engine, out: Path, gathered: list[dict], stats: dict) -> dict:
     """Rank 0: results.csv and results.json (rows, per-job train losses, segments, pipeline statistics)."""
-    import csv
-
-    from .engine import RESULT_FIELDS
-
     P = len(gathered)
-    rows = [j.result if j.result is not None else engine._result_row(j) for j in engine.jobs]
+    rows = result_rows(engine.jobs)
     stage_bubbles = [1.0 - g["busy"] / g["wall"] if g["wall"] > 0 else 0.0 for g in gathered]
     pstats = {
         "stages": P, "jobs": len(engine.jobs), "microbatches": stats["microbatches"],
@@ -930,12 +692,7 @@ def _write_results(engine, out: Path, gathered: list[dict], stats: dict) -> dict
         # holds as parameters, the checkpoint's total, and (CPU, Linux) its peak RSS growth over the load
         "load_per_stage": [g["load"] for g in gathered],
     }
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=RESULT_FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k) for k in RESULT_FIELDS})
+    write_results_csv(out, rows)
     result = {"jobs": rows, "train_losses": {j.name: [l for _, l in j.history["train"]] for j in engine.jobs},
               "rounds": engine.round_log, "pipeline": pstats}
     with open(out / "results.json", "w") as f:

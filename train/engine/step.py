@@ -1,0 +1,151 @@
+"""One step of the engine on one process or data parallel over several: a round of every active job's optimizer
+step through the shared base, and validation losses."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .jobs import record_train_step
+from .multilora import BatchContext, dropout_rng, round_seed
+from .packing import MicroBatch
+
+
+def dist_group():
+    """The initialized default process group's module (torch.distributed), or None on one process."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _bucket_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (dtype, device), in first-seen order: the flat buffers of the data-parallel
+    gradient all-reduce (one per job and step when its factors share a dtype and device, as they do)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    return list(groups.values())
+
+
+def decoder_and_head(model):
+    return getattr(model, model.base_model_prefix), model.get_output_embeddings()
+
+
+def job_losses(model, mb: MicroBatch, ctx: BatchContext) -> dict[int, torch.Tensor]:
+    """Forward one packed micro-batch; {job: summed response-token cross-entropy}."""
+    decoder, head = decoder_and_head(model)
+    ctx.segments = mb.segments
+    try:
+        out = decoder(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+    finally:
+        ctx.segments = []
+    h = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])  # flattened rows: segment order
+    losses = {}
+    for job, (pos, lab) in mb.targets.items():
+        if lab.numel() == 0:
+            continue
+        logits = head(h.index_select(0, pos)).float()
+        losses[job] = F.cross_entropy(logits, lab, reduction="sum")
+    return losses
+
+
+def train_round(engine) -> dict:
+    """One round: every active job's step packed into micro-batches under the token budget, forward/backward through the
+    shared base (this rank's share of the micro-batches), gradients all-reduced per job across ranks, then per job
+    clipping, AdamW and the LR schedule. Returns the round's micro-batch count, tokens and per-job statistics."""
+    jobs = engine.active_jobs()
+    requests = [(j.id, j.sampler.next_batch()) for j in jobs]
+    mbs = engine.microbatches(requests)
+    step_targets = {j.id: 0 for j in jobs}
+    step_tokens = {j.id: 0 for j in jobs}
+    for mb in mbs:
+        for job_id, s, e in mb.segments:
+            step_targets[job_id] += mb.n_targets(job_id)
+    for job_id, idxs in requests:
+        step_tokens[job_id] = sum(len(engine.jobs[job_id].data.train[i]) for i in idxs)
+    loss_sums = {j.id: torch.zeros((), dtype=torch.float64, device=engine.device) for j in jobs}
+    engine.reset_peak_memory()
+    if engine.model.training:  # model.train(False) walks every module: only when someone switched it on
+        engine.model.train(False)
+    # LoRA dropout: each micro-batch's masks from a seed of (run seed, the dropout jobs' seeds and steps, its
+    # index), so a run is reproducible and resumes exactly
+    drop_key = [(j.cfg.seed, j.step) for j in jobs if j.cfg.lora_dropout > 0]
+    for i, mb in enumerate(mbs):
+        if i % engine.world != engine.rank:
+            continue
+        mb = mb.to(engine.device)
+        seed = round_seed("lora-dropout", engine.run_cfg.seed, drop_key, i) if drop_key else None
+        with dropout_rng(seed, engine.device):
+            losses = job_losses(engine.model, mb, engine.ctx)
+        total = sum(l / max(step_targets[j], 1) for j, l in losses.items())
+        if torch.is_tensor(total) and total.requires_grad:
+            total.backward()
+        for j, l in losses.items():
+            loss_sums[j] += l.detach().double()
+    dist = dist_group()
+    if dist is not None and engine.world > 1:
+        # bucketed: one flat all-reduce per job (its gradients flattened into one buffer, reduced, and the
+        # parameters' .grad set to views of the reduced buffer), not one per parameter tensor; then the losses
+        for job in jobs:
+            params = list(job.adapter.parameters())
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            for group in _bucket_groups(grads):  # one group unless the job's factors mix dtypes / devices
+                flat = _flatten_dense_tensors([grads[i] for i in group])
+                dist.all_reduce(flat)
+                for i, g in zip(group, _unflatten_dense_tensors(flat, [grads[i] for i in group])):
+                    params[i].grad = g
+        flat = torch.stack([loss_sums[j.id] for j in jobs])
+        dist.all_reduce(flat)
+        for k, j in enumerate(jobs):
+            loss_sums[j.id] = flat[k]
+    stats = {}
+    for job in jobs:
+        params = [p for p in job.adapter.parameters()]
+        if job.cfg.max_grad_norm:
+            gnorm = torch.nn.utils.clip_grad_norm_(params, job.cfg.max_grad_norm)
+        else:
+            gnorm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None))
+        job.opt.step()
+        job.sched.step()
+        job.opt.zero_grad(set_to_none=True)
+        job.tokens += step_tokens[job.id]
+        loss = float(loss_sums[job.id] / max(step_targets[job.id], 1))
+        record_train_step(job, loss)
+        stats[job.name] = {"loss": loss, "grad_norm": float(gnorm), "targets": step_targets[job.id]}
+    engine.observe_memory(jobs)
+    return {"microbatches": len(mbs), "tokens": sum(step_tokens.values()), "jobs": stats}
+
+
+@torch.no_grad()
+def evaluate(engine, jobs: list) -> dict[int, float]:
+    """Validation loss per job (response-token mean over its whole validation set), the micro-batches spread over the
+    ranks."""
+    jobs = [j for j in jobs if j.data.val]
+    if not jobs:
+        return {}
+    for j in jobs:
+        engine.registry[j.id] = j.adapter
+    requests = [(j.id, list(range(len(j.data.val)))) for j in jobs]
+    mbs = engine.microbatches(requests, split="val")
+    sums = torch.zeros(len(jobs), dtype=torch.float64, device=engine.device)
+    counts = torch.zeros(len(jobs), dtype=torch.float64, device=engine.device)
+    index = {j.id: k for k, j in enumerate(jobs)}
+    for i, mb in enumerate(mbs):
+        if i % engine.world != engine.rank:
+            continue
+        mb = mb.to(engine.device)
+        for j, l in job_losses(engine.model, mb, engine.ctx).items():
+            sums[index[j]] += l.double()
+            counts[index[j]] += mb.n_targets(j)
+    dist = dist_group()
+    if dist is not None and engine.world > 1:
+        dist.all_reduce(sums)
+        dist.all_reduce(counts)
+    for j in jobs:
+        if j.status != "active":
+            engine.registry.pop(j.id, None)
+    return {j.id: float(sums[index[j.id]] / counts[index[j.id]].clamp(min=1)) for j in jobs}
+
+
+__all__ = ["decoder_and_head", "dist_group", "evaluate", "job_losses", "train_round"]
