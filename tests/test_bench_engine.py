@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench" / "train"))  # bench/ is not an installed package
+from bench.train import bench_engine as B
 
-import bench_engine as B  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_random_weights_folder_builds_on_load(tmp_path):

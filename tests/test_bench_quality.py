@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench.quality.report import aggregate, load_rows, markdown, mean_ci  # noqa: E402
 from bench.quality.results import append_row, read_rows  # noqa: E402

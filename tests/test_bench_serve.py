@@ -21,7 +21,6 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # bench/ is not an installed package
 
 from bench.serve import client as C  # noqa: E402
 from bench.serve.artifacts import SHAPES, adapter_num_params, matched_bd_rank, vllm_max_lora_rank  # noqa: E402

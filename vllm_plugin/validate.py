@@ -246,8 +246,8 @@ def validate_engine_config(vllm_config: Any) -> None:
 # Header reads of the API process, keyed by path (and the files' size and mtime for adapters): every engine of the
 # process would read the same bytes, so they are shared by the process, bounded, behind one lock.
 _cache_lock = threading.Lock()
-_model_keys_cache: dict[str, Optional[dict]] = {}
-_adapter_cache: dict[tuple, Optional[BDLoraError]] = {}
+_model_keys_cache: dict[str, Optional[dict]] = {}  # model folder -> parameter shapes (headers)
+_adapter_cache: dict[tuple, Optional[BDLoraError]] = {}  # (folder, file stats, engine facts) -> refusal or None
 
 
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
