@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional
 
 import torch
 
