@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up the environment (idempotent) and runs the whole test suite on CPU. Extra args go to pytest.
+# Sets up the environment (idempotent) and runs the whole test suite on CPU, one pytest-xdist worker per core
+# (BDLORA_TEST_WORKERS overrides: 0 runs in this process). Extra args go to pytest.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-exec python -m pytest -ra "$@"
+exec python -m pytest -ra -n "${BDLORA_TEST_WORKERS:-auto}" "$@"

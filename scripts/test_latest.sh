@@ -13,7 +13,7 @@ py="${PYTHON:-python3}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q "torch==2.13.0"   # the CPU wheel on disk; everything below then finds torch satisfied
 pip install -q --upgrade transformers peft trl accelerate datasets huggingface_hub safetensors pyyaml tqdm
-pip install -q --upgrade pytest tensorboard matplotlib
+pip install -q --upgrade pytest pytest-xdist tensorboard matplotlib
 pip install -q --no-deps -e "$root"
 python - <<'PY'
 from importlib.metadata import version
@@ -22,7 +22,7 @@ print("newest releases:", ", ".join(f"{p} {version(p)}" for p in
 PY
 cd "$root"
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-exec python -m pytest -ra -p no:cacheprovider tests/test_train_config.py tests/test_train_output_dir.py \
+exec python -m pytest -ra -n "${BDLORA_TEST_WORKERS:-auto}" -p no:cacheprovider tests/test_train_config.py tests/test_train_output_dir.py \
   tests/test_train_resume.py tests/test_train_equivalence.py tests/test_train_data.py tests/test_train_data_formats.py \
   tests/test_train_inputs.py tests/test_train_dp.py tests/test_trl_example.py tests/test_adapter_format.py \
   tests/test_spec.py tests/test_convert.py tests/test_hub.py tests/test_docs.py "$@"
