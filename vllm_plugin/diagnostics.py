@@ -93,11 +93,11 @@ def read_path_counts(worker) -> dict:
 
 def fused_decode_self_check(worker, lora_ids=None, pad: int = 3, seed: int = 0) -> dict:
     """Sets the token -> adapter mapping ``lora_ids`` (LoRA int ids, 0 = base; default: base and every adapter in a
-    slot, twice) through the LoRA manager, then for every BD layer with fused decode feeds random inputs to vLLM's
+    slot, twice) through the LoRA manager, then for every BD layer on the fast path feeds random inputs to vLLM's
     punica ``add_lora_linear`` (len(lora_ids) tokens) and to ``torch.ops.bdlora.lora_linear`` (the same tokens plus
     ``pad`` padding rows, as a CUDA graph of a larger size would) and returns the largest differences, whether the
-    padding rows stayed untouched and whether the int32 slot map matches the mapping (-1 after it). Layers in fold
-    mode also run ``torch.ops.bdlora.fold_linear`` on the same rows, checked against the base GEMM plus punica's
+    padding rows stayed untouched and whether the int32 slot map matches the mapping (-1 after it). Fold layers
+    also run ``torch.ops.bdlora.fold_linear`` on the same rows, checked against the base GEMM plus punica's
     result (``fold_max_abs_diff``; its padding rows must be the base output alone) and count the prepared launches
     the layers keep (``kept_plans``: plans made for earlier batches, bound to the slot map, read this mapping;
     ``sorted_plans``: those of the tiled kernel on the tokens grouped by slot, ``gemm_sorted``), and

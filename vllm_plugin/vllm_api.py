@@ -75,11 +75,11 @@ _T = TouchPoint
 TOUCH_POINTS: tuple[TouchPoint, ...] = (
     # -------------------------------------------------------------------- front end (frontend.py): flags, config
     _T("EngineArgs.add_cli_args", "vllm.engine.arg_utils", "EngineArgs.add_cli_args", "wrap",
-       "adds --enable-bdlora, --bdlora-fused-decode, --bdlora-fold-shrink (staticmethod; vllm.plugins."
+       "adds --enable-bdlora and the former flags, hidden (staticmethod; vllm.plugins."
        "load_general_plugins runs before it, so the flags reach `vllm serve`)",
        {"0.26": "staticmethod(parser)", "0.32": _SAME, "0.33": _SAME}, params=("parser",)),
     _T("EngineArgs.from_cli_args", "vllm.engine.arg_utils", "EngineArgs.from_cli_args", "wrap",
-       "maps the flags to additional_config {'bdlora': ..., 'bdlora_fused_decode': ...} and enable_lora=True "
+       "maps --enable-bdlora to additional_config {'bdlora': ...} and enable_lora=True "
        "(classmethod)", {"0.26": "classmethod(cls, args)", "0.32": _SAME, "0.33": _SAME}, params=("args",)),
     _T("EngineArgs.create_engine_config", "vllm.engine.arg_utils", "EngineArgs.create_engine_config", "wrap",
        "validate_engine_config on the VllmConfig it returns (BD-mode refusals before any engine process starts)",
@@ -256,14 +256,14 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
           ("slice_lora_a", "identity (the loader sliced)", ("lora_a",)),
           ("slice_lora_b", "identity (the loader sliced)", ("lora_b",)),
           ("set_lora", "copies and shape-checks each slice", ("index", "lora_a", "lora_b")),
-          ("reset_lora", "also clears the fused-decode state", ("index",)),
-          ("_apply_sync", "fold mode: base GEMM + LoRA in one op", ("x", "bias")),
-          ("_apply_lora_to_output", "fused decode: the LoRA term through torch.ops.bdlora.lora_linear",
+          ("reset_lora", "also clears the fast path's slot state", ("index",)),
+          ("_apply_sync", "fold layers: base GEMM + LoRA in one op", ("x", "bias")),
+          ("_apply_lora_to_output", "fast path: the LoRA term through torch.ops.bdlora.lora_linear",
            ("x", "output")),
-          ("_get_quant_method", "fold mode above max_tokens: the base layer's own GEMM", ()),
+          ("_get_quant_method", "fold layers above their cut-offs: the base layer's own GEMM", ()),
       )),
     _T("BaseLayerWithLoRA.set_mapping", "vllm.lora.layers.base", "BaseLayerWithLoRA.set_mapping", "override",
-       "fused decode: keeps the token -> slot map", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME},
+       "fast path: keeps the token -> slot map", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME},
        params=("punica_wrapper",)),
     _T("ColumnParallelLinearWithLoRA.can_replace_layer", "vllm.lora.layers", "ColumnParallelLinearWithLoRA."
        "can_replace_layer", "override", "BD classes use the parent's rule (keywords source_layer, lora_config, "
@@ -282,10 +282,10 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
        "the platform's out-of-tree replacement of ColumnParallelLinear; optional (identity without it)",
        {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}, optional=True),
     _T("PunicaWrapperBase._token_lora_indices", "vllm.lora.punica_wrapper.punica_base",
-       "PunicaWrapperBase._token_lora_indices", "read", "fused decode: token -> slot map (copied to int32)",
+       "PunicaWrapperBase._token_lora_indices", "read", "fast path: token -> slot map (copied to int32)",
        {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}, kind="instance"),
     _T("PunicaWrapperBase.indices_len", "vllm.lora.punica_wrapper.punica_base", "PunicaWrapperBase.indices_len",
-       "read", "fused decode: tokens of the current batch", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME},
+       "read", "fast path: tokens of the current batch", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME},
        kind="instance"),
     _T("PunicaWrapperBase.update_metadata", "vllm.lora.punica_wrapper.punica_base",
        "PunicaWrapperBase.update_metadata", "wrap", "per wrapper instance: refresh the int32 slot map after it",
@@ -295,7 +295,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
        {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME},
        params=("y", "x", "lora_a_stacked", "lora_b_stacked", "scale", "output_slices")),
     _T("Platform.can_update_inplace", "vllm.platforms.interface", "Platform.can_update_inplace", "call",
-       "fused decode needs in-place LoRA output updates", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
+       "the fast path needs in-place LoRA output updates", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
     _T("CompilationConfig.static_forward_context", "vllm.config.compilation", "CompilationConfig.static_forward_context",
        "write", "fast_path: each engine's registry of its fast-path layers (entered under 'bdlora:' names)",
        {"0.26": "dict field", "0.32": _SAME, "0.33": _SAME}, kind="field"),
@@ -325,7 +325,7 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
        optional=True),
     _T("UnquantizedLinearMethod.process_weights_after_loading", "vllm.model_executor.layers.linear",
        "UnquantizedLinearMethod.process_weights_after_loading", "wrap",
-       "fold mode on CPU: sets layer._cpu_skip_gemm_dispatch so the weight stays a torch matrix",
+       "folds on CPU: sets layer._cpu_skip_gemm_dispatch so the weight stays a torch matrix",
        {"0.26": "no _cpu_skip_gemm_dispatch (CPU fold mode keeps the shrink out of the GEMM, with a warning)",
         "0.32": "honours layer._cpu_skip_gemm_dispatch (plain F.linear)", "0.33": _SAME}, params=("layer",)),
     # -------------------------------------------------------------------- diagnostics, testing, CLI
