@@ -509,94 +509,82 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise RuntimeError("run_pipeline_distributed needs an initialized process group (see bdlora.train.engine.launch.run_pipeline_spawn)")
-    P, s = dist.get_world_size(), dist.get_rank()
-    if P != run.pipeline_stages:
-        raise EngineError(f"pipeline_stages={run.pipeline_stages} but {P} processes were launched")
-    engine = StageEngine(run)
-    engine.log = (lambda *a, **k: None) if s else print
-    if engine.device.type == "cuda":
-        torch.cuda.set_device(engine.device)  # NCCL's groups and the *_object collectives use the current device
-    model = engine.model
-    decoder = getattr(model, model.base_model_prefix)
-    n_layers = len(decoder.layers)
-    lo, hi = stage_bounds(n_layers, P)[s]
-    # the loaded stage (load_stage_model) holds layers [lo, hi) at their own indices (their LoRA modules are named
-    # model.layers.<i>..., as on one process) and placeholders elsewhere: the decoder runs the kept ones only
-    kept = nn.ModuleList(list(decoder.layers)[lo:hi])
-    if any(isinstance(layer, _OtherStage) for layer in kept):
-        raise EngineError(f"pipeline stage {s}: the loaded model does not hold its layers [{lo}, {hi})")
-    kept_names = {mod.name for layer in kept for mod in layer.modules() if hasattr(mod, "registry")}
-    decoder.layers = kept
-    if s < P - 1:
-        decoder.norm = nn.Identity()
-    engine.targets = {n: t for n, t in engine.targets.items() if n in kept_names}  # jobs are built for this stage
-    out = Path(run.output_dir)
-    if s == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "run_config.json", "w") as f:
-            json.dump(run.to_dict(), f, indent=2, default=str)
-    if engine.device.type == "cuda":  # the peak from here on: this stage's layers (the only ones loaded) + activations
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(engine.device)
-    st = _Stage(engine, s, P, dist, p2p_groups())
+        raise RuntimeError("run_pipeline_distributed needs an initialized process group (see "
+                           "bdlora.train.engine.launch.run_pipeline_spawn)")
+    if dist.get_world_size() != run.pipeline_stages:
+        raise EngineError(f"pipeline_stages={run.pipeline_stages} but {dist.get_world_size()} processes were launched")
+    return PipelineRun(run, dist).run()
 
-    engine.stage = st
-    to_save = engine.to_save
 
-    def save_finished():  # collective; to_save is the same list on every rank
-        if not to_save:
-            return
-        mine = {job.id: ad.to_adapter().modules for job, ad in to_save}  # {path: LoraFactors} of this stage
-        gathered = [None] * P
-        dist.all_gather_object(gathered, mine)
-        if s == 0:
-            for job, _ in to_save:
-                modules = {n: f for g in gathered for n, f in g[job.id].items()}
-                adapter = Adapter(AdapterConfig.from_spec(job.cfg.spec(engine.model_type), engine.base_id), modules)
-                if adapter_is_finite(adapter, job.name, engine.log):
-                    save_adapter(adapter, job.adapter_path)
-                else:
-                    job.adapter_path = job.result["adapter"] = None
-                if run.save_plots:
-                    plot_job(job, out / "plots" / f"{job.name}.png")
-        to_save.clear()
+class PipelineRun:
+    """This rank's part of a LoRAPP run: its :class:`StageEngine` trimmed to the stage's layers, the :class:`_Stage`
+    that moves activations and gradients, the run's statistics and segment counter. :meth:`run` goes through the
+    run loop the engine uses (:func:`.loop.run_loop`), one segment per advance."""
 
-    def fold_peak() -> None:  # the stage's whole-run peak survives the per-segment resets of the memory model
+    def __init__(self, run: RunConfig, dist):
+        self.run_cfg, self.dist = run, dist
+        self.P, self.s = P, s = dist.get_world_size(), dist.get_rank()
+        engine = self.engine = StageEngine(run)
+        engine.log = (lambda *a, **k: None) if s else print
         if engine.device.type == "cuda":
-            stats["peak_mem_bytes"] = max(stats.get("peak_mem_bytes", 0),
-                                          torch.cuda.max_memory_allocated(engine.device))
+            torch.cuda.set_device(engine.device)  # NCCL's groups and the *_object collectives use the current device
+        model = engine.model
+        decoder = getattr(model, model.base_model_prefix)
+        lo, hi = stage_bounds(len(decoder.layers), P)[s]
+        # the loaded stage (load_stage_model) holds layers [lo, hi) at their own indices (their LoRA modules are
+        # named model.layers.<i>..., as on one process) and placeholders elsewhere: the decoder runs the kept ones only
+        kept = nn.ModuleList(list(decoder.layers)[lo:hi])
+        if any(isinstance(layer, _OtherStage) for layer in kept):
+            raise EngineError(f"pipeline stage {s}: the loaded model does not hold its layers [{lo}, {hi})")
+        kept_names = {mod.name for layer in kept for mod in layer.modules() if hasattr(mod, "registry")}
+        decoder.layers = kept
+        if s < P - 1:
+            decoder.norm = nn.Identity()
+        engine.targets = {n: t for n, t in engine.targets.items() if n in kept_names}  # jobs are built for this stage
+        self.out = Path(run.output_dir)
+        if s == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            with open(self.out / "run_config.json", "w") as f:
+                json.dump(run.to_dict(), f, indent=2, default=str)
+        if engine.device.type == "cuda":  # the peak from here on: this stage's layers (the only ones loaded) + activations
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(engine.device)
+        self.st = engine.stage = _Stage(engine, s, P, dist, p2p_groups())
+        self.stats = {"busy": 0.0, "wall": 0.0, "microbatches": 0, "sim_busy": 0, "sim_slots": 0.0, "max_active": 0}
+        self.segment = 0
 
-    def write_results() -> Optional[dict]:  # collective (statistics of every stage); rank 0 writes
-        fold_peak()
-        payload = {"busy": stats["busy"], "wall": stats["wall"],
-                   "peak_mem_gib": stats["peak_mem_bytes"] / 2**30 if engine.device.type == "cuda" else None,
-                   "memory_points": len(engine.memory.points), "memory_fitted": engine.memory.fitted,
-                   "load": engine.load_stats}
-        gathered = [None] * P
-        dist.all_gather_object(gathered, payload)
-        if s != 0:
-            return None
-        return _write_results(engine, out, gathered, stats)
+    def run(self) -> Optional[dict]:
+        engine, reporter = self.engine, None
+        try:
+            resumed = _load_checkpoint(engine, self.dist, self.s, self.P)
+            if resumed is not None:
+                self.segment, loaded = resumed
+                self.stats.update(loaded)
+                engine.log(f"[pipeline] resumed from {self.out / STATE_DIR} at segment {self.segment} "
+                           f"(round {engine.round})")
+            reporter = RunReporter(engine.jobs, self.out, engine.jobs[0].cfg.progress, engine.rank == 0)
+            return run_loop(engine, self.advance, self.save, self.write_results, self.stopped, self.ended, reporter)
+        finally:  # break the engine <-> stage cycle: nothing may keep this stage's process groups past their destruction
+            if reporter is not None:
+                reporter.close()
+            engine.stage = None
+            self.st.fwd_group = self.st.bwd_group = None
 
-    stats = {"busy": 0.0, "wall": 0.0, "microbatches": 0, "sim_busy": 0, "sim_slots": 0.0, "max_active": 0}
-    segment = 0
-
-    def advance(active) -> Advance:
+    def advance(self, active) -> Advance:
         """One segment: every active job streamed up to its next evaluation point, the pipeline drained, the last
         stage's losses shared, then the scheduler's decisions and the finished jobs' adapters gathered."""
-        nonlocal segment
+        engine, st, dist, P = self.engine, self.st, self.dist, self.P
         counts = {j.id: engine.scheduler.next_eval_step(j, j.step) - j.step for j in active}
         tokens0 = sum(j.tokens for j in active)
         stream, step_targets, mbs_in_step = _build_stream(engine, active, counts)
         ops, sim_bubble = simulate_schedule(stream, P)
         st.loss_sums = {}
-        fold_peak()
+        self.fold_peak()
         engine.reset_peak_memory()
         dist.barrier()
         t0, busy0 = time.perf_counter(), st.busy
-        for kind, m in ops[s]:
+        for kind, m in ops[self.s]:
             if kind == "F":
                 st.forward(stream[m], step_targets)
             else:
@@ -612,6 +600,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
         engine.observe_memory(active)  # this stage's peak over the segment: every stage at the same boundaries
         t1 = time.perf_counter()
         n_ops = sum(len(o) for o in ops)
+        stats = self.stats
         stats["busy"] += st.busy - busy0
         stats["wall"] += t1 - t0
         stats["microbatches"] += len(stream)
@@ -620,7 +609,7 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
         stats["max_active"] = max(stats["max_active"], len(active))
         # the segment's train losses: the last stage has them; every rank records the same numbers
         losses = None
-        if s == P - 1:
+        if self.s == P - 1:
             sums: dict = defaultdict(float)
             for pm in stream:
                 sums[(pm.job, pm.step)] += st.loss_sums[pm.idx]
@@ -632,45 +621,74 @@ def run_pipeline_distributed(run: RunConfig) -> Optional[dict]:
             for _ in range(counts[job.id]):
                 record_train_step(job, losses[(job.id, job.step)])
         n_eval = engine.after_step()  # every active job is due: evaluation, early exit, warm-up, completion
-        save_finished()
-        segment += 1
+        self.save_finished()
+        self.segment += 1
         info = {"microbatches": len(stream), "tokens": sum(j.tokens for j in active) - tokens0}
         return Advance(rounds=max(counts.values()), train_s=t1 - t0, info=info, evals=n_eval,
-                       log_fields={"segment": segment, "jobs": [j.name for j in active],
+                       log_fields={"segment": self.segment, "jobs": [j.name for j in active],
                                    "bubble_schedule_unit_slots": sim_bubble})
 
-    def stopped(rounds: int):
-        result = write_results()
-        engine.log(f"[pipeline] stopped after {rounds} rounds (max_rounds, segment {segment}); run again to resume")
+    def save(self) -> None:
+        _save_checkpoint(self.engine, self.dist, self.s, self.P, self.segment, self.stats)
+
+    def save_finished(self) -> None:
+        """Collective (the list of finished jobs is the same on every rank): each stage's factors of the jobs that
+        finished this segment gathered; rank 0 writes their adapters and plots."""
+        engine, to_save = self.engine, self.engine.to_save
+        if not to_save:
+            return
+        mine = {job.id: ad.to_adapter().modules for job, ad in to_save}  # {path: LoraFactors} of this stage
+        gathered = [None] * self.P
+        self.dist.all_gather_object(gathered, mine)
+        if self.s == 0:
+            for job, _ in to_save:
+                modules = {n: f for g in gathered for n, f in g[job.id].items()}
+                adapter = Adapter(AdapterConfig.from_spec(job.cfg.spec(engine.model_type), engine.base_id), modules)
+                if adapter_is_finite(adapter, job.name, engine.log):
+                    save_adapter(adapter, job.adapter_path)
+                else:
+                    job.adapter_path = job.result["adapter"] = None
+                if self.run_cfg.save_plots:
+                    plot_job(job, self.out / "plots" / f"{job.name}.png")
+        to_save.clear()
+
+    def fold_peak(self) -> None:
+        """The stage's whole-run peak, kept across the memory model's per-segment resets."""
+        if self.engine.device.type == "cuda":
+            self.stats["peak_mem_bytes"] = max(self.stats.get("peak_mem_bytes", 0),
+                                               torch.cuda.max_memory_allocated(self.engine.device))
+
+    def write_results(self) -> Optional[dict]:
+        """Collective (the statistics of every stage); rank 0 writes the results and returns them."""
+        engine = self.engine
+        self.fold_peak()
+        payload = {"busy": self.stats["busy"], "wall": self.stats["wall"],
+                   "peak_mem_gib": self.stats["peak_mem_bytes"] / 2**30 if engine.device.type == "cuda" else None,
+                   "memory_points": len(engine.memory.points), "memory_fitted": engine.memory.fitted,
+                   "load": engine.load_stats}
+        gathered = [None] * self.P
+        self.dist.all_gather_object(gathered, payload)
+        if self.s != 0:
+            return None
+        return _write_results(engine, self.out, gathered, self.stats)
+
+    def stopped(self, rounds: int) -> Optional[dict]:
+        result = self.write_results()
+        self.engine.log(f"[pipeline] stopped after {rounds} rounds (max_rounds, segment {self.segment}); run again "
+                        "to resume")
         return result
 
-    def ended():
-        result = write_results()
+    def ended(self) -> Optional[dict]:
+        result = self.write_results()
         if result is not None:
             st_ = result["pipeline"]
             print(format_table(result["jobs"]))
-            print(f"[pipeline] {P} stages, {len(engine.jobs)} jobs, {segment} segments, {st_['microbatches']} "
-                  f"micro-batches: measured bubble {st_['bubble_measured']:.3f} (per stage "
+            print(f"[pipeline] {self.P} stages, {len(self.engine.jobs)} jobs, {self.segment} segments, "
+                  f"{st_['microbatches']} micro-batches: measured bubble {st_['bubble_measured']:.3f} (per stage "
                   f"{[round(b, 3) for b in st_['bubble_measured_per_stage']]}), schedule "
                   f"{st_['bubble_schedule_unit_slots']:.3f}, theory max((D-L)/D,0) = "
                   f"{st_['bubble_theory_max_D_minus_L_over_D']:.3f}")
         return result
-
-    reporter = None
-    try:
-        resumed = _load_checkpoint(engine, dist, s, P)
-        if resumed is not None:
-            segment, loaded = resumed
-            stats.update(loaded)
-            engine.log(f"[pipeline] resumed from {out / STATE_DIR} at segment {segment} (round {engine.round})")
-        reporter = RunReporter(engine.jobs, out, engine.jobs[0].cfg.progress, engine.rank == 0)
-        return run_loop(engine, advance, lambda: _save_checkpoint(engine, dist, s, P, segment, stats),
-                        write_results, stopped, ended, reporter)
-    finally:  # break the engine <-> stage cycle: nothing may keep this stage's process groups past their destruction
-        if reporter is not None:
-            reporter.close()
-        engine.stage = None
-        st.fwd_group = st.bwd_group = None
 
 
 def _write_results(engine, out: Path, gathered: list[dict], stats: dict) -> dict:
