@@ -154,6 +154,7 @@ def test_fused_op_branches_at_run_time_under_torch_compile(backend):
     from vllm.config import VllmConfig
     from vllm.forward_context import set_forward_context
 
+    from bdlora.vllm_plugin.fast_path import ops  # noqa: F401 - defines torch.ops.bdlora
     from bdlora.vllm_plugin.fast_path.state import LayerBuild, LayerState
 
     gen = torch.Generator().manual_seed(5)

@@ -159,25 +159,25 @@ def _self_check_layers(mgr, lora_ids, want, n, pad, gen, out) -> None:
         out["max_abs_diff"] = max(out["max_abs_diff"], float((y_fused[:n] - y_stock).abs().max()))
         out["max_abs_lora"] = max(out["max_abs_lora"], float(y_stock.abs().max()))
         out["padding_untouched"] &= bool((y_fused[n:] == 0).all())
-        if st.folded is not None:
-            base = torch.nn.functional.linear(x, st.folded.base)
+        if st.fold is not None:
+            base = torch.nn.functional.linear(x, st.fold.weight.base)
             y_fold = layer._apply_sync(x)  # fold_linear, or fold_linear_split + its add (side_defer)
             out["fold_layers"] += 1
-            out["side_deferred_layers"] += st.side_defer
+            out["side_deferred_layers"] += st.side.defer
             out["fold_max_abs_diff"] = max(out["fold_max_abs_diff"],
                                            float((y_fold[:n] - (base[:n] + y_stock)).abs().max()))
             out["fold_max_abs_out"] = max(out["fold_max_abs_out"], float(y_fold.abs().max()))
-            out["fold_shares_weight"] &= layer.base_layer.weight.data_ptr() == st.folded.w_ext.data_ptr()
+            out["fold_shares_weight"] &= layer.base_layer.weight.data_ptr() == st.fold.weight.w_ext.data_ptr()
             out["padding_untouched"] &= bool(torch.allclose(y_fold[n:], base[n:], rtol=1e-5, atol=1e-5))
             out["kept_plans"] += len(st.plans)  # fold_linear's prepared launches this layer keeps (FoldedLaunch)
             out["sorted_plans"] += sum(plan.sorted for plan in st.plans.values())  # on tokens grouped by slot
-            if st.gemv_tiles is not None and st.fold_gemv_max > 0:  # layers on the one-launch kernel, and its kind
+            if st.fold.gemv_tiles is not None and st.fold.gemv_max > 0:  # layers on the one-launch kernel, and its kind
                 out["gemv_layers"] += 1
-                out["gemv_local_shrink_layers"] += bool(st.gemv_tiles.local_shrink)
-            if st.fold_max == 0:  # folded for one-token forwards only
+                out["gemv_local_shrink_layers"] += bool(st.fold.gemv_tiles.local_shrink)
+            if st.fold.max_tokens == 0:  # folded for one-token forwards only
                 out["fold_one_token_only_layers"] += 1
-            out["fold_wide_layers"] += st.fold_min > 1
-            if st.gemv_one_token_tiles is not None:  # one row alone: the one-token tiles
+            out["fold_wide_layers"] += st.fold.min_tokens > 1
+            if st.fold.gemv_one_token_tiles is not None:  # one row alone: the one-token tiles
                 y_one = layer._apply_sync(x[:1])
                 out["gemv_one_token_layers"] += 1
                 out["fold_max_abs_diff"] = max(out["fold_max_abs_diff"],

@@ -89,9 +89,9 @@ class _BDLoRAMixin:
 
     def _apply_sync(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         st = self._bd_fused
-        if self.bd_fused_name is None or st.folded is None or x.ndim != 2:
+        if self.bd_fused_name is None or st.fold is None or x.ndim != 2:
             return super()._apply_sync(x, bias)
-        if st.side_defer:  # the add in traced code: torch.compile fuses it into the kernel that reads the output
+        if st.side.defer:  # the add in traced code: torch.compile fuses it into the kernel that reads the output
             y, term = torch.ops.bdlora.fold_linear_split(x, bias, self.bd_fused_name)
             return y + term
         return torch.ops.bdlora.fold_linear(x, bias, self.bd_fused_name)

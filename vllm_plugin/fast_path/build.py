@@ -10,7 +10,7 @@ import torch
 
 from bdlora.spec import COLUMN
 
-from .state import LayerBuild, LayerState
+from .state import FoldPaths, LayerBuild, LayerState, SidePath
 
 logger = logging.getLogger("bdlora.vllm_plugin")
 
@@ -77,6 +77,12 @@ def build_layer_state(layer, max_loras: int, rank: int, outs: tuple, dtype, dev,
     for tokens, tiles in ((tuning.fold_gemv_max, gemv_tiles), (1, one_tiles)):
         if tiles is not None:
             gemv_ws = build.gemv_workspace(dev, dtype, folded, tokens, tiles)
+    fold = None
+    if folded is not None:
+        fold = FoldPaths(weight=folded, decode_max=fd_max, gemm_max=fg_max, min_tokens=fold_min,
+                         gemv_max=tuning.fold_gemv_max if gemv_tiles is not None else 0,
+                         gemm_rows=tuning.gemm_rows(d_in, d_out, max_loras, rank), gemm_sorted=tuning.gemm_sorted,
+                         gemv_tiles=gemv_tiles, gemv_one_token_tiles=one_tiles, gemv_workspace=gemv_ws)
     layer._bd_fused = LayerState(
         name=name, two_launch_max=two_max, backend=build.options.backend, lora_a=a_all.squeeze(2),
         lora_b=b_all, b_shared=n_s == 1, offsets=tuple(offsets),
@@ -84,12 +90,7 @@ def build_layer_state(layer, max_loras: int, rank: int, outs: tuple, dtype, dev,
         ranks=torch.zeros(max_loras, dtype=torch.int32, device=dev),
         scales=torch.ones(max_loras, dtype=torch.float32, device=dev), build=build,
         workspace=build.decode_workspace(dev, max(two_max, side_max), n_s, max(outs), d_in, rank),
-        folded=folded, fold_decode_max=fd_max if folded is not None else 0,
-        fold_gemm_max=fg_max if folded is not None else 0, fold_min=fold_min,
-        gemm_rows=tuning.gemm_rows(d_in, d_out, max_loras, rank), gemm_sorted=tuning.gemm_sorted,
-        fold_gemv_max=tuning.fold_gemv_max if gemv_tiles is not None else 0, gemv_tiles=gemv_tiles,
-        gemv_one_token_tiles=one_tiles, gemv_workspace=gemv_ws, pdl=tuning.pdl, side_max=side_max,
-        side_defer=side_defer, side_stream=build.side_stream(dev) if side_max else None)
+        fold=fold, side=SidePath(side_max, side_defer, build.side_stream(dev) if side_max else None), pdl=tuning.pdl)
     if _can_update_inplace():
         layer.bd_fused_name = name
     else:  # pragma: no cover - CUDA and CPU update in place

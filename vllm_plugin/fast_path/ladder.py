@@ -62,14 +62,14 @@ def two_streams(st, dev, side_work, main_work) -> tuple:
     which then waits for the second (an event, no host sync; CUDA graphs capture both branches). Buffers allocated
     on the current stream before the fork are freed after that wait, so no other work reuses them early. Off CUDA
     both run on the one stream, side_work first."""
-    main = torch.cuda.current_stream(dev) if st.side_stream is not None else None
+    main = torch.cuda.current_stream(dev) if st.side.stream is not None else None
     if main is None:
         return side_work(), main_work()
-    st.side_stream.wait_stream(main)
-    with torch.cuda.stream(st.side_stream):
+    st.side.stream.wait_stream(main)
+    with torch.cuda.stream(st.side.stream):
         side = side_work()
     out = main_work()
-    main.wait_stream(st.side_stream)
+    main.wait_stream(st.side.stream)
     return side, out
 
 
@@ -92,7 +92,7 @@ def folded_output(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch
     """A fold layer's output for x (``fold_linear``): 2 <= T <= side_max the term on a second stream beside the base
     GEMM, then one add (``side_parts``), else ``fold_paths``."""
     st = layer._bd_fused
-    if 2 <= x.shape[0] <= st.side_max and st.slots is not None:
+    if 2 <= x.shape[0] <= st.side.max_tokens and st.slots is not None:
         y, term = side_parts(layer, x, bias, "side:")
         y += term
         return y
@@ -105,7 +105,7 @@ def split_output(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
     kernel. One token (side_max >= 1): base output and the term from the second stream (``side_parts``); more:
     ``folded_output`` and a zero row, zeroed on the second stream meanwhile."""
     st = layer._bd_fused
-    if x.shape[0] == 1 and st.side_max >= 1 and st.slots is not None:
+    if x.shape[0] == 1 and st.side.max_tokens >= 1 and st.slots is not None:
         return side_parts(layer, x, bias, "side_deferred:")
     zero = torch.empty(1, st.offsets[-1], dtype=x.dtype, device=x.device)
     zero, y = two_streams(st, x.device, zero.zero_, lambda: folded_output(layer, x, bias))
@@ -114,23 +114,24 @@ def split_output(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
 
 def fold_paths(layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """A fold layer's output for x outside the side-stream path, by the token count T: T == 1 with one-token tiles
-    or T <= fold_gemv_max the one-launch kernel, T <= fold_decode_max the per-token kernel, T <= fold_gemm_max the
-    tiled one (both after one GEMM with [W; A]), above the base GEMM on W's view and ``add_lora_term``."""
+    or T <= gemv_max the one-launch kernel, T <= decode_max the per-token kernel, T <= gemm_max the tiled one (both
+    after one GEMM with [W; A]), above the base GEMM on W's view and ``add_lora_term`` (:class:`.state.FoldPaths`)."""
     st = layer._bd_fused
+    fold = st.fold
     n = x.shape[0]
-    one_token = n == 1 and st.gemv_one_token_tiles is not None
-    if (one_token or (st.fold_max > 0 and st.fold_min <= n <= st.fold_max)) and st.slots is not None:
-        if one_token or n <= st.fold_gemv_max:
+    one_token = n == 1 and fold.gemv_one_token_tiles is not None
+    if (one_token or (fold.max_tokens > 0 and fold.min_tokens <= n <= fold.max_tokens)) and st.slots is not None:
+        if one_token or n <= fold.gemv_max:
             kernel = "gemv_one_token" if one_token else "gemv"
-            y, ran = decode_lora_folded(x, st.folded, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
+            y, ran = decode_lora_folded(x, fold.weight, st.lora_b, st.slots.buf[:n], st.ranks, st.scales, st.offsets,
                                         options=st.options, kernel="gemv",
-                                        gemv_tiles=st.gemv_one_token_tiles if one_token else st.gemv_tiles,
-                                        workspace=st.gemv_workspace, pdl=st.pdl)
+                                        gemv_tiles=fold.gemv_one_token_tiles if one_token else fold.gemv_tiles,
+                                        workspace=fold.gemv_workspace, pdl=st.pdl)
         else:
-            kernel = "decode" if n <= st.fold_decode_max else "gemm"
+            kernel = "decode" if n <= fold.decode_max else "gemm"
             if kernel == "gemm":
                 st.warm_gemm_rows(x)
-            plan = st.plan(kernel, st.gemm_rows.tiles_for(n) if kernel == "gemm" and st.gemm_rows is not None
+            plan = st.plan(kernel, fold.gemm_rows.tiles_for(n) if kernel == "gemm" and fold.gemm_rows is not None
                            else None)
             y, ran = plan(x), plan.dispatch
             if plan.sorted:

@@ -49,11 +49,11 @@ def _fold_linear_split(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str
 
 
 def _fold_linear_fake(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str) -> torch.Tensor:
-    return x.new_empty(x.shape[0], find_layer(layer)._bd_fused.folded.d_out)
+    return x.new_empty(x.shape[0], find_layer(layer)._bd_fused.fold.weight.d_out)
 
 
 def _fold_linear_split_fake(x: torch.Tensor, bias: Optional[torch.Tensor], layer: str) -> tuple:
-    return _fold_linear_fake(x, bias, layer), x.new_empty(1, find_layer(layer)._bd_fused.folded.d_out)
+    return _fold_linear_fake(x, bias, layer), x.new_empty(1, find_layer(layer)._bd_fused.fold.weight.d_out)
 
 
 def _define() -> torch.library.Library:

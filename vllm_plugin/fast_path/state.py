@@ -158,8 +158,42 @@ class TokenSlots:
 
 
 @dataclass
+class FoldPaths:
+    """A fold layer's [W; A] and its cut-offs by token count T (see :mod:`.ladder`): T == 1 with one-token tiles or
+    T <= ``gemv_max`` the one-launch kernel, from ``min_tokens`` up to ``decode_max`` the per-token kernel, up to
+    ``gemm_max`` the tiled one (with ``gemm_rows``' tiles; ``gemm_sorted``: on the tokens grouped by slot)."""
+
+    weight: object  # bdlora.kernels.FoldedWeight ([W; A])
+    decode_max: int = 0
+    gemm_max: int = 0
+    min_tokens: int = 1  # a wide fold's multi-token kernels start above two_launch_max
+    gemv_max: int = 0
+    gemm_rows: object = None  # ServingTuning.gemm_rows for this layer
+    gemm_sorted: bool = False
+    gemv_tiles: object = None  # bdlora.kernels.GemvTiles for this layer's shape, or None
+    gemv_one_token_tiles: object = None  # GemvTiles(one_token=True) for T == 1, or None
+    gemv_workspace: object = None  # bdlora.kernels.GemvWorkspace shared by the build's layers on the device
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens a forward may have for the fold's multi-token kernels (from ``min_tokens``); 0: the fold
+        serves one-token forwards only."""
+        return max(self.gemm_max, self.gemv_max)
+
+
+@dataclass
+class SidePath:
+    """The LoRA term on a second CUDA stream beside the base GEMM, for forwards of 2..``max_tokens`` tokens (one token
+    too with ``defer``, whose add the caller leaves to the next compiled kernel); ``stream`` None off CUDA."""
+
+    max_tokens: int = 0
+    defer: bool = False
+    stream: object = None
+
+
+@dataclass
 class LayerState:
-    """One BD layer's fast-path buffers and cut-offs (all persistent: a CUDA graph captures their addresses)."""
+    """One BD layer's fast-path buffers and paths (all persistent: a CUDA graph captures their addresses)."""
 
     name: str
     two_launch_max: int  # the two-launch kernel serves T <= this, vLLM's punica path above
@@ -174,22 +208,11 @@ class LayerState:
     build: Optional[LayerBuild] = None  # the engine's build: path counters, messages logged once
     workspace: object = None  # bdlora.kernels.DecodeWorkspace shared by this engine's layers on the device
     slots: Optional[TokenSlots] = None
-    folded: object = None  # bdlora.kernels.FoldedWeight ([W; A]) where the layer folds, else None
-    fold_decode_max: int = 0  # fold_linear: T <= this runs the per-token kernel,
-    fold_gemm_max: int = 0  # T <= this the tiled one, above vLLM's path
-    fold_min: int = 1  # the fold's multi-token kernels start here (a wide fold: above two_launch_max)
-    gemm_rows: object = None  # this layer's kernel="gemm" tiles per T (ServingTuning.gemm_rows)
-    gemm_sorted: bool = False  # kernel="gemm" on the tokens grouped by slot (ServingTuning.gemm_sorted, 2+ slots)
-    fold_gemv_max: int = 0  # fold_linear: T <= this runs the one-launch kernel (before the cut-offs above)
-    gemv_tiles: object = None  # its bdlora.kernels.GemvTiles for this layer's shape
-    gemv_one_token_tiles: object = None  # GemvTiles(one_token=True) for T == 1 on this shape, or None
-    gemv_workspace: object = None  # bdlora.kernels.GemvWorkspace shared by this build's layers on the device
+    fold: Optional[FoldPaths] = None  # None: the layer does not fold
+    side: SidePath = field(default_factory=SidePath)
     pdl: bool = False  # the tuning's pdl (launch the kernels with programmatic dependent launch)
-    side_max: int = 0  # fold_linear: 2 <= T <= this runs the LoRA term on side_stream beside the base GEMM
-    side_defer: bool = False  # forwards go through fold_linear_split (T == 1 on side_stream), the add traced
-    side_stream: object = None  # LayerBuild.side_stream (None off CUDA)
     options: KernelOptions = field(init=False)  # KernelOptions(backend=backend), built once: every forward uses it
-    #: fold_linear's prepared launches (kernel "decode"/"gemm") by (kernel, tiles), built on first use: a prefill
+    #: the fold's prepared launches (kernel "decode"/"gemm") by (kernel, tiles), built on first use: a prefill
     #: runs eagerly, so the op's host time is paid per call. Bound to ``slots``; dropped when the mapping changes.
     plans: dict = field(init=False, default_factory=dict)
     gemm_rows_warm: bool = False  # every gemm_rows row this layer may take has been launched once (warm_gemm_rows)
@@ -197,21 +220,15 @@ class LayerState:
     def __post_init__(self):
         self.options = KernelOptions(backend=self.backend)
 
-    @property
-    def fold_max(self) -> int:
-        """The most tokens a forward may have for the fold's multi-token kernels (from ``fold_min``); 0: the fold
-        serves one-token forwards only."""
-        return max(self.fold_gemm_max, self.fold_gemv_max)
-
     def plan(self, kernel: str, tiles) -> FoldedLaunch:
         key = (kernel, tiles)
         plan = self.plans.get(key)
         if plan is None:
             n_loras = self.lora_b.shape[0]
-            segments = (self.slots.segments(n_loras) if kernel == "gemm" and self.gemm_sorted and n_loras > 1
+            segments = (self.slots.segments(n_loras) if kernel == "gemm" and self.fold.gemm_sorted and n_loras > 1
                         else None)
             plan = self.plans[key] = FoldedLaunch(
-                self.folded, self.lora_b, self.slots.buf, self.ranks, self.scales, self.offsets, kernel=kernel,
+                self.fold.weight, self.lora_b, self.slots.buf, self.ranks, self.scales, self.offsets, kernel=kernel,
                 tiles=tiles, pdl=self.pdl, options=self.options, segments=segments)
         return plan
 
@@ -227,11 +244,12 @@ class LayerState:
         mid-serving (a prefill of 257-2048 tokens, which neither vLLM's warm-up sizes nor its profile run reach)
         compiled there, a latency spike that vLLM's JIT monitor reported on an H100. Skipped while a
         CUDA graph captures (compiling and launching there would land in the graph); the next eager call does it."""
-        if self.gemm_rows_warm or self.gemm_rows is None or self.slots is None:
+        fold = self.fold
+        if self.gemm_rows_warm or fold.gemm_rows is None or self.slots is None:
             return
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return
         self.gemm_rows_warm = True
-        lo = max(self.fold_min, self.fold_decode_max + 1)
-        for tiles in self.gemm_rows.tiles_between(lo, self.fold_gemm_max):
+        lo = max(fold.min_tokens, fold.decode_max + 1)
+        for tiles in fold.gemm_rows.tiles_between(lo, fold.gemm_max):
             self.plan("gemm", tiles)(x[:1])
