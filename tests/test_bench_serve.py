@@ -623,8 +623,8 @@ def test_step_profile_of_a_prefill_on_vllm_cpu(tmp_path):
     assert n == 2 * 4 and total_ms > 0 and per_call_us > 0, r["host"]["ops"]
     # the Python side (cProfile of another generate): the plugin's op implementation, once per BD module
     # (python_lora: the LoRA and plugin rows of the whole profile; python_top's 25 may not reach them)
-    impl = [row for row in r["python_lora"] if row[0].startswith("vllm_plugin/layers.py:") and "_fold_linear_impl" in
-            row[0]]
+    impl = [row for row in r["python_lora"] if row[0].startswith("vllm_plugin/fast_path/ops.py:")
+            and row[0].endswith("(_fold_linear)")]
     assert len(impl) == 1 and impl[0][1] == 2 * 4 and impl[0][2] > 0, r["python_lora"]
     assert any(row[0].startswith("vllm/") for row in r["python_top"]), r["python_top"]
     lora = [row[0] for row in r["python_lora"]]  # vLLM's LoRA machinery per step, whatever its rank overall
