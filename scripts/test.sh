@@ -3,4 +3,4 @@
 # (BDLORA_TEST_WORKERS overrides: 0 runs in this process). Extra args go to pytest.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-exec python -m pytest -ra --durations=20 -n "${BDLORA_TEST_WORKERS:-auto}" "$@"
+exec python -m pytest -ra --durations=20 -n "${BDLORA_TEST_WORKERS:-auto}" --dist loadgroup "$@"

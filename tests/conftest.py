@@ -76,3 +76,15 @@ def vllm_adapters(tiny_llama_dir, tmp_path_factory):
     }
     return {name: make_peft_adapter(tiny_llama_dir, root / name, cfg, seed=i + 1)
             for i, (name, cfg) in enumerate(configs.items())}
+
+
+#: Modules whose engines or servers are module-scoped fixtures: under pytest-xdist each runs on one worker, which
+#: starts the engine once (spread over two workers, each would start its own).
+ONE_WORKER_MODULES = ("test_vllm_plugin.py", "test_vllm_plugin_tp2.py", "test_vllm_plugin_errors.py",
+                      "test_vllm_plugin_server.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
