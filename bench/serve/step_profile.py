@@ -161,7 +161,6 @@ def main():
     a = ap.parse_args()
     if a.ab_direct and not a.time_only:
         ap.error("--ab-direct pairs unprofiled generates: add --time-only")
-    import torch
     from vllm import LLM, SamplingParams
 
     sh = P.SHARDS[a.shape]

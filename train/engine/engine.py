@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -233,8 +234,6 @@ class Engine:
 
     def _advance(self, active: list[Job]) -> Advance:
         """One round: every active job one step, then the scheduler's decisions."""
-        import time
-
         t0 = time.perf_counter()
         info = self.train_round()
         train_s = time.perf_counter() - t0
