@@ -9,7 +9,7 @@ docs/architecture.md has the layout.
 
 from .adapter import Adapter, AdapterConfig, load_adapter, read_config, save_adapter
 from .layout import COLUMN, ROW, LoraFactors
-from .peft_model import prepare_bd_model
+from .peft_model import prepare_bd_model, use_bdlora_kernels
 from .spec import PRESETS, BDLoraError, BDLoraSpec, matched_lora_rank
 
 def _version() -> str:
@@ -25,5 +25,5 @@ __version__ = _version()
 
 __all__ = [
     "Adapter", "AdapterConfig", "BDLoraError", "BDLoraSpec", "COLUMN", "LoraFactors", "PRESETS", "ROW",
-    "load_adapter", "matched_lora_rank", "prepare_bd_model", "read_config", "save_adapter",
+    "load_adapter", "matched_lora_rank", "prepare_bd_model", "read_config", "save_adapter", "use_bdlora_kernels",
 ]

@@ -1,15 +1,21 @@
-"""A PEFT model built from a :class:`~bdlora.spec.BDLoraSpec` made a checked, correctly initialised BD-LoRA model:
-what ``bdlora train`` does after ``get_peft_model``, public for users who train with their own loop or with TRL's
-``SFTTrainer`` (``examples/trl_sft.py``)."""
+"""A PEFT model built from a :class:`~bdlora.spec.BDLoraSpec` made a checked, correctly initialised BD-LoRA model
+that trains on bdlora's kernels: what ``bdlora train`` does after ``get_peft_model``, public for users who train with
+their own loop or with TRL's ``SFTTrainer`` (``examples/trl_sft.py``)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from .layout import COLUMN, ROW
+from .layout import COLUMN, ROW, LoraFactors
 from .spec import BDLoraError, BDLoraSpec
+
+#: How a PEFT BD-LoRA layer computes its LoRA term while training: "peft" (PEFT's ``BlockDiagonalLinear``, an einsum
+#: over the blocks, and ``nn.Dropout``), "cublas" (:class:`KernelBdLoraVariant`: bdlora's GEMMs, dropout and dS/dB
+#: kernels), "auto" ("cublas" on a CUDA device, where it is the faster; "peft" elsewhere).
+LORA_BACKENDS = ("auto", "peft", "cublas")
 
 
 def init_block_a_like_lora(peft_model) -> None:
@@ -58,10 +64,75 @@ def check_bd_structure(peft_model, spec: BDLoraSpec, expected: dict[str, str]) -
                           f"{missing[:5]}, wrong block-diagonal factor {wrong[:5]}")
 
 
-def prepare_bd_model(peft_model, spec: BDLoraSpec, a_init: str = "lora"):
+@functools.lru_cache(maxsize=None)  # one class per process: PEFT keeps instances of it on every layer
+def _kernel_variant_class():
+    from peft.tuners.lora.variants import BdLoraLinearVariant, BlockDiagonalLinear
+
+    from .kernels import KernelOptions
+    from .kernels.cublas import cublas_lora_add_
+
+    class KernelBdLoraVariant(BdLoraLinearVariant):
+        """PEFT's BD-LoRA variant with its LoRA term on bdlora's GEMMs (``bdlora.kernels.cublas``): block-diagonal
+        products as one dense GEMM up to rank 128 (strided-batched blocks above), the scale in the GEMM's alpha, the
+        term accumulated into the base layer's output in the expand GEMM's epilogue, dS and dB from one read of dY,
+        and dropout drawn inside the kernels from a counter hash (seeded from torch's CPU generator, so
+        checkpoint recomputation and resumed runs draw the same masks) where PEFT materialises ``nn.Dropout``'s.
+        Same parameters, initialisation, merge and saved adapter as PEFT's variant (it subclasses it). The input is
+        taken in its own dtype (the layer disables PEFT's cast of it to the factors' fp32): the products run in the
+        activations' dtype, as under autocast."""
+
+        def __init__(self, backend: str = "cublas", options: KernelOptions = KernelOptions()):
+            self.backend, self.options = backend, options
+
+        def forward(self, module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
+            lora_a, lora_b = module.lora_A[active_adapter], module.lora_B[active_adapter]
+            if self.backend == "auto" and x.device.type != "cuda":  # PEFT's own computation, input cast included
+                return super().forward(module, active_adapter, x.to(lora_a.weight.dtype), result, **kwargs)
+            dropout = module.lora_dropout[active_adapter]
+            p = dropout.p if module.training and isinstance(dropout, torch.nn.Dropout) else 0.0
+            layout = ROW if isinstance(lora_a, BlockDiagonalLinear) else COLUMN if isinstance(lora_b, BlockDiagonalLinear) else None
+            nblocks = (lora_a if layout == ROW else lora_b).nblocks if layout else 1
+            adapter = LoraFactors(lora_a.weight, lora_b.weight, layout, nblocks, module.scaling[active_adapter], p)
+            seed = int(torch.randint(0, 2**62, ())) if p > 0 else None
+            if not result.is_contiguous():
+                result = result.contiguous()
+            return cublas_lora_add_(result, x, adapter, seed, self.options)[0]
+
+    return KernelBdLoraVariant
+
+
+def use_bdlora_kernels(peft_model, backend: str = "auto", options=None) -> int:
+    """Runs the LoRA term of every BD-LoRA layer of ``peft_model`` with an unquantized ``nn.Linear`` base on bdlora's
+    kernels (:data:`LORA_BACKENDS`: "cublas" always, "auto" where the layer's input is on a CUDA device and PEFT's own
+    computation elsewhere, decided per call so the model may move after this; "peft" changes nothing). ``options``:
+    a ``bdlora.kernels.KernelOptions`` (tests force the Triton kernels under the interpreter with it). k-bit layers
+    stay on PEFT's bitsandbytes path. Returns the number of layers switched."""
+    if backend not in LORA_BACKENDS:
+        raise BDLoraError(f"lora_backend: {backend!r} is not one of {list(LORA_BACKENDS)}")
+    if backend == "peft":
+        return 0
+    from peft.tuners.lora.variants import BdLoraLinearVariant
+
+    variant_class = _kernel_variant_class()
+    kwargs = {} if options is None else {"options": options}
+    switched = 0
+    for module in peft_model.modules():
+        variants = getattr(module, "lora_variant", None)
+        if not isinstance(variants, dict) or type(getattr(module, "base_layer", None)) is not torch.nn.Linear:
+            continue
+        for name, variant in list(variants.items()):
+            if type(variant) is BdLoraLinearVariant:
+                variants[name] = variant_class(backend, **kwargs)
+                module.cast_input_dtype_enabled = False
+                switched += 1
+    return switched
+
+
+def prepare_bd_model(peft_model, spec: BDLoraSpec, a_init: str = "lora", lora_backend: str = "auto"):
     """Checks that PEFT built exactly ``spec``'s adapter on ``peft_model`` (the spec's modules by exact name, the
-    right factor block-diagonal with N packed blocks: PEFT matches names by substring) and, with ``a_init="lora"``,
-    starts every block-diagonal A like an independent rank r/N LoRA A of its shard. Returns the model; raises
+    right factor block-diagonal with N packed blocks: PEFT matches names by substring); with ``a_init="lora"``,
+    starts every block-diagonal A like an independent rank r/N LoRA A of its shard; runs the BD layers on bdlora's
+    kernels per ``lora_backend`` (:func:`use_bdlora_kernels`). Returns the model; raises
     :class:`~bdlora.spec.BDLoraError` naming what differs."""
     if a_init not in ("lora", "peft"):
         raise BDLoraError(f"a_init: {a_init!r} is not 'lora' or 'peft'")
@@ -69,7 +140,8 @@ def prepare_bd_model(peft_model, spec: BDLoraSpec, a_init: str = "lora"):
     check_bd_structure(peft_model, spec, spec.matching_modules(base))
     if a_init == "lora":
         init_block_a_like_lora(peft_model)
+    use_bdlora_kernels(peft_model, lora_backend)
     return peft_model
 
 
-__all__ = ["check_bd_structure", "init_block_a_like_lora", "prepare_bd_model"]
+__all__ = ["LORA_BACKENDS", "check_bd_structure", "init_block_a_like_lora", "prepare_bd_model", "use_bdlora_kernels"]

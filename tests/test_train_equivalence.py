@@ -116,15 +116,20 @@ def _randomize_lora(model, seed):
                 p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
 
 
+@pytest.mark.parametrize("backend", ["peft", "cublas"])
 @pytest.mark.parametrize("nblocks", [2, 4])
-def test_layers_equal_independent_shard_loras(nblocks):
+def test_layers_equal_independent_shard_loras(nblocks, backend):
+    """PEFT's BD layer and bdlora's kernel variant of it (what ``bdlora train`` runs on a GPU)."""
     from peft import get_peft_model
+
+    from bdlora.peft_model import use_bdlora_kernels
 
     torch.manual_seed(0)
     spec = BDLoraSpec(nblocks=nblocks, r=4 * nblocks, lora_alpha=16.0, column_modules=("up_proj",),
                       row_modules=("down_proj",))
     model = get_peft_model(TwoLayer().double(), spec.to_peft_config())
     _randomize_lora(model, seed=nblocks)
+    assert use_bdlora_kernels(model, backend) == (2 if backend == "cublas" else 0)
     up = model.base_model.model.up_proj
     down = model.base_model.model.down_proj
     ref_up = shard_peft_layer(up, COLUMN, nblocks, spec.lora_alpha)

@@ -29,20 +29,25 @@ def _params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_resume_is_exact(tiny_llama_dir, data_file, tmp_path):
+@pytest.mark.parametrize("backend", ["auto", "cublas"])
+def test_resume_is_exact(tiny_llama_dir, data_file, tmp_path, backend):
     # 2k straight vs k + resume + k; dropout, grad accumulation, a warm-up + cosine schedule and epoch wrap-around
-    # (4 steps x 6 examples > 19 training examples) all take part.
-    straight = run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "a"))
+    # (4 steps x 6 examples > 19 training examples) all take part. "cublas": bdlora's kernel layer, whose dropout
+    # masks come from seeds drawn from torch's CPU generator, which the checkpoint's RNG state restores.
+    def cfg(out, **kw):
+        return _cfg(tiny_llama_dir, data_file, out, lora_backend=backend, **kw)
+
+    straight = run_training(cfg(tmp_path / "a"))
     assert straight.step == 4 and straight.adapter_dir is not None
 
-    first = run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "b"), stop_after_steps=2)
+    first = run_training(cfg(tmp_path / "b"), stop_after_steps=2)
     assert first.step == 2 and first.adapter_dir is None
     ckpts = list_checkpoints(tmp_path / "b")
     assert [p.name for p in ckpts] == ["checkpoint-2"]
     assert (ckpts[0] / "adapter_model.safetensors").is_file() and (ckpts[0] / "trainer_state.json").is_file()
     assert not [p for p in (tmp_path / "b").iterdir() if p.name.startswith(".staging")]  # atomic
 
-    resumed = run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "b", resume="auto"))
+    resumed = run_training(cfg(tmp_path / "b", resume="auto"))
     assert resumed.step == 4
     a, b = _params(straight.model), _params(resumed.model)
     assert a.keys() == b.keys() and len(a) == 28
@@ -59,7 +64,7 @@ def test_resume_is_exact(tiny_llama_dir, data_file, tmp_path):
 
     # Changing the math of the job is refused, with the key named.
     with pytest.raises(ConfigError, match=r"lr: 0.003 -> 0.001"):
-        run_training(_cfg(tiny_llama_dir, data_file, tmp_path / "b", resume=str(ckpts[0]), lr=1e-3))
+        run_training(cfg(tmp_path / "b", resume=str(ckpts[0]), lr=1e-3))
 
 
 def test_saved_folder_loads_in_peft_with_identical_outputs(tiny_llama_dir, data_file, tmp_path):

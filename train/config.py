@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from bdlora.peft_model import LORA_BACKENDS
 from bdlora.spec import BDLoraError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -112,6 +113,10 @@ class TrainConfig:
     lora_alpha: float = field(default=16.0, **_help("""rsLoRA alpha of one block; the scale is
         alpha*sqrt(N)/sqrt(r) = alpha/sqrt(r/N), saved so PEFT and vLLM reproduce it."""))
     lora_dropout: float = field(default=0.0, **_help("Dropout on the LoRA input while training (PEFT semantics)."))
+    lora_backend: str = field(default="auto", **_help("""How the BD-LoRA layers compute their LoRA term: `auto`
+        (bdlora's kernels on a GPU: cuBLAS GEMMs, dropout and dS/dB in Triton kernels; PEFT's layer on CPU),
+        `cublas` (bdlora's kernels everywhere) or `peft` (PEFT's BlockDiagonalLinear). Same parameters and saved
+        adapter either way; k-bit bases always run PEFT's bitsandbytes layer."""))
     a_init: str = field(default="lora", **_help("""`lora`: block-diagonal A factors start like a standard LoRA A of
         each shard (kaiming-uniform a=sqrt(5) over the shard's fan-in), so every block starts as an independent
         rank r/N LoRA; `peft`: PEFT's own BlockDiagonalLinear init."""))
@@ -245,6 +250,8 @@ class TrainConfig:
             bad("lora_alpha", f"must be > 0, got {self.lora_alpha:g}")
         if not 0.0 <= self.lora_dropout < 1.0:
             bad("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_backend not in LORA_BACKENDS:
+            bad("lora_backend", f"{self.lora_backend!r} is not one of {list(LORA_BACKENDS)}")
         if (self.column_modules is None) != (self.row_modules is None):
             bad("column_modules" if self.column_modules is None else "row_modules",
                 "column_modules and row_modules go together (give both, one may be an empty list)")
@@ -388,7 +395,7 @@ class TrainConfig:
     #: fields that must not change between a checkpoint and the run resuming it (they change the math, the data
     #: order or the schedule's length); everything else (logging, save/eval cadence, trackers) may.
     RESUME_INVARIANT = ("model", "target_modules", "column_modules", "row_modules", "nblocks", "r", "lora_alpha",
-                        "lora_dropout", "a_init", "train_file", "eval_file", "eval_fraction", "data_format",
+                        "lora_dropout", "lora_backend", "a_init", "train_file", "eval_file", "eval_fraction", "data_format",
                         "max_length", "packing", "lr", "weight_decay", "adam_betas", "adam_eps", "max_grad_norm",
                         "scheduler", "warmup_ratio", "warmup_steps", "batch_size", "grad_accum", "epochs",
                         "max_steps", "precision", "seed", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type",

@@ -50,7 +50,7 @@ from typing import Any, Optional
 import torch
 
 from bdlora.adapter import atomic_output_dir
-from bdlora.peft_model import check_bd_structure, init_block_a_like_lora
+from bdlora.peft_model import check_bd_structure, init_block_a_like_lora, use_bdlora_kernels
 from bdlora.spec import BDLoraError, BDLoraSpec
 
 from .config import ConfigError, TrainConfig, parse_override
@@ -189,6 +189,8 @@ def build_peft_model(cfg: TrainConfig, model_dir: Path):
         check_kbit_bd(model, spec.nblocks)
     if cfg.a_init == "lora":
         init_block_a_like_lora(model)
+    if not cfg.quantized:
+        use_bdlora_kernels(model, cfg.lora_backend)
     return model, spec
 
 

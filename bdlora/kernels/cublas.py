@@ -217,6 +217,78 @@ def _eff(w: torch.Tensor, nb: int, dense: bool, dtype: torch.dtype) -> tuple[tor
     return (unpack_block_diagonal(w, nb, dtype), 1) if dense and nb > 1 else (w.to(dtype), nb)
 
 
+def _shrink(cfg: _Cfg, i: int, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, need_da: bool, need_db: bool,
+            need_dx: bool) -> tuple[torch.Tensor | None, tuple[torch.Tensor, int], list]:
+    """Adapter i's forward up to its rank-r product: (S_i or None for an empty segment, (B_i as the GEMMs read it, its
+    blocks), the five tensors its backward needs); decides its dropout and dS/dB routes (``cfg.fused``, ``cfg.dsdb``)."""
+    a_eff, na = _eff(a, cfg.nb_a[i], cfg.dense[i], x.dtype)
+    b_eff, nb = _eff(b, cfg.nb_b[i], cfg.dense[i], x.dtype)
+    s0, s1 = cfg.seg[i], cfg.seg[i + 1]
+    s = xin = drop = None
+    if s1 > s0:
+        xin = x[s0:s1]
+        s = new_output(x, (s1 - s0, cfg.rank[i]), cfg.options)
+        cfg.fused[i] = cfg.p[i] > 0 and fused_ok(x, a_eff, cfg.options.fused_dropout)
+        need_ds = need_da or need_dx
+        if need_db or need_ds:
+            dense_b = cfg.dense[i] or cfg.nb_b[i] == 1
+            fuse = need_db and need_ds and dense_b and dsdb_ok(x, b_eff, cfg.options.fused_dsdb)
+            cfg.dsdb[i] = "triton" if fuse else "cublas"
+        if cfg.fused[i]:  # mask drawn in the kernel, again in backward: nothing but x saved
+            drop_shrink(s, xin, a_eff, cfg.keys[i], cfg.p[i], cfg.c[i])
+            xin = None
+        else:
+            if cfg.p[i] > 0:
+                drop = segment_keep_mask(cfg.seed, i, s1 - s0, x.shape[1], cfg.p[i], x.device).logical_not_()
+                xin = xin.masked_fill(drop, 0)
+            bd_mm_(s, xin, a_eff, na, cfg.c[i], 0.0)
+    return s, (b_eff, nb), [a_eff, b_eff, s, xin if drop is not None else None, drop]
+
+
+def _needs_x(cfg: _Cfg, need_da: Sequence[bool]) -> bool:
+    """Whether an adapter's dA reads x itself (no dropout, or dropout drawn again inside the kernel)."""
+    return any(d and (cfg.p[i] == 0 or cfg.fused[i]) for i, d in enumerate(need_da))
+
+
+def _expand_backward(cfg: _Cfg, i: int, dy: torch.Tensor, x: torch.Tensor | None, saved: Sequence,
+                     need_da: bool, need_db: bool, dx: torch.Tensor | None) -> tuple:
+    """Adapter i's backward: (dA_i, dB_i) packed like its factors (None where not needed); its share of dX written
+    into ``dx``'s segment rows (beta = 0: the caller adds the base's share after)."""
+    a_eff, b_eff, s, xin, drop = saved
+    s0, s1 = cfg.seg[i], cfg.seg[i + 1]
+    a_dtype, b_dtype = cfg.factor_dtypes[i]
+    if s1 == s0:
+        return (dy.new_zeros(cfg.a_shapes[i], dtype=a_dtype) if need_da else None,
+                dy.new_zeros(cfg.b_shapes[i], dtype=b_dtype) if need_db else None)
+    na, nb = (1 if cfg.dense[i] else cfg.nb_a[i]), (1 if cfg.dense[i] else cfg.nb_b[i])
+    dyi = dy[s0:s1]
+    need_ds = need_da or dx is not None
+    da = db = ds = None
+    if need_ds and need_db and cfg.dsdb[i] == "triton":  # dS and dB from one read of dY (forward decided)
+        ds, db = dsdb_dense(dyi, s, b_eff)
+        db = pack_block_diagonal(db, cfg.nb_b[i], b_dtype)
+        ds = ds if cfg.fused[i] else ds.to(dy.dtype)  # the dropout kernels round fp32 dS themselves
+    else:
+        db = bd_wgrad(dyi, s, cfg.nb_b[i], 1.0, cfg.dense[i], b_dtype, cfg.options) if need_db else None
+        if need_ds:
+            ds = new_output(dy, (s1 - s0, cfg.rank[i]), cfg.options)
+            bd_mm_t_(ds, dyi, b_eff, nb, 1.0, 0.0)
+    if need_ds:
+        if need_da and cfg.fused[i]:
+            da = pack_block_diagonal(drop_wgrad_a(x[s0:s1], ds, cfg.keys[i], cfg.p[i], cfg.c[i]), cfg.nb_a[i], a_dtype)
+        elif need_da:
+            da = bd_wgrad(ds, x[s0:s1] if xin is None else xin, cfg.nb_a[i], cfg.c[i], cfg.dense[i],
+                          a_dtype, cfg.options)
+        if dx is not None and cfg.fused[i]:
+            drop_expand_t(dx[s0:s1], ds, a_eff, cfg.keys[i], cfg.p[i], cfg.c[i])
+        elif dx is not None:
+            dxi = dx[s0:s1]
+            bd_mm_t_(dxi, ds, a_eff, na, cfg.c[i], 0.0)
+            if drop is not None:
+                dxi.masked_fill_(drop, 0)
+    return da, db
+
+
 class CublasLoraLinearFn(torch.autograd.Function):
     """Fused (BD-)LoRA linear from cuBLAS GEMMs. Inputs (cfg, x, weight, bias, a_0, b_0, a_1, b_1, ...):
 
@@ -244,35 +316,16 @@ class CublasLoraLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, cfg: _Cfg, x, weight, bias, *factors):
-        t, d_in = x.shape
+        t = x.shape[0]
         seg = cfg.seg
         nig = ctx.needs_input_grad
+        need_da = [nig[4 + 2 * i] for i in range(len(cfg.c))]
         lora_s, lora_b, saved = [], [], []
         for i in range(len(cfg.c)):
-            a_eff, na = _eff(factors[2 * i], cfg.nb_a[i], cfg.dense[i], x.dtype)
-            b_eff, nb = _eff(factors[2 * i + 1], cfg.nb_b[i], cfg.dense[i], x.dtype)
-            s0, s1 = seg[i], seg[i + 1]
-            s = xin = drop = None
-            if s1 > s0:
-                xin = x[s0:s1]
-                s = new_output(x, (s1 - s0, cfg.rank[i]), cfg.options)
-                cfg.fused[i] = cfg.p[i] > 0 and fused_ok(x, a_eff, cfg.options.fused_dropout)
-                need_db, need_ds = nig[5 + 2 * i], nig[4 + 2 * i] or nig[1]
-                if need_db or need_ds:
-                    dense_b = cfg.dense[i] or cfg.nb_b[i] == 1
-                    fuse = need_db and need_ds and dense_b and dsdb_ok(x, b_eff, cfg.options.fused_dsdb)
-                    cfg.dsdb[i] = "triton" if fuse else "cublas"
-                if cfg.fused[i]:  # mask drawn in the kernel, again in backward: nothing but x saved
-                    drop_shrink(s, xin, a_eff, cfg.keys[i], cfg.p[i], cfg.c[i])
-                    xin = None
-                else:
-                    if cfg.p[i] > 0:
-                        drop = segment_keep_mask(cfg.seed, i, s1 - s0, d_in, cfg.p[i], x.device).logical_not_()
-                        xin = xin.masked_fill(drop, 0)
-                    bd_mm_(s, xin, a_eff, na, cfg.c[i], 0.0)
+            s, b_eff, kept = _shrink(cfg, i, x, factors[2 * i], factors[2 * i + 1], need_da[i], nig[5 + 2 * i], nig[1])
             lora_s.append(s)
-            lora_b.append((b_eff, nb))
-            saved += [a_eff, b_eff, s, xin if drop is not None else None, drop]
+            lora_b.append(b_eff)
+            saved += kept
         if bias is None:  # LoRA first, then the base GEMM accumulates onto it (beta=1) in its epilogue
             y = new_output(x, (t, weight.shape[0]), cfg.options)
             y[: seg[0]].zero_()
@@ -287,8 +340,8 @@ class CublasLoraLinearFn(torch.autograd.Function):
                 if s is not None:
                     bd_mm_(y[seg[i]:seg[i + 1]], s, *lora_b[i], 1.0, 1.0)
         # x itself is needed for dW, and for dA of adapters without dropout or with it fused
-        need_x = nig[2] or any(nig[4 + 2 * i] and (cfg.p[i] == 0 or cfg.fused[i]) for i in range(len(cfg.c)))
-        ctx.cfg, ctx.x_shape, ctx.has_bias = cfg, (t, d_in), bias is not None
+        need_x = nig[2] or _needs_x(cfg, need_da)
+        ctx.cfg, ctx.x_shape, ctx.has_bias = cfg, x.shape, bias is not None
         ctx.save_for_backward(x if need_x else None, weight, *saved)
         return y
 
@@ -298,55 +351,56 @@ class CublasLoraLinearFn(torch.autograd.Function):
         cfg: _Cfg = ctx.cfg
         x, weight, *saved = ctx.saved_tensors
         nig = ctx.needs_input_grad
-        seg, (t, d_in) = cfg.seg, ctx.x_shape
+        seg = cfg.seg
         dy = dy.contiguous()
         dx = None
         if nig[1]:
-            dx = new_output(dy, (t, d_in), cfg.options)
+            dx = new_output(dy, tuple(ctx.x_shape), cfg.options)
             dx[: seg[0]].zero_()
             dx[seg[-1]:].zero_()
         grads = []
         for i in range(len(cfg.c)):
-            a_eff, b_eff, s, xin, drop = saved[5 * i:5 * i + 5]
-            need_da, need_db = nig[4 + 2 * i], nig[5 + 2 * i]
-            s0, s1 = seg[i], seg[i + 1]
-            a_dtype, b_dtype = cfg.factor_dtypes[i]
-            if s1 == s0:
-                grads += [dy.new_zeros(cfg.a_shapes[i], dtype=a_dtype) if need_da else None,
-                          dy.new_zeros(cfg.b_shapes[i], dtype=b_dtype) if need_db else None]
-                continue
-            na, nb = (1 if cfg.dense[i] else cfg.nb_a[i]), (1 if cfg.dense[i] else cfg.nb_b[i])
-            dyi = dy[s0:s1]
-            need_ds = need_da or dx is not None
-            da = db = ds = None
-            if need_ds and need_db and cfg.dsdb[i] == "triton":  # dS and dB from one read of dY (forward decided)
-                ds, db = dsdb_dense(dyi, s, b_eff)
-                db = pack_block_diagonal(db, cfg.nb_b[i], b_dtype)
-                ds = ds if cfg.fused[i] else ds.to(dy.dtype)  # the dropout kernels round fp32 dS themselves
-            else:
-                db = bd_wgrad(dyi, s, cfg.nb_b[i], 1.0, cfg.dense[i], b_dtype, cfg.options) if need_db else None
-                if need_ds:
-                    ds = new_output(dy, (s1 - s0, cfg.rank[i]), cfg.options)
-                    bd_mm_t_(ds, dyi, b_eff, nb, 1.0, 0.0)
-            if need_ds:
-                if need_da and cfg.fused[i]:
-                    da = pack_block_diagonal(drop_wgrad_a(x[s0:s1], ds, cfg.keys[i], cfg.p[i], cfg.c[i]), cfg.nb_a[i], a_dtype)
-                elif need_da:
-                    da = bd_wgrad(ds, x[s0:s1] if xin is None else xin, cfg.nb_a[i], cfg.c[i], cfg.dense[i],
-                                  a_dtype, cfg.options)
-                if dx is not None and cfg.fused[i]:
-                    drop_expand_t(dx[s0:s1], ds, a_eff, cfg.keys[i], cfg.p[i], cfg.c[i])
-                elif dx is not None:
-                    dxi = dx[s0:s1]
-                    bd_mm_t_(dxi, ds, a_eff, na, cfg.c[i], 0.0)
-                    if drop is not None:
-                        dxi.masked_fill_(drop, 0)
-            grads += [da, db]
+            grads += _expand_backward(cfg, i, dy, x, saved[5 * i:5 * i + 5], nig[4 + 2 * i], nig[5 + 2 * i], dx)
         if dx is not None:
             dx.addmm_(dy, weight)  # base dX accumulates onto the LoRA dX in the GEMM epilogue
         dw = dy.t() @ x if nig[2] else None
         dbias = dy.sum(0) if ctx.has_bias and nig[3] else None
         return (None, dx, dw, dbias, *grads)
+
+
+class CublasLoraAddFn(torch.autograd.Function):
+    """One (BD-)LoRA added in place onto a layer's output: inputs (cfg, out, x, a, b) with out (..., d_out) the base
+    layer's output (contiguous), x (..., d_in):
+
+        out += scale * dropout(x) @ A @ B        (one adapter, cfg.seg = [0, T] over the flattened rows)
+
+    The products and gradients are those of ``CublasLoraLinearFn``'s adapter without the base GEMM; the expand
+    product accumulates into ``out`` in its GEMM epilogue (beta = 1), so no add kernel touches an activation.
+    dL/dout passes through; dL/dx is the LoRA's share only (autograd adds the base layer's).
+    """
+
+    @staticmethod
+    def forward(ctx, cfg: _Cfg, out, x, a, b):
+        ctx.mark_dirty(out)
+        x2 = x.reshape(-1, x.shape[-1])
+        nig = ctx.needs_input_grad
+        s, (b_eff, nb), saved = _shrink(cfg, 0, x2, a, b, nig[3], nig[4], nig[2])
+        if s is not None:
+            bd_mm_(out.view(-1, out.shape[-1]), s, b_eff, nb, 1.0, 1.0)
+        ctx.cfg, ctx.x_shape = cfg, x.shape
+        ctx.save_for_backward(x2 if _needs_x(cfg, [nig[3]]) else None, *saved)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        cfg: _Cfg = ctx.cfg
+        x2, *saved = ctx.saved_tensors
+        nig = ctx.needs_input_grad
+        dy = dout.reshape(-1, dout.shape[-1]).contiguous()
+        dx = new_output(dy, (dy.shape[0], ctx.x_shape[-1]), cfg.options) if nig[2] else None
+        da, db = _expand_backward(cfg, 0, dy, x2, saved, nig[3], nig[4], dx)
+        return None, dout, None if dx is None else dx.view(ctx.x_shape), da, db
 
 
 def cublas_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seg: list[int],
@@ -360,3 +414,18 @@ def cublas_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     dropout = tuple("none" if p == 0 or e == s else ("triton" if f else "mask")
                     for p, f, s, e in zip(cfg.p, cfg.fused, seg, seg[1:]))
     return y, dropout, tuple(cfg.dsdb)
+
+
+def cublas_lora_add_(out: torch.Tensor, x: torch.Tensor, adapter: LoraFactors, seed: int | None,
+                     options: KernelOptions = KernelOptions()) -> tuple[torch.Tensor, str, str]:
+    """``out += adapter.scale * dropout(x) @ A @ B`` in place through ``CublasLoraAddFn`` (out: a layer's output
+    (..., d_out), contiguous; x (..., d_in); dropout with p = ``adapter.dropout`` when ``seed`` is not None):
+    (out, dropout route, dS/dB route) as ``dispatch.Dispatch`` names them. A PEFT layer's LoRA term on bdlora's
+    GEMMs and kernels: ``bdlora.peft_model.use_bdlora_kernels``."""
+    if not out.is_contiguous():
+        raise ValueError("cublas_lora_add_: the output must be contiguous (it is written in place)")
+    rows = out.numel() // out.shape[-1]
+    cfg = _Cfg([0, rows], [adapter], seed, options)
+    out = CublasLoraAddFn.apply(cfg, out, x.contiguous(), adapter.lora_A.contiguous(), adapter.lora_B.contiguous())
+    dropout = "none" if cfg.p[0] == 0 or rows == 0 else ("triton" if cfg.fused[0] else "mask")
+    return out, dropout, cfg.dsdb[0]

@@ -1,0 +1,178 @@
+"""bdlora's kernel variant of PEFT's BD-LoRA layer (``bdlora.peft_model.use_bdlora_kernels``) against PEFT's own
+layer on the same weights: outputs and every LoRA gradient, both layouts, N = 1 / 2 / 4, dropout against the
+kernels' counter-hash masks, the Triton dS/dB and dropout kernels under the interpreter, merge and save unchanged."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from bdlora import BDLoraSpec
+from bdlora.kernels import KernelOptions
+from bdlora.kernels.dropout import segment_keep_mask
+from bdlora.peft_model import LORA_BACKENDS, use_bdlora_kernels
+from bdlora.spec import BDLoraError
+from tests.conftest import randomize_lora
+
+
+def _peft_model(model_dir, spec, dtype=torch.float32, seed=0):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = get_peft_model(base, spec.to_peft_config(task_type="CAUSAL_LM"))
+    randomize_lora(model, seed=seed)
+    return model
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out.logits.detach(), grads
+
+
+def _ids(n=2, t=37, vocab=512, seed=3):
+    return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("nblocks,r", [(1, 8), (2, 8), (4, 16)])
+def test_kernel_variant_matches_peft_layer(tiny_llama_dir, nblocks, r):
+    spec = BDLoraSpec(nblocks=nblocks, r=r, lora_alpha=16)
+    ref = _peft_model(tiny_llama_dir, spec)
+    fused = copy.deepcopy(ref)
+    assert use_bdlora_kernels(fused, "cublas") == 14  # 7 projections x 2 layers
+    ids = _ids()
+    logits_ref, g_ref = _loss_and_grads(ref, ids)
+    logits, g = _loss_and_grads(fused, ids)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)
+    assert g.keys() == g_ref.keys() and len(g) == 28
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_kernel_variant_bf16_activations_fp32_factors(tiny_llama_dir):
+    """A bf16 base with fp32 factors (bdlora train's bf16 precision): products in bf16 as under autocast, gradients
+    in the factors' fp32; PEFT's layer under bf16 autocast is the reference."""
+    spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16)
+    ref = _peft_model(tiny_llama_dir, spec, dtype=torch.bfloat16)
+    for p in ref.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    fused = copy.deepcopy(ref)
+    assert use_bdlora_kernels(fused, "cublas") == 14
+    ids = _ids()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits_ref, g_ref = _loss_and_grads(ref, ids)
+        logits, g = _loss_and_grads(fused, ids)
+    assert all(t.dtype == torch.float32 for t in g.values())
+    torch.testing.assert_close(logits.float(), logits_ref.float(), rtol=0.05, atol=0.05)
+    for name in g_ref:
+        err = (g[name] - g_ref[name]).norm() / g_ref[name].norm()
+        assert err < 0.05, (name, float(err))
+
+
+def test_kernel_variant_dropout_uses_counter_masks(tiny_llama_dir):
+    """With dropout the layer's LoRA term is scale * (x * keep / (1 - p)) @ A @ B with keep the kernels'
+    counter-hash mask of the seed drawn from torch's CPU generator; eval mode has no dropout."""
+    from peft.tuners.lora.layer import Linear
+
+    spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16, lora_dropout=0.3)
+    model = _peft_model(tiny_llama_dir, spec)
+    use_bdlora_kernels(model, "cublas")
+    layer = next(m for n, m in model.named_modules() if isinstance(m, Linear) and n.endswith("down_proj"))
+    a, b = layer.lora_A["default"], layer.lora_B["default"]
+    x = torch.randn(2, 5, layer.in_features, generator=torch.Generator().manual_seed(0))
+    base = layer.base_layer(x)
+    a_full = torch.block_diag(*a.weight.chunk(2, 0)) if hasattr(a, "nblocks") else a.weight
+    b_full = b.weight
+    scale = layer.scaling["default"]
+
+    layer.train()
+    torch.manual_seed(11)
+    y = layer(x)
+    torch.manual_seed(11)
+    seed = int(torch.randint(0, 2**62, ()))
+    keep = segment_keep_mask(seed, 0, 10, layer.in_features, 0.3, x.device).view_as(x)
+    want = base + scale * ((x * keep / 0.7) @ a_full.t() @ b_full.t())
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    assert 0.6 < keep.float().mean() < 0.8
+
+    layer.eval()
+    torch.testing.assert_close(layer(x), base + scale * (x @ a_full.t() @ b_full.t()), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_variant_triton_kernels_under_interpreter(tiny_llama_dir):
+    """The fused dS/dB kernel (dense B up to rank 64) and the dropout kernels, as they run on a GPU, here under the
+    Triton interpreter: gradients equal PEFT's layer's (dropout off) and the dropout route's expectation."""
+    spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16, column_modules=("q_proj",), row_modules=("down_proj",))
+    ref = _peft_model(tiny_llama_dir, spec)
+    fused = copy.deepcopy(ref)
+    use_bdlora_kernels(fused, "cublas", KernelOptions(fused_dsdb=True, fused_dropout=True))
+    ids = _ids(n=1, t=19)
+    logits_ref, g_ref = _loss_and_grads(ref, ids)
+    logits, g = _loss_and_grads(fused, ids)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_kernel_variant_keeps_peft_merge_and_save(tiny_llama_dir, tmp_path):
+    """The variant changes only how the LoRA term is computed: merged weights and the saved adapter are PEFT's."""
+    from safetensors.torch import load_file
+
+    spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16)
+    ref = _peft_model(tiny_llama_dir, spec)
+    fused = copy.deepcopy(ref)
+    use_bdlora_kernels(fused, "cublas")
+    ref.save_pretrained(tmp_path / "ref")
+    fused.save_pretrained(tmp_path / "fused")
+    a, b = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("ref", "fused"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = _ids()
+    with torch.no_grad():
+        unmerged = fused(input_ids=ids).logits
+        merged = fused.merge_and_unload()(input_ids=ids).logits
+    torch.testing.assert_close(merged, unmerged, rtol=1e-4, atol=1e-4)
+
+
+def test_backend_choice(tiny_llama_dir):
+    spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16)
+    model = _peft_model(tiny_llama_dir, spec)
+    assert LORA_BACKENDS == ("auto", "peft", "cublas")
+    ids = _ids()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    assert use_bdlora_kernels(model, "peft") == 0
+    assert use_bdlora_kernels(model, "auto") == 14
+    with torch.no_grad():  # on CPU "auto" runs PEFT's own computation: the same logits bit for bit
+        assert torch.equal(model(input_ids=ids).logits, want)
+    with pytest.raises(BDLoraError, match="lora_backend: 'fast' is not one of"):
+        use_bdlora_kernels(model, "fast")
+
+
+def test_trainer_trains_the_same_adapter_on_either_backend(tiny_llama_dir, tmp_path):
+    """``bdlora train`` with ``lora_backend: cublas`` against ``peft``: the same adapter after a few AdamW steps."""
+    from safetensors.torch import load_file
+
+    from bdlora.train.config import TrainConfig
+    from bdlora.train.tasks import toy_chat_records, write_jsonl
+    from bdlora.train.trainer import run_training
+
+    data = write_jsonl(toy_chat_records(12, seed=2), tmp_path / "d.jsonl")
+    adapters = {}
+    for backend in ("peft", "cublas"):
+        cfg = TrainConfig(model=str(tiny_llama_dir), nblocks=2, r=8, lora_alpha=16, train_file=str(data),
+                          eval_fraction=0.0, lr=5e-3, warmup_ratio=0.0, batch_size=4, max_steps=3, seed=4,
+                          lora_backend=backend, output_dir=str(tmp_path / backend), report_to=[], progress=False)
+        adapters[backend] = load_file(run_training(cfg).adapter_dir / "adapter_model.safetensors")
+    ref, got = adapters["peft"], adapters["cublas"]
+    assert ref.keys() == got.keys() and len(ref) == 28
+    moved = 0
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=k)
+        moved += bool("lora_B" in k and ref[k].abs().max() > 0)
+    assert moved == 14  # B starts at zero: every layer was really trained
