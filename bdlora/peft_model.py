@@ -13,9 +13,14 @@ from .layout import COLUMN, ROW, LoraFactors
 from .spec import BDLoraError, BDLoraSpec
 
 #: How a PEFT BD-LoRA layer computes its LoRA term while training: "peft" (PEFT's ``BlockDiagonalLinear``, an einsum
-#: over the blocks, and ``nn.Dropout``), "cublas" (:class:`KernelBdLoraVariant`: bdlora's GEMMs, dropout and dS/dB
-#: kernels), "auto" ("cublas" on a CUDA device, where it is the faster; "peft" elsewhere).
+#: over the blocks, and ``nn.Dropout``), "cublas" (the kernel variant: bdlora's GEMMs, dropout and dS/dB kernels),
+#: "auto" ("cublas" for calls of at least AUTO_MIN_ROWS rows on a CUDA device, "peft" otherwise).
 LORA_BACKENDS = ("auto", "peft", "cublas")
+#: Rows (tokens, padding included) from which "auto" takes the kernels. On one H200 at the 8B shape the kernels
+#: were 1.20-1.26x faster per step from ~4,500 rows per call up (batch 32 of 30-250 tokens, 4 x 2048 tokens), and
+#: within noise or slower at ~1,100-2,000 rows (batch 8), where the step is bound by host work, not by the GPU
+#: (bench/results/train/trainer_backends_2026-11-29).
+AUTO_MIN_ROWS = 4096
 
 
 def init_block_a_like_lora(peft_model) -> None:
@@ -86,7 +91,8 @@ def _kernel_variant_class():
 
         def forward(self, module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
             lora_a, lora_b = module.lora_A[active_adapter], module.lora_B[active_adapter]
-            if self.backend == "auto" and x.device.type != "cuda":  # PEFT's own computation, input cast included
+            if self.backend == "auto" and (x.device.type != "cuda" or x.numel() < AUTO_MIN_ROWS * x.shape[-1]):
+                # PEFT's own computation, its input cast included
                 return super().forward(module, active_adapter, x.to(lora_a.weight.dtype), result, **kwargs)
             dropout = module.lora_dropout[active_adapter]
             p = dropout.p if module.training and isinstance(dropout, torch.nn.Dropout) else 0.0
@@ -103,8 +109,9 @@ def _kernel_variant_class():
 
 def use_bdlora_kernels(peft_model, backend: str = "auto", options=None) -> int:
     """Runs the LoRA term of every BD-LoRA layer of ``peft_model`` with an unquantized ``nn.Linear`` base on bdlora's
-    kernels (:data:`LORA_BACKENDS`: "cublas" always, "auto" where the layer's input is on a CUDA device and PEFT's own
-    computation elsewhere, decided per call so the model may move after this; "peft" changes nothing). ``options``:
+    kernels (:data:`LORA_BACKENDS`: "cublas" always, "auto" for calls of at least :data:`AUTO_MIN_ROWS` rows on a CUDA
+    device and PEFT's own computation otherwise, decided per call so the model may move after this; "peft" changes
+    nothing). ``options``:
     a ``bdlora.kernels.KernelOptions`` (tests force the Triton kernels under the interpreter with it). k-bit layers
     stay on PEFT's bitsandbytes path. Returns the number of layers switched."""
     if backend not in LORA_BACKENDS:
@@ -144,4 +151,4 @@ def prepare_bd_model(peft_model, spec: BDLoraSpec, a_init: str = "lora", lora_ba
     return peft_model
 
 
-__all__ = ["LORA_BACKENDS", "check_bd_structure", "init_block_a_like_lora", "prepare_bd_model", "use_bdlora_kernels"]
+__all__ = ["AUTO_MIN_ROWS", "LORA_BACKENDS", "check_bd_structure", "init_block_a_like_lora", "prepare_bd_model", "use_bdlora_kernels"]
