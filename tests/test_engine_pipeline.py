@@ -41,7 +41,7 @@ def test_schedule_simulation_bubbles():
 def test_messages_use_one_group_per_direction():
     """Activations (towards later stages) on the forward group, gradients (towards earlier ones) on the backward
     group: one NCCL stream per direction, so 1F1B's crossing sends cannot wait on each other."""
-    from bdlora.train.engine.pipeline import _Stage
+    from bdlora.train.engine.pipeline import Stage
 
     calls = []
 
@@ -53,7 +53,7 @@ def test_messages_use_one_group_per_direction():
         def recv(self, buf, src, group=None, tag=0):
             calls.append(("recv", src, group, tag))
 
-    st = object.__new__(_Stage)  # only the message methods: no engine
+    st = object.__new__(Stage)  # only the message methods: no engine
     st.s, st.dist, st.dev, st.sends = 1, FakeDist(), torch.device("cpu"), []
     st.fwd_group, st.bwd_group = "fwd", "bwd"
     x = torch.zeros(2, 3).t()  # not contiguous: the contiguous copy is sent and kept until the send completes

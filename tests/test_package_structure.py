@@ -105,3 +105,24 @@ def test_process_wide_state_says_why():
             if "#" not in here and not above.startswith("#"):
                 missing.append(f"{path.relative_to(ROOT)}:{node.lineno}: {here.strip()[:80]}")
     assert not missing, "\n".join(missing)
+
+
+def test_every_package_folder_and_data_file_is_installed():
+    """pyproject.toml lists every package folder and ships every non-Python file a package reads, so a wheel
+    (``pip install .``, not only the editable install the tests run on) has the whole product."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    folders = {".".join([name, *f.parent.relative_to(ROOT / folder).parts])
+               for folder, name in PACKAGES.items() for f in (ROOT / folder).rglob("__init__.py")}
+    assert folders - listed == set(), "package folders missing from pyproject.toml's packages"
+    data = tool.get("package-data", {})
+    for folder, name in PACKAGES.items():
+        for f in (ROOT / folder).rglob("*"):
+            if f.is_file() and f.suffix in (".json", ".yaml", ".jsonl", ".txt") and "__pycache__" not in f.parts:
+                pkg = ".".join([name, *f.parent.relative_to(ROOT / folder).parts])
+                while pkg not in listed:
+                    pkg = pkg.rsplit(".", 1)[0]
+                rel = f.relative_to(ROOT / folder / Path(*pkg.split(".")[len(name.split(".")):]))
+                assert any(rel.match(g) for g in data.get(pkg, [])), f"{f} is not in package-data of {pkg}"
