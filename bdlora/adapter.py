@@ -68,7 +68,9 @@ class AdapterConfig:
     """The fields of a PEFT ``adapter_config.json`` that decide how the weights are read and scaled."""
 
     r: int
-    lora_alpha: float
+    #: the file's ``lora_alpha`` (PEFT's alpha). For a BD adapter it is the block alpha x sqrt(N), as
+    #: ``BDLoraSpec.peft_lora_alpha`` writes it; ``block_alpha`` gives the per-block one back.
+    peft_lora_alpha: float
     use_rslora: bool
     target_modules: list[str]
     nblocks: Optional[int] = None  # None: a dense (standard) LoRA adapter
@@ -82,7 +84,12 @@ class AdapterConfig:
 
     @property
     def scale(self) -> float:
-        return peft_scaling(self.lora_alpha, self.r, self.use_rslora)
+        return peft_scaling(self.peft_lora_alpha, self.r, self.use_rslora)
+
+    @property
+    def block_alpha(self) -> float:
+        """The alpha of one block (``BDLoraSpec.lora_alpha``): the file's alpha / sqrt(N); a dense adapter's own."""
+        return self.peft_lora_alpha / math.sqrt(self.nblocks or 1)
 
     def layout_of(self, module_path: str) -> Optional[Layout]:
         """Layout of a module path (exact match of its last component); None for a dense adapter."""
@@ -116,7 +123,7 @@ class AdapterConfig:
         if bd is not None and not isinstance(bd, dict):
             raise AdapterFileError(f"{source}: 'use_bdlora' must be an object "
                                    "{target_modules_bd_a, target_modules_bd_b, nblocks} or null, got {bd!r}")
-        cfg = cls(r=r, lora_alpha=float(alpha), use_rslora=bool(raw.get("use_rslora")), target_modules=target, raw=raw)
+        cfg = cls(r=r, peft_lora_alpha=float(alpha), use_rslora=bool(raw.get("use_rslora")), target_modules=target, raw=raw)
         if bd:
             nblocks = _positive_int(bd.get("nblocks", 1), "use_bdlora.nblocks (the number of blocks)", source)
             cfg.nblocks = nblocks
@@ -520,7 +527,7 @@ def config_dict(cfg: AdapterConfig) -> dict:
     """The JSON dict to save: the original PEFT dict with the decisive fields rewritten."""
     raw = dict(cfg.raw) if cfg.raw else {"peft_type": "LORA", "task_type": "CAUSAL_LM", "bias": "none",
                                          "lora_dropout": 0.0, "fan_in_fan_out": False}
-    raw.update(r=cfg.r, lora_alpha=cfg.lora_alpha, use_rslora=cfg.use_rslora,
+    raw.update(r=cfg.r, lora_alpha=cfg.peft_lora_alpha, use_rslora=cfg.use_rslora,
                target_modules=sorted(cfg.target_modules), peft_type="LORA")
     if cfg.is_bd:
         raw["use_bdlora"] = {

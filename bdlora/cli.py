@@ -108,14 +108,14 @@ def inspect_text(path: str, model: str | None = None) -> str:
             lines.append(f"tensor-parallel: {tp_note}")
     alpha_note = ""
     if cfg.is_bd and cfg.use_rslora:
-        alpha_note = f"  (= block alpha {cfg.lora_alpha / cfg.nblocks ** 0.5:g} x sqrt(N))"
+        alpha_note = f"  (= block alpha {cfg.block_alpha:g} x sqrt(N))"
     stored = ad.num_parameters()
     dense = ad.dense_num_parameters()
     # Exact zeros are counted, not assumed: to-dense expands blocks with zeros, to-bd above the exact rank pads them.
     zeros = sum(int((f.lora_A == 0).sum()) + int((f.lora_B == 0).sum()) for f in ad.modules.values())
     zero_note = f"{zeros:,} zero ({100 * zeros / stored:.1f}%)" if zeros else "none zero"
     lines += [
-        f"lora_alpha:     {cfg.lora_alpha:g}{alpha_note}",
+        f"lora_alpha:     {cfg.peft_lora_alpha:g}{alpha_note}",
         f"use_rslora:     {cfg.use_rslora}",
         f"scale:          {cfg.scale:.6g}  ({'lora_alpha/sqrt(r)' if cfg.use_rslora else 'lora_alpha/r'})",
         f"parameters:     {stored:,} stored, {zero_note}"

@@ -62,7 +62,7 @@ def check_block_split(adapter: Adapter, layout_of, nblocks: int) -> None:
 def _with_scale(cfg: AdapterConfig, r: int, scale: float, **changes) -> AdapterConfig:
     """A copy of ``cfg`` at rank ``r`` whose rsLoRA alpha reproduces ``scale`` exactly."""
     new = copy.deepcopy(cfg)
-    new.r, new.use_rslora, new.lora_alpha = r, True, scale * math.sqrt(r)
+    new.r, new.use_rslora, new.peft_lora_alpha = r, True, scale * math.sqrt(r)
     for k, v in changes.items():
         setattr(new, k, v)
     return new

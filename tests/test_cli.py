@@ -63,7 +63,7 @@ def test_cli_errors_are_clear(peft_bd_adapter, tmp_path, capsys):
 
     gen = torch.Generator().manual_seed(0)
     shapes = {"q_proj": (48, 48), "k_proj": (24, 48), "o_proj": (48, 48), "down_proj": (48, 96)}
-    dense = Adapter(AdapterConfig(r=4, lora_alpha=8.0, use_rslora=True, target_modules=list(shapes)),
+    dense = Adapter(AdapterConfig(r=4, peft_lora_alpha=8.0, use_rslora=True, target_modules=list(shapes)),
                     {f"m.layers.0.x.{n}": LoraFactors(torch.randn(4, din, generator=gen), torch.randn(dout, 4, generator=gen))
                      for n, (dout, din) in shapes.items()})
     n2, out = save_adapter(dense_to_bd(dense, 2)[0], tmp_path / "n2"), tmp_path / "n3"

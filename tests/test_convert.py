@@ -103,7 +103,7 @@ def test_incompatible_tp_is_refused():
 def _dense_adapter(r=4, seed=0):
     gen = torch.Generator().manual_seed(seed)
     shapes = {"q_proj": (64, 64), "k_proj": (32, 64), "o_proj": (64, 64), "down_proj": (64, 96)}
-    cfg = AdapterConfig(r=r, lora_alpha=8.0, use_rslora=True, target_modules=list(shapes))
+    cfg = AdapterConfig(r=r, peft_lora_alpha=8.0, use_rslora=True, target_modules=list(shapes))
     mods = {f"base_model.model.model.layers.0.x.{n}": LoraFactors(torch.randn(r, din, generator=gen),
                                                                    torch.randn(dout, r, generator=gen), scale=cfg.scale)
             for n, (dout, din) in shapes.items()}
@@ -156,7 +156,7 @@ def test_reblock_checks_layer_splits_before_anything_else(peft_bd_adapter):
     # a TP that splits every layer but not the blocks: the route through a dense adapter, with both commands
     gen = torch.Generator().manual_seed(0)
     shapes = {"q_proj": (48, 48), "k_proj": (24, 48), "o_proj": (48, 48), "down_proj": (48, 96)}
-    dense = Adapter(AdapterConfig(r=4, lora_alpha=8.0, use_rslora=True, target_modules=list(shapes)),
+    dense = Adapter(AdapterConfig(r=4, peft_lora_alpha=8.0, use_rslora=True, target_modules=list(shapes)),
                     {f"m.layers.0.x.{n}": LoraFactors(torch.randn(4, din, generator=gen), torch.randn(dout, 4, generator=gen))
                      for n, (dout, din) in shapes.items()})
     bd2, _ = dense_to_bd(dense, 2)

@@ -108,7 +108,7 @@ def test_non_finite_factors_are_never_written(tiny_llama_dir, data_file, tmp_pat
     eng.finish(job, DIVERGING)
     assert job.result["adapter"] is None and not (tmp_path / "run" / "adapters" / "n").exists()
     assert "not finite" in capsys.readouterr().out
-    cfg = AdapterConfig(r=2, lora_alpha=2.0, use_rslora=True, target_modules=["q_proj"])
+    cfg = AdapterConfig(r=2, peft_lora_alpha=2.0, use_rslora=True, target_modules=["q_proj"])
     ok = {"m": LoraFactors(torch.ones(2, 4), torch.ones(4, 2), "column")}
     assert adapter_is_finite(Adapter(cfg, ok), "x", print)
     bad = {"m": LoraFactors(torch.ones(2, 4), torch.full((4, 2), float("inf")), "column")}
