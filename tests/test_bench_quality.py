@@ -150,7 +150,8 @@ def test_quality_pipeline_tiny(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                BDLORA_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "bench.quality.run", "--out", str(out), "--device", "cpu", "--small",
-           "--model", "tiny-random", "--nblocks", "2", "--ranks", "4", "--seeds", "0,1", "--max-steps", "2",
+           "--model", "tiny-random", "--methods", "lora,bd", "--nblocks", "2", "--ranks", "4", "--seeds", "0,1",
+           "--max-steps", "2",
            "--set", "max_passage_chars=100", "--set", "max_length=512", "--set", "n_train=32", "--set", "n_eval=6",
            "--set", "acc_eval=6"]
     # both shards prepare the data and build the tiny model into an empty cache at the same time (serialized by
@@ -192,3 +193,37 @@ def test_quality_pipeline_tiny(tmp_path):
                         str(tmp_path / "t.md"), "--merge-to", str(tmp_path / "all.jsonl")]) == 0
     assert (tmp_path / "f.png").stat().st_size > 1000
     assert "| 2 |" in (tmp_path / "t.md").read_text() and len((tmp_path / "all.jsonl").read_text().splitlines()) == 4
+
+
+def test_recall_task_base_row_and_paired_report(tmp_path):
+    """The synthetic recall task needs no data files: base row, LoRA and BD at N = 2 and 4 over two seeds on the tiny
+    random Llama, scored by exact match; the report has the base row and the paired BD - LoRA table."""
+    from bench.quality.data import recall_book, recall_records
+    from bench.quality.report import main as report_main
+
+    book = recall_book(16, seed=0)
+    assert len(book) == len(set(book.values())) == 16 and recall_book(16, seed=0) == book != recall_book(16, seed=1)
+    train, ev = recall_records(16)
+    assert len(train) == 6 * 16 and len(ev) == 2 * 16
+    assert {r["instruction"] for r in train}.isdisjoint({r["instruction"] for r in ev})  # held-out phrasings
+    assert {r["key"] for r in ev} == set(book) and all(r["output"] == f"CODE: {book[r['key']]}" for r in ev)
+
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "bench.quality.run", "--out", str(out), "--device", "cpu", "--small", "--model",
+           "tiny-random", "--tasks", "recall", "--nblocks", "2,4", "--ranks", "4", "--seeds", "0,1", "--max-steps", "2",
+           "--set", "recall_pairs=4"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["run_id"] for r in rows) == sorted(
+        ["recall-base"] + [f"recall-{m}-s{s}-t2" for s in (0, 1) for m in ("lora-r4", "bd2-r6", "bd4-r8")])
+    base = next(r for r in rows if r["method"] == "base")
+    assert base["trainable_params"] == 0 and base["accuracy"] == 0.0 and base["accuracy_n"] == 8
+    assert base["eval_loss"] > 0 and base["eval_tokens"] > 0
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["accuracy_n"] == 8 for r in rows)
+    md = tmp_path / "t.md"
+    assert report_main([str(out), "--markdown", str(md), "--plot", str(tmp_path / "f.png")]) == 0
+    text = md.read_text()
+    assert "| base model (no adapter) | 0 | 0.00M | 1 |" in text, text
+    assert "| recall | accuracy | 2 | 6 | 4 | 2 |" in text and "| recall | accuracy | 4 | 8 | 4 | 2 |" in text, text

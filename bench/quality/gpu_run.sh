@@ -72,7 +72,7 @@ PIDS=()
 for (( i = 0; i < S; i++ )); do
   g=${GPUS[$(( i % ${#GPUS[@]} ))]}
   ( CUDA_VISIBLE_DEVICES=$g OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} timeout -k 5 "$HARD" \
-      $PY -m bench.quality.run --out "$RES" --device "${QUALITY_DEVICE:-cuda}" --data-dir "$DATA" --tasks boolq,xsum \
+      $PY -m bench.quality.run --out "$RES" --device "${QUALITY_DEVICE:-cuda}" --data-dir "$DATA" --tasks recall,boolq,xsum \
       --deadline-unix "$DEADLINE" --shard "$i/$S" "$@" 2>&1
     echo "shard $i/$S on GPU $g: exit $?" ) \
     | grep --line-buffered -v -E "Loading weights|Writing model" | sed -u "s/^/[s$i] /" >> "$LOG" &

@@ -7,8 +7,12 @@ Reads every ``results.jsonl`` / ``results.*.jsonl`` under the given folders (or 
 writes those rows as one deduplicated results file (e.g. for ``bench/results/quality/results.jsonl``).
 
 Groups runs by (task, method, N, rank) over seeds: mean and a 95% confidence interval of the mean (Student t,
-n-1 degrees of freedom). The plot shows eval perplexity (and BoolQ accuracy) against trainable parameters, LoRA
-and BD-LoRA as separate lines with CI error bars, as the BD-LoRA paper's Fig. 4.
+n-1 degrees of freedom), with the untrained base model's row and (BoolQ) the eval set's majority rate. Then the
+paired comparison: each BD run against the LoRA run of the same seed (same data order) at the matched size (the LoRA
+group with the closest trainable-parameter count): the mean difference BD - LoRA with its 95% CI. The CI's
+half-width is the smallest difference the experiment resolves: a true gap larger than it would have shown as a CI
+that excludes zero. The plot shows eval perplexity (and accuracy) against trainable parameters, LoRA and BD-LoRA
+as separate lines with CI error bars, as the BD-LoRA paper's Fig. 4.
 """
 
 from __future__ import annotations
@@ -53,7 +57,42 @@ def load_rows(sources) -> list[dict]:
 
 
 def label(method: str, nblocks) -> str:
+    if method == "base":
+        return "base model (no adapter)"
     return "LoRA (rsLoRA)" if method == "lora" else f"BD-LoRA N={nblocks} (rsLoRA)"
+
+
+def metric_of(rows: list[dict]) -> tuple[str, int]:
+    """The task's headline metric and its sign (+1: higher is better): accuracy where scored, else eval loss."""
+    return ("accuracy", 1) if any("accuracy" in r for r in rows) else ("eval_loss", -1)
+
+
+def paired(rows: list[dict]) -> list[dict]:
+    """BD - LoRA per (task, N, BD rank), paired by seed against the LoRA rank of the closest parameter count."""
+    out = []
+    for task in sorted({r["task"] for r in rows}):
+        rs = [r for r in rows if r["task"] == task]
+        key, _ = metric_of(rs)
+        lora = defaultdict(dict)
+        for r in rs:
+            if r["method"] == "lora":
+                lora[r["rank"]][r["seed"]] = r
+        bd = defaultdict(dict)
+        for r in rs:
+            if r["method"] == "bd":
+                bd[(r["nblocks"], r["rank"])][r["seed"]] = r
+        for (n, rank), by_seed in sorted(bd.items()):
+            if not lora:
+                continue
+            params = next(iter(by_seed.values()))["trainable_params"]
+            lr = min(lora, key=lambda k: abs(next(iter(lora[k].values()))["trainable_params"] - params))
+            diffs = [by_seed[s][key] - lora[lr][s][key] for s in sorted(by_seed)
+                     if s in lora[lr] and by_seed[s].get(key) is not None and lora[lr][s].get(key) is not None]
+            if diffs:
+                m, ci = mean_ci(diffs)
+                out.append({"task": task, "metric": key, "nblocks": n, "bd_rank": rank, "lora_rank": lr,
+                            "pairs": len(diffs), "diff": m, "diff_ci": ci})
+    return out
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
@@ -66,19 +105,23 @@ def aggregate(rows: list[dict]) -> list[dict]:
         g = {"task": task, "method": method, "nblocks": n, "rank": rank, "seeds": len(rs),
              "trainable_params": rs[0]["trainable_params"], "steps": rs[0]["steps"], "device": rs[0].get("device")}
         for key in ("eval_loss", "eval_ppl", "accuracy", "train_loss"):
-            if any(key in r for r in rs):
+            if any(r.get(key) is not None for r in rs):
                 g[key], g[key + "_ci"] = mean_ci([r.get(key) for r in rs])
+        if rs[0].get("majority_baseline") is not None:
+            g["majority_baseline"] = rs[0]["majority_baseline"]
         out.append(g)
     return out
 
 
-def markdown(groups: list[dict]) -> str:
+def markdown(groups: list[dict], paired_rows: list[dict] = ()) -> str:
     lines = []
     for task in sorted({g["task"] for g in groups}):
         gs = [g for g in groups if g["task"] == task]
         acc = any("accuracy" in g for g in gs)
-        g0 = gs[0]
-        lines.append(f"\n#### {task} ({g0['steps']} steps, {g0.get('device')}; mean ± 95% CI over seeds)\n")
+        g0 = next((g for g in gs if g["method"] != "base"), gs[0])
+        majority = [g["majority_baseline"] for g in gs if g.get("majority_baseline") is not None]
+        chance = f"; majority-class rate {majority[0]:.3f}" if majority and majority[0] > 0 else ""
+        lines.append(f"\n#### {task} ({g0['steps']} steps, {g0.get('device')}; mean ± 95% CI over seeds{chance})\n")
         head = "| method | rank | trainable params | seeds | eval loss | eval perplexity |" + (" accuracy |" if acc else "")
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for g in sorted(gs, key=lambda g: (g["trainable_params"], g["method"])):
@@ -87,6 +130,15 @@ def markdown(groups: list[dict]) -> str:
             lines.append(f"| {label(g['method'], g['nblocks'])} | {g['rank']} | {g['trainable_params'] / 1e6:.2f}M | "
                          f"{g['seeds']} | {f('eval_loss', 4)} | {f('eval_ppl', 3)} |"
                          + (f" {f('accuracy', 3)} |" if acc else ""))
+    pairs = paired_rows
+    if pairs:
+        lines += ["\n#### BD-LoRA - LoRA at matched size, paired by seed (mean ± 95% CI; the ± is the smallest gap the "
+                  "experiment resolves)\n",
+                  "| task | metric | N | BD rank | LoRA rank | pairs | BD - LoRA |", "|---|---|---|---|---|---|---|"]
+        for d in pairs:
+            ci = "" if math.isnan(d["diff_ci"]) else f" ± {d['diff_ci']:.4f}"
+            lines.append(f"| {d['task']} | {d['metric']} | {d['nblocks']} | {d['bd_rank']} | {d['lora_rank']} | "
+                         f"{d['pairs']} | {d['diff']:+.4f}{ci} |")
     return "\n".join(lines) + "\n"
 
 
@@ -110,6 +162,9 @@ def plot(groups: list[dict], path: Path) -> Path:
             if g["task"] == task and key in g:
                 series[(g["method"], g["nblocks"])].append(g)
         for (method, n), gs in sorted(series.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+            if method == "base":  # no parameters to place it at: a level line
+                ax.axhline(gs[0][key], linestyle=":", color="gray", label=label(method, n))
+                continue
             gs.sort(key=lambda g: g["trainable_params"])
             x = [g["trainable_params"] / 1e6 for g in gs]
             y = [g[key] for g in gs]
@@ -149,7 +204,7 @@ def main(argv=None) -> int:
     groups = aggregate(rows)
     if a.plot:
         print(plot(groups, Path(a.plot)))
-    md = markdown(groups)
+    md = markdown(groups, paired(rows))
     if a.markdown:
         Path(a.markdown).write_text(md)
         print(a.markdown)

