@@ -200,8 +200,10 @@ def test_config_errors(tmp_path):
             parse({**base, "pad_multiple": bad, "jobs": [{"name": "a"}]})
     assert parse({**base, "jobs": [{"name": "a"}]}).pad_multiple is None  # auto: the engine picks by device
     with pytest.raises(ConfigError, match=r"lora_backend: must be one of \['auto', 'cublas', 'triton', 'torch', "
-                                          r"'engine'\], got 'cuda'"):
+                                          r"'engine'\] .*, got 'cuda'"):
         parse({**base, "lora_backend": "cuda", "jobs": [{"name": "a"}]})
+    with pytest.raises(ConfigError, match=r"`peft`, PEFT's layer, is a `bdlora train` choice.*got 'peft'"):
+        parse({**base, "lora_backend": "peft", "jobs": [{"name": "a"}]})
     assert parse({**base, "lora_backend": "cublas", "jobs": [{"name": "a"}]}).lora_backend == "cublas"
     # dropout is supported: a per-job p, parsed as float and carried into the job's spec
     run = parse({**base, "jobs": [{"name": "a", "lora_dropout": "0.1"}, {"name": "b"}]})

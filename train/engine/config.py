@@ -258,7 +258,9 @@ def _check_engine_keys(raw: dict, source: str) -> dict:
         "max_active_jobs": ("int", False, lambda v: v >= 1, ">= 1"),
         "memory_budget_gb": ("float", True, lambda v: v > 0, "> 0 GiB"),
         "memory_model": ("str", False, lambda v: v in MEMORY_MODELS, f"one of {list(MEMORY_MODELS)}"),
-        "lora_backend": ("str", False, lambda v: v in LORA_BACKENDS, f"one of {list(LORA_BACKENDS)}"),
+        "lora_backend": ("str", False, lambda v: v in LORA_BACKENDS,
+                         f"one of {list(LORA_BACKENDS)} (`peft`, PEFT's layer, is a `bdlora train` choice: the engine "
+                         "computes every job's LoRA itself)"),
         "pipeline_stages": ("int", False, lambda v: v >= 1, ">= 1 (1: no pipeline)"),
         "max_rounds": ("int", True, lambda v: v >= 1, ">= 1 (unset: run to the end)"),
         "save_plots": ("bool", False, None, ""),
