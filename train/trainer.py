@@ -612,7 +612,7 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
                f"scale={spec.scale:.4g} | {len(spec.column_modules)} column + {len(spec.row_modules)} row module "
                f"names, {n_train:,} trainable params | {len(train_ex)} train / {len(eval_ex)} eval examples | "
                f"{total_steps} steps x {cfg.batch_size * cfg.grad_accum * world} examples ({world} process(es)) on "
-               f"{args.device} in {next(model.parameters()).dtype}"
+               f"{args.device} in {next(model.parameters()).dtype}, lora_backend {cfg.lora_backend}"
                + (f" | FSDP{getattr(trainer.accelerator.state.fsdp_plugin, 'fsdp_version', '')}"
                   if trainer.is_fsdp_enabled else ""))
         if ckpt is not None:
