@@ -1,0 +1,165 @@
+"""BD-LoRA on the fused expert tensors of Mixture-of-Experts models.
+
+transformers stores a MoE block's experts as two 3-D tensors (Qwen3-MoE, Mixtral-style ``*Experts`` modules):
+
+    gate_up_proj  (E, 2I, H)   rows [0, I) the gate projection, [I, 2I) the up projection (``chunk(2, -1)``)
+    down_proj     (E, H, I)
+
+Under tensor parallelism over N devices (vLLM's ``FusedMoE``) device k holds, of every expert, the gate rows
+``[k I/N, (k+1) I/N)`` and the same up rows (``w13``, (E, 2I/N, H)) and the down columns ``[k I/N, (k+1) I/N)``
+(``w2``, (E, H, I/N)): gate_up is column-parallel with two slices, down row-parallel. BD-LoRA follows those shards:
+
+* ``gate_up_proj``, column layout with 2 slices: ``lora_A`` (E, r, H) dense, ``lora_B`` (E, 2I, r/N) packed in the
+  weight's own row order; row j of either slice belongs to block ``(j mod I) // (I/N)``, and block k's rows read
+  rank block k (rows ``[k r/N, (k+1) r/N)`` of ``lora_A``);
+* ``down_proj``, row layout: ``lora_A`` (E, r, I/N) packed (block k: rows ``[k r/N, (k+1) r/N)``, reading input
+  columns ``[k I/N, (k+1) I/N)``), ``lora_B`` (E, H, r) dense.
+
+So device k holds and computes, for every expert, an independent rank r/N LoRA of its own shard (its blocks of the
+packed factor and its rank rows/columns of the dense one: :func:`device_factors`), and the LoRA needs no
+communication: the down projection's partial sums ride on the all-reduce the base layer does anyway. The scale is
+the dense layers' rsLoRA one, ``alpha / sqrt(r/N)`` per block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .layout import COLUMN, ROW, Layout
+from .spec import BDLoraError
+
+#: the fused expert tensors BD-LoRA adapts: {parameter name: (layout, output slices)}
+EXPERT_TENSORS: dict[str, tuple[Layout, int]] = {"gate_up_proj": (COLUMN, 2), "down_proj": (ROW, 1)}
+
+
+def check_expert_shapes(name: str, weight_shape, nblocks: int, r: int) -> None:
+    """Raises :class:`BDLoraError` naming the tensor when N blocks cannot follow its shards."""
+    layout, slices = EXPERT_TENSORS[name]
+    _, d_out, d_in = weight_shape
+    split = d_out // slices if layout == COLUMN else d_in
+    if (layout == COLUMN and d_out % slices) or split % nblocks or r % nblocks:
+        what = "each of its output slices" if layout == COLUMN else "its input"
+        raise BDLoraError(f"{name} {tuple(weight_shape)}: {what} ({split}) and the rank r={r} must divide into "
+                          f"nblocks={nblocks} equal blocks")
+
+
+def factor_shapes(name: str, weight_shape, nblocks: int, r: int) -> tuple[tuple, tuple]:
+    """(lora_A, lora_B) shapes of the packed factors of one expert tensor (E, d_out, d_in)."""
+    check_expert_shapes(name, weight_shape, nblocks, r)
+    e, d_out, d_in = weight_shape
+    if EXPERT_TENSORS[name][0] == COLUMN:
+        return (e, r, d_in), (e, d_out, r // nblocks)
+    return (e, r, d_in // nblocks), (e, d_out, r)
+
+
+def expert_lora(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, layout: Layout, nblocks: int,
+                slices: int = 1) -> torch.Tensor:
+    """One expert's LoRA term (unscaled): x (T, d_in) -> (T, d_out) through its packed factors (2-D: one expert's
+    slice of the (E, ...) tensors), block-diagonal as the module docstring lays out; differentiable."""
+    t = x.shape[0]
+    n = nblocks
+    if layout == COLUMN:
+        r = lora_a.shape[0]
+        s = (x @ lora_a.t()).view(t, n, r // n)  # rank block k feeds output block k
+        d_out = lora_b.shape[0]
+        b = lora_b.view(slices, n, d_out // (slices * n), r // n)
+        return torch.einsum("tkc,skjc->tskj", s, b).reshape(t, d_out)
+    r, kb = lora_a.shape
+    s = torch.einsum("tkm,kcm->tkc", x.view(t, n, kb), lora_a.view(n, r // n, kb)).reshape(t, r)
+    return s @ lora_b.t()
+
+
+def dense_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, layout: Layout, nblocks: int, slices: int = 1
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (E, r, d_in), (E, d_out, r) dense factors with the zeros of the block-diagonal one written out: the
+    standard expert LoRA that computes the same (for engines without BD, and references)."""
+    e, n = lora_a.shape[0], nblocks
+    if layout == COLUMN:
+        _, d_out, rb = lora_b.shape
+        full = lora_b.new_zeros(e, slices, n, d_out // (slices * n), n, rb)
+        full.diagonal(dim1=2, dim2=4).copy_(lora_b.view(e, slices, n, d_out // (slices * n), rb).permute(0, 1, 3, 4, 2))
+        return lora_a, full.reshape(e, d_out, n * rb)
+    _, r, kb = lora_a.shape
+    full = lora_a.new_zeros(e, n, r // n, n, kb)
+    full.diagonal(dim1=1, dim2=3).copy_(lora_a.view(e, n, r // n, kb).permute(0, 2, 3, 1))
+    return full.reshape(e, r, n * kb), lora_b
+
+
+def device_factors(name: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks: int, k: int, n_devices: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device k's plain LoRA factors of one expert tensor at tensor-parallel size ``n_devices`` = ``nblocks``:
+    (E, r/N, d_in_k), (E, d_out_k, r/N) for its shard (gate rows then up rows for gate_up, as vLLM's ``w13``)."""
+    if n_devices != nblocks:
+        raise BDLoraError(f"{name}: an adapter of nblocks={nblocks} is laid out for {nblocks} devices, not {n_devices}")
+    layout, slices = EXPERT_TENSORS[name]
+    rb = lora_a.shape[1] // nblocks if layout == COLUMN else lora_b.shape[2] // nblocks
+    ranks = slice(k * rb, (k + 1) * rb)
+    if layout == COLUMN:
+        e, d_out, _ = lora_b.shape
+        rows = lora_b.view(e, slices, nblocks, d_out // (slices * nblocks), rb)[:, :, k].reshape(e, -1, rb)
+        return lora_a[:, ranks], rows
+    return lora_a[:, ranks], lora_b[:, :, ranks]
+
+
+def device_weights(gate_up: torch.Tensor, down: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device k's shards of the experts at tensor-parallel size n, as vLLM's ``FusedMoE`` holds them: ``w13``
+    (E, 2I/n, H), gate rows then up rows, and ``w2`` (E, H, I/n)."""
+    e, two_i, h = gate_up.shape
+    i = two_i // 2
+    w13 = gate_up.view(e, 2, n, i // n, h)[:, :, k].reshape(e, 2 * i // n, h)
+    return w13, down[:, :, k * (i // n):(k + 1) * (i // n)]
+
+
+class BDLoraExperts(nn.Module):
+    """A transformers experts module (``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I), ``act_fn``) with
+    BD-LoRA on both tensors: the base stays frozen, the packed factors train. ``forward`` takes the experts module's
+    arguments (hidden states (T, H), top-k expert indices and weights) and routes as transformers' loop does."""
+
+    def __init__(self, experts: nn.Module, nblocks: int, r: int, lora_alpha: float):
+        super().__init__()
+        self.base = experts
+        for p in experts.parameters():
+            p.requires_grad_(False)
+        self.nblocks, self.r = nblocks, r
+        self.scale = lora_alpha / math.sqrt(r / nblocks)
+        self.num_experts = experts.gate_up_proj.shape[0]
+        for name in EXPERT_TENSORS:
+            w = getattr(experts, name)
+            a_shape, b_shape = factor_shapes(name, w.shape, nblocks, r)
+            a = torch.empty(a_shape, dtype=torch.float32, device=w.device)
+            fan_in = a_shape[-1]  # a standard LoRA A of one shard: kaiming-uniform over the shard's fan-in
+            nn.init.uniform_(a, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+            self.register_parameter(f"{name}_lora_A", nn.Parameter(a))
+            self.register_parameter(f"{name}_lora_B", nn.Parameter(torch.zeros(b_shape, dtype=torch.float32,
+                                                                                device=w.device)))
+
+    def factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"{name}_lora_A"), getattr(self, f"{name}_lora_B")
+
+    def _linear(self, name: str, x: torch.Tensor, e: int) -> torch.Tensor:
+        layout, slices = EXPERT_TENSORS[name]
+        a, b = self.factors(name)
+        y = F.linear(x, getattr(self.base, name)[e])
+        lora = expert_lora(x.to(a.dtype), a[e], b[e], layout, self.nblocks, slices)
+        return y + (self.scale * lora).to(y.dtype)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            hit = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts).sum(dim=(0, 1)).nonzero()
+        for e in hit.flatten().tolist():
+            tok, pos = torch.where(top_k_index == e)
+            x = hidden_states[tok]
+            gate, up = self._linear("gate_up_proj", x, e).chunk(2, dim=-1)
+            h = self._linear("down_proj", self.base.act_fn(gate) * up, e)
+            out.index_add_(0, tok, (h * top_k_weights[tok, pos, None]).to(out.dtype))
+        return out
+
+
+__all__ = ["BDLoraExperts", "EXPERT_TENSORS", "check_expert_shapes", "dense_factors", "device_factors",
+           "device_weights", "expert_lora", "factor_shapes"]
