@@ -19,7 +19,7 @@ LORA_BACKENDS = ("auto", "peft", "cublas")
 #: Rows (tokens, padding included) from which "auto" takes the kernels. On one H200 at the 8B shape the kernels
 #: were 1.20-1.26x faster per step from ~4,500 rows per call up (batch 32 of 30-250 tokens, 4 x 2048 tokens), and
 #: within noise or slower at ~1,100-2,000 rows (batch 8), where the step is bound by host work, not by the GPU
-#: (bench/results/train/trainer_backends_2026-11-29).
+#: (BENCHMARKS.md, "Training").
 AUTO_MIN_ROWS = 4096
 
 
