@@ -114,6 +114,23 @@ def device_weights(gate_up: torch.Tensor, down: torch.Tensor, k: int, n: int) ->
     return w13, down[:, :, k * (i // n):(k + 1) * (i // n)]
 
 
+#: PEFT's names for the tensors of a LoRA on ``target_parameters`` (``peft.tuners.lora.ParamWrapper``): the first
+#: listed parameter is wrapped innermost, so with this order gate_up's factors sit under ``experts.base_layer``
+PEFT_TARGET_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def peft_expert_factors(name: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense equivalent of one expert tensor's BD factors as PEFT stores an expert LoRA
+    (``ParamWrapper``): ``lora_A.weight`` (r*E, d_in), rows ``e*r + j``; ``lora_B.weight`` (d_out, r*E), columns
+    ``j*E + e``. With ``lora_alpha`` = block alpha x sqrt(N) and ``use_rslora`` PEFT computes the same term, so
+    PEFT and engines that serve PEFT expert LoRAs run a BD expert adapter without knowing BD."""
+    layout, slices = EXPERT_TENSORS[name]
+    a, b = dense_factors(lora_a, lora_b, layout, nblocks, slices)
+    e, r, d_in = a.shape
+    return a.reshape(e * r, d_in), b.permute(1, 2, 0).reshape(b.shape[1], r * e)
+
+
 class BDLoraExperts(nn.Module):
     """A transformers experts module (``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I), ``act_fn``) with
     BD-LoRA on both tensors: the base stays frozen, the packed factors train. ``forward`` takes the experts module's
@@ -161,5 +178,5 @@ class BDLoraExperts(nn.Module):
         return out
 
 
-__all__ = ["BDLoraExperts", "EXPERT_TENSORS", "check_expert_shapes", "dense_factors", "device_factors",
-           "device_weights", "expert_lora", "factor_shapes"]
+__all__ = ["BDLoraExperts", "EXPERT_TENSORS", "PEFT_TARGET_PARAMETERS", "check_expert_shapes", "dense_factors",
+           "device_factors", "device_weights", "expert_lora", "factor_shapes", "peft_expert_factors"]

@@ -27,12 +27,12 @@ def _experts(e=4, h=16, i=8, seed=0):
 
 
 def _bd(experts, n, r, seed=1):
-    bd = BDLoraExperts(experts, nblocks=n, r=r, lora_alpha=8.0).double()
+    bd = BDLoraExperts(experts, nblocks=n, r=r, lora_alpha=8.0).to(experts.gate_up_proj.dtype)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in bd.parameters():
             if p.requires_grad:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.2)
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * 0.2)
     return bd
 
 
@@ -119,3 +119,42 @@ def test_shapes_and_refusals():
         factor_shapes("down_proj", (4, 32, 8), 4, 6)
     with pytest.raises(BDLoraError, match="laid out for 2 devices, not 4"):
         device_factors("down_proj", torch.zeros(4, 8, 4), torch.zeros(4, 32, 8), 2, 0, 4)
+
+
+def test_dense_equivalent_runs_in_peft_expert_lora():
+    """The BD experts' dense equivalent, written into PEFT's own expert LoRA (``target_parameters`` on the fused
+    tensors, rsLoRA with lora_alpha = block alpha x sqrt(N)), gives the model the BD module's outputs: PEFT (and
+    engines serving PEFT expert LoRAs) run a BD expert adapter unchanged."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from bdlora.moe import PEFT_TARGET_PARAMETERS, peft_expert_factors
+
+    n, r, alpha = 2, 4, 8.0
+    cfg = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, vocab_size=64)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).eval()  # float32: transformers' grouped expert GEMM takes no float64
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    bds = {}
+    for i, layer in enumerate(model.model.layers):
+        bds[i] = _bd(layer.mlp.experts, n, r, seed=10 + i)
+    peft_model = get_peft_model(__import__("copy").deepcopy(model), LoraConfig(
+        r=r, lora_alpha=alpha * math.sqrt(n), use_rslora=True, target_modules=[],
+        target_parameters=list(PEFT_TARGET_PARAMETERS)))
+    with torch.no_grad():
+        for i, layer in enumerate(peft_model.base_model.model.model.layers):
+            outer = layer.mlp.experts  # down_proj's wrapper around gate_up_proj's
+            for name, wrapper in (("gate_up_proj", outer.base_layer), ("down_proj", outer)):
+                assert wrapper.parameter_name == name
+                pa, pb = peft_expert_factors(name, *bds[i].factors(name), n)
+                wrapper.lora_A["default"].weight.copy_(pa)
+                wrapper.lora_B["default"].weight.copy_(pb)
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.experts = bds[i]
+        ours = model(input_ids=ids).logits
+        theirs = peft_model(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
+    with torch.no_grad(), peft_model.disable_adapter():
+        assert (peft_model(input_ids=ids).logits - ours).abs().max() > 1e-4  # the adapter matters
