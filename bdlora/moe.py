@@ -126,9 +126,26 @@ def peft_expert_factors(name: str, lora_a: torch.Tensor, lora_b: torch.Tensor, n
     ``j*E + e``. With ``lora_alpha`` = block alpha x sqrt(N) and ``use_rslora`` PEFT computes the same term, so
     PEFT and engines that serve PEFT expert LoRAs run a BD expert adapter without knowing BD."""
     layout, slices = EXPERT_TENSORS[name]
-    a, b = dense_factors(lora_a, lora_b, layout, nblocks, slices)
-    e, r, d_in = a.shape
-    return a.reshape(e * r, d_in), b.permute(1, 2, 0).reshape(b.shape[1], r * e)
+    return to_peft_layout(*dense_factors(lora_a, lora_b, layout, nblocks, slices))
+
+
+def to_peft_layout(lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed (E, ra, da), (E, db, rb) expert factors flattened as PEFT flattens an expert LoRA's: ``lora_A``
+    (ra*E, da) with rows ``e*ra + j``, ``lora_B`` (db, rb*E) with columns ``j*E + e``. The packed (block-diagonal)
+    factor keeps its packed width: (r*E, d_in/N) for down's A, (2I, (r/N)*E) for gate_up's B."""
+    e = lora_a.shape[0]
+    return lora_a.reshape(e * lora_a.shape[1], lora_a.shape[2]), lora_b.permute(1, 2, 0).reshape(lora_b.shape[1], -1)
+
+
+def from_peft_layout(flat_a: torch.Tensor, flat_b: torch.Tensor, num_experts: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`to_peft_layout`: (E, ra, da), (E, db, rb)."""
+    e = num_experts
+    if flat_a.shape[0] % e or flat_b.shape[1] % e:
+        raise BDLoraError(f"expert factors {tuple(flat_a.shape)} / {tuple(flat_b.shape)} do not split into "
+                          f"{e} experts")
+    a = flat_a.reshape(e, flat_a.shape[0] // e, flat_a.shape[1])
+    return a, flat_b.reshape(flat_b.shape[0], flat_b.shape[1] // e, e).permute(2, 0, 1)
 
 
 class BDLoraExperts(nn.Module):
@@ -179,4 +196,5 @@ class BDLoraExperts(nn.Module):
 
 
 __all__ = ["BDLoraExperts", "EXPERT_TENSORS", "PEFT_TARGET_PARAMETERS", "check_expert_shapes", "dense_factors",
-           "device_factors", "device_weights", "expert_lora", "factor_shapes", "peft_expert_factors"]
+           "device_factors", "device_weights", "expert_lora", "factor_shapes", "from_peft_layout", "peft_expert_factors",
+           "to_peft_layout"]

@@ -158,3 +158,20 @@ def test_dense_equivalent_runs_in_peft_expert_lora():
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
     with torch.no_grad(), peft_model.disable_adapter():
         assert (peft_model(input_ids=ids).logits - ours).abs().max() > 1e-4  # the adapter matters
+
+
+@pytest.mark.parametrize("name", list(EXPERT_TENSORS))
+def test_peft_flattening_round_trips_packed_factors(name):
+    """Packed factors flattened the way PEFT flattens expert LoRAs (rows e*r + j of A, columns j*E + e of B) and
+    back, bit for bit; a count that does not split into the experts is refused."""
+    from bdlora.moe import from_peft_layout, to_peft_layout
+
+    bd = _bd(_experts(), 2, 4)
+    a, b = bd.factors(name)
+    fa, fb = to_peft_layout(a, b)
+    assert fa.shape == (a.shape[0] * a.shape[1], a.shape[2]) and fb.shape == (b.shape[1], b.shape[2] * b.shape[0])
+    assert torch.equal(fa[3 * a.shape[1] + 1], a[3, 1]) and torch.equal(fb[:, 1 * 4 + 3], b[3, :, 1])
+    ra, rb = from_peft_layout(fa, fb, 4)
+    assert torch.equal(ra, a) and torch.equal(rb, b)
+    with pytest.raises(BDLoraError, match="do not split into 3 experts"):
+        from_peft_layout(fa, fb, 3)
