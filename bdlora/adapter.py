@@ -238,6 +238,10 @@ def check_supported_features(cfg: AdapterConfig, source: str) -> None:
                        "weights and keep the config, which PEFT then cannot load)")
     if raw.get("trainable_token_indices"):
         reasons.append("trainable_token_indices (trained embedding rows; bdlora would drop them)")
+    if raw.get("target_parameters"):
+        reasons.append(f"target_parameters={raw['target_parameters']!r} (LoRA on fused expert tensors, PEFT's "
+                       "expert LoRA; bdlora's adapter reader does not read expert tensors yet, bdlora.moe has the "
+                       "BD layout)")
     if reasons:
         raise UnsupportedAdapterError(
             f"{source}: bdlora does not support " + "; ".join(reasons) + ". Use this adapter with PEFT directly, or "

@@ -329,3 +329,37 @@ def test_bad_numbers_on_the_command_line(peft_bd_adapter, tmp_path, capsys, argv
 def test_errors_are_bdlora_errors():
     for cls in (AdapterFileError, UnsupportedAdapterError, OutputPathError):
         assert issubclass(cls, BDLoraError)
+
+
+def test_expert_lora_is_refused_with_what_it_is(tmp_path, capsys):
+    """A PEFT expert LoRA (``target_parameters`` on a MoE model's fused expert tensors) is named as such by the reader
+    and the CLI, not reported as factors that "do not fit r"; BD-mode serving refuses it with the way to serve it.
+    vLLM's own LoRA (the plugin's stock mode) lets it through to vLLM."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from bdlora.vllm_plugin.validate import validate_adapter
+
+    cfg = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, vocab_size=64)
+    model = get_peft_model(Qwen3MoeForCausalLM(cfg), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]))
+    src = tmp_path / "experts"
+    model.save_pretrained(str(src))
+    with pytest.raises(UnsupportedAdapterError, match=r"target_parameters=\['mlp.experts.gate_up_proj'\] \(LoRA on "
+                                                      r"fused expert tensors"):
+        load_adapter(src)
+    _fails(["inspect", src], capsys, "target_parameters", "expert")
+
+    def engine(bd):
+        return SimpleNamespace(
+            additional_config={"bdlora": True} if bd else {}, parallel_config=SimpleNamespace(tensor_parallel_size=1),
+            lora_config=SimpleNamespace(max_lora_rank=16, max_loras=1),
+            model_config=SimpleNamespace(model=str(tmp_path / "no-model"), hf_config=cfg, hf_text_config=cfg))
+
+    with pytest.raises(BDLoraError, match=r"fused expert tensors .*\(start without --enable-bdlora\)"):
+        validate_adapter(str(src), engine(bd=True), name="experts")
+    assert validate_adapter(str(src), engine(bd=False), name="experts").raw["target_parameters"]

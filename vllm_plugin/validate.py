@@ -512,6 +512,11 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
     if cfg.raw.get("rank_pattern") or cfg.raw.get("alpha_pattern"):
         if cfg.is_bd:
             raise BDLoraError(f"{path}: rank_pattern/alpha_pattern are not supported for BD-LoRA adapters")
+    if cfg.raw.get("target_parameters"):
+        raise BDLoraError(
+            f"{path}: the adapter puts LoRA on fused expert tensors (target_parameters="
+            f"{cfg.raw['target_parameters']!r}), which BD mode does not serve yet; serve it with vLLM's own LoRA "
+            "(start without --enable-bdlora) or leave the expert tensors out of the adapter")
     n = cfg.nblocks if cfg.is_bd else 1
     m = facts.tp_size
     check_tp_compatible(n, m)
