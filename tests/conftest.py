@@ -84,7 +84,15 @@ ONE_WORKER_MODULES = ("test_vllm_plugin.py", "test_vllm_plugin_tp2.py", "test_vl
                       "test_vllm_plugin_server.py")
 
 
+#: Modules that take minutes (vLLM engines and servers, the serving benchmarks run for real, the pipeline's process
+#: groups): collected first, so pytest-xdist starts them first and the quick tests fill the workers' ends instead of
+#: one worker finishing a long module alone.
+LONG_MODULES = ONE_WORKER_MODULES + ("test_bench_serve.py", "test_vllm_plugin_fast_path.py",
+                                     "test_engine_pipeline.py")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in ONE_WORKER_MODULES:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    items.sort(key=lambda item: item.path.name not in LONG_MODULES)  # stable: each module's order is kept
