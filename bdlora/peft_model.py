@@ -91,7 +91,11 @@ def _kernel_variant_class():
 
         def forward(self, module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
             lora_a, lora_b = module.lora_A[active_adapter], module.lora_B[active_adapter]
-            if self.backend == "auto" and (x.device.type != "cuda" or x.numel() < AUTO_MIN_ROWS * x.shape[-1]):
+            # DeepSpeed ZeRO-3 partitions parameters and gathers a sub-module's only when it is called: the factors
+            # are read directly here, so they go through PEFT's own calls instead
+            partitioned = hasattr(lora_a.weight, "ds_id") or hasattr(lora_b.weight, "ds_id")
+            if partitioned or (self.backend == "auto"
+                               and (x.device.type != "cuda" or x.numel() < AUTO_MIN_ROWS * x.shape[-1])):
                 # PEFT's own computation, its input cast included
                 return super().forward(module, active_adapter, x.to(lora_a.weight.dtype), result, **kwargs)
             dropout = module.lora_dropout[active_adapter]

@@ -176,3 +176,24 @@ def test_trainer_trains_the_same_adapter_on_either_backend(tiny_llama_dir, tmp_p
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=k)
         moved += bool("lora_B" in k and ref[k].abs().max() > 0)
     assert moved == 14  # B starts at zero: every layer was really trained
+
+
+def test_partitioned_factors_take_peft_calls(tiny_llama_dir):
+    """Factors partitioned by DeepSpeed ZeRO-3 (a ``ds_id`` on the parameter: gathered only when their sub-module is
+    called) go through PEFT's own sub-module calls, even with ``cublas`` asked for."""
+    from peft.tuners.lora.layer import Linear
+
+    spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16)
+    model = _peft_model(tiny_llama_dir, spec)
+    use_bdlora_kernels(model, "cublas")
+    layer = next(m for m in model.modules() if isinstance(m, Linear))
+    calls = []
+    layer.lora_A["default"].register_forward_hook(lambda *a: calls.append(1))
+    x = torch.randn(3, layer.in_features)
+    layer(x)
+    assert calls == []  # the kernels read the factors directly
+    layer.lora_A["default"].weight.ds_id = 7
+    y = layer(x)
+    assert calls == [1]
+    del layer.lora_A["default"].weight.ds_id
+    torch.testing.assert_close(y, layer(x), rtol=1e-5, atol=1e-6)
