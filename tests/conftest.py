@@ -78,21 +78,14 @@ def vllm_adapters(tiny_llama_dir, tmp_path_factory):
             for i, (name, cfg) in enumerate(configs.items())}
 
 
-#: Modules whose engines or servers are module-scoped fixtures: under pytest-xdist each runs on one worker, which
-#: starts the engine once (spread over two workers, each would start its own).
-ONE_WORKER_MODULES = ("test_vllm_plugin.py", "test_vllm_plugin_tp2.py", "test_vllm_plugin_errors.py",
-                      "test_vllm_plugin_server.py")
-
-
-#: Modules that take minutes (vLLM engines and servers, the serving benchmarks run for real, the pipeline's process
-#: groups): collected first, so pytest-xdist starts them first and the quick tests fill the workers' ends instead of
-#: one worker finishing a long module alone.
-LONG_MODULES = ONE_WORKER_MODULES + ("test_bench_serve.py", "test_vllm_plugin_fast_path.py",
-                                     "test_engine_pipeline.py")
+#: The modules that take minutes (vLLM engines and servers, the serving benchmarks run for real, the pipeline's
+#: process groups), longest first. scripts/test.sh runs pytest-xdist with ``--dist loadfile --no-loadscope-reorder``:
+#: every module runs on one worker (the modules whose engine or server is a module-scoped fixture start it once) and
+#: modules are handed out in collection order, so these go first and the quick ones fill both workers' ends.
+LONG_MODULES = ("test_vllm_plugin_fast_path.py", "test_bench_serve.py", "test_vllm_plugin_errors.py",
+                "test_vllm_plugin_tp2.py", "test_engine_pipeline.py", "test_vllm_plugin.py", "test_vllm_plugin_server.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in ONE_WORKER_MODULES:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
-    items.sort(key=lambda item: item.path.name not in LONG_MODULES)  # stable: each module's order is kept
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_MODULES)))  # stable: a module keeps its order

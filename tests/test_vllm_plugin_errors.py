@@ -52,6 +52,15 @@ def _load(base, name, path):
     return T.http_call(base + "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
 
 
+def _ensure_loaded(base, name, path):
+    """Loads ``name`` unless the server already has it (tests share the module's server, but xdist may run another
+    module's tests between two of these, and then the server is a new one)."""
+    models = {m["id"] for m in json.loads(T.http_call(base + "/v1/models")[1])["data"]}
+    if name not in models:
+        status, body = _load(base, name, path)
+        assert status == 200, body
+
+
 def _unload(base, name):
     status, body = T.http_call(base + "/v1/unload_lora_adapter", {"lora_name": name})
     assert status == 200, body
@@ -149,4 +158,5 @@ def test_tp2_server_request_for_damaged_adapter_is_400(server, tiny_llama_dir, v
     assert status == 400, body
     _, kind, message = _error(body)
     assert kind == "BadRequestError" and "damaged" in message and "adapter_model.safetensors" in message, body
+    _ensure_loaded(server, "bd", vllm_adapters["bd2_r16"])
     _assert_hf(tiny_llama_dir, vllm_adapters["bd2_r16"], _tokens(server, "bd"))
