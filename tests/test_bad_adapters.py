@@ -360,6 +360,6 @@ def test_expert_lora_is_refused_with_what_it_is(tmp_path, capsys):
             lora_config=SimpleNamespace(max_lora_rank=16, max_loras=1),
             model_config=SimpleNamespace(model=str(tmp_path / "no-model"), hf_config=cfg, hf_text_config=cfg))
 
-    with pytest.raises(BDLoraError, match=r"fused expert tensors .*\(start without --enable-bdlora\)"):
+    with pytest.raises(BDLoraError, match=r"target_parameters.*fused expert tensors.*start without --enable-bdlora"):
         validate_adapter(str(src), engine(bd=True), name="experts")
     assert validate_adapter(str(src), engine(bd=False), name="experts").raw["target_parameters"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from bdlora.adapter import (CONFIG_NAME, PEFT_A_SUFFIX, PEFT_B_SUFFIX, WEIGHTS_NAME, AdapterConfig, check_factor_shapes,
-                            module_paths, read_config)
+                            check_supported_features, check_tensor_names, module_paths, read_config)
 from bdlora.layout import COLUMN, ROW, packed_shapes
 from bdlora.sharding import check_tp_compatible
 from bdlora.spec import PRESETS, BDLoraError, serving_layout
@@ -509,14 +509,12 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
     if not os.path.isfile(weights):
         raise BDLoraError(f"{path}: no {WEIGHTS_NAME}. BD mode reads only each device's blocks, which needs "
                           "safetensors; re-save the adapter with safe_serialization=True")
-    if cfg.raw.get("rank_pattern") or cfg.raw.get("alpha_pattern"):
-        if cfg.is_bd:
-            raise BDLoraError(f"{path}: rank_pattern/alpha_pattern are not supported for BD-LoRA adapters")
-    if cfg.raw.get("target_parameters"):
-        raise BDLoraError(
-            f"{path}: the adapter puts LoRA on fused expert tensors (target_parameters="
-            f"{cfg.raw['target_parameters']!r}), which BD mode does not serve yet; serve it with vLLM's own LoRA "
-            "(start without --enable-bdlora) or leave the expert tensors out of the adapter")
+    if cfg.is_bd or cfg.raw.get("target_parameters"):  # what bdlora cannot read: the core's one list
+        try:
+            check_supported_features(cfg, os.path.join(path, CONFIG_NAME))
+        except BDLoraError as e:
+            raise BDLoraError(f"{e}. A dense adapter with these options can be served by vLLM's own LoRA (start "
+                              "without --enable-bdlora)") from None
     n = cfg.nblocks if cfg.is_bd else 1
     m = facts.tp_size
     check_tp_compatible(n, m)
@@ -541,10 +539,7 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
         )
     shapes = _read_header(weights)
     keys = list(shapes)
-    other = [k for k in keys if not (k.endswith(PEFT_A_SUFFIX) or k.endswith(PEFT_B_SUFFIX))]
-    if other:
-        raise BDLoraError(f"{WEIGHTS_NAME} in {path}: tensors {other[:4]} are not LoRA factors; BD mode serves "
-                          "lora_A/lora_B only (no modules_to_save, embeddings or biases)")
+    check_tensor_names(keys, f"{WEIGHTS_NAME} in {path}")
     try:
         paths = module_paths(shapes)
     except BDLoraError as e:
