@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layout import COLUMN, ROW, Layout
+from .layout import COLUMN, ROW, Layout, unpack_block_diagonal
 from .spec import BDLoraError
 
 #: the fused expert tensors BD-LoRA adapts: {parameter name: (layout, output slices)}
@@ -75,18 +75,14 @@ def expert_lora(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lay
 
 def dense_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, layout: Layout, nblocks: int, slices: int = 1
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (E, r, d_in), (E, d_out, r) dense factors with the zeros of the block-diagonal one written out: the
-    standard expert LoRA that computes the same (for engines without BD, and references)."""
-    e, n = lora_a.shape[0], nblocks
+    """The (E, r, d_in), (E, d_out, r) dense factors with the zeros of the block-diagonal one written out
+    (``bdlora.layout.unpack_block_diagonal`` per expert, and per output slice for gate_up): the standard expert LoRA
+    that computes the same (for engines without BD, and references)."""
     if layout == COLUMN:
-        _, d_out, rb = lora_b.shape
-        full = lora_b.new_zeros(e, slices, n, d_out // (slices * n), n, rb)
-        full.diagonal(dim1=2, dim2=4).copy_(lora_b.view(e, slices, n, d_out // (slices * n), rb).permute(0, 1, 3, 4, 2))
-        return lora_a, full.reshape(e, d_out, n * rb)
-    _, r, kb = lora_a.shape
-    full = lora_a.new_zeros(e, n, r // n, n, kb)
-    full.diagonal(dim1=1, dim2=3).copy_(lora_a.view(e, n, r // n, kb).permute(0, 2, 3, 1))
-    return full.reshape(e, r, n * kb), lora_b
+        dense_b = torch.stack([torch.cat([unpack_block_diagonal(part, nblocks) for part in b.chunk(slices, dim=0)])
+                               for b in lora_b])
+        return lora_a, dense_b
+    return torch.stack([unpack_block_diagonal(a, nblocks) for a in lora_a]), lora_b
 
 
 def device_factors(name: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks: int, k: int, n_devices: int
