@@ -150,7 +150,8 @@ def test_quality_pipeline_tiny(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                BDLORA_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "bench.quality.run", "--out", str(out), "--device", "cpu", "--small",
-           "--model", "tiny-random", "--methods", "lora,bd", "--nblocks", "2", "--ranks", "4", "--seeds", "0,1",
+           "--trainer", "trainer", "--model", "tiny-random", "--methods", "lora,bd", "--nblocks", "2", "--ranks", "4",
+           "--seeds", "0,1",
            "--max-steps", "2",
            "--set", "max_passage_chars=100", "--set", "max_length=512", "--set", "n_train=32", "--set", "n_eval=6",
            "--set", "acc_eval=6"]
@@ -227,3 +228,40 @@ def test_recall_task_base_row_and_paired_report(tmp_path):
     text = md.read_text()
     assert "| base model (no adapter) | 0 | 0.00M | 1 |" in text, text
     assert "| recall | accuracy | 2 | 6 | 4 | 2 |" in text and "| recall | accuracy | 4 | 8 | 4 | 2 |" in text, text
+
+
+def test_recall_sweep_trains_every_run_in_one_engine_run(tmp_path):
+    """The default trainer: all runs of the task are jobs of one engine run (LoRA = the N=1 job); each saved
+    adapter is scored through PEFT; its parameter count is the adapter's own; a second call trains nothing."""
+    from bench.quality.run import main as run_main
+    from bench.serve.artifacts import Shape, adapter_num_params
+
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--device", "cpu", "--small", "--model", "tiny-random", "--tasks", "recall",
+            "--methods", "lora,bd", "--nblocks", "2,4", "--ranks", "4", "--seeds", "0,1", "--max-steps", "2",
+            "--set", "recall_pairs=4"]
+    assert run_main(argv) == 0
+    rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and {r["trainer"] for r in rows} == {"bdlora sweep"}
+    sweeps = [json.loads(l) for l in (out / "sweeps.jsonl").read_text().splitlines()]
+    assert len(sweeps) == 1 and sweeps[0]["jobs"] == 6 and sweeps[0]["tokens"] > 0 and sweeps[0]["wall_s"] > 0
+    tiny = Shape(256, 2, 4, 2, 512, 512)  # the tiny random Llama: hidden, layers, heads, kv heads, intermediate
+    for r in rows:
+        assert r["steps"] == 2 and r["recall_pairs"] == 4 and r["accuracy_n"] == 8 and r["eval_loss"] > 0
+        assert r["trainable_params"] == adapter_num_params(tiny, r["rank"], r["nblocks"]), r
+    cfg = json.loads((Path(sweeps[0]["folder"]) / "adapters" / "recall-bd4-r8-s1-t2" / "adapter_config.json").read_text())
+    assert cfg["r"] == 8 and cfg["use_rslora"] is True
+    assert run_main(argv) == 0  # resumable: nothing trained or scored again
+    assert len((out / "results.jsonl").read_text().splitlines()) == 6
+    assert len((out / "sweeps.jsonl").read_text().splitlines()) == 1
+
+
+def test_rouge_l():
+    """ROUGE-L F1 over lower-cased alphanumeric tokens (rouge_score's rougeL without stemming), on hand-worked
+    cases: LCS 'the cat the mat' (4) of 6 and 6 tokens -> 2/3."""
+    from bench.quality.metrics import rouge_l
+
+    assert rouge_l("The cat sat on the mat.", "the cat lay on the mat") == pytest.approx(5 / 6)
+    assert rouge_l("the cat the mat x y", "the dog cat z the mat") == pytest.approx(2 / 3)
+    assert rouge_l("", "anything") == 0.0 and rouge_l("a b", "c d") == 0.0
+    assert rouge_l("Police arrested 2 men", "police ARRESTED 2 men!") == 1.0

@@ -5,16 +5,15 @@
 #
 # QUALITY_GPUS     GPUs to use, as CUDA_VISIBLE_DEVICES values (spaces or commas); default: the entries of
 #                  CUDA_VISIBLE_DEVICES if set, else every GPU nvidia-smi lists. Other GPUs are left alone.
-# QUALITY_PER_GPU  shards per GPU (default 1). SmolLM2-135M at batch 16 x <=384 tokens is expected to be bound by
-#                  host-side kernel launches (not measured yet: gpu_util.csv tells), so a second process per GPU should
-#                  fill the gaps; if the GPU is saturated instead, 2 per GPU costs nothing but memory (~10 GB each).
+# QUALITY_PER_GPU  shards per GPU (default 1). Each shard trains its runs of a task as one engine run (bdlora sweep),
+#                  then scores them one by one (host-bound generation): a second shard per GPU overlaps the two.
 # CALL_LIMIT_S     seconds this script may take in all (default 590); shards start a matched group (LoRA + BD at one
 #                  rank and seed) only if it should end QUALITY_RESERVE_S (default 45) before that, and are killed
 #                  QUALITY_KILL_S (default 25) before it, so the merge and the report always run.
 # Local dry run of the orchestration (no bundle, no pip): QUALITY_SKIP_SETUP=1 QUALITY_DEVICE=cpu
 # QUALITY_GPUS="a b" QUALITY_DATA_DIR=DIR QUALITY_RES=DIR OUT=DIR bash bench/quality/gpu_run.sh --small.
-# Tasks default to boolq,xsum (every shard runs its boolq groups first); arguments after the script are passed to
-# every shard and override, e.g. --tasks boolq.
+# Tasks default to recall,boolq,xsum (in that order in every shard); arguments after the script are passed to
+# every shard and override, e.g. --tasks recall.
 #
 # Needs /tmp/qsite (a warm machine's earlier call) or the bundle's parts (bench/bundle_parts.sh): all but the last
 # staged by earlier calls (carry .cache/quality_bundle/pK, command `mkdir -p /tmp/qstage && cp

@@ -51,6 +51,10 @@ def mean_ci(vals: list[float]) -> tuple[float, float]:
     return m, t95(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
 
 
+SCORES = ("accuracy", "rougeL")  # task scores (higher is better) beside eval loss and perplexity
+SCORE_NAMES = {"accuracy": "accuracy", "rougeL": "ROUGE-L F1"}
+
+
 def load_rows(sources) -> list[dict]:
     """One row per run_id from results folders or files (:func:`bench.quality.results.read_rows`)."""
     return read_rows(sources)
@@ -63,8 +67,12 @@ def label(method: str, nblocks) -> str:
 
 
 def metric_of(rows: list[dict]) -> tuple[str, int]:
-    """The task's headline metric and its sign (+1: higher is better): accuracy where scored, else eval loss."""
-    return ("accuracy", 1) if any("accuracy" in r for r in rows) else ("eval_loss", -1)
+    """The task's headline metric and its sign (+1: higher is better): accuracy or ROUGE-L where scored, else eval
+    loss."""
+    for key in SCORES:
+        if any(key in r for r in rows):
+            return key, 1
+    return "eval_loss", -1
 
 
 def paired(rows: list[dict]) -> list[dict]:
@@ -104,7 +112,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
                                                                                  kv[0][3])):
         g = {"task": task, "method": method, "nblocks": n, "rank": rank, "seeds": len(rs),
              "trainable_params": rs[0]["trainable_params"], "steps": rs[0]["steps"], "device": rs[0].get("device")}
-        for key in ("eval_loss", "eval_ppl", "accuracy", "train_loss"):
+        for key in ("eval_loss", "eval_ppl", *SCORES, "train_loss"):
             if any(r.get(key) is not None for r in rs):
                 g[key], g[key + "_ci"] = mean_ci([r.get(key) for r in rs])
         if rs[0].get("majority_baseline") is not None:
@@ -117,19 +125,20 @@ def markdown(groups: list[dict], paired_rows: list[dict] = ()) -> str:
     lines = []
     for task in sorted({g["task"] for g in groups}):
         gs = [g for g in groups if g["task"] == task]
-        acc = any("accuracy" in g for g in gs)
+        scores = [k for k in SCORES if any(k in g for g in gs)]
         g0 = next((g for g in gs if g["method"] != "base"), gs[0])
         majority = [g["majority_baseline"] for g in gs if g.get("majority_baseline") is not None]
         chance = f"; majority-class rate {majority[0]:.3f}" if majority and majority[0] > 0 else ""
         lines.append(f"\n#### {task} ({g0['steps']} steps, {g0.get('device')}; mean ± 95% CI over seeds{chance})\n")
-        head = "| method | rank | trainable params | seeds | eval loss | eval perplexity |" + (" accuracy |" if acc else "")
+        head = ("| method | rank | trainable params | seeds | eval loss | eval perplexity |"
+                + "".join(f" {SCORE_NAMES[k]} |" for k in scores))
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for g in sorted(gs, key=lambda g: (g["trainable_params"], g["method"])):
             f = lambda k, nd: (f"{g[k]:.{nd}f} ± {g[k + '_ci']:.{nd}f}" if not math.isnan(g.get(k + "_ci", math.nan))
                                else f"{g[k]:.{nd}f}") if k in g else "–"
             lines.append(f"| {label(g['method'], g['nblocks'])} | {g['rank']} | {g['trainable_params'] / 1e6:.2f}M | "
                          f"{g['seeds']} | {f('eval_loss', 4)} | {f('eval_ppl', 3)} |"
-                         + (f" {f('accuracy', 3)} |" if acc else ""))
+                         + "".join(f" {f(k, 3)} |" for k in scores))
     pairs = paired_rows
     if pairs:
         lines += ["\n#### BD-LoRA - LoRA at matched size, paired by seed (mean ± 95% CI; the ± is the smallest gap the "
@@ -152,8 +161,9 @@ def plot(groups: list[dict], path: Path) -> Path:
     panels = []
     for task in sorted({g["task"] for g in groups}):
         panels.append((task, "eval_ppl", "eval perplexity ↓"))
-        if any("accuracy" in g for g in groups if g["task"] == task):
-            panels.append((task, "accuracy", "accuracy ↑"))
+        for k in SCORES:
+            if any(k in g for g in groups if g["task"] == task):
+                panels.append((task, k, f"{SCORE_NAMES[k]} ↑"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
     colors = {"lora": "tab:green", 2: "tab:red", 3: "tab:orange", 4: "tab:purple", 6: "tab:brown", 8: "tab:pink"}
     for ax, (task, key, title) in zip(axes[0], panels):

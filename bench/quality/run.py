@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .data import TASKS, prepare
+from .metrics import device_name, eval_loss, task_metrics
 from .results import RESULTS, append_row, read_rows
 
 SMOLLM2_DIMS = {"hidden": 576, "intermediate": 1536}
@@ -56,12 +57,22 @@ PRESETS = {
     # GPU: per task 3 ranks x 5 seeds x (LoRA + BD at N = 2, 4, 8) = 60 runs, plus the base row
     "full": dict(ranks=[8, 32, 128], seeds=[0, 1, 2, 3, 4], nblocks=[2, 4, 8], max_steps=150, batch_size=16, lr=2e-4,
                  max_length=384, n_train=4000, n_eval=800, acc_eval=800, precision="bf16", eval_batch_size=32,
-                 max_passage_chars=700, max_doc_chars=1200, recall_pairs=256),
+                 max_passage_chars=700, max_doc_chars=1200, recall_pairs=256, gen_batch_size=128, gen_eval=200,
+                 summary_tokens=48, token_budget=16384),
     # CPU: one rank, one seed, a few steps: checks the pipeline end to end in minutes (SmolLM2 on 2 cores)
     "small": dict(ranks=[8], seeds=[0], nblocks=[3], max_steps=4, batch_size=2, lr=2e-4, max_length=160,
                   n_train=200, n_eval=16, acc_eval=16, precision="fp32", eval_batch_size=8,
-                  max_passage_chars=300, max_doc_chars=400, recall_pairs=8),
+                  max_passage_chars=300, max_doc_chars=400, recall_pairs=8, gen_batch_size=8, gen_eval=4,
+                  summary_tokens=8, token_budget=1024),
 }
+#: the full preset's settings that differ per task. Recall is memorisation: a code book of 512 invented pairs at a
+#: learning rate for memorising (the quickstart's), long enough for a large adapter to learn most of it
+TASK_SETTINGS = {"recall": dict(lr=1e-3, max_steps=300, recall_pairs=512)}
+
+
+def task_params(p: dict, small: bool, overrides: dict) -> dict[str, dict]:
+    """Per task: the preset, the task's own settings (full preset only), then what the command line set."""
+    return {task: {**p, **({} if small else TASK_SETTINGS.get(task, {})), **overrides} for task in TASKS}
 
 
 def matched_rank(r: int, nblocks: int, hidden: int, intermediate: int) -> int:
@@ -210,72 +221,6 @@ def dense_lora_builder(r: int, lora_alpha: float, dropout: float = 0.0):
         T.build_peft_model = orig
 
 
-def _nll_per_example(model, examples, pad_id: int, batch_size: int, device) -> list[float]:
-    import torch
-
-    from bdlora.train.data import IGNORE_INDEX, collate
-
-    out: list[float] = []
-    model.eval()
-    with torch.no_grad():
-        for i in range(0, len(examples), batch_size):
-            b = {k: v.to(device) for k, v in collate(examples[i:i + batch_size], pad_id).items()}
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-            labels = b["labels"][:, 1:]
-            lp = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels,
-                                                   ignore_index=IGNORE_INDEX, reduction="none")
-            out.extend(lp.sum(1).tolist())
-    return out
-
-
-def boolq_accuracy(model, tokenizer, eval_file: Path, n: int, max_length: int, batch_size: int) -> dict:
-    """Accuracy of picking the answer ("yes"/"no") with the higher likelihood as the assistant response."""
-    from bdlora.train.data import encode, to_messages
-
-    rows = [json.loads(l) for l in eval_file.read_text().splitlines() if l.strip()][:n]
-    exs, gold = [], []
-    for j, r in enumerate(rows):
-        pair = []
-        for cand in ("yes", "no"):
-            ex = encode(tokenizer, to_messages(dict(r, output=cand), "alpaca"), max_length, index=j)
-            pair.append(ex)
-        if any(e is None for e in pair):
-            continue
-        exs.extend(pair)
-        gold.append(bool(r["label"]))
-    device = next(model.parameters()).device
-    nll = _nll_per_example(model, exs, tokenizer.pad_token_id, batch_size, device)
-    correct = 0
-    for k, g in enumerate(gold):
-        says_yes = nll[2 * k] < nll[2 * k + 1]
-        correct += int(says_yes == g)
-    return {"accuracy": correct / max(1, len(gold)), "accuracy_n": len(gold),
-            "majority_baseline": max(sum(gold), len(gold) - sum(gold)) / max(1, len(gold))}
-
-
-def eval_loss(model, tokenizer, eval_file: Path, max_length: int, batch_size: int) -> dict:
-    """Mean loss and perplexity over the eval set's response tokens (the trainer's ``eval_loss`` for a model that
-    was not trained: the base row)."""
-    from bdlora.train.data import encode, to_messages
-
-    rows = [json.loads(l) for l in eval_file.read_text().splitlines() if l.strip()]
-    exs = [e for j, r in enumerate(rows) if (e := encode(tokenizer, to_messages(r, "alpaca"), max_length, index=j))]
-    tokens = sum(e.num_target_tokens for e in exs)
-    total = sum(_nll_per_example(model, exs, tokenizer.pad_token_id, batch_size, next(model.parameters()).device))
-    loss = total / max(1, tokens)
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
-
-
-def recall_exact_match(model, tokenizer, eval_file: Path, batch_size: int) -> dict:
-    """Share of held-out recall prompts whose greedy answer is exactly ``CODE: <word>``."""
-    from bdlora.train.quickstart import exact_match, greedy_answers
-
-    rows = [json.loads(l) for l in eval_file.read_text().splitlines() if l.strip()]
-    preds = greedy_answers(model, tokenizer, rows, max_new_tokens=12, batch_size=batch_size, desc="recall")
-    return {"accuracy": exact_match(preds, rows), "accuracy_n": len(rows), "majority_baseline": 0.0}
-
-
 def base_run(task: str, p: dict, files: dict, model: str, device_name: str) -> dict:
     """The untrained model, scored as the trained runs are."""
     import torch
@@ -295,14 +240,6 @@ def base_run(task: str, p: dict, files: dict, model: str, device_name: str) -> d
     row.update(task_metrics(task, lm, tokenizer, p, files))
     row["wall_s"] = round(time.time() - t0, 2)
     return row
-
-
-def task_metrics(task: str, model, tokenizer, p: dict, files: dict) -> dict:
-    if task == "boolq":
-        return boolq_accuracy(model, tokenizer, files["eval"], p["acc_eval"], p["max_length"], p["eval_batch_size"])
-    if task == "recall":
-        return recall_exact_match(model, tokenizer, files["eval"], p["eval_batch_size"])
-    return {}
 
 
 def one_run(task: str, method: str, nblocks: int, rank: int, seed: int, p: dict, files: dict, model: str,
@@ -336,12 +273,26 @@ def one_run(task: str, method: str, nblocks: int, rank: int, seed: int, p: dict,
     return row
 
 
-def _device_name() -> str:
-    import torch
+def run_sweeps(groups: list[list[Run]], pt: dict[str, dict], files: dict, model: str, out: Path, device: str,
+               dev: str, record: Callable[[dict], None], log: Callable[[str], None]) -> dict:
+    """The runs of the groups, task by task: the base row first, then every trained run as one engine run."""
+    from . import sweep
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"CPU ({os.cpu_count()} cores)"
+    ran = 0
+    for task in dict.fromkeys(run[0] for g in groups for run in g):
+        p = pt[task]
+        runs = [run for g in groups for run in g if run[0] == task]
+        for run in (r for r in runs if r[1] == "base"):
+            record(base_run(task, p, files[task], model, dev))
+            ran += 1
+        runs = [r for r in runs if r[1] != "base"]
+        if not runs:
+            continue
+        names = [run_id(*r, p["max_steps"]) for r in runs]
+        trained = sweep.train(task, runs, names, p, files[task], model, out, device, log)
+        ran += sweep.score(task, runs, names, trained, p, files[task], model, dev, record)
+    left = sum(len(g) for g in groups) - ran
+    return {"ran": ran, "left": left}
 
 
 def main(argv=None) -> int:
@@ -380,6 +331,11 @@ def main(argv=None) -> int:
     ap.add_argument("--shard", type=parse_shard, metavar="I/N",
                     help="run only the matched groups whose index in the plan is I mod N (concurrent shards may share "
                          "--out)")
+    ap.add_argument("--trainer", choices=["sweep", "trainer"], default="sweep",
+                    help="sweep (default): each task's runs as the jobs of one `bdlora sweep` engine run, then scored "
+                         "(bench.quality.sweep); trainer: one `bdlora train` run after another (LoRA as PEFT's own "
+                         "LoraConfig), each scored as it ends, with --deadline-unix / --time-budget-s honoured per "
+                         "matched group")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a preset value (lr, batch_size, max_length, n_train, n_eval, acc_eval, ...)")
     a = ap.parse_args(argv)
@@ -399,11 +355,12 @@ def main(argv=None) -> int:
     p["ranks"] = split(a.ranks) or p["ranks"]
     p["seeds"] = split(a.seeds) or p["seeds"]
     p["nblocks"] = split(a.nblocks) or p["nblocks"]
-    if a.max_steps:
-        p["max_steps"] = a.max_steps
+    overrides = {"max_steps": a.max_steps} if a.max_steps else {}
     for kv in a.set:
         k, _, v = kv.partition("=")
-        p[k] = type(p[k])(float(v)) if isinstance(p.get(k), (int, float)) and not isinstance(p.get(k), bool) else v
+        overrides[k] = (type(p[k])(float(v)) if isinstance(p.get(k), (int, float)) and not isinstance(p.get(k), bool)
+                        else v)
+    pt = task_params(p, a.small, overrides)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     data_dir = Path(a.data_dir) if a.data_dir else out / "data"
@@ -415,10 +372,13 @@ def main(argv=None) -> int:
     files = {}
     with model_lock():  # concurrent shards: one prepares the data and converts / builds the model, the others wait
         for task in tasks:
-            tr, ev = data_dir / f"{task}_train.jsonl", data_dir / f"{task}_eval.jsonl"
+            q = pt[task]
+            # the synthetic book is made here, in a folder named by its size (a prepared bundle may hold another)
+            d = out / "data" / f"recall{q['recall_pairs']}" if task == "recall" else data_dir
+            tr, ev = d / f"{task}_train.jsonl", d / f"{task}_eval.jsonl"
             if not (tr.is_file() and ev.is_file()):
-                prepare(data_dir, p["n_train"], p["n_eval"], tasks=[task], max_passage_chars=p["max_passage_chars"],
-                        max_doc_chars=p["max_doc_chars"], recall_pairs=p["recall_pairs"])
+                prepare(d, q["n_train"], q["n_eval"], tasks=[task], max_passage_chars=q["max_passage_chars"],
+                        max_doc_chars=q["max_doc_chars"], recall_pairs=q["recall_pairs"])
             files[task] = {"train": tr, "eval": ev}
         if a.model == "smollm2":
             from bdlora.models import smollm2_path
@@ -435,31 +395,40 @@ def main(argv=None) -> int:
     done = {r["run_id"] for r in read_rows([out])}
     plan = build_plan(tasks, p["ranks"], p["seeds"], p["nblocks"], a.methods.split(","), bd_rank)
     mine = shard_groups(plan, a.shard) if a.shard else plan
-    todo = [g2 for g2 in ([x for x in g if run_id(*x, p["max_steps"]) not in done] for g in mine) if g2]
+    todo = [g2 for g2 in ([x for x in g if run_id(*x, pt[x[0]]["max_steps"]) not in done] for g in mine) if g2]
     n_todo = sum(len(g) for g in todo)
     tag = f"quality[shard {a.shard[0]}/{a.shard[1]}]" if a.shard else "quality"
-    device_name = _device_name()
+    dev = device_name()
     n_plan, n_mine = sum(len(g) for g in plan), sum(len(g) for g in mine)
     print(f"{tag}: {n_plan} runs in {len(plan)} matched groups"
           + (f", {n_mine} runs in {len(mine)} groups in this shard" if a.shard else "")
-          + f", {n_mine - n_todo} done, {n_todo} to run on {device_name}"
+          + f", {n_mine - n_todo} done, {n_todo} to run on {dev} with {a.trainer}"
           + (f", {deadline - time.time():.0f} s to the deadline" if deadline else "")
-          + f"; model {model}; preset {p}", flush=True)
+          + f"; model {model}; preset {p}"
+          + "".join(f"; {t}: {v}" for t in tasks if (v := {k: x for k, x in pt[t].items() if p.get(k) != x})),
+          flush=True)
     counter = [0]
 
-    def run_and_record(run: Run) -> float:
-        task, method, n, rank, seed = run
-        row = one_run(task, method, n, rank, seed, p, files[task], model, out, device_name)
+    def record(row: dict) -> None:
         if a.shard:
             row["shard"] = f"{a.shard[0]}/{a.shard[1]}"
         append_row(res_file, row)
         counter[0] += 1
-        acc = f", acc {row['accuracy']:.3f}" if "accuracy" in row else ""
+        extra = "".join(f", {k} {row[k]:.3f}" for k in ("accuracy", "rougeL") if k in row)
         print(f"{tag} [{counter[0]}/{n_todo}] {row['run_id']}: {row['trainable_params'] / 1e6:.2f}M params, eval loss "
-              f"{row['eval_loss']:.4f} (ppl {row['eval_ppl']:.3f}){acc}, {row['wall_s']:.0f} s", flush=True)
+              f"{row['eval_loss']:.4f} (ppl {row['eval_ppl']:.3f}){extra}", flush=True)
+
+    def run_and_record(run: Run) -> float:
+        task, method, n, rank, seed = run
+        row = one_run(task, method, n, rank, seed, pt[task], files[task], model, out, dev)
+        record(row)
         return row["wall_s"]
 
-    res = execute(todo, run_and_record, deadline, log=lambda m: print(f"{tag}: {m}", flush=True))
+    log = lambda m: print(f"{tag}: {m}", flush=True)
+    if a.trainer == "sweep":
+        res = run_sweeps(todo, pt, files, model, out, a.device, dev, record, log)
+    else:
+        res = execute(todo, run_and_record, deadline, log=log)
     print(f"{tag}: done in {time.time() - t_start:.0f} s, {res['ran']} runs, {res['left']} left; results in {res_file}",
           flush=True)
     return 0

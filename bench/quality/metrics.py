@@ -1,0 +1,139 @@
+"""How the quality benchmark scores a model (base or adapter) on each task, the same way for every row.
+
+* every task: eval loss / perplexity over the eval set's response tokens (:func:`eval_loss`);
+* BoolQ: accuracy of the answer ("yes"/"no") with the higher likelihood, beside the eval set's majority rate;
+* recall: exact match of the greedy answer (``CODE: <word>``) on held-out phrasings;
+* XSum: ROUGE-L F1 of greedy one-sentence summaries against the references (:func:`rouge_l`: the longest common
+  subsequence of lower-cased alphanumeric tokens, as ``rouge_score``'s ``rougeL`` without stemming).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+
+def _nll_per_example(model, examples, pad_id: int, batch_size: int, device) -> list[float]:
+    import torch
+
+    from bdlora.train.data import IGNORE_INDEX, collate
+
+    out: list[float] = []
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(examples), batch_size):
+            b = {k: v.to(device) for k, v in collate(examples[i:i + batch_size], pad_id).items()}
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            labels = b["labels"][:, 1:]
+            lp = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels,
+                                                   ignore_index=IGNORE_INDEX, reduction="none")
+            out.extend(lp.sum(1).tolist())
+    return out
+
+
+def boolq_accuracy(model, tokenizer, eval_file: Path, n: int, max_length: int, batch_size: int) -> dict:
+    """Accuracy of picking the answer ("yes"/"no") with the higher likelihood as the assistant response."""
+    from bdlora.train.data import encode, to_messages
+
+    rows = [json.loads(l) for l in eval_file.read_text().splitlines() if l.strip()][:n]
+    exs, gold = [], []
+    for j, r in enumerate(rows):
+        pair = []
+        for cand in ("yes", "no"):
+            ex = encode(tokenizer, to_messages(dict(r, output=cand), "alpaca"), max_length, index=j)
+            pair.append(ex)
+        if any(e is None for e in pair):
+            continue
+        exs.extend(pair)
+        gold.append(bool(r["label"]))
+    device = next(model.parameters()).device
+    nll = _nll_per_example(model, exs, tokenizer.pad_token_id, batch_size, device)
+    correct = 0
+    for k, g in enumerate(gold):
+        says_yes = nll[2 * k] < nll[2 * k + 1]
+        correct += int(says_yes == g)
+    return {"accuracy": correct / max(1, len(gold)), "accuracy_n": len(gold),
+            "majority_baseline": max(sum(gold), len(gold) - sum(gold)) / max(1, len(gold))}
+
+
+def eval_loss(model, tokenizer, eval_file: Path, max_length: int, batch_size: int) -> dict:
+    """Mean loss and perplexity over the eval set's response tokens (the trainer's ``eval_loss`` for a model that
+    was not trained: the base row)."""
+    from bdlora.train.data import encode, to_messages
+
+    rows = [json.loads(l) for l in eval_file.read_text().splitlines() if l.strip()]
+    exs = [e for j, r in enumerate(rows) if (e := encode(tokenizer, to_messages(r, "alpaca"), max_length, index=j))]
+    tokens = sum(e.num_target_tokens for e in exs)
+    total = sum(_nll_per_example(model, exs, tokenizer.pad_token_id, batch_size, next(model.parameters()).device))
+    loss = total / max(1, tokens)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
+
+
+def recall_exact_match(model, tokenizer, eval_file: Path, batch_size: int) -> dict:
+    """Share of held-out recall prompts whose greedy answer is exactly ``CODE: <word>``."""
+    from bdlora.train.quickstart import exact_match, greedy_answers
+
+    rows = [json.loads(l) for l in eval_file.read_text().splitlines() if l.strip()]
+    preds = greedy_answers(model, tokenizer, rows, max_new_tokens=12, batch_size=batch_size, desc="recall")
+    return {"accuracy": exact_match(preds, rows), "accuracy_n": len(rows), "majority_baseline": 0.0}
+
+
+def _tokens(text: str) -> list[str]:
+    return re.sub(r"[^a-z0-9]+", " ", text.lower()).split()
+
+
+def _lcs(a: list[str], b: list[str]) -> int:
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    return prev[-1]
+
+
+def rouge_l(prediction: str, reference: str) -> float:
+    """ROUGE-L F1 (beta 1) of one prediction against one reference."""
+    p, r = _tokens(prediction), _tokens(reference)
+    lcs = _lcs(p, r) if p and r else 0
+    if not lcs:
+        return 0.0
+    prec, rec = lcs / len(p), lcs / len(r)
+    return 2 * prec * rec / (prec + rec)
+
+
+def xsum_rouge(model, tokenizer, eval_file: Path, n: int, max_new_tokens: int, batch_size: int) -> dict:
+    """Mean ROUGE-L F1 of greedy summaries of the first ``n`` eval articles."""
+    from bdlora.train.quickstart import greedy_answers
+
+    rows = [json.loads(l) for l in eval_file.read_text().splitlines() if l.strip()][:n]
+    preds = greedy_answers(model, tokenizer, rows, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                           desc="xsum")
+    # a summary is one sentence: what follows the first line is not part of it
+    scores = [rouge_l(p.split("\n")[0], r["output"]) for p, r in zip(preds, rows)]
+    return {"rougeL": sum(scores) / max(1, len(scores)), "rougeL_n": len(scores)}
+
+
+def task_metrics(task: str, model, tokenizer, p: dict, files: dict) -> dict:
+    """The task's own metrics (beside eval loss) for one model."""
+    if task == "boolq":
+        return boolq_accuracy(model, tokenizer, files["eval"], p["acc_eval"], p["max_length"], p["eval_batch_size"])
+    if task == "recall":
+        return {**recall_exact_match(model, tokenizer, files["eval"], p["gen_batch_size"]),
+                "recall_pairs": p["recall_pairs"]}
+    if task == "xsum":
+        return xsum_rouge(model, tokenizer, files["eval"], p["gen_eval"], p["summary_tokens"], p["gen_batch_size"])
+    return {}
+
+
+def device_name() -> str:
+    """What the rows were computed on (the results' ``device`` field)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({os.cpu_count()} cores)"

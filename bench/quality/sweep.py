@@ -1,0 +1,116 @@
+"""The quality benchmark's runs trained as one ``bdlora sweep`` per task (the multi-LoRA engine), then scored.
+
+Every (method, N, rank, seed) run of a task is one job of one engine run over the frozen base: LoRA is the engine's
+N = 1 job (one block: PEFT's rsLoRA adapter, same init and scale), BD-LoRA the N-block jobs at the matched rank.
+A job's ``seed`` sets its init and data order, so LoRA and BD runs of one seed see the same batches (the paired
+comparison). The engine writes one PEFT folder per job; each is then loaded onto the base with PEFT and scored by
+:mod:`bench.quality.metrics`, exactly as the base row. One line per engine run goes to ``OUT/sweeps.jsonl``
+(jobs, steps, tokens, wall-clock, device): the time the whole grid took on one GPU.
+
+Resumable at two levels: a scored run is in ``results.jsonl`` and is neither trained nor scored again; the engine
+run resumes from its own checkpoint (``resume: auto``) when a call ended inside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+from .metrics import device_name, eval_loss, task_metrics
+from .results import append_row
+
+SWEEPS = "sweeps.jsonl"
+
+
+def sweep_dir(out: Path, task: str, names: list[str]) -> Path:
+    """One folder per (task, set of jobs): a later call with other jobs left starts its own engine run."""
+    digest = hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()[:10]
+    return out / "sweeps" / f"{task}-{digest}"
+
+
+def run_file(task: str, runs: list[tuple], names: list[str], p: dict, files: dict, model: str, folder: Path,
+             device: str) -> dict:
+    """The ``bdlora sweep`` run file (as a dict) of a task's runs: shared keys at the top, one job per run."""
+    jobs = [{"name": name, "nblocks": n if method == "bd" else 1, "r": rank, "seed": seed}
+            for name, (_, method, n, rank, seed) in zip(names, runs)]
+    longest = p["max_length"]
+    return {
+        "model": model, "output_dir": str(folder), "train_file": str(files["train"]), "data_format": "alpaca",
+        "eval_fraction": 0.0, "precision": p["precision"], "max_length": longest, "lr": p["lr"],
+        "scheduler": "linear", "warmup_ratio": 0.05, "batch_size": p["batch_size"], "max_steps": p["max_steps"],
+        "lora_alpha": 16.0, "lora_dropout": 0.0, "report_to": [], "progress": False, "save_plots": False,
+        "resume": "auto", "save_every": max(1, p["max_steps"] // 3), "device": device, "max_active_jobs": len(jobs),
+        "token_budget": max(longest, p["token_budget"]), "jobs": jobs,
+    }
+
+
+def adapter_params(adapter_dir: Path) -> int:
+    """Trainable parameters of a saved adapter: the element count of its tensors (BD blocks are stored packed)."""
+    from safetensors import safe_open
+
+    with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def train(task: str, runs: list[tuple], names: list[str], p: dict, files: dict, model: str, out: Path,
+          device: str, log: Callable[[str], None] = print) -> dict[str, dict]:
+    """Trains the runs as one engine run; returns the engine's result row per job name."""
+    from bdlora.train.engine.config import parse_run
+    from bdlora.train.engine.launch import run_engine
+
+    folder = sweep_dir(out, task, names)
+    raw = run_file(task, runs, names, p, files, model, folder, device)
+    log(f"sweep {task}: {len(runs)} jobs in one engine run ({folder})")
+    t0 = time.time()
+    rows = run_engine(parse_run(raw, f"quality sweep {task}"))
+    rows = rows["jobs"] if isinstance(rows, dict) else rows
+    wall = time.time() - t0
+    append_row(out / SWEEPS, {"task": task, "jobs": len(runs), "folder": str(folder), "wall_s": round(wall, 1),
+                              "tokens": sum(r.get("tokens") or 0 for r in rows), "device": device_name(),
+                              "steps": p["max_steps"], "token_budget": raw["token_budget"]})
+    log(f"sweep {task}: {len(runs)} jobs trained in {wall:.0f} s")
+    return {r["job"]: r for r in rows}
+
+
+def score(task: str, runs: list[tuple], names: list[str], trained: dict[str, dict], p: dict, files: dict,
+          model: str, device_name: str, record: Callable[[dict], None]) -> int:
+    """Loads each trained adapter onto one copy of the base (PEFT) and scores it; ``record`` gets each row."""
+    import torch
+    from peft import PeftModel
+
+    from bdlora.models import load_causal_lm, torch_dtype_of
+    from bdlora.train.trainer import load_tokenizer, resolve_model_path
+
+    path = resolve_model_path(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    base = load_causal_lm(path, dtype=torch_dtype_of(p["precision"], device), device=device)
+    tokenizer = load_tokenizer(path)
+    peft_model = None
+    n = 0
+    for name, (_, method, nblocks, rank, seed) in zip(names, runs):
+        res = trained.get(name)
+        if res is None or res.get("status") != "done" or not res.get("adapter"):
+            continue
+        t0 = time.time()
+        adapter = Path(res["adapter"])
+        if peft_model is None:
+            peft_model = PeftModel.from_pretrained(base, str(adapter), adapter_name=name)
+        else:
+            peft_model.load_adapter(str(adapter), adapter_name=name)
+        peft_model.set_adapter(name)
+        row = {"run_id": name, "task": task, "method": method, "nblocks": nblocks if method == "bd" else None,
+               "rank": rank, "seed": seed, "trainable_params": adapter_params(adapter), "steps": res["steps"],
+               "train_loss": res.get("final_train_loss"), "device": device_name, "model": model, "lr": p["lr"],
+               "batch_size": p["batch_size"], "max_length": p["max_length"], "trainer": "bdlora sweep",
+               "train_time_s": res.get("time_s"),
+               **eval_loss(peft_model, tokenizer, files["eval"], p["max_length"], p["eval_batch_size"])}
+        row.update(task_metrics(task, peft_model, tokenizer, p, files))
+        row["score_s"] = round(time.time() - t0, 2)
+        peft_model.delete_adapter(name)
+        record(row)
+        n += 1
+    return n
+
