@@ -78,8 +78,11 @@ def build_job(job: "Job", targets: dict, model_type: str, device, early_exit) ->
     spec = cfg.spec(model_type)
     mine = {n: t for n, t in targets.items() if n.rsplit(".", 1)[-1] in spec.target_modules}
     job.adapter = JobAdapter(spec, mine, seed=cfg.seed, device=device, a_init=cfg.a_init)
+    # fused on a GPU: the foreach AdamW computes every tensor's bias correction on the host (a .item() per factor),
+    # which made the optimizer steps the host's largest cost once a round trains twenty jobs
     job.opt = torch.optim.AdamW(job.adapter.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
-                                eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+                                eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                                fused=torch.device(device).type == "cuda")
     job.sched = get_scheduler(cfg.scheduler, job.opt, num_warmup_steps=cfg.warmup_for(job.total_steps),
                               num_training_steps=job.total_steps)
     job.sampler = EpochSampler(len(job.data.train), cfg.step_samples, seed=cfg.seed)

@@ -99,20 +99,25 @@ def train_round(engine) -> dict:
         dist.all_reduce(flat)
         for k, j in enumerate(jobs):
             loss_sums[j.id] = flat[k]
-    stats = {}
+    norms = []
     for job in jobs:
         params = [p for p in job.adapter.parameters()]
         if job.cfg.max_grad_norm:
             gnorm = torch.nn.utils.clip_grad_norm_(params, job.cfg.max_grad_norm)
         else:
             gnorm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params if p.grad is not None))
+        norms.append(gnorm.double())
         job.opt.step()
         job.sched.step()
         job.opt.zero_grad(set_to_none=True)
         job.tokens += step_tokens[job.id]
-        loss = float(loss_sums[job.id] / max(step_targets[job.id], 1))
+    # one host copy for every job's loss and norm: a sync per job would stall the GPU between the jobs' updates
+    losses_host = torch.stack([loss_sums[j.id] / max(step_targets[j.id], 1) for j in jobs]).tolist() if jobs else []
+    norms_host = torch.stack(norms).tolist() if jobs else []
+    stats = {}
+    for job, loss, gnorm in zip(jobs, losses_host, norms_host):
         record_train_step(job, loss)
-        stats[job.name] = {"loss": loss, "grad_norm": float(gnorm), "targets": step_targets[job.id]}
+        stats[job.name] = {"loss": loss, "grad_norm": gnorm, "targets": step_targets[job.id]}
     engine.observe_memory(jobs)
     return {"microbatches": len(mbs), "tokens": sum(step_tokens.values()), "jobs": stats}
 
