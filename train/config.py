@@ -118,6 +118,10 @@ class TrainConfig:
         kernels; PEFT's layer below that, where the step is bound by host work, and on CPU),
         `cublas` (bdlora's kernels everywhere) or `peft` (PEFT's BlockDiagonalLinear). Same parameters and saved
         adapter either way; k-bit bases always run PEFT's bitsandbytes layer."""))
+    use_liger_kernel: Optional[bool] = field(default=None, **_help("""Liger Kernel's fused Triton kernels (RMSNorm,
+        SwiGLU, RoPE, linear cross-entropy without the logits tensor) through transformers' integration. Unset
+        (auto): on when training on a GPU with liger-kernel installed (`pip install liger-kernel`), the model type
+        supported by it and the base not k-bit; `true` requires that, `false` never."""))
     a_init: str = field(default="lora", **_help("""`lora`: block-diagonal A factors start like a standard LoRA A of
         each shard (kaiming-uniform a=sqrt(5) over the shard's fan-in), so every block starts as an independent
         rank r/N LoRA; `peft`: PEFT's own BlockDiagonalLinear init."""))
@@ -482,6 +486,7 @@ TRAINING_ARGS_NAMED = {
     "data_seed": "seed", "output_dir": "output_dir", "bf16": "precision", "fp16": "precision",
     "gradient_checkpointing": "gradient_checkpointing", "logging_steps": "log_every", "eval_steps": "eval_every",
     "save_steps": "save_every", "save_total_limit": "save_total_limit", "report_to": "report_to",
+    "use_liger_kernel": "use_liger_kernel",
     "resume_from_checkpoint": "resume", "adam_beta1": "adam_betas", "adam_beta2": "adam_betas",
     "adam_epsilon": "adam_eps", "disable_tqdm": "progress", "padding_free": "packing",
     "overwrite_output_dir": "overwrite_output_dir", "push_to_hub": "push_to_hub", "hub_model_id": "hub_model_id",
@@ -499,6 +504,7 @@ OTHER_TOOLS_NAMED = {
     "num_epochs": "epochs", "sequence_len": "max_length", "cutoff_len": "max_length", "max_seq_length": "max_length",
     "sample_packing": "packing", "val_set_size": "eval_fraction", "val_size": "eval_fraction",
     "init_lora_weights": "a_init", "optimizer": "training_args.optim", "optim": "training_args.optim",
+    "enable_liger_kernel": "use_liger_kernel",
 }
 #: Every key of transformers or another tool that bdlora names otherwise, with bdlora's key for it.
 NAMED_ELSEWHERE = {**OTHER_TOOLS_NAMED, **TRAINING_ARGS_NAMED}

@@ -363,8 +363,42 @@ def _use_cpu() -> bool:
     return forced or not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
 
 
-def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool):
-    """transformers ``TrainingArguments`` for ``cfg`` (bdlora's keys mapped to theirs, ``training_args`` on top)."""
+def _model_type(model_dir: Path) -> Optional[str]:
+    try:
+        return json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def liger_choice(cfg: TrainConfig, model_type: Optional[str]) -> tuple[bool, str]:
+    """Whether the run uses Liger Kernel (``use_liger_kernel``) and why; ``true`` where it cannot run is a
+    ConfigError naming what is missing."""
+    import importlib.util
+
+    why_not = None
+    if _use_cpu() or not torch.cuda.is_available():
+        why_not = "no GPU (Liger's kernels are Triton GPU kernels)"
+    elif importlib.util.find_spec("liger_kernel") is None:
+        why_not = "liger-kernel is not installed (pip install liger-kernel)"
+    elif cfg.quantized:
+        why_not = "a k-bit base (not measured with Liger's kernels)"
+    else:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+        if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+            why_not = f"liger-kernel has no kernels for model type {model_type!r}"
+    if cfg.use_liger_kernel is False:
+        return False, "off (use_liger_kernel: false)"
+    if why_not is None:
+        return True, "on" + ("" if cfg.use_liger_kernel else " (auto)")
+    if cfg.use_liger_kernel:
+        raise ConfigError(f"use_liger_kernel: true, but {why_not}; install it / use a GPU, or drop the key (auto)")
+    return False, f"off (auto: {why_not})"
+
+
+def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger: bool = False):
+    """transformers ``TrainingArguments`` for ``cfg`` (bdlora's keys mapped to theirs, ``training_args`` on top);
+    ``liger``: :func:`liger_choice`'s decision."""
     from transformers import TrainingArguments
 
     from bdlora.models import torch_dtype_of
@@ -387,7 +421,7 @@ def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool):
         remove_unused_columns=False, ddp_find_unused_parameters=False,
         gradient_checkpointing=cfg.gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
-        include_num_input_tokens_seen="non_padding",
+        include_num_input_tokens_seen="non_padding", use_liger_kernel=liger,
     )
     kwargs.update(cfg.training_args)
     try:
@@ -574,6 +608,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
         claim_output_dir(out, cfg)
     with state.main_process_first():
         model_dir, base_id = resolve_model_and_id(cfg.model)
+        # decided before the base loads: `use_liger_kernel: true` where it cannot run fails in seconds
+        liger, liger_note = liger_choice(cfg, _model_type(model_dir))
         tokenizer = load_tokenizer(model_dir)
         train_ex, eval_ex = load_datasets(cfg, tokenizer)
     if cfg.batch_size > len(train_ex):
@@ -595,7 +631,7 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
             print(f"bdlora train: warning: {warning}", file=sys.stderr)
         (out / CONFIG_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
-    args = training_arguments(cfg, total_steps, bool(eval_ex))
+    args = training_arguments(cfg, total_steps, bool(eval_ex), liger)
     BDLoraTrainer, StopAfter, MetricsLog = _make_trainer_class()
     callbacks = [MetricsLog(out / "metrics.jsonl")]
     if stop_after_steps is not None:
@@ -612,7 +648,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
                f"scale={spec.scale:.4g} | {len(spec.column_modules)} column + {len(spec.row_modules)} row module "
                f"names, {n_train:,} trainable params | {len(train_ex)} train / {len(eval_ex)} eval examples | "
                f"{total_steps} steps x {cfg.batch_size * cfg.grad_accum * world} examples ({world} process(es)) on "
-               f"{args.device} in {next(model.parameters()).dtype}, lora_backend {cfg.lora_backend}"
+               f"{args.device} in {next(model.parameters()).dtype}, lora_backend {cfg.lora_backend}, Liger kernels "
+               f"{liger_note}"
                + (f" | FSDP{getattr(trainer.accelerator.state.fsdp_plugin, 'fsdp_version', '')}"
                   if trainer.is_fsdp_enabled else ""))
         if ckpt is not None:

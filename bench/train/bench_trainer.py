@@ -74,7 +74,7 @@ def run_trainer(a) -> dict:
                       lr=1e-4, scheduler="constant", warmup_steps=0, batch_size=a.batch, grad_accum=1,
                       max_steps=a.warmup + a.steps, log_every=1, output_dir=str(out), report_to=[], progress=False,
                       gradient_checkpointing=a.grad_ckpt, attn_implementation="sdpa", packing=a.packing,
-                      training_args={"dataloader_num_workers": 0, **({"use_liger_kernel": True} if a.liger else {})},
+                      training_args={"dataloader_num_workers": 0}, use_liger_kernel=a.liger,
                       load_in_4bit=a.load_in_4bit,
                       lora_backend=a.lora_backend)
     res = run_training(cfg, validate_adapter=False)
@@ -105,9 +105,9 @@ def main() -> int:
     ap.add_argument("--packing", action="store_true")
     ap.add_argument("--load-in-4bit", action="store_true", help="the trainer on a bitsandbytes nf4 base (trainer only)")
     ap.add_argument("--lora-backends", default="auto",
-                    help="trainer runs, one per lora_backend (comma list of auto / cublas / peft); BACKEND+liger adds "
-                         "training_args.use_liger_kernel (transformers' Liger Kernel integration: fused RMSNorm, "
-                         "SwiGLU, RoPE and linear cross-entropy)")
+                    help="trainer runs, one per lora_backend (comma list of auto / cublas / peft); BACKEND+liger runs "
+                         "with use_liger_kernel: true, the others with false (Liger Kernel through transformers: "
+                         "fused RMSNorm, SwiGLU, RoPE and linear cross-entropy)")
     ap.add_argument("--lora-backend", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--liger", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", default="/tmp/bdlora-bench-trainer")

@@ -392,6 +392,8 @@ NOT_HONOURED = {
     "hub_private_repo": (None, "push one adapter with `bdlora push OUTPUT_DIR/adapters/JOB REPO --private`"),
     "overwrite_output_dir": ((False,), "choose a new output_dir, or remove the old one yourself"),
     "packing": ((True,), "the engine always packs a micro-batch's examples (padding-free)"),
+    "use_liger_kernel": ((None, False), "the engine runs its own packed forward and loss; Liger Kernel patches the "
+                                        "model for `bdlora train`"),
 }
 #: trackers the engine writes itself (one event folder per job)
 ENGINE_TRACKERS = ("tensorboard", "none")

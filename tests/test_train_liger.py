@@ -1,0 +1,93 @@
+"""``use_liger_kernel``: Liger Kernel through transformers' integration, on where it runs (auto), refused with the
+reason where ``true`` cannot run, and spelled one way."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from bdlora.train import TrainConfig, run_training
+from bdlora.train import trainer as T
+from bdlora.train.config import ConfigError
+
+
+def _cfg(tmp_path, **kw) -> TrainConfig:
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"hello world number {i}"}) + "\n" for i in range(8)))
+    return TrainConfig(model="tiny-random", nblocks=2, r=4, train_file=str(data), data_format="text",
+                       eval_fraction=0.0, max_steps=1, batch_size=2, output_dir=str(tmp_path / "out"), report_to=[],
+                       progress=False, **kw)
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """The decision as it is taken on a GPU machine (the kernels themselves only run on one)."""
+    monkeypatch.setattr(T, "_use_cpu", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_auto_is_off_on_cpu_and_says_why(tmp_path, capsys):
+    res = run_training(_cfg(tmp_path), validate_adapter=False)
+    assert res.step == 1
+    assert "Liger kernels off (auto: no GPU" in capsys.readouterr().out
+
+
+def test_true_on_cpu_is_refused_before_the_model_loads(tmp_path):
+    with pytest.raises(ConfigError, match=r"use_liger_kernel: true, but no GPU .*drop the key \(auto\)"):
+        run_training(_cfg(tmp_path, use_liger_kernel=True), validate_adapter=False)
+    assert not (tmp_path / "out" / "adapter").exists()
+
+
+def test_decision_on_a_gpu(tmp_path, gpu_like, monkeypatch):
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    llama = _cfg(tmp_path)
+    if installed:
+        assert T.liger_choice(llama, "llama") == (True, "on (auto)")
+        assert T.liger_choice(_cfg(tmp_path, use_liger_kernel=True), "llama") == (True, "on")
+        on, why = T.liger_choice(llama, "gpt2")
+        assert not on and "no kernels for model type 'gpt2'" in why
+        with pytest.raises(ConfigError, match="no kernels for model type 'gpt2'"):
+            T.liger_choice(_cfg(tmp_path, use_liger_kernel=True), "gpt2")
+        on, why = T.liger_choice(_cfg(tmp_path, load_in_4bit=True), "llama")
+        assert not on and "k-bit base" in why
+    assert T.liger_choice(_cfg(tmp_path, use_liger_kernel=False), "llama") == (False, "off (use_liger_kernel: false)")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "liger_kernel" else real_find_spec(name, *a))
+    on, why = T.liger_choice(llama, "llama")
+    assert not on and why == "off (auto: liger-kernel is not installed (pip install liger-kernel))"
+    with pytest.raises(ConfigError, match=r"pip install liger-kernel"):
+        T.liger_choice(_cfg(tmp_path, use_liger_kernel=True), "llama")
+
+
+def test_training_args_get_the_decision(tmp_path):
+    args = T.training_arguments(_cfg(tmp_path), 1, False, liger=True)
+    assert args.use_liger_kernel is True
+    assert T.training_arguments(_cfg(tmp_path), 1, False).use_liger_kernel is False
+
+
+@pytest.mark.parametrize("text, key", [("training_args: {use_liger_kernel: true}\n", "training_args.use_liger_kernel"),
+                                       ("enable_liger_kernel: true\n", "enable_liger_kernel")])
+def test_other_spellings_name_the_key(tmp_path, text, key):
+    f = tmp_path / "job.yaml"
+    f.write_text(f"model: tiny-random\ntrain_file: {tmp_path / 'd.jsonl'}\n" + text)
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_yaml(f)
+    assert key in str(e.value) and "use_liger_kernel" in str(e.value).replace(key, "")
+
+
+def test_sweep_refuses_it_with_the_reason(tmp_path):
+    from bdlora.train.engine.config import parse_run
+
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
+    raw = {"model": "tiny-random", "train_file": str(tmp_path / "d.jsonl"), "output_dir": str(tmp_path / "o"),
+           "use_liger_kernel": True}
+    with pytest.raises(ConfigError, match="use_liger_kernel: True is not supported by `bdlora sweep`"):
+        parse_run(raw)
+    raw["use_liger_kernel"] = False
+    assert parse_run(raw).jobs
