@@ -1,0 +1,109 @@
+"""Round time of `bdlora sweep` on the quality benchmark's job mix (the recall task's runs: LoRA and BD-LoRA at
+N = 2, 4, 8 at the three matched sizes, seed after seed), on a random model of SmolLM2's shape (a GPU) or a tiny one.
+
+    python -m bench.quality.engine_rounds auto:1 auto:21 cublas:21 auto:21:tf32 auto:21:prof
+
+Each argument is BACKEND:K[:FLAG...]: the engine's lora_backend, the first K runs of the plan as jobs; ``tf32`` runs
+the grouped kernels' fp32 products in TF32 instead of IEEE fp32 (what tensor cores would give them), ``foreach`` the
+jobs' AdamW unfused (torch's foreach implementation, as on CPU), ``prof``
+profiles one round (torch.profiler tables into ``$OUT/prof_<arg>.txt``). Prints and writes (``$OUT/engine_rounds.json``)
+the median round time over ``ROUNDS`` (default 12) rounds after the first two, and job steps per second.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def plan_runs(k: int, config) -> list[tuple]:
+    from .run import exact_matched_rank
+
+    runs = []
+    for seed in range(5):
+        for r in (8, 32, 128):
+            runs.append(("recall", "lora", 1, r, seed))
+            runs += [("recall", "bd", n, exact_matched_rank(r, n, config), seed) for n in (2, 4, 8)]
+    return runs[:k]
+
+
+def _unfused(adamw):
+    def make(*args, **kwargs):
+        kwargs["fused"] = False
+        return adamw(*args, **kwargs)
+    return make
+
+
+def main(argv=None) -> int:
+    from transformers import AutoConfig
+
+    import bdlora.kernels.grouped as grouped
+    from bdlora.models import build_random_llama
+    from bdlora.train.engine.config import parse_run
+    from bdlora.train.engine.engine import Engine
+
+    from .data import prepare
+    from .run import run_id
+    from .sweep import run_file
+
+    gpu = torch.cuda.is_available()
+    work = Path(os.environ.get("WORK", "/tmp/bdlora-engine-rounds"))
+    out = Path(os.environ.get("OUT", "."))
+    shape = (dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
+                  vocab_size=49152) if gpu else
+             dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512))
+    model = work / "model"
+    if not (model / "config.json").exists():
+        build_random_llama(model, **shape, dtype="bfloat16", device="cuda" if gpu else None)
+    files = prepare(work / "data", tasks=["recall"], recall_pairs=512)["recall"]
+    config = AutoConfig.from_pretrained(str(model))
+    p = dict(max_length=384, precision="bf16" if gpu else "fp32", lr=1e-3, batch_size=16, max_steps=300,
+             token_budget=16384)
+    rounds = int(os.environ.get("ROUNDS", 12))
+    ieee, adamw = grouped.dot_precision, torch.optim.AdamW
+    results = {}
+    for spec in (argv if argv is not None else sys.argv[1:]):
+        backend, k, *flags = spec.split(":")
+        runs = plan_runs(int(k), config)
+        names = [run_id(*x, p["max_steps"]) for x in runs]
+        raw = run_file("recall", runs, names, p, files, str(model), work / f"sweep-{spec.replace(':', '_')}",
+                       "cuda" if gpu else "cpu")
+        raw.update(resume=None, max_rounds=rounds, save_every=0, lora_backend=backend)
+        grouped.dot_precision = (lambda dtype: "tf32") if "tf32" in flags else ieee
+        torch.optim.AdamW = _unfused(adamw) if "foreach" in flags else adamw
+        engine = Engine(parse_run(raw, spec))
+        if "prof" in flags:
+            from torch.profiler import ProfilerActivity, profile
+
+            engine.run_cfg.max_rounds = 3
+            engine.run()
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+                engine.train_round()
+                if gpu:
+                    torch.cuda.synchronize()
+            table = prof.key_averages()
+            (out / f"prof_{spec.replace(':', '_')}.txt").write_text(
+                table.table(sort_by="self_cpu_time_total", row_limit=35) + "\n\n"
+                + table.table(sort_by="self_cuda_time_total" if gpu else "cpu_time_total", row_limit=25))
+            continue
+        engine.run()
+        log = engine.round_log[2:]
+        med = sorted(r["train_s"] for r in log)[len(log) // 2]
+        results[spec] = {"jobs": int(k), "round_s_median": round(med, 4), "job_steps_per_s": round(int(k) / med, 2),
+                         "tokens_per_round": log[0].get("tokens"), "device": torch.cuda.get_device_name() if gpu
+                         else "cpu", "date": time.strftime("%Y-%m-%d")}
+        print(spec, json.dumps(results[spec]), flush=True)
+        del engine
+        if gpu:
+            torch.cuda.empty_cache()
+    grouped.dot_precision, torch.optim.AdamW = ieee, adamw
+    (out / "engine_rounds.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
