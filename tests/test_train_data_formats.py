@@ -335,6 +335,20 @@ def test_tokenized_cache_hit_miss_and_atomic(tok, tmp_path, monkeypatch):
     assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_tokenized_cache_without_eval_split_is_hit(tok, tmp_path, monkeypatch, caplog):
+    """No eval rows (eval_fraction 0, no eval file): the entry holds the train split only and is read back, not
+    rebuilt with an 'unreadable' warning on every run."""
+    path = _write(RECORDS["alpaca"], tmp_path / "d.jsonl")
+    calls = []
+    real = D._tokenize
+    monkeypatch.setattr(D, "_tokenize", lambda *a: calls.append(1) or real(*a))
+    first = load_datasets(Cfg(path), tok, cache_dir=tmp_path / "c")
+    assert first[1] == [] and len(first[0]) == 4
+    with caplog.at_level("WARNING"):
+        assert load_datasets(Cfg(path), tok, cache_dir=tmp_path / "c") == first
+    assert len(calls) == 1 and "unreadable" not in caplog.text
+
+
 def test_examples_to_dataset_round_trip(tok):
     exs = [encode_record(tok, r, "auto", 256, index=i) for i, r in enumerate(RECORDS["messages"])]
     ds = D.examples_to_dataset(exs)

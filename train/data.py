@@ -689,8 +689,9 @@ def _save_atomic(path: Path, train: list[Example], ev: list[Example]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
-        datasets.DatasetDict({"train": examples_to_dataset(train), "eval": examples_to_dataset(ev)}
-                             ).save_to_disk(str(tmp))
+        # an empty split is left out: datasets cannot read back a split saved with no rows
+        splits = {name: examples_to_dataset(rows) for name, rows in (("train", train), ("eval", ev)) if rows}
+        datasets.DatasetDict(splits).save_to_disk(str(tmp))
         os.rename(tmp, path)  # atomic; fails if another process put its (identical) entry there first
     except OSError:
         if not path.exists():
@@ -737,7 +738,8 @@ def load_datasets(cfg, tokenizer, cache_dir: Optional[str | os.PathLike | bool] 
 
         try:
             dd = datasets.load_from_disk(str(path))
-            tr, ev = dataset_to_examples(dd["train"]), dataset_to_examples(dd["eval"])
+            tr = dataset_to_examples(dd["train"])
+            ev = dataset_to_examples(dd["eval"]) if "eval" in dd else []
             log.info("tokenized data: cache hit %s (%d train, %d eval examples)", path, len(tr), len(ev))
             return tr, ev
         except Exception as e:  # noqa: BLE001 - a broken entry is rebuilt
