@@ -41,13 +41,13 @@ def _module(layout, ps):
 
 
 def _fwd(mod, ctx, x, segs, seed=None):
-    ctx.segments = segs
+    ctx.use_segments(segs)
     try:
         if seed is not None:
             torch.manual_seed(seed)
         return mod(x)
     finally:
-        ctx.segments = []
+        ctx.use_segments([])
 
 
 @pytest.mark.parametrize("backend", ["torch", "engine"])
@@ -95,8 +95,9 @@ def test_kernel_path_gets_the_jobs_dropout_and_a_seed_from_torch_rng(layout, mon
     calls = []
     real = ml.fused_lora_linear
 
-    def spy(x, weight, bias, seg, adapters, *, dropout_seed=None, options):  # runs the kernels' torch reference
-        res = real(x, weight, bias, seg, adapters, dropout_seed=dropout_seed,
+    def spy(x, weight, bias, seg, adapters, *, dropout_seed=None, options, plan_cache=None):
+        # runs the kernels' torch reference
+        res = real(x, weight, bias, seg, adapters, dropout_seed=dropout_seed, plan_cache=plan_cache,
                    options=dataclasses.replace(options, backend="torch", torch_dropout="counter"))
         calls.append(([ad.dropout for ad in adapters], res.dispatch.dropout_seed))
         return res

@@ -49,9 +49,9 @@ def test_multilora_linear_matches_reference(backend, layout, case):
     if case == "job-without-module":
         registry[1].keys = {}  # job 1 does not train this module: its rows get the base output only
     x = torch.randn(2, T // 2, D_IN, requires_grad=True)
-    ctx.segments = segs
+    ctx.use_segments(segs)
     y = mod(x)
-    ctx.segments = []
+    ctx.use_segments([])
     g = torch.randn_like(y)
     y.backward(g)
 
@@ -96,9 +96,9 @@ def test_bf16_base_with_fp32_factors_takes_one_cublas_op(layout):
     ctx.backend, T = "cublas", 40
     segs = [(0, 0, 10), (1, 10, 25), (2, 25, 32)]  # rows 32.. in no segment
     x = torch.randn(T, D_IN).to(torch.bfloat16).requires_grad_(True)
-    ctx.segments = segs
+    ctx.use_segments(segs)
     y = mod(x)
-    ctx.segments = []
+    ctx.use_segments([])
     assert mod.last_dispatch.backend == "cublas" and y.dtype == torch.bfloat16
     g = torch.randn(T, D_OUT).to(torch.bfloat16)
     y.backward(g)

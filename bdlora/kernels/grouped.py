@@ -12,6 +12,7 @@ Backward:
 """
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
@@ -380,6 +381,33 @@ class _Plan:
         return out
 
 
+def _plan_key(x: torch.Tensor, seg: list[int], adapters: Sequence[LoraFactors], seed: int | None, fuse_base: bool,
+              options: KernelOptions) -> tuple:
+    """What a plan depends on besides the dropout seed: the call's rows and segments, the adapters' shapes, blocks,
+    scales and dropout rates (not the factors' values or storage: kernels get those per call)."""
+    return (x.dtype, x.device, x.shape[0], tuple(seg), fuse_base, options, seed is not None,
+            tuple((ad.d_in, ad.d_out, ad.rank, ad.blocks_a, ad.blocks_b, tuple(ad.lora_A.shape),
+                   tuple(ad.lora_B.shape), ad.scale, ad.dropout) for ad in adapters))
+
+
+def _plan(x: torch.Tensor, seg: list[int], adapters: Sequence[LoraFactors], seed: int | None, fuse_base: bool,
+          options: KernelOptions, cache: dict | None) -> _Plan:
+    """The call's plan, from ``cache`` when a call with the same rows, segments and adapter shapes built one (the
+    layers of one micro-batch: building a plan costs ~0.5 ms of host time with twenty adapters, more than their
+    kernels on a GPU). A cached plan is shared read-only; a dropout call gets a copy with its own seed."""
+    if cache is None:
+        return _Plan(x, seg, adapters, seed, fuse_base, options)
+    key = _plan_key(x, seg, adapters, seed, fuse_base, options)
+    plan = cache.get(key)
+    if plan is None:
+        plan = cache[key] = _Plan(x, seg, adapters, seed, fuse_base, options)
+    elif seed is not None and plan.seed != seed:
+        plan = copy.copy(plan)
+        plan.seed = seed
+        plan.keys = dropout_keys(seed, 0) if plan.has_dropout else (0, 0)
+    return plan
+
+
 class _LoraLinearFn(torch.autograd.Function):
     """y = [x W^T + b | out | 0] + grouped LoRA(x); see the module docstring for the five stages."""
 
@@ -496,7 +524,8 @@ def _masks_kw(x, seg, adapters, seed, options: KernelOptions) -> dict:
 
 
 def grouped_lora(x: torch.Tensor, seg, adapters: Sequence[LoraFactors | None], *, out: torch.Tensor | None = None,
-                 dropout_seed: int | None = None, options: KernelOptions = DEFAULT_OPTIONS) -> LoraResult:
+                 dropout_seed: int | None = None, options: KernelOptions = DEFAULT_OPTIONS,
+                 plan_cache: dict | None = None) -> LoraResult:
     """Segmented multi-adapter (BD-)LoRA, Punica SGMV semantics with mixed ranks and block-diagonal factors:
 
         y[seg[i]:seg[i+1]] = scale[i] * dropout_i(x[seg[i]:seg[i+1]]) @ A[i] @ B[i]
@@ -506,7 +535,9 @@ def grouped_lora(x: torch.Tensor, seg, adapters: Sequence[LoraFactors | None], *
     that gets no LoRA (torch backend only). Rows outside all segments get 0. With ``out`` (T, d_out) the result is added
     into it in place (``out += ...``) and ``out`` is returned. Dropout applies while autograd is recording and an
     adapter has dropout > 0; the mask comes from ``dropout_seed`` (drawn from torch's RNG if None; see
-    ``KernelOptions.torch_dropout`` for the torch backend). Differentiable in x, out and factors.
+    ``KernelOptions.torch_dropout`` for the torch backend). Differentiable in x, out and factors. ``plan_cache``: a
+    dict the caller keeps while calls share rows, segments and adapter shapes (the layers of one micro-batch), so the
+    Triton path builds its host-side plan once for them; the caller clears it when the segments change.
 
     Backends (``options.backend``): "triton" (the five-stage kernels above; "auto" on CUDA, and on CPU under
     TRITON_INTERPRET=1 with ``options.interpreter``), "torch" (``grouped_lora_ref``). Returns
@@ -521,14 +552,14 @@ def grouped_lora(x: torch.Tensor, seg, adapters: Sequence[LoraFactors | None], *
         delta = grouped_lora_ref(x, seg, adapters, **_masks_kw(x, seg, adapters, seed, options))
         y = delta if out is None else out.add_(delta)
     else:
-        plan = _Plan(x, seg, adapters, seed, fuse_base=False, options=options)
+        plan = _plan(x, seg, adapters, seed, False, options, plan_cache)
         y = _LoraLinearFn.apply(plan, x, out, None, None, *[t.contiguous() for t in _factors(adapters)])
     return LoraResult(y, Dispatch("grouped_lora", options.backend, use, note, seed))
 
 
 def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seg,
                       adapters: Sequence[LoraFactors | None], *, dropout_seed: int | None = None,
-                      options: KernelOptions = DEFAULT_OPTIONS) -> LoraResult:
+                      options: KernelOptions = DEFAULT_OPTIONS, plan_cache: dict | None = None) -> LoraResult:
     """LoRAFusion FusedLoRA / FusedMultiLoRA linear layer (weight frozen or not, PEFT orientation (d_out, d_in)):
 
         y = x @ weight^T + bias;  y[seg[i]:seg[i+1]] += scale[i] * dropout_i(x[seg[i]:seg[i+1]]) @ A[i] @ B[i]
@@ -551,7 +582,8 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
       torch  : ``fused_lora_linear_ref`` (autograd; LoRA products in the factors' dtype), "auto" otherwise.
     Dropout masks come from ``dropout_seed`` (drawn from torch's RNG if None) and differ by backend: Triton draws
     ``dropout_keep_mask`` (one mask over the call's rows), cublas and torch ``segment_keep_mask`` (one per segment;
-    both in ``dropout.py``), or torch ``F.dropout`` with ``options.torch_dropout="bernoulli"``.
+    both in ``dropout.py``), or torch ``F.dropout`` with ``options.torch_dropout="bernoulli"``. ``plan_cache``: as
+    for :func:`grouped_lora`.
     """
     _check(x, adapters)
     seg = _seg_list(seg, len(adapters), x.shape[0])
@@ -584,11 +616,11 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     factors = [t.contiguous() for t in factors]
     if factors[0].dtype != x.dtype:  # fp32 factors beside a bf16 base: the LoRA in the factors' dtype
         xc = x.to(factors[0].dtype)
-        plan = _Plan(xc, seg, adapters, seed, fuse_base=False, options=options)
+        plan = _plan(xc, seg, adapters, seed, False, options, plan_cache)
         delta = _LoraLinearFn.apply(plan, xc, None, None, None, *factors)
         y = F.linear(x, weight, bias) + delta.to(x.dtype)
         note = (note + "; " if note else "") + "LoRA in the factors' dtype"
     else:
-        plan = _Plan(x, seg, adapters, seed, fuse_base=fuse_base, options=options)
+        plan = _plan(x, seg, adapters, seed, fuse_base, options, plan_cache)
         y = _LoraLinearFn.apply(plan, x, None, weight, bias, *factors)
     return LoraResult(y, Dispatch("fused_lora_linear", options.backend, use, note, seed))

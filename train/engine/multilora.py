@@ -63,12 +63,19 @@ class BatchContext:
     training: bool = True  # LoRA dropout on while this is set and autograd records (never under no_grad)
 
     warned: set = field(default_factory=set)  # messages logged once per context
+    # the kernels' host-side plans of the current segments, shared by every layer of the micro-batch
+    plan_cache: dict = field(default_factory=dict)
     kernel_tuning: dict = field(default_factory=dict)  # further KernelOptions fields (benchmarks: fused_dropout, ...)
 
     @property
     def kernel_options(self) -> KernelOptions:
         opts = kernel_options(self.backend)
         return replace(opts, **self.kernel_tuning) if self.kernel_tuning else opts
+
+    def use_segments(self, segments: list[tuple[int, int, int]]) -> None:
+        """The rows of the next forward (``[]`` after it); the plans of the previous ones are dropped."""
+        self.segments = segments
+        self.plan_cache.clear()
 
     def warn_once(self, msg: str) -> None:
         if msg not in self.warned:
@@ -215,7 +222,7 @@ class MultiLoraLinear(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         seg, adapters = self._kernel_args(segs)
         y2, d = fused_lora_linear(x2, self.base.weight, self.base.bias, seg, adapters,
-                                  options=self.ctx.kernel_options)
+                                  options=self.ctx.kernel_options, plan_cache=self.ctx.plan_cache)
         self.last_dispatch = d
         if d.note.startswith("fell back"):
             self.ctx.warn_once(f"lora_backend {d.requested} -> {d.backend} ({d.note})")

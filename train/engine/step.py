@@ -35,11 +35,11 @@ def decoder_and_head(model):
 def job_losses(model, mb: MicroBatch, ctx: BatchContext) -> dict[int, torch.Tensor]:
     """Forward one packed micro-batch; {job: summed response-token cross-entropy}."""
     decoder, head = decoder_and_head(model)
-    ctx.segments = mb.segments
+    ctx.use_segments(mb.segments)
     try:
         out = decoder(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
     finally:
-        ctx.segments = []
+        ctx.use_segments([])
     h = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])  # flattened rows: segment order
     losses = {}
     for job, (pos, lab) in mb.targets.items():

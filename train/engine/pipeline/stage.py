@@ -129,7 +129,7 @@ class Stage:
         t0 = time.perf_counter()
         if train and pm.job in self.pending:
             self.apply(pm.job, prev_norm)
-        self.e.ctx.segments = mb.segments
+        self.e.ctx.use_segments(mb.segments)
         cfg = self.e.jobs[pm.job].cfg
         seed = (round_seed("lora-dropout", self.e.run_cfg.seed, cfg.seed, pm.step, m, s)
                 if train and cfg.lora_dropout > 0 else None)
@@ -142,7 +142,7 @@ class Stage:
                         x.requires_grad_(True)
                     out = self.decoder(inputs_embeds=x, position_ids=mb.position_ids, use_cache=False)
         finally:
-            self.e.ctx.segments = []
+            self.e.ctx.use_segments([])
         h = out.last_hidden_state
         if s == P - 1:
             pos, lab = mb.targets[pm.job]
