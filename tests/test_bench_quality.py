@@ -228,6 +228,7 @@ def test_recall_task_base_row_and_paired_report(tmp_path):
     text = md.read_text()
     assert "| base model (no adapter) | 0 | 0.00M | 1 |" in text, text
     assert "| recall | accuracy | 2 | 6 | 4 | 2 |" in text and "| recall | accuracy | 4 | 8 | 4 | 2 |" in text, text
+    assert "- recall (accuracy): every BD - LoRA interval lies in [" in text and "widest half-width" in text, text
 
 
 def test_recall_sweep_trains_every_run_in_one_engine_run(tmp_path):

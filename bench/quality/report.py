@@ -103,6 +103,27 @@ def paired(rows: list[dict]) -> list[dict]:
     return out
 
 
+def detectable(pairs: list[dict]) -> list[str]:
+    """Per task, what the paired comparison rules out: the range every BD - LoRA difference's 95% interval lies in,
+    the widest half-width (about the smallest gap the experiment resolves at one size) and the intervals that
+    exclude zero."""
+    out = []
+    for task in sorted({d["task"] for d in pairs}):
+        ds = [d for d in pairs if d["task"] == task and not math.isnan(d["diff_ci"])]
+        if not ds:
+            out.append(f"{task}: one seed per pair, no interval: nothing is ruled out yet")
+            continue
+        lo = min(d["diff"] - d["diff_ci"] for d in ds)
+        hi = max(d["diff"] + d["diff_ci"] for d in ds)
+        excl = [d for d in ds if abs(d["diff"]) > d["diff_ci"]]
+        found = ("; intervals excluding zero: " + ", ".join(f"N={d['nblocks']} rank {d['bd_rank']} "
+                                                           f"({d['diff']:+.4f})" for d in excl)) if excl else ""
+        out.append(f"{task} ({ds[0]['metric']}): every BD - LoRA interval lies in [{lo:+.4f}, {hi:+.4f}]; the "
+                   f"widest half-width is {max(d['diff_ci'] for d in ds):.4f}: a true gap of about that size at one "
+                   f"matched size would likely have given an interval excluding zero{found}")
+    return out
+
+
 def aggregate(rows: list[dict]) -> list[dict]:
     groups = defaultdict(list)
     for r in rows:
@@ -148,6 +169,8 @@ def markdown(groups: list[dict], paired_rows: list[dict] = ()) -> str:
             ci = "" if math.isnan(d["diff_ci"]) else f" ± {d['diff_ci']:.4f}"
             lines.append(f"| {d['task']} | {d['metric']} | {d['nblocks']} | {d['bd_rank']} | {d['lora_rank']} | "
                          f"{d['pairs']} | {d['diff']:+.4f}{ci} |")
+        lines.append("")
+        lines += [f"- {line}" for line in detectable(pairs)]
     return "\n".join(lines) + "\n"
 
 
