@@ -411,9 +411,12 @@ def cublas_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     cfg = _Cfg(seg, adapters, seed, options)
     factors = [t.contiguous() for ad in adapters for t in (ad.lora_A, ad.lora_B)]
     y = CublasLoraLinearFn.apply(cfg, x.contiguous(), weight, bias, *factors)
-    dropout = tuple("none" if p == 0 or e == s else ("triton" if f else "mask")
-                    for p, f, s, e in zip(cfg.p, cfg.fused, seg, seg[1:]))
-    return y, dropout, tuple(cfg.dsdb)
+    return y, tuple(_dropout_route(cfg, i, e - s) for i, (s, e) in enumerate(zip(seg, seg[1:]))), tuple(cfg.dsdb)
+
+
+def _dropout_route(cfg: "_Cfg", i: int, rows: int) -> str:
+    """How adapter i's dropout ran, as ``dispatch.Dispatch`` names it: none, in the Triton kernels, or a mask."""
+    return "none" if cfg.p[i] == 0 or rows == 0 else ("triton" if cfg.fused[i] else "mask")
 
 
 def cublas_lora_add_(out: torch.Tensor, x: torch.Tensor, adapter: LoraFactors, seed: int | None,
@@ -427,5 +430,4 @@ def cublas_lora_add_(out: torch.Tensor, x: torch.Tensor, adapter: LoraFactors, s
     rows = out.numel() // out.shape[-1]
     cfg = _Cfg([0, rows], [adapter], seed, options)
     out = CublasLoraAddFn.apply(cfg, out, x.contiguous(), adapter.lora_A.contiguous(), adapter.lora_B.contiguous())
-    dropout = "none" if cfg.p[0] == 0 or rows == 0 else ("triton" if cfg.fused[0] else "mask")
-    return out, dropout, cfg.dsdb[0]
+    return out, _dropout_route(cfg, 0, rows), cfg.dsdb[0]
