@@ -282,3 +282,32 @@ def test_engine_rounds_times_the_job_mix(tmp_path, monkeypatch):
     import torch
 
     assert torch.optim.AdamW.__name__ == "AdamW"  # the variant's patch is undone
+
+
+def test_sweep_records_waves_within_a_deadline_and_resumes(tmp_path, monkeypatch):
+    """One job at a time, one-round invocations: past the deadline after the first invocation only the runs that
+    finished are recorded; the next call continues the same engine run from its checkpoint and records the rest."""
+    from bench.quality import sweep
+    from bench.quality.data import prepare
+    from bench.quality.run import PRESETS, run_id
+    from bench.quality.results import append_row, read_rows
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    files = prepare(tmp_path / "data", tasks=["recall"], recall_pairs=4)["recall"]
+    p = dict(PRESETS["small"], max_steps=1, active_jobs=1, chunk_rounds=1)
+    runs = [("recall", "lora", 1, 4, 0), ("recall", "bd", 2, 6, 0), ("recall", "bd", 2, 6, 1)]
+    names = [run_id(*r, 1) for r in runs]
+    out = tmp_path / "out"
+    record = lambda row: append_row(out / "results.jsonl", row)
+    ticks = iter(range(0, 10**6, 100))
+    # clock reads: start 0, check 100 (< 250: run), invocation 200..300 (slowest 100), check 400 + 120 > 250: stop
+    n = sweep.train_and_score("recall", runs, names, p, files, "tiny-random", out, "cpu", "CPU", record,
+                              deadline=250, log=print, clock=lambda: next(ticks))
+    assert n == 1 and [r["run_id"] for r in read_rows([out])] == names[:1]
+    folders = list((out / "sweeps").iterdir())
+    assert len(folders) == 1 and (folders[0] / "engine_state.pt").is_file()
+    # the next call on this machine: the two runs left, the same engine run continued
+    n = sweep.train_and_score("recall", runs[1:], names[1:], p, files, "tiny-random", out, "cpu", "CPU", record)
+    assert n == 2 and sorted(r["run_id"] for r in read_rows([out])) == sorted(names)
+    assert list((out / "sweeps").iterdir()) == folders
+    assert len((out / "sweeps.jsonl").read_text().splitlines()) == 1

@@ -61,9 +61,9 @@ def main(argv=None) -> int:
         build_random_llama(model, **shape, dtype="bfloat16", device="cuda" if gpu else None)
     files = prepare(work / "data", tasks=["recall"], recall_pairs=512)["recall"]
     config = AutoConfig.from_pretrained(str(model))
-    p = dict(max_length=384, precision="bf16" if gpu else "fp32", lr=1e-3, batch_size=16, max_steps=300,
-             token_budget=16384)
     rounds = int(os.environ.get("ROUNDS", 12))
+    p = dict(max_length=384, precision="bf16" if gpu else "fp32", lr=1e-3, batch_size=16, max_steps=300,
+             token_budget=16384, active_jobs=64, chunk_rounds=rounds)
     ieee, adamw = grouped.dot_precision, torch.optim.AdamW
     results = {}
     for spec in (argv if argv is not None else sys.argv[1:]):
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         names = [run_id(*x, p["max_steps"]) for x in runs]
         raw = run_file("recall", runs, names, p, files, str(model), work / f"sweep-{spec.replace(':', '_')}",
                        "cuda" if gpu else "cpu")
-        raw.update(resume=None, max_rounds=rounds, save_every=0, lora_backend=backend)
+        raw.update(resume=None, lora_backend=backend)
         grouped.dot_precision = (lambda dtype: "tf32") if "tf32" in flags else ieee
         torch.optim.AdamW = _unfused(adamw) if "foreach" in flags else adamw
         engine = Engine(parse_run(raw, spec))

@@ -35,7 +35,9 @@ may run at once on one ``--out`` (one per GPU, ``CUDA_VISIBLE_DEVICES``): append
 ``--deadline-unix`` / ``--time-budget-s`` a shard starts a group only if its runs are expected to end before the
 deadline (the slowest run of the same task this process has finished, x1.1; :func:`execute`), and once a group is
 started it starts its remaining runs while one more fits, so a shard that runs out of time leaves complete LoRA/BD
-pairs behind (``--trainer trainer``; an engine run is resumed from its checkpoint instead).
+pairs behind (``--trainer trainer``). With ``--trainer sweep`` the engine trains ``active_jobs`` runs at a time in
+plan order and stops at its first checkpoint (every ``chunk_rounds`` rounds) expected to pass the deadline: the runs
+that finished are recorded, the rest continue from the checkpoint in a later call on the same machine.
 """
 
 from __future__ import annotations
@@ -61,12 +63,12 @@ PRESETS = {
     "full": dict(ranks=[8, 32, 128], seeds=[0, 1, 2, 3, 4], nblocks=[2, 4, 8], max_steps=150, batch_size=16, lr=2e-4,
                  max_length=384, n_train=4000, n_eval=800, acc_eval=800, precision="bf16", eval_batch_size=32,
                  max_passage_chars=700, max_doc_chars=1200, recall_pairs=256, gen_batch_size=128, gen_eval=200,
-                 summary_tokens=48, token_budget=16384),
+                 summary_tokens=48, token_budget=16384, active_jobs=20, chunk_rounds=50),
     # CPU: one rank, one seed, a few steps: checks the pipeline end to end in minutes (SmolLM2 on 2 cores)
     "small": dict(ranks=[8], seeds=[0], nblocks=[3], max_steps=4, batch_size=2, lr=2e-4, max_length=160,
                   n_train=200, n_eval=16, acc_eval=16, precision="fp32", eval_batch_size=8,
                   max_passage_chars=300, max_doc_chars=400, recall_pairs=8, gen_batch_size=8, gen_eval=4,
-                  summary_tokens=8, token_budget=1024),
+                  summary_tokens=8, token_budget=1024, active_jobs=16, chunk_rounds=50),
 }
 #: the full preset's settings that differ per task. Recall is memorisation: a code book of 512 invented pairs at a
 #: learning rate for memorising (the quickstart's), long enough for a large adapter to learn most of it
@@ -277,25 +279,27 @@ def one_run(task: str, method: str, nblocks: int, rank: int, seed: int, p: dict,
 
 
 def run_sweeps(groups: list[list[Run]], pt: dict[str, dict], files: dict, model: str, out: Path, device: str,
-               dev: str, record: Callable[[dict], None], log: Callable[[str], None]) -> dict:
-    """The runs of the groups, task by task: the base row first, then every trained run as one engine run."""
+               dev: str, record: Callable[[dict], None], log: Callable[[str], None],
+               deadline: Optional[float] = None) -> dict:
+    """The runs of the groups, task by task: the base row first, then every trained run through one engine run
+    (:func:`bench.quality.sweep.train_and_score`), within the deadline."""
     from . import sweep
 
     ran = 0
     for task in dict.fromkeys(run[0] for g in groups for run in g):
+        if deadline is not None and time.time() >= deadline:
+            break
         p = pt[task]
         runs = [run for g in groups for run in g if run[0] == task]
         for run in (r for r in runs if r[1] == "base"):
             record(base_run(task, p, files[task], model, dev))
             ran += 1
         runs = [r for r in runs if r[1] != "base"]
-        if not runs:
-            continue
-        names = [run_id(*r, p["max_steps"]) for r in runs]
-        trained = sweep.train(task, runs, names, p, files[task], model, out, device, log)
-        ran += sweep.score(task, runs, names, trained, p, files[task], model, dev, record)
-    left = sum(len(g) for g in groups) - ran
-    return {"ran": ran, "left": left}
+        if runs:
+            names = [run_id(*r, p["max_steps"]) for r in runs]
+            ran += sweep.train_and_score(task, runs, names, p, files[task], model, out, device, dev, record,
+                                         deadline, log)
+    return {"ran": ran, "left": sum(len(g) for g in groups) - ran}
 
 
 def main(argv=None) -> int:
@@ -335,10 +339,10 @@ def main(argv=None) -> int:
                     help="run only the matched groups whose index in the plan is I mod N (concurrent shards may share "
                          "--out)")
     ap.add_argument("--trainer", choices=["sweep", "trainer"], default="sweep",
-                    help="sweep (default): each task's runs as the jobs of one `bdlora sweep` engine run, then scored "
-                         "(bench.quality.sweep); trainer: one `bdlora train` run after another (LoRA as PEFT's own "
-                         "LoraConfig), each scored as it ends, with --deadline-unix / --time-budget-s honoured per "
-                         "matched group")
+                    help="sweep (default): each task's runs as the jobs of one `bdlora sweep` engine run, scored as "
+                         "they finish (bench.quality.sweep); trainer: one `bdlora train` run after another (LoRA as "
+                         "PEFT's own LoraConfig), each scored as it ends. Both honour --deadline-unix / "
+                         "--time-budget-s")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a preset value (lr, batch_size, max_length, n_train, n_eval, acc_eval, ...)")
     a = ap.parse_args(argv)
@@ -429,7 +433,7 @@ def main(argv=None) -> int:
 
     log = lambda m: print(f"{tag}: {m}", flush=True)
     if a.trainer == "sweep":
-        res = run_sweeps(todo, pt, files, model, out, a.device, dev, record, log)
+        res = run_sweeps(todo, pt, files, model, out, a.device, dev, record, log, deadline)
     else:
         res = execute(todo, run_and_record, deadline, log=log)
     print(f"{tag}: done in {time.time() - t_start:.0f} s, {res['ran']} runs, {res['left']} left; results in {res_file}",

@@ -7,22 +7,26 @@ comparison). The engine writes one PEFT folder per job; each is then loaded onto
 :mod:`bench.quality.metrics`, exactly as the base row. One line per engine run goes to ``OUT/sweeps.jsonl``
 (jobs, steps, tokens, wall-clock, device): the time the whole grid took on one GPU.
 
-Resumable at two levels: a scored run is in ``results.jsonl`` and is neither trained nor scored again; the engine
-run resumes from its own checkpoint (``resume: auto``) when a call ended inside it.
+The engine trains ``active_jobs`` runs at a time in plan order, so runs finish in waves (whole seeds of the curve
+first) and are scored as they finish (:func:`train_and_score`). Resumable at two levels: a scored run is in
+``results.jsonl`` and is neither trained nor scored again; the engine run resumes from its own checkpoint
+(``resume: auto``, written at the end of each invocation of ``chunk_rounds`` rounds) when a call ended inside it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from .metrics import device_name, eval_loss, task_metrics
 from .results import append_row
 
 SWEEPS = "sweeps.jsonl"
+QUALITY_RUN = "quality_run.json"  # an engine run's run file, beside its checkpoint
 
 
 def sweep_dir(out: Path, task: str, names: list[str]) -> Path:
@@ -42,9 +46,26 @@ def run_file(task: str, runs: list[tuple], names: list[str], p: dict, files: dic
         "eval_fraction": 0.0, "precision": p["precision"], "max_length": longest, "lr": p["lr"],
         "scheduler": "linear", "warmup_ratio": 0.05, "batch_size": p["batch_size"], "max_steps": p["max_steps"],
         "lora_alpha": 16.0, "lora_dropout": 0.0, "report_to": [], "progress": False, "save_plots": False,
-        "resume": "auto", "save_every": max(1, p["max_steps"] // 3), "device": device, "max_active_jobs": len(jobs),
+        "resume": "auto", "save_every": 0, "max_rounds": p["chunk_rounds"], "device": device,
+        "max_active_jobs": min(len(jobs), p["active_jobs"]),
         "token_budget": max(longest, p["token_budget"]), "jobs": jobs,
     }
+
+
+def _engine_run(out: Path, task: str, runs: list[tuple], names: list[str], p: dict, files: dict, model: str,
+                device: str) -> tuple[Path, dict]:
+    """(folder, run file) of the engine run to continue: an earlier one of this task that holds every run still to
+    record and has a checkpoint (a later call on the same machine, after some runs were recorded), else a new one
+    for these runs (its run file kept beside it as ``quality_run.json``)."""
+    for found in sorted((out / "sweeps").glob(f"{task}-*/{QUALITY_RUN}")):
+        raw = json.loads(found.read_text())
+        if set(names) <= {j["name"] for j in raw["jobs"]} and (found.parent / "engine_state.pt").is_file():
+            return found.parent, raw
+    folder = sweep_dir(out, task, names)
+    raw = run_file(task, runs, names, p, files, model, folder, device)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / QUALITY_RUN).write_text(json.dumps(raw, indent=1))
+    return folder, raw
 
 
 def adapter_params(adapter_dir: Path) -> int:
@@ -55,24 +76,43 @@ def adapter_params(adapter_dir: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
-def train(task: str, runs: list[tuple], names: list[str], p: dict, files: dict, model: str, out: Path,
-          device: str, log: Callable[[str], None] = print) -> dict[str, dict]:
-    """Trains the runs as one engine run; returns the engine's result row per job name."""
+def train_and_score(task: str, runs: list[tuple], names: list[str], p: dict, files: dict, model: str, out: Path,
+                    device: str, dev: str, record: Callable[[dict], None], deadline: Optional[float] = None,
+                    log: Callable[[str], None] = print, clock: Callable[[], float] = time.time) -> int:
+    """Trains the runs as one engine run, ``p["active_jobs"]`` at a time in plan order (the queue refills a
+    finished job's slot), in invocations of ``p["chunk_rounds"]`` rounds that each end on the engine's checkpoint;
+    after each, the jobs that finished are scored and recorded. With a ``deadline`` (unix seconds) no invocation
+    starts that is expected (the slowest so far, x1.2) to end after it: what finished is recorded, the rest resumes
+    from the checkpoint in a later call on this machine. Returns the number of runs recorded."""
     from bdlora.train.engine.config import parse_run
     from bdlora.train.engine.launch import run_engine
 
-    folder = sweep_dir(out, task, names)
-    raw = run_file(task, runs, names, p, files, model, folder, device)
-    log(f"sweep {task}: {len(runs)} jobs in one engine run ({folder})")
-    t0 = time.time()
-    rows = run_engine(parse_run(raw, f"quality sweep {task}"))
-    rows = rows["jobs"] if isinstance(rows, dict) else rows
-    wall = time.time() - t0
-    append_row(out / SWEEPS, {"task": task, "jobs": len(runs), "folder": str(folder), "wall_s": round(wall, 1),
-                              "tokens": sum(r.get("tokens") or 0 for r in rows), "device": device_name(),
-                              "steps": p["max_steps"], "token_budget": raw["token_budget"]})
-    log(f"sweep {task}: {len(runs)} jobs trained in {wall:.0f} s")
-    return {r["job"]: r for r in rows}
+    folder, raw = _engine_run(out, task, runs, names, p, files, model, device)
+    log(f"sweep {task}: {len(runs)} runs to record, {len(raw['jobs'])} jobs ({raw['max_active_jobs']} at a time) "
+        f"in one engine run ({folder})")
+    t0, slowest, scored, wanted = clock(), 0.0, set(), set(names)
+    while True:
+        if deadline is not None and clock() + 1.2 * slowest > deadline:
+            log(f"sweep {task}: deadline: {len(runs) - len(scored)} runs left for a later call (resumable)")
+            break
+        c0 = clock()
+        rows = run_engine(parse_run(raw, f"quality sweep {task}"))
+        rows = {r["job"]: r for r in (rows["jobs"] if isinstance(rows, dict) else rows)}
+        slowest = max(slowest, clock() - c0)
+        done = {n: r for n, r in rows.items()
+                if n in wanted and n not in scored and r.get("status") == "done" and r.get("adapter")}
+        scored |= set(done)
+        if done:
+            score(task, runs, names, done, p, files, model, dev, record)
+        if all(r.get("status") == "done" for r in rows.values()):
+            append_row(out / SWEEPS, {"task": task, "jobs": len(runs), "folder": str(folder),
+                                      "wall_s": round(clock() - t0, 1), "tokens": sum(r.get("tokens") or 0
+                                                                                     for r in rows.values()),
+                                      "device": device_name(), "steps": p["max_steps"],
+                                      "token_budget": raw["token_budget"], "active_jobs": raw["max_active_jobs"]})
+            log(f"sweep {task}: {len(runs)} jobs trained and scored in {clock() - t0:.0f} s")
+            break
+    return len(scored)
 
 
 def score(task: str, runs: list[tuple], names: list[str], trained: dict[str, dict], p: dict, files: dict,
