@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from .layout import COLUMN, ROW, Layout, LoraFactors, layout_by_name, packed_shapes
+from .moe import ExpertFactors, check_target_parameters, expert_tensors, read_expert_factors
 from .sharding import shape_of
 from .spec import BDLoraError, BDLoraSpec, peft_scaling
 
@@ -172,13 +173,17 @@ class Adapter:
 
     config: AdapterConfig
     modules: dict[str, LoraFactors]
+    #: LoRA on fused MoE expert tensors (``target_parameters``), {``<experts module path>.<tensor>``: factors}
+    experts: dict[str, ExpertFactors] = field(default_factory=dict)
 
     def num_parameters(self) -> int:
-        return sum(f.lora_A.numel() + f.lora_B.numel() for f in self.modules.values())
+        return (sum(f.lora_A.numel() + f.lora_B.numel() for f in self.modules.values())
+                + sum(f.numel() for f in self.experts.values()))
 
     def dense_num_parameters(self) -> int:
-        """Parameters of a standard LoRA of the same rank on the same modules."""
-        return sum(f.rank * (f.d_in + f.d_out) for f in self.modules.values())
+        """Parameters of a standard LoRA of the same rank on the same modules and expert tensors."""
+        return (sum(f.rank * (f.d_in + f.d_out) for f in self.modules.values())
+                + sum(f.dense_numel() for f in self.experts.values()))
 
 
 def module_paths(keys) -> list[str]:
@@ -239,9 +244,9 @@ def check_supported_features(cfg: AdapterConfig, source: str) -> None:
     if raw.get("trainable_token_indices"):
         reasons.append("trainable_token_indices (trained embedding rows; bdlora would drop them)")
     if raw.get("target_parameters"):
-        reasons.append(f"target_parameters={raw['target_parameters']!r} (LoRA on fused expert tensors, PEFT's "
-                       "expert LoRA; bdlora's adapter reader does not read expert tensors yet, bdlora.moe has the "
-                       "BD layout)")
+        why = check_target_parameters(raw["target_parameters"], source)
+        if why:
+            reasons.append(why)
     if reasons:
         raise UnsupportedAdapterError(
             f"{source}: bdlora does not support " + "; ".join(reasons) + ". Use this adapter with PEFT directly, or "
@@ -345,23 +350,34 @@ def load_adapter(path: str | os.PathLike, device: str = "cpu") -> Adapter:
     except Exception as e:  # safetensors raises its own SafetensorError, OSError or ValueError on a bad file
         raise AdapterFileError(f"{weights}: cannot read it as safetensors ({type(e).__name__}: {e}); the file is "
                                "truncated or corrupt, re-save or re-download the adapter") from None
+    experts = {}
+    if cfg.raw.get("target_parameters"):
+        experts = read_expert_factors(tensors, cfg.raw["target_parameters"], cfg.r, cfg.nblocks or 1, cfg.scale,
+                                      str(weights))
     check_tensor_names(tensors, str(weights))
     modules, dims = {}, {}
-    for p in module_paths(tensors):
+    for p in module_paths(tensors) if tensors or not experts else []:
         a, b = tensors[p + _A_SUFFIX], tensors[p + _B_SUFFIX]
         for name, t in ((p + _A_SUFFIX, a), (p + _B_SUFFIX, b)):
-            if not t.is_floating_point():
-                raise AdapterFileError(f"{weights}: tensor {name!r} has dtype {t.dtype}; LoRA factors are floating "
-                                       "point (quantized factors are not supported)")
-            if not bool(torch.isfinite(t).all()):
-                bad = int((~torch.isfinite(t)).sum())
-                raise AdapterFileError(f"{weights}: tensor {name!r} has {bad} NaN/Inf values; the adapter is broken "
-                                       "(training diverged?), use an earlier checkpoint")
+            _check_finite(t, name, weights)
         layout = check_factor_shapes(cfg, p, tuple(a.shape), tuple(b.shape))
         dims[p] = layer_dims(cfg, p, tuple(a.shape), tuple(b.shape))
         modules[p] = LoraFactors(a, b, layout, cfg.nblocks or 1, cfg.scale)
     check_layer_widths(dims, str(weights))
-    return Adapter(cfg, modules)
+    for path, f in experts.items():
+        _check_finite(f.lora_A, path + ".lora_A", weights)
+        _check_finite(f.lora_B, path + ".lora_B", weights)
+    return Adapter(cfg, modules, experts)
+
+
+def _check_finite(t: torch.Tensor, name: str, weights: Path) -> None:
+    if not t.is_floating_point():
+        raise AdapterFileError(f"{weights}: tensor {name!r} has dtype {t.dtype}; LoRA factors are floating point "
+                               "(quantized factors are not supported)")
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise AdapterFileError(f"{weights}: tensor {name!r} has {bad} NaN/Inf values; the adapter is broken "
+                               "(training diverged?), use an earlier checkpoint")
 
 
 # Temporary and replaced folders of the atomic writer: `.{name}.bdlora-tmp-{host}-{pid}-{hex}` (and `-old-`). The
@@ -527,10 +543,14 @@ def check_output_path(output: str | os.PathLike, inputs=(), force: bool = False)
                               "--force does not replace it, choose another path")
 
 
+#: the PEFT config fields of a folder bdlora writes from scratch (beside the decisive ones)
+CONFIG_DEFAULTS = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "bias": "none", "lora_dropout": 0.0,
+                   "fan_in_fan_out": False}
+
+
 def config_dict(cfg: AdapterConfig) -> dict:
     """The JSON dict to save: the original PEFT dict with the decisive fields rewritten."""
-    raw = dict(cfg.raw) if cfg.raw else {"peft_type": "LORA", "task_type": "CAUSAL_LM", "bias": "none",
-                                         "lora_dropout": 0.0, "fan_in_fan_out": False}
+    raw = dict(cfg.raw) if cfg.raw else dict(CONFIG_DEFAULTS)
     raw.update(r=cfg.r, lora_alpha=cfg.peft_lora_alpha, use_rslora=cfg.use_rslora,
                target_modules=sorted(cfg.target_modules), peft_type="LORA")
     if cfg.is_bd:
@@ -560,6 +580,17 @@ def save_adapter(adapter: Adapter, path: str | os.PathLike, overwrite: bool = Tr
                 f"{layout or 'dense'} with nblocks={cfg.nblocks or 1}; the factors do not belong to this config")
         tensors[p + _A_SUFFIX] = f.lora_A.detach().contiguous().cpu()
         tensors[p + _B_SUFFIX] = f.lora_B.detach().contiguous().cpu()
+    if adapter.experts:
+        target = cfg.raw.get("target_parameters")
+        listed = {t.rsplit(".", 1)[-1] for t in target} if not check_target_parameters(target, "") else set()
+        if {f.name for f in adapter.experts.values()} - listed:
+            raise AdapterFileError(f"the adapter has expert factors but its config's target_parameters={target!r} "
+                                   "does not list their tensors")
+        for path_, f in adapter.experts.items():
+            if f.nblocks != (cfg.nblocks or 1):
+                raise AdapterFileError(f"{path_}: its factors have nblocks={f.nblocks} but the config "
+                                       f"{cfg.nblocks or 1}; the factors do not belong to this config")
+        tensors.update(expert_tensors(adapter.experts, target))
     path = Path(path)
     with atomic_output_dir(path, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -569,7 +600,7 @@ def save_adapter(adapter: Adapter, path: str | os.PathLike, overwrite: bool = Tr
 
 
 __all__ = [
-    "Adapter", "AdapterConfig", "AdapterFileError", "CONFIG_NAME", "OutputPathError",
+    "Adapter", "AdapterConfig", "AdapterFileError", "CONFIG_DEFAULTS", "CONFIG_NAME", "OutputPathError",
     "UnsupportedAdapterError", "WEIGHTS_NAME", "atomic_output_dir", "check_factor_shapes", "check_layer_widths",
     "check_output_path", "check_supported_features", "check_tensor_names", "clean_stale_work_dirs", "config_dict",
     "layer_dims", "load_adapter", "module_paths", "read_config", "save_adapter", "shape_of",

@@ -106,13 +106,21 @@ def inspect_text(path: str, model: str | None = None) -> str:
                   f"modules:        {layouts[None]}"]
         if model_cfg is not None:
             lines.append(f"tensor-parallel: {tp_note}")
+    if ad.experts:
+        names = sorted({f.name for f in ad.experts.values()})
+        counts = sorted({f.num_experts for f in ad.experts.values()})
+        layers = len({p.rsplit(".mlp.experts.", 1)[0] for p in ad.experts})
+        how = ("; gate_up_proj with B block-diagonal, down_proj with A (each device holds 1/N of every expert's "
+               "adapter)" if cfg.is_bd else "")
+        lines.append(f"MoE experts:    LoRA on {', '.join(names)} of {layers} layer(s) x {counts} experts{how}")
     alpha_note = ""
     if cfg.is_bd and cfg.use_rslora:
         alpha_note = f"  (= block alpha {cfg.block_alpha:g} x sqrt(N))"
     stored = ad.num_parameters()
     dense = ad.dense_num_parameters()
     # Exact zeros are counted, not assumed: to-dense expands blocks with zeros, to-bd above the exact rank pads them.
-    zeros = sum(int((f.lora_A == 0).sum()) + int((f.lora_B == 0).sum()) for f in ad.modules.values())
+    zeros = sum(int((f.lora_A == 0).sum()) + int((f.lora_B == 0).sum())
+                for f in [*ad.modules.values(), *ad.experts.values()])
     zero_note = f"{zeros:,} zero ({100 * zeros / stored:.1f}%)" if zeros else "none zero"
     lines += [
         f"lora_alpha:     {cfg.peft_lora_alpha:g}{alpha_note}",

@@ -81,7 +81,13 @@ def bd_to_dense(adapter: Adapter) -> Adapter:
     new = _with_scale(cfg, cfg.r, cfg.scale, nblocks=None, column_modules=[], row_modules=[])
     modules = {p: LoraFactors(*unpack_factors(f.lora_A, f.lora_B, f.layout, f.nblocks), None, 1, new.scale)
                for p, f in adapter.modules.items()}
-    return Adapter(new, modules)
+    return Adapter(new, modules, {p: f.dense() for p, f in adapter.experts.items()})
+
+
+def refuse_experts(adapter: Adapter, what: str) -> None:
+    if adapter.experts:
+        raise ConversionError(f"{what} is not available for LoRA on MoE expert tensors ({len(adapter.experts)} in "
+                              "this adapter) yet; `bdlora convert to-dense` converts them")
 
 
 def reblock(adapter: Adapter, tp_size: int, src: str = "IN", dst: str = "OUT") -> Adapter:
@@ -91,6 +97,7 @@ def reblock(adapter: Adapter, tp_size: int, src: str = "IN", dst: str = "OUT") -
     ``dst`` only fill in the commands the error message suggests otherwise (:func:`reblock_route`).
     """
     require_bd(adapter, "reblock")
+    refuse_experts(adapter, "reblock")
     cfg = adapter.config
     _check_count(tp_size, "the target tensor-parallel size (--tp)")
     check_block_split(adapter, cfg.layout_of, tp_size)  # first: if the layers cannot split, no route can help
@@ -134,6 +141,7 @@ def dense_to_bd(adapter: Adapter, nblocks: int, rank: Optional[int] = None,
     (block i reads its own copy), row layers split A by input blocks and repeat B. A smaller ``rank`` (divisible by
     ``nblocks``) keeps the best rank ``rank/nblocks`` approximation of each block's delta (truncated SVD).
     """
+    refuse_experts(adapter, "to-bd")
     cfg = adapter.config
     if cfg.is_bd:
         raise BDLoraError("to-bd expects a dense LoRA adapter, but this one already has use_bdlora; "

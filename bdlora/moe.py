@@ -24,6 +24,8 @@ the dense layers' rsLoRA one, ``alpha / sqrt(r/N)`` per block.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -110,8 +112,8 @@ def device_weights(gate_up: torch.Tensor, down: torch.Tensor, k: int, n: int) ->
     return w13, down[:, :, k * (i // n):(k + 1) * (i // n)]
 
 
-#: PEFT's names for the tensors of a LoRA on ``target_parameters`` (``peft.tuners.lora.ParamWrapper``): the first
-#: listed parameter is wrapped innermost, so with this order gate_up's factors sit under ``experts.base_layer``
+#: the ``target_parameters`` of an expert LoRA on both tensors (PEFT's ``ParamWrapper``; gate_up's factors sit under
+#: ``experts.base_layer``: :func:`expert_key_prefixes`)
 PEFT_TARGET_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
@@ -142,6 +144,137 @@ def from_peft_layout(flat_a: torch.Tensor, flat_b: torch.Tensor, num_experts: in
                           f"{e} experts")
     a = flat_a.reshape(e, flat_a.shape[0] // e, flat_a.shape[1])
     return a, flat_b.reshape(flat_b.shape[0], flat_b.shape[1] // e, e).permute(2, 0, 1)
+
+
+# ---------------------------------------------------------------------------------------------------- folder format
+# A BD expert adapter is a PEFT LoRA folder whose config lists the fused expert tensors in ``target_parameters``
+# and their names in ``use_bdlora`` beside the dense layers' (gate_up_proj with the
+# block-diagonal B, down_proj with the block-diagonal A); its tensors carry PEFT's expert-LoRA key names and
+# flattening (:func:`to_peft_layout`), block-diagonal factors packed. ``bdlora convert to-dense`` writes the dense
+# equivalent, which is a PEFT expert LoRA PEFT loads as it is.
+
+
+def expert_key_prefixes(target_parameters) -> dict[str, str]:
+    """{expert tensor name: PEFT's module suffix of its factors}. PEFT wraps a module's targeted parameters in the
+    order the module registers them (transformers' experts: gate_up_proj, then down_proj), whatever the config's
+    order (which PEFT saves from a set), the first innermost: parameter i of k targeted sits under k-1-i
+    ``base_layer`` levels of ``mlp.experts``."""
+    targeted = {t.rsplit(".", 1)[-1] for t in target_parameters}
+    names = [n for n in EXPERT_TENSORS if n in targeted]
+    return {n: "mlp.experts" + ".base_layer" * (len(names) - 1 - i) for i, n in enumerate(names)}
+
+
+def check_target_parameters(target_parameters, source: str) -> Optional[str]:
+    """None when ``target_parameters`` are fused expert tensors bdlora reads (``mlp.experts.gate_up_proj`` and/or
+    ``mlp.experts.down_proj``, in any order), else why not."""
+    if (not isinstance(target_parameters, (list, tuple)) or not target_parameters
+            or any(t not in PEFT_TARGET_PARAMETERS for t in target_parameters)
+            or len(set(target_parameters)) != len(target_parameters)):
+        return (f"target_parameters={target_parameters!r} (bdlora reads LoRA on the fused expert tensors "
+                f"{list(PEFT_TARGET_PARAMETERS)} and no other parameters)")
+    return None
+
+
+@dataclass
+class ExpertFactors:
+    """One layer's LoRA on one fused expert tensor, per expert: ``lora_A`` (E, r, d_in or d_in/N), ``lora_B``
+    (E, d_out, r/N or r) as :func:`factor_shapes` lays them out; ``nblocks`` 1 for a dense (PEFT) expert LoRA."""
+
+    name: str
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    nblocks: int
+    scale: float
+
+    @property
+    def num_experts(self) -> int:
+        return self.lora_A.shape[0]
+
+    @property
+    def rank(self) -> int:
+        return self.lora_A.shape[1]
+
+    def numel(self) -> int:
+        return self.lora_A.numel() + self.lora_B.numel()
+
+    def dense_numel(self) -> int:
+        e, r, d_in = self.lora_A.shape
+        if EXPERT_TENSORS[self.name][0] == ROW:
+            d_in *= self.nblocks
+        return e * r * (d_in + self.lora_B.shape[1])
+
+    def dense(self) -> "ExpertFactors":
+        layout, slices = EXPERT_TENSORS[self.name]
+        a, b = dense_factors(self.lora_A, self.lora_B, layout, self.nblocks, slices)
+        return ExpertFactors(self.name, a, b, 1, self.scale)
+
+
+def read_expert_factors(tensors: dict, target_parameters, r: int, nblocks: int, scale: float, source: str
+                        ) -> dict[str, ExpertFactors]:
+    """Takes every expert factor out of ``tensors`` (PEFT key names, :func:`expert_key_prefixes`) and returns them
+    as {``<experts module path>.<tensor name>``: ExpertFactors}, unflattened and checked: a lora_A/lora_B pair per
+    layer and tensor, rows that split into r per expert, and B's width matching A's experts and blocks."""
+    from .adapter import AdapterFileError, PEFT_A_SUFFIX, PEFT_B_SUFFIX
+
+    prefixes = expert_key_prefixes(target_parameters)
+    by_depth = sorted(prefixes.items(), key=lambda kv: -len(kv[1]))  # deepest first: ".base_layer" ends the other
+    out = {}
+    for key in [k for k in tensors if k.endswith((PEFT_A_SUFFIX, PEFT_B_SUFFIX))]:
+        stem = key[: -len(PEFT_A_SUFFIX)]
+        name = next((n for n, pre in by_depth if stem.endswith("." + pre)), None)
+        if name is None or not key.endswith(PEFT_A_SUFFIX):
+            continue
+        path = stem[: -len(prefixes[name])] + "mlp.experts." + name
+        b_key = stem + PEFT_B_SUFFIX
+        if b_key not in tensors:
+            raise AdapterFileError(f"{source}: {key} has no {b_key}")
+        flat_a, flat_b = tensors.pop(key), tensors.pop(b_key)
+        if flat_a.dim() != 2 or flat_b.dim() != 2 or flat_a.shape[0] % r or flat_a.shape[0] == 0:
+            raise AdapterFileError(f"{source}: {path}: lora_A {tuple(flat_a.shape)} is not (r x experts, d_in) "
+                                   f"with r={r}")
+        e = flat_a.shape[0] // r
+        layout, _ = EXPERT_TENSORS[name]
+        b_rank = r // nblocks if layout == COLUMN else r
+        if flat_b.shape[1] != b_rank * e:
+            raise AdapterFileError(f"{source}: {path}: lora_B {tuple(flat_b.shape)} should have {b_rank} x {e} "
+                                   f"columns for {e} experts of rank {r} in {nblocks} block(s)")
+        a, b = from_peft_layout(flat_a, flat_b, e)
+        out[path] = ExpertFactors(name, a, b, nblocks, scale)
+    return out
+
+
+def expert_tensors(experts: dict[str, ExpertFactors], target_parameters) -> dict[str, torch.Tensor]:
+    """The PEFT-named, flattened tensors of ``experts`` (the inverse of :func:`read_expert_factors`)."""
+    from .adapter import PEFT_A_SUFFIX, PEFT_B_SUFFIX
+
+    prefixes = expert_key_prefixes(target_parameters)
+    out = {}
+    for path, f in experts.items():
+        stem = path[: -len("mlp.experts." + f.name)] + prefixes[f.name]
+        a, b = to_peft_layout(f.lora_A.detach(), f.lora_B.detach())
+        out[stem + PEFT_A_SUFFIX], out[stem + PEFT_B_SUFFIX] = a.contiguous().cpu(), b.contiguous().cpu()
+    return out
+
+
+def expert_adapter(experts: dict[str, "BDLoraExperts"], base_model_name_or_path: Optional[str] = None):
+    """The :class:`bdlora.adapter.Adapter` (a BD expert adapter folder once saved with ``save_adapter``) of trained
+    :class:`BDLoraExperts` modules, keyed by their experts module paths as PEFT names them
+    (``base_model.model.model.layers.0.mlp.experts``); all must share N, r and alpha."""
+    from .adapter import AdapterConfig, CONFIG_DEFAULTS
+
+    mods = list(experts.values())
+    n, r, scale = mods[0].nblocks, mods[0].r, mods[0].scale
+    if any((m.nblocks, m.r, m.scale) != (n, r, scale) for m in mods):
+        raise BDLoraError("expert_adapter: the modules differ in nblocks, r or alpha; one adapter has one of each")
+    raw = {**CONFIG_DEFAULTS, "r": r, "lora_alpha": scale * math.sqrt(r), "use_rslora": True, "target_modules": [],
+           "target_parameters": list(PEFT_TARGET_PARAMETERS), "base_model_name_or_path": base_model_name_or_path,
+           "use_bdlora": {"nblocks": n, "target_modules_bd_a": ["down_proj"], "target_modules_bd_b": ["gate_up_proj"],
+                          "match_strict": True}}
+    factors = {f"{path}.{name}": ExpertFactors(name, *(t.detach() for t in m.factors(name)), n, scale)
+               for path, m in experts.items() for name in EXPERT_TENSORS}
+    from .adapter import Adapter
+
+    return Adapter(AdapterConfig.from_dict(raw), {}, factors)
 
 
 class BDLoraExperts(nn.Module):
@@ -191,6 +324,7 @@ class BDLoraExperts(nn.Module):
         return out
 
 
-__all__ = ["BDLoraExperts", "EXPERT_TENSORS", "PEFT_TARGET_PARAMETERS", "check_expert_shapes", "dense_factors",
-           "device_factors", "device_weights", "expert_lora", "factor_shapes", "from_peft_layout", "peft_expert_factors",
-           "to_peft_layout"]
+__all__ = ["BDLoraExperts", "EXPERT_TENSORS", "ExpertFactors", "PEFT_TARGET_PARAMETERS", "check_expert_shapes",
+           "check_target_parameters", "dense_factors", "device_factors", "device_weights", "expert_key_prefixes",
+           "expert_adapter", "expert_lora", "expert_tensors", "factor_shapes", "from_peft_layout", "peft_expert_factors",
+           "read_expert_factors", "to_peft_layout"]

@@ -331,10 +331,12 @@ def test_errors_are_bdlora_errors():
         assert issubclass(cls, BDLoraError)
 
 
-def test_expert_lora_is_refused_with_what_it_is(tmp_path, capsys):
-    """A PEFT expert LoRA (``target_parameters`` on a MoE model's fused expert tensors) is named as such by the reader
-    and the CLI, not reported as factors that "do not fit r"; BD-mode serving refuses it with the way to serve it.
-    vLLM's own LoRA (the plugin's stock mode) lets it through to vLLM."""
+def test_expert_lora_is_read_and_refused_where_not_served(tmp_path, capsys):
+    """A PEFT expert LoRA (``target_parameters`` on a MoE model's fused expert tensors) is read as such (the expert
+    factors beside the dense modules' and reported by inspect); target parameters bdlora does not know are refused
+    by name; BD-mode serving refuses expert LoRAs with the way to serve them, vLLM's own LoRA (the plugin's stock
+    mode) lets them through to vLLM."""
+    import json
     from types import SimpleNamespace
 
     from peft import LoraConfig, get_peft_model
@@ -349,10 +351,24 @@ def test_expert_lora_is_refused_with_what_it_is(tmp_path, capsys):
         r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]))
     src = tmp_path / "experts"
     model.save_pretrained(str(src))
-    with pytest.raises(UnsupportedAdapterError, match=r"target_parameters=\['mlp.experts.gate_up_proj'\] \(LoRA on "
-                                                      r"fused expert tensors"):
-        load_adapter(src)
-    _fails(["inspect", src], capsys, "target_parameters", "expert")
+    ad = load_adapter(src)
+    assert list(ad.experts) == ["base_model.model.model.layers.0.mlp.experts.gate_up_proj"]
+    f = ad.experts["base_model.model.model.layers.0.mlp.experts.gate_up_proj"]
+    assert f.lora_A.shape == (4, 4, 32) and f.lora_B.shape == (4, 32, 4) and f.nblocks == 1
+    assert len(ad.modules) == 1
+    from bdlora.cli import main as cli_main
+
+    assert cli_main(["inspect", str(src)]) == 0
+    assert "MoE experts:    LoRA on gate_up_proj of 1 layer(s) x [4] experts" in capsys.readouterr().out
+    odd = tmp_path / "odd"
+    __import__("shutil").copytree(src, odd)
+    raw = json.loads((odd / "adapter_config.json").read_text())
+    raw["target_parameters"] = ["mlp.experts.gate_up_proj", "self_attn.q_proj.weight"]
+    (odd / "adapter_config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedAdapterError, match=r"target_parameters=.*self_attn.q_proj.weight.*fused expert "
+                                                      r"tensors"):
+        load_adapter(odd)
+    _fails(["inspect", odd], capsys, "target_parameters", "expert")
 
     def engine(bd):
         return SimpleNamespace(
@@ -360,6 +376,7 @@ def test_expert_lora_is_refused_with_what_it_is(tmp_path, capsys):
             lora_config=SimpleNamespace(max_lora_rank=16, max_loras=1),
             model_config=SimpleNamespace(model=str(tmp_path / "no-model"), hf_config=cfg, hf_text_config=cfg))
 
-    with pytest.raises(BDLoraError, match=r"target_parameters.*fused expert tensors.*start without --enable-bdlora"):
+    with pytest.raises(BDLoraError, match=r"MoE expert tensors.*vLLM's own LoRA serves this PEFT expert LoRA \(start "
+                                          r"without --enable-bdlora\)"):
         validate_adapter(str(src), engine(bd=True), name="experts")
     assert validate_adapter(str(src), engine(bd=False), name="experts").raw["target_parameters"]

@@ -515,6 +515,11 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
         except BDLoraError as e:
             raise BDLoraError(f"{e}. A dense adapter with these options can be served by vLLM's own LoRA (start "
                               "without --enable-bdlora)") from None
+    if cfg.raw.get("target_parameters"):
+        fix = ("`bdlora convert to-dense` writes the PEFT expert LoRA that vLLM's own LoRA serves" if cfg.is_bd else
+               "vLLM's own LoRA serves this PEFT expert LoRA")
+        raise BDLoraError(f"{path}: LoRA on MoE expert tensors (target_parameters={cfg.raw['target_parameters']!r}) "
+                          f"is not served with --enable-bdlora yet; {fix} (start without --enable-bdlora)")
     n = cfg.nblocks if cfg.is_bd else 1
     m = facts.tp_size
     check_tp_compatible(n, m)
