@@ -57,9 +57,11 @@ def _engine_run(out: Path, task: str, runs: list[tuple], names: list[str], p: di
     """(folder, run file) of the engine run to continue: an earlier one of this task that holds every run still to
     record and has a checkpoint (a later call on the same machine, after some runs were recorded), else a new one
     for these runs (its run file kept beside it as ``quality_run.json``)."""
+    from bdlora.train.engine.checkpoint import CHECKPOINT
+
     for found in sorted((out / "sweeps").glob(f"{task}-*/{QUALITY_RUN}")):
         raw = json.loads(found.read_text())
-        if set(names) <= {j["name"] for j in raw["jobs"]} and (found.parent / "engine_state.pt").is_file():
+        if set(names) <= {j["name"] for j in raw["jobs"]} and (found.parent / CHECKPOINT).is_file():
             return found.parent, raw
     folder = sweep_dir(out, task, names)
     raw = run_file(task, runs, names, p, files, model, folder, device)
