@@ -178,35 +178,32 @@ def test_fused_linear_with_dropout(fuse_base, with_bias):
     assert_layer_matches_oracle(y, x, weight, bias, seg, adapters, masks, grad)
 
 
-def test_plan_cache_is_shared_by_layers_of_one_batch_and_keeps_each_calls_seed():
+def test_plan_cache_is_shared_by_layers_of_one_batch_and_keeps_each_calls_seed(monkeypatch):
     """Two "layers" with the same rows, segments and adapter shapes but other factors share one plan; each call still
     gets its own factors, output and gradients (float64 oracle), a dropout call its own seed's masks; other
     segments build another plan."""
-    import bdlora.kernels.grouped as G
-
     gen = torch.Generator().manual_seed(11)
     seg = [0, 1, 1, 17, T]
     cache: dict = {}
     built = []
-    real = G._Plan
-    G._Plan = lambda *a, **k: built.append(1) or real(*a, **k)
-    try:
-        for layer, seed in enumerate((5, 9)):
-            adapters = [make_adapter(gen, 16, "column", 4, dropout=0.1), make_adapter(gen, 64, "row", 2),
-                        make_adapter(gen, 8, "column", 1), make_adapter(gen, 32, "row", 4, dropout=0.5)]
-            for ad in adapters:  # same shapes, scales and rates in both layers: only the values differ
-                object.__setattr__(ad, "scale", 1.25)
-            x = torch.randn(T, D_IN, generator=gen).requires_grad_()
-            weight = (torch.randn(D_OUT, D_IN, generator=gen) / 8).requires_grad_()
-            y, d = K.fused_lora_linear(x, weight, None, seg, adapters, dropout_seed=seed, options=opts(),
-                                       plan_cache=cache)
-            assert d.backend == "triton" and len(built) == 1 and len(cache) == 1
-            masks = [K.dropout_keep_mask(seed, (T, D_IN), ad.dropout) for ad in adapters]
-            assert_layer_matches_oracle(y, x, weight, None, seg, adapters, masks, torch.randn(T, D_OUT, generator=gen))
-        K.grouped_lora(x.detach(), [0, 2, 2, 17, T], adapters, options=opts(), plan_cache=cache)
-        assert len(built) == 2 and len(cache) == 2
-    finally:
-        G._Plan = real
+    # the module K's functions run in (test modules re-import bdlora.kernels, so sys.modules may hold a newer one)
+    grouped = K.fused_lora_linear.__globals__
+    real = grouped["_Plan"]
+    monkeypatch.setitem(grouped, "_Plan", lambda *a, **k: built.append(1) or real(*a, **k))
+    for seed in (5, 9):
+        adapters = [make_adapter(gen, 16, "column", 4, dropout=0.1), make_adapter(gen, 64, "row", 2),
+                    make_adapter(gen, 8, "column", 1), make_adapter(gen, 32, "row", 4, dropout=0.5)]
+        for ad in adapters:  # same shapes, scales and rates in both layers: only the values differ
+            object.__setattr__(ad, "scale", 1.25)
+        x = torch.randn(T, D_IN, generator=gen).requires_grad_()
+        weight = (torch.randn(D_OUT, D_IN, generator=gen) / 8).requires_grad_()
+        y, d = K.fused_lora_linear(x, weight, None, seg, adapters, dropout_seed=seed, options=opts(),
+                                   plan_cache=cache)
+        assert d.backend == "triton" and len(built) == 1 and len(cache) == 1
+        masks = [K.dropout_keep_mask(seed, (T, D_IN), ad.dropout) for ad in adapters]
+        assert_layer_matches_oracle(y, x, weight, None, seg, adapters, masks, torch.randn(T, D_OUT, generator=gen))
+    K.grouped_lora(x.detach(), [0, 2, 2, 17, T], adapters, options=opts(), plan_cache=cache)
+    assert len(built) == 2 and len(cache) == 2
 
 
 def test_dropout_mask_and_eval_mode():
