@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 
 from .layout import COLUMN, ROW, Layout, LoraFactors, layout_by_name, packed_shapes
-from .moe import ExpertFactors, check_target_parameters, expert_tensors, read_expert_factors
+from .moe import (EXPERT_TENSORS, PEFT_TARGET_PARAMETERS, ExpertFactors, check_target_parameters, expert_key_prefixes,
+                  from_peft_layout, to_peft_layout)
 from .sharding import shape_of
 from .spec import BDLoraError, BDLoraSpec, peft_scaling
 
@@ -327,6 +328,49 @@ def check_layer_widths(dims: dict[str, tuple[int, int]], source: str) -> None:
                     "are the same width. The factors come from different models or the file is corrupt")
 
 
+def _read_expert_factors(tensors: dict, target_parameters, r: int, nblocks: int, scale: float, source: str
+                         ) -> dict[str, ExpertFactors]:
+    """Takes every expert factor out of ``tensors`` (PEFT key names, :func:`expert_key_prefixes`) and returns them
+    as {``<experts module path>.<tensor name>``: ExpertFactors}, unflattened and checked: a lora_A/lora_B pair per
+    layer and tensor, rows that split into r per expert, and B's width matching A's experts and blocks."""
+    prefixes = expert_key_prefixes(target_parameters)
+    by_depth = sorted(prefixes.items(), key=lambda kv: -len(kv[1]))  # deepest first: ".base_layer" ends the other
+    out = {}
+    for key in [k for k in tensors if k.endswith((PEFT_A_SUFFIX, PEFT_B_SUFFIX))]:
+        stem = key[: -len(PEFT_A_SUFFIX)]
+        name = next((n for n, pre in by_depth if stem.endswith("." + pre)), None)
+        if name is None or not key.endswith(PEFT_A_SUFFIX):
+            continue
+        path = stem[: -len(prefixes[name])] + "mlp.experts." + name
+        b_key = stem + PEFT_B_SUFFIX
+        if b_key not in tensors:
+            raise AdapterFileError(f"{source}: {key} has no {b_key}")
+        flat_a, flat_b = tensors.pop(key), tensors.pop(b_key)
+        if flat_a.dim() != 2 or flat_b.dim() != 2 or flat_a.shape[0] % r or flat_a.shape[0] == 0:
+            raise AdapterFileError(f"{source}: {path}: lora_A {tuple(flat_a.shape)} is not (r x experts, d_in) "
+                                   f"with r={r}")
+        e = flat_a.shape[0] // r
+        layout, _ = EXPERT_TENSORS[name]
+        b_rank = r // nblocks if layout == COLUMN else r
+        if flat_b.shape[1] != b_rank * e:
+            raise AdapterFileError(f"{source}: {path}: lora_B {tuple(flat_b.shape)} should have {b_rank} x {e} "
+                                   f"columns for {e} experts of rank {r} in {nblocks} block(s)")
+        a, b = from_peft_layout(flat_a, flat_b, e)
+        out[path] = ExpertFactors(name, a, b, nblocks, scale)
+    return out
+
+
+def _expert_tensors(experts: dict[str, ExpertFactors], target_parameters) -> dict[str, torch.Tensor]:
+    """The PEFT-named, flattened tensors of ``experts`` (the inverse of :func:`_read_expert_factors`)."""
+    prefixes = expert_key_prefixes(target_parameters)
+    out = {}
+    for path, f in experts.items():
+        stem = path[: -len("mlp.experts." + f.name)] + prefixes[f.name]
+        a, b = to_peft_layout(f.lora_A.detach(), f.lora_B.detach())
+        out[stem + PEFT_A_SUFFIX], out[stem + PEFT_B_SUFFIX] = a.contiguous().cpu(), b.contiguous().cpu()
+    return out
+
+
 def load_adapter(path: str | os.PathLike, device: str = "cpu") -> Adapter:
     """Loads and validates a PEFT LoRA folder (BD or dense); the strict reader every bdlora command uses.
 
@@ -352,7 +396,7 @@ def load_adapter(path: str | os.PathLike, device: str = "cpu") -> Adapter:
                                "truncated or corrupt, re-save or re-download the adapter") from None
     experts = {}
     if cfg.raw.get("target_parameters"):
-        experts = read_expert_factors(tensors, cfg.raw["target_parameters"], cfg.r, cfg.nblocks or 1, cfg.scale,
+        experts = _read_expert_factors(tensors, cfg.raw["target_parameters"], cfg.r, cfg.nblocks or 1, cfg.scale,
                                       str(weights))
     check_tensor_names(tensors, str(weights))
     modules, dims = {}, {}
@@ -590,7 +634,7 @@ def save_adapter(adapter: Adapter, path: str | os.PathLike, overwrite: bool = Tr
             if f.nblocks != (cfg.nblocks or 1):
                 raise AdapterFileError(f"{path_}: its factors have nblocks={f.nblocks} but the config "
                                        f"{cfg.nblocks or 1}; the factors do not belong to this config")
-        tensors.update(expert_tensors(adapter.experts, target))
+        tensors.update(_expert_tensors(adapter.experts, target))
     path = Path(path)
     with atomic_output_dir(path, overwrite=overwrite) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -599,9 +643,26 @@ def save_adapter(adapter: Adapter, path: str | os.PathLike, overwrite: bool = Tr
     return path
 
 
+def expert_adapter(experts: dict, base_model_name_or_path: Optional[str] = None) -> Adapter:
+    """The :class:`Adapter` (a BD expert adapter folder once saved with :func:`save_adapter`) of trained
+    :class:`bdlora.moe.BDLoraExperts` modules, keyed by their experts module paths as PEFT names them
+    (``base_model.model.model.layers.0.mlp.experts``); all must share N, r and alpha."""
+    mods = list(experts.values())
+    n, r, scale = mods[0].nblocks, mods[0].r, mods[0].scale
+    if any((m.nblocks, m.r, m.scale) != (n, r, scale) for m in mods):
+        raise BDLoraError("expert_adapter: the modules differ in nblocks, r or alpha; one adapter has one of each")
+    raw = {**CONFIG_DEFAULTS, "r": r, "lora_alpha": scale * math.sqrt(r), "use_rslora": True, "target_modules": [],
+           "target_parameters": list(PEFT_TARGET_PARAMETERS), "base_model_name_or_path": base_model_name_or_path,
+           "use_bdlora": {"nblocks": n, "target_modules_bd_a": ["down_proj"], "target_modules_bd_b": ["gate_up_proj"],
+                          "match_strict": True}}
+    factors = {f"{path}.{name}": ExpertFactors(name, *(t.detach() for t in m.factors(name)), n, scale)
+               for path, m in experts.items() for name in EXPERT_TENSORS}
+    return Adapter(AdapterConfig.from_dict(raw), {}, factors)
+
+
 __all__ = [
     "Adapter", "AdapterConfig", "AdapterFileError", "CONFIG_DEFAULTS", "CONFIG_NAME", "OutputPathError",
     "UnsupportedAdapterError", "WEIGHTS_NAME", "atomic_output_dir", "check_factor_shapes", "check_layer_widths",
     "check_output_path", "check_supported_features", "check_tensor_names", "clean_stale_work_dirs", "config_dict",
-    "layer_dims", "load_adapter", "module_paths", "read_config", "save_adapter", "shape_of",
+    "expert_adapter", "layer_dims", "load_adapter", "module_paths", "read_config", "save_adapter", "shape_of",
 ]

@@ -151,7 +151,7 @@ def from_peft_layout(flat_a: torch.Tensor, flat_b: torch.Tensor, num_experts: in
 # and their names in ``use_bdlora`` beside the dense layers' (gate_up_proj with the
 # block-diagonal B, down_proj with the block-diagonal A); its tensors carry PEFT's expert-LoRA key names and
 # flattening (:func:`to_peft_layout`), block-diagonal factors packed. ``bdlora convert to-dense`` writes the dense
-# equivalent, which is a PEFT expert LoRA PEFT loads as it is.
+# equivalent, which is a PEFT expert LoRA PEFT loads as it is. Reading and writing the folder is bdlora.adapter's.
 
 
 def expert_key_prefixes(target_parameters) -> dict[str, str]:
@@ -209,74 +209,6 @@ class ExpertFactors:
         return ExpertFactors(self.name, a, b, 1, self.scale)
 
 
-def read_expert_factors(tensors: dict, target_parameters, r: int, nblocks: int, scale: float, source: str
-                        ) -> dict[str, ExpertFactors]:
-    """Takes every expert factor out of ``tensors`` (PEFT key names, :func:`expert_key_prefixes`) and returns them
-    as {``<experts module path>.<tensor name>``: ExpertFactors}, unflattened and checked: a lora_A/lora_B pair per
-    layer and tensor, rows that split into r per expert, and B's width matching A's experts and blocks."""
-    from .adapter import AdapterFileError, PEFT_A_SUFFIX, PEFT_B_SUFFIX
-
-    prefixes = expert_key_prefixes(target_parameters)
-    by_depth = sorted(prefixes.items(), key=lambda kv: -len(kv[1]))  # deepest first: ".base_layer" ends the other
-    out = {}
-    for key in [k for k in tensors if k.endswith((PEFT_A_SUFFIX, PEFT_B_SUFFIX))]:
-        stem = key[: -len(PEFT_A_SUFFIX)]
-        name = next((n for n, pre in by_depth if stem.endswith("." + pre)), None)
-        if name is None or not key.endswith(PEFT_A_SUFFIX):
-            continue
-        path = stem[: -len(prefixes[name])] + "mlp.experts." + name
-        b_key = stem + PEFT_B_SUFFIX
-        if b_key not in tensors:
-            raise AdapterFileError(f"{source}: {key} has no {b_key}")
-        flat_a, flat_b = tensors.pop(key), tensors.pop(b_key)
-        if flat_a.dim() != 2 or flat_b.dim() != 2 or flat_a.shape[0] % r or flat_a.shape[0] == 0:
-            raise AdapterFileError(f"{source}: {path}: lora_A {tuple(flat_a.shape)} is not (r x experts, d_in) "
-                                   f"with r={r}")
-        e = flat_a.shape[0] // r
-        layout, _ = EXPERT_TENSORS[name]
-        b_rank = r // nblocks if layout == COLUMN else r
-        if flat_b.shape[1] != b_rank * e:
-            raise AdapterFileError(f"{source}: {path}: lora_B {tuple(flat_b.shape)} should have {b_rank} x {e} "
-                                   f"columns for {e} experts of rank {r} in {nblocks} block(s)")
-        a, b = from_peft_layout(flat_a, flat_b, e)
-        out[path] = ExpertFactors(name, a, b, nblocks, scale)
-    return out
-
-
-def expert_tensors(experts: dict[str, ExpertFactors], target_parameters) -> dict[str, torch.Tensor]:
-    """The PEFT-named, flattened tensors of ``experts`` (the inverse of :func:`read_expert_factors`)."""
-    from .adapter import PEFT_A_SUFFIX, PEFT_B_SUFFIX
-
-    prefixes = expert_key_prefixes(target_parameters)
-    out = {}
-    for path, f in experts.items():
-        stem = path[: -len("mlp.experts." + f.name)] + prefixes[f.name]
-        a, b = to_peft_layout(f.lora_A.detach(), f.lora_B.detach())
-        out[stem + PEFT_A_SUFFIX], out[stem + PEFT_B_SUFFIX] = a.contiguous().cpu(), b.contiguous().cpu()
-    return out
-
-
-def expert_adapter(experts: dict[str, "BDLoraExperts"], base_model_name_or_path: Optional[str] = None):
-    """The :class:`bdlora.adapter.Adapter` (a BD expert adapter folder once saved with ``save_adapter``) of trained
-    :class:`BDLoraExperts` modules, keyed by their experts module paths as PEFT names them
-    (``base_model.model.model.layers.0.mlp.experts``); all must share N, r and alpha."""
-    from .adapter import AdapterConfig, CONFIG_DEFAULTS
-
-    mods = list(experts.values())
-    n, r, scale = mods[0].nblocks, mods[0].r, mods[0].scale
-    if any((m.nblocks, m.r, m.scale) != (n, r, scale) for m in mods):
-        raise BDLoraError("expert_adapter: the modules differ in nblocks, r or alpha; one adapter has one of each")
-    raw = {**CONFIG_DEFAULTS, "r": r, "lora_alpha": scale * math.sqrt(r), "use_rslora": True, "target_modules": [],
-           "target_parameters": list(PEFT_TARGET_PARAMETERS), "base_model_name_or_path": base_model_name_or_path,
-           "use_bdlora": {"nblocks": n, "target_modules_bd_a": ["down_proj"], "target_modules_bd_b": ["gate_up_proj"],
-                          "match_strict": True}}
-    factors = {f"{path}.{name}": ExpertFactors(name, *(t.detach() for t in m.factors(name)), n, scale)
-               for path, m in experts.items() for name in EXPERT_TENSORS}
-    from .adapter import Adapter
-
-    return Adapter(AdapterConfig.from_dict(raw), {}, factors)
-
-
 class BDLoraExperts(nn.Module):
     """A transformers experts module (``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I), ``act_fn``) with
     BD-LoRA on both tensors: the base stays frozen, the packed factors train. ``forward`` takes the experts module's
@@ -326,5 +258,4 @@ class BDLoraExperts(nn.Module):
 
 __all__ = ["BDLoraExperts", "EXPERT_TENSORS", "ExpertFactors", "PEFT_TARGET_PARAMETERS", "check_expert_shapes",
            "check_target_parameters", "dense_factors", "device_factors", "device_weights", "expert_key_prefixes",
-           "expert_adapter", "expert_lora", "expert_tensors", "factor_shapes", "from_peft_layout", "peft_expert_factors",
-           "read_expert_factors", "to_peft_layout"]
+           "expert_lora", "factor_shapes", "from_peft_layout", "peft_expert_factors", "to_peft_layout"]

@@ -15,7 +15,8 @@ import torch
 from bdlora.adapter import AdapterFileError, load_adapter, save_adapter
 from bdlora.cli import main as cli_main
 from bdlora.convert import ConversionError, reblock
-from bdlora.moe import BDLoraExperts, EXPERT_TENSORS, expert_adapter
+from bdlora.adapter import expert_adapter
+from bdlora.moe import BDLoraExperts, EXPERT_TENSORS
 
 N, R, ALPHA = 2, 4, 8.0
 PREFIX = "base_model.model.model.layers.{}.mlp.experts"
