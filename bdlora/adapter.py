@@ -245,7 +245,7 @@ def check_supported_features(cfg: AdapterConfig, source: str) -> None:
     if raw.get("trainable_token_indices"):
         reasons.append("trainable_token_indices (trained embedding rows; bdlora would drop them)")
     if raw.get("target_parameters"):
-        why = check_target_parameters(raw["target_parameters"], source)
+        why = check_target_parameters(raw["target_parameters"])
         if why:
             reasons.append(why)
     if reasons:
@@ -626,7 +626,7 @@ def save_adapter(adapter: Adapter, path: str | os.PathLike, overwrite: bool = Tr
         tensors[p + _B_SUFFIX] = f.lora_B.detach().contiguous().cpu()
     if adapter.experts:
         target = cfg.raw.get("target_parameters")
-        listed = {t.rsplit(".", 1)[-1] for t in target} if not check_target_parameters(target, "") else set()
+        listed = {t.rsplit(".", 1)[-1] for t in target} if not check_target_parameters(target) else set()
         if {f.name for f in adapter.experts.values()} - listed:
             raise AdapterFileError(f"the adapter has expert factors but its config's target_parameters={target!r} "
                                    "does not list their tensors")
@@ -653,8 +653,9 @@ def expert_adapter(experts: dict, base_model_name_or_path: Optional[str] = None)
         raise BDLoraError("expert_adapter: the modules differ in nblocks, r or alpha; one adapter has one of each")
     raw = {**CONFIG_DEFAULTS, "r": r, "lora_alpha": scale * math.sqrt(r), "use_rslora": True, "target_modules": [],
            "target_parameters": list(PEFT_TARGET_PARAMETERS), "base_model_name_or_path": base_model_name_or_path,
-           "use_bdlora": {"nblocks": n, "target_modules_bd_a": ["down_proj"], "target_modules_bd_b": ["gate_up_proj"],
-                          "match_strict": True}}
+           "use_bdlora": {"nblocks": n, "match_strict": True,
+                          "target_modules_bd_a": [t for t, (layout, _) in EXPERT_TENSORS.items() if layout == ROW],
+                          "target_modules_bd_b": [t for t, (layout, _) in EXPERT_TENSORS.items() if layout == COLUMN]}}
     factors = {f"{path}.{name}": ExpertFactors(name, *(t.detach() for t in m.factors(name)), n, scale)
                for path, m in experts.items() for name in EXPERT_TENSORS}
     return Adapter(AdapterConfig.from_dict(raw), {}, factors)

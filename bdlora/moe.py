@@ -164,7 +164,7 @@ def expert_key_prefixes(target_parameters) -> dict[str, str]:
     return {n: "mlp.experts" + ".base_layer" * (len(names) - 1 - i) for i, n in enumerate(names)}
 
 
-def check_target_parameters(target_parameters, source: str) -> Optional[str]:
+def check_target_parameters(target_parameters) -> Optional[str]:
     """None when ``target_parameters`` are fused expert tensors bdlora reads (``mlp.experts.gate_up_proj`` and/or
     ``mlp.experts.down_proj``, in any order), else why not."""
     if (not isinstance(target_parameters, (list, tuple)) or not target_parameters
@@ -189,10 +189,6 @@ class ExpertFactors:
     @property
     def num_experts(self) -> int:
         return self.lora_A.shape[0]
-
-    @property
-    def rank(self) -> int:
-        return self.lora_A.shape[1]
 
     def numel(self) -> int:
         return self.lora_A.numel() + self.lora_B.numel()
