@@ -21,14 +21,14 @@ import torch
 
 
 def plan_runs(k: int, config) -> list[tuple]:
-    from .run import exact_matched_rank
+    """The first k runs of the recall task's plan (full preset), seed after seed with the ranks ascending in each."""
+    from .run import PRESETS, build_plan, exact_matched_rank
 
-    runs = []
-    for seed in range(5):
-        for r in (8, 32, 128):
-            runs.append(("recall", "lora", 1, r, seed))
-            runs += [("recall", "bd", n, exact_matched_rank(r, n, config), seed) for n in (2, 4, 8)]
-    return runs[:k]
+    full = PRESETS["full"]
+    bd_rank = lambda r, n: exact_matched_rank(r, n, config)  # noqa: E731
+    return [run for seed in full["seeds"]
+            for g in build_plan(["recall"], full["ranks"], [seed], full["nblocks"], ["lora", "bd"], bd_rank)
+            for run in g][:k]
 
 
 def _unfused(adamw):
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     from bdlora.train.engine.engine import Engine
 
     from .data import prepare
-    from .run import run_id
+    from .run import PRESETS, TASK_SETTINGS, run_id, task_params
     from .sweep import run_file
 
     gpu = torch.cuda.is_available()
@@ -59,18 +59,20 @@ def main(argv=None) -> int:
     model = work / "model"
     if not (model / "config.json").exists():
         build_random_llama(model, **shape, dtype="bfloat16", device="cuda" if gpu else None)
-    files = prepare(work / "data", tasks=["recall"], recall_pairs=512)["recall"]
+    files = prepare(work / "data", tasks=["recall"], recall_pairs=TASK_SETTINGS["recall"]["recall_pairs"])["recall"]
     config = AutoConfig.from_pretrained(str(model))
     rounds = int(os.environ.get("ROUNDS", 12))
-    p = dict(max_length=384, precision="bf16" if gpu else "fp32", lr=1e-3, batch_size=16, max_steps=300,
-             token_budget=16384, active_jobs=64, chunk_rounds=rounds)
+    # the benchmark's own recall settings; every job active, one invocation of ROUNDS rounds
+    p = task_params(PRESETS["full"], False, {"active_jobs": 64, "chunk_rounds": rounds})["recall"]
+    if not gpu:
+        p["precision"] = "fp32"
     ieee, adamw = grouped.dot_precision, torch.optim.AdamW
     results = {}
     for spec in (argv if argv is not None else sys.argv[1:]):
         backend, k, *flags = spec.split(":")
         runs = plan_runs(int(k), config)
         names = [run_id(*x, p["max_steps"]) for x in runs]
-        raw = run_file("recall", runs, names, p, files, str(model), work / f"sweep-{spec.replace(':', '_')}",
+        raw = run_file(runs, names, p, files, str(model), work / f"sweep-{spec.replace(':', '_')}",
                        "cuda" if gpu else "cpu")
         raw.update(resume=None, lora_backend=backend)
         grouped.dot_precision = (lambda dtype: "tf32") if "tf32" in flags else ieee

@@ -130,6 +130,19 @@ def task_metrics(task: str, model, tokenizer, p: dict, files: dict) -> dict:
     return {}
 
 
+def load_scoring_model(model: str, precision: str):
+    """(model, tokenizer) every row is scored with: the base in the run's precision on the GPU if there is one, and
+    the trainer's own tokenizer (the same template and padding as the trained rows)."""
+    import torch
+
+    from bdlora.models import load_causal_lm, torch_dtype_of
+    from bdlora.train.trainer import load_tokenizer, resolve_model_path
+
+    path = resolve_model_path(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return load_causal_lm(path, dtype=torch_dtype_of(precision, device), device=device), load_tokenizer(path)
+
+
 def device_name() -> str:
     """What the rows were computed on (the results' ``device`` field)."""
     import torch

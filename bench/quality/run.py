@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .data import TASKS, prepare
-from .metrics import device_name, eval_loss, task_metrics
+from .metrics import device_name, eval_loss, load_scoring_model, task_metrics
 from .results import RESULTS, append_row, read_rows
 
 SMOLLM2_DIMS = {"hidden": 576, "intermediate": 1536}
@@ -228,16 +228,8 @@ def dense_lora_builder(r: int, lora_alpha: float, dropout: float = 0.0):
 
 def base_run(task: str, p: dict, files: dict, model: str, device_name: str) -> dict:
     """The untrained model, scored as the trained runs are."""
-    import torch
-
-    from bdlora.models import load_causal_lm, torch_dtype_of
-    from bdlora.train.trainer import load_tokenizer, resolve_model_path
-
     t0 = time.time()
-    path = resolve_model_path(model)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    lm = load_causal_lm(path, dtype=torch_dtype_of(p["precision"], device), device=device)
-    tokenizer = load_tokenizer(path)  # the trainer's own: the same template and padding as the trained rows
+    lm, tokenizer = load_scoring_model(model, p["precision"])
     row = {"run_id": run_id(task, "base", 1, 0, 0, 0), "task": task, "method": "base", "nblocks": None, "rank": 0,
            "seed": 0, "trainable_params": 0, "steps": 0, "device": device_name, "model": model,
            "max_length": p["max_length"], **eval_loss(lm, tokenizer, files["eval"], p["max_length"],

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from .metrics import device_name, eval_loss, task_metrics
+from .metrics import device_name, eval_loss, load_scoring_model, task_metrics
 from .results import append_row
 
 SWEEPS = "sweeps.jsonl"
@@ -35,20 +35,19 @@ def sweep_dir(out: Path, task: str, names: list[str]) -> Path:
     return out / "sweeps" / f"{task}-{digest}"
 
 
-def run_file(task: str, runs: list[tuple], names: list[str], p: dict, files: dict, model: str, folder: Path,
-             device: str) -> dict:
+def run_file(runs: list[tuple], names: list[str], p: dict, files: dict, model: str, folder: Path, device: str
+             ) -> dict:
     """The ``bdlora sweep`` run file (as a dict) of a task's runs: shared keys at the top, one job per run."""
     jobs = [{"name": name, "nblocks": n if method == "bd" else 1, "r": rank, "seed": seed}
             for name, (_, method, n, rank, seed) in zip(names, runs)]
-    longest = p["max_length"]
     return {
         "model": model, "output_dir": str(folder), "train_file": str(files["train"]), "data_format": "alpaca",
-        "eval_fraction": 0.0, "precision": p["precision"], "max_length": longest, "lr": p["lr"],
+        "eval_fraction": 0.0, "precision": p["precision"], "max_length": p["max_length"], "lr": p["lr"],
         "scheduler": "linear", "warmup_ratio": 0.05, "batch_size": p["batch_size"], "max_steps": p["max_steps"],
         "lora_alpha": 16.0, "lora_dropout": 0.0, "report_to": [], "progress": False, "save_plots": False,
         "resume": "auto", "save_every": 0, "max_rounds": p["chunk_rounds"], "device": device,
         "max_active_jobs": min(len(jobs), p["active_jobs"]),
-        "token_budget": max(longest, p["token_budget"]), "jobs": jobs,
+        "token_budget": max(p["max_length"], p["token_budget"]), "jobs": jobs,
     }
 
 
@@ -64,7 +63,7 @@ def _engine_run(out: Path, task: str, runs: list[tuple], names: list[str], p: di
         if set(names) <= {j["name"] for j in raw["jobs"]} and (found.parent / CHECKPOINT).is_file():
             return found.parent, raw
     folder = sweep_dir(out, task, names)
-    raw = run_file(task, runs, names, p, files, model, folder, device)
+    raw = run_file(runs, names, p, files, model, folder, device)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / QUALITY_RUN).write_text(json.dumps(raw, indent=1))
     return folder, raw
@@ -93,6 +92,7 @@ def train_and_score(task: str, runs: list[tuple], names: list[str], p: dict, fil
     log(f"sweep {task}: {len(runs)} runs to record, {len(raw['jobs'])} jobs ({raw['max_active_jobs']} at a time) "
         f"in one engine run ({folder})")
     t0, slowest, scored, wanted = clock(), 0.0, set(), set(names)
+    scorer = Scorer(task, p, files, model, dev, record)
     while True:
         if deadline is not None and clock() + 1.2 * slowest > deadline:
             log(f"sweep {task}: deadline: {len(runs) - len(scored)} runs left for a later call (resumable)")
@@ -105,7 +105,7 @@ def train_and_score(task: str, runs: list[tuple], names: list[str], p: dict, fil
                 if n in wanted and n not in scored and r.get("status") == "done" and r.get("adapter")}
         scored |= set(done)
         if done:
-            score(task, runs, names, done, p, files, model, dev, record)
+            scorer.score(runs, names, done)
         if all(r.get("status") == "done" for r in rows.values()):
             append_row(out / SWEEPS, {"task": task, "jobs": len(runs), "folder": str(folder),
                                       "wall_s": round(clock() - t0, 1), "tokens": sum(r.get("tokens") or 0
@@ -117,42 +117,44 @@ def train_and_score(task: str, runs: list[tuple], names: list[str], p: dict, fil
     return len(scored)
 
 
-def score(task: str, runs: list[tuple], names: list[str], trained: dict[str, dict], p: dict, files: dict,
-          model: str, device_name: str, record: Callable[[dict], None]) -> int:
-    """Loads each trained adapter onto one copy of the base (PEFT) and scores it; ``record`` gets each row."""
-    import torch
-    from peft import PeftModel
+class Scorer:
+    """Scores trained adapters of one task on one copy of the base: each is loaded onto it through PEFT, scored by
+    :mod:`bench.quality.metrics` and removed again; the base is loaded once, at the first adapter."""
 
-    from bdlora.models import load_causal_lm, torch_dtype_of
-    from bdlora.train.trainer import load_tokenizer, resolve_model_path
+    def __init__(self, task: str, p: dict, files: dict, model: str, dev: str, record: Callable[[dict], None]):
+        self.task, self.p, self.files, self.model, self.dev, self.record = task, p, files, model, dev, record
+        self.tokenizer = self.peft_model = None
 
-    path = resolve_model_path(model)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    base = load_causal_lm(path, dtype=torch_dtype_of(p["precision"], device), device=device)
-    tokenizer = load_tokenizer(path)
-    peft_model = None
-    n = 0
-    for name, (_, method, nblocks, rank, seed) in zip(names, runs):
-        res = trained.get(name)
-        if res is None or res.get("status") != "done" or not res.get("adapter"):
-            continue
-        t0 = time.time()
-        adapter = Path(res["adapter"])
-        if peft_model is None:
-            peft_model = PeftModel.from_pretrained(base, str(adapter), adapter_name=name)
+    def _load(self, name: str, adapter: Path):
+        from peft import PeftModel
+
+        if self.peft_model is None:
+            base, self.tokenizer = load_scoring_model(self.model, self.p["precision"])
+            self.peft_model = PeftModel.from_pretrained(base, str(adapter), adapter_name=name)
         else:
-            peft_model.load_adapter(str(adapter), adapter_name=name)
-        peft_model.set_adapter(name)
-        row = {"run_id": name, "task": task, "method": method, "nblocks": nblocks if method == "bd" else None,
-               "rank": rank, "seed": seed, "trainable_params": adapter_params(adapter), "steps": res["steps"],
-               "train_loss": res.get("final_train_loss"), "device": device_name, "model": model, "lr": p["lr"],
-               "batch_size": p["batch_size"], "max_length": p["max_length"], "trainer": "bdlora sweep",
-               "train_time_s": res.get("time_s"),
-               **eval_loss(peft_model, tokenizer, files["eval"], p["max_length"], p["eval_batch_size"])}
-        row.update(task_metrics(task, peft_model, tokenizer, p, files))
-        row["score_s"] = round(time.time() - t0, 2)
-        peft_model.delete_adapter(name)
-        record(row)
-        n += 1
-    return n
+            self.peft_model.load_adapter(str(adapter), adapter_name=name)
+        self.peft_model.set_adapter(name)
+        return self.peft_model
 
+    def score(self, runs: list[tuple], names: list[str], trained: dict[str, dict]) -> int:
+        """Scores the runs whose engine row in ``trained`` is done, records their rows; returns how many."""
+        p, files, n = self.p, self.files, 0
+        for name, (_, method, nblocks, rank, seed) in zip(names, runs):
+            res = trained.get(name)
+            if res is None or res.get("status") != "done" or not res.get("adapter"):
+                continue
+            t0 = time.time()
+            adapter = Path(res["adapter"])
+            lm = self._load(name, adapter)
+            row = {"run_id": name, "task": self.task, "method": method, "nblocks": nblocks if method == "bd" else None,
+                   "rank": rank, "seed": seed, "trainable_params": adapter_params(adapter), "steps": res["steps"],
+                   "train_loss": res.get("final_train_loss"), "device": self.dev, "model": self.model,
+                   "lr": p["lr"], "batch_size": p["batch_size"], "max_length": p["max_length"],
+                   "trainer": "bdlora sweep", "train_time_s": res.get("time_s"),
+                   **eval_loss(lm, self.tokenizer, files["eval"], p["max_length"], p["eval_batch_size"])}
+            row.update(task_metrics(self.task, lm, self.tokenizer, p, files))
+            row["score_s"] = round(time.time() - t0, 2)
+            lm.delete_adapter(name)
+            self.record(row)
+            n += 1
+        return n
