@@ -205,6 +205,10 @@ def plot(groups: list[dict], path: Path) -> Path:
             ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=label(method, n),
                         color=colors["lora"] if method == "lora" else colors.get(n, None))
         ax.set_xscale("log")
+        ys = [g[key] for gs in series.values() for g in gs]
+        if key == "eval_ppl" and max(ys) > 20 * min(ys):  # a base row ~1000x the adapters' (recall): log keeps both
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
