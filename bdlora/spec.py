@@ -27,10 +27,16 @@ _LLAMA_LIKE = {
     ROW: ("o_proj", "down_proj"),
 }
 
+# Mixture-of-Experts models whose experts are fused 3-D tensors (bdlora.moe adapts those through
+# ``target_parameters``): the presets name the attention projections, and Qwen2-MoE's shared expert MLP.
+_ATTENTION_ONLY = {COLUMN: ("q_proj", "k_proj", "v_proj"), ROW: ("o_proj",)}
+
 #: Column-/row-parallel projection names by Hugging Face ``config.model_type``, as vLLM shards them.
 PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
-    name: _LLAMA_LIKE
-    for name in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite")
+    **{name: _LLAMA_LIKE
+       for name in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "smollm3", "granite",
+                    "qwen2_moe")},
+    **{name: _ATTENTION_ONLY for name in ("qwen3_moe", "mixtral", "olmoe")},
 }
 
 

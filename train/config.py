@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from bdlora.moe import PEFT_TARGET_PARAMETERS as EXPERT_TARGET_PARAMETERS
 from bdlora.peft_model import LORA_BACKENDS
 from bdlora.spec import BDLoraError
 
@@ -107,6 +108,11 @@ class TrainConfig:
         column-parallel names (output sharded across GPUs, B block-diagonal; e.g. q/k/v/gate/up)."""))
     row_modules: Optional[list[str]] = field(default=None, **_help("""With column_modules: row-parallel names
         (input sharded, A block-diagonal; e.g. o/down)."""))
+    target_parameters: Optional[list[str]] = field(default=None, **_help("""Mixture-of-Experts models: the fused
+        expert tensors to adapt (PEFT's key for LoRA on parameters): `[mlp.experts.gate_up_proj,
+        mlp.experts.down_proj]`, B block-diagonal on gate_up (column-parallel) and A on down (row-parallel), as vLLM
+        shards the experts. Unset: both on a model whose experts are fused 3-D tensors (Qwen3-MoE, Qwen2-MoE,
+        Mixtral, OLMoE in transformers 5), none otherwise; `[]`: none (attention and dense layers only)."""))
     nblocks: int = field(default=2, **_help("""N, the tensor-parallel degree the adapter will be served at (1 =
         plain rsLoRA). Every block is an independent rank r/N adapter of one weight shard."""))
     r: int = field(default=8, **_help("Total LoRA rank, divisible by nblocks."))
@@ -257,6 +263,10 @@ class TrainConfig:
             bad("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
         if self.lora_backend not in LORA_BACKENDS:
             bad("lora_backend", f"{self.lora_backend!r} is not one of {list(LORA_BACKENDS)}")
+        if self.target_parameters is not None and sorted(self.target_parameters) not in (
+                [], sorted(EXPERT_TARGET_PARAMETERS)):
+            bad("target_parameters", f"{self.target_parameters!r}: bdlora adapts both fused expert tensors or none; "
+                                     f"give {list(EXPERT_TARGET_PARAMETERS)}, [] or leave it unset")
         if (self.column_modules is None) != (self.row_modules is None):
             bad("column_modules" if self.column_modules is None else "row_modules",
                 "column_modules and row_modules go together (give both, one may be an empty list)")
@@ -399,12 +409,13 @@ class TrainConfig:
 
     #: fields that must not change between a checkpoint and the run resuming it (they change the math, the data
     #: order or the schedule's length); everything else (logging, save/eval cadence, trackers) may.
-    RESUME_INVARIANT = ("model", "target_modules", "column_modules", "row_modules", "nblocks", "r", "lora_alpha",
-                        "lora_dropout", "lora_backend", "a_init", "train_file", "eval_file", "eval_fraction", "data_format",
-                        "max_length", "packing", "lr", "weight_decay", "adam_betas", "adam_eps", "max_grad_norm",
-                        "scheduler", "warmup_ratio", "warmup_steps", "batch_size", "grad_accum", "epochs",
-                        "max_steps", "precision", "seed", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type",
-                        "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "kbit_upcast_fp32")
+    RESUME_INVARIANT = ("model", "target_modules", "target_parameters", "column_modules", "row_modules", "nblocks",
+                        "r", "lora_alpha", "lora_dropout", "lora_backend", "a_init", "train_file", "eval_file",
+                        "eval_fraction", "data_format", "max_length", "packing", "lr", "weight_decay", "adam_betas",
+                        "adam_eps", "max_grad_norm", "scheduler", "warmup_ratio", "warmup_steps", "batch_size",
+                        "grad_accum", "epochs", "max_steps", "precision", "seed", "load_in_4bit", "load_in_8bit",
+                        "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
+                        "kbit_upcast_fp32")
 
 
 # ---------------------------------------------------------------------------------------------------- value kinds

@@ -61,6 +61,8 @@ log = logging.getLogger("bdlora.train")
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STAGING_PREFIX = ".staging-"
 CONFIG_NAME = "train_config.yaml"
+#: a checkpoint's expert factors (BD-LoRA on fused MoE expert tensors): PEFT's checkpoint holds the dense layers only
+EXPERTS_CHECKPOINT_NAME = "bd_experts.safetensors"
 
 
 class TrainingError(BDLoraError):
@@ -191,7 +193,65 @@ def build_peft_model(cfg: TrainConfig, model_dir: Path):
         init_block_a_like_lora(model)
     if not cfg.quantized:
         use_bdlora_kernels(model, cfg.lora_backend)
+    adapt_experts(cfg, model)
     return model, spec
+
+
+def adapt_experts(cfg: TrainConfig, model) -> dict:
+    """BD-LoRA on the fused expert tensors of a MoE model per ``cfg.target_parameters`` (unset: wherever the model
+    has fused experts); the wrapped modules by name (:func:`bd_experts`)."""
+    from bdlora.moe import fused_experts, wrap_experts
+
+    found = fused_experts(model)
+    if cfg.target_parameters == []:
+        return {}
+    if not found:
+        if cfg.target_parameters:
+            raise ConfigError(f"target_parameters: {cfg.target_parameters} but {cfg.model} has no fused experts "
+                              "modules (3-D gate_up_proj (E, 2I, H) and down_proj (E, H, I), as transformers stores "
+                              "Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE experts); drop the key")
+        return {}
+    if cfg.quantized:
+        raise ConfigError("target_parameters: BD-LoRA on MoE experts is not supported on a k-bit base (bitsandbytes "
+                          "quantizes linear layers, not fused expert tensors); set target_parameters: [] or drop "
+                          "load_in_4bit/load_in_8bit")
+    try:
+        return wrap_experts(model, cfg.nblocks, cfg.r, cfg.lora_alpha)
+    except BDLoraError as e:
+        raise ConfigError(f"target_parameters: {e}") from None
+
+
+def bd_experts(model) -> dict:
+    """{module name: BDLoraExperts} of ``model`` (empty for a dense model)."""
+    from bdlora.moe import BDLoraExperts
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, BDLoraExperts)}
+
+
+def expert_state(model) -> dict[str, torch.Tensor]:
+    """The expert factors of ``model`` as whole tensors by parameter name (gathered under FSDP2: every process must
+    call it)."""
+    names = {f"{path}.{p}" for path, m in bd_experts(model).items() for p, _ in m.named_parameters(recurse=False)}
+    return {n: t for n, t in full_trainable_state(model).items() if n in names}
+
+
+def load_expert_state(model, ckpt: Path) -> None:
+    """Restores the expert factors saved with checkpoint ``ckpt`` (the Trainer restores the rest)."""
+    from safetensors.torch import load_file
+
+    f = ckpt / EXPERTS_CHECKPOINT_NAME
+    if not f.is_file():
+        raise ConfigError(f"cannot resume from {ckpt}: it has no {EXPERTS_CHECKPOINT_NAME} (the expert adapters' "
+                          "state), so it was not written by this MoE job; start a new output_dir instead")
+    saved = load_file(str(f))
+    params = dict(model.named_parameters())
+    missing = sorted(set(expert_state(model)) ^ set(saved))
+    if missing:
+        raise ConfigError(f"cannot resume from {ckpt}: {f.name} does not match this job's expert adapters "
+                          f"({missing[0]} and {len(missing) - 1} more differ)")
+    with torch.no_grad():
+        for n, t in saved.items():
+            params[n].copy_(t)
 
 
 def warn_unservable_nblocks(spec: BDLoraSpec, model_config) -> Optional[str]:
@@ -291,6 +351,14 @@ def checkpoint_problem(path: Path) -> Optional[str]:
         pass
     except Exception as e:
         return f"{weights}: unreadable ({type(e).__name__}: {str(e)[:120]})"
+    experts = path / EXPERTS_CHECKPOINT_NAME
+    if experts.exists():
+        from safetensors.torch import load_file
+
+        try:
+            load_file(str(experts))
+        except Exception as e:
+            return f"{experts}: unreadable ({type(e).__name__}: {str(e)[:120]})"
     if not (path / CONFIG_NAME).is_file():
         return f"{path / CONFIG_NAME}: missing"
     return None
@@ -396,9 +464,11 @@ def liger_choice(cfg: TrainConfig, model_type: Optional[str]) -> tuple[bool, str
     return False, f"off (auto: {why_not})"
 
 
-def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger: bool = False):
+def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger: bool = False,
+                       experts: bool = False):
     """transformers ``TrainingArguments`` for ``cfg`` (bdlora's keys mapped to theirs, ``training_args`` on top);
-    ``liger``: :func:`liger_choice`'s decision."""
+    ``liger``: :func:`liger_choice`'s decision; ``experts``: the model has BD-LoRA experts, whose forward Liger's
+    SwiGLU patch would replace (so it is left out)."""
     from transformers import TrainingArguments
 
     from bdlora.models import torch_dtype_of
@@ -423,6 +493,8 @@ def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger
         gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
         include_num_input_tokens_seen="non_padding", use_liger_kernel=liger,
     )
+    if liger and experts:
+        kwargs["liger_kernel_config"] = {"swiglu": False}
     kwargs.update(cfg.training_args)
     try:
         return TrainingArguments(**kwargs)
@@ -481,10 +553,16 @@ def _make_trainer_class():
                 super()._save_checkpoint(model, trial)
             finally:
                 self.args.output_dir = run_dir
+            experts = expert_state(self.accelerator.unwrap_model(self.model))  # every process: FSDP gathers
             self.accelerator.wait_for_everyone()
             if self.args.should_save:
                 src, dest = Path(staging) / name, Path(run_dir) / name
                 shutil.copy2(Path(run_dir) / CONFIG_NAME, src / CONFIG_NAME)
+                if experts:
+                    from safetensors.torch import save_file
+
+                    save_file({n: t.cpu().contiguous() for n, t in experts.items()},
+                              str(src / EXPERTS_CHECKPOINT_NAME))
                 _fsync_tree(src)
                 if dest.exists():  # a re-save of the same step (resumed run): replace our own checkpoint
                     shutil.rmtree(dest)
@@ -542,7 +620,22 @@ def _make_trainer_class():
                 with open(self.path, "a") as f:
                     f.write(json.dumps(rec) + "\n")
 
-    return BDLoraTrainer, StopAfter, MetricsLog
+    class ExpertsIntact(TrainerCallback):
+        """Stops a run whose BD-LoRA experts no longer run their own forward (a kernel patch rebound it): it would
+        train and save an adapter the model never used."""
+
+        def __init__(self, modules: dict):
+            self.modules = modules
+
+        def on_train_begin(self, args, state, control, **kw):
+            from bdlora.moe import check_experts_intact
+
+            problem = check_experts_intact(self.modules)
+            if problem:
+                raise TrainingError(f"{problem}; the expert adapters would not train. Set use_liger_kernel: false "
+                                    "(or leave liger_kernel_config's swiglu off)")
+
+    return BDLoraTrainer, StopAfter, MetricsLog, ExpertsIntact
 
 
 def _fsync_tree(path: Path) -> None:
@@ -631,9 +724,10 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
             print(f"bdlora train: warning: {warning}", file=sys.stderr)
         (out / CONFIG_NAME).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
-    args = training_arguments(cfg, total_steps, bool(eval_ex), liger)
-    BDLoraTrainer, StopAfter, MetricsLog = _make_trainer_class()
-    callbacks = [MetricsLog(out / "metrics.jsonl")]
+    experts = bd_experts(model)
+    args = training_arguments(cfg, total_steps, bool(eval_ex), liger, experts=bool(experts))
+    BDLoraTrainer, StopAfter, MetricsLog, ExpertsIntact = _make_trainer_class()
+    callbacks = [MetricsLog(out / "metrics.jsonl")] + ([ExpertsIntact(experts)] if experts else [])
     if stop_after_steps is not None:
         callbacks.append(StopAfter(stop_after_steps))
     record = out / f"samples.rank{rank}.jsonl" if cfg.record_samples else None
@@ -646,7 +740,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     if main:
         msg = (f"bdlora train: {cfg.model} | N={spec.nblocks} r={spec.r} (r/N={spec.block_rank}) "
                f"scale={spec.scale:.4g} | {len(spec.column_modules)} column + {len(spec.row_modules)} row module "
-               f"names, {n_train:,} trainable params | {len(train_ex)} train / {len(eval_ex)} eval examples | "
+               f"names" + (f" + the experts of {len(experts)} MoE layers" if experts else "")
+               + f", {n_train:,} trainable params | {len(train_ex)} train / {len(eval_ex)} eval examples | "
                f"{total_steps} steps x {cfg.batch_size * cfg.grad_accum * world} examples ({world} process(es)) on "
                f"{args.device} in {next(model.parameters()).dtype}, lora_backend {cfg.lora_backend}, Liger kernels "
                f"{liger_note}"
@@ -655,6 +750,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
         if ckpt is not None:
             msg += f" | resuming from {ckpt}"
         print(msg, flush=True)
+    if ckpt is not None and experts:
+        load_expert_state(model, ckpt)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     done = ckpt is not None and json.loads((ckpt / "trainer_state.json").read_text())["global_step"] >= total_steps
@@ -692,9 +789,16 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
             with atomic_output_dir(adapter_dir) as tmp:
                 # PEFT picks the adapter's tensors out of this (whole) state dict, sharded or not
                 unwrapped.save_pretrained(str(tmp), state_dict={n: t.cpu() for n, t in final_state.items()})
-                write_model_card(tmp, spec, cfg, base_id, tokens_per_s=tokens_per_s, eval_metrics=last_eval, steps=step)
+                if experts:  # the expert factors join PEFT's folder in PEFT's expert-LoRA format
+                    from bdlora.adapter import add_experts, load_adapter, write_adapter_files
+                    from bdlora.moe import trained_expert_factors
+
+                    write_adapter_files(add_experts(load_adapter(tmp), trained_expert_factors(
+                        final_state, bd_experts(unwrapped))), tmp)
+                write_model_card(tmp, spec, cfg, base_id, tokens_per_s=tokens_per_s, eval_metrics=last_eval, steps=step,
+                                 moe_layers=len(experts))
             if validate_adapter:
-                _validate_saved(adapter_dir, spec)
+                _validate_saved(adapter_dir, spec, moe_layers=len(experts))
             _plot_losses(trainer.state.log_history, out / "loss.png")
             if cfg.push_to_hub:
                 from bdlora.hub import HubError, push_adapter
@@ -781,8 +885,9 @@ def claim_output_dir(out: Path, cfg: TrainConfig) -> None:
                           "the start, or choose another output_dir")
 
 
-def _validate_saved(adapter_dir: Path, spec: BDLoraSpec) -> None:
-    """The saved folder must load with bdlora's strict reader and reproduce the training scale."""
+def _validate_saved(adapter_dir: Path, spec: BDLoraSpec, moe_layers: int = 0) -> None:
+    """The saved folder must load with bdlora's strict reader, reproduce the training scale and hold both expert
+    tensors' factors of every adapted MoE layer."""
     from bdlora.adapter import load_adapter
 
     ad = load_adapter(adapter_dir)
@@ -792,6 +897,9 @@ def _validate_saved(adapter_dir: Path, spec: BDLoraSpec) -> None:
                           f"r={cfg.r})")
     if not math.isclose(cfg.scale, spec.scale, rel_tol=1e-9):
         raise BDLoraError(f"{adapter_dir}: saved adapter scale {cfg.scale} != training scale {spec.scale}")
+    if len(ad.experts) != 2 * moe_layers:
+        raise BDLoraError(f"{adapter_dir}: saved adapter has {len(ad.experts)} expert tensors' factors, the model "
+                          f"trained {2 * moe_layers}")
 
 
 def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str, **facts) -> None:
@@ -822,6 +930,9 @@ def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str
         f"- data: {data} ({cfg.data_format}), {facts.get('steps')} steps, lr {cfg.lr:g}, "
         f"batch {cfg.batch_size} x {cfg.grad_accum}",
     ]
+    if facts.get("moe_layers"):
+        lines.append(f"- the fused experts of {facts['moe_layers']} MoE layers: gate_up_proj (B block-diagonal, gate "
+                     "and up sliced as vLLM shards them) and down_proj (A block-diagonal), PEFT's `target_parameters`")
     if ev:
         lines.append(f"- held-out loss {ev['eval_loss']:.4f} (perplexity {ev['eval_ppl']:.3f})")
     if getattr(cfg, "quantized", False):
@@ -833,6 +944,15 @@ def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str
                      "k-bit base in PEFT: call `bdlora.quant.enable_bdlora_on_kbit()` first)")
     where = (f"vLLM downloads the adapter from the hub as `{hub_id}`." if hub_id else
              "Run it in this folder (`.` is the adapter).")
+    if facts.get("moe_layers"):  # the plugin does not serve BD expert adapters yet: say what does run it
+        lines += [
+            "", "## Use it", "",
+            "`bdlora convert to-dense` writes the equivalent standard PEFT expert LoRA, which PEFT loads "
+            "(`PeftModel.from_pretrained(base, folder)`, peft >= 0.21) and engines without BD support serve. "
+            "Serving BD-LoRA on MoE experts with vLLM's `--enable-bdlora` is not available yet.", "",
+        ]
+        (folder / "README.md").write_text("\n".join(lines))
+        return
     lines += [
         "", "## Serve with vLLM", "",
         f"With vLLM and bdlora installed (bdlora's README: install). {where}", "", "```bash",
@@ -910,5 +1030,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-__all__ = ["TrainResult", "TrainingError", "build_peft_model", "claim_output_dir", "kbit_quantization_config", "list_checkpoints",
-           "load_base_model", "load_kbit_base_model", "main", "resolve_model_path", "resume_checkpoint", "run_training", "write_model_card"]
+__all__ = ["TrainResult", "TrainingError", "adapt_experts", "bd_experts", "build_peft_model", "claim_output_dir",
+           "kbit_quantization_config", "list_checkpoints", "load_base_model", "load_kbit_base_model", "main",
+           "resolve_model_path", "resume_checkpoint", "run_training", "write_model_card"]
