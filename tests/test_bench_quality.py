@@ -227,7 +227,8 @@ def test_recall_task_base_row_and_paired_report(tmp_path):
     assert report_main([str(out), "--markdown", str(md), "--plot", str(tmp_path / "f.png")]) == 0
     text = md.read_text()
     assert "| base model (no adapter) | 0 | 0.00M | 1 |" in text, text
-    assert "| recall | accuracy | 2 | 6 | 4 | 2 |" in text and "| recall | accuracy | 4 | 8 | 4 | 2 |" in text, text
+    assert "| recall | accuracy | bf16 | 2 | 6 | 4 | 2 |" in text, text
+    assert "| recall | accuracy | bf16 | 4 | 8 | 4 | 2 |" in text, text
     assert "- recall (accuracy): every BD - LoRA interval lies in [" in text and "widest half-width" in text, text
 
 
@@ -255,6 +256,38 @@ def test_recall_sweep_trains_every_run_in_one_engine_run(tmp_path):
     assert run_main(argv) == 0  # resumable: nothing trained or scored again
     assert len((out / "results.jsonl").read_text().splitlines()) == 6
     assert len((out / "sweeps.jsonl").read_text().splitlines()) == 1
+
+
+def test_4bit_rows_train_through_the_trainer_and_score_on_both_bases(tmp_path):
+    """QLoRA and QBD-LoRA rows: trained on a bitsandbytes 4-bit base through the trainer (with the default sweep
+    trainer too: the engine trains unquantized bases only), scored on the 4-bit base and again on the bf16 base
+    through PEFT, paired in the report separately from the bf16 rows."""
+    pytest.importorskip("bitsandbytes")
+    from bench.quality.report import main as report_main
+    from bench.quality.run import main as run_main
+
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--device", "cpu", "--small", "--model", "tiny-random", "--tasks", "recall",
+            "--methods", "qlora,qbd", "--nblocks", "2", "--ranks", "4", "--seeds", "0,1", "--max-steps", "2",
+            "--set", "recall_pairs=4"]
+    assert run_main(argv) == 0
+    rows = {r["run_id"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert sorted(rows) == sorted(f"recall-{m}-s{s}-t2" for s in (0, 1) for m in ("qlora-r4", "qbd2-r6"))
+    assert not (out / "sweeps.jsonl").exists()  # no engine run
+    for r in rows.values():
+        assert "trainer" not in r and r["eval_loss"] > 0 and 0 <= r["accuracy"] <= 1
+        assert r["bf16_eval_loss"] > 0 and 0 <= r["bf16_accuracy"] <= 1 and r["bf16_accuracy_n"] == 8
+        # the adapter on the unquantized base is not the 4-bit model: the two losses differ
+        assert r["bf16_eval_loss"] != pytest.approx(r["eval_loss"], rel=1e-6)
+        assert "load_in_4bit: true" in (out / "runs" / r["run_id"] / "train_config.yaml").read_text()
+    assert rows["recall-qbd2-r6-s0-t2"]["nblocks"] == 2 and rows["recall-qlora-r4-s0-t2"]["nblocks"] is None
+    md = tmp_path / "t.md"
+    assert report_main([str(out), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert "| LoRA (rsLoRA), 4-bit base | 4 |" in text and "| BD-LoRA N=2 (rsLoRA), 4-bit base | 6 |" in text, text
+    assert "on the bf16 base: accuracy |" in text, text
+    assert "| recall | accuracy | 4-bit | 2 | 6 | 4 | 2 |" in text, text
+    assert "- recall on the 4-bit base (accuracy): every BD - LoRA interval" in text, text
 
 
 def test_rouge_l():

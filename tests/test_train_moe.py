@@ -117,7 +117,8 @@ def test_target_parameters_choices(moe_dir, tiny_llama_dir, data_file, tmp_path)
     from bdlora.models import build_random_qwen3_moe
 
     odd = build_random_qwen3_moe(tmp_path / "odd", hidden_size=48, head_dim=12, moe_intermediate_size=32)
-    with pytest.raises(ConfigError, match=r"target_parameters: base_model.model.model.layers.0.mlp.experts.gate_up_proj .*nblocks=3"):
+    with pytest.raises(ConfigError, match=r"target_parameters: base_model\.model\.model\.layers\.0\.mlp\.experts\."
+                                          r"gate_up_proj .*nblocks=3"):
         build_peft_model(_cfg(odd, data_file, tmp_path / "z", nblocks=3, r=6), odd)
 
 

@@ -60,10 +60,15 @@ def load_rows(sources) -> list[dict]:
     return read_rows(sources)
 
 
+#: (LoRA method, BD method) pairs compared at matched size: on the bf16 base, and both on a 4-bit base
+FAMILIES = (("lora", "bd"), ("qlora", "qbd"))
+
+
 def label(method: str, nblocks) -> str:
     if method == "base":
         return "base model (no adapter)"
-    return "LoRA (rsLoRA)" if method == "lora" else f"BD-LoRA N={nblocks} (rsLoRA)"
+    name = "LoRA (rsLoRA)" if method in ("lora", "qlora") else f"BD-LoRA N={nblocks} (rsLoRA)"
+    return f"{name}, 4-bit base" if method.startswith("q") else name
 
 
 def metric_of(rows: list[dict]) -> tuple[str, int]:
@@ -76,30 +81,38 @@ def metric_of(rows: list[dict]) -> tuple[str, int]:
 
 
 def paired(rows: list[dict]) -> list[dict]:
-    """BD - LoRA per (task, N, BD rank), paired by seed against the LoRA rank of the closest parameter count."""
+    """BD - LoRA per (task, base, N, BD rank), paired by seed against the LoRA rank of the closest parameter count:
+    BD-LoRA against LoRA on the bf16 base, and on the 4-bit base (``base`` "4-bit")."""
     out = []
     for task in sorted({r["task"] for r in rows}):
         rs = [r for r in rows if r["task"] == task]
         key, _ = metric_of(rs)
-        lora = defaultdict(dict)
-        for r in rs:
-            if r["method"] == "lora":
-                lora[r["rank"]][r["seed"]] = r
-        bd = defaultdict(dict)
-        for r in rs:
-            if r["method"] == "bd":
-                bd[(r["nblocks"], r["rank"])][r["seed"]] = r
-        for (n, rank), by_seed in sorted(bd.items()):
-            if not lora:
-                continue
-            params = next(iter(by_seed.values()))["trainable_params"]
-            lr = min(lora, key=lambda k: abs(next(iter(lora[k].values()))["trainable_params"] - params))
-            diffs = [by_seed[s][key] - lora[lr][s][key] for s in sorted(by_seed)
-                     if s in lora[lr] and by_seed[s].get(key) is not None and lora[lr][s].get(key) is not None]
-            if diffs:
-                m, ci = mean_ci(diffs)
-                out.append({"task": task, "metric": key, "nblocks": n, "bd_rank": rank, "lora_rank": lr,
-                            "pairs": len(diffs), "diff": m, "diff_ci": ci})
+        for lora_m, bd_m in FAMILIES:
+            out += _paired_family(task, key, rs, lora_m, bd_m)
+    return out
+
+
+def _paired_family(task: str, key: str, rs: list[dict], lora_m: str, bd_m: str) -> list[dict]:
+    out = []
+    lora = defaultdict(dict)
+    for r in rs:
+        if r["method"] == lora_m:
+            lora[r["rank"]][r["seed"]] = r
+    bd = defaultdict(dict)
+    for r in rs:
+        if r["method"] == bd_m:
+            bd[(r["nblocks"], r["rank"])][r["seed"]] = r
+    if not lora:
+        return out
+    for (n, rank), by_seed in sorted(bd.items()):
+        params = next(iter(by_seed.values()))["trainable_params"]
+        lr = min(lora, key=lambda k: abs(next(iter(lora[k].values()))["trainable_params"] - params))
+        diffs = [by_seed[s][key] - lora[lr][s][key] for s in sorted(by_seed)
+                 if s in lora[lr] and by_seed[s].get(key) is not None and lora[lr][s].get(key) is not None]
+        if diffs:
+            m, ci = mean_ci(diffs)
+            out.append({"task": task, "metric": key, "base": "4-bit" if bd_m == "qbd" else "bf16", "nblocks": n,
+                        "bd_rank": rank, "lora_rank": lr, "pairs": len(diffs), "diff": m, "diff_ci": ci})
     return out
 
 
@@ -108,8 +121,10 @@ def detectable(pairs: list[dict]) -> list[str]:
     the widest half-width (about the smallest gap the experiment resolves at one size) and the intervals that
     exclude zero."""
     out = []
-    for task in sorted({d["task"] for d in pairs}):
-        ds = [d for d in pairs if d["task"] == task and not math.isnan(d["diff_ci"])]
+    for task, base in sorted({(d["task"], d.get("base", "bf16")) for d in pairs}):
+        ds = [d for d in pairs if (d["task"], d.get("base", "bf16")) == (task, base) and not math.isnan(d["diff_ci"])]
+        if base != "bf16":
+            task = f"{task} on the {base} base"
         if not ds:
             out.append(f"{task}: one seed per pair, no interval: nothing is ruled out yet")
             continue
@@ -133,7 +148,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
                                                                                  kv[0][3])):
         g = {"task": task, "method": method, "nblocks": n, "rank": rank, "seeds": len(rs),
              "trainable_params": rs[0]["trainable_params"], "steps": rs[0]["steps"], "device": rs[0].get("device")}
-        for key in ("eval_loss", "eval_ppl", *SCORES, "train_loss"):
+        for key in ("eval_loss", "eval_ppl", *SCORES, "train_loss", *(f"bf16_{k}" for k in ("eval_loss", *SCORES))):
             if any(r.get(key) is not None for r in rs):
                 g[key], g[key + "_ci"] = mean_ci([r.get(key) for r in rs])
         if rs[0].get("majority_baseline") is not None:
@@ -151,24 +166,29 @@ def markdown(groups: list[dict], paired_rows: list[dict] = ()) -> str:
         majority = [g["majority_baseline"] for g in gs if g.get("majority_baseline") is not None]
         chance = f"; majority-class rate {majority[0]:.3f}" if majority and majority[0] > 0 else ""
         lines.append(f"\n#### {task} ({g0['steps']} steps, {g0.get('device')}; mean ± 95% CI over seeds{chance})\n")
+        # 4-bit rows are also scored with their adapter on the bf16 base
+        on_bf16 = [k for k in ("bf16_eval_loss", *(f"bf16_{k}" for k in scores)) if any(k in g for g in gs)]
         head = ("| method | rank | trainable params | seeds | eval loss | eval perplexity |"
-                + "".join(f" {SCORE_NAMES[k]} |" for k in scores))
+                + "".join(f" {SCORE_NAMES[k]} |" for k in scores)
+                + "".join(f" on the bf16 base: {SCORE_NAMES.get(k[5:], 'eval loss')} |" for k in on_bf16))
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for g in sorted(gs, key=lambda g: (g["trainable_params"], g["method"])):
             f = lambda k, nd: (f"{g[k]:.{nd}f} ± {g[k + '_ci']:.{nd}f}" if not math.isnan(g.get(k + "_ci", math.nan))
                                else f"{g[k]:.{nd}f}") if k in g else "–"
             lines.append(f"| {label(g['method'], g['nblocks'])} | {g['rank']} | {g['trainable_params'] / 1e6:.2f}M | "
                          f"{g['seeds']} | {f('eval_loss', 4)} | {f('eval_ppl', 3)} |"
-                         + "".join(f" {f(k, 3)} |" for k in scores))
+                         + "".join(f" {f(k, 3)} |" for k in scores)
+                         + "".join(f" {f(k, 4 if k.endswith('loss') else 3)} |" for k in on_bf16))
     pairs = paired_rows
     if pairs:
         lines += ["\n#### BD-LoRA - LoRA at matched size, paired by seed (mean ± 95% CI; the ± is the smallest gap the "
                   "experiment resolves)\n",
-                  "| task | metric | N | BD rank | LoRA rank | pairs | BD - LoRA |", "|---|---|---|---|---|---|---|"]
+                  "| task | metric | base | N | BD rank | LoRA rank | pairs | BD - LoRA |",
+                  "|---|---|---|---|---|---|---|---|"]
         for d in pairs:
             ci = "" if math.isnan(d["diff_ci"]) else f" ± {d['diff_ci']:.4f}"
-            lines.append(f"| {d['task']} | {d['metric']} | {d['nblocks']} | {d['bd_rank']} | {d['lora_rank']} | "
-                         f"{d['pairs']} | {d['diff']:+.4f}{ci} |")
+            lines.append(f"| {d['task']} | {d['metric']} | {d.get('base', 'bf16')} | {d['nblocks']} | {d['bd_rank']} | "
+                         f"{d['lora_rank']} | {d['pairs']} | {d['diff']:+.4f}{ci} |")
         lines.append("")
         lines += [f"- {line}" for line in detectable(pairs)]
     return "\n".join(lines) + "\n"
@@ -203,7 +223,8 @@ def plot(groups: list[dict], path: Path) -> Path:
             y = [g[key] for g in gs]
             e = [0 if math.isnan(g[key + "_ci"]) else g[key + "_ci"] for g in gs]
             ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=label(method, n),
-                        color=colors["lora"] if method == "lora" else colors.get(n, None))
+                        linestyle="--" if method in ("qlora", "qbd") else "-",
+                        color=colors["lora"] if method in ("lora", "qlora") else colors.get(n, None))
         ax.set_xscale("log")
         ys = [g[key] for gs in series.values() for g in gs]
         if key == "eval_ppl" and max(ys) > 20 * min(ys):  # a base row ~1000x the adapters' (recall): log keeps both

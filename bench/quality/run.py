@@ -13,6 +13,10 @@ Two trainers, same data pipeline, schedule, rsLoRA scaling and alpha=16 for both
 * ``--trainer trainer``: one :func:`bdlora.train.run_training` per run; ``lora`` as dense PEFT
   ``LoraConfig(use_rslora=True)`` on the seven projections (the trainer's model builder is swapped for this run).
 
+``qlora`` / ``qbd``: the same two on a 4-bit base (bitsandbytes nf4, QLoRA-style; always through the trainer, the
+engine trains on unquantized bases), scored on the 4-bit base they trained on and again on the bf16 base (fields
+``bf16_*``: the adapter served on the unquantized model).
+
 ``bd``: BD-LoRA with N blocks (N = 2, 4, 8 by default: the trainer accepts any N that divides the widths, servable
 or not), at the rank (a multiple of N) whose exact trainable-parameter count is closest to LoRA's
 (``--match table1``: paper Table 1's formula instead).
@@ -100,10 +104,18 @@ def exact_matched_rank(r: int, nblocks: int, config) -> int:
     return min(cands, key=lambda k: abs(adapter_num_params(shape, k, nblocks) - target))
 
 
+#: methods trained on a 4-bit base (QLoRA-style)
+KBIT_METHODS = ("qlora", "qbd")
+
+
+def is_bd(method: str) -> bool:
+    return method in ("bd", "qbd")
+
+
 def run_id(task: str, method: str, nblocks: int, rank: int, seed: int, steps: int) -> str:
     if method == "base":
         return f"{task}-base"
-    return f"{task}-{method}{nblocks if method == 'bd' else ''}-r{rank}-s{seed}-t{steps}"
+    return f"{task}-{method}{nblocks if is_bd(method) else ''}-r{rank}-s{seed}-t{steps}"
 
 
 Run = tuple  # (task, method, nblocks, rank, seed)
@@ -128,6 +140,10 @@ def build_plan(tasks: list[str], ranks: list[int], seeds: list[int], nblocks: li
                     g += [(task, "bd", n, bd_rank(r, n), seed) for n in nblocks]
                 if g:
                     groups.append(g)
+                q = [(task, "qlora", 1, r, seed)] if "qlora" in methods else []
+                q += [(task, "qbd", n, bd_rank(r, n), seed) for n in nblocks] if "qbd" in methods else []
+                if q:
+                    groups.append(q)
     return groups
 
 
@@ -202,15 +218,14 @@ def model_lock():
 
 @contextlib.contextmanager
 def dense_lora_builder(r: int, lora_alpha: float, dropout: float = 0.0):
-    """Makes the trainer build a standard PEFT rsLoRA adapter (the baseline) instead of a BD-LoRA one."""
-    import torch
+    """Makes the trainer build a standard PEFT rsLoRA adapter (the baseline) instead of a BD-LoRA one, on the base
+    the trainer loads for the job (its precision; 4-bit for a QLoRA run: PEFT's own bitsandbytes LoRA layers)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     from bdlora.train import trainer as T
 
     def build(cfg, model_dir):
-        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        base = T.load_base_model(cfg, model_dir)
         base.config.use_cache = False
         spec = cfg.spec(getattr(base.config, "model_type", None))  # nblocks=1: for the trainer's log line
         spec.matching_modules(base)  # exact-name validation, as for BD
@@ -247,27 +262,42 @@ def one_run(task: str, method: str, nblocks: int, rank: int, seed: int, p: dict,
         return base_run(task, p, files, model, device_name)
     rid = run_id(task, method, nblocks, rank, seed, p["max_steps"])
     cfg = TrainConfig(
-        model=model, nblocks=nblocks if method == "bd" else 1, r=rank, lora_alpha=16.0, lora_dropout=0.0,
+        model=model, nblocks=nblocks if is_bd(method) else 1, r=rank, load_in_4bit=method in KBIT_METHODS,
+        lora_alpha=16.0, lora_dropout=0.0,
         train_file=str(files["train"]), eval_file=str(files["eval"]), max_length=p["max_length"], lr=p["lr"],
         scheduler="linear", warmup_ratio=0.05, batch_size=p["batch_size"], max_steps=p["max_steps"],
         precision=p["precision"], seed=seed, eval_batch_size=p["eval_batch_size"], output_dir=str(out / "runs" / rid),
         report_to=[], progress=False, log_every=max(1, p["max_steps"] // 5),
     )
     t0 = time.time()
-    ctx = dense_lora_builder(rank, 16.0) if method == "lora" else contextlib.nullcontext()
+    ctx = dense_lora_builder(rank, 16.0) if not is_bd(method) else contextlib.nullcontext()
     with ctx:
-        res = run_training(cfg, validate_adapter=method == "bd")
+        res = run_training(cfg, validate_adapter=is_bd(method))
     n_params = sum(q.numel() for q in res.model.parameters() if q.requires_grad)
-    row = {"run_id": rid, "task": task, "method": method, "nblocks": nblocks if method == "bd" else None,
+    row = {"run_id": rid, "task": task, "method": method, "nblocks": nblocks if is_bd(method) else None,
            "rank": rank, "seed": seed, "trainable_params": n_params, "steps": res.step, "train_loss": res.train_loss,
            "eval_loss": res.eval.get("eval_loss"), "eval_ppl": res.eval.get("eval_ppl"),
            "eval_tokens": res.eval.get("eval_tokens"), "device": device_name, "model": model,
            "lr": p["lr"], "batch_size": p["batch_size"], "max_length": p["max_length"]}
     row.update(task_metrics(task, res.model, res.tokenizer, p, files))
-    row["wall_s"] = round(time.time() - t0, 2)
+    adapter = res.adapter_dir
     # keep the results small: the adapter folder stays, the in-memory model goes
     del res
+    if method in KBIT_METHODS:
+        row.update({f"bf16_{k}": v for k, v in score_on_base(task, adapter, p, files, model).items()})
+    row["wall_s"] = round(time.time() - t0, 2)
     return row
+
+
+def score_on_base(task: str, adapter: Path, p: dict, files: dict, model: str) -> dict:
+    """Eval loss and the task's metrics of a saved adapter on the unquantized base (in the run's precision), loaded
+    through PEFT as a user would serve it."""
+    from peft import PeftModel
+
+    base, tokenizer = load_scoring_model(model, p["precision"])
+    lm = PeftModel.from_pretrained(base, str(adapter)).eval()
+    return {**eval_loss(lm, tokenizer, files["eval"], p["max_length"], p["eval_batch_size"]),
+            **task_metrics(task, lm, tokenizer, p, files)}
 
 
 def run_sweeps(groups: list[list[Run]], pt: dict[str, dict], files: dict, model: str, out: Path, device: str,
@@ -316,7 +346,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", help="standard LoRA ranks, comma list (BD uses the matched ranks)")
     ap.add_argument("--seeds", help="comma list")
     ap.add_argument("--nblocks", help="BD block counts N, comma list (default 2,4,8; any N dividing the widths)")
-    ap.add_argument("--methods", default="base,lora,bd", help="comma list of base (the untrained model), lora, bd")
+    ap.add_argument("--methods", default="base,lora,bd",
+                    help="comma list of base (the untrained model), lora, bd, qlora, qbd (the last two on a 4-bit "
+                         "base, through the trainer whatever --trainer says)")
     ap.add_argument("--match", choices=["table1", "exact"], default="exact",
                     help="BD rank for LoRA rank r: the multiple of N whose exact parameter count is closest to "
                          "LoRA's (default), or paper Table 1's r(dH+dI)/(dH+dI/N) rounded to a multiple of N (it "
@@ -424,8 +456,13 @@ def main(argv=None) -> int:
         return row["wall_s"]
 
     log = lambda m: print(f"{tag}: {m}", flush=True)
-    if a.trainer == "sweep":
-        res = run_sweeps(todo, pt, files, model, out, a.device, dev, record, log, deadline)
+    if a.trainer == "sweep":  # the engine trains on unquantized bases: 4-bit groups go through the trainer after
+        kbit = [g for g in todo if g[0][1] in KBIT_METHODS]
+        res = run_sweeps([g for g in todo if g[0][1] not in KBIT_METHODS], pt, files, model, out, a.device, dev,
+                         record, log, deadline)
+        if kbit:
+            more = execute(kbit, run_and_record, deadline, log=log)
+            res = {"ran": res["ran"] + more["ran"], "left": res["left"] + more["left"]}
     else:
         res = execute(todo, run_and_record, deadline, log=log)
     print(f"{tag}: done in {time.time() - t_start:.0f} s, {res['ran']} runs, {res['left']} left; results in {res_file}",
