@@ -152,3 +152,21 @@ def test_liger_leaves_the_experts_forward_alone(moe_dir, data_file, tmp_path):
     args = training_arguments(cfg, 4, False, liger=True, experts=True)
     assert args.use_liger_kernel and args.liger_kernel_config == {"swiglu": False}
     assert not training_arguments(cfg, 4, False, liger=True).liger_kernel_config
+
+
+def test_sweep_on_a_moe_model_needs_attention_only_jobs(moe_dir, data_file, tmp_path):
+    """`bdlora sweep` adapts linear layers only: on a MoE model, where `bdlora train` also adapts the experts, a job
+    that leaves target_parameters unset is refused before training; with `[]` it trains attention adapters."""
+    from bdlora import load_adapter
+    from bdlora.train.engine.config import parse_run
+    from bdlora.train.engine.launch import run_engine
+
+    raw = {"model": str(moe_dir), "train_file": data_file, "output_dir": str(tmp_path / "sweep"), "nblocks": 2,
+           "r": 8, "max_steps": 2, "batch_size": 4, "max_length": 64, "eval_fraction": 0.2, "report_to": [],
+           "progress": False}
+    with pytest.raises(ConfigError, match=r"target_parameters: \[\] to sweep attention-only adapters"):
+        run_engine(parse_run(raw))
+    run_engine(parse_run({**raw, "target_parameters": []}))
+    folder = next((tmp_path / "sweep" / "adapters").iterdir())
+    ad = load_adapter(folder)
+    assert not ad.experts and {n.rsplit(".", 1)[-1] for n in ad.modules} == {"q_proj", "k_proj", "v_proj", "o_proj"}

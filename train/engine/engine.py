@@ -35,8 +35,8 @@ from . import checkpoint
 from .config import ConfigError, JobConfig, RunConfig
 from .data import DatasetSplit
 from .early_exit import DIVERGING, OVERFITTING, warmup_steps
-from .jobs import (Job, adapter_is_finite, build_job, job_spec, load_job_data, optimizer_to,  # noqa: F401 - names
-                   run_source)
+from .jobs import (Job, adapter_is_finite, build_job, check_no_expert_jobs, job_spec,  # noqa: F401 - names
+                   load_job_data, optimizer_to, run_source)
 from .loop import Advance, run_loop
 from .memory import MemoryModel, device_budget_bytes
 from .model import load_base
@@ -88,6 +88,7 @@ class Engine:
                                          stage=getattr(self, "pipeline_stage", None))
         self.model, self.tok = model, tokenizer
         model_type = getattr(model.config, "model_type", "llama")
+        check_no_expert_jobs(model, run.jobs, run_source(run))
         cols, rows = set(), set()
         for j in run.jobs:
             s = job_spec(j, model_type, model, run_source(run))

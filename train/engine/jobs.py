@@ -176,6 +176,21 @@ def job_spec(cfg: JobConfig, model_type: str, model=None, source: str = "run fil
     return spec
 
 
+def check_no_expert_jobs(model, jobs, source: str = "run file") -> None:
+    """The engine adapts linear layers only: on a MoE model with fused experts, where `bdlora train` would also
+    adapt the experts (``target_parameters`` unset), every job must say ``target_parameters: []``."""
+    from bdlora.moe import fused_experts
+
+    if not fused_experts(model):
+        return
+    for j in jobs:
+        if j.target_parameters != []:
+            raise ConfigError(f"{source}: job {j.name!r}: this model's MoE experts are fused tensors, which "
+                              "`bdlora sweep` does not adapt (`bdlora train` does, by default); set "
+                              "target_parameters: [] to sweep attention-only adapters, or train expert adapters "
+                              "with `bdlora train`")
+
+
 def run_source(run) -> str:
     return getattr(run, "source", "run file")
 
@@ -189,5 +204,5 @@ def adapter_is_finite(adapter, job_name: str, log) -> bool:
     return False
 
 
-__all__ = ["JOB_RUN_FIELDS", "Job", "adapter_is_finite", "build_job", "job_run_state", "job_spec", "job_tensor_state",
+__all__ = ["JOB_RUN_FIELDS", "Job", "adapter_is_finite", "build_job", "check_no_expert_jobs", "job_run_state", "job_spec", "job_tensor_state",
            "load_job_data", "optimizer_to", "record_train_step", "run_source"]
