@@ -437,6 +437,32 @@ def test_cublas_fused_linear_wider_factors(compute, master, bd_gemm):
     assert live and all(float(g.abs().max()) > 0 for g in live)  # gradients reach the non-empty segments' factors
 
 
+@pytest.mark.parametrize("fuse_base", [False, True])
+def test_triton_fused_linear_wider_factors(fuse_base):
+    """fp32 master factors beside a bf16 base on the grouped Triton kernels: the products run in bf16 with fp32
+    accumulation, as on the cuBLAS path and under torch.autocast (within bf16 rounding of the float64 oracle on the
+    factors rounded to bf16); the factors' gradients come back in fp32. Dropout and an empty segment included."""
+    gen, seg, t, adapters, x, weight, _ = _cublas_case(torch.bfloat16, "both", "mixed", 4, "multi", dropout=0.3)
+    adapters[3].dropout = 0.0
+    if fuse_base:  # the base GEMM runs in the LoRA tiles: the segments cover every row
+        seg = seg[:-1] + [t]
+    wide = [cast_adapter(make_adapter(gen, ad.rank, ad.layout, 4, dropout=ad.dropout), torch.float32)
+            for ad in adapters]
+    y, d = K.fused_lora_linear(x, weight, None, seg, wide, dropout_seed=5, options=opts(fuse_base=fuse_base))
+    assert d.backend == "triton" and "products in x's dtype" in d.note and y.dtype == torch.bfloat16
+    grad = torch.randn(t, D_OUT, generator=gen).to(torch.bfloat16)
+    grads = torch.autograd.grad(y, [x, *adapter_params(wide)], grad)
+    assert [g.dtype for g in grads] == [torch.bfloat16] + [torch.float32] * (2 * len(wide))
+    rounded = [cast_adapter(ad, torch.bfloat16) for ad in wide]
+    masks = [K.dropout_keep_mask(5, (t, D_IN), ad.dropout) for ad in rounded]
+    y64, grads64 = oracle(x, seg, rounded, grad, weight, masks=masks)
+    for g, g64 in zip([y, *grads], [y64, grads64[0], *grads64[2:]]):
+        scale = max(1.0, float(g64.abs().max()))
+        assert float((g.double() - g64).abs().max()) <= 0.03 * scale
+    live = [g for i in range(len(wide)) if seg[i + 1] > seg[i] for g in grads[1 + 2 * i:3 + 2 * i]]
+    assert live and all(float(g.abs().max()) > 0 for g in live)
+
+
 def unlogged(fn, calls, name):
     """fn run outside every TorchDispatchMode, its name appended to calls."""
     from torch.utils._python_dispatch import _disable_current_modes

@@ -54,7 +54,7 @@ from torch.autograd.function import once_differentiable
 from bdlora.layout import LoraFactors, pack_block_diagonal, unpack_block_diagonal
 
 from . import dispatch
-from ._jit import jit, tl
+from ._jit import dot, jit, tl
 from .dispatch import KernelOptions, new_output
 from .dropout import drop_expand_t, drop_shrink, drop_wgrad_a, dropout_keys, fused_ok, segment_keep_mask
 
@@ -90,8 +90,8 @@ def _dsdb_chunks(db_ptr, dy_ptr, b_ptr, s_tile, rows, rmask, rr, rrmask, stride_
         bmask = omask[:, None] & rrmask[None, :]
         bidx = boff + os_[:, None] * rb + rr[None, :]
         b = tl.load(b_ptr + bidx, mask=bmask, other=0.0)
-        acc += tl.dot(dy, b, input_precision=PREC)
-        db = tl.dot(tl.trans(dy), s_tile, input_precision=PREC)
+        acc += dot(dy, b, PREC)
+        db = dot(tl.trans(dy), s_tile, PREC)
         tl.atomic_add(db_ptr + bidx, db, mask=bmask, sem="relaxed")
     return acc
 

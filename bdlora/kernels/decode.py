@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
-from ._jit import jit, tl
+from ._jit import dot, jit, tl
 from .launch import KeptLaunch, launch
 from .dispatch import DEFAULT_OPTIONS, Dispatch, KernelOptions, LoraResult, next_pow2
 from bdlora.layout import LAYOUTS
@@ -323,7 +323,7 @@ def _add_all_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, bt, ran
                  cache_modifier=CACHE)
     sv = tl.where((r_j < rank_j)[None, :], sv, 0.0).to(bt.dtype)
     bv = tl.where(cmask[None, :], bt, 0.0)
-    return acc + tl.dot(sv, bv, input_precision=PREC) * scale_t[:, None]
+    return acc + dot(sv, bv, PREC) * scale_t[:, None]
 
 
 @jit
@@ -331,7 +331,7 @@ def _gemv_dot(a, b, PREC: tl.constexpr):
     """a (M, K) @ b (K, N) in fp32: tl.dot, or for M == 1 (tl.dot takes M >= 16) a broadcast multiply-and-sum."""
     if a.shape[0] == 1:
         return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    return tl.dot(a, b, input_precision=PREC)
+    return dot(a, b, PREC)
 
 
 @jit
@@ -354,7 +354,7 @@ def _gemv_step(xv, wv, PREC: tl.constexpr, BLOCK_M: tl.constexpr):
     if BLOCK_M == 1:
         prod = xv * wv.to(tl.float32)
     else:
-        prod = tl.dot(xv, wv, input_precision=PREC)
+        prod = dot(xv, wv, PREC)
     return prod
 
 
@@ -375,7 +375,7 @@ def _add_loaded_slot_expand(acc, s_rows, a, rowmask, cmask, n_loras, R, sl, one_
                  other=0.0, cache_modifier=CACHE)
     sv = tl.where((a == one_l)[:, None] & (rr < one_r)[None, :], sv, 0.0).to(one_b.dtype)
     bv = tl.where(cmask[None, :], one_b, 0.0)  # a tile straddling two slices: only this slice's columns
-    return acc + tl.dot(sv, bv, input_precision=PREC) * one_scale
+    return acc + dot(sv, bv, PREC) * one_scale
 
 
 @jit

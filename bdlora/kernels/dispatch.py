@@ -134,9 +134,13 @@ def next_pow2(v: int) -> int:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot's input_precision for inputs of ``dtype``: exact IEEE products for fp32 (tests compare against fp64
-    references), tf32 otherwise (ignored for 16-bit inputs)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """The kernels' ``PREC`` (``_jit.dot``) for inputs of ``dtype``: exact IEEE products for fp32 (tests compare
+    against fp64 references); for 16-bit inputs the tensor cores' own products ("tf32" is ignored for them), or
+    under the Triton interpreter "upcast" (fp32 products of the 16-bit values: the interpreter's 16-bit tl.dot is
+    wrong)."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "upcast" if INTERPRET else "tf32"
 
 
 def new_output(ref: torch.Tensor, shape, options: KernelOptions, dtype: torch.dtype | None = None) -> torch.Tensor:

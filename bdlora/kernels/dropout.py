@@ -37,7 +37,7 @@ from types import MappingProxyType
 import torch
 
 from . import dispatch
-from ._jit import jit, tl
+from ._jit import dot, jit, tl
 from .dispatch import cdiv, dot_precision, next_pow2
 
 M64 = 0xFFFFFFFFFFFFFFFF
@@ -205,7 +205,7 @@ def _drop_shrink_kernel(x_ptr, a_ptr, s_ptr, rows, d_in, r, stride_x, key0, key1
         keep = _keep_tile(key0, key1, ts, k0, (d_in + 1) // 2, thr, BLOCK_T, BLOCK_K)
         xt = tl.where(keep, xt, tl.zeros_like(xt))
         at = tl.load(a_ptr + js[None, :] * d_in + ks[:, None], mask=kmask[:, None] & jmask[None, :], other=0.0)
-        acc += tl.dot(xt, at, input_precision=PREC)
+        acc += dot(xt, at, PREC)
     tl.store(s_ptr + ts[:, None] * r + js[None, :], (acc * alpha).to(s_ptr.dtype.element_ty),
              mask=tmask[:, None] & jmask[None, :])
 
@@ -225,7 +225,7 @@ def _drop_expand_t_kernel(ds_ptr, a_ptr, dx_ptr, rows, d_in, r, stride_dx, key0,
     dst = tl.load(ds_ptr + ts[:, None] * r + js[None, :], mask=tmask[:, None] & jmask[None, :], other=0.0)
     dst = dst.to(a_ptr.dtype.element_ty)  # ds may come in fp32 (the fused dS/dB kernel's output)
     at = tl.load(a_ptr + js[:, None] * d_in + ks[None, :], mask=jmask[:, None] & kmask[None, :], other=0.0)
-    acc = tl.dot(dst, at, input_precision=PREC) * alpha
+    acc = dot(dst, at, PREC) * alpha
     keep = _keep_tile(key0, key1, ts, tl.program_id(1) * BLOCK_K, (d_in + 1) // 2, thr, BLOCK_T, BLOCK_K)
     acc = tl.where(keep, acc, 0.0)
     tl.store(dx_ptr + ts[:, None] * stride_dx + ks[None, :], acc.to(dx_ptr.dtype.element_ty),
@@ -254,7 +254,7 @@ def _drop_wgrad_a_kernel(x_ptr, ds_ptr, part_ptr, rows, d_in, r, stride_x, key0,
         keep = _keep_tile(key0, key1, ts, tl.program_id(0) * BLOCK_K, (d_in + 1) // 2, thr, BLOCK_T, BLOCK_K)
         xt = tl.where(keep, xt, tl.zeros_like(xt))
         dst = tl.load(ds_ptr + ts[None, :] * r + js[:, None], mask=jmask[:, None] & tmask[None, :], other=0.0)
-        acc += tl.dot(dst.to(xt.dtype), xt, input_precision=PREC)
+        acc += dot(dst.to(xt.dtype), xt, PREC)
     tl.store(part_ptr + sp * r * d_in + js[:, None] * d_in + ks[None, :], acc, mask=jmask[:, None] & kmask[None, :])
 
 

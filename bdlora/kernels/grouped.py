@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from bdlora.layout import LoraFactors
 
 from . import dispatch
-from ._jit import jit, tl
+from ._jit import dot, jit, tl
 from .cublas import _dsdb_chunks, cublas_lora_linear
 from .dispatch import DEFAULT_OPTIONS, Dispatch, KernelOptions, LoraResult, cdiv, dot_precision, new_output, next_pow2
 from .dropout import _keep, check_counters, dropout_keys
@@ -97,7 +97,7 @@ def _sgmm_kernel(
                             mask=rmask[:, None] & kmask[None, :], other=0.0)
                 w = tl.load(base_w_ptr + ks[:, None] * base_sw_k + cols[None, :] * base_sw_c,
                             mask=kmask[:, None] & cmask[None, :], other=0.0)
-                acc += tl.dot(a, w, input_precision=PREC)
+                acc += dot(a, w, PREC)
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
 
@@ -127,7 +127,7 @@ def _sgmm_kernel(
             else:
                 widx = cols[None, :] * bs_in + (ks - k_blk * bs_in)[:, None]
             w = tl.load(w_ptr + woff + widx, mask=wmask, other=0.0)
-            lacc += tl.dot(a, w, input_precision=PREC)
+            lacc += dot(a, w, PREC)
         lacc = lacc * alpha
         if DROP_OUT:  # backward: the mask stored by the forward shrink
             keep = tl.load(mask_ptr + rows[:, None] * drop_cols + cols[None, :],
@@ -222,7 +222,7 @@ def _wgrad_kernel(
                                    mask=rmask[:, None] & kmask[None, :], other=0)
                     xv = xv * keep.to(xv.dtype)
                 gj = tl.where((m_blk == j)[None, :], g, 0.0).to(xv.dtype)
-                acc += tl.dot(tl.trans(gj), xv, input_precision=PREC)
+                acc += dot(tl.trans(gj), xv, PREC)
         tl.atomic_add(g_ptr + woff + ms[:, None] * bs_in + kls[None, :], acc * alpha,
                       mask=mmask[:, None] & kmask[None, :])
 
@@ -413,8 +413,11 @@ class _LoraLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: _Plan, x, out, weight, bias, *factors):
-        a_flat = torch.cat([f.reshape(-1) for f in factors[0::2]])
-        b_flat = torch.cat([f.reshape(-1) for f in factors[1::2]])
+        # factors stored wider than x (fp32 master weights beside a bf16 base) enter the products in x's dtype, as
+        # under torch.autocast; their gradients come back in their own dtype from the fp32 accumulators
+        ctx.factor_dtype = factors[0].dtype
+        a_flat = torch.cat([f.reshape(-1) for f in factors[0::2]]).to(x.dtype)
+        b_flat = torch.cat([f.reshape(-1) for f in factors[1::2]]).to(x.dtype)
         s = new_output(x, (plan.t, plan.r_max), plan.options)  # rows outside segments are never read
         # int8 keep-mask written by the shrink, read by the dA and dX stages (cheaper than redrawing it)
         mask = torch.empty(x.shape, dtype=torch.int8, device=x.device) if plan.has_dropout else None
@@ -465,8 +468,8 @@ class _LoraLinearFn(torch.autograd.Function):
         dw = dy.t() @ x if weight is not None and ctx.needs_input_grad[3] else None
         dbias = dy.sum(0) if ctx.has_bias and ctx.needs_input_grad[4] else None
         dout = dy if ctx.has_out else None
-        das = plan.split(da32, plan.a_shapes, x.dtype)
-        dbs = plan.split(db32, plan.b_shapes, x.dtype)
+        das = plan.split(da32, plan.a_shapes, ctx.factor_dtype)
+        dbs = plan.split(db32, plan.b_shapes, ctx.factor_dtype)
         grads = [g for pair in zip(das, dbs) for g in pair]
         return (None, dx, dout, dw, dbias, *grads)
 
@@ -576,9 +579,9 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                requested it also runs on CPU (the same torch ops on the CPU BLAS).
       triton : the LoRA expand added in place into the cuBLAS base output (fuse_base=False) or computed inside
                the Triton base-GEMM tile (``options.fuse_base``; needs seg to cover all rows); backward adds the LoRA
-               dX into the base dX the same way, dS and dB share one read of dY. Factors in another dtype than x
-               (fp32 beside a bf16 base; fuse_base=False): the LoRA runs on x cast to theirs and is added onto the
-               base output. "auto" on CUDA otherwise, and on CPU under TRITON_INTERPRET=1 with ``options.interpreter``.
+               dX into the base dX the same way, dS and dB share one read of dY. Factors stored wider than x (fp32
+               beside a bf16 base): products in x's dtype with fp32 accumulation, as cuBLAS and autocast; the
+               factors' gradients in their own dtype. "auto" on CUDA otherwise, and on CPU under TRITON_INTERPRET=1 with ``options.interpreter``.
       torch  : ``fused_lora_linear_ref`` (autograd; LoRA products in the factors' dtype), "auto" otherwise.
     Dropout masks come from ``dropout_seed`` (drawn from torch's RNG if None) and differ by backend: Triton draws
     ``dropout_keep_mask`` (one mask over the call's rows), cublas and torch ``segment_keep_mask`` (one per segment;
@@ -594,9 +597,7 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ValueError("fuse_base=True runs the base GEMM in a Triton tile; the cublas backend does not have it")
     factors = _factors(adapters)
     compute = [x, weight] + ([bias] if bias is not None else [])
-    t_why = _triton_why_not(x, adapters, mixed=not fuse_base) or dispatch.triton_why_not(*compute)
-    if fuse_base and t_why is None and factors[0].dtype != x.dtype:
-        t_why = "fuse_base with factors in another dtype than x"
+    t_why = _triton_why_not(x, adapters, mixed=True) or dispatch.triton_why_not(*compute)
     if any(ad is None for ad in adapters):
         c_why = "a segment without adapter"
     elif fuse_base:
@@ -614,13 +615,8 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         y, drop, dsdb = cublas_lora_linear(x, weight, bias, seg, adapters, seed, options)
         return LoraResult(y, Dispatch("fused_lora_linear", options.backend, use, note, seed, drop, dsdb))
     factors = [t.contiguous() for t in factors]
-    if factors[0].dtype != x.dtype:  # fp32 factors beside a bf16 base: the LoRA in the factors' dtype
-        xc = x.to(factors[0].dtype)
-        plan = _plan(xc, seg, adapters, seed, False, options, plan_cache)
-        delta = _LoraLinearFn.apply(plan, xc, None, None, None, *factors)
-        y = F.linear(x, weight, bias) + delta.to(x.dtype)
-        note = (note + "; " if note else "") + "LoRA in the factors' dtype"
-    else:
-        plan = _plan(x, seg, adapters, seed, fuse_base, options, plan_cache)
-        y = _LoraLinearFn.apply(plan, x, None, weight, bias, *factors)
+    if factors[0].dtype != x.dtype:
+        note = (note + "; " if note else "") + "LoRA products in x's dtype"
+    plan = _plan(x, seg, adapters, seed, fuse_base, options, plan_cache)
+    y = _LoraLinearFn.apply(plan, x, None, weight, bias, *factors)
     return LoraResult(y, Dispatch("fused_lora_linear", options.backend, use, note, seed))

@@ -6,7 +6,7 @@ every job's LoRA) under the context's ``KernelOptions`` (``BatchContext.kernel_o
 picks the backend and reports it (``MultiLoraLinear.last_dispatch``). ``lora_backend``: "cublas" one autograd node,
 one cuBLAS GEMM per product, in the base's dtype (a bf16 base with the usual fp32 factors: bf16 products and fp32
 gradients, the numerics of the single-job trainer's bf16 autocast); "triton" the grouped Triton kernels (one launch
-per stage for all jobs; LoRA in the factors' dtype); "torch" (alias "engine") the kernels' torch reference
+per stage for all jobs; the same numerics as cuBLAS); "torch" (alias "engine") the kernels' torch reference
 (``bdlora.kernels.fused_lora_linear_ref``, LoRA in the factors' dtype: fp32 LoRA products beside a bf16 base);
 "auto" the kernels' rule (cuBLAS or Triton on GPU, ``bdlora.kernels.dispatch.cublas_preferred``; torch on CPU, where
 the Triton interpreter is ~30x slower: ``KernelOptions(interpreter=False)``). A requested backend that cannot run a
