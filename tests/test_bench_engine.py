@@ -113,3 +113,24 @@ def test_sequential_trainer_baseline_runs_the_engine_jobs_on_the_trainer(tiny_ll
     assert res["tokens"] == sum(lengths.lengths[i] for recs in micro[2:6] for i in recs) > 0
     ad = load_adapter(tmp_path / "tr" / "adapter")
     assert ad.config.nblocks == 2 and ad.config.r == 8
+
+
+def test_early_exit_sweep_compares_the_same_grid_with_and_without(tmp_path, monkeypatch):
+    """The early-exit benchmark runs one grid twice through the engine and reports the steps saved, both walls,
+    each sweep's best job and the time to it, from the two runs' own results."""
+    import bdlora.models as models
+    from bench.train.early_exit_sweep import main as ee_main
+
+    monkeypatch.setattr(models, "DEFAULT_CACHE", tmp_path / "cache")
+    assert ee_main(["--out", str(tmp_path / "ee"), "--small", "--device", "cpu"]) == 0
+    res = json.loads((tmp_path / "ee" / "early_exit.json").read_text())
+    full = json.loads((tmp_path / "ee" / "full" / "results.json").read_text())["jobs"]
+    early = json.loads((tmp_path / "ee" / "early" / "results.json").read_text())["jobs"]
+    assert res["jobs"] == len(full) == len(early) == 4
+    assert res["steps_full"] == sum(r["steps"] for r in full) == 4 * 8  # no job exits without early exit
+    assert res["steps_early"] == sum(r["steps"] for r in early) < res["steps_full"]
+    assert res["steps_saved_share"] == pytest.approx(1 - res["steps_early"] / res["steps_full"])
+    assert "underperforming" in res["stop_reasons"].values()  # warm-up selection keeps the top quarter
+    assert res["best_full"] == min(full, key=lambda r: r["best_eval_loss"])["job"]
+    assert res["same_best"] == (res["best_full"] == res["best_early"])
+    assert res["time_to_best_early_s"] == next(r["time_s"] for r in early if r["job"] == res["best_early"])
