@@ -1,10 +1,9 @@
 """Round time of `bdlora sweep` on the quality benchmark's job mix (the recall task's runs: LoRA and BD-LoRA at
 N = 2, 4, 8 at the three matched sizes, seed after seed), on a random model of SmolLM2's shape (a GPU) or a tiny one.
 
-    python -m bench.quality.engine_rounds auto:1 auto:21 cublas:21 auto:21:tf32 auto:21:prof
+    python -m bench.quality.engine_rounds auto:1 auto:21 cublas:21 auto:21:prof
 
-Each argument is BACKEND:K[:FLAG...]: the engine's lora_backend, the first K runs of the plan as jobs; ``tf32`` runs
-the grouped kernels' fp32 products in TF32 instead of IEEE fp32 (what tensor cores would give them), ``foreach`` the
+Each argument is BACKEND:K[:FLAG...]: the engine's lora_backend, the first K runs of the plan as jobs; ``foreach`` the
 jobs' AdamW unfused (torch's foreach implementation, as on CPU), ``prof``
 profiles one round (torch.profiler tables into ``$OUT/prof_<arg>.txt``). Prints and writes (``$OUT/engine_rounds.json``)
 the median round time over ``ROUNDS`` (default 12) rounds after the first two, and job steps per second.
@@ -41,7 +40,6 @@ def _unfused(adamw):
 def main(argv=None) -> int:
     from transformers import AutoConfig
 
-    import bdlora.kernels.grouped as grouped
     from bdlora.models import build_random_llama
     from bdlora.train.engine.config import parse_run
     from bdlora.train.engine.engine import Engine
@@ -66,7 +64,7 @@ def main(argv=None) -> int:
     p = task_params(PRESETS["full"], False, {"active_jobs": 64, "chunk_rounds": rounds})["recall"]
     if not gpu:
         p["precision"] = "fp32"
-    ieee, adamw = grouped.dot_precision, torch.optim.AdamW
+    adamw = torch.optim.AdamW
     results = {}
     for spec in (argv if argv is not None else sys.argv[1:]):
         backend, k, *flags = spec.split(":")
@@ -75,7 +73,6 @@ def main(argv=None) -> int:
         raw = run_file(runs, names, p, files, str(model), work / f"sweep-{spec.replace(':', '_')}",
                        "cuda" if gpu else "cpu")
         raw.update(resume=None, lora_backend=backend)
-        grouped.dot_precision = (lambda dtype: "tf32") if "tf32" in flags else ieee
         torch.optim.AdamW = _unfused(adamw) if "foreach" in flags else adamw
         engine = Engine(parse_run(raw, spec))
         if "prof" in flags:
@@ -102,7 +99,7 @@ def main(argv=None) -> int:
         del engine
         if gpu:
             torch.cuda.empty_cache()
-    grouped.dot_precision, torch.optim.AdamW = ieee, adamw
+    torch.optim.AdamW = adamw
     (out / "engine_rounds.json").write_text(json.dumps(results, indent=1))
     return 0
 
