@@ -34,6 +34,7 @@ Output folder::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -489,10 +490,13 @@ def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger
         save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
         save_total_limit=cfg.save_total_limit, report_to=report_to or "none", disable_tqdm=not cfg.progress,
         remove_unused_columns=False, ddp_find_unused_parameters=False,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
         include_num_input_tokens_seen="non_padding", use_liger_kernel=liger,
     )
+    # transformers >= 5.24 calls it activation checkpointing (gradient_checkpointing* are deprecated aliases there)
+    ckpt = ("activation_checkpointing" if "activation_checkpointing" in
+            {f.name for f in dataclasses.fields(TrainingArguments)} else "gradient_checkpointing")
+    kwargs[ckpt] = cfg.gradient_checkpointing
+    kwargs[f"{ckpt}_kwargs"] = {"use_reentrant": False} if cfg.gradient_checkpointing else None
     if liger and experts:
         kwargs["liger_kernel_config"] = {"swiglu": False}
     kwargs.update(cfg.training_args)
