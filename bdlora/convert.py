@@ -75,10 +75,16 @@ def require_bd(adapter: Adapter, what: str) -> None:
 
 
 def bd_to_dense(adapter: Adapter) -> Adapter:
-    """Standard PEFT LoRA with the block-diagonal factors expanded; same rank, same scale, same outputs."""
+    """Standard PEFT LoRA with the block-diagonal factors expanded; same rank, same scale, same outputs.
+
+    With expert factors the scale is written as plain LoRA's (``use_rslora: false``, ``lora_alpha`` = scale x r):
+    the same scale in PEFT, and in vLLM releases whose per-expert MoE LoRA packing ignores rsLoRA (0.26 packs
+    ``lora_alpha / r``), where an rsLoRA expert adapter would be served sqrt(r) times too weak."""
     require_bd(adapter, "to-dense")
     cfg = adapter.config
     new = _with_scale(cfg, cfg.r, cfg.scale, nblocks=None, column_modules=[], row_modules=[])
+    if adapter.experts:
+        new.use_rslora, new.peft_lora_alpha = False, cfg.scale * cfg.r
     modules = {p: LoraFactors(*unpack_factors(f.lora_A, f.lora_B, f.layout, f.nblocks), None, 1, new.scale)
                for p, f in adapter.modules.items()}
     return Adapter(new, modules, {p: f.dense() for p, f in adapter.experts.items()})

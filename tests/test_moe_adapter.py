@@ -93,6 +93,8 @@ def test_to_dense_is_a_peft_expert_lora_with_the_bd_outputs(bd_folder, tmp_path,
     raw = json.loads((dense / "adapter_config.json").read_text())
     assert raw["use_bdlora"] is None and raw["target_parameters"] == ["mlp.experts.gate_up_proj",
                                                                       "mlp.experts.down_proj"]
+    # plain LoRA scaling with the same scale: vLLM 0.26's per-expert packing ignores use_rslora
+    assert raw["use_rslora"] is False and raw["lora_alpha"] / raw["r"] == pytest.approx(ALPHA * math.sqrt(N / R))
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         peft_logits = PeftModel.from_pretrained(copy.deepcopy(model), str(dense)).eval()(input_ids=ids).logits
