@@ -376,7 +376,7 @@ def test_expert_lora_is_read_and_refused_where_not_served(tmp_path, capsys):
             lora_config=SimpleNamespace(max_lora_rank=16, max_loras=1),
             model_config=SimpleNamespace(model=str(tmp_path / "no-model"), hf_config=cfg, hf_text_config=cfg))
 
-    with pytest.raises(BDLoraError, match=r"MoE expert tensors.*vLLM's own LoRA serves this PEFT expert LoRA \(start "
-                                          r"without --enable-bdlora\)"):
+    with pytest.raises(BDLoraError, match=r"MoE expert tensors.*this PEFT expert LoRA is for vLLM's own MoE LoRA "
+                                          r"\(start without --enable-bdlora; .*is_3d_lora_weight: true\)"):
         validate_adapter(str(src), engine(bd=True), name="experts")
     assert validate_adapter(str(src), engine(bd=False), name="experts").raw["target_parameters"]

@@ -952,7 +952,7 @@ def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str
         lines += [
             "", "## Use it", "",
             "`bdlora convert to-dense` writes the equivalent standard PEFT expert LoRA, which PEFT loads "
-            "(`PeftModel.from_pretrained(base, folder)`, peft >= 0.21) and engines without BD support serve. "
+            "(`PeftModel.from_pretrained(base, folder)`, peft >= 0.21), for engines without BD support. "
             "Serving BD-LoRA on MoE experts with vLLM's `--enable-bdlora` is not available yet.", "",
         ]
         (folder / "README.md").write_text("\n".join(lines))

@@ -516,10 +516,12 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
             raise BDLoraError(f"{e}. A dense adapter with these options can be served by vLLM's own LoRA (start "
                               "without --enable-bdlora)") from None
     if cfg.raw.get("target_parameters"):
-        fix = ("`bdlora convert to-dense` writes the PEFT expert LoRA that vLLM's own LoRA serves" if cfg.is_bd else
-               "vLLM's own LoRA serves this PEFT expert LoRA")
+        fix = ("`bdlora convert to-dense` writes the equivalent PEFT expert LoRA for" if cfg.is_bd else
+               "this PEFT expert LoRA is for")
         raise BDLoraError(f"{path}: LoRA on MoE expert tensors (target_parameters={cfg.raw['target_parameters']!r}) "
-                          f"is not served with --enable-bdlora yet; {fix} (start without --enable-bdlora)")
+                          f"is not served with --enable-bdlora yet; {fix} vLLM's own MoE LoRA (start without "
+                          "--enable-bdlora; on models vLLM loads per expert, such as Qwen3-MoE, with "
+                          "--enable-mixed-moe-lora-format and the adapter's is_3d_lora_weight: true)")
     n = cfg.nblocks if cfg.is_bd else 1
     m = facts.tp_size
     check_tp_compatible(n, m)
