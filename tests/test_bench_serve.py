@@ -773,3 +773,25 @@ def test_serving_kernels_bench_maps_punica_tokens_to_slots():
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-3)
 
 
+
+
+def test_moe_parity_prepares_equal_scale_dense_adapters(tmp_path):
+    """The GPU MoE check's inputs: the dense conversion of a BD expert adapter and its rsLoRA copy have the same
+    scale, so PEFT gives them the same outputs (what vLLM must reproduce), different from the base model's."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from bench.serve.moe_parity import build
+
+    model, adapters = build(tmp_path)
+    raw = {n: json.loads((d / "adapter_config.json").read_text()) for n, d in adapters.items()}
+    assert raw["dense"]["use_rslora"] is False and raw["dense_rslora"]["use_rslora"] is True
+    assert raw["dense"]["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    with torch.no_grad():
+        logits = {n: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32),
+                                               str(d)).eval()(input_ids=ids).logits for n, d in adapters.items()}
+        base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()(input_ids=ids).logits
+    torch.testing.assert_close(logits["dense"], logits["dense_rslora"])
+    assert (logits["dense"] - base).abs().max() > 1e-3

