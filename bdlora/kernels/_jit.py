@@ -31,8 +31,8 @@ if tl is not None:
         """``tl.dot(a, b)`` accumulated in fp32 at input precision ``PREC`` (``dispatch.dot_precision``). "upcast"
         multiplies 16-bit operands in fp32: the Triton interpreter's tl.dot mis-multiplies bf16/fp16, and a product
         of two 16-bit floats is exact in fp32, as on tensor cores (only the summation order differs)."""
-        tl.static_assert(a.dtype == b.dtype, "tl.dot operands must share a dtype")
-        if PREC == "upcast":
+        if PREC == "upcast":  # the interpreter only: compiled kernels never take this branch
+            tl.static_assert(a.dtype == b.dtype, "tl.dot operands must share a dtype")
             out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             out = tl.dot(a, b, input_precision=PREC)
