@@ -245,6 +245,7 @@ def test_recall_sweep_trains_every_run_in_one_engine_run(tmp_path):
     assert run_main(argv) == 0
     rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and {r["trainer"] for r in rows} == {"bdlora sweep"}
+    assert len({r["code"] for r in rows}) == 1 and rows[0]["code"]  # the commit (or version) that trained them
     sweeps = [json.loads(l) for l in (out / "sweeps.jsonl").read_text().splitlines()]
     assert len(sweeps) == 1 and sweeps[0]["jobs"] == 6 and sweeps[0]["tokens"] > 0 and sweeps[0]["wall_s"] > 0
     tiny = Shape(256, 2, 4, 2, 512, 512)  # the tiny random Llama: hidden, layers, heads, kv heads, intermediate

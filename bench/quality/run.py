@@ -324,6 +324,22 @@ def run_sweeps(groups: list[list[Run]], pt: dict[str, dict], files: dict, model:
     return {"ran": ran, "left": sum(len(g) for g in groups) - ran}
 
 
+def code_version() -> str:
+    """The checkout's commit (``git rev-parse --short HEAD``), else bdlora's version."""
+    import subprocess
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    if sha:
+        return sha
+    import bdlora
+
+    return f"bdlora {bdlora.__version__}"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "prepare":
@@ -440,9 +456,12 @@ def main(argv=None) -> int:
           flush=True)
     counter = [0]
 
+    code = code_version()
+
     def record(row: dict) -> None:
         if a.shard:
             row["shard"] = f"{a.shard[0]}/{a.shard[1]}"
+        row["code"] = code  # which code trained it: the numerics may change between calls of one grid
         append_row(res_file, row)
         counter[0] += 1
         extra = "".join(f", {k} {row[k]:.3f}" for k in ("accuracy", "rougeL") if k in row)
