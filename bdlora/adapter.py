@@ -24,7 +24,7 @@ import torch
 
 from .layout import COLUMN, ROW, Layout, LoraFactors, layout_by_name, packed_shapes
 from .moe import (EXPERT_TENSORS, PEFT_TARGET_PARAMETERS, ExpertFactors, check_target_parameters, expert_key_prefixes,
-                  from_peft_layout, to_peft_layout)
+                  from_peft_layout, to_peft_layout, trained_expert_factors)
 from .sharding import shape_of
 from .spec import BDLoraError, BDLoraSpec, peft_scaling
 
@@ -636,25 +636,27 @@ def adapter_tensors(adapter: Adapter) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _write_files(tensors: dict[str, torch.Tensor], cfg: AdapterConfig, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    with open(folder / CONFIG_NAME, "w") as fh:
+        json.dump(config_dict(cfg), fh, indent=2, sort_keys=True)
+
+
 def write_adapter_files(adapter: Adapter, folder: str | os.PathLike) -> None:
     """Writes the adapter's two files into ``folder`` (an :func:`atomic_output_dir` staging folder: not atomic by
     itself), replacing what is there."""
-    from safetensors.torch import save_file
-
-    tensors = adapter_tensors(adapter)
-    folder = Path(folder)
-    save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-    with open(folder / CONFIG_NAME, "w") as fh:
-        json.dump(config_dict(adapter.config), fh, indent=2, sort_keys=True)
+    _write_files(adapter_tensors(adapter), adapter.config, Path(folder))
 
 
 def save_adapter(adapter: Adapter, path: str | os.PathLike, overwrite: bool = True) -> Path:
     """Writes a PEFT folder atomically (:func:`atomic_output_dir`, ``overwrite`` as there), validated first
-    (:func:`adapter_tensors`)."""
-    adapter_tensors(adapter)
+    (:func:`adapter_tensors`) so a bad adapter never starts a write."""
+    tensors = adapter_tensors(adapter)
     path = Path(path)
     with atomic_output_dir(path, overwrite=overwrite) as tmp:
-        write_adapter_files(adapter, tmp)
+        _write_files(tensors, adapter.config, tmp)
     return path
 
 
@@ -687,8 +689,8 @@ def expert_adapter(experts: dict, base_model_name_or_path: Optional[str] = None)
     """The :class:`Adapter` (a BD expert adapter folder once saved with :func:`save_adapter`) of trained
     :class:`bdlora.moe.BDLoraExperts` modules, keyed by their experts module paths as PEFT names them
     (``base_model.model.model.layers.0.mlp.experts``); all must share N, r and alpha."""
-    factors = {f"{path}.{name}": ExpertFactors(name, *(t.detach() for t in m.factors(name)), m.nblocks, m.scale)
-               for path, m in experts.items() for name in EXPERT_TENSORS}
+    state = {f"{path}.{n}": t for path, m in experts.items() for n, t in m.named_parameters(recurse=False)}
+    factors = trained_expert_factors(state, experts)
     empty = Adapter(AdapterConfig.from_dict({**CONFIG_DEFAULTS, "r": 1, "lora_alpha": 1, "target_modules": [],
                                              "base_model_name_or_path": base_model_name_or_path}), {})
     return add_experts(empty, factors)

@@ -203,10 +203,9 @@ def adapt_experts(cfg: TrainConfig, model) -> dict:
     has fused experts); the wrapped modules by name (:func:`bd_experts`)."""
     from bdlora.moe import fused_experts, wrap_experts
 
-    found = fused_experts(model)
     if cfg.target_parameters == []:
         return {}
-    if not found:
+    if not fused_experts(model):
         if cfg.target_parameters:
             raise ConfigError(f"target_parameters: {cfg.target_parameters} but {cfg.model} has no fused experts "
                               "modules (3-D gate_up_proj (E, 2I, H) and down_proj (E, H, I), as transformers stores "
@@ -229,11 +228,16 @@ def bd_experts(model) -> dict:
     return {n: m for n, m in model.named_modules() if isinstance(m, BDLoraExperts)}
 
 
+def expert_param_names(model) -> set[str]:
+    """The parameter names of ``model``'s expert factors (empty for a dense model)."""
+    return {f"{path}.{p}" for path, m in bd_experts(model).items() for p, _ in m.named_parameters(recurse=False)}
+
+
 def expert_state(model) -> dict[str, torch.Tensor]:
     """The expert factors of ``model`` as whole tensors by parameter name (gathered under FSDP2: every process must
-    call it)."""
-    names = {f"{path}.{p}" for path, m in bd_experts(model).items() for p, _ in m.named_parameters(recurse=False)}
-    return {n: t for n, t in full_trainable_state(model).items() if n in names}
+    call it); nothing is gathered or copied for a dense model."""
+    names = expert_param_names(model)
+    return full_trainable_state(model, names) if names else {}
 
 
 def load_expert_state(model, ckpt: Path) -> None:
@@ -246,7 +250,7 @@ def load_expert_state(model, ckpt: Path) -> None:
                           "state), so it was not written by this MoE job; start a new output_dir instead")
     saved = load_file(str(f))
     params = dict(model.named_parameters())
-    missing = sorted(set(expert_state(model)) ^ set(saved))
+    missing = sorted(expert_param_names(model) ^ set(saved))
     if missing:
         raise ConfigError(f"cannot resume from {ckpt}: {f.name} does not match this job's expert adapters "
                           f"({missing[0]} and {len(missing) - 1} more differ)")
@@ -275,12 +279,13 @@ def _distributed():
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def full_trainable_state(model) -> dict[str, torch.Tensor]:
-    """The adapter's weights as whole tensors, by parameter name. Under FSDP2 the parameters are DTensor shards and
-    this gathers them (a collective: every process must call it); only the adapter is gathered, never the base."""
+def full_trainable_state(model, names: Optional[set] = None) -> dict[str, torch.Tensor]:
+    """The adapter's weights (those in ``names`` when given) as whole tensors, by parameter name. Under FSDP2 the
+    parameters are DTensor shards and this gathers them (a collective: every process must call it); only the adapter
+    is gathered, never the base."""
     out = {}
     for n, p in model.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and (names is None or n in names):
             t = p.detach()
             out[n] = t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
     return out

@@ -204,5 +204,5 @@ def adapter_is_finite(adapter, job_name: str, log) -> bool:
     return False
 
 
-__all__ = ["JOB_RUN_FIELDS", "Job", "adapter_is_finite", "build_job", "check_no_expert_jobs", "job_run_state", "job_spec", "job_tensor_state",
-           "load_job_data", "optimizer_to", "record_train_step", "run_source"]
+__all__ = ["JOB_RUN_FIELDS", "Job", "adapter_is_finite", "build_job", "check_no_expert_jobs", "job_run_state",
+           "job_spec", "job_tensor_state", "load_job_data", "optimizer_to", "record_train_step", "run_source"]
