@@ -345,3 +345,11 @@ def test_sweep_records_waves_within_a_deadline_and_resumes(tmp_path, monkeypatch
     assert n == 2 and sorted(r["run_id"] for r in read_rows([out])) == sorted(names)
     assert list((out / "sweeps").iterdir()) == folders
     assert len((out / "sweeps.jsonl").read_text().splitlines()) == 1
+
+
+def test_unknown_method_is_refused(tmp_path, capsys):
+    from bench.quality.run import main as run_main
+
+    with pytest.raises(SystemExit) as e:
+        run_main(["--out", str(tmp_path), "--device", "cpu", "--small", "--methods", "lora,qlor"])
+    assert e.value.code == 2 and "--methods: ['qlor'] unknown" in capsys.readouterr().err

@@ -386,6 +386,9 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a preset value (lr, batch_size, max_length, n_train, n_eval, acc_eval, ...)")
     a = ap.parse_args(argv)
+    unknown = sorted(set(a.methods.split(",")) - {"base", "lora", "bd", *KBIT_METHODS})
+    if unknown:
+        ap.error(f"--methods: {unknown} unknown; choose from base, lora, bd, {', '.join(KBIT_METHODS)}")
     t_start = time.time()
     deadlines = [d for d in (a.deadline_unix, a.time_budget_s and t_start + a.time_budget_s) if d]
     deadline = min(deadlines) if deadlines else None
