@@ -39,6 +39,8 @@ MergedColumnParallelLinearWithLoRA = api.resolve("MergedColumnParallelLinearWith
 MergedQKVParallelLinearWithLoRA = api.resolve("MergedQKVParallelLinearWithLoRA")
 RowParallelLinearWithLoRA = api.resolve("RowParallelLinearWithLoRA")
 LogitsProcessorWithLoRA = api.resolve("LogitsProcessorWithLoRA")
+FusedMoEWithLoRA = api.resolve("FusedMoEWithLoRA", None)
+FusedMoE3DWithLoRA = api.resolve("FusedMoE3DWithLoRA", None)
 ColumnParallelLinear = api.resolve("ColumnParallelLinear")
 #: The platform's out-of-tree replacement of a layer class (identity where vLLM has none).
 maybe_get_oot_by_class = api.resolve("maybe_get_oot_by_class", lambda cls: cls)
@@ -205,12 +207,58 @@ class BDRowParallelLinearWithLoRA(_BDLoRAMixin, RowParallelLinearWithLoRA):
     bd_layout = ROW
 
 
+class _BDExpertsMixin:
+    """BD-LoRA on a MoE layer's experts: gate_up's B and down's A block-diagonal over the expert shards, so each TP
+    rank holds an independent rank r/N LoRA of its own shard of every expert. The stacked buffers have the per-device
+    BD rank; the slicing hooks are identities (the loader hands each rank its blocks, :mod:`bdlora.moe`); the LoRA
+    runs on vLLM's non-fully-sharded MoE LoRA path, whose down-projection partial sums ride the base all-reduce (no
+    LoRA collective)."""
+
+    bd_layout = "experts"
+    bdlora = True
+    _bd_build: Optional[LayerBuild] = None
+
+    def create_lora_weights(self, max_loras, lora_config, model_config=None) -> None:
+        import copy
+
+        build = self._bd_build
+        rank = build.rank if build is not None else device_rank(lora_config.max_lora_rank, self.tp_size)
+        cfg = copy.copy(lora_config)  # vLLM sizes the buffers from these two; never --fully-sharded-loras in BD
+        object.__setattr__(cfg, "max_lora_rank", rank)
+        object.__setattr__(cfg, "fully_sharded_loras", False)
+        super().create_lora_weights(max_loras, cfg, model_config)
+        self.bd_rank = rank
+
+    def _slice_w13_a(self, t):
+        return t
+
+    def _slice_w13_b(self, t):
+        return t
+
+    def _slice_w2_a(self, t):
+        return t
+
+    def _slice_w2_b(self, t):
+        return t
+
+
+_EXPERT_CLASSES = ()
+if FusedMoE3DWithLoRA is not None:
+    class BDFusedMoE3DWithLoRA(_BDExpertsMixin, FusedMoE3DWithLoRA):
+        """Experts of a 3-D MoE model (vLLM's is_3d_moe_weight: Qwen3-VL-MoE): PEFT's flattened expert factors."""
+
+    class BDFusedMoEWithLoRA(_BDExpertsMixin, FusedMoEWithLoRA):
+        """Experts of a per-expert MoE model (Qwen3-MoE, Mixtral, OLMoE in vLLM): per-expert gate/up/down factors."""
+
+    _EXPERT_CLASSES = (BDFusedMoE3DWithLoRA, BDFusedMoEWithLoRA)
+
 #: Checked in this order, before vLLM's own classes, in BD mode only.
 BD_LORA_CLASSES = (
     BDMergedQKVParallelLinearWithLoRA,
     BDMergedColumnParallelLinearWithLoRA,
     BDColumnParallelLinearWithLoRA,
     BDRowParallelLinearWithLoRA,
+    *_EXPERT_CLASSES,
 )
 
 

@@ -120,6 +120,11 @@ def read_rank_tensors(lora_dir: str, cfg: AdapterConfig, runtime: BDRuntime, wei
         others = [k for k in keys if not (k.endswith(_A) or k.endswith(_B))]
         if others:
             raise BDLoraError(f"{lora_dir}: tensors {others[:4]} are not lora_A/lora_B factors")
+        if cfg.raw.get("target_parameters"):  # expert factors: read whole, this rank's blocks handed over per expert
+            expert_keys = [k for k in keys if ".mlp.experts." in k]
+            tensors.update(rank_expert_tensors({k: f.get_tensor(k) for k in expert_keys}, cfg, runtime,
+                                               weights_mapper, lora_dir))
+            keys = [k for k in keys if k not in set(expert_keys)]
         for p in module_paths(keys):
             a_name, b_name = p + _A, p + _B
             if skip is not None and skip(a_name):
@@ -157,6 +162,68 @@ def read_rank_tensors(lora_dir: str, cfg: AdapterConfig, runtime: BDRuntime, wei
     if problems:
         raise BDLoraError(f"{lora_dir}: " + "; ".join(problems[:4]))
     return tensors
+
+
+def moe_packing_scale(lora_alpha: float, r: int, scale: float) -> float:
+    """The scale this vLLM gives a per-expert MoE LoRA of PEFT ``lora_alpha`` and rank ``r`` whose own scaling is
+    ``scale``: probed on ``PackedLoRALayerWeights.pack_moe`` (0.26 packs ``lora_alpha / r`` whatever ``use_rslora``
+    says; 0.32 keeps each LoRA's scaling)."""
+    from vllm.lora.lora_weights import LoRALayerWeights
+
+    pack_moe = api.resolve("PackedLoRALayerWeights.pack_moe")
+    one = torch.zeros(1, 1)
+    loras = [LoRALayerWeights(f"probe.{i}", r, lora_alpha, one, one, scaling=scale) for i in range(3)]
+    return float(pack_moe(loras, "probe").scaling[0])
+
+
+def rank_expert_tensors(tensors: dict, cfg: AdapterConfig, runtime: "BDRuntime", weights_mapper, lora_dir: str
+                        ) -> dict[str, torch.Tensor]:
+    """This TP rank's expert factors of a BD expert adapter, keyed as vLLM's MoE LoRA layer of the served model reads
+    them: per expert (``<experts>.<e>.gate_proj|up_proj|down_proj``) for vLLM's per-expert MoE models, PEFT's
+    flattened ``<experts>[.base_layer].lora_A/B`` for its 3-D ones. Each rank gets ``bdlora.moe.device_factors``:
+    gate and up rows of its intermediate shard (B) with its rank block of gate_up's A, down's A block over its
+    intermediate inputs with its rank columns of B."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    from bdlora.adapter import _read_expert_factors
+    from bdlora.moe import device_factors, to_peft_layout
+
+    n, m, k = cfg.nblocks or 1, runtime.tp_size, runtime.tp_rank
+    if m not in (1, n):
+        raise BDLoraError(f"{lora_dir}: expert adapters of nblocks={n} are served at tensor-parallel size {n} or 1 "
+                          f"for now, not {m}")
+    experts = _read_expert_factors(dict(tensors), cfg.raw["target_parameters"], cfg.r, n, cfg.scale, lora_dir)
+    out: dict[str, torch.Tensor] = {}
+    correction = None
+    for path, fac in experts.items():
+        module, name = path.rsplit(".", 1)  # <PEFT experts module path>, gate_up_proj | down_proj
+        if m == 1:
+            fac = fac.dense()
+            a, b = fac.lora_A, fac.lora_B
+        else:
+            a, b = device_factors(name, fac.lora_A, fac.lora_B, n, k, m)
+        vllm_name, _ = parse_fine_tuned_lora_name(module + _A, weights_mapper)
+        entry = runtime.layer_map.get(vllm_name + ".0.gate_proj") or runtime.layer_map.get(vllm_name)
+        if entry is None or bd_layers.layout_of_layer(entry[0]) != "experts":
+            raise BDLoraError(f"{lora_dir}: {vllm_name} is not a MoE layer the plugin serves BD expert adapters on")
+        if isinstance(entry[0], bd_layers.FusedMoE3DWithLoRA):  # PEFT's flattened 3-D keys at this rank's shapes
+            flat_a, flat_b = to_peft_layout(a, b)
+            stem = module + (".base_layer" if name == "gate_up_proj" else "")
+            out[stem + _A], out[stem + _B] = flat_a.contiguous(), flat_b.contiguous()
+            continue
+        if correction is None:  # per-expert packing may not apply rsLoRA: the factors carry the difference
+            correction = cfg.scale / moe_packing_scale(cfg.peft_lora_alpha, cfg.r, cfg.scale)
+        b = b * correction
+        for e in range(a.shape[0]):
+            if name == "gate_up_proj":
+                i_k = b.shape[1] // 2
+                for proj, rows in (("gate_proj", slice(0, i_k)), ("up_proj", slice(i_k, 2 * i_k))):
+                    out[f"{module}.{e}.{proj}{_A}"] = a[e].contiguous()
+                    out[f"{module}.{e}.{proj}{_B}"] = b[e, rows].contiguous()
+            else:
+                out[f"{module}.{e}.down_proj{_A}"] = a[e].contiguous()
+                out[f"{module}.{e}.down_proj{_B}"] = b[e].contiguous()
+    return out
 
 
 def make_bd_lora_model_cls(base_cls):

@@ -515,11 +515,13 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
         except BDLoraError as e:
             raise BDLoraError(f"{e}. A dense adapter with these options can be served by vLLM's own LoRA (start "
                               "without --enable-bdlora)") from None
-    if cfg.raw.get("target_parameters"):
+    n_bd = cfg.nblocks if cfg.is_bd else 1
+    if cfg.raw.get("target_parameters") and not (cfg.is_bd and facts.tp_size in (1, n_bd)):
         fix = ("`bdlora convert to-dense` writes the equivalent PEFT expert LoRA for" if cfg.is_bd else
                "this PEFT expert LoRA is for")
         raise BDLoraError(f"{path}: LoRA on MoE expert tensors (target_parameters={cfg.raw['target_parameters']!r}) "
-                          f"is not served with --enable-bdlora yet; {fix} vLLM's own MoE LoRA (start without "
+                          f"is served with --enable-bdlora for BD adapters at tensor-parallel size 1 or N only; {fix} "
+                          "vLLM's own MoE LoRA (start without "
                           "--enable-bdlora; on models vLLM loads per expert, such as Qwen3-MoE, with "
                           "--enable-mixed-moe-lora-format and the adapter's is_3d_lora_weight: true)")
     n = cfg.nblocks if cfg.is_bd else 1

@@ -24,6 +24,23 @@ from pathlib import Path
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 55], [101, 202, 303, 404, 45, 46, 47]]
 
 
+def serve_bd(model: Path, bd: Path, dense: Path, tp: int) -> dict:
+    """The BD expert adapter through the plugin (``--enable-bdlora``) against HF + PEFT on its dense conversion."""
+    from vllm.lora.request import LoRARequest
+
+    from bdlora.vllm_plugin.testing import generate_mixed, parity_report, start_llm, stop_llm
+
+    llm = start_llm(model, enable_lora=True, max_lora_rank=8, max_loras=1, tensor_parallel_size=tp,
+                    additional_config={"bdlora": True})
+    try:
+        req = LoRARequest("bd", 1, str(bd))
+        jobs = [(p, req) for p in PROMPTS] + [(p, None) for p in PROMPTS]
+        rows = parity_report(model, jobs, generate_mixed(llm, jobs), [dense] * len(PROMPTS) + [None] * len(PROMPTS))
+    finally:
+        stop_llm(llm)
+    return {"tp": tp, "rows": rows}
+
+
 def build(root: Path) -> tuple[Path, dict[str, Path]]:
     """(model folder, {name: adapter folder}): the BD adapter, its dense conversion, and an rsLoRA copy of it."""
     import torch
@@ -105,6 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="moe_parity.json")
     ap.add_argument("--root", default=None, help="work folder (default: a temporary one)")
     ap.add_argument("--prepare-only", action="store_true")
+    ap.add_argument("--bd", action="store_true", help="also serve the BD expert adapter with --enable-bdlora")
     ap.add_argument("--tol", type=float, default=2e-3, help="max |logprob diff| of a matching adapter")
     a = ap.parse_args(argv)
     import tempfile
@@ -119,12 +137,17 @@ def main(argv=None) -> int:
     res = {"vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d"), **serve_and_compare(model, adapters, a.tp)}
     ok = {name: all(r["tokens_equal"] and r["max_logprob_diff"] < a.tol for r in res["rows"] if r["adapter"] == name)
           for name in adapters}
+    if a.bd:
+        res["bd"] = serve_bd(model, adapters["dense"].parent / "bd", adapters["dense"], a.tp)
+        ok["bd"] = all(r["tokens_equal"] and r["max_logprob_diff"] < a.tol for r in res["bd"]["rows"]
+                       if r["adapter"] == "bd")
     res["matches"] = ok
     Path(a.out).write_text(json.dumps(res, indent=1))
-    for name in adapters:
-        worst = max(r["max_logprob_diff"] for r in res["rows"] if r["adapter"] == name)
+    for name in ok:
+        rows = res["bd"]["rows"] if name == "bd" else res["rows"]
+        worst = max(r["max_logprob_diff"] for r in rows if r["adapter"] == name)
         print(f"{name}: {'matches' if ok[name] else 'DIFFERS'} (max |logprob diff| {worst:.2e})")
-    return 0 if ok["dense"] else 1
+    return 0 if ok["dense"] and ok.get("bd", True) else 1
 
 
 if __name__ == "__main__":
