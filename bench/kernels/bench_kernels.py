@@ -193,8 +193,8 @@ def check(K) -> list[dict]:
         err = max([float((y - yr).detach().abs().max() / yr.detach().abs().max())] +
                   [float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) for a, b in zip(g, gr)])
         rows.append(dict(op=name, backend=backend, max_rel_err=err, ok=err < 1e-3))
-    rows[-1]["backend"] += ("+dropout:" + (ran.dispatch.dropout or ("none",))[-1]
-                            + "+dsdb(last adapter):" + (ran.dispatch.dsdb or ("none",))[-1])
+    rows[-1]["backend"] += ("+dropout:" + (ran.dropout or ("none",))[-1]
+                            + "+dsdb(last adapter):" + (ran.dsdb or ("none",))[-1])
     from bdlora.kernels import dropout as D  # the compiled counter hash gives the torch twin's bits
     keys = D.dropout_keys(7, 3)
     same = torch.equal(D.keep_mask_triton(keys, 1000, 4099, 0.1, "cuda"), D.keep_mask_torch(keys, 1000, 4099, 0.1,
@@ -238,6 +238,37 @@ def check(K) -> list[dict]:
         err = float((yk - yr).abs().max() / yr.abs().max())
         rows.append(dict(op=f"decode_lora_folded[bf16,{name},t={t_s}]",
                          backend=ran.backend, max_rel_err=err, ok=err < 1e-2))
+    rows += check_wider_factors(K)
+    return rows
+
+
+def check_wider_factors(K) -> list[dict]:
+    """fp32 master factors beside a bf16 base (the engine's mixed-precision jobs): every path runs the products in
+    bf16 with fp32 accumulation, so each is compared with the float64 reference on the factors rounded to bf16,
+    within bf16 rounding (relative to each tensor's largest entry)."""
+    rows = []
+    torch.manual_seed(1)
+    d_in, d_out, t = 256, 384, 300
+    seg = [0, 1, 1, 180, t]
+    x = torch.randn(t, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(d_out, d_in, device="cuda") / 16).bfloat16()
+    wide = [make_adapter(K, d_in, d_out, r, lay, n, torch.float32) for r, lay, n in
+            [(16, "column", 4), (64, "row", 4), (8, "column", 1), (32, "row", 2)]]
+    rounded = [dataclasses.replace(ad, lora_A=ad.lora_A.detach().bfloat16().double().requires_grad_(),
+                                   lora_B=ad.lora_B.detach().bfloat16().double().requires_grad_()) for ad in wide]
+    x64 = x.detach().double().requires_grad_()
+    gy = torch.randn(t, d_out, device="cuda", dtype=torch.bfloat16)
+    yr = K.fused_lora_linear_ref(x64, w.double(), None, seg, rounded)
+    gr = torch.autograd.grad(yr, [x64] + [p for ad in rounded for p in (ad.lora_A, ad.lora_B)], gy.double())
+    for name, opts in [("triton", K.KernelOptions(backend="triton")), ("fuse_base", K.KernelOptions(fuse_base=True)),
+                       ("cublas", K.KernelOptions(backend="cublas")), ("auto", None)]:
+        y, ran = K.fused_lora_linear(x, w, None, seg, wide, **({"options": opts} if opts else {}))
+        g = torch.autograd.grad(y, [x] + [p for ad in wide for p in (ad.lora_A, ad.lora_B)], gy)
+        dtypes_ok = y.dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in g[1:])
+        err = max(float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-6))
+                  for a, b in zip([y.detach(), *g], [yr.detach(), *gr]))
+        rows.append(dict(op=f"fused_lora_linear[{name},bf16 x,fp32 factors]", backend=ran.backend,
+                         max_rel_err=err, ok=err < 3e-2 and dtypes_ok))
     return rows
 
 
