@@ -122,7 +122,10 @@ def test_early_exit_sweep_compares_the_same_grid_with_and_without(tmp_path, monk
     from bench.train.early_exit_sweep import main as ee_main
 
     monkeypatch.setattr(models, "DEFAULT_CACHE", tmp_path / "cache")
-    assert ee_main(["--out", str(tmp_path / "ee"), "--small", "--device", "cpu"]) == 0
+    # one sweep per call, as on a machine lent in short calls: the comparison waits for both
+    assert ee_main(["--out", str(tmp_path / "ee"), "--small", "--device", "cpu", "--part", "full"]) == 0
+    assert not (tmp_path / "ee" / "early_exit.json").exists()
+    assert ee_main(["--out", str(tmp_path / "ee"), "--small", "--device", "cpu", "--part", "early"]) == 0
     res = json.loads((tmp_path / "ee" / "early_exit.json").read_text())
     full = json.loads((tmp_path / "ee" / "full" / "results.json").read_text())["jobs"]
     early = json.loads((tmp_path / "ee" / "early" / "results.json").read_text())["jobs"]

@@ -4,13 +4,15 @@ early exit (``early_exit: {enabled: true}``, its defaults), side by side in one 
 
     python -m bench.train.early_exit_sweep --out OUT                 # GPU: SmolLM2-135M, 16 jobs on the recall task
     python -m bench.train.early_exit_sweep --out OUT --small         # CPU: the tiny random Llama, 4 jobs, a few steps
+    python -m bench.train.early_exit_sweep --out OUT --part full     # one sweep per call (then --part early, same OUT)
 
 The jobs: BD-LoRA (N=3, what SmolLM2 serves at TP=3) on the quality benchmark's recall task (a 512-pair code book,
 batches of 16, 300 steps, validation on held-out phrasings every ``eval_every`` steps), a grid of learning rates x
 ranks. Both sweeps admit every job at once, so a job's ``time_s`` is its wall-clock from the sweep's start to its
 adapter. Writes ``OUT/early_exit.json`` and prints a summary: job steps of each sweep and the share early exit saved,
 each sweep's wall-clock, the best job by validation loss (the sweep's own criterion) in each and whether they agree,
-and the wall-clock to the best adapter in each.
+and the wall-clock to the best adapter in each. ``--part`` runs one of the two sweeps and keeps its rows in
+``OUT/<part>.json``; the comparison is written once both are there (for machines lent in calls shorter than both).
 """
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--small", action="store_true", help="the CPU-sized grid on the tiny random Llama")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--part", choices=["both", "full", "early"], default="both",
+                    help="run only the sweep without (full) or with (early) early exit; compare when both are in OUT")
     a = ap.parse_args(argv)
     import torch
 
@@ -85,8 +89,14 @@ def main(argv=None) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(a.out)
     files = prepare(out / "data", tasks=["recall"], recall_pairs=g["recall_pairs"])["recall"]
-    full, full_wall = sweep(run_file(g, files, out / "full", False, device))
-    early, early_wall = sweep(run_file(g, files, out / "early", True, device))
+    for part in (["full", "early"] if a.part == "both" else [a.part]):
+        rows, wall = sweep(run_file(g, files, out / part, part == "early", device))
+        (out / f"{part}.json").write_text(json.dumps({"rows": rows, "wall_s": wall, "device": device_name()}))
+    if not all((out / f"{p}.json").exists() for p in ("full", "early")):
+        print(f"{a.part} sweep done; run the other --part with the same --out to compare", flush=True)
+        return 0
+    (full, full_wall), (early, early_wall) = [
+        (d["rows"], d["wall_s"]) for d in (json.loads((out / f"{p}.json").read_text()) for p in ("full", "early"))]
     res = {"device": device_name(), "date": time.strftime("%Y-%m-%d"), "grid": g,
            **compare(full, full_wall, early, early_wall)}
     (out / "early_exit.json").write_text(json.dumps(res, indent=1))
