@@ -19,7 +19,8 @@ PREFIX = "base_model.model.model.layers.{}.mlp.experts"
 
 
 @pytest.fixture(scope="module")
-def bd_folder(tmp_path_factory):
+def moe_dirs(tmp_path_factory):
+    """(tiny random Qwen3-MoE folder, a BD expert adapter folder for it)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
@@ -34,7 +35,14 @@ def bd_folder(tmp_path_factory):
                 if p.requires_grad:
                     p.copy_(torch.randn(p.shape) * 0.2)
         bds[PREFIX.format(i)] = bd
-    return save_adapter(expert_adapter(bds, "tiny"), tmp_path_factory.mktemp("moe") / "bd")
+    root = tmp_path_factory.mktemp("moe")
+    model.save_pretrained(root / "model")
+    return root / "model", save_adapter(expert_adapter(bds, str(root / "model")), root / "bd")
+
+
+@pytest.fixture(scope="module")
+def bd_folder(moe_dirs):
+    return moe_dirs[1]
 
 
 def _runtime(tp_size, tp_rank):
@@ -92,3 +100,21 @@ def test_other_tp_sizes_and_unknown_layers_are_refused(bd_folder):
     bare = BDRuntime(tp_size=2, tp_rank=0, device_rank=R, min_nblocks=N, layer_map={})
     with pytest.raises(BDLoraError, match="is not a MoE layer the plugin serves BD expert adapters on"):
         rank_expert_tensors(dict(tensors), cfg, bare, None, str(bd_folder))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_engine_validation_takes_bd_expert_adapters_at_tp_1_or_n(moe_dirs, tp):
+    """What ``load_lora_adapter`` runs first: a BD expert adapter passes at tensor-parallel size 1 or its N (the
+    fused expert factors are checked where they are read, not as per-module matrices), and elsewhere it is refused
+    with the dense conversion named as the fix."""
+    from bdlora.spec import BDLoraError
+    from bdlora.vllm_plugin.validate import EngineFacts, _check_adapter, device_rank
+
+    model, bd = moe_dirs
+    facts = EngineFacts(bd=True, tp_size=tp, max_lora_rank=R, device_rank=device_rank(R, tp), model_path=str(model),
+                        model_type="qwen3_moe", num_kv_heads=2)
+    if tp in (1, N):
+        _check_adapter(str(bd), facts)
+    else:
+        with pytest.raises(BDLoraError, match="tensor-parallel size 1 or N only; `bdlora convert to-dense`"):
+            _check_adapter(str(bd), facts)
