@@ -939,7 +939,8 @@ def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str
         f"- data: {data} ({cfg.data_format}), {facts.get('steps')} steps, lr {cfg.lr:g}, "
         f"batch {cfg.batch_size} x {cfg.grad_accum}",
     ]
-    if facts.get("moe_layers"):
+    moe = bool(facts.get("moe_layers"))
+    if moe:
         lines.append(f"- the fused experts of {facts['moe_layers']} MoE layers: gate_up_proj (B block-diagonal, gate "
                      "and up sliced as vLLM shards them) and down_proj (A block-diagonal), PEFT's `target_parameters`")
     if ev:
@@ -953,24 +954,17 @@ def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str
                      "k-bit base in PEFT: call `bdlora.quant.enable_bdlora_on_kbit()` first)")
     where = (f"vLLM downloads the adapter from the hub as `{hub_id}`." if hub_id else
              "Run it in this folder (`.` is the adapter).")
-    if facts.get("moe_layers"):  # the plugin does not serve BD expert adapters yet: say what does run it
-        lines += [
-            "", "## Use it", "",
-            "`bdlora convert to-dense` writes the equivalent standard PEFT expert LoRA, which PEFT loads "
-            "(`PeftModel.from_pretrained(base, folder)`, peft >= 0.21), for engines without BD support. "
-            "Serving BD-LoRA on MoE experts with vLLM's `--enable-bdlora` is not available yet.", "",
-        ]
-        (folder / "README.md").write_text("\n".join(lines))
-        return
     lines += [
         "", "## Serve with vLLM", "",
         f"With vLLM and bdlora installed (bdlora's README: install). {where}", "", "```bash",
         f"vllm serve {base_repo} --enable-lora --enable-bdlora{tp} --max-lora-rank {rank_flag} \\",
         f"    --lora-modules {name}={hub_id or '.'}", "```", "",
-        f"Requests name the adapter as the model: `\"model\": \"{name}\"`. The plugin also serves it at any "
-        f"tensor-parallel size M with M | {n} or {n} | M. It loads in PEFT as it is "
-        "(`PeftModel.from_pretrained(base, folder)`, peft >= 0.21); for engines without BD support, "
-        "`bdlora convert to-dense` gives an equivalent standard LoRA.", "",
+        f"Requests name the adapter as the model: `\"model\": \"{name}\"`. "
+        + (f"With its expert adapters the plugin serves it at tensor-parallel size {n} or 1. " if moe else
+           f"The plugin also serves it at any tensor-parallel size M with M | {n} or {n} | M. ")
+        + "It loads in PEFT as it is (`PeftModel.from_pretrained(base, folder)`, peft >= 0.21); for engines without "
+        "BD support, `bdlora convert to-dense` gives an equivalent standard "
+        + ("PEFT expert LoRA." if moe else "LoRA."), "",
     ]
     (folder / "README.md").write_text("\n".join(lines))
 
