@@ -137,3 +137,30 @@ def test_early_exit_sweep_compares_the_same_grid_with_and_without(tmp_path, monk
     assert res["best_full"] == min(full, key=lambda r: r["best_eval_loss"])["job"]
     assert res["same_best"] == (res["best_full"] == res["best_early"])
     assert res["time_to_best_early_s"] == next(r["time_s"] for r in early if r["job"] == res["best_early"])
+
+
+def test_peer_mlora_config_describes_the_engine_jobs(tmp_path):
+    """The mLoRA side of the peer benchmark: K adapters with the engine jobs' ranks, alpha and dropout, every task
+    one epoch over batch x steps records of the same data (mLoRA itself runs on the GPU machine, from its own
+    checkout: no download here)."""
+    import yaml
+
+    from bench.train.bench_engine import make_data
+    from bench.train.peer_mlora import DROPOUT, LR, TARGETS, main as peer_main, mlora_config
+
+    data = make_data(tmp_path / "task.jsonl", 50)
+    cfg = yaml.safe_load(mlora_config(tmp_path, data, [16, 32], 3, 4, 5, 256).read_text())
+    assert cfg["dispatcher"]["concurrency_num"] == 3  # all jobs in one batch: mLoRA's BatchLoRA
+    assert [(a["r"], a["alpha"], a["dropout"], a["lr"]) for a in cfg["adapters"]] == \
+        [(16, 32, DROPOUT, LR), (32, 64, DROPOUT, LR), (16, 32, DROPOUT, LR)]
+    assert all(set(a["target_modules"]) == set(TARGETS) and all(a["target_modules"].values())
+               for a in cfg["adapters"])
+    assert all((t["batch_size"], t["mini_batch_size"], t["num_epochs"], t["cutoff_len"]) == (4, 4, 1, 256)
+               for t in cfg["tasks"])
+    records = json.loads((tmp_path / "data.json").read_text())
+    source = [json.loads(line) for line in data.read_text().splitlines()][:20]
+    assert [(r["instruction"], r["input"], r["chosen"]) for r in records] == \
+        [(s["instruction"], s["input"], s["output"]) for s in source]
+    with pytest.raises(SystemExit) as e:  # a folder that is not an mLoRA checkout: named, no traceback
+        peer_main(["--mlora-src", str(tmp_path), "--out", str(tmp_path / "r.json"), "--cpu-smoke"])
+    assert e.value.code == 2
