@@ -795,3 +795,29 @@ def test_moe_parity_prepares_equal_scale_dense_adapters(tmp_path):
         base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()(input_ids=ids).logits
     torch.testing.assert_close(logits["dense"], logits["dense_rslora"])
     assert (logits["dense"] - base).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("engine", ["lora", "bd"])
+def test_moe_proxy_adapters_are_the_per_gpu_factors(tmp_path, engine):
+    """The MoE proxy serves one GPU's shard at TP=1: its rank-r ("lora", vLLM's default LoRA at TP=N) or rank-r/N
+    ("bd") adapter is a PEFT expert LoRA that PEFT loads on the shard's model, and its bytes are what
+    ``adapter_bytes_per_gpu`` computes for that GPU at TP=N (the table's memory column comes from that formula)."""
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench.serve.moe_proxy import main as proxy_main
+
+    out = tmp_path / "p.json"
+    assert proxy_main(["--shape", "tiny", "--tp", "2", "--r", "16", "--only", engine, "--prepare-only",
+                       "--root", str(tmp_path / "root"), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    folder = Path(res["adapter"])
+    with safe_open(str(folder / "adapter_model.safetensors"), "pt") as f:
+        stored = sum(f.get_tensor(k).numel() * 2 for k in f.keys())
+    per_gpu = res["adapter_bytes_per_gpu"]
+    assert stored == per_gpu["vllm_default" if engine == "lora" else "bd"]
+    assert per_gpu["bd"] < per_gpu["fully_sharded"] < per_gpu["vllm_default"]
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(tmp_path / "root" / "qwen3moe-shard")))
+    lora = [n for n, _ in PeftModel.from_pretrained(model, str(folder)).named_parameters() if "lora_" in n]
+    assert any("experts" in n for n in lora) and any("q_proj" in n for n in lora)

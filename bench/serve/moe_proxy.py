@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Per-GPU serving cost of expert adapters on a MoE model under tensor parallelism, measured on ONE GPU: one GPU's
+shard of a Qwen3-30B-A3B-shaped model at TP=N served at TP=1 by vLLM in-process (bf16, CUDA graphs, random
+weights via ``--load-format dummy``, no tokenizer): hidden 2048, 48 layers, 128 experts with 8 per token, expert
+intermediate 768/N, 32/N query heads and max(4/N, 1) KV heads of 128, vocabulary 151936/N (vLLM shards the
+embedding and the LM head by vocabulary).
+
+    PYTHONPATH=/tmp/site python3 -m bench.serve.moe_proxy --tp 4 --only lora --out lora.json
+    python3 -m bench.serve.moe_proxy --shape tiny --prepare-only --out x.json     # CPU: the model and adapter only
+
+Engines (each in its own process, ``--only``), all adapters on q/k/v/o and both fused expert tensors:
+
+  base   no LoRA
+  lora   vLLM's own MoE LoRA at rank r (default 64): the per-GPU factors of vLLM's default LoRA at TP=N, whose
+         replicated halves (gate_up's and q/k/v's A, down's and o's B) keep the whole rank on every GPU
+  bd     the same layers at rank r/N: the per-GPU factors of a BD-LoRA adapter of rank r at TP=N (each GPU runs an
+         independent rank r/N adapter of its own shard; the plugin's BD MoE layer runs vLLM's MoE LoRA kernels on
+         exactly these shapes, with identity slicing), served here through vLLM's own LoRA
+
+The tensor-parallel all-reduce after attention and experts is the base model's and the same for all three, so it
+is left out. ``--fully-sharded-loras`` adds LoRA collectives that one GPU cannot show; its per-GPU adapter bytes are
+in the JSON beside the others (``adapter_bytes_per_gpu``: computed from the factors' shapes at TP=N).
+Per batch size (``--batches``): decode ms/step and steady step ms (``auto_proxy.decode_ms`` / ``step_ms``) with
+prompts of 128 tokens, and TTFT of 1024-token prompts. Per-expert models need vLLM's mixed MoE LoRA format
+(``enable_mixed_moe_lora_format``, ``is_3d_lora_weight``), set where the vLLM version has them.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+FULL = {"H": 2048, "L": 48, "E": 128, "topk": 8, "I": 768, "NH": 32, "NKV": 4, "HD": 128, "V": 151936}
+TINY = {"H": 64, "L": 2, "E": 4, "topk": 2, "I": 32, "NH": 4, "NKV": 2, "HD": 16, "V": 1024}
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def shard(full: dict, tp: int) -> dict:
+    """One GPU's share of ``full`` at tensor-parallel size ``tp``."""
+    return dict(full, I=full["I"] // tp, NH=full["NH"] // tp, NKV=max(full["NKV"] // tp, 1), V=full["V"] // tp)
+
+
+def write_model(root: Path, sh: dict) -> Path:
+    d = root / "qwen3moe-shard"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": sh["H"],
+        "num_hidden_layers": sh["L"], "num_attention_heads": sh["NH"], "num_key_value_heads": sh["NKV"],
+        "head_dim": sh["HD"], "intermediate_size": 6 * sh["I"], "moe_intermediate_size": sh["I"],
+        "num_experts": sh["E"], "num_experts_per_tok": sh["topk"], "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "norm_topk_prob": True, "vocab_size": sh["V"], "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": 1,
+        "eos_token_id": 2}))
+    return d
+
+
+def factor_shapes(sh: dict, r: int) -> dict[str, tuple[tuple, tuple]]:
+    """{PEFT module suffix: (lora_A shape, lora_B shape)} of one layer's dense rank-r adapter in PEFT's format: the
+    attention projections', and the fused experts' flattened as PEFT stores them (``bdlora.moe.to_peft_layout``)."""
+    h, e, i, q, kv = sh["H"], sh["E"], sh["I"], sh["NH"] * sh["HD"], sh["NKV"] * sh["HD"]
+    from bdlora.moe import expert_key_prefixes, PEFT_TARGET_PARAMETERS
+
+    pre = expert_key_prefixes(PEFT_TARGET_PARAMETERS)
+    return {"self_attn.q_proj": ((r, h), (q, r)), "self_attn.k_proj": ((r, h), (kv, r)),
+            "self_attn.v_proj": ((r, h), (kv, r)), "self_attn.o_proj": ((r, q), (h, r)),
+            pre["gate_up_proj"]: ((e * r, h), (2 * i, e * r)), pre["down_proj"]: ((e * r, i), (h, e * r))}
+
+
+def write_adapter(root: Path, name: str, r: int, sh: dict, seed: int = 0) -> Path:
+    """A dense PEFT LoRA of rank r on attention and both expert tensors (random bf16 factors)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from bdlora.moe import PEFT_TARGET_PARAMETERS
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(sh["L"]):
+        for suffix, (a, b) in factor_shapes(sh, r).items():
+            key = f"base_model.model.model.layers.{layer}.{suffix}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(a, generator=g) * 0.01).to(torch.bfloat16)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(b, generator=g) * 0.01).to(torch.bfloat16)
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(ATTENTION),
+        "target_parameters": list(PEFT_TARGET_PARAMETERS), "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
+        "task_type": "CAUSAL_LM", "base_model_name_or_path": None}))
+    return d
+
+
+def adapter_bytes_per_gpu(full: dict, tp: int, r: int) -> dict[str, int]:
+    """bf16 bytes of one rank-r adapter's factors held by each GPU at TP=``tp``: vLLM's default LoRA (one factor of
+    each pair replicated), ``--fully-sharded-loras`` (both sharded; collectives added) and BD-LoRA (r/N per GPU)."""
+    sh, n = shard(full, tp), tp
+    h, e, i, q, kv = sh["H"], sh["E"], sh["I"], sh["NH"] * sh["HD"], sh["NKV"] * sh["HD"]
+
+    def layer(col_a: int, col_b: int, row_a: int, row_b: int, row_out: int) -> int:  # per-GPU elements, one layer
+        col = (col_a * h + q * col_b) + 2 * (col_a * h + kv * col_b) + e * (col_a * h + 2 * i * col_b)  # q,k,v,gate_up
+        row = (row_a * q + row_out * row_b) + e * (row_a * i + row_out * row_b)  # o, down
+        return col + row
+
+    default = layer(r, r, r, r, h)
+    fully = layer(r // n, r, r, r, h // n) if n > 1 else default
+    bd = layer(r // n, r // n, r // n, r // n, h)
+    return {k: 2 * full["L"] * v for k, v in (("vllm_default", default), ("fully_sharded", fully), ("bd", bd))}
+
+
+def engine_kwargs(only: str, sh: dict, root: Path, r: int, tp: int, mem: float) -> tuple[dict, object]:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.lora.request import LoRARequest
+
+    from bench.serve.auto_proxy import BATCHED_TOKENS, MAX_MODEL_LEN
+
+    kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN,
+              max_num_seqs=64, max_num_batched_tokens=BATCHED_TOKENS, gpu_memory_utilization=mem,
+              enable_prefix_caching=False)
+    if only == "base":
+        return kw, None
+    rank = r if only == "lora" else r // tp
+    if "enable_mixed_moe_lora_format" in inspect.signature(EngineArgs).parameters:
+        kw["enable_mixed_moe_lora_format"] = True
+    kw.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
+    extra = {"is_3d_lora_weight": True} if "is_3d_lora_weight" in inspect.signature(LoRARequest).parameters else {}
+    return kw, LoRARequest(f"{only}_r{rank}", 1, str(write_adapter(root, f"{only}_r{rank}", rank, sh)), **extra)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=4, help="the tensor-parallel size whose one-GPU shard is served")
+    ap.add_argument("--shape", choices=["qwen3-30b-a3b", "tiny"], default="qwen3-30b-a3b")
+    ap.add_argument("--only", choices=["base", "lora", "bd"], default="base")
+    ap.add_argument("--r", type=int, default=64, help="the adapter's total rank (bd serves r / tp)")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--mem", type=float, default=0.45, help="gpu_memory_utilization")
+    ap.add_argument("--root", default="/tmp/bdlora-moe-proxy")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--prepare-only", action="store_true", help="write the model folder and adapter, then stop")
+    a = ap.parse_args(argv)
+    full = FULL if a.shape != "tiny" else TINY
+    if a.r % a.tp or full["I"] % a.tp or full["NH"] % a.tp:
+        ap.error(f"--r {a.r}, the expert intermediate {full['I']} and the {full['NH']} heads must divide by --tp {a.tp}")
+    sh = shard(full, a.tp)
+    root = Path(a.root)
+    model = write_model(root, sh)
+    res = {"shape": a.shape, "tp": a.tp, "shard": sh, "r": a.r, "engine": a.only, "date": time.strftime("%Y-%m-%d"),
+           "adapter_bytes_per_gpu": adapter_bytes_per_gpu(full, a.tp, a.r)}
+    if a.prepare_only:
+        kw, lora = engine_kwargs(a.only, sh, root, a.r, a.tp, a.mem) if a.only != "base" else ({}, None)
+        res["adapter"] = getattr(lora, "lora_path", None)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        return 0
+    import vllm
+    from vllm import LLM
+
+    from bench.serve.auto_proxy import decode_ms, device_name, step_ms, ttft_ms
+
+    kw, lora = engine_kwargs(a.only, sh, root, a.r, a.tp, a.mem)
+    t0 = time.perf_counter()
+    llm = LLM(str(model), **kw)
+    res.update(vllm=vllm.__version__, device=device_name(), startup_s=round(time.perf_counter() - t0, 1), rows=[])
+    for b in [int(x) for x in a.batches.split(",")]:
+        st = step_ms(llm, lora, b, vocab=sh["V"])
+        row = {"batch": b, "decode_ms": decode_ms(llm, lora, b, vocab=sh["V"]),
+               "step_ms": {k: st[k] for k in ("median", "p10", "p90", "steps")} if st else None,
+               "ttft_ms": ttft_ms(llm, lora, b, 1024, vocab=sh["V"])}
+        res["rows"].append(row)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        print(a.only, json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
