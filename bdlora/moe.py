@@ -87,20 +87,45 @@ def dense_factors(lora_a: torch.Tensor, lora_b: torch.Tensor, layout: Layout, nb
     return torch.stack([unpack_block_diagonal(a, nblocks) for a in lora_a]), lora_b
 
 
+def device_blocks(nblocks: int, k: int, n_devices: int) -> list[int]:
+    """The blocks device k of ``n_devices`` computes with: N/M whole blocks when M | N, one block shared by M/N
+    devices when N | M."""
+    if n_devices <= nblocks:
+        per = nblocks // n_devices
+        return list(range(k * per, (k + 1) * per))
+    return [k // (n_devices // nblocks)]
+
+
 def device_factors(name: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblocks: int, k: int, n_devices: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device k's plain LoRA factors of one expert tensor at tensor-parallel size ``n_devices`` = ``nblocks``:
-    (E, r/N, d_in_k), (E, d_out_k, r/N) for its shard (gate rows then up rows for gate_up, as vLLM's ``w13``)."""
-    if n_devices != nblocks:
-        raise BDLoraError(f"{name}: an adapter of nblocks={nblocks} is laid out for {nblocks} devices, not {n_devices}")
+    """Device k's plain LoRA factors of one expert tensor at tensor-parallel size M = ``n_devices``, for its own
+    shard of every expert (gate rows then up rows for gate_up, as vLLM's ``w13``; down's input columns), where M | N
+    or N | M: (E, r_k, d_in_k), (E, d_out_k, r_k) with r_k = r/N x its blocks (:func:`device_blocks`). M = N: its
+    own block, no zeros; M < N: its N/M blocks assembled block-diagonally (the zeros exist only here); M > N: its
+    block's A replicated and B's rows of its part of the block (gate_up), or its part of the block's inputs in A and
+    the block's B replicated (down). The devices' terms add up to the adapter's (down: partial sums)."""
+    if n_devices % nblocks and nblocks % n_devices:
+        raise BDLoraError(f"{name}: an adapter of nblocks={nblocks} cannot be split over {n_devices} devices (one "
+                          "must divide the other)")
     layout, slices = EXPERT_TENSORS[name]
     rb = lora_a.shape[1] // nblocks if layout == COLUMN else lora_b.shape[2] // nblocks
-    ranks = slice(k * rb, (k + 1) * rb)
-    if layout == COLUMN:
-        e, d_out, _ = lora_b.shape
-        rows = lora_b.view(e, slices, nblocks, d_out // (slices * nblocks), rb)[:, :, k].reshape(e, -1, rb)
-        return lora_a[:, ranks], rows
-    return lora_a[:, ranks], lora_b[:, :, ranks]
+    blocks = device_blocks(nblocks, k, n_devices)
+    ranks = torch.cat([torch.arange(b * rb, (b + 1) * rb) for b in blocks])
+    if n_devices == nblocks:  # the common case: no zeros, plain views of the packed factors
+        ranks = slice(k * rb, (k + 1) * rb)
+        if layout == COLUMN:
+            e, d_out, _ = lora_b.shape
+            rows = lora_b.view(e, slices, nblocks, d_out // (slices * nblocks), rb)[:, :, k].reshape(e, -1, rb)
+            return lora_a[:, ranks], rows
+        return lora_a[:, ranks], lora_b[:, :, ranks]
+    dense_a, dense_b = dense_factors(lora_a, lora_b, layout, nblocks, slices)
+    if layout == COLUMN:  # this device's output rows (in each slice), the ranks that reach them
+        e, d_out, _ = dense_b.shape
+        rows = dense_b.view(e, slices, n_devices, d_out // (slices * n_devices), -1)[:, :, k].reshape(e, -1,
+                                                                                                   dense_b.shape[2])
+        return dense_a[:, ranks].contiguous(), rows[:, :, ranks].contiguous()
+    d_in = dense_a.shape[2] // n_devices  # this device's input columns, the ranks they reach
+    return dense_a[:, ranks, k * d_in:(k + 1) * d_in].contiguous(), dense_b[:, :, ranks].contiguous()
 
 
 def device_weights(gate_up: torch.Tensor, down: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,6 +350,7 @@ def check_experts_intact(modules: dict[str, "BDLoraExperts"]) -> Optional[str]:
 
 
 __all__ = ["BDLoraExperts", "EXPERT_TENSORS", "ExpertFactors", "PEFT_TARGET_PARAMETERS", "check_expert_shapes",
-           "check_experts_intact", "check_target_parameters", "dense_factors", "device_factors", "device_weights",
+           "check_experts_intact", "check_target_parameters", "dense_factors", "device_blocks", "device_factors",
+           "device_weights",
            "expert_key_prefixes", "expert_lora", "factor_shapes", "from_peft_layout", "fused_experts",
            "peft_expert_factors", "to_peft_layout", "trained_expert_factors", "wrap_experts"]

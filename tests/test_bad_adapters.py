@@ -334,8 +334,8 @@ def test_errors_are_bdlora_errors():
 def test_expert_lora_is_read_and_refused_where_not_served(tmp_path, capsys):
     """A PEFT expert LoRA (``target_parameters`` on a MoE model's fused expert tensors) is read as such (the expert
     factors beside the dense modules' and reported by inspect); target parameters bdlora does not know are refused
-    by name; BD-mode serving refuses expert LoRAs with the way to serve them, vLLM's own LoRA (the plugin's stock
-    mode) lets them through to vLLM."""
+    by name; BD-mode serving refuses an expert LoRA on one of the two expert tensors with the way to serve it,
+    vLLM's own LoRA (the plugin's stock mode) lets it through to vLLM."""
     import json
     from types import SimpleNamespace
 
@@ -376,7 +376,8 @@ def test_expert_lora_is_read_and_refused_where_not_served(tmp_path, capsys):
             lora_config=SimpleNamespace(max_lora_rank=16, max_loras=1),
             model_config=SimpleNamespace(model=str(tmp_path / "no-model"), hf_config=cfg, hf_text_config=cfg))
 
-    with pytest.raises(BDLoraError, match=r"MoE expert tensors.*this PEFT expert LoRA is for vLLM's own MoE LoRA "
+    with pytest.raises(BDLoraError, match=r"on both fused expert tensors .* only; this PEFT expert LoRA is for "
+                                          r"vLLM's own MoE LoRA "
                                           r"\(start without --enable-bdlora; .*is_3d_lora_weight: true\)"):
         validate_adapter(str(src), engine(bd=True), name="experts")
     assert validate_adapter(str(src), engine(bd=False), name="experts").raw["target_parameters"]

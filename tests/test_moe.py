@@ -43,17 +43,19 @@ def _routing(t=11, e=4, k=2, seed=2):
     return idx, w / w.sum(-1, keepdim=True)
 
 
-def _sharded_reference(bd: BDLoraExperts, x, idx, w):
-    """Every device k computes its own shard of every expert with a plain rank r/N LoRA (scale alpha/sqrt(r/N)) of
-    its own; the down projection's partial outputs are summed (the row-parallel all-reduce). Factors are views of
-    bd's packed parameters, so gradients land on the same tensors."""
+def _sharded_reference(bd: BDLoraExperts, x, idx, w, m=None):
+    """Every device k of m (default N) computes its own shard of every expert with a plain LoRA of its own (rank
+    r/N per block it holds, the adapter's scale alpha/sqrt(r/N)); the down projection's partial outputs are summed
+    (the row-parallel all-reduce). Factors are views (M = N) or functions of bd's packed parameters, so gradients
+    land on the same tensors."""
     n, base = bd.nblocks, bd.base
+    m = m or n
     scale = 8.0 / math.sqrt(bd.r / n)
     out = torch.zeros_like(x)
-    for k in range(n):
-        w13, w2 = device_weights(base.gate_up_proj, base.down_proj, k, n)
-        a1, b1 = device_factors("gate_up_proj", *bd.factors("gate_up_proj"), n, k, n)
-        a2, b2 = device_factors("down_proj", *bd.factors("down_proj"), n, k, n)
+    for k in range(m):
+        w13, w2 = device_weights(base.gate_up_proj, base.down_proj, k, m)
+        a1, b1 = device_factors("gate_up_proj", *bd.factors("gate_up_proj"), n, k, m)
+        a2, b2 = device_factors("down_proj", *bd.factors("down_proj"), n, k, m)
         for e in range(bd.num_experts):
             tok, pos = torch.where(idx == e)
             if not len(tok):
@@ -88,6 +90,20 @@ def test_bd_experts_equal_independent_shard_loras(n, r):
     assert all(gr.abs().sum() > 0 for gr in grads)  # every factor of every tensor trains
 
 
+@pytest.mark.parametrize("n,m", [(2, 1), (4, 2), (2, 4), (1, 2)])
+def test_bd_experts_split_over_other_device_counts(n, m):
+    """Served at M devices with M | N (each holds N/M blocks, rank r/M) or N | M (a block shared by M/N devices,
+    rank r/N): the devices' shard LoRAs still add up to the adapter's output, with the ranks the plugin sizes."""
+    experts = _experts()
+    bd = _bd(experts, n, 8)
+    idx, w = _routing()
+    x = torch.randn(11, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(bd(x, idx, w), _sharded_reference(bd, x, idx, w, m), rtol=1e-10, atol=1e-12)
+    for name in EXPERT_TENSORS:
+        a, b = device_factors(name, *bd.factors(name), n, 0, m)
+        assert a.shape[1] == b.shape[2] == 8 // min(n, m)
+
+
 @pytest.mark.parametrize("name", list(EXPERT_TENSORS))
 def test_dense_equivalent_and_block_structure(name):
     """The dense factors (zeros written out) compute the same term; every device's factors touch only its shard."""
@@ -117,8 +133,8 @@ def test_shapes_and_refusals():
         factor_shapes("gate_up_proj", (4, 12, 32), 4, 8)
     with pytest.raises(BDLoraError, match=r"down_proj .* rank r=6 must divide into nblocks=4"):
         factor_shapes("down_proj", (4, 32, 8), 4, 6)
-    with pytest.raises(BDLoraError, match="laid out for 2 devices, not 4"):
-        device_factors("down_proj", torch.zeros(4, 8, 4), torch.zeros(4, 32, 8), 2, 0, 4)
+    with pytest.raises(BDLoraError, match="nblocks=2 cannot be split over 3 devices"):
+        device_factors("down_proj", torch.zeros(4, 8, 4), torch.zeros(4, 32, 8), 2, 0, 3)
 
 
 def test_dense_equivalent_runs_in_peft_expert_lora():

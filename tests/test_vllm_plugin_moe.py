@@ -53,7 +53,7 @@ def _runtime(tp_size, tp_rank):
     return BDRuntime(tp_size=tp_size, tp_rank=tp_rank, device_rank=R, min_nblocks=N, layer_map=layer_map)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])
 def test_each_rank_gets_its_expert_blocks_per_expert(bd_folder, tp):
     from safetensors.torch import load_file
 
@@ -82,7 +82,7 @@ def test_each_rank_gets_its_expert_blocks_per_expert(bd_folder, tp):
                 torch.testing.assert_close(out[key + ".up_proj.lora_B.weight"], b1[e, half:] * correction)
                 assert torch.equal(out[key + ".down_proj.lora_A.weight"], a2[e])
                 torch.testing.assert_close(out[key + ".down_proj.lora_B.weight"], b2[e] * correction)
-            r_dev = R // tp if tp > 1 else R
+            r_dev = R // min(tp, N)  # N | M: a block shared by M/N ranks
             assert out[PREFIX.format(i) + ".0.gate_proj.lora_A.weight"].shape == (r_dev, 32)
             assert out[PREFIX.format(i) + ".0.down_proj.lora_A.weight"].shape == (r_dev, 16 // tp)
 
@@ -95,26 +95,53 @@ def test_other_tp_sizes_and_unknown_layers_are_refused(bd_folder):
 
     cfg = load_adapter(bd_folder).config
     tensors = load_file(str(bd_folder / "adapter_model.safetensors"))
-    with pytest.raises(BDLoraError, match="tensor-parallel size 2 or 1 for now, not 4"):
-        rank_expert_tensors(dict(tensors), cfg, _runtime(4, 0), None, str(bd_folder))
+    with pytest.raises(BDLoraError, match="nblocks=2 cannot be split over 3 devices"):
+        rank_expert_tensors(dict(tensors), cfg, _runtime(3, 0), None, str(bd_folder))
     bare = BDRuntime(tp_size=2, tp_rank=0, device_rank=R, min_nblocks=N, layer_map={})
     with pytest.raises(BDLoraError, match="is not a MoE layer the plugin serves BD expert adapters on"):
         rank_expert_tensors(dict(tensors), cfg, bare, None, str(bd_folder))
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_engine_validation_takes_bd_expert_adapters_at_tp_1_or_n(moe_dirs, tp):
-    """What ``load_lora_adapter`` runs first: a BD expert adapter passes at tensor-parallel size 1 or its N (the
-    fused expert factors are checked where they are read, not as per-module matrices), and elsewhere it is refused
-    with the dense conversion named as the fix."""
+@pytest.mark.parametrize("tp", [1, 2, 4, 3])
+def test_engine_validation_takes_expert_adapters_where_the_blocks_split(moe_dirs, tp):
+    """What ``load_lora_adapter`` runs first: a BD expert adapter passes where one of N and the tensor-parallel
+    size divides the other (the fused expert factors are checked where they are read, not as per-module matrices),
+    and elsewhere it is refused with the fix, as dense-layer adapters are."""
     from bdlora.spec import BDLoraError
     from bdlora.vllm_plugin.validate import EngineFacts, _check_adapter, device_rank
 
     model, bd = moe_dirs
-    facts = EngineFacts(bd=True, tp_size=tp, max_lora_rank=R, device_rank=device_rank(R, tp), model_path=str(model),
-                        model_type="qwen3_moe", num_kv_heads=2)
-    if tp in (1, N):
+    facts = EngineFacts(bd=True, tp_size=tp, max_lora_rank=R, device_rank=device_rank(R, tp, min_nblocks=N),
+                        model_path=str(model), model_type="qwen3_moe", num_kv_heads=2)
+    if tp != 3:
         _check_adapter(str(bd), facts)
     else:
-        with pytest.raises(BDLoraError, match="tensor-parallel size 1 or N only; `bdlora convert to-dense`"):
+        with pytest.raises(BDLoraError, match="adapter has nblocks=2 but tensor-parallel size is 3"):
             _check_adapter(str(bd), facts)
+
+
+def test_a_dense_expert_lora_is_sharded_the_standard_way(moe_dirs, tmp_path):
+    """A dense PEFT expert LoRA in BD mode is the N = 1 case: each rank gets vLLM's default sharding of it, gate_up's
+    A whole with the rows of its B of the rank's gate and up shards, down's A columns of its inputs with B whole."""
+    from safetensors.torch import load_file
+
+    from bdlora.cli import main as cli_main
+    from bdlora.vllm_plugin.loader import rank_expert_tensors
+
+    dense = tmp_path / "dense"
+    assert cli_main(["convert", "to-dense", str(moe_dirs[1]), str(dense)]) == 0
+    cfg = load_adapter(dense).config
+    assert not cfg.is_bd
+    tensors = load_file(str(dense / "adapter_model.safetensors"))
+    whole = rank_expert_tensors(dict(tensors), cfg, _runtime(1, 0), None, str(dense))
+    for k in range(2):
+        out = rank_expert_tensors(dict(tensors), cfg, _runtime(2, k), None, str(dense))
+        for key, t in out.items():
+            full = whole[key]
+            if key.endswith(("gate_proj.lora_B.weight", "up_proj.lora_B.weight")):  # rows of this shard
+                torch.testing.assert_close(t, full[k * 8:(k + 1) * 8])
+            elif key.endswith("down_proj.lora_A.weight"):  # columns of this shard's inputs
+                torch.testing.assert_close(t, full[:, k * 8:(k + 1) * 8])
+            else:
+                torch.testing.assert_close(t, full)
+    assert len(whole) == 2 * 4 * 3 * 2  # layers x experts x (gate, up, down) x (A, B)

@@ -959,12 +959,10 @@ def write_model_card(folder: Path, spec: BDLoraSpec, cfg: TrainConfig, base: str
         f"With vLLM and bdlora installed (bdlora's README: install). {where}", "", "```bash",
         f"vllm serve {base_repo} --enable-lora --enable-bdlora{tp} --max-lora-rank {rank_flag} \\",
         f"    --lora-modules {name}={hub_id or '.'}", "```", "",
-        f"Requests name the adapter as the model: `\"model\": \"{name}\"`. "
-        + (f"With its expert adapters the plugin serves it at tensor-parallel size {n} or 1. " if moe else
-           f"The plugin also serves it at any tensor-parallel size M with M | {n} or {n} | M. ")
-        + "It loads in PEFT as it is (`PeftModel.from_pretrained(base, folder)`, peft >= 0.21); for engines without "
-        "BD support, `bdlora convert to-dense` gives an equivalent standard "
-        + ("PEFT expert LoRA." if moe else "LoRA."), "",
+        f"Requests name the adapter as the model: `\"model\": \"{name}\"`. The plugin also serves it at any "
+        f"tensor-parallel size M with M | {n} or {n} | M. It loads in PEFT as it is "
+        "(`PeftModel.from_pretrained(base, folder)`, peft >= 0.21); for engines without BD support, "
+        f"`bdlora convert to-dense` gives an equivalent standard {'PEFT expert LoRA' if moe else 'LoRA'}.", "",
     ]
     (folder / "README.md").write_text("\n".join(lines))
 

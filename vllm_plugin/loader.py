@@ -180,28 +180,24 @@ def rank_expert_tensors(tensors: dict, cfg: AdapterConfig, runtime: "BDRuntime",
                         ) -> dict[str, torch.Tensor]:
     """This TP rank's expert factors of a BD expert adapter, keyed as vLLM's MoE LoRA layer of the served model reads
     them: per expert (``<experts>.<e>.gate_proj|up_proj|down_proj``) for vLLM's per-expert MoE models, PEFT's
-    flattened ``<experts>[.base_layer].lora_A/B`` for its 3-D ones. Each rank gets ``bdlora.moe.device_factors``:
-    gate and up rows of its intermediate shard (B) with its rank block of gate_up's A, down's A block over its
-    intermediate inputs with its rank columns of B."""
+    flattened ``<experts>[.base_layer].lora_A/B`` for its 3-D ones. Each rank gets ``bdlora.moe.device_factors``
+    (M | N or N | M; a dense expert LoRA is N = 1): gate and up rows of its intermediate shard (B) with its ranks of
+    gate_up's A, down's A over its intermediate inputs with its ranks of B."""
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
     from bdlora.adapter import _read_expert_factors
     from bdlora.moe import device_factors, to_peft_layout
 
-    n, m, k = cfg.nblocks or 1, runtime.tp_size, runtime.tp_rank
-    if m not in (1, n):
-        raise BDLoraError(f"{lora_dir}: expert adapters of nblocks={n} are served at tensor-parallel size {n} or 1 "
-                          f"for now, not {m}")
+    n, m, k = (cfg.nblocks or 1) if cfg.is_bd else 1, runtime.tp_size, runtime.tp_rank
     experts = _read_expert_factors(dict(tensors), cfg.raw["target_parameters"], cfg.r, n, cfg.scale, lora_dir)
     out: dict[str, torch.Tensor] = {}
     correction = None
     for path, fac in experts.items():
         module, name = path.rsplit(".", 1)  # <PEFT experts module path>, gate_up_proj | down_proj
-        if m == 1:
-            fac = fac.dense()
-            a, b = fac.lora_A, fac.lora_B
-        else:
+        try:
             a, b = device_factors(name, fac.lora_A, fac.lora_B, n, k, m)
+        except BDLoraError as e:
+            raise BDLoraError(f"{lora_dir}: {e}") from None
         vllm_name, _ = parse_fine_tuned_lora_name(module + _A, weights_mapper)
         entry = runtime.layer_map.get(vllm_name + ".0.gate_proj") or runtime.layer_map.get(vllm_name)
         if entry is None or bd_layers.layout_of_layer(entry[0]) != "experts":

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from bdlora.adapter import (CONFIG_NAME, PEFT_A_SUFFIX, PEFT_B_SUFFIX, WEIGHTS_NAME, AdapterConfig, check_factor_shapes,
                             check_supported_features, check_tensor_names, module_paths, read_config)
 from bdlora.layout import COLUMN, ROW, packed_shapes
-from bdlora.moe import expert_key_prefixes
+from bdlora.moe import PEFT_TARGET_PARAMETERS, expert_key_prefixes
 from bdlora.sharding import check_tp_compatible
 from bdlora.spec import PRESETS, BDLoraError, serving_layout
 
@@ -516,15 +516,13 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
         except BDLoraError as e:
             raise BDLoraError(f"{e}. A dense adapter with these options can be served by vLLM's own LoRA (start "
                               "without --enable-bdlora)") from None
-    n_bd = cfg.nblocks if cfg.is_bd else 1
-    if cfg.raw.get("target_parameters") and not (cfg.is_bd and facts.tp_size in (1, n_bd)):
-        fix = ("`bdlora convert to-dense` writes the equivalent PEFT expert LoRA for" if cfg.is_bd else
-               "this PEFT expert LoRA is for")
-        raise BDLoraError(f"{path}: LoRA on MoE expert tensors (target_parameters={cfg.raw['target_parameters']!r}) "
-                          f"is served with --enable-bdlora for BD adapters at tensor-parallel size 1 or N only; {fix} "
-                          "vLLM's own MoE LoRA (start without "
-                          "--enable-bdlora; on models vLLM loads per expert, such as Qwen3-MoE, with "
-                          "--enable-mixed-moe-lora-format and the adapter's is_3d_lora_weight: true)")
+    targets = cfg.raw.get("target_parameters")
+    if targets and sorted(targets) != sorted(PEFT_TARGET_PARAMETERS):
+        raise BDLoraError(f"{path}: LoRA on MoE expert tensors (target_parameters={targets!r}) is served with "
+                          f"--enable-bdlora on both fused expert tensors {list(PEFT_TARGET_PARAMETERS)} only; this "
+                          "PEFT expert LoRA is for vLLM's own MoE LoRA (start without --enable-bdlora; on models vLLM "
+                          "loads per expert, such as Qwen3-MoE, with --enable-mixed-moe-lora-format and the adapter's "
+                          "is_3d_lora_weight: true)")
     n = cfg.nblocks if cfg.is_bd else 1
     m = facts.tp_size
     check_tp_compatible(n, m)
