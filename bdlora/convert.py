@@ -78,8 +78,8 @@ def bd_to_dense(adapter: Adapter) -> Adapter:
     """Standard PEFT LoRA with the block-diagonal factors expanded; same rank, same scale, same outputs.
 
     With expert factors the scale is written as plain LoRA's (``use_rslora: false``, ``lora_alpha`` = scale x r):
-    the same scale in PEFT, and in vLLM releases whose per-expert MoE LoRA packing ignores rsLoRA (0.26 packs
-    ``lora_alpha / r``), where an rsLoRA expert adapter would be served sqrt(r) times too weak."""
+    the same scale in PEFT, and the one form every vLLM path reads alike (vLLM's per-expert packing computes
+    ``lora_alpha / r`` itself)."""
     require_bd(adapter, "to-dense")
     cfg = adapter.config
     new = _with_scale(cfg, cfg.r, cfg.scale, nblocks=None, column_modules=[], row_modules=[])
