@@ -234,16 +234,19 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
        "base of BDRowParallelLinearWithLoRA (o/down)", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
     _T("FusedMoEWithLoRA", "vllm.lora.layers.fused_moe", "FusedMoEWithLoRA", "subclass",
        "base of BDFusedMoEWithLoRA (experts of per-expert MoE models: Qwen3-MoE, Mixtral)",
-       {"0.26": _SAME, "0.32": _SAME}),
+       {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
     _T("FusedMoE3DWithLoRA", "vllm.lora.layers.fused_moe", "FusedMoE3DWithLoRA", "subclass",
-       "base of BDFusedMoE3DWithLoRA (experts of 3-D MoE models: Qwen3-VL-MoE)", {"0.26": _SAME, "0.32": _SAME}),
+       "base of BDFusedMoE3DWithLoRA (experts of 3-D MoE models: Qwen3-VL-MoE)",
+       {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
     *(_T(f"FusedMoEWithLoRA.{m}", "vllm.lora.layers.fused_moe", f"FusedMoEWithLoRA.{m}", "override",
-         "identity in BD mode: the loader hands each TP rank its own expert blocks", {"0.26": _SAME, "0.32": _SAME})
+         "identity in BD mode: the loader hands each TP rank its own expert blocks",
+         {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME})
       for m in ("_slice_w13_a", "_slice_w13_b", "_slice_w2_a", "_slice_w2_b")),
     _T("PackedLoRALayerWeights.pack_moe", "vllm.lora.lora_weights", "PackedLoRALayerWeights.pack_moe", "call",
        "probed at load: the scale it gives per-expert LoRA (0.26: lora_alpha / r whatever use_rslora says; 0.32: each "
        "projection's own scaling); the loader corrects BD expert factors by the difference",
-       {"0.26": "scaling = lora_alpha / rank", "0.32": "each LoRA's own scaling"}),
+       {"0.26": "scaling = lora_alpha / rank", "0.32": "each LoRA's own scaling",
+        "0.33": "each LoRA's own scaling (folded into B where the experts' differ)"}),
     _T("LogitsProcessorWithLoRA", "vllm.lora.layers", "LogitsProcessorWithLoRA", "subclass",
        "base of BDLogitsProcessorWithLoRA (no lm_head term while no slot has lm_head factors)",
        {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
