@@ -162,7 +162,8 @@ def test_set_overrides_and_print_config(tiny_llama_dir, data_file, tmp_path, cap
     rc, out, err = _sweep(["--print-config"], capsys)
     assert rc == 0
     printed = yaml.safe_load(out)  # valid YAML: every key once, with its default
-    refused = {"training_args", "gradient_checkpointing", "record_samples", "save_total_limit", "push_to_hub",
+    refused = {"training_args", "gradient_checkpointing", "gradient_checkpointing_every_n_layers",
+               "record_samples", "save_total_limit", "push_to_hub",
                "hub_model_id", "hub_private_repo", "overwrite_output_dir", "use_liger_kernel"}
     for key in TrainConfig.valid_keys() + ["name", "group", "priority"] + list(ENGINE_KEYS):
         assert (key in printed) == (key not in refused), key

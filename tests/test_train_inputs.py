@@ -248,3 +248,24 @@ def test_packing_gives_the_padded_batches_loss(tiny_llama_dir, data_file, tmp_pa
     for (n, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         if pa.requires_grad:
             torch.testing.assert_close(pa, pb, rtol=1e-3, atol=1e-5, msg=n)
+
+
+def test_checkpointing_every_other_layer_gives_the_same_adapter(tiny_llama_dir, data_file, tmp_path):
+    """gradient_checkpointing_every_n_layers: 2 recomputes only layer 0 of the tiny Llama's two (transformers'
+    every_n_layers; the trained model keeps the flags the Trainer set) and trains the same adapter as checkpointing
+    none; without gradient_checkpointing the key is refused, named."""
+    a = run_training(TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / "a")))
+    b = run_training(TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / "b",
+                                                 gradient_checkpointing=True,
+                                                 gradient_checkpointing_every_n_layers=2)))
+    layers = b.model.get_base_model().model.layers
+    assert [layer.gradient_checkpointing for layer in layers] == [True, False]
+    pa = {n: p for n, p in a.model.named_parameters() if p.requires_grad}
+    pb = {n: p for n, p in b.model.named_parameters() if p.requires_grad}
+    assert pa.keys() == pb.keys()
+    for n in pa:
+        torch.testing.assert_close(pa[n], pb[n], rtol=1e-5, atol=1e-6, msg=n)
+    with pytest.raises(ConfigError, match="gradient_checkpointing_every_n_layers: takes effect with "
+                                          "gradient_checkpointing: true"):
+        TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / "d",
+                                    gradient_checkpointing_every_n_layers=2))

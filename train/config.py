@@ -80,6 +80,9 @@ class TrainConfig:
         eager, flash_attention_2 (needs flash-attn installed), flex_attention."""))
     gradient_checkpointing: bool = field(default=False, **_help("""Recompute activations in the backward pass
         (less memory, ~30% more compute); for long sequences and big models."""))
+    gradient_checkpointing_every_n_layers: int = field(default=1, **_help("""With gradient_checkpointing: recompute
+        only every n-th decoder layer (1: all of them; 2: every other one), the others keep their activations:
+        less recompute for more memory (transformers' `every_n_layers`)."""))
 
     # ---- k-bit base (QLoRA-style; bitsandbytes, `pip install 'bdlora[quant]'`)
     load_in_4bit: bool = field(default=False, **_help("""Quantize the frozen base to 4 bits at load (bitsandbytes
@@ -259,6 +262,12 @@ class TrainConfig:
                      f"use r={lo + self.nblocks}" + (f" or r={lo}" if lo else ""))
         if self.lora_alpha <= 0:
             bad("lora_alpha", f"must be > 0, got {self.lora_alpha:g}")
+        if self.gradient_checkpointing_every_n_layers < 1:
+            bad("gradient_checkpointing_every_n_layers",
+                f"must be >= 1, got {self.gradient_checkpointing_every_n_layers}")
+        if self.gradient_checkpointing_every_n_layers > 1 and not self.gradient_checkpointing:
+            bad("gradient_checkpointing_every_n_layers", "takes effect with gradient_checkpointing: true; set it, or "
+                "leave this key out")
         if not 0.0 <= self.lora_dropout < 1.0:
             bad("lora_dropout", f"must be in [0, 1), got {self.lora_dropout}")
         if self.lora_backend not in LORA_BACKENDS:

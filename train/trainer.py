@@ -501,7 +501,8 @@ def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger
     ckpt = ("activation_checkpointing" if "activation_checkpointing" in
             {f.name for f in dataclasses.fields(TrainingArguments)} else "gradient_checkpointing")
     kwargs[ckpt] = cfg.gradient_checkpointing
-    kwargs[f"{ckpt}_kwargs"] = {"use_reentrant": False} if cfg.gradient_checkpointing else None
+    kwargs[f"{ckpt}_kwargs"] = ({"use_reentrant": False, **_every_n_layers(cfg)} if cfg.gradient_checkpointing
+                                else None)
     if liger and experts:
         kwargs["liger_kernel_config"] = {"swiglu": False}
     kwargs.update(cfg.training_args)
@@ -645,6 +646,23 @@ def _make_trainer_class():
                                     "(or leave liger_kernel_config's swiglu off)")
 
     return BDLoraTrainer, StopAfter, MetricsLog, ExpertsIntact
+
+
+def _every_n_layers(cfg: TrainConfig) -> dict:
+    """The checkpointing kwarg that recomputes only every n-th decoder layer (transformers' own selection), or {}."""
+    n = cfg.gradient_checkpointing_every_n_layers
+    if n == 1:
+        return {}
+    import inspect
+
+    import transformers
+    from transformers import PreTrainedModel
+
+    if "every_n_layers" not in inspect.signature(PreTrainedModel.gradient_checkpointing_enable).parameters:
+        raise ConfigError(f"gradient_checkpointing_every_n_layers: {n} needs a transformers release whose "
+                          "gradient_checkpointing_enable takes every_n_layers (this is transformers "
+                          f"{transformers.__version__}); upgrade transformers, or leave the key out (every layer)")
+    return {"every_n_layers": n}
 
 
 def _fsync_tree(path: Path) -> None:

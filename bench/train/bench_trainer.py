@@ -73,7 +73,8 @@ def run_trainer(a) -> dict:
                       train_file=str(a.data), data_format="text", eval_fraction=0.0, max_length=a.max_len + 8,
                       lr=1e-4, scheduler="constant", warmup_steps=0, batch_size=a.batch, grad_accum=1,
                       max_steps=a.warmup + a.steps, log_every=1, output_dir=str(out), report_to=[], progress=False,
-                      gradient_checkpointing=a.grad_ckpt, attn_implementation="sdpa", packing=a.packing,
+                      gradient_checkpointing=a.grad_ckpt, gradient_checkpointing_every_n_layers=a.grad_ckpt_every,
+                      attn_implementation="sdpa", packing=a.packing,
                       training_args={"dataloader_num_workers": 0}, use_liger_kernel=a.liger,
                       load_in_4bit=a.load_in_4bit,
                       lora_backend=a.lora_backend)
@@ -102,6 +103,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seq", type=int, default=None, help="fixed sequence length (default: 30-250 tokens)")
     ap.add_argument("--grad-ckpt", action="store_true")
+    ap.add_argument("--grad-ckpt-every", type=int, default=1,
+                    help="with --grad-ckpt: the trainer recomputes every n-th decoder layer only (the loop: every one)")
     ap.add_argument("--packing", action="store_true")
     ap.add_argument("--load-in-4bit", action="store_true", help="the trainer on a bitsandbytes nf4 base (trainer only)")
     ap.add_argument("--lora-backends", default="auto",
@@ -120,7 +123,7 @@ def main() -> int:
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     base = {"shape": a.shape, "rank": a.rank, "nblocks": a.nblocks, "batch": a.batch, "seq": a.seq or "30-250",
-            "grad_ckpt": a.grad_ckpt, "packing": a.packing, "load_in_4bit": a.load_in_4bit, "timed_steps": a.steps, "warmup_steps": a.warmup,
+            "grad_ckpt": a.grad_ckpt, "grad_ckpt_every": a.grad_ckpt_every, "packing": a.packing, "load_in_4bit": a.load_in_4bit, "timed_steps": a.steps, "warmup_steps": a.warmup,
             "date": time.strftime("%Y-%m-%d")}
     if a.model is None:  # parent: prepare model + data once, then one child process per side
         model = build_model(a.shape, work / f"model-{a.shape}")

@@ -441,8 +441,9 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
     if resume is not None and resume != "auto":
         raise ConfigError(f"{source}: resume: the engine resumes from its own output_dir: 'auto' (continue from "
                           f"<output_dir>/engine_state.pt when it exists) or unset (start fresh), got {resume!r}")
-    if raw.get("gradient_checkpointing"):
-        raise ConfigError(f"{source}: gradient_checkpointing: not supported by the engine; leave it out")
+    for key in ("gradient_checkpointing", "gradient_checkpointing_every_n_layers"):
+        if raw.get(key) not in (None, False, 1) or (key == "gradient_checkpointing" and raw.get(key)):
+            raise ConfigError(f"{source}: {key}: not supported by the engine; leave it out")
     if raw.get("training_args"):
         raise ConfigError(f"{source}: training_args: the engine runs its own training loop (no transformers "
                           "Trainer); these apply to `bdlora train` only")
@@ -522,7 +523,8 @@ def load_run(path: str | os.PathLike, overrides: Optional[dict[str, Any]] = None
 
 def describe_run_keys() -> str:
     """Every key of a run file with its default and help, as commented YAML (``bdlora sweep --print-config``)."""
-    refused = set(NOT_HONOURED) - {"packing"} | {"gradient_checkpointing", "training_args"}
+    refused = set(NOT_HONOURED) - {"packing"} | {"gradient_checkpointing", "gradient_checkpointing_every_n_layers",
+                                                 "training_args"}
     job = describe_keys(JobConfig, {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "train_file": "data/train.jsonl",
                                     "packing": True}, exclude=refused)
     engine = describe_keys(EngineKeys)
