@@ -13,9 +13,10 @@ Engines (each in its own process, ``--only``), all adapters on q/k/v/o and both 
   base   no LoRA
   lora   vLLM's own MoE LoRA at rank r (default 64): the per-GPU factors of vLLM's default LoRA at TP=N, whose
          replicated halves (gate_up's and q/k/v's A, down's and o's B) keep the whole rank on every GPU
-  bd     the same layers at rank r/N: the per-GPU factors of a BD-LoRA adapter of rank r at TP=N (each GPU runs an
-         independent rank r/N adapter of its own shard; the plugin's BD MoE layer runs vLLM's MoE LoRA kernels on
-         exactly these shapes, with identity slicing), served here through vLLM's own LoRA
+  bd     the same layers at rank r/N, the per-GPU factors of a BD-LoRA adapter of rank r at TP=N (each GPU runs an
+         independent rank r/N adapter of its own shard), served by the plugin (``--enable-bdlora``: its BD MoE LoRA
+         layers; a one-GPU share is the N = 1 case)
+  share  the rank r/N adapter through vLLM's own MoE LoRA (the kernels the plugin's layers run, without the plugin)
 
 The tensor-parallel all-reduce after attention and experts is the base model's and the same for all three, so it
 is left out. ``--fully-sharded-loras`` adds LoRA collectives that one GPU cannot show; its per-GPU adapter bytes are
@@ -125,10 +126,15 @@ def engine_kwargs(only: str, sh: dict, root: Path, r: int, tp: int, mem: float) 
     if only == "base":
         return kw, None
     rank = r if only == "lora" else r // tp
-    if "enable_mixed_moe_lora_format" in inspect.signature(EngineArgs).parameters:
-        kw["enable_mixed_moe_lora_format"] = True
     kw.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
-    extra = {"is_3d_lora_weight": True} if "is_3d_lora_weight" in inspect.signature(LoRARequest).parameters else {}
+    extra = {}
+    if only == "bd":  # the plugin hands its MoE LoRA layers per-expert factors itself
+        kw["additional_config"] = {"bdlora": True}
+    else:  # vLLM's own MoE LoRA reads PEFT's 3-D expert factors on per-expert models in its mixed format
+        if "enable_mixed_moe_lora_format" in inspect.signature(EngineArgs).parameters:
+            kw["enable_mixed_moe_lora_format"] = True
+        if "is_3d_lora_weight" in inspect.signature(LoRARequest).parameters:
+            extra["is_3d_lora_weight"] = True
     return kw, LoRARequest(f"{only}_r{rank}", 1, str(write_adapter(root, f"{only}_r{rank}", rank, sh)), **extra)
 
 
@@ -136,7 +142,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=4, help="the tensor-parallel size whose one-GPU shard is served")
     ap.add_argument("--shape", choices=["qwen3-30b-a3b", "tiny"], default="qwen3-30b-a3b")
-    ap.add_argument("--only", choices=["base", "lora", "bd"], default="base")
+    ap.add_argument("--only", choices=["base", "lora", "bd", "share"], default="base")
     ap.add_argument("--r", type=int, default=64, help="the adapter's total rank (bd serves r / tp)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--mem", type=float, default=0.45, help="gpu_memory_utilization")
