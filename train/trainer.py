@@ -658,9 +658,11 @@ def _every_n_layers(cfg: TrainConfig) -> dict:
     import transformers
     from transformers import PreTrainedModel
 
-    if "every_n_layers" not in inspect.signature(PreTrainedModel.gradient_checkpointing_enable).parameters:
+    enables = [getattr(PreTrainedModel, m, None) for m in ("activation_checkpointing_enable",
+                                                           "gradient_checkpointing_enable")]  # >= 5.24: the first
+    if not any(f is not None and "every_n_layers" in inspect.signature(f).parameters for f in enables):
         raise ConfigError(f"gradient_checkpointing_every_n_layers: {n} needs a transformers release whose "
-                          "gradient_checkpointing_enable takes every_n_layers (this is transformers "
+                          "checkpointing takes every_n_layers (this is transformers "
                           f"{transformers.__version__}); upgrade transformers, or leave the key out (every layer)")
     return {"every_n_layers": n}
 
