@@ -109,8 +109,6 @@ def device_factors(name: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblock
                           "must divide the other)")
     layout, slices = EXPERT_TENSORS[name]
     rb = lora_a.shape[1] // nblocks if layout == COLUMN else lora_b.shape[2] // nblocks
-    blocks = device_blocks(nblocks, k, n_devices)
-    ranks = torch.cat([torch.arange(b * rb, (b + 1) * rb) for b in blocks])
     if n_devices == nblocks:  # the common case: no zeros, plain views of the packed factors
         ranks = slice(k * rb, (k + 1) * rb)
         if layout == COLUMN:
@@ -118,6 +116,7 @@ def device_factors(name: str, lora_a: torch.Tensor, lora_b: torch.Tensor, nblock
             rows = lora_b.view(e, slices, nblocks, d_out // (slices * nblocks), rb)[:, :, k].reshape(e, -1, rb)
             return lora_a[:, ranks], rows
         return lora_a[:, ranks], lora_b[:, :, ranks]
+    ranks = torch.cat([torch.arange(b * rb, (b + 1) * rb) for b in device_blocks(nblocks, k, n_devices)])
     dense_a, dense_b = dense_factors(lora_a, lora_b, layout, nblocks, slices)
     if layout == COLUMN:  # this device's output rows (in each slice), the ranks that reach them
         e, d_out, _ = dense_b.shape
@@ -187,6 +186,11 @@ def expert_key_prefixes(target_parameters) -> dict[str, str]:
     targeted = {t.rsplit(".", 1)[-1] for t in target_parameters}
     names = [n for n in EXPERT_TENSORS if n in targeted]
     return {n: "mlp.experts" + ".base_layer" * (len(names) - 1 - i) for i, n in enumerate(names)}
+
+
+def expert_module_suffixes(target_parameters) -> tuple[str, ...]:
+    """Endings of the PEFT module paths that hold fused expert factors (``<path>.mlp.experts[.base_layer]``)."""
+    return tuple("." + pre for pre in expert_key_prefixes(target_parameters).values())
 
 
 def check_target_parameters(target_parameters) -> Optional[str]:
@@ -352,5 +356,5 @@ def check_experts_intact(modules: dict[str, "BDLoraExperts"]) -> Optional[str]:
 __all__ = ["BDLoraExperts", "EXPERT_TENSORS", "ExpertFactors", "PEFT_TARGET_PARAMETERS", "check_expert_shapes",
            "check_experts_intact", "check_target_parameters", "dense_factors", "device_blocks", "device_factors",
            "device_weights",
-           "expert_key_prefixes", "expert_lora", "factor_shapes", "from_peft_layout", "fused_experts",
+           "expert_key_prefixes", "expert_lora", "expert_module_suffixes", "factor_shapes", "from_peft_layout", "fused_experts",
            "peft_expert_factors", "to_peft_layout", "trained_expert_factors", "wrap_experts"]

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from bdlora.adapter import CONFIG_NAME, WEIGHTS_NAME, AdapterConfig, check_factor_shapes, module_paths, read_config
+from bdlora.moe import expert_module_suffixes
 from bdlora.sharding import check_tp_compatible, shard_factors
 from bdlora.spec import BDLoraError
 
@@ -120,11 +121,13 @@ def read_rank_tensors(lora_dir: str, cfg: AdapterConfig, runtime: BDRuntime, wei
         others = [k for k in keys if not (k.endswith(_A) or k.endswith(_B))]
         if others:
             raise BDLoraError(f"{lora_dir}: tensors {others[:4]} are not lora_A/lora_B factors")
-        if cfg.raw.get("target_parameters"):  # expert factors: read whole, this rank's blocks handed over per expert
-            expert_keys = [k for k in keys if ".mlp.experts." in k]
+        targets = cfg.raw.get("target_parameters")
+        if targets:  # expert factors: read whole, this rank's blocks handed over per expert
+            suffixes = expert_module_suffixes(targets)
+            expert_keys = {k for k in keys if k.rsplit(".lora_", 1)[0].endswith(suffixes)}  # all lora_A/B here
             tensors.update(rank_expert_tensors({k: f.get_tensor(k) for k in expert_keys}, cfg, runtime,
                                                weights_mapper, lora_dir))
-            keys = [k for k in keys if k not in set(expert_keys)]
+            keys = [k for k in keys if k not in expert_keys]
         for p in module_paths(keys):
             a_name, b_name = p + _A, p + _B
             if skip is not None and skip(a_name):

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from bdlora.adapter import (CONFIG_NAME, PEFT_A_SUFFIX, PEFT_B_SUFFIX, WEIGHTS_NAME, AdapterConfig, check_factor_shapes,
                             check_supported_features, check_tensor_names, module_paths, read_config)
 from bdlora.layout import COLUMN, ROW, packed_shapes
-from bdlora.moe import PEFT_TARGET_PARAMETERS, expert_key_prefixes
+from bdlora.moe import PEFT_TARGET_PARAMETERS, expert_module_suffixes
 from bdlora.sharding import check_tp_compatible
 from bdlora.spec import PRESETS, BDLoraError, serving_layout
 
@@ -552,10 +552,8 @@ def _check_adapter(path: str, facts: EngineFacts) -> None:
         paths = module_paths(shapes)
     except BDLoraError as e:
         raise BDLoraError(f"{WEIGHTS_NAME} in {path}: {e}") from None
-    targets = cfg.raw.get("target_parameters")
     if targets:  # the fused expert factors are checked where the loader reads them (bdlora.adapter)
-        expert_suffixes = tuple("." + pre for pre in expert_key_prefixes(targets).values())
-        paths = [p for p in paths if not p.endswith(expert_suffixes)]
+        paths = [p for p in paths if not p.endswith(expert_module_suffixes(targets))]
     preset = PRESETS.get(facts.model_type)
     for p in paths:
         a, b = shapes[p + PEFT_A_SUFFIX], shapes[p + PEFT_B_SUFFIX]

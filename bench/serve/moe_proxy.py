@@ -65,7 +65,7 @@ def factor_shapes(sh: dict, r: int) -> dict[str, tuple[tuple, tuple]]:
     """{PEFT module suffix: (lora_A shape, lora_B shape)} of one layer's dense rank-r adapter in PEFT's format: the
     attention projections', and the fused experts' flattened as PEFT stores them (``bdlora.moe.to_peft_layout``)."""
     h, e, i, q, kv = sh["H"], sh["E"], sh["I"], sh["NH"] * sh["HD"], sh["NKV"] * sh["HD"]
-    from bdlora.moe import expert_key_prefixes, PEFT_TARGET_PARAMETERS
+    from bdlora.moe import PEFT_TARGET_PARAMETERS, expert_key_prefixes
 
     pre = expert_key_prefixes(PEFT_TARGET_PARAMETERS)
     return {"self_attn.q_proj": ((r, h), (q, r)), "self_attn.k_proj": ((r, h), (kv, r)),

@@ -441,8 +441,8 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
     if resume is not None and resume != "auto":
         raise ConfigError(f"{source}: resume: the engine resumes from its own output_dir: 'auto' (continue from "
                           f"<output_dir>/engine_state.pt when it exists) or unset (start fresh), got {resume!r}")
-    for key in ("gradient_checkpointing", "gradient_checkpointing_every_n_layers"):
-        if raw.get(key) not in (None, False, 1) or (key == "gradient_checkpointing" and raw.get(key)):
+    for key, unset in (("gradient_checkpointing", (None, False)), ("gradient_checkpointing_every_n_layers", (None, 1))):
+        if raw.get(key) not in unset:
             raise ConfigError(f"{source}: {key}: not supported by the engine; leave it out")
     if raw.get("training_args"):
         raise ConfigError(f"{source}: training_args: the engine runs its own training loop (no transformers "
