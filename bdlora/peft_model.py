@@ -14,7 +14,8 @@ from .spec import BDLoraError, BDLoraSpec
 
 #: How a PEFT BD-LoRA layer computes its LoRA term while training: "peft" (PEFT's ``BlockDiagonalLinear``, an einsum
 #: over the blocks, and ``nn.Dropout``), "cublas" (the kernel variant: bdlora's GEMMs, dropout and dS/dB kernels),
-#: "auto" ("cublas" for calls of at least AUTO_MIN_ROWS rows on a CUDA device, "peft" otherwise).
+#: "auto" ("cublas" for calls of at least AUTO_MIN_ROWS rows on a CUDA device outside torch.compile, "peft"
+#: otherwise).
 LORA_BACKENDS = ("auto", "peft", "cublas")
 #: Rows (tokens, padding included) from which "auto" takes the kernels. On one H200 at the 8B shape the kernels
 #: were 1.20-1.26x faster per step from ~4,500 rows per call up (batch 32 of 30-250 tokens, 4 x 2048 tokens), and
@@ -74,7 +75,6 @@ def _kernel_variant_class():
     from peft.tuners.lora.variants import BdLoraLinearVariant, BlockDiagonalLinear
 
     from .kernels import KernelOptions
-    from .kernels.cublas import cublas_lora_add_
 
     class KernelBdLoraVariant(BdLoraLinearVariant):
         """PEFT's BD-LoRA variant with its LoRA term on bdlora's GEMMs (``bdlora.kernels.cublas``): block-diagonal
@@ -94,8 +94,10 @@ def _kernel_variant_class():
             # DeepSpeed ZeRO-3 partitions parameters and gathers a sub-module's only when it is called: the factors
             # are read directly here, so they go through PEFT's own calls instead
             partitioned = hasattr(lora_a.weight, "ds_id") or hasattr(lora_b.weight, "ds_id")
-            if partitioned or (self.backend == "auto"
-                               and (x.device.type != "cuda" or x.numel() < AUTO_MIN_ROWS * x.shape[-1])):
+            # under torch.compile "auto" takes PEFT's layer, which compiles with the model (the kernels are opaque
+            # to it: "cublas" runs them between compiled graphs)
+            if partitioned or (self.backend == "auto" and (torch.compiler.is_compiling() or x.device.type != "cuda"
+                                                           or x.numel() < AUTO_MIN_ROWS * x.shape[-1])):
                 # PEFT's own computation, its input cast included
                 return super().forward(module, active_adapter, x.to(lora_a.weight.dtype), result, **kwargs)
             dropout = module.lora_dropout[active_adapter]
@@ -106,9 +108,18 @@ def _kernel_variant_class():
             seed = int(torch.randint(0, 2**62, ())) if p > 0 else None
             if not result.is_contiguous():
                 result = result.contiguous()
-            return cublas_lora_add_(result, x, adapter, seed, self.options)[0]
+            return _lora_add_eager(result, x, adapter, seed, self.options)
 
     return KernelBdLoraVariant
+
+
+@torch.compiler.disable
+def _lora_add_eager(result, x, adapter, seed, options):
+    """``cublas_lora_add_`` outside any torch.compile graph: its autograd function keeps host-side state that
+    dynamo cannot trace, so a compiled model breaks its graph here and runs the kernels eagerly."""
+    from .kernels.cublas import cublas_lora_add_
+
+    return cublas_lora_add_(result, x, adapter, seed, options)[0]
 
 
 def use_bdlora_kernels(peft_model, backend: str = "auto", options=None) -> int:

@@ -197,3 +197,25 @@ def test_partitioned_factors_take_peft_calls(tiny_llama_dir):
     assert calls == [1]
     del layer.lora_A["default"].weight.ds_id
     torch.testing.assert_close(y, layer(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["cublas", "auto"])
+def test_compiled_model_matches_peft_layer(tiny_llama_dir, backend):
+    """Under torch.compile (``training_args.torch_compile``) the kernels run between compiled graphs and ``auto``
+    compiles PEFT's layer with the model: the same logits and LoRA gradients as PEFT's layer in eager mode.
+    Dynamo's AOTAutograd backend traces exactly what inductor would, without code generation."""
+    spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16)
+    ref = _peft_model(tiny_llama_dir, spec)
+    fused = copy.deepcopy(ref)
+    assert use_bdlora_kernels(fused, backend) == 14
+    ids = _ids()
+    logits_ref, g_ref = _loss_and_grads(ref, ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, backend="aot_eager")
+    out = compiled(input_ids=ids, labels=ids)
+    out.loss.backward()
+    torch.testing.assert_close(out.logits.detach(), logits_ref, rtol=1e-5, atol=1e-5)
+    g = {n: p.grad for n, p in fused.named_parameters() if p.requires_grad}
+    assert g.keys() == g_ref.keys() and len(g) == 28
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -772,7 +772,9 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
                f"names" + (f" + the experts of {len(experts)} MoE layers" if experts else "")
                + f", {n_train:,} trainable params | {len(train_ex)} train / {len(eval_ex)} eval examples | "
                f"{total_steps} steps x {cfg.batch_size * cfg.grad_accum * world} examples ({world} process(es)) on "
-               f"{args.device} in {next(model.parameters()).dtype}, lora_backend {cfg.lora_backend}, Liger kernels "
+               f"{args.device} in {next(model.parameters()).dtype}, lora_backend {cfg.lora_backend}"
+               + (" (PEFT's layer under torch_compile)" if args.torch_compile and cfg.lora_backend == "auto" else "")
+               + f", Liger kernels "
                f"{liger_note}"
                + (f" | FSDP{getattr(trainer.accelerator.state.fsdp_plugin, 'fsdp_version', '')}"
                   if trainer.is_fsdp_enabled else ""))

@@ -9,6 +9,7 @@ once as bf16 safetensors; the data is plain text records whose lengths follow th
     python bench/train/bench_trainer.py --shape llama8b --out results.jsonl            # trainer vs loop
     python bench/train/bench_trainer.py --lora-backends peft,cublas ...                # the trainer's BD layers
     python bench/train/bench_trainer.py --lora-backends cublas,cublas+liger ...        # + Liger kernels
+    python bench/train/bench_trainer.py --lora-backends auto,auto+compile ...          # + torch.compile
     python bench/train/bench_trainer.py --shape llama8b --seq 2048 --grad-ckpt ...     # long sequences
 
 Each run appends one JSON line to ``--out``: which side, tokens/s over the timed steps (real, unpadded tokens),
@@ -68,14 +69,14 @@ def run_trainer(a) -> dict:
     from bdlora.train.config import TrainConfig
     from bdlora.train.trainer import run_training
 
-    out = Path(a.workdir) / f"trainer-{a.tag}-{a.lora_backend}{'-liger' if a.liger else ''}"
+    out = Path(a.workdir) / f"trainer-{a.tag}-{a.lora_backend}{'-liger' if a.liger else ''}{'-compile' if a.compile else ''}"
     cfg = TrainConfig(model=str(a.model), precision="bf16", nblocks=a.nblocks, r=a.rank, lora_alpha=16,
                       train_file=str(a.data), data_format="text", eval_fraction=0.0, max_length=a.max_len + 8,
                       lr=1e-4, scheduler="constant", warmup_steps=0, batch_size=a.batch, grad_accum=1,
                       max_steps=a.warmup + a.steps, log_every=1, output_dir=str(out), report_to=[], progress=False,
                       gradient_checkpointing=a.grad_ckpt, gradient_checkpointing_every_n_layers=a.grad_ckpt_every,
                       attn_implementation="sdpa", packing=a.packing,
-                      training_args={"dataloader_num_workers": 0}, use_liger_kernel=a.liger,
+                      training_args={"dataloader_num_workers": 0, "torch_compile": a.compile}, use_liger_kernel=a.liger,
                       load_in_4bit=a.load_in_4bit,
                       lora_backend=a.lora_backend)
     res = run_training(cfg, validate_adapter=False)
@@ -110,9 +111,11 @@ def main() -> int:
     ap.add_argument("--lora-backends", default="auto",
                     help="trainer runs, one per lora_backend (comma list of auto / cublas / peft); BACKEND+liger runs "
                          "with use_liger_kernel: true, the others with false (Liger Kernel through transformers: "
-                         "fused RMSNorm, SwiGLU, RoPE and linear cross-entropy)")
+                         "fused RMSNorm, SwiGLU, RoPE and linear cross-entropy); +compile adds "
+                         "training_args.torch_compile (e.g. auto+liger+compile)")
     ap.add_argument("--lora-backend", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--liger", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", default="/tmp/bdlora-bench-trainer")
     ap.add_argument("--out", default="bench_trainer.jsonl")
     ap.add_argument("--tag", default="run")
@@ -132,9 +135,10 @@ def main() -> int:
         trainers = [f"trainer:{b}" for b in a.lora_backends.split(",")]
         sides = ["loop", *trainers] if a.side == "both" else trainers if a.side == "trainer" else ["loop"]
         for side in sides:
-            backend, _, liger = side.partition(":")[2].partition("+")
+            backend, *extras = side.partition(":")[2].split("+")
+            liger, compile_ = "liger" in extras, "compile" in extras
             label = ("plain PEFT loop" if side == "loop" else f"bdlora trainer (lora_backend {backend}"
-                     + (", Liger kernels)" if liger else ")"))
+                     + (", Liger kernels" if liger else "") + (", torch_compile" if compile_ else "") + ")")
             if side == "loop":
                 cmd = [sys.executable, str(HERE / "peft_bf16_loop.py"), "--shape", a.shape, "--rank", str(a.rank),
                        "--nblocks", str(a.nblocks), "--steps", str(a.steps), "--warmup", str(a.warmup),
@@ -143,7 +147,7 @@ def main() -> int:
                     cmd.append("--grad-ckpt")
             else:
                 cmd = [sys.executable, __file__, *sys.argv[1:], "--side", "trainer", "--model", str(model),
-                       "--data", str(data), "--lora-backend", backend] + (["--liger"] if liger else [])
+                       "--data", str(data), "--lora-backend", backend] + (["--liger"] if liger else []) + (["--compile"] if compile_ else [])
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
             rec = {**base, "side": label}
