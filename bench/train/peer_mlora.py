@@ -153,15 +153,21 @@ def run_mlora(src: Path, model: Path, random_weights: bool, device: str, config:
 def run_ours(model: Path, data: Path, out: Path, ranks: list[int], k: int, batch: int, steps: int, nblocks: int,
              cutoff: int, dtype: str) -> dict:
     """The same K jobs through the engine: steady tokens/s (rounds after the first), peak GiB."""
-    from bench.train.bench_engine import engine_peak_gib, run_engine, steady_tokens_per_s
+    import torch
+
+    from bench.train.bench_engine import engine_peak_gib, fit_token_budget, run_engine, steady_tokens_per_s
 
     jobs = [{"name": f"j{i}", "r": ranks[i % len(ranks)], "lora_alpha": 2.0 * ranks[i % len(ranks)],
              "nblocks": nblocks, "lr": LR, "batch_size": batch, "max_steps": steps, "seed": 0,
              "lora_dropout": DROPOUT} for i in range(k)]
-    eng, _, wall = run_engine(model, data, out, jobs, dtype=dtype, budget=max(4096, batch * cutoff * k),
-                              max_seq_len=cutoff)
+    # the largest token budget (per micro-batch) up to all K batches at once that the engine's memory model
+    # admits: a larger one would have every job refused; a smaller one takes more micro-batches a round
+    budget, _ = fit_token_budget(model, max(4096, batch * cutoff * k), [j["r"] for j in jobs], nblocks,
+                                 torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    eng, rows, wall = run_engine(model, data, out, jobs, dtype=dtype, budget=budget, max_seq_len=cutoff)
     return {"tokens_per_s": steady_tokens_per_s(eng.round_log, skip_first=1), "peak_gib": engine_peak_gib(eng),
-            "rounds": len(eng.round_log), "wall_s": round(wall, 1)}
+            "token_budget": budget, "rounds": len(eng.round_log), "wall_s": round(wall, 1),
+            "jobs": {r["job"]: f"{r['status']} ({r['stop_reason']}) after {r['steps']} steps" for r in rows}}
 
 
 def main(argv=None) -> int:
@@ -177,6 +183,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nblocks", type=int, default=None, help="BD blocks of the engine's BD rows (default 4; smoke 2)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--no-mlora", action="store_true", help="the engine's rows only (mLoRA's already measured)")
     ap.add_argument("--num-layers", type=int, default=None, help="decoder layers of the 8B shape (default 32)")
     a = ap.parse_args(argv)
     src = Path(a.mlora_src).resolve()
@@ -212,7 +219,8 @@ def main(argv=None) -> int:
         root = tmp / f"mlora-k{k}"
         root.mkdir()
         cfg = mlora_config(root, data, ranks, k, batch, steps, cutoff)
-        row = {"k": k, "mlora": run_mlora(src, model, True, device, cfg, out.with_name(f"{out.stem}_mlora_k{k}.log"))}
+        row = {"k": k, "mlora": {"skipped": "--no-mlora"} if a.no_mlora else
+               run_mlora(src, model, True, device, cfg, out.with_name(f"{out.stem}_mlora_k{k}.log"))}
         with RandomWeights(model, torch.device(device)):
             row["engine_lora"] = run_ours(model, data, tmp / f"eng-lora-k{k}", ranks, k, batch, steps, 1, cutoff,
                                           dtype)
