@@ -81,13 +81,58 @@ def test_other_spellings_name_the_key(tmp_path, text, key):
     assert key in str(e.value) and "use_liger_kernel" in str(e.value).replace(key, "")
 
 
-def test_sweep_refuses_it_with_the_reason(tmp_path):
+def _sweep_raw(model, tmp_path, **kw) -> dict:
+    from tests.test_engine_utils import run_dict
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"hello world number {i} of the sweep"}) + "\n" for i in range(24)))
+    jobs = [{"name": "r4", "r": 4}, {"name": "r8", "r": 8, "lr": 3e-3}]
+    return run_dict(model, data, tmp_path / "out", jobs, **kw)
+
+
+def test_sweep_takes_it_once_for_the_run(tmp_path, tiny_llama_dir):
+    """The engine's jobs share one base: ``use_liger_kernel`` is a run-level key, refused inside ``jobs:``."""
     from bdlora.train.engine.config import parse_run
 
-    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "x"}) + "\n")
-    raw = {"model": "tiny-random", "train_file": str(tmp_path / "d.jsonl"), "output_dir": str(tmp_path / "o"),
-           "use_liger_kernel": True}
-    with pytest.raises(ConfigError, match="use_liger_kernel: True is not supported by `bdlora sweep`"):
+    assert parse_run(_sweep_raw(tiny_llama_dir, tmp_path, use_liger_kernel=False)).use_liger_kernel is False
+    assert parse_run(_sweep_raw(tiny_llama_dir, tmp_path)).use_liger_kernel is None
+    raw = _sweep_raw(tiny_llama_dir, tmp_path)
+    raw["jobs"][1]["use_liger_kernel"] = True
+    with pytest.raises(ConfigError, match="use_liger_kernel"):
         parse_run(raw)
-    raw["use_liger_kernel"] = False
-    assert parse_run(raw).jobs
+
+
+def test_sweep_on_cpu_says_off_and_refuses_true(tmp_path, tiny_llama_dir):
+    from bdlora.train.engine import Engine, parse_run
+
+    lines = []
+    eng = Engine(parse_run(_sweep_raw(tiny_llama_dir, tmp_path, device="cpu")), log=lines.append)
+    assert (eng.liger, eng.liger_note) == (False, "off (auto: no GPU (Liger's kernels are Triton GPU kernels))")
+    eng.run()
+    assert any("Liger kernels off (auto: no GPU" in line for line in lines)
+    (tmp_path / "t").mkdir()
+    with pytest.raises(ConfigError, match=r"use_liger_kernel: true, but no GPU"):
+        Engine(parse_run(_sweep_raw(tiny_llama_dir, tmp_path / "t", device="cpu", use_liger_kernel=True)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
+                    reason="Liger's kernels are Triton GPU kernels (and need liger-kernel installed)")
+def test_sweep_with_liger_trains_the_same_jobs(tmp_path, tiny_llama_dir):
+    """On a GPU: two jobs of ``bdlora sweep`` with Liger's RMSNorm / SwiGLU / RoPE on the base against the same
+    run without them, in fp32: the same per-step losses and adapters to kernel rounding."""
+    from bdlora.train.engine import Engine, parse_run
+
+    engines = {}
+    for liger in (False, True):
+        eng = Engine(parse_run(_sweep_raw(tiny_llama_dir, tmp_path / str(liger), device="cuda",
+                                          use_liger_kernel=liger)))
+        assert eng.liger is liger
+        assert hasattr(eng.model.model.norm, "casting_mode") is liger  # Liger's RMSNorm patched in, or not
+        eng.run()
+        engines[liger] = eng
+    for ref, got in zip(engines[False].jobs, engines[True].jobs):
+        a, b = [v for _, v in ref.history["train"]], [v for _, v in got.history["train"]]
+        assert len(a) == len(b) == 3
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (ref.name, a, b)
+        for (n, p), (_, q) in zip(ref.adapter.named_parameters(), got.adapter.named_parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-3, atol=1e-5, msg=n)

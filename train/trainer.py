@@ -55,6 +55,7 @@ from bdlora.peft_model import check_bd_structure, init_block_a_like_lora, use_bd
 from bdlora.spec import BDLoraError, BDLoraSpec
 
 from .config import ConfigError, TrainConfig, parse_override
+from .liger import folder_model_type, liger_decision
 from .data import examples_to_dataset, load_datasets
 
 log = logging.getLogger("bdlora.train")
@@ -437,37 +438,11 @@ def _use_cpu() -> bool:
     return forced or not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
 
 
-def _model_type(model_dir: Path) -> Optional[str]:
-    try:
-        return json.loads((model_dir / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        return None
-
-
 def liger_choice(cfg: TrainConfig, model_type: Optional[str]) -> tuple[bool, str]:
     """Whether the run uses Liger Kernel (``use_liger_kernel``) and why; ``true`` where it cannot run is a
     ConfigError naming what is missing."""
-    import importlib.util
-
-    why_not = None
-    if _use_cpu() or not torch.cuda.is_available():
-        why_not = "no GPU (Liger's kernels are Triton GPU kernels)"
-    elif importlib.util.find_spec("liger_kernel") is None:
-        why_not = "liger-kernel is not installed (pip install liger-kernel)"
-    elif cfg.quantized:
-        why_not = "a k-bit base (not measured with Liger's kernels)"
-    else:
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
-        if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-            why_not = f"liger-kernel has no kernels for model type {model_type!r}"
-    if cfg.use_liger_kernel is False:
-        return False, "off (use_liger_kernel: false)"
-    if why_not is None:
-        return True, "on" + ("" if cfg.use_liger_kernel else " (auto)")
-    if cfg.use_liger_kernel:
-        raise ConfigError(f"use_liger_kernel: true, but {why_not}; install it / use a GPU, or drop the key (auto)")
-    return False, f"off (auto: {why_not})"
+    return liger_decision(cfg.use_liger_kernel, model_type, on_gpu=not _use_cpu() and torch.cuda.is_available(),
+                          unsupported="a k-bit base (not measured with Liger's kernels)" if cfg.quantized else None)
 
 
 def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger: bool = False,
@@ -731,7 +706,7 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     with state.main_process_first():
         model_dir, base_id = resolve_model_and_id(cfg.model)
         # decided before the base loads: `use_liger_kernel: true` where it cannot run fails in seconds
-        liger, liger_note = liger_choice(cfg, _model_type(model_dir))
+        liger, liger_note = liger_choice(cfg, folder_model_type(model_dir))
         tokenizer = load_tokenizer(model_dir)
         train_ex, eval_ex = load_datasets(cfg, tokenizer)
     if cfg.batch_size > len(train_ex):

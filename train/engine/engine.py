@@ -31,6 +31,7 @@ import torch
 
 from bdlora.adapter import save_adapter
 
+from ..liger import apply_liger_to_base, folder_model_type, liger_decision
 from . import checkpoint
 from .config import ConfigError, JobConfig, RunConfig
 from .data import DatasetSplit
@@ -83,9 +84,17 @@ class Engine:
             raise ConfigError(f"{run_source(run)}: model: {e}") from None
         self.base_path = str(folder)
         self.pad_multiple = run.pad_multiple or (GPU_PAD_MULTIPLE if self.device.type == "cuda" else 1)
+        # decided before the base loads (`use_liger_kernel: true` where it cannot run fails in seconds); Liger's
+        # kernels patch the base's modules before the jobs' LoRA wraps its projections
+        self.liger, self.liger_note = liger_decision(
+            run.use_liger_kernel, model.config.model_type if model is not None else folder_model_type(folder),
+            on_gpu=self.device.type == "cuda",
+            unsupported="pipeline stages (a stage holds only its own layers)" if run.pipeline_stages > 1 else None)
         if model is None:  # a pipeline stage (StageEngine sets pipeline_stage = (s, P)) loads only its layers
             model, tokenizer = load_base(folder, run.precision, self.device, run.attn_implementation,
                                          stage=getattr(self, "pipeline_stage", None))
+        if self.liger:
+            apply_liger_to_base(model)
         self.model, self.tok = model, tokenizer
         model_type = getattr(model.config, "model_type", "llama")
         check_no_expert_jobs(model, run.jobs, run_source(run))
@@ -223,6 +232,9 @@ class Engine:
             self.out.mkdir(parents=True, exist_ok=True)
             with open(self.out / "run_config.json", "w") as f:
                 json.dump(run.to_dict(), f, indent=2, default=str)
+        if self.rank == 0:
+            self.log(f"[engine] {len(self.jobs)} jobs on {self.device}, lora_backend {run.lora_backend}, Liger kernels "
+                     f"{self.liger_note}")
         if run.resume and (self.out / checkpoint.CHECKPOINT).is_file():
             checkpoint.load(self, self.out / checkpoint.CHECKPOINT)
             self.log(f"[engine] resumed from {self.out / checkpoint.CHECKPOINT} at round {self.round}")
