@@ -45,6 +45,8 @@ def run_file(runs: list[tuple], names: list[str], p: dict, files: dict, model: s
         "eval_fraction": 0.0, "precision": p["precision"], "max_length": p["max_length"], "lr": p["lr"],
         "scheduler": "linear", "warmup_ratio": 0.05, "batch_size": p["batch_size"], "max_steps": p["max_steps"],
         "lora_alpha": 16.0, "lora_dropout": 0.0, "report_to": [], "progress": False, "save_plots": False,
+        # the recorded rows ran on the base's own modules: every run of a table under one setting
+        "use_liger_kernel": False,
         "resume": "auto", "save_every": 0, "max_rounds": p["chunk_rounds"], "device": device,
         "max_active_jobs": min(len(jobs), p["active_jobs"]),
         "token_budget": max(p["max_length"], p["token_budget"]), "jobs": jobs,
