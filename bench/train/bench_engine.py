@@ -111,6 +111,7 @@ PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16"}  # this script's --dtype 
 LORA_BACKEND = "auto"  # the engine's lora_backend in every run of this process (--lora-backend)
 KERNEL_TUNING: dict = {}  # KernelOptions fields every engine of this process gets (--dropout-route, --dsdb)
 PAD_MULTIPLE = None  # the engine's pad_multiple in every run of this process (--pad-multiple; None = its auto)
+USE_LIGER = None  # use_liger_kernel of every engine and trainer run of this process (--use-liger-kernel; None = auto)
 
 
 def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=None, max_active=64,
@@ -121,7 +122,8 @@ def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=
     from bdlora.train.engine import parse_run
 
     return parse_run({
-        "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE, "nblocks": 1, "scheduler": "constant",
+        "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE, "use_liger_kernel": USE_LIGER, "nblocks": 1,
+        "scheduler": "constant",
         "warmup_ratio": 0.0,
         **extra,
         "model": str(model_path), "output_dir": str(out), "precision": PRECISION_OF[dtype], "token_budget": budget,
@@ -1026,11 +1028,15 @@ def main(argv=None) -> int:
     ap.add_argument("--pad-multiple", type=int,
                     help="the engine's pad_multiple (rows padded to a multiple: fewer distinct shapes per run); "
                          "default: the engine's auto (64 on GPU, 1 on CPU)")
+    ap.add_argument("--use-liger-kernel", default="auto", choices=["auto", "true", "false"],
+                    help="use_liger_kernel of the engine's runs (Liger's RMSNorm, SwiGLU and RoPE on the base) and "
+                         "of the sequential trainer; auto: where it runs")
     args = ap.parse_args(argv)
     if args.profile is not None and args.profile < 1:
         ap.error(f"--profile K needs K >= 1 jobs, got {args.profile}")
-    global LORA_BACKEND, PAD_MULTIPLE
+    global LORA_BACKEND, PAD_MULTIPLE, USE_LIGER
     LORA_BACKEND, PAD_MULTIPLE = args.lora_backend, args.pad_multiple
+    USE_LIGER = {"auto": None, "true": True, "false": False}[args.use_liger_kernel]
     if args.dropout_route == "mask":  # the engines' KernelOptions beside lora_backend (BatchContext.kernel_tuning)
         KERNEL_TUNING["fused_dropout"] = False
     if args.dsdb == "off":
