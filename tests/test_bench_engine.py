@@ -40,6 +40,14 @@ def test_random_weights_folder_builds_on_load(tmp_path):
     assert AutoModelForCausalLM.from_pretrained.__func__.__name__ == "from_pretrained"
 
 
+def test_fixed_length_data_is_exactly_seq_tokens_as_the_engine_encodes_it(tmp_path):
+    """--seq: every record is exactly ``seq`` tokens as the trainer and the engine encode it (TokenLengths)."""
+    folder = B.write_config_folder(tmp_path / "m", dict(B.LLAMA8B_SMOKE_SHAPE, num_layers=1))
+    data = B.fixed_length_data(tmp_path / "d.jsonl", folder, 12, 48)
+    lengths = B.TokenLengths(folder, data, 56).lengths
+    assert len(lengths) == 12 and set(lengths.values()) == {48}
+
+
 def test_fit_token_budget_halves_until_the_memory_model_admits(tmp_path, monkeypatch):
     import bdlora.train.engine.memory as M
 

@@ -107,6 +107,16 @@ def make_data(path: Path, n: int, seed: int = 0, min_words: int = 8, max_words: 
     return path
 
 
+def fixed_length_data(path: Path, model_folder: Path, n: int, seq: int) -> Path:
+    """``n`` plain-text records of exactly ``seq`` tokens: bench_trainer's data, so its long-sequence column and the
+    engine's see the same kind of examples."""
+    try:
+        from bench.train.bench_trainer import build_data
+    except ImportError:  # run as a script: bench/train is on sys.path, the repository root may not be
+        from bench_trainer import build_data
+    return build_data(path, model_folder, n, seq, seq)
+
+
 PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16"}  # this script's --dtype names -> the config's precision
 LORA_BACKEND = "auto"  # the engine's lora_backend in every run of this process (--lora-backend)
 KERNEL_TUNING: dict = {}  # KernelOptions fields every engine of this process gets (--dropout-route, --dsdb)
@@ -424,6 +434,9 @@ def run_throughput(args) -> int:
               "use --cpu-smoke for a tiny CPU run that only checks the script.", file=sys.stderr)
         return 2
     llama8b = args.shape == "llama8b"
+    if args.seq and not llama8b:
+        print("bench_engine: --seq needs --shape llama8b (its folder's tokenizer writes the records)", file=sys.stderr)
+        return 2
     if llama8b and args.model:
         print("bench_engine: --shape llama8b builds its own random model; drop --model", file=sys.stderr)
         return 2
@@ -452,14 +465,17 @@ def run_throughput(args) -> int:
         steps, bs, budget, sweep_steps = 3, 2, 512, 8
         nblocks, ranks, dtype, seq = args.nblocks or 2, user_ranks or [4, 8], "float32", 64
         data = make_data(tmp / "task.jsonl", 200, max_words=20)
+        if args.seq:
+            seq, budget = args.seq + 8, max(budget, args.seq + 8)
+            data = fixed_length_data(tmp / "task.jsonl", model, 200, args.seq)
         lrs, sweep_ranks = [1e-3, 1e-2], [4, 8]
     else:
         from bdlora.models import smollm2_path
 
         torch.backends.cuda.matmul.allow_tf32 = True
         steps, bs, sweep_steps = args.steps or 12, args.batch_size, args.sweep_steps
-        dtype, seq = args.dtype, 256
-        data = make_data(tmp / "task.jsonl", 4000)
+        dtype, seq = args.dtype, (args.seq + 8 if args.seq else 256)
+        data = None if args.seq else make_data(tmp / "task.jsonl", 4000)
         lrs = [3e-5, 1e-4, 3e-4, 3e-3]
         if llama8b:
             shape = dict(LLAMA8B_SHAPE, num_layers=args.num_layers or LLAMA8B_SHAPE["num_layers"])
@@ -471,7 +487,9 @@ def run_throughput(args) -> int:
             nblocks = args.nblocks or 4
             ranks = user_ranks or [16, 32, 64, 128]
             sweep_ranks = [16, 32, 64, 128]
-            budget, budget_fit = fit_token_budget(model, args.token_budget or 4096,
+            if args.seq:  # text records of exactly --seq tokens (bench_trainer's), after the folder's tokenizer
+                data = fixed_length_data(tmp / "task.jsonl", model, max(4000, 8 * bs * (steps + 2)), args.seq)
+            budget, budget_fit = fit_token_budget(model, max(args.token_budget or 4096, seq),
                                                   [ranks[i % len(ranks)] for i in range(max(ks))], nblocks, device)
             shape_info = {"name": "llama8b", **shape, "full_num_layers": LLAMA8B_SHAPE["num_layers"],
                           "layers_reduced": shape["num_layers"] < LLAMA8B_SHAPE["num_layers"],
@@ -998,6 +1016,8 @@ def main(argv=None) -> int:
                                  "1,2,4,8)")
     ap.add_argument("--steps", type=int, help="optimizer steps per job in the throughput runs (default 12)")
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq", type=int, help="--shape llama8b: every example exactly this many tokens (plain text "
+                                             "records; default: instructions of ~30-250 tokens)")
     ap.add_argument("--token-budget", type=int,
                     help="micro-batch token budget (default 16384 smollm2; 4096 llama8b, halved until the memory "
                          "model admits all jobs; 2048 pipeline-vs-dp)")
