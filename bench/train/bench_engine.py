@@ -631,7 +631,7 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
                  "rounds": [[r["tokens"], round(r["train_s"], 4)] for r in eng.round_log]}
         del eng
         # the single-job PEFT trainer, job by job (the baseline)
-        for i in range(k):
+        for i in range(0 if args.no_seq_trainer else k):
             if i in seq_trainer:
                 continue
             if over_time(f"trainer job {i} (K={k})", per_trainer_job or 0.0):
@@ -1024,6 +1024,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-steps", type=int, default=60)
     ap.add_argument("--no-sweep", action="store_true", help="skip the early-exit sweep (always skipped for llama8b)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--no-seq-trainer", action="store_true",
+                    help="skip the sequential `bdlora train` runs of each job (a table whose trainer row comes from "
+                         "bench_trainer.py)")
     ap.add_argument("--engine-seq-jobs", type=int, default=4,
                     help="the engine-at-one-job column covers the first this many jobs (K <= this)")
     ap.add_argument("--time-limit", type=float,

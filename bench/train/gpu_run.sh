@@ -15,12 +15,21 @@
 #     MODE=pvd PVD_GPUS="0 1" bash bench/train/gpu_run.sh
 #       the engine's 2-stage LoRAPP pipeline vs its 2-rank data parallel mode, K=1,2,4,8, NCCL, --time-limit 200
 #                          -> $OUT/train_pipeline_vs_dp.json  $OUT/train_pipeline_vs_dp.log
+#   One GPU, one call per column (about 300-550 s each): the training table at the 8B shape, every row of a column
+#   side by side in one call:
+#     MODE=table TABLE_COLUMN=b8|b32|s2048 [MLORA_SRC=/path/to/mLoRA] bash bench/train/gpu_run.sh
+#       the plain PEFT loop and `bdlora train` (bench_trainer.py, lora_backend auto with Liger), then the engine at
+#       K = 1, 4, 8 (bench_engine.py --no-seq-trainer: its engine-at-one-job figure over the first 4 jobs beside),
+#       then (b8, with MLORA_SRC) mLoRA on the same jobs as the engine (peer_mlora.py)
+#                          -> $OUT/table_trainer_<col>.jsonl  $OUT/table_engine_<col>.json  $OUT/table_peer.json
+#       b8: batches of 8 x 30-250 tokens; b32: 32 x 30-250; s2048: 4 x 2048 tokens
 #
 # Extra bench arguments: SMOLLM2_ARGS, LLAMA8B_ARGS, PVD_ARGS (e.g. LLAMA8B_ARGS="--num-layers 16").
 # CALL_LIMIT_S (default 590): every python run is killed (timeout) before the device call's limit; the JSON files
 # are written after each experiment ("partial": true until the run ends), so a killed run still returns numbers.
-# Needs python3 with torch, transformers, peft, accelerate and safetensors (the GPU image has them; /tmp/site, the
-# extracted vLLM bundle, is put first on PYTHONPATH when present); no network. Installs this checkout (pip -e, no deps) if bdlora.train.engine is not importable.
+# Needs python3 with torch, transformers, peft, accelerate and safetensors (the GPU image has them) and, for
+# MODE=table, liger-kernel (`pip install liger-kernel`, or its wheel carried to the GPU machine); /tmp/site, the
+# extracted vLLM bundle, is put first on PYTHONPATH when present; no network. Installs this checkout (pip -e, no deps) if bdlora.train.engine is not importable.
 set -uo pipefail
 T0=$(date +%s)
 LIMIT=${CALL_LIMIT_S:-590}
@@ -108,10 +117,34 @@ case "$MODE" in
       --out "$O/train_pipeline_vs_dp.json" ${PVD_ARGS:-} >>"$log" 2>&1
     echo "pipeline-vs-dp (GPUs ${G[0]},${G[1]}) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
     ;;
+  table)
+    col=${TABLE_COLUMN:-b8}
+    case "$col" in
+      b8) targs=(--batch 8 --steps 16 --warmup 4); eargs=(--batch-size 8) ;;
+      b32) targs=(--batch 32 --steps 10 --warmup 3); eargs=(--batch-size 32) ;;
+      s2048) targs=(--seq 2048 --batch 4 --steps 8 --warmup 3); eargs=(--seq 2048 --batch-size 4) ;;
+      *) echo "TABLE_COLUMN must be b8, b32 or s2048"; exit 2 ;;
+    esac
+    log="$O/table_$col.log"
+    env_report "$log"
+    timeout -k 10 "$(kill_after)" python3 bench/train/bench_trainer.py --shape llama8b "${targs[@]}" \
+      --lora-backends auto+liger --out "$O/table_trainer_$col.jsonl" --tag "$col" >>"$log" 2>&1
+    echo "trainer rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
+    peer=0; [ "$col" = b8 ] && [ -n "${MLORA_SRC:-}" ] && peer=150  # seconds kept for the peer
+    timeout -k 10 "$(kill_after)" python3 bench/train/bench_engine.py --shape llama8b --ks 1,4,8 --no-sweep \
+      --no-seq-trainer --steps 10 "${eargs[@]}" --time-limit $(( $(left) - peer - 30 )) \
+      --out "$O/table_engine_$col.json" >>"$log" 2>&1
+    echo "engine rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
+    if [ "$peer" -gt 0 ]; then
+      timeout -k 10 "$(kill_after)" python3 -m bench.train.peer_mlora --mlora-src "$MLORA_SRC" \
+        --out "$O/table_peer.json" >>"$log" 2>&1
+      echo "peer rows rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
+    fi
+    ;;
   *)
-    sed -n '2,24p' "$0"
-    echo "MODE must be engine or pvd"; exit 2 ;;
+    sed -n '2,/^set -uo/{/^set -uo/!p}' "$0"
+    echo "MODE must be engine, pvd or table"; exit 2 ;;
 esac
-tail -n 12 "$O"/train_*.log
-ls -l "$O"/train_* 2>/dev/null
+tail -n 12 "$O"/train_*.log "$O"/table_*.log 2>/dev/null
+ls -l "$O"/train_* "$O"/table_* 2>/dev/null
 echo "call wall $(( $(date +%s) - T0 )) s"
