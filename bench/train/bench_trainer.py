@@ -63,20 +63,34 @@ def build_data(path: Path, tokenizer_dir: Path, n: int, min_len: int, max_len: i
     return path
 
 
+def length_grouped_sampling() -> dict:
+    """transformers' length-grouped sampler (batches of similar lengths: less padding), under the name of the
+    installed release (``train_sampling_strategy`` from transformers 5.18, ``group_by_length`` before)."""
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    if "train_sampling_strategy" in {f.name for f in fields(TrainingArguments)}:
+        return {"train_sampling_strategy": "group_by_length"}
+    return {"group_by_length": True}
+
+
 def run_trainer(a) -> dict:
     import torch
 
     from bdlora.train.config import TrainConfig
     from bdlora.train.trainer import run_training
 
-    out = Path(a.workdir) / f"trainer-{a.tag}-{a.lora_backend}{'-liger' if a.liger else ''}{'-compile' if a.compile else ''}"
+    out = Path(a.workdir) / f"trainer-{a.tag}-{a.lora_backend}{'-liger' if a.liger else ''}{'-compile' if a.compile else ''}{'-grouped' if a.group_by_length else ''}"
     cfg = TrainConfig(model=str(a.model), precision="bf16", nblocks=a.nblocks, r=a.rank, lora_alpha=16,
                       train_file=str(a.data), data_format="text", eval_fraction=0.0, max_length=a.max_len + 8,
                       lr=1e-4, scheduler="constant", warmup_steps=0, batch_size=a.batch, grad_accum=1,
                       max_steps=a.warmup + a.steps, log_every=1, output_dir=str(out), report_to=[], progress=False,
                       gradient_checkpointing=a.grad_ckpt, gradient_checkpointing_every_n_layers=a.grad_ckpt_every,
                       attn_implementation="sdpa", packing=a.packing,
-                      training_args={"dataloader_num_workers": 0, "torch_compile": a.compile}, use_liger_kernel=a.liger,
+                      training_args={"dataloader_num_workers": 0, "torch_compile": a.compile,
+                                     **(length_grouped_sampling() if a.group_by_length else {})},
+                      use_liger_kernel=a.liger,
                       load_in_4bit=a.load_in_4bit,
                       lora_backend=a.lora_backend)
     res = run_training(cfg, validate_adapter=False)
@@ -112,10 +126,12 @@ def main() -> int:
                     help="trainer runs, one per lora_backend (comma list of auto / cublas / peft); BACKEND+liger runs "
                          "with use_liger_kernel: true, the others with false (Liger Kernel through transformers: "
                          "fused RMSNorm, SwiGLU, RoPE and linear cross-entropy); +compile adds "
-                         "training_args.torch_compile (e.g. auto+liger+compile)")
+                         "training_args.torch_compile (e.g. auto+liger+compile), +grouped transformers' "
+                         "length-grouped sampler")
     ap.add_argument("--lora-backend", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--liger", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--group-by-length", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", default="/tmp/bdlora-bench-trainer")
     ap.add_argument("--out", default="bench_trainer.jsonl")
     ap.add_argument("--tag", default="run")
@@ -136,9 +152,10 @@ def main() -> int:
         sides = ["loop", *trainers] if a.side == "both" else trainers if a.side == "trainer" else ["loop"]
         for side in sides:
             backend, *extras = side.partition(":")[2].split("+")
-            liger, compile_ = "liger" in extras, "compile" in extras
+            liger, compile_, grouped = "liger" in extras, "compile" in extras, "grouped" in extras
             label = ("plain PEFT loop" if side == "loop" else f"bdlora trainer (lora_backend {backend}"
-                     + (", Liger kernels" if liger else "") + (", torch_compile" if compile_ else "") + ")")
+                     + (", Liger kernels" if liger else "") + (", torch_compile" if compile_ else "")
+                     + (", length-grouped batches" if grouped else "") + ")")
             if side == "loop":
                 cmd = [sys.executable, str(HERE / "peft_bf16_loop.py"), "--shape", a.shape, "--rank", str(a.rank),
                        "--nblocks", str(a.nblocks), "--steps", str(a.steps), "--warmup", str(a.warmup),
@@ -146,8 +163,9 @@ def main() -> int:
                 if a.grad_ckpt:
                     cmd.append("--grad-ckpt")
             else:
-                cmd = [sys.executable, __file__, *sys.argv[1:], "--side", "trainer", "--model", str(model),
-                       "--data", str(data), "--lora-backend", backend] + (["--liger"] if liger else []) + (["--compile"] if compile_ else [])
+                cmd = ([sys.executable, __file__, *sys.argv[1:], "--side", "trainer", "--model", str(model),
+                        "--data", str(data), "--lora-backend", backend] + (["--liger"] if liger else [])
+                       + (["--compile"] if compile_ else []) + (["--group-by-length"] if grouped else []))
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
             rec = {**base, "side": label}
