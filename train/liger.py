@@ -55,5 +55,9 @@ def apply_liger_to_base(model) -> None:
     kernels stay off: the engine computes each job's loss over its response tokens itself."""
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
-    MODEL_TYPE_TO_APPLY_LIGER_FN[model.config.model_type](
-        model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    try:
+        MODEL_TYPE_TO_APPLY_LIGER_FN[model.config.model_type](
+            model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    except Exception as e:  # a layout liger-kernel's function does not expect: say so instead of a traceback
+        raise ConfigError(f"use_liger_kernel: liger-kernel could not patch this {model.config.model_type} model "
+                          f"({type(e).__name__}: {e}); set use_liger_kernel: false") from None
