@@ -29,6 +29,16 @@ def gpu_like(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
 
+@pytest.fixture
+def llama_module_restored(monkeypatch):
+    """liger-kernel's patch also replaces transformers' llama module functions and classes for the whole process:
+    put them back after the test, so later tests in this worker build and run the plain model."""
+    from transformers.models.llama import modeling_llama
+
+    for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):
+        monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
+
+
 def test_auto_is_off_on_cpu_and_says_why(tmp_path, capsys):
     res = run_training(_cfg(tmp_path), validate_adapter=False)
     assert res.step == 1
@@ -116,7 +126,7 @@ def test_sweep_on_cpu_says_off_and_refuses_true(tmp_path, tiny_llama_dir):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
                     reason="Liger's kernels are Triton GPU kernels (and need liger-kernel installed)")
-def test_sweep_with_liger_trains_the_same_jobs(tmp_path, tiny_llama_dir):
+def test_sweep_with_liger_trains_the_same_jobs(tmp_path, tiny_llama_dir, llama_module_restored):
     """On a GPU: two jobs of ``bdlora sweep`` with Liger's RMSNorm / SwiGLU / RoPE on the base against the same
     run without them, in fp32: the same per-step losses and adapters to kernel rounding."""
     from bdlora.train.engine import Engine, parse_run
@@ -135,3 +145,24 @@ def test_sweep_with_liger_trains_the_same_jobs(tmp_path, tiny_llama_dir):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4, (ref.name, a, b)
         for (n, p), (_, q) in zip(ref.adapter.named_parameters(), got.adapter.named_parameters()):
             torch.testing.assert_close(q, p, rtol=1e-3, atol=1e-5, msg=n)
+
+
+def test_engine_patch_of_the_base_and_its_failure(tiny_llama_dir, llama_module_restored):
+    """``apply_liger_to_base`` swaps the base's RMSNorm / SwiGLU forwards for Liger's (patching runs no kernel, so
+    this runs on CPU); a layout liger-kernel does not expect is a ConfigError naming the key, not a traceback."""
+    pytest.importorskip("liger_kernel")
+    from transformers import AutoModelForCausalLM
+
+    from bdlora.train.liger import apply_liger_to_base
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    mlp_forward = model.model.layers[0].mlp.forward
+    apply_liger_to_base(model)
+    norms = [m for n, m in model.named_modules() if n.endswith("norm")]
+    assert norms and all(hasattr(m, "casting_mode") for m in norms)
+    assert model.model.layers[0].mlp.forward.__func__ is not mlp_forward.__func__
+    broken = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    del broken.model.layers
+    with pytest.raises(ConfigError, match="could not patch this llama model .*use_liger_kernel: false"):
+        apply_liger_to_base(broken)
+
