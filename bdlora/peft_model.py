@@ -75,6 +75,13 @@ def _kernel_variant_class():
     from peft.tuners.lora.variants import BdLoraLinearVariant, BlockDiagonalLinear
 
     from .kernels import KernelOptions
+    from .kernels.cublas import cublas_lora_add_
+
+    @torch.compiler.disable
+    def lora_add_eager(result, x, adapter, seed, options):
+        """``cublas_lora_add_`` outside any torch.compile graph: its autograd function keeps host-side state that
+        dynamo cannot trace, so a compiled model breaks its graph here and runs the kernels eagerly."""
+        return cublas_lora_add_(result, x, adapter, seed, options)[0]
 
     class KernelBdLoraVariant(BdLoraLinearVariant):
         """PEFT's BD-LoRA variant with its LoRA term on bdlora's GEMMs (``bdlora.kernels.cublas``): block-diagonal
@@ -108,18 +115,9 @@ def _kernel_variant_class():
             seed = int(torch.randint(0, 2**62, ())) if p > 0 else None
             if not result.is_contiguous():
                 result = result.contiguous()
-            return _lora_add_eager(result, x, adapter, seed, self.options)
+            return lora_add_eager(result, x, adapter, seed, self.options)
 
     return KernelBdLoraVariant
-
-
-@torch.compiler.disable
-def _lora_add_eager(result, x, adapter, seed, options):
-    """``cublas_lora_add_`` outside any torch.compile graph: its autograd function keeps host-side state that
-    dynamo cannot trace, so a compiled model breaks its graph here and runs the kernels eagerly."""
-    from .kernels.cublas import cublas_lora_add_
-
-    return cublas_lora_add_(result, x, adapter, seed, options)[0]
 
 
 def use_bdlora_kernels(peft_model, backend: str = "auto", options=None) -> int:

@@ -165,4 +165,3 @@ def test_engine_patch_of_the_base_and_its_failure(tiny_llama_dir, llama_module_r
     del broken.model.layers
     with pytest.raises(ConfigError, match="could not patch this llama model .*use_liger_kernel: false"):
         apply_liger_to_base(broken)
-

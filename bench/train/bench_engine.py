@@ -462,12 +462,11 @@ def run_throughput(args) -> int:
         else:
             model = args.model or build_random_llama(tmp / "tiny", init_std=0.05)
         ks = user_ks or [1, 2]
-        steps, bs, budget, sweep_steps = 3, 2, 512, 8
-        nblocks, ranks, dtype, seq = args.nblocks or 2, user_ranks or [4, 8], "float32", 64
-        data = make_data(tmp / "task.jsonl", 200, max_words=20)
-        if args.seq:
-            seq, budget = args.seq + 8, max(budget, args.seq + 8)
-            data = fixed_length_data(tmp / "task.jsonl", model, 200, args.seq)
+        seq = args.seq + 8 if args.seq else 64
+        steps, bs, budget, sweep_steps = 3, 2, max(512, seq), 8
+        nblocks, ranks, dtype = args.nblocks or 2, user_ranks or [4, 8], "float32"
+        data = (fixed_length_data(tmp / "task.jsonl", model, 200, args.seq) if args.seq
+                else make_data(tmp / "task.jsonl", 200, max_words=20))
         lrs, sweep_ranks = [1e-3, 1e-2], [4, 8]
     else:
         from bdlora.models import smollm2_path
@@ -487,8 +486,9 @@ def run_throughput(args) -> int:
             nblocks = args.nblocks or 4
             ranks = user_ranks or [16, 32, 64, 128]
             sweep_ranks = [16, 32, 64, 128]
-            if args.seq:  # text records of exactly --seq tokens (bench_trainer's), after the folder's tokenizer
-                data = fixed_length_data(tmp / "task.jsonl", model, max(4000, 8 * bs * (steps + 2)), args.seq)
+            if args.seq:  # records of exactly --seq tokens, written with the folder's tokenizer: one epoch for
+                # the largest K (tokenizing long records is the slow part; jobs reuse them past it)
+                data = fixed_length_data(tmp / "task.jsonl", model, max(ks) * bs * (steps + 2), args.seq)
             budget, budget_fit = fit_token_budget(model, max(args.token_budget or 4096, seq),
                                                   [ranks[i % len(ranks)] for i in range(max(ks))], nblocks, device)
             shape_info = {"name": "llama8b", **shape, "full_num_layers": LLAMA8B_SHAPE["num_layers"],

@@ -81,7 +81,9 @@ def run_trainer(a) -> dict:
     from bdlora.train.config import TrainConfig
     from bdlora.train.trainer import run_training
 
-    out = Path(a.workdir) / f"trainer-{a.tag}-{a.lora_backend}{'-liger' if a.liger else ''}{'-compile' if a.compile else ''}{'-grouped' if a.group_by_length else ''}"
+    extras = "".join(f"-{name}" for name, on in (("liger", a.liger), ("compile", a.compile),
+                                                  ("grouped", a.group_by_length)) if on)
+    out = Path(a.workdir) / f"trainer-{a.tag}-{a.lora_backend}{extras}"
     cfg = TrainConfig(model=str(a.model), precision="bf16", nblocks=a.nblocks, r=a.rank, lora_alpha=16,
                       train_file=str(a.data), data_format="text", eval_fraction=0.0, max_length=a.max_len + 8,
                       lr=1e-4, scheduler="constant", warmup_steps=0, batch_size=a.batch, grad_accum=1,
