@@ -145,3 +145,31 @@ def test_a_dense_expert_lora_is_sharded_the_standard_way(moe_dirs, tmp_path):
             else:
                 torch.testing.assert_close(t, full)
     assert len(whole) == 2 * 4 * 3 * 2  # layers x experts x (gate, up, down) x (A, B)
+
+
+def test_moe_layers_are_counted_in_an_adapters_bytes_and_collectives():
+    """The diagnostics a MoE deployment is checked with: an adapter's slot bytes include the MoE layers' w13 / w2
+    buffers (their ``lora_a_stacked`` is a per-expert view list, not counted twice), and the collectives of vLLM's
+    MoE LoRA op (``--fully-sharded-loras``) get the counter."""
+    import importlib
+
+    from bdlora.vllm_plugin import diagnostics as D
+
+    loras, experts, rank, hidden, inter = 3, 4, 8, 32, 16
+    w13_a = tuple(torch.zeros(loras, experts, rank, hidden) for _ in range(2))
+    w13_b = tuple(torch.zeros(loras, experts, inter, rank) for _ in range(2))
+    w2_a, w2_b = (torch.zeros(loras, experts, rank, inter),), (torch.zeros(loras, experts, hidden, rank),)
+    moe = SimpleNamespace(w13_lora_a_stacked=w13_a, w13_lora_b_stacked=w13_b, w2_lora_a_stacked=w2_a,
+                          w2_lora_b_stacked=w2_b, lora_a_stacked=[w13_a[0][0][0]], lora_b_stacked=[w13_b[0][0][0]])
+    linear = SimpleNamespace(lora_a_stacked=(torch.zeros(loras, 1, rank, hidden),),
+                             lora_b_stacked=(torch.zeros(loras, 1, hidden, rank),))
+    pairs = D._stacked_pairs(moe)
+    assert len(pairs) == 3 and all(a.shape[2] == rank for a, _ in pairs)
+    slot = sum(a[0].numel() + b[0].numel() for a, b in pairs)
+    assert slot == experts * rank * (2 * hidden + 2 * inter + inter + hidden)
+    assert len(D._stacked_pairs(linear)) == 1 and D._stacked_pairs(SimpleNamespace()) == []
+
+    op = importlib.import_module("vllm.lora.ops.triton_ops.fused_moe_lora_op")
+    D.install_collective_counters()
+    for name in ("tensor_model_parallel_all_gather", "tensor_model_parallel_all_reduce"):
+        assert getattr(getattr(op, name), D.COUNTER_MARKER, False), name

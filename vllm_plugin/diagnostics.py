@@ -6,7 +6,8 @@ what does one adapter cost per rank, do the fused kernels agree with vLLM's -- a
 
 * :func:`install_collective_counters` wraps the module-level collectives the LoRA layers call
   (``tensor_model_parallel_all_gather`` in ``column_parallel_linear``, ``tensor_model_parallel_all_reduce`` in
-  ``row_parallel_linear``) and counts calls by caller: ``forward`` is the base model's own collective, anything else
+  ``row_parallel_linear``, and both in vLLM's MoE LoRA op, which runs them for ``--fully-sharded-loras``) and
+  counts calls by caller: ``forward`` is the base model's own collective, anything else
   (``_mcp_apply``, ``apply``) is a LoRA collective. Run the engine with ``enforce_eager=True`` so calls are not
   traced away by torch.compile.
 * :func:`lora_memory` reports the bytes one adapter occupies on a rank.
@@ -28,6 +29,8 @@ COUNTS: Counter = Counter()
 _TARGETS = (  # vllm_api touch points
     ("column_parallel_linear.tensor_model_parallel_all_gather", "all_gather"),
     ("row_parallel_linear.tensor_model_parallel_all_reduce", "all_reduce"),
+    ("fused_moe_lora_op.tensor_model_parallel_all_gather", "all_gather"),  # called by _fused_moe_lora: a LoRA one
+    ("fused_moe_lora_op.tensor_model_parallel_all_reduce", "all_reduce"),
 )
 #: Marker of the counting wrappers (not the plugin's own patches).
 COUNTER_MARKER = "__bdlora_counter__"
@@ -50,7 +53,11 @@ def install_collective_counters(worker=None) -> bool:
     from . import vllm_api as api
 
     for key, op in _TARGETS:
-        api.wrap(key, lambda fn, op=op: _counting(fn, op), marker=COUNTER_MARKER)
+        try:
+            api.wrap(key, lambda fn, op=op: _counting(fn, op), marker=COUNTER_MARKER)
+        except api.TouchPointMissing:
+            if not api.touch_point(key).optional:
+                raise
     COUNTS.clear()
     return True
 
@@ -215,6 +222,16 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
+def _stacked_pairs(layer) -> list:
+    """(A, B) slot buffers of a LoRA layer, [lora slot, ...]: the linear layers' ``lora_{a,b}_stacked`` tuples, the MoE
+    layers' ``w13_*`` / ``w2_*`` ones (their ``lora_a_stacked`` is a per-expert view list of the same memory)."""
+    if isinstance(getattr(layer, "w13_lora_a_stacked", None), tuple):
+        return list(zip(layer.w13_lora_a_stacked + layer.w2_lora_a_stacked,
+                        layer.w13_lora_b_stacked + layer.w2_lora_b_stacked))
+    stacked_a = getattr(layer, "lora_a_stacked", None)
+    return list(zip(stacked_a, layer.lora_b_stacked)) if isinstance(stacked_a, tuple) else []
+
+
 def lora_memory(worker, lora_int_id: int) -> dict:
     """Bytes of one adapter on this rank: ``loaded`` (the LoRAModel tensors kept on the host), ``slot`` (its slot
     in the stacked buffers of every LoRA layer), plus ``buffer_rank`` and layer-class names."""
@@ -225,11 +242,8 @@ def lora_memory(worker, lora_int_id: int) -> dict:
     slot_bytes = 0
     ranks, classes = set(), set()
     for layer in mgr.modules.values():
-        stacked_a = getattr(layer, "lora_a_stacked", None)
-        if stacked_a is None or not isinstance(stacked_a, tuple):
-            continue
-        classes.add(type(layer).__name__)
-        for a, b in zip(layer.lora_a_stacked, layer.lora_b_stacked):
+        for a, b in _stacked_pairs(layer):
+            classes.add(type(layer).__name__)
             ranks.add(int(a.shape[2]))
             if slot is not None:
                 slot_bytes += _nbytes(a[slot]) + _nbytes(b[slot])

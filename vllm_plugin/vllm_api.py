@@ -350,6 +350,11 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     _T("row_parallel_linear.tensor_model_parallel_all_reduce", "vllm.lora.layers.row_parallel_linear",
        "tensor_model_parallel_all_reduce", "replace", "diagnostics.install_collective_counters: all-reduces by caller",
        {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
+    *(_T(f"fused_moe_lora_op.tensor_model_parallel_{op}", "vllm.lora.ops.triton_ops.fused_moe_lora_op",
+         f"tensor_model_parallel_{op}", "replace",
+         f"diagnostics.install_collective_counters: {op.replace('_', '-')}s of vLLM's MoE LoRA (fully sharded); "
+         "optional: the module needs Triton", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}, optional=True)
+      for op in ("all_gather", "all_reduce")),
     _T("envs.disable_envs_cache", "vllm.envs", "disable_envs_cache", "call",
        "testing.start_llm: environment changes between engines take effect", {"0.26": _SAME, "0.32": _SAME,
                                                                              "0.33": _SAME}, optional=True),

