@@ -30,6 +30,12 @@ def gpu_like(monkeypatch):
 
 
 @pytest.fixture
+def on_cpu(monkeypatch):
+    """A run on the CPU, as on a GPU machine with ``ACCELERATE_USE_CPU=1`` (the CI machines have no GPU)."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+
+
+@pytest.fixture
 def llama_module_restored(monkeypatch):
     """liger-kernel's patch also replaces transformers' llama module functions and classes for the whole process:
     put them back after the test, so later tests in this worker build and run the plain model."""
@@ -39,13 +45,13 @@ def llama_module_restored(monkeypatch):
         monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
 
 
-def test_auto_is_off_on_cpu_and_says_why(tmp_path, capsys):
+def test_auto_is_off_on_cpu_and_says_why(tmp_path, capsys, on_cpu):
     res = run_training(_cfg(tmp_path), validate_adapter=False)
     assert res.step == 1
     assert "Liger kernels off (auto: no GPU" in capsys.readouterr().out
 
 
-def test_true_on_cpu_is_refused_before_the_model_loads(tmp_path):
+def test_true_on_cpu_is_refused_before_the_model_loads(tmp_path, on_cpu):
     with pytest.raises(ConfigError, match=r"use_liger_kernel: true, but no GPU .*drop the key \(auto\)"):
         run_training(_cfg(tmp_path, use_liger_kernel=True), validate_adapter=False)
     assert not (tmp_path / "out" / "adapter").exists()
@@ -93,6 +99,7 @@ def test_other_spellings_name_the_key(tmp_path, text, key):
 def _sweep_raw(model, tmp_path, **kw) -> dict:
     from tests.test_engine_utils import run_dict
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"hello world number {i} of the sweep"}) + "\n" for i in range(24)))
     jobs = [{"name": "r4", "r": 4}, {"name": "r8", "r": 8, "lr": 3e-3}]
@@ -119,7 +126,6 @@ def test_sweep_on_cpu_says_off_and_refuses_true(tmp_path, tiny_llama_dir):
     assert (eng.liger, eng.liger_note) == (False, "off (auto: no GPU (Liger's kernels are Triton GPU kernels))")
     eng.run()
     assert any("Liger kernels off (auto: no GPU" in line for line in lines)
-    (tmp_path / "t").mkdir()
     with pytest.raises(ConfigError, match=r"use_liger_kernel: true, but no GPU"):
         Engine(parse_run(_sweep_raw(tiny_llama_dir, tmp_path / "t", device="cpu", use_liger_kernel=True)))
 
@@ -134,7 +140,7 @@ def test_sweep_with_liger_trains_the_same_jobs(tmp_path, tiny_llama_dir, llama_m
     engines = {}
     for liger in (False, True):
         eng = Engine(parse_run(_sweep_raw(tiny_llama_dir, tmp_path / str(liger), device="cuda",
-                                          use_liger_kernel=liger)))
+                                          precision="fp32", use_liger_kernel=liger)))
         assert eng.liger is liger
         assert hasattr(eng.model.model.norm, "casting_mode") is liger  # Liger's RMSNorm patched in, or not
         eng.run()
