@@ -797,6 +797,21 @@ def test_moe_parity_prepares_equal_scale_dense_adapters(tmp_path):
     assert (logits["dense"] - base).abs().max() > 1e-3
 
 
+def test_moe_parity_costs_compare_each_engine_with_vllms_default():
+    """The per-engine summary: LoRA collectives and the largest rank's slot bytes against vLLM's default engine."""
+    from bench.serve.moe_parity import summarize_costs
+
+    def engine(collectives, slots):
+        return {"lora_collectives": collectives, "slot_bytes_per_rank": slots, "buffer_ranks": [8], "rows": []}
+
+    res = {**engine(0, [4000, 4000]), "bd": engine(0, [2000, 2000]), "fully_sharded": engine(96, [2500, 2400])}
+    costs = summarize_costs(res)
+    assert set(costs) == {"default", "bd", "fully_sharded"}
+    assert costs["bd"]["bytes_vs_default"] == 0.5 and costs["fully_sharded"]["bytes_vs_default"] == 0.625
+    assert costs["fully_sharded"]["lora_collectives"] == 96
+    assert summarize_costs({"bd": {"error": "x", "rows": []}}) == {}  # an engine that failed reports nothing
+
+
 @pytest.mark.parametrize("engine", ["lora", "bd"])
 def test_moe_proxy_adapters_are_the_per_gpu_factors(tmp_path, engine):
     """The MoE proxy serves one GPU's shard at TP=1: its rank-r ("lora", vLLM's default LoRA at TP=N) or rank-r/N

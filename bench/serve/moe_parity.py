@@ -192,7 +192,7 @@ def main(argv=None) -> int:
         except Exception as e:
             res["fully_sharded"], ok["fully_sharded"] = {"error": repr(e), "rows": []}, False
     res["matches"] = ok
-    res["costs"] = costs = summarize_costs(res, a.tp)
+    res["costs"] = costs = summarize_costs(res)
     Path(a.out).write_text(json.dumps(res, indent=1))
     for name in ok:
         rows = res[name]["rows"] if name in ("bd", "fully_sharded") else res["rows"]
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     return 0 if ok["dense"] and ok.get("bd", True) and bd_free else 1
 
 
-def summarize_costs(res: dict, tp: int) -> dict:
+def summarize_costs(res: dict) -> dict:
     """Per engine that ran: LoRA collectives and per-rank slot bytes of the adapter, against vLLM's default."""
     engines = {"default": res, "bd": res.get("bd", {}), "fully_sharded": res.get("fully_sharded", {})}
     costs = {name: {k: e[k] for k in ("lora_collectives", "slot_bytes_per_rank", "buffer_ranks")}
