@@ -292,8 +292,8 @@ def test_4bit_rows_train_through_the_trainer_and_score_on_both_bases(tmp_path):
 
 
 def test_rouge_l():
-    """ROUGE-L F1 over lower-cased alphanumeric tokens (rouge_score's rougeL without stemming), on hand-worked
-    cases: LCS 'the cat the mat' (4) of 6 and 6 tokens -> 2/3."""
+    """ROUGE-L F1 (rouge_score's rougeL without stemming: lower-cased alphanumeric tokens) on hand-worked cases:
+    LCS 'the cat the mat' (4) of 6 and 6 tokens -> 2/3."""
     from bench.quality.metrics import rouge_l
 
     assert rouge_l("The cat sat on the mat.", "the cat lay on the mat") == pytest.approx(5 / 6)

