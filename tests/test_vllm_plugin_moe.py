@@ -173,3 +173,4 @@ def test_moe_layers_are_counted_in_an_adapters_bytes_and_collectives():
     D.install_collective_counters()
     for name in ("tensor_model_parallel_all_gather", "tensor_model_parallel_all_reduce"):
         assert getattr(getattr(op, name), D.COUNTER_MARKER, False), name
+    assert D.lora_collectives([{"base:all_reduce": 5, "lora:all_gather": 2}, {"lora:all_reduce": 3}]) == 5

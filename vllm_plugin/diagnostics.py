@@ -71,6 +71,11 @@ def read_collective_counters(worker=None) -> dict:
     return {f"{kind}:{op}": n for (kind, op), n in COUNTS.items()}
 
 
+def lora_collectives(counts_per_rank) -> int:
+    """The LoRA collectives in :func:`read_collective_counters`' replies of every rank (0 in BD mode)."""
+    return sum(n for counts in counts_per_rank for key, n in counts.items() if key.startswith("lora:"))
+
+
 def _builds(worker) -> list:
     """The fast-path builds (:class:`bdlora.vllm_plugin.fast_path.state.LayerBuild`) of a worker's BD layers."""
     builds = []
@@ -242,8 +247,10 @@ def lora_memory(worker, lora_int_id: int) -> dict:
     slot_bytes = 0
     ranks, classes = set(), set()
     for layer in mgr.modules.values():
-        for a, b in _stacked_pairs(layer):
+        pairs = _stacked_pairs(layer)
+        if pairs:
             classes.add(type(layer).__name__)
+        for a, b in pairs:
             ranks.add(int(a.shape[2]))
             if slot is not None:
                 slot_bytes += _nbytes(a[slot]) + _nbytes(b[slot])

@@ -106,7 +106,7 @@ def run_mode(model, adapters, tp: int, eager: bool, dtype: str, max_tokens: int,
         if eager:
             counts = llm.collective_rpc(D.read_collective_counters)
             result["collectives_per_rank"] = counts
-            result["lora_collectives"] = sum(v for c in counts for k, v in c.items() if k.startswith("lora:"))
+            result["lora_collectives"] = D.lora_collectives(counts)
             result["memory_bd2_r16"] = [{k: v for k, v in m.items() if k != "shapes"}
                                         for m in llm.collective_rpc(D.lora_memory, args=(ids["bd2_r16"],))]
         counters = llm.collective_rpc(D.read_path_counts) if kernels is not None else []  # before the self-check's

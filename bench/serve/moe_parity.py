@@ -40,7 +40,7 @@ def lora_costs(llm, lora_int_id: int) -> dict:
     counts = llm.collective_rpc(D.read_collective_counters)
     memory = llm.collective_rpc(D.lora_memory, args=(lora_int_id,))
     return {"collectives_per_rank": counts,
-            "lora_collectives": sum(v for c in counts for k, v in c.items() if k.startswith("lora:")),
+            "lora_collectives": D.lora_collectives(counts),
             "slot_bytes_per_rank": [m["slot"] for m in memory], "buffer_ranks": memory[0]["buffer_ranks"],
             "classes": memory[0]["classes"]}
 
