@@ -6,6 +6,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from bdlora.train.engine import EarlyExit, Item, MemoryModel, JobFootprint, pack_ffd, parse_run, select_after_warmup
 from bdlora.train.engine.data import EpochSampler
@@ -28,7 +29,7 @@ def test_ffd_every_item_once_within_budget(pad):
     for b in bins:
         per_job = {}
         for it in b:
-            per_job[it.job] = per_job.get(it.job, 0) + it.length
+            per_job.setdefault(it.job, []).append(it.length)
         assert bin_cost(per_job, pad) <= 256
         # one contiguous segment per job, jobs in order
         jobs = [it.job for it in b]
@@ -41,8 +42,11 @@ def test_ffd_every_item_once_within_budget(pad):
 def test_ffd_deterministic_and_order_independent_of_python_hash():
     items = _items(seed=3)
     assert pack_ffd(items, 200) == pack_ffd(list(items), 200)
-    # padding is per job: two jobs of 5 tokens with pad 8 cost 16, one job of 10 tokens costs 16 too
-    assert bin_cost({0: 5, 1: 5}, 8) == 16 and bin_cost({0: 10}, 8) == 16
+    # rows are per job: two jobs of 5 tokens with pad 8 cost 2 rows of 8, one job of 10 tokens one row of 16
+    assert bin_cost({0: [5], 1: [5]}, 8) == 16 and bin_cost({0: [10]}, 8) == 16
+    # short samples share a row up to MIN_ROW_TOKENS; long ones get rows of their own
+    assert bin_cost({0: [200, 200, 100]}) == 500 and bin_cost({0: [300, 300]}) == 600
+    assert bin_cost({0: [2048, 2048]}) == 2 * 2048 and bin_cost({0: [2048, 1000, 1000]}) == 2 * 2048
 
 
 def test_ffd_keeps_each_job_that_fits_in_one_microbatch():
@@ -60,6 +64,66 @@ def test_ffd_keeps_each_job_that_fits_in_one_microbatch():
     for j in (0, 1, 5):  # each in one bin
         assert sum(any(it.job == j for it in b) for b in bins) == 1
     assert any({it.job for it in b} == {5, 9} for b in bins)
+
+
+def _samples(lengths, seed):
+    """Fake samples: distinct token ids, every token after the first a target (mask 1)."""
+    from types import SimpleNamespace
+
+    rng = random.Random(seed)
+    return [SimpleNamespace(input_ids=[rng.randint(1, 999) for _ in range(n)], loss_mask=[0] + [1] * (n - 1))
+            for n in lengths]
+
+
+@pytest.mark.parametrize("pad", [1, 64])
+def test_microbatch_rows_are_what_the_packer_paid_for(pad):
+    """The built block is exactly bin_cost's size, rows never mix jobs, each job is one contiguous segment, and every
+    target is the token after its position in that job's own sample."""
+    from bdlora.train.engine.packing import build_microbatch, plan_microbatches
+
+    rng = random.Random(7)
+    lengths = {j: [rng.choice([rng.randint(5, 300), rng.randint(600, 1500)]) for _ in range(12)] for j in range(5)}
+    samples = {j: _samples(ls, j) for j, ls in lengths.items()}
+    reqs = [(j, list(range(12))) for j in range(5)]
+    for b in plan_microbatches(reqs, lambda j: lengths[j], budget=6000, pad_multiple=pad):
+        mb = build_microbatch(b, lambda j: samples[j], pad_id=0, pad_multiple=pad)
+        per_job = {}
+        for it in b:
+            per_job.setdefault(it.job, []).append(it.length)
+        assert mb.num_tokens == bin_cost(per_job, pad) <= 6000
+        rows, L = mb.input_ids.shape
+        assert L % pad == 0 and [j for j, _, _ in mb.segments] == sorted(per_job)
+        assert mb.segments[0][1] == 0 and all(a[2] == b_[1] for a, b_ in zip(mb.segments, mb.segments[1:]))
+        flat = mb.input_ids.flatten()
+        for job, start, end in mb.segments:
+            assert start % L == 0 and end % L == 0  # whole rows
+            pos, lab = mb.targets[job]
+            assert ((pos >= start) & (pos < end)).all() and torch.equal(flat[pos + 1], lab)
+            assert len(lab) == sum(n - 1 for n in per_job[job])
+            ids = flat[start:end].tolist()
+            want = sorted(tuple(samples[job][it.index].input_ids) for it in b if it.job == job)
+            got = []  # the job's samples, cut out of its rows by the position ids' restarts
+            for r in range(start // L, end // L):
+                p = mb.position_ids[r].tolist()
+                starts = [i for i in range(L) if p[i] == 0] + [L]
+                got += [tuple(ids[(r - start // L) * L + a:(r - start // L) * L + c]) for a, c in zip(starts, starts[1:])]
+            assert sorted(g for g in got if any(g)) == want  # the padding sequences are all pad_id
+
+
+def test_long_samples_get_rows_of_their_own():
+    """Two 2048-token samples of one job: two rows of plain causal positions (no packed sequence, so attention keeps
+    its fused causal kernel and costs half of one 4096-token row); short samples still share rows."""
+    from bdlora.train.engine.packing import MIN_ROW_TOKENS, build_microbatch, plan_microbatches
+
+    samples = _samples([2048, 2048], 0)
+    (b,) = plan_microbatches([(0, [0, 1])], lambda j: [2048, 2048], budget=4096)
+    mb = build_microbatch(b, lambda j: samples, pad_id=0)
+    assert mb.input_ids.shape == (2, 2048) and mb.segments == [(0, 0, 4096)]
+    assert torch.equal(mb.position_ids, torch.arange(2048).expand(2, -1))
+    short = _samples([100] * 10, 1)
+    (b,) = plan_microbatches([(0, list(range(10)))], lambda j: [100] * 10, budget=4096)
+    mb = build_microbatch(b, lambda j: short, pad_id=0)
+    assert MIN_ROW_TOKENS == 512 and mb.input_ids.shape == (2, 500)  # five samples a row
 
 
 def test_epoch_sampler_uses_every_sample_once_per_epoch():

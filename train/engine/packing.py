@@ -1,13 +1,16 @@
 """Token-budget packing of samples from several jobs into micro-batches (first-fit decreasing, job by job).
 
-A micro-batch holds one row per job (jobs in a fixed order): a job's samples are packed one after another in its
-row, each sample its own sequence (position ids restart, attention is block-causal), and every row is padded to the
-micro-batch's row length (a multiple of ``pad_multiple``) with a dummy sequence that has no targets. Flattened, each
+A micro-batch is a (rows, L) block. Each job's samples fill rows of their own (jobs in a fixed order, a job's rows
+adjacent): a row holds one or more samples one after another, each its own sequence (position ids restart, attention
+is block-causal), and no row is longer than the bin's longest sample or ``MIN_ROW_TOKENS``, whichever is larger.
+Every row is padded to L (a multiple of ``pad_multiple``) with a dummy sequence that has no targets. Flattened, each
 job is one contiguous token segment (the grouped LoRA kernel's row segment; with ``pad_multiple`` a multiple of the
-kernel tile, tiles never straddle two adapters). Rows, not one long packed row, so that attention never mixes
-jobs even numerically: a diverging job's inf/NaN activations cannot reach the other jobs (0 * inf in a masked
-attention product would). The cost of a micro-batch is ``rows * row_length`` (its padded size), within the budget.
-Deterministic: the result depends only on the inputs.
+kernel tile, tiles never straddle two adapters). Rows never mix jobs, so attention never mixes them even
+numerically: a diverging job's inf/NaN activations cannot reach the other jobs (0 * inf in a masked attention
+product would). Rows are capped because attention over a packed row costs its length squared under a dense mask:
+two 2048-token samples in one 4096-token row cost twice the attention of two rows, and a row of one sample that
+needs no padding keeps the fused causal attention kernel. The cost of a micro-batch is ``rows * L`` (its padded
+size), within the budget. Deterministic: the result depends only on the inputs.
 """
 
 from __future__ import annotations
@@ -25,15 +28,46 @@ class Item:
     length: int
 
 
+MIN_ROW_TOKENS = 512  # short samples share rows up to this length: little padding, attention still cheap
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def bin_cost(job_tokens: dict[int, int], pad_multiple: int = 1) -> int:
-    """Padded size of a micro-batch: one row per job, every row as long as the longest (rounded up)."""
-    if not job_tokens:
+def row_cap(lengths: Sequence[int]) -> int:
+    """The longest a row may be in a bin holding samples of these lengths."""
+    return max(max(lengths, default=0), MIN_ROW_TOKENS)
+
+
+def fill_rows(lengths: Sequence[int], cap: int) -> list[list[int]]:
+    """Indices into ``lengths`` grouped into rows of at most ``cap`` tokens: first-fit decreasing (ties by index),
+    each row's indices in their original order; a sample longer than ``cap`` gets a row of its own."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r, free in enumerate(room) if lengths[i] <= free), None)
+        if r is None:
+            rows.append([i])
+            room.append(cap - lengths[i])
+        else:
+            rows[r].append(i)
+            room[r] -= lengths[i]
+    return [sorted(r) for r in rows]
+
+
+def bin_cost(job_lengths: dict[int, Sequence[int]], pad_multiple: int = 1) -> int:
+    """Padded size of a micro-batch holding, per job, samples of these lengths: its rows (:func:`fill_rows` under
+    the bin's :func:`row_cap`) times the longest row, rounded up to ``pad_multiple``."""
+    if not job_lengths:
         return 0
-    return len(job_tokens) * _round_up(max(job_tokens.values()), pad_multiple)
+    cap = row_cap([n for ls in job_lengths.values() for n in ls])
+    n_rows, longest = 0, 0
+    for ls in job_lengths.values():
+        for row in fill_rows(ls, cap):
+            n_rows += 1
+            longest = max(longest, sum(ls[i] for i in row))
+    return n_rows * _round_up(longest, pad_multiple)
 
 
 def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1) -> list[list[Item]]:
@@ -41,8 +75,8 @@ def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1) -> list[
 
     1. a job whose items together exceed one bin is packed alone first (its items by decreasing length into the
        first of its own bins with room), so it spans as few micro-batches as it can;
-    2. every other job is one unit (one row, all its items): units by decreasing size into the first bin with room
-       (the partly filled bins of step 1 included), else a new bin.
+    2. every other job is one unit (all its items, in its rows): units by decreasing size into the first bin with
+       room (the partly filled bins of step 1 included), else a new bin.
 
     Keeping a job in one micro-batch keeps the (job, micro-batch) segments near the number of jobs, and each
     segment costs a set of LoRA launches per layer, what bounds an 8B-shape step on the host (item-by-item FFD
@@ -55,30 +89,30 @@ def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1) -> list[
         by_job.setdefault(it.job, []).append(i)
     job_tokens = {j: sum(items[i].length for i in idxs) for j, idxs in by_job.items()}
     bins: list[list[int]] = []
-    tokens: list[dict[int, int]] = []
+    lengths: list[dict[int, list[int]]] = []  # per bin: each job's sample lengths in it
 
-    def place(idxs: list[int], job: int, n_tokens: int, among: range) -> None:
-        """Into the first bin of ``among`` with room for ``n_tokens`` more of ``job``, else a new bin."""
+    def place(idxs: list[int], job: int, among: range) -> None:
+        """Into the first bin of ``among`` with room for ``idxs`` of ``job``, else a new bin."""
+        new = [items[i].length for i in idxs]
         for b in among:
-            trial = dict(tokens[b])
-            trial[job] = trial.get(job, 0) + n_tokens
+            trial = {**lengths[b], job: lengths[b].get(job, []) + new}
             if bin_cost(trial, pad_multiple) <= budget:
                 bins[b].extend(idxs)
-                tokens[b] = trial
+                lengths[b] = trial
                 return
         bins.append(list(idxs))
-        tokens.append({job: n_tokens})
+        lengths.append({job: new})
 
     units = []
     for job in sorted(by_job, key=lambda j: (-job_tokens[j], j)):
-        if bin_cost({job: job_tokens[job]}, pad_multiple) <= budget:
+        if bin_cost({job: [items[i].length for i in by_job[job]]}, pad_multiple) <= budget:
             units.append(job)
             continue
         own = len(bins)  # this job's bins start here
         for i in sorted(by_job[job], key=lambda i: (-items[i].length, i)):
-            place([i], job, items[i].length, range(own, len(bins)))
+            place([i], job, range(own, len(bins)))
     for job in units:  # already in decreasing size
-        place(by_job[job], job, job_tokens[job], range(len(bins)))
+        place(by_job[job], job, range(len(bins)))
     # micro-batch order: by the first (job, position) they hold; items inside by (job, original order)
     out = [sorted(b, key=lambda i: (items[i].job, i)) for b in bins]
     out.sort(key=lambda b: (items[b[0]].job, b[0]))
@@ -87,8 +121,8 @@ def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1) -> list[
 
 @dataclass
 class MicroBatch:
-    """One micro-batch: a (rows, L) block, one row per job. ``segments``: (job, start, end) ranges of the
-    flattened (rows*L) tokens, contiguous and in job order.
+    """One micro-batch: a (rows, L) block, each job's rows adjacent. ``segments``: (job, start, end) ranges of the
+    flattened (rows*L) tokens, one per job, contiguous and in job order.
 
     ``targets[job]``: (positions, labels) — the flattened hidden state at ``positions`` predicts ``labels``.
     """
@@ -113,34 +147,44 @@ class MicroBatch:
 
 
 def build_microbatch(bin_items: Sequence[Item], samples_of, pad_id: int = 0, pad_multiple: int = 1) -> MicroBatch:
-    """Tensors of one bin. ``samples_of(job)`` returns that job's sample list (``Sample`` objects)."""
-    rows: list[tuple[int, list[int], list[int], list[int], list[int]]] = []  # job, ids, pos, tpos, tlab
-    i = 0
-    while i < len(bin_items):
-        job = bin_items[i].job
-        ids: list[int] = []
-        pos: list[int] = []
-        tp: list[int] = []
-        tl: list[int] = []
-        while i < len(bin_items) and bin_items[i].job == job:
-            s = samples_of(job)[bin_items[i].index]
-            base = len(ids)
-            ids.extend(s.input_ids)
-            pos.extend(range(len(s.input_ids)))
-            for t in range(1, len(s.input_ids)):
-                if s.loss_mask[t]:
-                    tp.append(base + t - 1)
-                    tl.append(s.input_ids[t])
-            i += 1
-        rows.append((job, ids, pos, tp, tl))
-    L = _round_up(max(len(r[1]) for r in rows), pad_multiple)
-    all_ids, all_pos, segments, targets = [], [], [], {}
-    for r, (job, ids, pos, tp, tl) in enumerate(rows):
+    """Tensors of one bin (items ordered by job, as :func:`pack_ffd` returns them), in the rows :func:`bin_cost`
+    counted. ``samples_of(job)`` returns that job's sample list (``Sample`` objects)."""
+    by_job: dict[int, list[Item]] = {}
+    for it in bin_items:
+        by_job.setdefault(it.job, []).append(it)
+    cap = row_cap([it.length for it in bin_items])
+    rows: list[tuple[list[int], list[int], list[int], list[int]]] = []  # ids, positions, target positions, labels
+    job_rows: list[tuple[int, int, int]] = []  # job, first row, end row
+    for job, its in by_job.items():
+        first = len(rows)
+        for row in fill_rows([it.length for it in its], cap):
+            ids: list[int] = []
+            pos: list[int] = []
+            tp: list[int] = []
+            tl: list[int] = []
+            for k in row:
+                s = samples_of(job)[its[k].index]
+                base = len(ids)
+                ids.extend(s.input_ids)
+                pos.extend(range(len(s.input_ids)))
+                for t in range(1, len(s.input_ids)):
+                    if s.loss_mask[t]:
+                        tp.append(base + t - 1)
+                        tl.append(s.input_ids[t])
+            rows.append((ids, pos, tp, tl))
+        job_rows.append((job, first, len(rows)))
+    L = _round_up(max(len(r[0]) for r in rows), pad_multiple)
+    all_ids, all_pos = [], []
+    for ids, pos, _, _ in rows:
         pad = L - len(ids)
         all_ids.append(ids + [pad_id] * pad)
         all_pos.append(pos + list(range(pad)))  # a separate dummy sequence: attends only to itself, no targets
-        segments.append((job, r * L, (r + 1) * L))
-        targets[job] = (torch.tensor([r * L + p for p in tp], dtype=torch.long), torch.tensor(tl, dtype=torch.long))
+    segments, targets = [], {}
+    for job, r0, r1 in job_rows:
+        segments.append((job, r0 * L, r1 * L))
+        tp = [r * L + p for r in range(r0, r1) for p in rows[r][2]]
+        tl = [lab for r in range(r0, r1) for lab in rows[r][3]]
+        targets[job] = (torch.tensor(tp, dtype=torch.long), torch.tensor(tl, dtype=torch.long))
     return MicroBatch(torch.tensor(all_ids, dtype=torch.long), torch.tensor(all_pos, dtype=torch.long), segments,
                       targets, n_items=len(bin_items))
 
@@ -152,4 +196,5 @@ def plan_microbatches(requests: Sequence[tuple[int, Sequence[int]]], lengths_of,
     return pack_ffd(items, budget, pad_multiple)
 
 
-__all__ = ["Item", "MicroBatch", "bin_cost", "build_microbatch", "pack_ffd", "plan_microbatches"]
+__all__ = ["Item", "MIN_ROW_TOKENS", "MicroBatch", "bin_cost", "build_microbatch", "fill_rows", "pack_ffd",
+           "plan_microbatches", "row_cap"]
