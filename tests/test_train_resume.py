@@ -46,6 +46,10 @@ def test_resume_is_exact(tiny_llama_dir, data_file, tmp_path, backend):
     assert [p.name for p in ckpts] == ["checkpoint-2"]
     assert (ckpts[0] / "adapter_model.safetensors").is_file() and (ckpts[0] / "trainer_state.json").is_file()
     assert not [p for p in (tmp_path / "b").iterdir() if p.name.startswith(".staging")]  # atomic
+    # transformers' FLOP count (6 x input tokens x non-embedding parameters), from a parameter count taken once
+    flos = json.loads((ckpts[0] / "trainer_state.json").read_text())["total_flos"]
+    per_token = 6 * first.model.num_parameters(exclude_embeddings=True)
+    assert flos > 0 and flos % per_token == 0 and flos // per_token <= 2 * 6 * 4096
 
     resumed = run_training(cfg(tmp_path / "b", resume="auto"))
     assert resumed.step == 4
