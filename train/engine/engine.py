@@ -5,8 +5,8 @@ A *round* advances every active job by one optimizer step:
 1. admission: queued jobs enter while ``max_active_jobs`` and the memory model allow (a job that cannot fit even
    alone is refused with a message);
 2. every active job draws its step's samples (``batch_size * grad_accum``, each sample once per epoch);
-3. all those samples are packed into micro-batches under the token budget (first-fit decreasing, one row segment
-   per job and micro-batch);
+3. all those samples are packed into micro-batches under the token budget (first-fit decreasing, one contiguous
+   segment of rows per job and micro-batch; ``packing.py``);
 4. each micro-batch runs one forward/backward through the shared base; each job's loss is the sum of its
    response-token cross-entropies divided by the number of response tokens of its whole step, so the gradient does
    not depend on how the step was split into micro-batches (grad accumulation is exact);
