@@ -26,16 +26,24 @@ JOBS = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["auto", "engine", "cublas"])
-def test_batchlora_equals_training_alone(tiny_llama_dir, data_file, tmp_path, backend):
+@pytest.mark.parametrize("backend", ["auto", "engine", "cublas", "auto/rows-of-one-sample"])
+def test_batchlora_equals_training_alone(tiny_llama_dir, data_file, tmp_path, backend, monkeypatch):
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     from bdlora import load_adapter, save_adapter
-    from bdlora.train.engine import parse_run
+    from bdlora.train.engine import packing, parse_run
     from bdlora.train.engine.data import EpochSampler
     from bdlora.train.engine.engine import Engine
     from bdlora.train.engine.multilora import JobAdapter
+
+    backend, _, layout = backend.partition("/")
+    if layout:  # rows no longer than the longest sample: a job's samples span several rows of a micro-batch
+        monkeypatch.setattr(packing, "MIN_ROW_TOKENS", 1)
+        built = []
+        build = packing.build_microbatch
+        monkeypatch.setattr("bdlora.train.engine.engine.build_microbatch",
+                            lambda *a, **k: built.append(build(*a, **k)) or built[-1])
 
     run = parse_run(run_dict(tiny_llama_dir, data_file, tmp_path / "run", JOBS, lora_backend=backend,
                              token_budget=160, save_plots=True))
@@ -44,6 +52,8 @@ def test_batchlora_equals_training_alone(tiny_llama_dir, data_file, tmp_path, ba
     assert [r["stop_reason"] for r in rows] == ["completed"] * 3
     # several micro-batches per round, mixing jobs: the packing really splits steps
     assert any(r["microbatches"] > 1 for r in eng.round_log)
+    if layout:
+        assert any(mb.input_ids.shape[0] > len(mb.segments) for mb in built)
     for job in eng.jobs:
         cfg = job.cfg
         spec = cfg.spec("llama")
