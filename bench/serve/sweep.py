@@ -146,6 +146,14 @@ def expand_grid(cfg: dict, methods_filter=None, tp_filter=None, ranks_filter=Non
 # result files
 
 
+def config_model(cfg: dict) -> Path:
+    """The folder of the config's ``model`` (built on first use, then cached by shape, dtype and weights)."""
+    mcfg = cfg.get("model", {})
+    return build_model(Path(mcfg.get("dir", "/tmp/bdlora-bench/models")), mcfg.get("shape", "tiny"), shape_from(mcfg),
+                       dtype=mcfg.get("dtype", "bfloat16"), weights=mcfg.get("weights", "random"),
+                       build_device=mcfg.get("build_device", "cpu"), tokenizer_vocab=mcfg.get("tokenizer_vocab"))
+
+
 def load_paths(out: Path, sc: ServerConfig, load: Load) -> tuple[Path, Path]:
     d = out / sc.id / load.id
     stem = f"{sc.id}_{load.id}"
@@ -595,11 +603,8 @@ def run_sweep(cfg: dict, out: Path, done_dirs: list[Path] = (), time_budget_s: O
             log(f"skip {sc.id}: {sc.skip_reason}")
     if dry_run:
         return {"plan": [(sc.id, [l.id for l in todo], sc.skip_reason) for sc, todo in plan]}
-    model_root = Path(mcfg.get("dir", "/tmp/bdlora-bench/models"))
     tb = time.monotonic()
-    model_dir = build_model(model_root, mcfg.get("shape", "tiny"), shape, dtype=mcfg.get("dtype", "bfloat16"),
-                            weights=mcfg.get("weights", "random"), build_device=mcfg.get("build_device", "cpu"),
-                            tokenizer_vocab=mcfg.get("tokenizer_vocab"))
+    model_dir = config_model(cfg)
     log(f"model at {model_dir} ({time.monotonic() - tb:.1f} s)")
     meta = {"config_name": cfg.get("name"), "device": device_info(), "vllm_version": vllm_version(),
             "model_dir": str(model_dir), "model_shape": mcfg.get("shape"), "weights": mcfg.get("weights", "random")}
