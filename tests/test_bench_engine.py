@@ -172,3 +172,38 @@ def test_peer_mlora_config_describes_the_engine_jobs(tmp_path):
     with pytest.raises(SystemExit) as e:  # a folder that is not an mLoRA checkout: named, no traceback
         peer_main(["--mlora-src", str(tmp_path), "--out", str(tmp_path / "r.json"), "--cpu-smoke"])
     assert e.value.code == 2
+
+
+def test_random_checkpoint_is_written_shard_by_shard_and_loads(tmp_path):
+    """pipeline_vs_fsdp's base for shapes no GPU holds: several shards with an index, loadable by transformers with
+    every weight present (norms ones, the rest N(0, init_std))."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.train.pipeline_vs_fsdp import SHAPES, write_random_checkpoint
+
+    path = write_random_checkpoint(tmp_path / "m", SHAPES["tiny"], dtype="float32", shard_bytes=2**20, init_std=0.05)
+    shards = sorted(path.glob("model-*.safetensors"))
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(shards) > 2 and set(index["weight_map"].values()) == {p.name for p in shards}
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    sd = model.state_dict()
+    assert set(index["weight_map"]) == set(sd)
+    assert torch.equal(sd["model.norm.weight"], torch.ones(256))
+    assert abs(sd["model.layers.3.mlp.down_proj.weight"].std().item() - 0.05) < 0.005
+    assert write_random_checkpoint(path, SHAPES["tiny"]) == path  # written once
+
+
+@pytest.mark.slow
+def test_pipeline_vs_fsdp_cpu_smoke(tmp_path):
+    """The pipeline side end to end on 2 CPU processes (FSDP2 needs GPUs): tokens and times from the run's results."""
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "train" / "pipeline_vs_fsdp.py"), "--cpu-smoke", "--ks",
+                        "2", "--workdir", str(tmp_path / "w"), "--out", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=400, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["runs"]
+    pipe = row["pipeline"]
+    assert row["k"] == 2 and "fsdp" not in row and pipe["rc"] == 0
+    assert pipe["tokens"] > 0 and 0 < pipe["train_s"] < pipe["wall_s"]
+    assert pipe["tokens_per_s_train"] > pipe["tokens_per_s_wall"] > 0
