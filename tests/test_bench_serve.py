@@ -867,3 +867,25 @@ def test_moe_proxy_adapters_are_the_per_gpu_factors(tmp_path, engine):
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(tmp_path / "root" / "qwen3moe-shard")))
     lora = [n for n, _ in PeftModel.from_pretrained(model, str(folder)).named_parameters() if "lora_" in n]
     assert any("experts" in n for n in lora) and any("q_proj" in n for n in lora)
+
+
+def test_moe_parity_stacks_reach_spawned_processes(tmp_path):
+    """--stacks-after: a Python process started with the engines' environment dumps its stacks on a timer (how a hung
+    TP rank shows where it waits)."""
+    from bench.serve.moe_parity import stacks_env
+
+    env = dict(os.environ, **stacks_env(tmp_path, 0.3))
+    subprocess.run([sys.executable, "-c", "import time\ndef waiting_here():\n    time.sleep(1.2)\nwaiting_here()"],
+                   env=env, check=True, timeout=60)
+    dumps = [p.read_text() for p in (tmp_path / "stacks").glob("stacks-*.txt")]
+    assert any("Timeout" in d and "waiting_here" in d for d in dumps), dumps
+
+
+@pytest.mark.parametrize("argv, message", [(["--engines", "dense,nope"], "unknown ['nope']"),
+                                           (["--engine-env", "VLLM_X"], "give KEY=VALUE")])
+def test_moe_parity_refuses_bad_diagnostic_options(tmp_path, capsys, argv, message):
+    from bench.serve.moe_parity import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--root", str(tmp_path), *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err

