@@ -34,13 +34,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-SHAPES = {
-    "llama70b": dict(hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, intermediate_size=28672,
-                     vocab_size=32000),
-    "llama8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
-                    vocab_size=32000),
-    "tiny": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512, vocab_size=512),
-}
+from bench_trainer import SHAPES  # noqa: E402  (bench/train is on sys.path above)
 
 
 def write_random_checkpoint(path: Path, shape: dict, dtype: str = "bfloat16", device: str = "cpu",
