@@ -69,7 +69,10 @@ def test_kernel_variant_bf16_activations_fp32_factors(tiny_llama_dir):
         logits_ref, g_ref = _loss_and_grads(ref, ids)
         logits, g = _loss_and_grads(fused, ids)
     assert all(t.dtype == torch.float32 for t in g.values())
-    torch.testing.assert_close(logits.float(), logits_ref.float(), rtol=0.05, atol=0.05)
+    # bf16 products round differently per CPU (native bf16 dot products on AVX512-BF16): bound the whole tensor's
+    # relative error and the worst logit; dropping the LoRA term gives 1.3 and 4.7 here
+    diff = (logits.float() - logits_ref.float())
+    assert diff.norm() / logits_ref.float().norm() < 0.05 and diff.abs().max() < 0.25, float(diff.abs().max())
     for name in g_ref:
         err = (g[name] - g_ref[name]).norm() / g_ref[name].norm()
         assert err < 0.05, (name, float(err))
@@ -173,7 +176,9 @@ def test_trainer_trains_the_same_adapter_on_either_backend(tiny_llama_dir, tmp_p
     assert ref.keys() == got.keys() and len(ref) == 28
     moved = 0
     for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=k)
+        # fp32, summation orders differ between the two layers; Adam divides by sqrt(v), so an entry whose gradient is
+        # ~0 can move by ~1e-5 from that noise (seen on AVX512 CPUs); factors are 0.005-0.09 here
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=3e-5, msg=k)
         moved += bool("lora_B" in k and ref[k].abs().max() > 0)
     assert moved == 14  # B starts at zero: every layer was really trained
 
