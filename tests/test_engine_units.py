@@ -110,6 +110,27 @@ def test_microbatch_rows_are_what_the_packer_paid_for(pad):
             assert sorted(g for g in got if any(g)) == want  # the padding sequences are all pad_id
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_packer_bins_cost_exactly_bin_cost(seed):
+    """The packer's incremental cost of a trial (one job's rows refilled, a short sample first-fit, every job recounted
+    when the cap rises) is bin_cost of the lengths: a budget of exactly that cost admits it, one token less refuses."""
+    from bdlora.train.engine.packing import _Bin
+
+    rng = random.Random(seed)
+    b, lengths = _Bin(), {}
+    for step in range(40):
+        job = rng.randrange(4)
+        if rng.random() < 0.5 and lengths.get(job):  # the item path: a sample no longer than the job's others
+            new = [rng.randint(1, min(lengths[job]))]
+        else:
+            new = [rng.choice([rng.randint(1, 300), rng.randint(300, 1200)]) for _ in range(rng.randint(1, 6))]
+        trial = {**lengths, job: lengths.get(job, []) + new}
+        cost = bin_cost(trial, 8)
+        assert not b.add(job, [step], new, cost - 1, 8, {})
+        assert b.add(job, [step], new, cost, 8, {})
+        lengths = trial
+
+
 def test_long_samples_get_rows_of_their_own():
     """Two 2048-token samples of one job: two rows of plain causal positions (no packed sequence, so attention keeps
     its fused causal kernel and costs half of one 4096-token row); short samples still share rows."""

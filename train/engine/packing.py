@@ -70,6 +70,53 @@ def bin_cost(job_lengths: dict[int, Sequence[int]], pad_multiple: int = 1) -> in
     return n_rows * _round_up(longest, pad_multiple)
 
 
+class _Bin:
+    """A bin being packed: its items and, per job, the sample lengths and row sums, so that a trial costs one job's
+    rows only: a sample no longer than the job's others goes into its first row with room (what :func:`fill_rows`
+    would do with it last), other trials refill that job's rows, and samples that raise the row cap recount every
+    job. Its cost is always :func:`bin_cost` of its lengths."""
+
+    def __init__(self):
+        self.items: list[int] = []
+        self.lengths: dict[int, list[int]] = {}
+        self.rows: dict[int, list[int]] = {}  # job -> its rows' token counts
+        self.cap = row_cap([])
+
+    def _rows_of(self, job: int, new: list[int], cap: int, memo: dict) -> list[int]:
+        old = self.lengths.get(job, [])
+        if not old:  # the same samples fill the same rows in every bin of this cap: count them once per placement
+            if cap not in memo:
+                memo[cap] = [sum(new[i] for i in r) for r in fill_rows(new, cap)]
+            return memo[cap]
+        if cap == self.cap and len(new) == 1 and old and new[0] <= min(old):
+            rows = list(self.rows[job])
+            r = next((r for r, used in enumerate(rows) if used + new[0] <= cap), None)
+            if r is None:
+                rows.append(new[0])
+            else:
+                rows[r] += new[0]
+            return rows
+        ls = old + new
+        return [sum(ls[i] for i in r) for r in fill_rows(ls, cap)]
+
+    def add(self, job: int, idxs: list[int], new: list[int], budget, pad_multiple: int, memo: dict) -> bool:
+        """Adds ``idxs`` (lengths ``new``) of ``job`` if the bin stays within ``budget`` (None: always); ``memo``:
+        one placement's rows of ``new`` alone, by row cap."""
+        cap = max(self.cap, row_cap(new))
+        others = self.rows if cap == self.cap else {
+            j: [sum(ls[i] for i in r) for r in fill_rows(ls, cap)] for j, ls in self.lengths.items()}
+        mine = self._rows_of(job, new, cap, memo)
+        n_rows = len(mine) + sum(len(rs) for j, rs in others.items() if j != job)
+        longest = max([max(mine)] + [max(rs) for j, rs in others.items() if j != job])
+        if budget is not None and n_rows * _round_up(longest, pad_multiple) > budget:
+            return False
+        self.items.extend(idxs)
+        self.lengths[job] = self.lengths.get(job, []) + new
+        self.rows = {**others, job: mine}
+        self.cap = cap
+        return True
+
+
 def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1) -> list[list[Item]]:
     """First-fit decreasing bin packing of ``items`` under ``budget`` padded tokens per bin, job by job:
 
@@ -88,20 +135,16 @@ def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1) -> list[
     for i, it in enumerate(items):
         by_job.setdefault(it.job, []).append(i)
     job_tokens = {j: sum(items[i].length for i in idxs) for j, idxs in by_job.items()}
-    bins: list[list[int]] = []
-    lengths: list[dict[int, list[int]]] = []  # per bin: each job's sample lengths in it
+    bins: list[_Bin] = []
 
     def place(idxs: list[int], job: int, among: range) -> None:
         """Into the first bin of ``among`` with room for ``idxs`` of ``job``, else a new bin."""
-        new = [items[i].length for i in idxs]
+        new, memo = [items[i].length for i in idxs], {}
         for b in among:
-            trial = {**lengths[b], job: lengths[b].get(job, []) + new}
-            if bin_cost(trial, pad_multiple) <= budget:
-                bins[b].extend(idxs)
-                lengths[b] = trial
+            if bins[b].add(job, idxs, new, budget, pad_multiple, memo):
                 return
-        bins.append(list(idxs))
-        lengths.append({job: new})
+        bins.append(_Bin())
+        bins[-1].add(job, idxs, new, None, pad_multiple, memo)
 
     units = []
     for job in sorted(by_job, key=lambda j: (-job_tokens[j], j)):
@@ -114,7 +157,7 @@ def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1) -> list[
     for job in units:  # already in decreasing size
         place(by_job[job], job, range(len(bins)))
     # micro-batch order: by the first (job, position) they hold; items inside by (job, original order)
-    out = [sorted(b, key=lambda i: (items[i].job, i)) for b in bins]
+    out = [sorted(b.items, key=lambda i: (items[i].job, i)) for b in bins]
     out.sort(key=lambda b: (items[b[0]].job, b[0]))
     return [[items[i] for i in b] for b in out]
 
