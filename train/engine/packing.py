@@ -56,18 +56,19 @@ def fill_rows(lengths: Sequence[int], cap: int) -> list[list[int]]:
     return [sorted(r) for r in rows]
 
 
+def row_sums(lengths: Sequence[int], cap: int) -> list[int]:
+    """The token counts of the rows :func:`fill_rows` makes of ``lengths``."""
+    return [sum(lengths[i] for i in r) for r in fill_rows(lengths, cap)]
+
+
 def bin_cost(job_lengths: dict[int, Sequence[int]], pad_multiple: int = 1) -> int:
     """Padded size of a micro-batch holding, per job, samples of these lengths: its rows (:func:`fill_rows` under
     the bin's :func:`row_cap`) times the longest row, rounded up to ``pad_multiple``."""
     if not job_lengths:
         return 0
     cap = row_cap([n for ls in job_lengths.values() for n in ls])
-    n_rows, longest = 0, 0
-    for ls in job_lengths.values():
-        for row in fill_rows(ls, cap):
-            n_rows += 1
-            longest = max(longest, sum(ls[i] for i in row))
-    return n_rows * _round_up(longest, pad_multiple)
+    rows = [t for ls in job_lengths.values() for t in row_sums(ls, cap)]
+    return len(rows) * _round_up(max(rows), pad_multiple)
 
 
 class _Bin:
@@ -86,9 +87,9 @@ class _Bin:
         old = self.lengths.get(job, [])
         if not old:  # the same samples fill the same rows in every bin of this cap: count them once per placement
             if cap not in memo:
-                memo[cap] = [sum(new[i] for i in r) for r in fill_rows(new, cap)]
+                memo[cap] = row_sums(new, cap)
             return memo[cap]
-        if cap == self.cap and len(new) == 1 and old and new[0] <= min(old):
+        if cap == self.cap and len(new) == 1 and new[0] <= min(old):
             rows = list(self.rows[job])
             r = next((r for r, used in enumerate(rows) if used + new[0] <= cap), None)
             if r is None:
@@ -96,15 +97,13 @@ class _Bin:
             else:
                 rows[r] += new[0]
             return rows
-        ls = old + new
-        return [sum(ls[i] for i in r) for r in fill_rows(ls, cap)]
+        return row_sums(old + new, cap)
 
     def add(self, job: int, idxs: list[int], new: list[int], budget, pad_multiple: int, memo: dict) -> bool:
         """Adds ``idxs`` (lengths ``new``) of ``job`` if the bin stays within ``budget`` (None: always); ``memo``:
         one placement's rows of ``new`` alone, by row cap."""
         cap = max(self.cap, row_cap(new))
-        others = self.rows if cap == self.cap else {
-            j: [sum(ls[i] for i in r) for r in fill_rows(ls, cap)] for j, ls in self.lengths.items()}
+        others = self.rows if cap == self.cap else {j: row_sums(ls, cap) for j, ls in self.lengths.items()}
         mine = self._rows_of(job, new, cap, memo)
         n_rows = len(mine) + sum(len(rs) for j, rs in others.items() if j != job)
         longest = max([max(mine)] + [max(rs) for j, rs in others.items() if j != job])
@@ -240,4 +239,4 @@ def plan_microbatches(requests: Sequence[tuple[int, Sequence[int]]], lengths_of,
 
 
 __all__ = ["Item", "MIN_ROW_TOKENS", "MicroBatch", "bin_cost", "build_microbatch", "fill_rows", "pack_ffd",
-           "plan_microbatches", "row_cap"]
+           "plan_microbatches", "row_cap", "row_sums"]
