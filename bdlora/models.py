@@ -51,6 +51,19 @@ def build_tokenizer(path: str | os.PathLike, vocab_size: int = 512, corpus=None)
     return fast
 
 
+def random_llama_config(*, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                        intermediate_size: int, vocab_size: int, max_position_embeddings: int = 2048,
+                        dtype: str = "float32", init_std: float = 0.02):
+    """The ``LlamaConfig`` of bdlora's random-weight models (untied embeddings, token ids 1 / 2 / 0 for bos / eos /
+    pad, as :func:`build_tokenizer` numbers them)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                       num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
+                       max_position_embeddings=max_position_embeddings, initializer_range=init_std,
+                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype=dtype)
+
+
 def build_random_llama(path: str | os.PathLike, *, hidden_size: int = 256, num_layers: int = 2,
                        num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 512,
                        vocab_size: int = 512, max_position_embeddings: int = 2048, dtype: str = "float32",
@@ -62,14 +75,12 @@ def build_random_llama(path: str | os.PathLike, *, hidden_size: int = 256, num_l
     initializes big shapes on the GPU (an 8B shape in seconds instead of minutes on CPU cores).
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     path = Path(path)
-    config = LlamaConfig(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                         num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
-                         vocab_size=vocab_size, max_position_embeddings=max_position_embeddings,
-                         initializer_range=init_std, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0, torch_dtype=dtype)
+    config = random_llama_config(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                                 num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, vocab_size=vocab_size,
+                                 max_position_embeddings=max_position_embeddings, dtype=dtype, init_std=init_std)
     torch.manual_seed(seed)
     with atomic_output_dir(path) as tmp:
         with torch.device(device or "cpu"):

@@ -44,18 +44,14 @@ def write_random_checkpoint(path: Path, shape: dict, dtype: str = "bfloat16", de
     Norm weights are ones, every other tensor N(0, init_std). Written once (atomically); returns ``path``."""
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from bdlora.adapter import atomic_output_dir
-    from bdlora.models import build_tokenizer
+    from bdlora.models import build_tokenizer, random_llama_config
 
     if (path / "config.json").is_file():
         return path
-    config = LlamaConfig(hidden_size=shape["hidden_size"], num_hidden_layers=shape["num_layers"],
-                         num_attention_heads=shape["num_heads"], num_key_value_heads=shape["num_kv_heads"],
-                         intermediate_size=shape["intermediate_size"], vocab_size=shape["vocab_size"],
-                         max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0, torch_dtype=dtype)
+    config = random_llama_config(**shape, max_position_embeddings=4096, dtype=dtype, init_std=init_std)
     with torch.device("meta"):
         names = [(n, tuple(t.shape)) for n, t in LlamaForCausalLM(config).state_dict().items()]
     tdtype = getattr(torch, dtype)
