@@ -525,8 +525,8 @@ def _make_trainer_class():
 
         def floating_point_ops(self, inputs) -> int:
             """transformers' estimate (6 x tokens x non-embedding parameters) with the parameter count taken once:
-            counting walks every module, ~20 ms of host time a step on an 8B-shape PEFT model, where a short-batch
-            step is bound by host work."""
+            counting walks every module (~20 ms a step for a 32-layer PEFT model on a CPU core), host time that a
+            short-batch GPU step is bound by."""
             if getattr(self, "_flop_params", None) is None:
                 if not hasattr(self.model, "num_parameters"):
                     return 0
