@@ -882,10 +882,26 @@ def test_moe_parity_stacks_reach_spawned_processes(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [(["--engines", "dense,nope"], "unknown ['nope']"),
-                                           (["--engine-env", "VLLM_X"], "give KEY=VALUE")])
+                                           (["--engine-env", "VLLM_X"], "give KEY=VALUE"),
+                                           (["--engine-arg", "max_loras=[1"], "--engine-arg max_loras=[1: the value is"
+                                                                              " not valid YAML"),
+                                           (["--model-arg", "hidden_size"], "give KEY=VALUE")])
 def test_moe_parity_refuses_bad_diagnostic_options(tmp_path, capsys, argv, message):
     from bench.serve.moe_parity import main
 
     with pytest.raises(SystemExit) as e:
         main(["--root", str(tmp_path), *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_moe_parity_model_shape_defaults_to_the_serving_shape(tmp_path, capsys):
+    """The random MoE is SERVING_SHAPE (the one vLLM serves at TP = 1 and 2) unless --model-arg changes a key."""
+    from transformers import AutoConfig
+
+    from bench.serve.moe_parity import SERVING_SHAPE, main
+
+    assert main(["--prepare-only", "--root", str(tmp_path), "--model-arg", "num_layers=1"]) == 0
+    model = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["model"]
+    config = AutoConfig.from_pretrained(model)
+    assert (config.hidden_size, config.head_dim, config.moe_intermediate_size, config.num_hidden_layers) == (
+        SERVING_SHAPE["hidden_size"], SERVING_SHAPE["head_dim"], SERVING_SHAPE["moe_intermediate_size"], 1)

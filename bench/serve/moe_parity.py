@@ -2,7 +2,8 @@
 
     python -m bench.serve.moe_parity --tp 1 --bd --out moe_parity.json [--prepare-only]
 
-Builds a tiny random Qwen3-MoE (hidden 64, 4 experts, 2 per token) and a BD-LoRA adapter on its attention projections
+Builds a small random Qwen3-MoE (``SERVING_SHAPE``: hidden 256, head_dim 64, 4 experts of width 128, 2 per token;
+``--model-arg`` changes it) and a BD-LoRA adapter on its attention projections
 and both fused expert tensors (N=2, r=8, random factors), converts it with ``bdlora convert to-dense`` (plain-LoRA
 scaling) and writes one more copy of the dense adapter with the same scale as rsLoRA (``use_rslora: true``). Serves
 both with vLLM's own MoE LoRA (per-expert models with ``enable_mixed_moe_lora_format`` and each request with
@@ -37,6 +38,10 @@ from pathlib import Path
 
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 55], [101, 202, 303, 404, 45, 46, 47]]
 
+
+#: The random model's shape unless ``--model-arg`` is given. The tests' tiny MoE (hidden 64, head_dim 16, experts 32
+#: wide) stalls vLLM 0.26's first step at TP=2 even without LoRA; this one serves at TP = 1 and 2.
+SERVING_SHAPE = {"hidden_size": 256, "head_dim": 64, "moe_intermediate_size": 128}
 
 #: Worker environment of every engine here: the plugin counts collectives by caller (the engines run eager), and
 #: the diagnostics travel to worker processes through ``collective_rpc``.
@@ -74,8 +79,9 @@ def serve_bd(model: Path, bd: Path, dense: Path, tp: int, dtype: str, env: dict,
     return {"tp": tp, "rows": rows, **costs}
 
 
-def build(root: Path) -> tuple[Path, dict[str, Path]]:
-    """(model folder, {name: adapter folder}): the BD adapter, its dense conversion, and an rsLoRA copy of it."""
+def build(root: Path, model_args: dict | None = None) -> tuple[Path, dict[str, Path]]:
+    """(model folder, {name: adapter folder}): the BD adapter, its dense conversion, and an rsLoRA copy of it.
+    ``model_args``: keyword arguments of ``build_random_qwen3_moe`` (the tiny shape by default)."""
     import torch
 
     from bdlora.adapter import Adapter, AdapterConfig, add_experts, load_adapter, save_adapter
@@ -85,7 +91,7 @@ def build(root: Path) -> tuple[Path, dict[str, Path]]:
     from bdlora.moe import EXPERT_TENSORS, ExpertFactors, factor_shapes
     from bdlora.spec import BDLoraSpec
 
-    model = build_random_qwen3_moe(root / "tiny-qwen3-moe")
+    model = build_random_qwen3_moe(root / "tiny-qwen3-moe", **(model_args or {}))
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
@@ -213,16 +219,30 @@ def main(argv=None) -> int:
                     help="vLLM LLM keyword argument for every engine, value read as YAML (repeatable)")
     ap.add_argument("--stacks-after", type=float, default=None, metavar="S",
                     help="every process's Python stacks into ROOT/stacks every S seconds")
+    ap.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="the random model's shape: a bdlora.models.build_random_qwen3_moe keyword over SERVING_SHAPE, e.g."
+                         " hidden_size=64 (repeatable)")
     a = ap.parse_args(argv)
     import tempfile
 
     import yaml
 
-    for kv in a.engine_env + a.engine_arg:
+    for kv in a.engine_env + a.engine_arg + a.model_arg:
         if "=" not in kv:
             ap.error(f"{kv!r}: give KEY=VALUE")
     env = dict(kv.split("=", 1) for kv in a.engine_env)
-    engine_args = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a.engine_arg)}
+
+    def yaml_values(pairs: list[str], flag: str) -> dict:
+        out = {}
+        for k, v in (kv.split("=", 1) for kv in pairs):
+            try:
+                out[k] = yaml.safe_load(v)
+            except yaml.YAMLError as e:
+                ap.error(f"{flag} {k}={v}: the value is not valid YAML ({str(e).splitlines()[0]})")
+        return out
+
+    engine_args = yaml_values(a.engine_arg, "--engine-arg")
+    model_args = {**SERVING_SHAPE, **yaml_values(a.model_arg, "--model-arg")}
     engines = (a.engines.split(",") if a.engines else
                ["dense"] + (["bd"] if a.bd else []) + (["fully_sharded"] if a.tp > 1 else []))
     unknown = sorted(set(engines) - set(ENGINES))
@@ -230,7 +250,7 @@ def main(argv=None) -> int:
         ap.error(f"--engines: unknown {unknown}; known: {list(ENGINES)}")
 
     root = Path(a.root or tempfile.mkdtemp(prefix="bdlora-moe-parity-"))
-    model, adapters = build(root)
+    model, adapters = build(root, model_args)
     if a.stacks_after:
         env.update(stacks_env(root, a.stacks_after))
     if a.prepare_only:
