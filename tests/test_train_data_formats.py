@@ -365,8 +365,9 @@ def test_padding_free_collator_matches_padded_loss(tok, tiny_llama_dir):
            for i in range(3)] + [encode_record(tok, {"text": "the cat is red and blue"}, "auto", 64, 3)]
     flat = D.make_collator(tok.pad_token_id, padding_free=True)(exs)
     lens = [len(e.input_ids) for e in exs]
-    assert set(flat) == {"input_ids", "labels", "position_ids"}
+    assert set(flat) == {"input_ids", "labels", "position_ids", "attention_mask"}
     assert flat["input_ids"].shape == flat["labels"].shape == (1, sum(lens))
+    assert flat["attention_mask"].sum() == sum(lens)  # what the Trainer counts as tokens seen
     starts = [sum(lens[:k]) for k in range(len(exs))]
     assert flat["position_ids"][0].tolist() == [p for L in lens for p in range(L)]
     # No target at an example's first token (it would be predicted from the previous example's last token) ...
@@ -377,14 +378,54 @@ def test_padding_free_collator_matches_padded_loss(tok, tiny_llama_dir):
     padded = D.make_collator(tok.pad_token_id)(exs)
     assert padded["input_ids"].shape == (4, max(lens))
     # The same loss both ways on a tiny Llama. transformers (5.x) derives the block-causal mask from position_ids
-    # only without a KV cache (use_cache=False, as in training); with a cache the examples see each other.
+    # only without a KV cache (use_cache=False, as in training) and without an attention mask (the trainer drops
+    # it); otherwise the examples see each other.
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), attn_implementation="sdpa",
                                                  dtype=torch.float32)
     model.train()
     with torch.no_grad():
         lp = model(**padded, use_cache=False).loss
-        lf = model(**flat, use_cache=False).loss
+        lf = model(**{k: v for k, v in flat.items() if k != "attention_mask"}, use_cache=False).loss
     torch.testing.assert_close(lf, lp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_rows_give_each_example_its_own_logits(tok, tiny_llama_dir, attn):
+    """Rows of at most max(longest, row_tokens) tokens: every example lands in exactly one row, rows are no longer
+    than the cap, a row's padding tail is a segment of its own, and each example's logits in its row equal those of
+    the example run alone (no attention across examples or into the tail)."""
+    from transformers import AutoModelForCausalLM
+
+    g = torch.Generator().manual_seed(3)
+    lens = [int(n) for n in torch.randint(2, 30, (9,), generator=g)]
+    exs = [D.Example(input_ids=torch.randint(3, 200, (n,), generator=g).tolist(), labels=list(range(n)), index=i)
+           for i, n in enumerate(lens)]
+    batch = D.make_collator(0, padding_free=True, row_tokens=40)(exs)
+    cap = max(max(lens), 40)
+    rows, width = batch["input_ids"].shape
+    assert 1 < rows < len(exs) and width <= cap
+    assert batch["attention_mask"].sum() == sum(lens)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), attn_implementation=attn, dtype=torch.float64)
+    model.config.use_cache = False
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        found = []
+        for r in range(rows):
+            pos = batch["position_ids"][r].tolist()
+            starts = [t for t in range(width) if pos[t] == 0]
+            for a, b in zip(starts, starts[1:] + [width]):
+                if batch["attention_mask"][r, a] == 0:  # the padding tail
+                    assert batch["labels"][r, a:b].eq(IGNORE_INDEX).all() and a > 0
+                    continue
+                ids = batch["input_ids"][r, a:b].tolist()
+                i = next(i for i, e in enumerate(exs) if e.input_ids == ids and i not in found)
+                found.append(i)
+                assert batch["labels"][r, a:b].tolist() == [IGNORE_INDEX] + exs[i].labels[1:]
+                alone = model(input_ids=torch.tensor([ids])).logits[0]
+                # eager takes its softmax in float32: float32's rounding there
+                tol = 1e-9 if attn == "sdpa" else 1e-5
+                torch.testing.assert_close(packed[r, a:b], alone, rtol=tol, atol=tol)
+    assert sorted(found) == list(range(len(exs)))
 
 
 # ---------------------------------------------------------------------------------------------------- engine

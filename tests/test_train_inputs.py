@@ -233,9 +233,15 @@ def test_explicit_resume_of_a_bad_checkpoint_is_refused(tiny_llama_dir, data_fil
                                                  resume=str(tmp_path / "nope"))))
 
 
-def test_packing_gives_the_padded_batches_loss(tiny_llama_dir, data_file, tmp_path):
+@pytest.mark.parametrize("row_tokens", [512, 1], ids=["one-row", "several-rows"])
+def test_packing_gives_the_padded_batches_loss(tiny_llama_dir, data_file, tmp_path, monkeypatch, row_tokens):
     """packing: true (padding-free rows with restarting position ids) trains on the same targets: the first step's
-    loss equals the padded batch's, and the adapters after a step are close."""
+    loss equals the padded batch's, and the adapters after a step are close; also when the examples fill several
+    rows with padded tails (rows capped at the longest example)."""
+    from bdlora.train.engine import packing
+
+    monkeypatch.setattr(packing, "MIN_ROW_TOKENS", row_tokens)
+
     def first_loss(out, **kw):
         res = run_training(TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / out, max_steps=1,
                                                        eval_fraction=0.0, batch_size=4, **kw)))
@@ -245,6 +251,10 @@ def test_packing_gives_the_padded_batches_loss(tiny_llama_dir, data_file, tmp_pa
     padded, a = first_loss("padded")
     packed, b = first_loss("packed", packing=True)
     assert packed == pytest.approx(padded, rel=1e-4)
+    tokens = [json.loads(l).get("tokens_seen") for l in (tmp_path / "packed" / "metrics.jsonl").read_text().splitlines()]
+    padded_tokens = [json.loads(l).get("tokens_seen")
+                     for l in (tmp_path / "padded" / "metrics.jsonl").read_text().splitlines()]
+    assert [t for t in tokens if t] == [t for t in padded_tokens if t] != []  # example tokens, padding not counted
     for (n, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         if pa.requires_grad:
             torch.testing.assert_close(pa, pb, rtol=1e-3, atol=1e-5, msg=n)

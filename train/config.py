@@ -149,9 +149,10 @@ class TrainConfig:
         trained on the assistant turns only; prompt_completion on the completion; text on every token."""))
     max_length: int = field(default=512, **_help("""Token limit per example (truncated on the right; examples left
         without a target token are dropped with a warning)."""))
-    packing: bool = field(default=False, **_help("""Padding-free batches: the micro-batch's examples concatenated
-        into one row with per-example position ids (needs an attention implementation that honours them:
-        flash_attention_2; sdpa/eager in recent transformers)."""))
+    packing: bool = field(default=False, **_help("""Padding-free batches: the micro-batch's examples packed into
+        rows of at most max(longest example, 512) tokens, position ids restarting with each example and no
+        attention across examples (sdpa, eager and flex_attention build the block-causal mask; flash_attention_2
+        gets one row)."""))
 
     # ---- optimization
     lr: float = field(default=2e-4, **_help("Peak learning rate of AdamW over the adapter parameters."))

@@ -53,9 +53,9 @@ epochs are concatenated, and optimizer step ``s`` consumes stream positions ``[s
 positions starting at ``s*G + (j*num_processes + p)*batch_size``. The data position of a checkpoint is thus its
 step, and resuming is exact.
 
-Padding-free batches (:func:`make_collator` with ``padding_free=True``) are transformers'
-``DataCollatorWithFlattening``: one (1, T) row, ``position_ids`` restarting at 0 per example and the first label of
-each example -100 (our labels are already masked, and it keeps them), so no target crosses an example boundary.
+Padding-free batches (:func:`make_collator` with ``padding_free=True``, :func:`pack_rows`): the examples packed into
+rows (the engine's first-fit rows: at most the longest example or ``row_tokens``, whichever is larger), ``position_ids``
+restarting at 0 per example and the first label of each example -100, so no target crosses an example boundary.
 """
 
 from __future__ import annotations
@@ -777,33 +777,59 @@ def collate(examples: list, pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def pack_rows(examples: list, pad_id: int, row_tokens: int | None = None) -> dict[str, torch.Tensor]:
+    """Padding-free batch: the examples packed first-fit decreasing into rows of at most ``max(longest example,
+    row_tokens)`` tokens (``None``: all in one row), each row right-padded to the longest row. Per token:
+    ``position_ids`` restarting at 0 with each example (the padding tail is a segment of its own), ``labels`` ours
+    except each example's first token (-100: it would be predicted from the previous example's last token), and
+    ``attention_mask`` 1 on example tokens, 0 on the tail. The mask only counts tokens (the Trainer's
+    ``non_padding`` count): the model must run without it, so that transformers derives the block-causal mask from
+    the position ids (:meth:`BDLoraTrainer.compute_loss` drops it)."""
+    from .engine.packing import fill_rows
+
+    feats = [_features_of(e) for e in examples]
+    lengths = [len(f["input_ids"]) for f in feats]
+    cap = sum(lengths) if row_tokens is None else max(max(lengths), row_tokens)
+    rows = fill_rows(lengths, cap)
+    width = max(sum(lengths[i] for i in r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, members in enumerate(rows):
+        t = 0
+        for i in members:
+            n = lengths[i]
+            ids[r, t:t + n] = torch.tensor(feats[i]["input_ids"])
+            labels[r, t + 1:t + n] = torch.tensor(feats[i]["labels"][1:], dtype=torch.long)
+            positions[r, t:t + n] = torch.arange(n)
+            mask[r, t:t + n] = 1
+            t += n
+        positions[r, t:] = torch.arange(width - t)
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "attention_mask": mask}
+
+
 class Collator:
-    """A picklable batch function (DataLoader workers): padded, or padding-free (flattened) batches."""
+    """A picklable batch function (DataLoader workers): padded, or padding-free (:func:`pack_rows`) batches."""
 
-    def __init__(self, pad_id: int, padding_free: bool = False):
-        self.pad_id, self.padding_free = pad_id, padding_free
-        self._flat = None
-        if padding_free:
-            from transformers import DataCollatorWithFlattening
-
-            # It keeps our labels (already -100 outside the responses) and sets each example's first label to
-            # -100, so no target is predicted across an example boundary; position_ids restart at 0.
-            self._flat = DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
+    def __init__(self, pad_id: int, padding_free: bool = False, row_tokens: int | None = None):
+        self.pad_id, self.padding_free, self.row_tokens = pad_id, padding_free, row_tokens
 
     def __call__(self, examples: list) -> dict[str, torch.Tensor]:
-        if self._flat is None:
+        if not self.padding_free:
             return collate(examples, self.pad_id)
-        return self._flat([_features_of(e) for e in examples])
+        return pack_rows(examples, self.pad_id, self.row_tokens)
 
 
-def make_collator(pad_id: int, padding_free: bool = False) -> Collator:
+def make_collator(pad_id: int, padding_free: bool = False, row_tokens: int | None = None) -> Collator:
     """Batches of Examples (or dataset rows): right-padded ``{input_ids, attention_mask, labels}`` (B, T), or with
-    ``padding_free`` one flattened row ``{input_ids, labels, position_ids}`` (1, sum of lengths) for attention that
-    reads the sequence boundaries from position_ids (flash-attention; transformers' sdpa/eager derive a block-causal
-    mask from them). Caution (transformers 5.19): sdpa/eager detect the packed examples only when the forward has no
-    KV cache, so the model must run with ``use_cache=False`` (``model.config.use_cache = False``); with the default
-    cache the examples silently attend to each other."""
-    return Collator(pad_id, padding_free)
+    ``padding_free`` rows of packed examples (:func:`pack_rows`: rows of at most ``max(longest, row_tokens)``
+    tokens, ``None`` one row) for attention that reads the example boundaries from ``position_ids``: transformers'
+    sdpa / eager / flex build a block-causal mask from them in every row, flash-attention only in a single row (give
+    it ``row_tokens=None``). The forward must drop the batch's ``attention_mask`` (it only counts tokens) and run
+    without a KV cache (``model.config.use_cache = False``): otherwise the examples silently attend to each other
+    (transformers 5.19)."""
+    return Collator(pad_id, padding_free, row_tokens)
 
 
 class DataStream:
@@ -832,5 +858,6 @@ class DataStream:
 __all__ = ["DATA_FORMATS", "Collator", "DataError", "DataStream", "Example", "IGNORE_INDEX", "Parsed", "Source",
            "canonical_format", "collate", "dataset_to_examples", "default_cache_dir", "detect_format", "encode",
            "encode_record", "encode_records", "encode_text", "examples_to_dataset", "load_datasets", "make_collator",
-           "parse_record", "parse_source", "prompt_text", "read_records", "resolve_source", "response_spans",
-           "split_indices", "to_messages", "tokenized_cache_key", "tokenized_cache_path", "tokenizer_fingerprint"]
+           "pack_rows", "parse_record", "parse_source", "prompt_text", "read_records", "resolve_source",
+           "response_spans", "split_indices", "to_messages", "tokenized_cache_key", "tokenized_cache_path",
+           "tokenizer_fingerprint"]

@@ -492,10 +492,14 @@ class _Collator:
     example indices (``sample_index``), recorded by the trainer when the micro-batch is trained on (the dataloader
     prefetches batches ahead, so the collator cannot know which are used)."""
 
-    def __init__(self, pad_id: int, packing: bool, record: bool):
+    def __init__(self, pad_id: int, packing: bool, record: bool, attn_implementation: Optional[str] = None):
         from .data import make_collator
+        from .engine.packing import MIN_ROW_TOKENS
 
-        self.inner = make_collator(pad_id, packing)
+        # transformers reads packed examples from the position ids in every row for sdpa / eager / flex, but only
+        # in a single row for flash-attention
+        one_row = "flash" in (attn_implementation or "")
+        self.inner = make_collator(pad_id, packing, None if one_row else MIN_ROW_TOKENS)
         self.record = record
 
     def __call__(self, rows: list[dict]) -> dict:
@@ -521,6 +525,8 @@ def _make_trainer_class():
                 with open(self.record_path, "a") as f:
                     f.write(json.dumps({"rank": self.args.process_index, "step": self.state.global_step,
                                         "records": idx.tolist()}) + "\n")
+            if "position_ids" in inputs:  # a packed batch: its mask only counted tokens (data.pack_rows)
+                inputs.pop("attention_mask", None)
             return super().compute_loss(model, inputs, *args, **kwargs)
 
         def floating_point_ops(self, inputs) -> int:
@@ -749,7 +755,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     record = out / f"samples.rank{rank}.jsonl" if cfg.record_samples else None
     trainer = BDLoraTrainer(model=model, args=args, train_dataset=examples_to_dataset(train_ex),
                             eval_dataset=examples_to_dataset(eval_ex) if eval_ex else None,
-                            data_collator=_Collator(tokenizer.pad_token_id, cfg.packing, record is not None),
+                            data_collator=_Collator(tokenizer.pad_token_id, cfg.packing, record is not None,
+                                                    cfg.attn_implementation),
                             processing_class=tokenizer, callbacks=callbacks)
     trainer.record_path = record
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
