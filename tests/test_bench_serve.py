@@ -905,3 +905,17 @@ def test_moe_parity_model_shape_defaults_to_the_serving_shape(tmp_path, capsys):
     config = AutoConfig.from_pretrained(model)
     assert (config.hidden_size, config.head_dim, config.moe_intermediate_size, config.num_hidden_layers) == (
         SERVING_SHAPE["hidden_size"], SERVING_SHAPE["head_dim"], SERVING_SHAPE["moe_intermediate_size"], 1)
+
+
+def test_moe_parity_serves_an_adapter_bdlora_train_made(tmp_path, capsys):
+    """--trained-steps: the BD expert adapter is `bdlora train`'s output (its trained expert factors), and the report
+    says how far those factors move HF's logprobs (the error a dropped expert LoRA would make)."""
+    import bdlora
+    from bench.serve.moe_parity import main
+
+    assert main(["--prepare-only", "--root", str(tmp_path), "--trained-steps", "2", "--model-arg", "num_layers=1"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    bd = bdlora.load_adapter(tmp_path / "bd")
+    assert len(bd.experts) == 2 and all(f.lora_B.abs().max() > 0 for f in bd.experts.values())
+    assert (tmp_path / "bd" / "README.md").is_file()  # the model card bdlora train writes
+    assert out["expert_effect"] > 1e-3

@@ -4,7 +4,8 @@
 
 Builds a small random Qwen3-MoE (``SERVING_SHAPE``: hidden 256, head_dim 64, 4 experts of width 128, 2 per token;
 ``--model-arg`` changes it) and a BD-LoRA adapter on its attention projections
-and both fused expert tensors (N=2, r=8, random factors), converts it with ``bdlora convert to-dense`` (plain-LoRA
+and both fused expert tensors (N=2, r=8: random factors, or with ``--trained-steps K`` trained by ``bdlora train``),
+reports how far its expert factors move HF's logprobs (what a dropped expert LoRA would miss by), converts it with ``bdlora convert to-dense`` (plain-LoRA
 scaling) and writes one more copy of the dense adapter with the same scale as rsLoRA (``use_rslora: true``). Serves
 both with vLLM's own MoE LoRA (per-expert models with ``enable_mixed_moe_lora_format`` and each request with
 ``is_3d_lora_weight``) and, with ``--bd``, the BD adapter itself through the plugin (``--enable-bdlora``), and
@@ -79,9 +80,50 @@ def serve_bd(model: Path, bd: Path, dense: Path, tp: int, dtype: str, env: dict,
     return {"tp": tp, "rows": rows, **costs}
 
 
-def build(root: Path, model_args: dict | None = None) -> tuple[Path, dict[str, Path]]:
+def train_bd(model: Path, root: Path, steps: int) -> Path:
+    """A BD expert adapter as users make one: ``bdlora train`` on the model (N=2, r=8, attention projections and
+    both fused expert tensors) for ``steps`` steps of a toy chat task; returns its folder."""
+    import shutil
+
+    from bdlora.train.config import TrainConfig
+    from bdlora.train.tasks import toy_chat_records, write_jsonl
+    from bdlora.train.trainer import run_training
+
+    shutil.rmtree(root / "train", ignore_errors=True)  # this script's own scratch run
+    data = write_jsonl(toy_chat_records(64, seed=3), root / "train.jsonl")
+    res = run_training(TrainConfig.from_dict(dict(
+        model=str(model), nblocks=2, r=8, lora_alpha=16, train_file=str(data), eval_fraction=0.0, lr=1e-2,
+        scheduler="constant", warmup_steps=0, batch_size=8, max_steps=steps, seed=5, precision="fp32",
+        output_dir=str(root / "train"), progress=False, report_to=[])))
+    return res.adapter_dir
+
+
+def expert_effect(model: Path, dense: Path) -> float:
+    """How far the expert factors move HF's logprobs on PROMPTS (their B zeroed against the whole adapter): the
+    size of error the comparison can see when an engine drops or mis-scales the expert LoRA."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def logprobs(zero_experts: bool) -> list:
+        m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32),
+                                      str(dense)).eval()
+        if zero_experts:
+            for name, p in m.named_parameters():
+                if ".experts." in name and "lora_B" in name:
+                    p.data.zero_()
+        with torch.no_grad():
+            return [torch.log_softmax(m(input_ids=torch.tensor([p])).logits[0], -1) for p in PROMPTS]
+
+    return max(float((a - b).abs().max()) for a, b in zip(logprobs(False), logprobs(True)))
+
+
+def build(root: Path, model_args: dict | None = None, trained_steps: int = 0) -> tuple[Path, dict[str, Path]]:
     """(model folder, {name: adapter folder}): the BD adapter, its dense conversion, and an rsLoRA copy of it.
-    ``model_args``: keyword arguments of ``build_random_qwen3_moe`` (the tiny shape by default)."""
+    ``model_args``: keyword arguments of ``build_random_qwen3_moe`` (the tiny shape by default); the BD adapter has
+    random factors, or with ``trained_steps`` is trained by ``bdlora train`` (:func:`train_bd`)."""
+    import shutil
+
     import torch
 
     from bdlora.adapter import Adapter, AdapterConfig, add_experts, load_adapter, save_adapter
@@ -111,7 +153,11 @@ def build(root: Path, model_args: dict | None = None) -> tuple[Path, dict[str, P
             sa, sb = factor_shapes(t, getattr(layer.mlp.experts, t).shape, spec.nblocks, spec.r)
             experts[f"base_model.model.model.layers.{i}.mlp.experts.{t}"] = ExpertFactors(
                 t, torch.randn(sa, generator=g) * 0.05, torch.randn(sb, generator=g) * 0.05, spec.nblocks, spec.scale)
-    bd = save_adapter(add_experts(Adapter(cfg, modules), experts), root / "bd")
+    if trained_steps:
+        shutil.rmtree(root / "bd", ignore_errors=True)
+        bd = Path(shutil.copytree(train_bd(model, root, trained_steps), root / "bd"))
+    else:
+        bd = save_adapter(add_experts(Adapter(cfg, modules), experts), root / "bd")
     dense = root / "dense"
     assert cli_main(["convert", "to-dense", str(bd), str(dense), "--force"]) == 0
     raw = json.loads((dense / "adapter_config.json").read_text())
@@ -219,6 +265,9 @@ def main(argv=None) -> int:
                     help="vLLM LLM keyword argument for every engine, value read as YAML (repeatable)")
     ap.add_argument("--stacks-after", type=float, default=None, metavar="S",
                     help="every process's Python stacks into ROOT/stacks every S seconds")
+    ap.add_argument("--trained-steps", type=int, default=0, metavar="K",
+                    help="the BD adapter trained by `bdlora train` for K steps (a toy chat task) instead of random "
+                         "factors")
     ap.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="the random model's shape: a bdlora.models.build_random_qwen3_moe keyword over SERVING_SHAPE, e.g."
                          " hidden_size=64 (repeatable)")
@@ -250,11 +299,13 @@ def main(argv=None) -> int:
         ap.error(f"--engines: unknown {unknown}; known: {list(ENGINES)}")
 
     root = Path(a.root or tempfile.mkdtemp(prefix="bdlora-moe-parity-"))
-    model, adapters = build(root, model_args)
+    model, adapters = build(root, model_args, a.trained_steps)
+    effect = expert_effect(model, adapters["dense"])
     if a.stacks_after:
         env.update(stacks_env(root, a.stacks_after))
     if a.prepare_only:
-        print(json.dumps({"model": str(model), "adapters": {k: str(v) for k, v in adapters.items()}}))
+        print(json.dumps({"model": str(model), "adapters": {k: str(v) for k, v in adapters.items()},
+                          "expert_effect": effect}))
         return 0
     import torch
     import vllm
@@ -264,7 +315,9 @@ def main(argv=None) -> int:
     dtype = a.dtype if a.dtype != "auto" else ("float16" if torch.cuda.is_available() else "float32")
     tol = a.tol if a.tol is not None else (1e-4 if dtype == "float32" else 1e-2)
     match = lambda r: tokens_match(r, tol) and r["max_logprob_diff"] < tol  # noqa: E731
-    res = {"vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d"), "dtype": dtype, "tol": tol}
+    res = {"vllm": vllm.__version__, "date": time.strftime("%Y-%m-%d"), "dtype": dtype, "tol": tol,
+           "model_args": model_args, "bd_adapter": f"bdlora train, {a.trained_steps} steps" if a.trained_steps
+           else "random factors", "expert_effect": effect}
     ok = {}
     res["engines"], res["engine_env"], res["engine_args"] = engines, env, engine_args
     if "base" in engines:
@@ -297,6 +350,7 @@ def main(argv=None) -> int:
     res["matches"] = ok
     res["costs"] = costs = summarize_costs(res)
     Path(a.out).write_text(json.dumps(res, indent=1))
+    print(f"the expert factors move HF's logprobs by up to {effect:.3g} (tolerance {tol:g})")
     for name in ok:
         rows = res[name]["rows"] if name in ("base", "bd", "fully_sharded") else res["rows"]
         adapter = {"fully_sharded": "dense", "base": None}.get(name, name)  # whose rows tell
