@@ -919,3 +919,39 @@ def test_moe_parity_serves_an_adapter_bdlora_train_made(tmp_path, capsys):
     assert len(bd.experts) == 2 and all(f.lora_B.abs().max() > 0 for f in bd.experts.values())
     assert (tmp_path / "bd" / "README.md").is_file()  # the model card bdlora train writes
     assert out["expert_effect"] > 1e-3
+
+
+def test_moe_proxy_report_tables_each_engine_and_bd_against_vllms_lora():
+    from bench.serve.moe_proxy import report
+
+    def run(engine, rows):
+        return {"tp": 4, "engine": engine, "r": 64, "date": "2026-11-29", "device": "GPU", "vllm": "0.26.0",
+                "shard": {"E": 128, "I": 192, "NH": 8},
+                "adapter_bytes_per_gpu": {"vllm_default": 2**30, "fully_sharded": 2**29, "bd": 2**28},
+                "rows": [{"batch": b, "decode_ms": d + 1, "step_ms": {"median": d}, "ttft_ms": t} for b, d, t in rows]}
+
+    table = report([run("bd", [(1, 3.3, 60.0), (8, 5.0, 70.0)]), run("lora", [(1, 4.4, 65.0)]),
+                    run("base", [(1, 3.0, 55.0), (8, 4.5, 66.0)])])
+    lines = table.splitlines()
+    head = next(l for l in lines if l.startswith("| batch"))
+    assert head.split(" | ")[1:4] == ["no LoRA", "vLLM's LoRA (rank r)", "BD-LoRA, `--enable-bdlora` (rank r/N)"]
+    assert "| 1 | 3.00 / 55.0 | 4.40 / 65.0 | 3.30 / 60.0 | 0.750 |" in lines  # steady step medians, not decode_ms
+    assert "| 8 | 4.50 / 66.0 | not run | 5.00 / 70.0 | n/a |" in lines
+    assert "vLLM's default 1,024 MiB, `--fully-sharded-loras` 512 MiB, BD-LoRA 256 MiB" in table
+
+
+def test_moe_proxy_run_puts_one_engine_on_each_gpu(tmp_path):
+    """The driver: TP:ENGINE arguments checked, each engine on a GPU of its own (CPU: the tiny shape, prepare only),
+    then the table of the results; a bad argument is refused before anything runs."""
+    env = dict(os.environ, OUT=str(tmp_path), MOE_PROXY_GPUS="0 1", MOE_PROXY_ARGS="--shape tiny --prepare-only")
+    p = subprocess.run(["bash", str(ROOT / "bench/serve/moe_proxy_run.sh"), "2:lora", "2:bd", "2:base"], env=env,
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "tp2-lora on GPU 0" in p.stdout and "tp2-bd on GPU 1" in p.stdout and "tp2-base on GPU 0" in p.stdout
+    results = {f.name for f in (tmp_path / "moe_proxy").glob("*.json")}
+    assert results == {"tp2-lora.json", "tp2-bd.json", "tp2-base.json"}
+    assert json.loads((tmp_path / "moe_proxy" / "tp2-bd.json").read_text())["engine"] == "bd"
+    assert "| batch | no LoRA |" in (tmp_path / "moe_proxy" / "table.md").read_text()
+    bad = subprocess.run(["bash", str(ROOT / "bench/serve/moe_proxy_run.sh"), "2:nope"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "give TP:ENGINE" in bad.stdout

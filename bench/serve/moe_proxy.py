@@ -7,6 +7,8 @@ embedding and the LM head by vocabulary).
 
     PYTHONPATH=/tmp/site python3 -m bench.serve.moe_proxy --tp 4 --only lora --out lora.json
     python3 -m bench.serve.moe_proxy --shape tiny --prepare-only --out x.json     # CPU: the model and adapter only
+    python3 -m bench.serve.moe_proxy report OUT/*.json --out table.md              # the table of such runs
+    bash bench/serve/moe_proxy_run.sh tp4:lora tp4:bd ...                          # one engine per GPU at once
 
 Engines (each in its own process, ``--only``), all adapters on q/k/v/o and both fused expert tensors:
 
@@ -138,7 +140,63 @@ def engine_kwargs(only: str, sh: dict, root: Path, r: int, tp: int, mem: float) 
     return kw, LoRARequest(f"{only}_r{rank}", 1, str(write_adapter(root, f"{only}_r{rank}", rank, sh)), **extra)
 
 
+ENGINE_LABELS = {"base": "no LoRA", "lora": "vLLM's LoRA (rank r)", "share": "vLLM's LoRA at rank r/N",
+                 "bd": "BD-LoRA, `--enable-bdlora` (rank r/N)"}
+
+
+def report(results: list[dict]) -> str:
+    """A markdown table of ``--only`` runs' JSON: per TP size and batch, each engine's steady decode step (median
+    ms) and 1024-token TTFT, BD's decode against vLLM's LoRA, and each engine's adapter bytes per GPU."""
+    lines = []
+    for tp in sorted({r["tp"] for r in results}):
+        runs = {r["engine"]: r for r in results if r["tp"] == tp}
+        engines = [e for e in ENGINE_LABELS if e in runs]
+        head = runs[engines[0]]
+        lines += [f"TP={tp} (one GPU's shard: {head['shard']['E']} experts {head['shard']['I']} wide, "
+                  f"{head['shard']['NH']} query heads), rank r={head['r']}, {head.get('device', '?')}, "
+                  f"vLLM {head.get('vllm', '?')}, {head['date']}; decode step median ms / TTFT ms (1024 tokens):", "",
+                  "| batch | " + " | ".join(ENGINE_LABELS[e] for e in engines)
+                  + (" | BD / vLLM's LoRA, decode |" if {"bd", "lora"} <= set(runs) else " |"),
+                  "|---" * (len(engines) + 1 + ({"bd", "lora"} <= set(runs))) + "|"]
+        batches = sorted({row["batch"] for e in engines for row in runs[e].get("rows", [])})
+        for b in batches:
+            cells, step = [], {}
+            for e in engines:
+                row = next((x for x in runs[e].get("rows", []) if x["batch"] == b), None)
+                if row is None:
+                    cells.append("not run")
+                    continue
+                step[e] = (row.get("step_ms") or {}).get("median") or row["decode_ms"]
+                cells.append(f"{step[e]:.2f} / {row['ttft_ms']:.1f}")
+            ratio = ([f"{step['bd'] / step['lora']:.3f}" if {"bd", "lora"} <= set(step) else "n/a"]
+                     if {"bd", "lora"} <= set(runs) else [])
+            lines.append(f"| {b} | " + " | ".join(cells + ratio) + " |")
+        per_gpu = head["adapter_bytes_per_gpu"]
+        lines += ["", "Adapter bytes per GPU (computed): vLLM's default "
+                  f"{per_gpu['vllm_default'] / 2**20:,.0f} MiB, `--fully-sharded-loras` "
+                  f"{per_gpu['fully_sharded'] / 2**20:,.0f} MiB, BD-LoRA {per_gpu['bd'] / 2**20:,.0f} MiB.", ""]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["report"]:
+        rp = argparse.ArgumentParser(prog="moe_proxy report", description="the table of --only runs' JSON files")
+        rp.add_argument("files", nargs="+")
+        rp.add_argument("--out", default=None, help="also write the table here (markdown)")
+        ra = rp.parse_args(argv[1:])
+        results = []
+        for f in ra.files:
+            try:
+                results.append(json.loads(Path(f).read_text()))
+            except (OSError, json.JSONDecodeError) as e:
+                rp.error(f"{f}: not a moe_proxy result ({e})")
+        table = report(results)
+        print(table)
+        if ra.out:
+            Path(ra.out).write_text(table + "\n")
+        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=4, help="the tensor-parallel size whose one-GPU shard is served")
     ap.add_argument("--shape", choices=["qwen3-30b-a3b", "tiny"], default="qwen3-30b-a3b")
