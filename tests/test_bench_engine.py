@@ -194,6 +194,22 @@ def test_random_checkpoint_is_written_shard_by_shard_and_loads(tmp_path):
     assert write_random_checkpoint(path, SHAPES["tiny"]) == path  # written once
 
 
+def test_random_checkpoint_overflows_to_a_second_folder(tmp_path):
+    """--overflow-dir: shards that would leave too little free on the checkpoint's disk are written to the second
+    folder and linked, and the checkpoint loads the same (here every shard overflows: keep_free_bytes is huge)."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.train.pipeline_vs_fsdp import SHAPES, write_random_checkpoint
+
+    path = write_random_checkpoint(tmp_path / "m", SHAPES["tiny"], dtype="float32", shard_bytes=2**20,
+                                   overflow_dir=tmp_path / "shm", keep_free_bytes=2**62)
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) > 2 and all(p.is_symlink() and p.resolve().parent == (tmp_path / "shm").resolve()
+                                   for p in shards)
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
 @pytest.mark.slow
 def test_pipeline_vs_fsdp_cpu_smoke(tmp_path):
     """The pipeline side end to end on 2 CPU processes (FSDP2 needs GPUs): tokens and times from the run's results."""

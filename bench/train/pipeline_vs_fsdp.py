@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The engine's pipeline stages where they are meant to win, against FSDP2: K jobs on a base one GPU cannot hold.
 
-    python bench/train/pipeline_vs_fsdp.py --shape llama70b --gpus 4 --ks 4,8 --out R.json   # 4 GPUs (x2: --gpus 2)
+    python bench/train/pipeline_vs_fsdp.py --shape llama70b --gpus 4 --ks 4,8 --out R.json   # 4 GPUs
+    python bench/train/pipeline_vs_fsdp.py --shape llama70b --gpus 2 --ks 4 --overflow-dir /dev/shm/pvf ...  # 2
     python bench/train/pipeline_vs_fsdp.py --cpu-smoke --out R.json                          # CPU: the script only
 
 1. The base: a random-weight checkpoint of the shape (bf16), written shard by shard under ``--workdir`` once: a 70B
@@ -38,10 +39,15 @@ from bench_trainer import SHAPES  # noqa: E402  (bench/train is on sys.path abov
 
 
 def write_random_checkpoint(path: Path, shape: dict, dtype: str = "bfloat16", device: str = "cpu",
-                            shard_bytes: int = 5 * 2**30, init_std: float = 0.02) -> Path:
+                            shard_bytes: int = 5 * 2**30, init_std: float = 0.02, overflow_dir: Path | None = None,
+                            keep_free_bytes: int = 8 * 2**30) -> Path:
     """A random-weight Llama checkpoint (sharded safetensors + index, config, tokenizer), built without ever holding
     the whole model: names and shapes come from a meta-device model, each shard's tensors are drawn on ``device``.
-    Norm weights are ones, every other tensor N(0, init_std). Written once (atomically); returns ``path``."""
+    Norm weights are ones, every other tensor N(0, init_std). Written once (atomically); returns ``path``.
+    ``overflow_dir``: a shard that would leave less than ``keep_free_bytes`` free on ``path``'s disk is written there
+    instead, linked from ``path`` (a 70B shape, 128 GiB, on a 2-GPU machine's 128 GiB disk: the rest in /dev/shm)."""
+    import shutil
+
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
@@ -79,7 +85,13 @@ def write_random_checkpoint(path: Path, shape: dict, dtype: str = "bfloat16", de
                 tensors[n] = t
                 weight_map[n] = fname
                 total += t.numel() * item
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            nbytes = sum(t.numel() for t in tensors.values()) * item
+            if overflow_dir is not None and shutil.disk_usage(tmp).free - nbytes < keep_free_bytes:
+                overflow_dir.mkdir(parents=True, exist_ok=True)
+                save_file(tensors, str(overflow_dir / fname), metadata={"format": "pt"})
+                os.symlink(overflow_dir.resolve() / fname, tmp / fname)
+            else:
+                save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
             del tensors
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
@@ -216,6 +228,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=4096, help="the pipeline's token budget per micro-batch")
     ap.add_argument("--sides", default="pipeline,fsdp")
     ap.add_argument("--workdir", default="/tmp/bdlora-pipeline-vs-fsdp")
+    ap.add_argument("--overflow-dir", default=None,
+                    help="checkpoint shards that would fill the workdir's disk go here (e.g. /dev/shm/pvf on a 2-GPU "
+                         "machine, whose disk cannot hold a 70B shape)")
     ap.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for one launch before it is stopped")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape, 2 CPU processes (gloo), pipeline only")
     ap.add_argument("--out", default="pipeline_vs_fsdp.json")
@@ -240,7 +255,8 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     model = write_random_checkpoint(work / f"model-{a.shape}", SHAPES[a.shape],
                                     dtype="float32" if a.cpu_smoke else "bfloat16",
-                                    device="cpu" if a.cpu_smoke else "cuda")
+                                    device="cpu" if a.cpu_smoke else "cuda",
+                                    overflow_dir=Path(a.overflow_dir) if a.overflow_dir else None)
     data = make_data(work / "task.jsonl", 2000)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
