@@ -955,3 +955,22 @@ def test_moe_proxy_run_puts_one_engine_on_each_gpu(tmp_path):
     bad = subprocess.run(["bash", str(ROOT / "bench/serve/moe_proxy_run.sh"), "2:nope"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "give TP:ENGINE" in bad.stdout
+
+
+def test_moe_ops_part_packs_the_wheels_moe_library(tmp_path):
+    """moe_ops_part.sh: the MoE ops library of the bundle's vLLM wheel, alone in an xz tar that extracts to
+    vllm/<library>; a bundle folder without a wheel is refused with the fix."""
+    import tarfile
+    import zipfile
+
+    (tmp_path / "b" / "whl").mkdir(parents=True)
+    with zipfile.ZipFile(tmp_path / "b" / "whl" / "vllm-0.26.0-cp38-abi3-manylinux1_x86_64.whl", "w") as z:
+        z.writestr("vllm/_moe_C_stable_libtorch.abi3.so", b"\x7fELF moe ops")
+        z.writestr("vllm/__init__.py", "")
+    script = str(ROOT / "bench/serve/moe_ops_part.sh")
+    assert subprocess.run(["bash", script, str(tmp_path / "b")], capture_output=True, timeout=120).returncode == 0
+    with tarfile.open(tmp_path / "b" / "moe" / "moe_C.tar.xz") as t:
+        assert [m.name for m in t.getmembers() if m.isfile()] == ["vllm/_moe_C_stable_libtorch.abi3.so"]
+        assert t.extractfile("vllm/_moe_C_stable_libtorch.abi3.so").read() == b"\x7fELF moe ops"
+    bad = subprocess.run(["bash", script, str(tmp_path / "none")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 3 and "build the bundle first" in bad.stdout

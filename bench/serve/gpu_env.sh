@@ -15,6 +15,10 @@ _bdlora_gpu_env() {
     mkdir -p /tmp/site && tar -xJf /tmp/bundle.tar.xz -C /tmp/site && rm -f /tmp/bundle.tar.xz || return 4
     echo "vLLM bundle extracted"
   fi
+  # vLLM's MoE ops, staged by a call of their own (bench/serve/moe_ops_part.sh)
+  if [ -d /tmp/moe/vllm ] && [ ! -f /tmp/site/vllm/_moe_C_stable_libtorch.abi3.so ]; then
+    cp /tmp/moe/vllm/*.so /tmp/site/vllm/ && echo "vLLM MoE ops added"
+  fi
   python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "pip install -e . failed"; return 5; }
 }
 _bdlora_gpu_env
