@@ -179,9 +179,9 @@ def test_fused_op_branches_at_run_time_under_torch_compile(backend):
     layer.lora_b_stacked = ()
     config = VllmConfig()  # the engine's registry: compilation_config.static_forward_context
     build = LayerBuild(rank=r, registry=config.compilation_config.static_forward_context)
-    name = build.register("test.fake", layer)
+    key = build.register(layer, "cpu")
     layer._bd_fused = LayerState(
-        name=name, two_launch_max=4, backend="torch", lora_a=a_all.squeeze(2), lora_b=b_all, b_shared=False,
+        name="test.fake", two_launch_max=4, backend="torch", lora_a=a_all.squeeze(2), lora_b=b_all, b_shared=False,
         offsets=(0, 6, 10), soff=torch.tensor([0, 6, 10], dtype=torch.int32), ranks=ranks,
         scales=torch.ones(n_l), slots=SimpleNamespace(buf=slot_map), build=build)
 
@@ -189,7 +189,7 @@ def test_fused_op_branches_at_run_time_under_torch_compile(backend):
 
     def f(x):
         y = x @ w.t()  # the base layer's output, updated in place as in vLLM's layers
-        torch.ops.bdlora.lora_linear(y, x, name)
+        torch.ops.bdlora.lora_linear(y, x, key)
         return y * 2
 
     torch._dynamo.reset()
@@ -212,7 +212,37 @@ def test_fused_op_branches_at_run_time_under_torch_compile(backend):
     assert cnt.frame_count == 1
     assert build.path_counts["fused:torch"] == 3 and build.path_counts["stock"] == 1, build.path_counts
     with pytest.raises(BDLoraError, match="outside one"):  # no forward context: no engine to find the layer in
-        torch.ops.bdlora.lora_linear(torch.zeros(2, 10), torch.zeros(2, d_in), name)
+        torch.ops.bdlora.lora_linear(torch.zeros(2, 10), torch.zeros(2, d_in), key)
+
+
+def test_layers_of_one_kind_trace_to_the_same_graph():
+    """The custom ops take the layer's op key (a tensor: a graph input) and the output width, so two layers of one
+    kind trace to the same graph (vLLM compiles such isometric piecewise graphs once, not once per layer), and the
+    shape functions run without an engine; each key finds its own layer in the build's registry."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from bdlora.vllm_plugin.fast_path import ops  # noqa: F401 - defines torch.ops.bdlora
+    from bdlora.vllm_plugin.fast_path.state import LayerBuild, op_key_name
+
+    build = LayerBuild(rank=4)
+    layers = [object(), object()]
+    keys = [build.register(layer, "cpu") for layer in layers]
+    assert [build.registry[op_key_name(k)] for k in keys] == layers
+
+    def layer_forward(x, bias, w, key):
+        y = x @ w.t()
+        torch.ops.bdlora.lora_linear(y, x, key)
+        z = torch.ops.bdlora.fold_linear(x, bias, key, 6)
+        y2, term = torch.ops.bdlora.fold_linear_split(x, None, key, 6)
+        return y + z + y2 + term
+
+    codes = []
+    for key in keys:
+        gm = make_fx(layer_forward, tracing_mode="fake")(torch.randn(3, 8), torch.randn(6), torch.randn(6, 8), key)
+        out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        assert tuple(out.meta["val"].shape) == (3, 6)
+        codes.append(gm.code)
+    assert codes[0] == codes[1] and "bdlora:" not in codes[0]
 
 
 def test_fold_base_weight_moves_the_weight_or_says_why_not(caplog):

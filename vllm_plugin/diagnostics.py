@@ -154,7 +154,7 @@ def _self_check_layers(mgr, lora_ids, want, n, pad, gen, out) -> None:
 
     for layer in mgr.modules.values():
         st = getattr(layer, "_bd_fused", None)
-        if st is None or getattr(layer, "bd_fused_name", None) is None:
+        if st is None or getattr(layer, "bd_op_key", None) is None:
             continue
         a0 = layer.lora_a_stacked[0]
         d_in, d_out = a0.shape[-1], sum(layer.output_slices)
@@ -166,7 +166,7 @@ def _self_check_layers(mgr, lora_ids, want, n, pad, gen, out) -> None:
         layer.punica_wrapper.add_lora_linear(y_stock, x[:n], layer.lora_a_stacked, layer.lora_b_stacked, 1.0,
                                              layer.output_slices)
         y_fused = torch.zeros(n + extra, d_out, dtype=a0.dtype, device=a0.device)
-        torch.ops.bdlora.lora_linear(y_fused, x, layer.bd_fused_name)
+        torch.ops.bdlora.lora_linear(y_fused, x, layer.bd_op_key)
         out["layers"] += 1
         out["max_abs_diff"] = max(out["max_abs_diff"], float((y_fused[:n] - y_stock).abs().max()))
         out["max_abs_lora"] = max(out["max_abs_lora"], float(y_stock.abs().max()))

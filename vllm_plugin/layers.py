@@ -87,16 +87,17 @@ class _BDLoRAMixin:
     # ------------------------------------------------------------------------------------------- fast path
 
     _bd_fused: Optional[LayerState] = None  # fast_path.build.build_layer_state
-    bd_fused_name: Optional[str] = None  # the layer's name in the engine's registry (the custom ops' argument)
+    # bd_op_key: the custom ops' argument (fast_path.state.LayerBuild.register), a non-persistent buffer so that
+    # torch.compile lifts it to a graph input; None: vLLM's path
 
     def _apply_sync(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        st = self._bd_fused
-        if self.bd_fused_name is None or st.fold is None or x.ndim != 2:
+        st, key = self._bd_fused, getattr(self, "bd_op_key", None)
+        if key is None or st.fold is None or x.ndim != 2:
             return super()._apply_sync(x, bias)
         if st.side.defer:  # the add in traced code: torch.compile fuses it into the kernel that reads the output
-            y, term = torch.ops.bdlora.fold_linear_split(x, bias, self.bd_fused_name)
+            y, term = torch.ops.bdlora.fold_linear_split(x, bias, key, st.fold.weight.d_out)
             return y + term
-        return torch.ops.bdlora.fold_linear(x, bias, self.bd_fused_name)
+        return torch.ops.bdlora.fold_linear(x, bias, key, st.fold.weight.d_out)
 
     def set_mapping(self, punica_wrapper):
         super().set_mapping(punica_wrapper)
@@ -104,7 +105,7 @@ class _BDLoRAMixin:
         if st is not None:
             st.rebind(TokenSlots.of(punica_wrapper))
             if st.slots is None:
-                self.bd_fused_name = None
+                self.bd_op_key = None
                 logger.warning("bdlora kernels: %s has no _token_lora_indices; %s keeps vLLM's LoRA path",
                                type(punica_wrapper).__name__, type(self).__name__)
 
@@ -117,14 +118,14 @@ class _BDLoRAMixin:
             st.ranks[index] = 0
 
     def _apply_lora_to_output(self, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-        name = self.bd_fused_name
-        if name is None:
+        key = getattr(self, "bd_op_key", None)
+        if key is None:
             return super()._apply_lora_to_output(x, output)
         original_shape = output.shape if output.ndim == 3 else None
         if x.ndim == 3 and output.ndim == 3:  # transformers backend: (1, T, d)
             output = output.flatten(0, 1)
             x = x.flatten(0, 1)
-        torch.ops.bdlora.lora_linear(output, x, name)
+        torch.ops.bdlora.lora_linear(output, x, key)
         if original_shape is not None:
             output = output.reshape(original_shape)
         return output

@@ -29,8 +29,8 @@ def fold_rows(n_slices: int, max_loras: int, rank: int) -> int:
 
 def build_layer_state(layer, max_loras: int, rank: int, outs: tuple, dtype, dev, build: LayerBuild) -> None:
     """Gives ``layer`` its stacked buffers (``lora_a_stacked`` / ``lora_b_stacked``, views of the fast path's), its
-    :class:`LayerState` (``layer._bd_fused``) and its registry name (``layer.bd_fused_name``, the custom ops'
-    argument; None where the platform cannot update outputs in place, which keeps vLLM's path)."""
+    :class:`LayerState` (``layer._bd_fused``) and its op key (``layer.bd_op_key``, the custom ops' argument, a
+    non-persistent buffer; None where the platform cannot update outputs in place, which keeps vLLM's path)."""
     n_s = layer.n_slices
     offsets = [0]
     for out in outs:
@@ -69,7 +69,7 @@ def build_layer_state(layer, max_loras: int, rank: int, outs: tuple, dtype, dev,
         layer.lora_b_stacked = (b_all.unsqueeze(1),)
     else:  # vLLM's kernels need each slice's B contiguous: the fast path keeps its own (L, sum d_out, R) copy
         layer.lora_b_stacked = tuple(torch.zeros(max_loras, 1, out, rank, dtype=dtype, device=dev) for out in outs)
-    name = build.register(getattr(layer.base_layer, "prefix", ""), layer)
+    key = build.register(layer, dev)
     # the per-tile-shrink rows skip layers whose slots x rank A rows would not pay or fit (gemv_local_max_rows)
     gemv_tiles = (tuning.gemv_tiles_for(d_in, d_out, tuple(offsets), max_loras, rank)
                   if folded is not None and not wide else None)
@@ -84,7 +84,7 @@ def build_layer_state(layer, max_loras: int, rank: int, outs: tuple, dtype, dev,
                          gemm_rows=tuning.gemm_rows(d_in, d_out, max_loras, rank), gemm_sorted=tuning.gemm_sorted,
                          gemv_tiles=gemv_tiles, gemv_one_token_tiles=one_tiles, gemv_workspace=gemv_ws)
     layer._bd_fused = LayerState(
-        name=name, two_launch_max=two_max, backend=build.options.backend, lora_a=a_all.squeeze(2),
+        name=getattr(layer.base_layer, "prefix", "") or type(layer).__name__, two_launch_max=two_max, backend=build.options.backend, lora_a=a_all.squeeze(2),
         lora_b=b_all, b_shared=n_s == 1, offsets=tuple(offsets),
         soff=torch.tensor(offsets, dtype=torch.int32, device=dev),
         ranks=torch.zeros(max_loras, dtype=torch.int32, device=dev),
@@ -92,7 +92,7 @@ def build_layer_state(layer, max_loras: int, rank: int, outs: tuple, dtype, dev,
         workspace=build.decode_workspace(dev, max(two_max, side_max), n_s, max(outs), d_in, rank),
         fold=fold, side=SidePath(side_max, side_defer, build.side_stream(dev) if side_max else None), pdl=tuning.pdl)
     if _can_update_inplace():
-        layer.bd_fused_name = name
+        layer.register_buffer("bd_op_key", key, persistent=False)
     else:  # pragma: no cover - CUDA and CPU update in place
         logger.warning("bdlora kernels: this platform does not update outputs in place; vLLM's LoRA path is kept")
     if getattr(layer, "_enable_aux_cuda_stream", False):  # pragma: no cover - GPU only

@@ -23,6 +23,12 @@ logger = logging.getLogger("bdlora.vllm_plugin")
 NAME_PREFIX = "bdlora:"
 
 
+def op_key_name(key: torch.Tensor) -> str:
+    """The registry name of the layer whose op key is ``key``: the key's address (a key is never reallocated, and
+    each engine has its own registry)."""
+    return f"{NAME_PREFIX}{key.data_ptr():#x}"
+
+
 @dataclass
 class LayerBuild:
     """What one BD-mode LoRA manager (one engine's worker) builds its layers with, handed to the layers through the
@@ -56,16 +62,17 @@ class LayerBuild:
             logger.info("bdlora kernels on %s: %s (%s)", dev, tuning, source)
         return self.tunings[dev]
 
-    def register(self, prefix: str, layer) -> str:
-        """Enters ``layer`` in the engine's registry under a name made from its base layer's prefix (numbered where
-        a prefix repeats or is empty) and returns the name the custom ops take."""
-        base = NAME_PREFIX + (prefix or type(layer).__name__)
-        name, k = base, 1
-        while name in self.registry:
-            k += 1
-            name = f"{base}#{k}"
-        self.registry[name] = layer
-        return name
+    def register(self, layer, dev) -> torch.Tensor:
+        """Makes ``layer``'s op key, enters the layer in the engine's registry under the key's name
+        (:func:`op_key_name`) and returns the key.
+
+        The key is a one-element tensor on ``dev`` that the custom ops take to find their layer. A tensor rather
+        than a name because torch.compile lifts it to a graph input: the layers of one kind then trace to the same
+        graph, which vLLM compiles once for all of them (it compiles isometric piecewise graphs once; a name would
+        be a constant that differs per layer, one compilation per layer)."""
+        key = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.registry[op_key_name(key)] = layer
+        return key
 
     def log_once(self, level: int, key, msg: str, *args) -> None:
         """Logs ``msg`` the first time this build sees ``key`` (a message per layer kind, not per layer)."""
@@ -195,7 +202,7 @@ class SidePath:
 class LayerState:
     """One BD layer's fast-path buffers and paths (all persistent: a CUDA graph captures their addresses)."""
 
-    name: str
+    name: str  # the base layer's prefix, for messages
     two_launch_max: int  # the two-launch kernel serves T <= this, vLLM's punica path above
     backend: str
     lora_a: torch.Tensor  # (S, L, R, d_in), a view of the tensor behind lora_a_stacked
