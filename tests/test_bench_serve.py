@@ -974,3 +974,18 @@ def test_moe_ops_part_packs_the_wheels_moe_library(tmp_path):
         assert t.extractfile("vllm/_moe_C_stable_libtorch.abi3.so").read() == b"\x7fELF moe ops"
     bad = subprocess.run(["bash", script, str(tmp_path / "none")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 3 and "build the bundle first" in bad.stdout
+
+
+def test_server_reads_the_compile_time_vllm_logged(tmp_path):
+    """VLLMServer.compile_s: vLLM's "torch.compile took X s in total" start-up line (the last start in the log), None
+    without one (eager)."""
+    from bench.serve.server import VLLMServer
+
+    log = tmp_path / "server.log"
+    server = VLLMServer(tmp_path, [], log)
+    assert server.compile_s is None  # no log yet
+    log.write_text("(Worker_TP0 pid=1) INFO [monitor.py:53] torch.compile took 66.35 s in total\n"
+                   "(Worker_TP0 pid=2) INFO [monitor.py:53] torch.compile took 28.00 s in total\n")
+    assert server.compile_s == 28.0
+    log.write_text("Enforce eager set, disabling torch.compile\n")
+    assert server.compile_s is None

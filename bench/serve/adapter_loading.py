@@ -96,7 +96,7 @@ def run(cfg: dict, out: Path, repeats: int, methods=None, ranks=None, log=print)
                             startup_timeout_s=float(srv_cfg.get("startup_timeout_s", 900)))
         try:
             with server:
-                row["startup_s"] = server.startup_s
+                row["startup_s"], row["compile_s"] = server.startup_s, server.compile_s
                 for i in range(repeats):
                     row["repeats"].append(time_loading(server.url, f"{sc.method}-r{sc.rank}-{i}", adapter, prompt))
         except Exception as e:  # record and go on with the next server

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -83,6 +84,10 @@ class ServerError(RuntimeError):
     pass
 
 
+#: vLLM's start-up line with the compile time (vllm/compilation/monitor.py)
+_COMPILE_LINE = re.compile(r"torch\.compile took ([0-9.]+) s in total")
+
+
 class VLLMServer:
     """``with VLLMServer(model, args, log) as srv: srv.url``"""
 
@@ -140,6 +145,16 @@ class VLLMServer:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def compile_s(self) -> Optional[float]:
+        """Seconds vLLM's torch.compile took at start-up, as the server logged it ("torch.compile took X s in
+        total"; the last start in this log), or None (eager, or a vLLM that does not log it)."""
+        try:
+            found = _COMPILE_LINE.findall(self.log_path.read_text(errors="replace"))
+        except OSError:
+            return None
+        return float(found[-1]) if found else None
 
     def tail(self, n: int = 40) -> str:
         try:

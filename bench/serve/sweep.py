@@ -187,7 +187,7 @@ CSV_FIELDS = [
     "ttft_mean_s", "ttft_p50_s", "ttft_stddev_s", "tpot_mean_s", "tpot_p50_s", "tpot_stddev_s",
     "itl_mean_s", "e2e_mean_s", "e2e_p50_s", "e2e_stddev_s",
     "req_throughput_mean_tok_s", "req_throughput_stddev_tok_s", "overall_throughput_tok_s", "wall_time_s",
-    "server_startup_s", "device", "vllm_version", "config_name", "timestamp",
+    "server_startup_s", "server_compile_s", "device", "vllm_version", "config_name", "timestamp",
 ]
 
 
@@ -211,6 +211,7 @@ def summary_to_row(s: dict) -> dict:
         "req_throughput_stddev_tok_s": g("results_request_output_throughput_token_per_s_stddev"),
         "overall_throughput_tok_s": g("results_mean_output_throughput_token_per_s"),
         "wall_time_s": g("results_wall_time_s"), "server_startup_s": g("server_startup_s"),
+        "server_compile_s": g("server_compile_s"),
         "device": g("device"), "vllm_version": g("vllm_version"), "config_name": g("config_name"),
         "timestamp": g("timestamp"),
     }
@@ -542,7 +543,7 @@ def run_one_load(cfg, sc: ServerConfig, load: Load, server: VLLMServer, out: Pat
     summ_meta = dict(meta, server_id=sc.id, method=sc.method, method_label=METHOD_LABELS[sc.method], tp=sc.tp,
                      rank=sc.rank, std_rank=sc.std_rank, nblocks=sc.nblocks, max_lora_rank=sc.max_lora_rank,
                      adapter_mode=sc.adapter_mode, trainable_params=sc.trainable_params,
-                     server_startup_s=server.startup_s, server_args=" ".join(server.cmd[3:]), complete=complete,
+                     server_startup_s=server.startup_s, server_compile_s=server.compile_s, server_args=" ".join(server.cmd[3:]), complete=complete,
                      protocol="LLMPerf batches: BS concurrent requests, wait for all, next batch")
     name = f"{sc.id}_{load.id}"
     summary = llmperf_summary(name, "base" if sc.method == "base" else names[0], load.it, load.ot, load.bs,
