@@ -229,3 +229,38 @@ def test_pipeline_vs_fsdp_cpu_smoke(tmp_path):
                            capture_output=True, text=True, timeout=400,
                            env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     assert again.returncode == 0 and json.loads(out.read_text())["runs"][0]["pipeline"] == pipe
+
+
+def test_fsdp_side_runs_each_job_once_over_several_calls(tmp_path, monkeypatch):
+    """run_fsdp over consecutive device calls: a job that failed is run again in the next call, a finished one is
+    not, and the totals add every job once (FSDP2 itself needs GPUs: the launch is replaced by one that writes the
+    metrics a job logs)."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    import bench.train.pipeline_vs_fsdp as pvf
+
+    launched, failing = [], {"j1"}
+
+    def fake_launch(cmd, log, env, timeout_s):
+        cfg = yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())
+        name = Path(cfg["output_dir"]).name.rsplit("-", 1)[1]
+        launched.append(name)
+        if name in failing:
+            return 1, 5.0, [1.0, 1.0]
+        Path(cfg["output_dir"]).mkdir(parents=True)
+        (Path(cfg["output_dir"]) / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "time": 2.0 * s, "tokens_seen": 100 * s}) + "\n" for s in (1, 2, 3)))
+        return 0, 10.0, [3.0, 4.0]
+
+    monkeypatch.setattr(pvf, "launch", fake_launch)
+    a = SimpleNamespace(ranks=[16, 32], nblocks=2, precision="fp32", batch=4, steps=3, gpus=2, run_timeout=60)
+    first = pvf.run_fsdp(a, 2, tmp_path / "m", tmp_path / "d.jsonl", tmp_path, {})
+    assert first["rc"] == 1 and "job j1 exited 1" in first["error"] and launched == ["j0", "j1"]
+    failing.clear()
+    second = pvf.run_fsdp(a, 2, tmp_path / "m", tmp_path / "d.jsonl", tmp_path, {})
+    assert launched == ["j0", "j1", "j1"]  # j0 finished in the first call
+    assert second["rc"] == 0 and [j["job"] for j in second["jobs"]] == ["j0", "j1"]
+    assert second["tokens"] == 600 and second["wall_s"] == 20.0 and second["train_s"] == 8.0
+    assert second["peak_gib_per_gpu"] == [3.0, 4.0]

@@ -177,11 +177,12 @@ def finished(record: Path) -> dict | None:
     return json.loads(record.read_text()) if record.is_file() else None
 
 
-def keep(record: Path, rec: dict) -> dict:
-    tmp = record.with_name(record.name + ".tmp")
-    tmp.write_text(json.dumps(rec))
-    os.replace(tmp, record)
-    return rec
+def write_json(path: Path, obj: dict) -> dict:
+    """Writes ``obj`` as JSON to ``path`` atomically (a temp file renamed into place); returns it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+    return obj
 
 
 def run_pipeline(a, k: int, model: Path, data: Path, work: Path, env: dict) -> dict:
@@ -206,7 +207,7 @@ def run_pipeline(a, k: int, model: Path, data: Path, work: Path, env: dict) -> d
         train_s = sum(x.get("train_s", 0.0) for x in r.get("rounds", []))
         rec.update(tokens=tokens, tokens_per_s_wall=tokens / wall, train_s=train_s,
                    tokens_per_s_train=tokens / train_s if train_s else None)
-        keep(record, rec)
+        write_json(record, rec)
     return rec
 
 
@@ -214,30 +215,28 @@ def run_fsdp(a, k: int, model: Path, data: Path, work: Path, env: dict) -> dict:
     jobs, tokens, wall, train_s, peaks = [], 0, 0.0, 0.0, []
     for job in jobs_for(k, a.ranks):
         record = work / f"fsdp-k{k}-{job['name']}.done.json"
-        if (done := finished(record)) is not None:  # K jobs may take several device calls: each job counts once
-            jobs.append(done["job"])
-            tokens, wall, train_s = tokens + done["tokens"], wall + done["job"]["wall_s"], train_s + done["train_s"]
-            peaks = [max(x, y) for x, y in zip(peaks, done["peaks"])] if peaks else done["peaks"]
-            continue
-        out = fresh(work / f"fsdp-k{k}-{job['name']}")
-        cfg = work / f"fsdp-k{k}-{job['name']}.yaml"
-        keys = {**common_keys(a, model, data), "r": job["r"], "seed": job["seed"], "output_dir": str(out),
-                "batch_size": a.batch // a.gpus}
-        cfg.write_text(yaml.safe_dump(keys))
-        rc, w, p = launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                           str(ROOT / "examples/accelerate/fsdp2_1node.yaml"), "--num_processes", str(a.gpus),
-                           "-m", "bdlora.train", "--config", str(cfg)], work / f"fsdp-k{k}.log", env, a.run_timeout)
-        recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()] if rc == 0 else []
-        recs = [r for r in recs if "tokens_seen" in r and "time" in r]
-        jobs.append({"job": job["name"], "rc": rc, "wall_s": w})
-        if rc != 0 or len(recs) < 2:
-            return {"rc": rc, "jobs": jobs, "error": f"job {job['name']} exited {rc} (see fsdp-k{k}.log)"}
-        job_train_s = recs[-1]["time"] - recs[0]["time"]  # steps after the first (its tokens too: same bias both ways)
-        keep(record, {"job": jobs[-1], "tokens": recs[-1]["tokens_seen"], "train_s": job_train_s, "peaks": p})
-        tokens += recs[-1]["tokens_seen"]
-        train_s += job_train_s
-        wall += w
-        peaks = [max(x, y) for x, y in zip(peaks, p)] if peaks else p
+        done = finished(record)  # K jobs may take several device calls: each job runs once
+        if done is None:
+            out = fresh(work / f"fsdp-k{k}-{job['name']}")
+            cfg = work / f"fsdp-k{k}-{job['name']}.yaml"
+            keys = {**common_keys(a, model, data), "r": job["r"], "seed": job["seed"], "output_dir": str(out),
+                    "batch_size": a.batch // a.gpus}
+            cfg.write_text(yaml.safe_dump(keys))
+            rc, w, p = launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                               str(ROOT / "examples/accelerate/fsdp2_1node.yaml"), "--num_processes", str(a.gpus),
+                               "-m", "bdlora.train", "--config", str(cfg)], work / f"fsdp-k{k}.log", env,
+                              a.run_timeout)
+            recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()] if rc == 0 else []
+            recs = [r for r in recs if "tokens_seen" in r and "time" in r]
+            ran = {"job": job["name"], "rc": rc, "wall_s": w}
+            if rc != 0 or len(recs) < 2:
+                return {"rc": rc, "jobs": jobs + [ran], "error": f"job {job['name']} exited {rc} (see fsdp-k{k}.log)"}
+            # train_s: the steps after the first (its tokens counted too: the same bias on both sides)
+            done = write_json(record, {"job": ran, "tokens": recs[-1]["tokens_seen"],
+                                       "train_s": recs[-1]["time"] - recs[0]["time"], "peaks": p})
+        jobs.append(done["job"])
+        tokens, wall, train_s = tokens + done["tokens"], wall + done["job"]["wall_s"], train_s + done["train_s"]
+        peaks = [max(x, y) for x, y in zip(peaks, done["peaks"])] if peaks else done["peaks"]
     return {"rc": 0, "jobs": jobs, "tokens": tokens, "wall_s": wall, "tokens_per_s_wall": tokens / wall,
             "train_s": train_s, "tokens_per_s_train": tokens / train_s if train_s else None, "peak_gib_per_gpu": peaks}
 
@@ -306,9 +305,7 @@ def main(argv=None) -> int:
                 row["pipeline_over_fsdp_train"] = (row["pipeline"]["tokens_per_s_train"]
                                                    / row["fsdp"]["tokens_per_s_train"])
         result["runs"].append(row)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        os.replace(tmp, out)
+        write_json(out, result)
     failed = [s for r in result["runs"] for s in sides if r[s].get("rc")]
     return 1 if failed else 0
 
