@@ -977,15 +977,15 @@ def test_moe_ops_part_packs_the_wheels_moe_library(tmp_path):
 
 
 def test_server_reads_the_compile_time_vllm_logged(tmp_path):
-    """VLLMServer.compile_s: vLLM's "torch.compile took X s in total" start-up line (the last start in the log), None
-    without one (eager)."""
-    from bench.serve.server import VLLMServer
+    """VLLMServer.compile_s (read from its log once it is up): vLLM's "torch.compile took X s in total" start-up
+    line (the last start in the log), None without one (eager)."""
+    from bench.serve.server import VLLMServer, logged_compile_s
 
     log = tmp_path / "server.log"
-    server = VLLMServer(tmp_path, [], log)
-    assert server.compile_s is None  # no log yet
+    assert VLLMServer(tmp_path, [], log).compile_s is None  # not started
+    assert logged_compile_s(log) is None  # no log yet
     log.write_text("(Worker_TP0 pid=1) INFO [monitor.py:53] torch.compile took 66.35 s in total\n"
                    "(Worker_TP0 pid=2) INFO [monitor.py:53] torch.compile took 28.00 s in total\n")
-    assert server.compile_s == 28.0
+    assert logged_compile_s(log) == 28.0
     log.write_text("Enforce eager set, disabling torch.compile\n")
-    assert server.compile_s is None
+    assert logged_compile_s(log) is None

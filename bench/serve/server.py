@@ -88,6 +88,16 @@ class ServerError(RuntimeError):
 _COMPILE_LINE = re.compile(r"torch\.compile took ([0-9.]+) s in total")
 
 
+def logged_compile_s(log_path: Path) -> Optional[float]:
+    """Seconds vLLM's torch.compile took at start-up, as the server logged it ("torch.compile took X s in total";
+    the last start in the log), or None (eager, or a vLLM that does not log it)."""
+    try:
+        found = _COMPILE_LINE.findall(Path(log_path).read_text(errors="replace"))
+    except OSError:
+        return None
+    return float(found[-1]) if found else None
+
+
 class VLLMServer:
     """``with VLLMServer(model, args, log) as srv: srv.url``"""
 
@@ -103,6 +113,7 @@ class VLLMServer:
         self.startup_timeout_s = startup_timeout_s
         self.proc: Optional[subprocess.Popen] = None
         self.startup_s: Optional[float] = None
+        self.compile_s: Optional[float] = None  # read from the log once the server is up
         self._log = None
 
     @property
@@ -114,7 +125,6 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self._log.write(("$ " + " ".join(self.cmd) + "\n").encode())
-        self._log.flush()
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
@@ -125,6 +135,7 @@ class VLLMServer:
             self.stop()
             raise
         self.startup_s = time.monotonic() - t0
+        self.compile_s = logged_compile_s(self.log_path)
         return self
 
     def _wait_healthy(self, t0: float) -> None:
@@ -145,16 +156,6 @@ class VLLMServer:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def compile_s(self) -> Optional[float]:
-        """Seconds vLLM's torch.compile took at start-up, as the server logged it ("torch.compile took X s in
-        total"; the last start in this log), or None (eager, or a vLLM that does not log it)."""
-        try:
-            found = _COMPILE_LINE.findall(self.log_path.read_text(errors="replace"))
-        except OSError:
-            return None
-        return float(found[-1]) if found else None
 
     def tail(self, n: int = 40) -> str:
         try:
