@@ -118,23 +118,16 @@ def expert_effect(model: Path, dense: Path) -> float:
     return max(float((a - b).abs().max()) for a, b in zip(logprobs(False), logprobs(True)))
 
 
-def build(root: Path, model_args: dict | None = None, trained_steps: int = 0) -> tuple[Path, dict[str, Path]]:
-    """(model folder, {name: adapter folder}): the BD adapter, its dense conversion, and an rsLoRA copy of it.
-    ``model_args``: keyword arguments of ``build_random_qwen3_moe`` (the tiny shape by default); the BD adapter has
-    random factors, or with ``trained_steps`` is trained by ``bdlora train`` (:func:`train_bd`)."""
-    import shutil
-
+def random_bd(model: Path, dest: Path) -> Path:
+    """A BD expert adapter with random factors (N=2, r=8, attention projections and both fused expert tensors) for
+    ``model``, saved at ``dest``."""
     import torch
+    from transformers import AutoModelForCausalLM
 
-    from bdlora.adapter import Adapter, AdapterConfig, add_experts, load_adapter, save_adapter
-    from bdlora.cli import main as cli_main
+    from bdlora.adapter import Adapter, AdapterConfig, add_experts, save_adapter
     from bdlora.layout import LoraFactors, packed_shapes
-    from bdlora.models import build_random_qwen3_moe
     from bdlora.moe import EXPERT_TENSORS, ExpertFactors, factor_shapes
     from bdlora.spec import BDLoraSpec
-
-    model = build_random_qwen3_moe(root / "tiny-qwen3-moe", **(model_args or {}))
-    from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
     spec = BDLoraSpec.from_preset("qwen3_moe", nblocks=2, r=8, lora_alpha=16)
@@ -153,11 +146,25 @@ def build(root: Path, model_args: dict | None = None, trained_steps: int = 0) ->
             sa, sb = factor_shapes(t, getattr(layer.mlp.experts, t).shape, spec.nblocks, spec.r)
             experts[f"base_model.model.model.layers.{i}.mlp.experts.{t}"] = ExpertFactors(
                 t, torch.randn(sa, generator=g) * 0.05, torch.randn(sb, generator=g) * 0.05, spec.nblocks, spec.scale)
+    return save_adapter(add_experts(Adapter(cfg, modules), experts), dest)
+
+
+def build(root: Path, model_args: dict | None = None, trained_steps: int = 0) -> tuple[Path, dict[str, Path]]:
+    """(model folder, {name: adapter folder}): the BD adapter, its dense conversion, and an rsLoRA copy of it.
+    ``model_args``: keyword arguments of ``build_random_qwen3_moe`` (the tiny shape by default); the BD adapter has
+    random factors (:func:`random_bd`), or with ``trained_steps`` is trained by ``bdlora train`` (:func:`train_bd`)."""
+    import shutil
+
+    from bdlora.adapter import load_adapter
+    from bdlora.cli import main as cli_main
+    from bdlora.models import build_random_qwen3_moe
+
+    model = build_random_qwen3_moe(root / "random-qwen3-moe", **(model_args or {}))
     if trained_steps:
         shutil.rmtree(root / "bd", ignore_errors=True)
         bd = Path(shutil.copytree(train_bd(model, root, trained_steps), root / "bd"))
     else:
-        bd = save_adapter(add_experts(Adapter(cfg, modules), experts), root / "bd")
+        bd = random_bd(model, root / "bd")
     dense = root / "dense"
     assert cli_main(["convert", "to-dense", str(bd), str(dense), "--force"]) == 0
     raw = json.loads((dense / "adapter_config.json").read_text())

@@ -152,12 +152,13 @@ def report(results: list[dict]) -> str:
         runs = {r["engine"]: r for r in results if r["tp"] == tp}
         engines = [e for e in ENGINE_LABELS if e in runs]
         head = runs[engines[0]]
+        compared = {"bd", "lora"} <= set(runs)  # a column of BD's decode step against vLLM's LoRA
         lines += [f"TP={tp} (one GPU's shard: {head['shard']['E']} experts {head['shard']['I']} wide, "
                   f"{head['shard']['NH']} query heads), rank r={head['r']}, {head.get('device', '?')}, "
                   f"vLLM {head.get('vllm', '?')}, {head['date']}; decode step median ms / TTFT ms (1024 tokens):", "",
                   "| batch | " + " | ".join(ENGINE_LABELS[e] for e in engines)
-                  + (" | BD / vLLM's LoRA, decode |" if {"bd", "lora"} <= set(runs) else " |"),
-                  "|---" * (len(engines) + 1 + ({"bd", "lora"} <= set(runs))) + "|"]
+                  + (" | BD / vLLM's LoRA, decode |" if compared else " |"),
+                  "|---" * (len(engines) + 1 + compared) + "|"]
         batches = sorted({row["batch"] for e in engines for row in runs[e].get("rows", [])})
         for b in batches:
             cells, step = [], {}
@@ -169,7 +170,7 @@ def report(results: list[dict]) -> str:
                 step[e] = (row.get("step_ms") or {}).get("median") or row["decode_ms"]
                 cells.append(f"{step[e]:.2f} / {row['ttft_ms']:.1f}")
             ratio = ([f"{step['bd'] / step['lora']:.3f}" if {"bd", "lora"} <= set(step) else "n/a"]
-                     if {"bd", "lora"} <= set(runs) else [])
+                     if compared else [])
             lines.append(f"| {b} | " + " | ".join(cells + ratio) + " |")
         per_gpu = head["adapter_bytes_per_gpu"]
         lines += ["", "Adapter bytes per GPU (computed): vLLM's default "
