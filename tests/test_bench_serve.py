@@ -885,7 +885,9 @@ def test_moe_parity_stacks_reach_spawned_processes(tmp_path):
                                            (["--engine-env", "VLLM_X"], "give KEY=VALUE"),
                                            (["--engine-arg", "max_loras=[1"], "--engine-arg max_loras=[1: the value is"
                                                                               " not valid YAML"),
-                                           (["--model-arg", "hidden_size"], "give KEY=VALUE")])
+                                           (["--model-arg", "hidden_size"], "give KEY=VALUE"),
+                                           (["--model-arg", "hiden_size=64"], "--model-arg: unknown ['hiden_size']"),
+                                           (["--trained-steps", "-1"], "--trained-steps must be 0")])
 def test_moe_parity_refuses_bad_diagnostic_options(tmp_path, capsys, argv, message):
     from bench.serve.moe_parity import main
 

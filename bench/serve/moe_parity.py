@@ -299,6 +299,16 @@ def main(argv=None) -> int:
 
     engine_args = yaml_values(a.engine_arg, "--engine-arg")
     model_args = {**SERVING_SHAPE, **yaml_values(a.model_arg, "--model-arg")}
+    import inspect
+
+    from bdlora.models import build_random_qwen3_moe
+
+    shape_keys = [k for k in inspect.signature(build_random_qwen3_moe).parameters if k != "path"]
+    unknown_shape = sorted(set(model_args) - set(shape_keys))
+    if unknown_shape:
+        ap.error(f"--model-arg: unknown {unknown_shape}; known: {shape_keys}")
+    if a.trained_steps < 0:
+        ap.error(f"--trained-steps must be 0 (random factors) or more, got {a.trained_steps}")
     engines = (a.engines.split(",") if a.engines else
                ["dense"] + (["bd"] if a.bd else []) + (["fully_sharded"] if a.tp > 1 else []))
     unknown = sorted(set(engines) - set(ENGINES))
