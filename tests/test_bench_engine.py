@@ -57,7 +57,7 @@ def test_fit_token_budget_halves_until_the_memory_model_admits(tmp_path, monkeyp
     t, info = B.fit_token_budget(folder, 4096, ranks, 4, torch.device("cpu"))
     assert t == 4096 and info["predicted_gib"] < info["device_budget_gib"]
     assert 7.0e9 < info["base_params"] < 7.5e9  # Llama-3.1-8B layers with a 32k vocabulary
-    monkeypatch.setattr(M, "device_budget_bytes", lambda d, b: 0.9 * 80 * 2**30)  # an H100
+    monkeypatch.setattr(M, "device_budget_bytes", lambda d, b: 0.9 * 48 * 2**30)  # an L40S
     t, info = B.fit_token_budget(folder, 4096, ranks, 4, torch.device("cpu"))
     assert t == 2048 and info["predicted_gib"] < info["device_budget_gib"]
 
@@ -249,7 +249,7 @@ def test_fsdp_side_runs_each_job_once_over_several_calls(tmp_path, monkeypatch):
         launched.append(name)
         if name in failing:
             return 1, 5.0, [1.0, 1.0]
-        Path(cfg["output_dir"]).mkdir(parents=True)
+        (Path(cfg["output_dir"]) / "adapter").mkdir(parents=True)
         (Path(cfg["output_dir"]) / "metrics.jsonl").write_text(
             "".join(json.dumps({"step": s, "time": 2.0 * s, "tokens_seen": 100 * s}) + "\n" for s in (1, 2, 3)))
         return 0, 10.0, [3.0, 4.0]
@@ -264,3 +264,29 @@ def test_fsdp_side_runs_each_job_once_over_several_calls(tmp_path, monkeypatch):
     assert second["rc"] == 0 and [j["job"] for j in second["jobs"]] == ["j0", "j1"]
     assert second["tokens"] == 600 and second["wall_s"] == 20.0 and second["train_s"] == 8.0
     assert second["peak_gib_per_gpu"] == [3.0, 4.0]
+    # a measured job's adapter is deleted (K 70B adapters beside the base filled a 128 GiB disk), its metrics kept
+    assert [p.name for p in (tmp_path / "fsdp-k2-j0").iterdir()] == ["metrics.jsonl"]
+
+
+def test_pipeline_side_that_trained_nothing_is_a_failure(tmp_path, monkeypatch):
+    """A pipeline run whose jobs were all refused (the memory model's admission) exits 0 with no tokens: recorded as
+    a failure naming the reason and the way out, never as a finished launch of 0 tok/s."""
+    from types import SimpleNamespace
+
+    import yaml
+
+    import bench.train.pipeline_vs_fsdp as pvf
+
+    def fake_launch(cmd, log, env, timeout_s):
+        cfg = yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())
+        Path(cfg["output_dir"]).mkdir(parents=True)
+        (Path(cfg["output_dir"]) / "results.json").write_text(json.dumps({"jobs": [
+            {"name": j["name"], "tokens": 0, "stop_reason": "refused: needs ~370 GiB alone"} for j in cfg["jobs"]]}))
+        return 0, 30.0, [60.0, 60.0]
+
+    monkeypatch.setattr(pvf, "launch", fake_launch)
+    a = SimpleNamespace(ranks=[16, 32], nblocks=2, precision="fp32", batch=4, steps=3, gpus=2, run_timeout=60,
+                        budget=4096, memory_budget_gb=None, cpu_smoke=False)
+    rec = pvf.run_pipeline(a, 2, tmp_path / "m", tmp_path / "d.jsonl", tmp_path, {})
+    assert rec["rc"] == 1 and "refused: needs ~370 GiB alone" in rec["error"] and "--memory-budget-gb" in rec["error"]
+    assert not (tmp_path / "pipeline-k2.done.json").exists()

@@ -172,3 +172,28 @@ def test_data_parallel_one_all_reduce_per_job_and_step(tiny_llama_dir, tmp_path)
         for p in x.modules:
             torch.testing.assert_close(x.modules[p].lora_A, y.modules[p].lora_A, rtol=1e-4, atol=2e-5)
             torch.testing.assert_close(x.modules[p].lora_B, y.modules[p].lora_B, rtol=1e-4, atol=2e-5)
+
+
+def test_memory_model_of_a_stage_counts_its_own_layers_dtype_and_logits(tmp_path):
+    """Admission on a pipeline stage predicts that stage's memory, not the whole model's: its parameters, the
+    activations of its own decoder layers in the base dtype, the logits only on the last stage. The stages'
+    activation terms add up to the whole model's (a 70B base over 2 GPUs was refused with every layer counted)."""
+    from transformers import AutoModelForCausalLM
+
+    from bdlora.train.engine import MemoryModel
+    from bdlora.train.engine.model import load_stage_model
+
+    path = _save_llama(tmp_path / "m", 4, False, None)
+    for dtype in (torch.float32, torch.bfloat16):
+        full = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        whole = MemoryModel.for_model(full)
+        stages = [MemoryModel.for_model(load_stage_model(path, dtype, "cpu", None, s, 2)) for s in range(2)]
+        size = torch.tensor([], dtype=dtype).element_size()
+        cfg = full.config
+        per_layer = (16 * cfg.hidden_size + 4 * cfg.intermediate_size) * size
+        logits = 3 * cfg.vocab_size * 4
+        assert whole.beta[1] == 4 * per_layer + logits
+        assert [m.beta[1] for m in stages] == [2 * per_layer, 2 * per_layer + logits]
+        n = [sum(p.numel() for p in load_stage_model(path, dtype, "cpu", None, s, 2).parameters()) for s in range(2)]
+        assert [m.beta[0] for m in stages] == [k * size + 256 * 1024 ** 2 for k in n]
+        assert sum(n) == sum(p.numel() for p in full.parameters())

@@ -415,7 +415,7 @@ def fit_token_budget(folder: Path, budget: int, ranks: list[int], nblocks: int, 
         params = sum(r * di + do * (r // nblocks) if lay == COLUMN else r * (di // nblocks) + do * r
                      for lay, di, do in targets)
         jobs.append(JobFootprint(f"r{r}", params, r * len(targets)))
-    mm = MemoryModel.analytic(config, n_base, dtype_bytes)
+    mm = MemoryModel.analytic(config, n_base, dtype_bytes, act_bytes=dtype_bytes)  # the engine's: base-dtype activations
     limit = device_budget_bytes(device, None)
     t = budget
     while limit is not None and t > floor and mm.predict(t, jobs) > limit:

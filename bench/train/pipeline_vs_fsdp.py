@@ -42,12 +42,13 @@ from bench_trainer import SHAPES  # noqa: E402  (bench/train is on sys.path abov
 
 def write_random_checkpoint(path: Path, shape: dict, dtype: str = "bfloat16", device: str = "cpu",
                             shard_bytes: int = 5 * 2**30, init_std: float = 0.02, overflow_dir: Path | None = None,
-                            keep_free_bytes: int = 8 * 2**30) -> Path:
+                            keep_free_bytes: int = 24 * 2**30) -> Path:
     """A random-weight Llama checkpoint (sharded safetensors + index, config, tokenizer), built without ever holding
     the whole model: names and shapes come from a meta-device model, each shard's tensors are drawn on ``device``.
     Norm weights are ones, every other tensor N(0, init_std). Written once (atomically); returns ``path``.
     ``overflow_dir``: a shard that would leave less than ``keep_free_bytes`` free on ``path``'s disk is written there
-    instead, linked from ``path`` (a 70B shape, 128 GiB, on a 2-GPU machine's 128 GiB disk: the rest in /dev/shm)."""
+    instead, linked from ``path`` (a 70B shape, 128 GiB, on a 2-GPU machine's 128 GiB disk: the rest in /dev/shm);
+    the space kept free holds one job's outputs (a 70B adapter of rank 128 with its optimizer states: ~11 GB)."""
     import shutil
 
     import torch
@@ -172,6 +173,16 @@ def fresh(path: Path) -> Path:
     return path
 
 
+def drop_outputs(out: Path) -> None:
+    """A measured launch's adapters and checkpoints, deleted once its record is written: K jobs' outputs on a 70B
+    shape (GBs each) beside the checkpoint would fill a small disk (this script's own scratch; results.json kept)."""
+    import shutil
+
+    for p in out.iterdir() if out.is_dir() else ():
+        if p.name not in ("results.json", "metrics.jsonl"):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
 def finished(record: Path) -> dict | None:
     """A run this script finished in an earlier call on the same machine (kept under --workdir), else None."""
     return json.loads(record.read_text()) if record.is_file() else None
@@ -193,6 +204,8 @@ def run_pipeline(a, k: int, model: Path, data: Path, work: Path, env: dict) -> d
     run = {**common_keys(a, model, data), "output_dir": str(out), "pipeline_stages": a.gpus, "token_budget": a.budget,
            "save_every": 0, "save_plots": False, "eval_every": 10**9,
            "early_exit": {"enabled": False}, "jobs": jobs_for(k, a.ranks)}
+    if a.memory_budget_gb is not None:
+        run["memory_budget_gb"] = a.memory_budget_gb
     if a.cpu_smoke:
         run["device"] = "cpu"
     cfg = work / f"pipeline-k{k}.yaml"
@@ -204,10 +217,15 @@ def run_pipeline(a, k: int, model: Path, data: Path, work: Path, env: dict) -> d
     if rc == 0 and res.is_file():
         r = json.loads(res.read_text())
         tokens = sum(j.get("tokens", 0) for j in r["jobs"])
+        if not tokens:  # every job refused (the memory model's admission) or stopped before a step: no result
+            reasons = sorted({str(j.get("stop_reason")) for j in r["jobs"]})
+            return {**rec, "rc": 1, "error": f"the pipeline trained no tokens: {'; '.join(reasons)} (see "
+                    f"pipeline-k{k}.log; --budget lowers the token budget, --memory-budget-gb the admission limit)"}
         train_s = sum(x.get("train_s", 0.0) for x in r.get("rounds", []))
         rec.update(tokens=tokens, tokens_per_s_wall=tokens / wall, train_s=train_s,
                    tokens_per_s_train=tokens / train_s if train_s else None)
         write_json(record, rec)
+        drop_outputs(out)
     return rec
 
 
@@ -234,6 +252,7 @@ def run_fsdp(a, k: int, model: Path, data: Path, work: Path, env: dict) -> dict:
             # train_s: the steps after the first (its tokens counted too: the same bias on both sides)
             done = write_json(record, {"job": ran, "tokens": recs[-1]["tokens_seen"],
                                        "train_s": recs[-1]["time"] - recs[0]["time"], "peaks": p})
+            drop_outputs(out)
         jobs.append(done["job"])
         tokens, wall, train_s = tokens + done["tokens"], wall + done["job"]["wall_s"], train_s + done["train_s"]
         peaks = [max(x, y) for x, y in zip(peaks, done["peaks"])] if peaks else done["peaks"]
@@ -256,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--overflow-dir", default=None,
                     help="checkpoint shards that would fill the workdir's disk go here (e.g. /dev/shm/pvf on a 2-GPU "
                          "machine, whose disk cannot hold a 70B shape)")
+    ap.add_argument("--memory-budget-gb", type=float, default=None,
+                    help="the pipeline's admission limit (the engine's memory_budget_gb; default 90%% of a GPU)")
     ap.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for one launch before it is stopped")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape, 2 CPU processes (gloo), pipeline only")
     ap.add_argument("--fresh", action="store_true", help="run every launch again (not the checkpoint)")
@@ -290,7 +311,8 @@ def main(argv=None) -> int:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = {"shape": {"name": a.shape, **SHAPES[a.shape]}, "gpus": a.gpus, "settings": {
-        k: getattr(a, k) for k in ("ks", "ranks", "nblocks", "batch", "steps", "budget", "precision", "cpu_smoke")},
+        k: getattr(a, k) for k in ("ks", "ranks", "nblocks", "batch", "steps", "budget", "memory_budget_gb",
+                                  "precision", "cpu_smoke")},
         "checkpoint_s": time.monotonic() - t0, "date": time.strftime("%Y-%m-%d"), "runs": []}
     out = Path(a.out)
     for k in (int(x) for x in a.ks.split(",")):

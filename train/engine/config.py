@@ -151,8 +151,9 @@ class EngineKeys:
         products) or engine (multilora.py's reference)."""))
     pipeline_stages: int = field(default=1, **_help("""LoRAPP: the base split into this many pipeline stages, one
         process each (spawned locally, or one per launched process under accelerate/torchrun); 1: no pipeline. For a
-        base one GPU cannot hold: where it fits, data parallel over the same GPUs (launch N processes,
-        pipeline_stages 1) trained 4 and 8 jobs faster (BENCHMARKS.md)."""))
+        base one GPU cannot hold (4 jobs on a 70B base over 2 GPUs: 6.6x the tokens/s of the jobs one after another
+        under FSDP2); where it fits, data parallel over the same GPUs (launch N processes, pipeline_stages 1)
+        trained 4 and 8 jobs faster (BENCHMARKS.md)."""))
     max_rounds: Optional[int] = field(default=None, **_help("""Stop (resumably) after this many rounds in this
         invocation: tests, time-boxed runs. Unset: run to the end."""))
     save_plots: bool = field(default=True, **_help("Write plots/<job>.png loss curves (needs matplotlib)."))

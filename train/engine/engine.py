@@ -114,8 +114,7 @@ class Engine:
             job.total_steps = job.cfg.total_steps(len(job.data.train))
             if run.early_exit.enabled:
                 job.warm_steps = warmup_steps(job.total_steps, run.early_exit.warmup_ratio)
-        n_base = sum(p.numel() for p in model.parameters())
-        self.memory = MemoryModel.analytic(model.config, n_base, next(model.parameters()).element_size())
+        self.memory = MemoryModel.for_model(model)
         self.mem_budget = device_budget_bytes(self.device, run.memory_budget_gb)
         self.round = 0
         self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
