@@ -183,6 +183,20 @@ def test_set_overrides_and_print_config(tiny_llama_dir, data_file, tmp_path, cap
     assert rc == 2 and "--config run.yaml is required" in err
 
 
+def test_a_sweep_whose_every_job_is_refused_exits_2_naming_why(tiny_llama_dir, data_file, tmp_path, capsys):
+    """The memory model admits no job (a budget below the base itself): exit 2 with the refusal and its remedies,
+    no adapter written; the same run with room trains and exits 0."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**_good(tiny_llama_dir, data_file, tmp_path / "o"), "memory_budget_gb": 1e-6,
+                                    "jobs": [{"name": "a"}, {"name": "b", "r": 16}]}))
+    rc, out, err = _sweep(["--config", str(path)], capsys)
+    assert rc == 2 and "every job was refused, nothing trained: refused: needs ~" in err
+    assert "raise memory_budget_gb" in err and "(2 job(s);" in err and "Traceback" not in err
+    assert not (tmp_path / "o" / "adapters").exists() or not any((tmp_path / "o" / "adapters").iterdir())
+    rc, out, err = _sweep(["--config", str(path), "--set", "memory_budget_gb=100", "--no-resume"], capsys)
+    assert rc == 0 and (tmp_path / "o" / "adapters" / "b" / "adapter_config.json").is_file()
+
+
 def test_other_tools_names_are_refused_as_in_train(tmp_path, data_file):
     """One rule for train and sweep: a name another tool (or an older engine) gives a bdlora key is refused with
     bdlora's key, at the top level, in jobs: and in search spaces; the job defaults are TrainConfig's."""

@@ -24,14 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """``bdlora sweep``: 0 on success; 2 with ``bdlora sweep: error: <message>`` on a bad run file, data file or
-    model (no traceback)."""
+    model (no traceback), or when the memory model refused every job."""
     args = build_parser().parse_args(argv)
     from bdlora.models import ModelNotFound
     from bdlora.spec import BDLoraError
     from bdlora.train.config import parse_override
 
     from .config import describe_run_keys, load_run
-    from .launch import init_from_env, run_engine
+    from .launch import every_job_refused, init_from_env, run_engine
 
     if args.print_config:
         print(describe_run_keys(), end="")
@@ -53,6 +53,11 @@ def main(argv=None) -> int:
             run.resume = False
         dist = init_from_env()
         run_engine(run)
+        if dist is None or dist.get_rank() == 0:
+            refused = every_job_refused(run.output_dir)
+            if refused:
+                print(f"bdlora sweep: error: {refused}", file=sys.stderr)
+                return 2
     except (BDLoraError, ModelNotFound) as e:  # ConfigError, DataError, EngineError; a model that is not there
         print(f"bdlora sweep: error: {e}", file=sys.stderr)
         return 2

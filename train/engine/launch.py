@@ -94,4 +94,18 @@ def run_pipeline_spawn(run: RunConfig, backend: Optional[str] = None) -> dict:
         return json.load(f)
 
 
-__all__ = ["init_from_env", "run_engine", "run_pipeline_spawn", "spawn"]
+def every_job_refused(output_dir) -> Optional[str]:
+    """The reason when the memory model refused every job of a finished run (nothing trained, no adapter written),
+    else None: the run's results.json (rank 0's, either mode)."""
+    path = Path(output_dir) / "results.json"
+    if not path.is_file():
+        return None
+    rows = json.loads(path.read_text()).get("jobs", [])
+    reasons = [str(r.get("stop_reason") or "") for r in rows]
+    if rows and all(x.startswith("refused") for x in reasons):
+        return (f"every job was refused, nothing trained: {reasons[0]} ({len(rows)} job(s); "
+                f"{path.parent}/results.csv lists them)")
+    return None
+
+
+__all__ = ["every_job_refused", "init_from_env", "run_engine", "run_pipeline_spawn", "spawn"]
