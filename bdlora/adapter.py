@@ -553,6 +553,34 @@ def atomic_output_dir(dest: str | os.PathLike, overwrite: bool = True):
     return _AtomicDir(dest, overwrite)
 
 
+# errno values of a write the user can fix: disk full, quota, read-only file system, permission
+_WRITE_ERRNOS = {28: "no space left on device", 122: "disk quota exceeded", 30: "read-only file system",
+                 13: "permission denied"}
+
+
+def disk_write_error(exc: BaseException, folder: str | os.PathLike) -> Optional[str]:
+    """A message for a write under ``folder`` that failed for a reason the user fixes (disk full, quota, read-only,
+    permission), naming the reason and the free space there; None for any other error. ``exc``: an ``OSError``, or
+    an error whose text carries the OS's: safetensors' "(os error N)", a spawned process's traceback "[Errno N]",
+    torch.save's "file write failed" (which names no reason)."""
+    code = exc.errno if isinstance(exc, OSError) else None
+    text = str(exc)
+    if code is None:
+        found = re.search(r"\(os error (\d+)\)|\[Errno (\d+)\]", text)
+        code = int(found.group(1) or found.group(2)) if found else None
+    if code in _WRITE_ERRNOS:
+        reason = _WRITE_ERRNOS[code]
+    elif code is None and "file write failed" in text:
+        reason = "a file write failed"
+    else:
+        return None
+    where = Path(os.path.abspath(folder))
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free / 2**30
+    return f"could not write under {folder}: {reason} ({free:.1f} GiB free there)"
+
+
 def check_output_path(output: str | os.PathLike, inputs=(), force: bool = False) -> None:
     """Refuses an output path a conversion must not replace; raises :class:`OutputPathError` saying why.
 
@@ -700,6 +728,6 @@ __all__ = [
     "Adapter", "AdapterConfig", "AdapterFileError", "CONFIG_DEFAULTS", "CONFIG_NAME", "OutputPathError",
     "UnsupportedAdapterError", "WEIGHTS_NAME", "adapter_tensors", "add_experts", "atomic_output_dir",
     "check_factor_shapes", "check_layer_widths", "check_output_path", "check_supported_features",
-    "check_tensor_names", "clean_stale_work_dirs", "config_dict", "expert_adapter", "layer_dims", "load_adapter",
-    "module_paths", "read_config", "save_adapter", "shape_of", "write_adapter_files",
+    "check_tensor_names", "clean_stale_work_dirs", "config_dict", "disk_write_error", "expert_adapter", "layer_dims",
+    "load_adapter", "module_paths", "read_config", "save_adapter", "shape_of", "write_adapter_files",
 ]

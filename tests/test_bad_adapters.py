@@ -381,3 +381,26 @@ def test_expert_lora_is_read_and_refused_where_not_served(tmp_path, capsys):
                                           r"\(start without --enable-bdlora; .*is_3d_lora_weight: true\)"):
         validate_adapter(str(src), engine(bd=True), name="experts")
     assert validate_adapter(str(src), engine(bd=False), name="experts").raw["target_parameters"]
+
+
+@pytest.mark.parametrize("exc,reason", [
+    (OSError(28, "No space left on device"), "no space left on device"),
+    (PermissionError(13, "Permission denied"), "permission denied"),
+    (OSError(30, "Read-only file system"), "read-only file system"),
+    (RuntimeError("Error while serializing: I/O error: Disk quota exceeded (os error 122)"), "disk quota exceeded"),
+    (RuntimeError("ProcessRaisedException: ... OSError: [Errno 28] No space left on device"), "no space left"),
+    (RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"), "a file write failed"),
+    (FileNotFoundError(2, "No such file or directory"), None),
+    (ValueError("not a write"), None),
+])
+def test_disk_write_error_names_what_the_user_fixes(tmp_path, exc, reason):
+    """A write that failed for space or permission is a message with the free space of the (nearest existing)
+    folder; any other error is not one (the caller re-raises it)."""
+    from bdlora.adapter import disk_write_error
+
+    message = disk_write_error(exc, tmp_path / "not" / "yet")
+    if reason is None:
+        assert message is None
+    else:
+        assert message.startswith(f"could not write under {tmp_path / 'not' / 'yet'}: {reason}")
+        assert message.endswith("GiB free there)")

@@ -197,6 +197,25 @@ def test_a_sweep_whose_every_job_is_refused_exits_2_naming_why(tiny_llama_dir, d
     assert rc == 0 and (tmp_path / "o" / "adapters" / "b" / "adapter_config.json").is_file()
 
 
+def test_a_full_disk_in_a_sweep_is_a_message(tiny_llama_dir, data_file, tmp_path, capsys, monkeypatch):
+    """A job's adapter write fails for lack of space (safetensors' error on a full disk): exit 2 naming the reason, the
+    free space and the way on; no traceback, no adapter folder half-written."""
+    import safetensors
+    import safetensors.torch
+
+    def full_disk(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    path = tmp_path / "run.yaml"
+    out = tmp_path / "o"
+    path.write_text(yaml.safe_dump({**_good(tiny_llama_dir, data_file, out), "jobs": [{"name": "a"}]}))
+    rc, _, err = _sweep(["--config", str(path)], capsys)
+    assert rc == 2 and f"bdlora sweep: error: could not write under {out}: no space left on device (" in err
+    assert "make room, then run the same command again" in err and "Traceback" not in err
+    assert not (out / "adapters" / "a").exists()
+
+
 def test_other_tools_names_are_refused_as_in_train(tmp_path, data_file):
     """One rule for train and sweep: a name another tool (or an older engine) gives a bdlora key is refused with
     bdlora's key, at the top level, in jobs: and in search spaces; the job defaults are TrainConfig's."""

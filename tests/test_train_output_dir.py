@@ -88,3 +88,43 @@ def test_one_process_trains_on_one_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(ConfigError, match="CUDA is already started; bdlora trains one process on one GPU"):
         use_one_gpu_unless_launched()
+
+
+def _full_disk_after_checkpoints(tensors, filename, *args, **kwargs):
+    """safetensors' save_file on a disk that filled up after the checkpoints: the adapter's write fails."""
+    import safetensors
+    from safetensors.torch import save_file
+
+    if "checkpoint-" in str(filename):
+        return save_file(tensors, filename, *args, **kwargs)
+    raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def test_a_full_disk_is_a_message_and_the_run_resumes(tiny_llama_dir, data_file, tmp_path, monkeypatch, capsys):
+    """The adapter's write fails for lack of space (safetensors' error, as on a full disk): exit 2 with the reason,
+    the free space and what to do; no adapter folder, no temp folder left. With a checkpoint the message says resume,
+    and the same command with resume=auto then writes the adapter; without one it says so."""
+    import peft.peft_model
+
+    from bdlora.train.trainer import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(dict(model=str(tiny_llama_dir), train_file=data_file, nblocks=2, r=4, max_steps=2,
+                                       batch_size=4, eval_fraction=0.0, save_every=1, progress=False, report_to=[])))
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(peft.peft_model, "safe_save_file", _full_disk_after_checkpoints)
+        assert main(["--config", str(job), "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"bdlora train: error: could not write under {out}: no space left on device (" in err
+    assert "GiB free there); make room, then run the same command with --set resume=auto: it continues from " \
+           "checkpoint-2" in err and "Traceback" not in err
+    # the checkpoints and the run's records; no adapter folder, no temp folder of the failed write
+    assert {p.name for p in out.iterdir()} == {"checkpoint-1", "checkpoint-2", "metrics.jsonl", "train_config.yaml"}
+    assert main(["--config", str(job), "--output-dir", str(out), "--set", "resume=auto"]) == 0
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    no_ckpt = tmp_path / "no-ckpt"
+    with monkeypatch.context() as m:
+        m.setattr(peft.peft_model, "safe_save_file", _full_disk_after_checkpoints)
+        assert main(["--config", str(job), "--output-dir", str(no_ckpt), "--set", "save_every=0"]) == 2
+    assert "no checkpoint was written (save_every: 0)" in capsys.readouterr().err

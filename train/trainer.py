@@ -1044,7 +1044,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     except BDLoraError as e:  # ConfigError / DataError / TrainingError
         print(f"bdlora train: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a full disk or a read-only folder: the reason and what to do, not a traceback
+        message = _write_failure(e, cfg.output_dir) if "cfg" in locals() else None
+        if message is None:
+            raise
+        print(f"bdlora train: error: {message}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _write_failure(exc: BaseException, output_dir) -> Optional[str]:
+    """What to tell the user when a write under ``output_dir`` failed for lack of space or permission (the adapter
+    is written atomically: no half-written folder is left); None for other errors."""
+    from bdlora.adapter import disk_write_error
+
+    reason = disk_write_error(exc, output_dir)
+    if reason is None:
+        return None
+    ckpts = list_checkpoints(Path(output_dir)) if Path(output_dir).is_dir() else []
+    then = (f"make room, then run the same command with --set resume=auto: it continues from {ckpts[-1].name}"
+            if ckpts else "make room (or choose another output_dir) and train again: no checkpoint was written "
+            "(save_every: 0)")
+    return f"{reason}; {then}"
 
 
 __all__ = ["TrainResult", "TrainingError", "adapt_experts", "bd_experts", "build_peft_model", "claim_output_dir",

@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """``bdlora sweep``: 0 on success; 2 with ``bdlora sweep: error: <message>`` on a bad run file, data file or
-    model (no traceback), or when the memory model refused every job."""
+    model (no traceback), when the memory model refused every job, or when a write failed for lack of space or
+    permission."""
     args = build_parser().parse_args(argv)
     from bdlora.models import ModelNotFound
     from bdlora.spec import BDLoraError
@@ -60,6 +61,15 @@ def main(argv=None) -> int:
                 return 2
     except (BDLoraError, ModelNotFound) as e:  # ConfigError, DataError, EngineError; a model that is not there
         print(f"bdlora sweep: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a full disk or a read-only folder: the reason and what to do, not a traceback
+        from bdlora.adapter import disk_write_error
+
+        reason = disk_write_error(e, run.output_dir) if "run" in locals() else None
+        if reason is None:
+            raise
+        print(f"bdlora sweep: error: {reason}; make room, then run the same command again (resume: auto continues "
+              "from the run's last checkpoint, engine_state.pt, when save_every wrote one)", file=sys.stderr)
         return 2
     finally:
         if dist is not None and dist.is_initialized():
