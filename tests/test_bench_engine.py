@@ -245,7 +245,7 @@ def test_fsdp_side_runs_each_job_once_over_several_calls(tmp_path, monkeypatch):
 
     def fake_launch(cmd, log, env, timeout_s):
         cfg = yaml.safe_load(Path(cmd[cmd.index("--config") + 1]).read_text())
-        name = Path(cfg["output_dir"]).name.rsplit("-", 1)[1]
+        name = Path(cfg["output_dir"]).name.split("-")[1]  # fsdp-<job>-r<r>-s<seed>
         launched.append(name)
         if name in failing:
             return 1, 5.0, [1.0, 1.0]
@@ -265,7 +265,10 @@ def test_fsdp_side_runs_each_job_once_over_several_calls(tmp_path, monkeypatch):
     assert second["tokens"] == 600 and second["wall_s"] == 20.0 and second["train_s"] == 8.0
     assert second["peak_gib_per_gpu"] == [3.0, 4.0]
     # a measured job's adapter is deleted (K 70B adapters beside the base filled a 128 GiB disk), its metrics kept
-    assert [p.name for p in (tmp_path / "fsdp-k2-j0").iterdir()] == ["metrics.jsonl"]
+    assert [p.name for p in (tmp_path / "fsdp-j0-r16-s0").iterdir()] == ["metrics.jsonl"]
+    # K = 3 runs only the job K = 2 did not have (the same jobs by index at every K)
+    third = pvf.run_fsdp(a, 3, tmp_path / "m", tmp_path / "d.jsonl", tmp_path, {})
+    assert launched == ["j0", "j1", "j1", "j2"] and third["rc"] == 0 and third["tokens"] == 900
 
 
 def test_pipeline_side_that_trained_nothing_is_a_failure(tmp_path, monkeypatch):

@@ -17,8 +17,9 @@
 Per K: each side's real tokens over its wall time from launch to exit (loading included: the pipeline loads the base
 once for K jobs, FSDP2 once per job) and over its training time alone (the pipeline's rounds; FSDP2's logged steps
 after the first), and each GPU's peak memory as ``nvidia-smi`` saw it. ``--out`` (JSON) is rewritten after every
-run. Each finished launch is kept under ``--workdir`` and not run again, so the same command in consecutive device
-calls on a warm machine (each stopped at the call's limit) completes the comparison; ``--fresh`` starts over.
+run. Each finished launch is kept under ``--workdir`` and not run again (an FSDP2 job is the same launch at every K:
+K = 8 adds four jobs to K = 4's), so the same command in consecutive device calls on a warm machine (each stopped at
+the call's limit) completes the comparison; ``--fresh`` starts over.
 """
 from __future__ import annotations
 
@@ -232,23 +233,26 @@ def run_pipeline(a, k: int, model: Path, data: Path, work: Path, env: dict) -> d
 def run_fsdp(a, k: int, model: Path, data: Path, work: Path, env: dict) -> dict:
     jobs, tokens, wall, train_s, peaks = [], 0, 0.0, 0.0, []
     for job in jobs_for(k, a.ranks):
-        record = work / f"fsdp-k{k}-{job['name']}.done.json"
-        done = finished(record)  # K jobs may take several device calls: each job runs once
+        # a job is the same launch at every K (jobs_for: name, rank and seed by index), so it runs once for all Ks
+        # and over several device calls: K = 8 adds j4-j7 to K = 4's four
+        tag = f"fsdp-{job['name']}-r{job['r']}-s{job['seed']}"
+        record = work / f"{tag}.done.json"
+        done = finished(record)
         if done is None:
-            out = fresh(work / f"fsdp-k{k}-{job['name']}")
-            cfg = work / f"fsdp-k{k}-{job['name']}.yaml"
+            out = fresh(work / tag)
+            cfg = work / f"{tag}.yaml"
             keys = {**common_keys(a, model, data), "r": job["r"], "seed": job["seed"], "output_dir": str(out),
                     "batch_size": a.batch // a.gpus}
             cfg.write_text(yaml.safe_dump(keys))
             rc, w, p = launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                                str(ROOT / "examples/accelerate/fsdp2_1node.yaml"), "--num_processes", str(a.gpus),
-                               "-m", "bdlora.train", "--config", str(cfg)], work / f"fsdp-k{k}.log", env,
+                               "-m", "bdlora.train", "--config", str(cfg)], work / "fsdp.log", env,
                               a.run_timeout)
             recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()] if rc == 0 else []
             recs = [r for r in recs if "tokens_seen" in r and "time" in r]
             ran = {"job": job["name"], "rc": rc, "wall_s": w}
             if rc != 0 or len(recs) < 2:
-                return {"rc": rc, "jobs": jobs + [ran], "error": f"job {job['name']} exited {rc} (see fsdp-k{k}.log)"}
+                return {"rc": rc, "jobs": jobs + [ran], "error": f"job {job['name']} exited {rc} (see fsdp.log)"}
             # train_s: the steps after the first (its tokens counted too: the same bias on both sides)
             done = write_json(record, {"job": ran, "tokens": recs[-1]["tokens_seen"],
                                        "train_s": recs[-1]["time"] - recs[0]["time"], "peaks": p})
