@@ -48,6 +48,20 @@ def test_fixed_length_data_is_exactly_seq_tokens_as_the_engine_encodes_it(tmp_pa
     assert len(lengths) == 12 and set(lengths.values()) == {48}
 
 
+def test_paired_summary_takes_each_repeats_own_ratio():
+    """--repeats: per K the median / min / max over repeats of each repeat's ratio (paired), not a ratio of medians;
+    a ratio a repeat could not form (a baseline cut by the time limit) is left out and counted."""
+    entries = [{"k": 4, "repeat": 0, "engine_tokens_per_s": 100.0, "speedup_vs_engine_one_job": 0.9},
+               {"k": 4, "repeat": 1, "engine_tokens_per_s": 130.0, "speedup_vs_engine_one_job": 1.1},
+               {"k": 4, "repeat": 2, "engine_tokens_per_s": 120.0, "speedup_vs_engine_one_job": None},
+               {"k": 1, "repeat": 0, "engine_tokens_per_s": 50.0}]
+    paired = B.paired_summary(entries)
+    assert paired["4"]["repeats"] == 3
+    assert paired["4"]["engine_tokens_per_s"] == {"median": 120.0, "min": 100.0, "max": 130.0, "n": 3}
+    assert paired["4"]["speedup_vs_engine_one_job"] == {"median": 1.0, "min": 0.9, "max": 1.1, "n": 2}
+    assert "speedup_vs_trainer" not in paired["4"] and paired["1"]["repeats"] == 1
+
+
 def test_fit_token_budget_halves_until_the_memory_model_admits(tmp_path, monkeypatch):
     import bdlora.train.engine.memory as M
 

@@ -281,6 +281,24 @@ def _fmt(v, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def paired_summary(entries: list[dict]) -> dict:
+    """Per K over the repeats (each a K-jobs run and its baselines measured in one sequence): the engine's tok/s and
+    its ratios to the engine at one job and to the trainer, each as median, min and max, with the repeats' count.
+    The ratios are per repeat (paired), so drift of the machine between repeats cancels out of them."""
+    import statistics
+
+    out = {}
+    for k in sorted({e["k"] for e in entries}):
+        mine = [e for e in entries if e["k"] == k]
+        row = {"repeats": len(mine)}
+        for key in ("engine_tokens_per_s", "speedup_vs_engine_one_job", "speedup_vs_trainer"):
+            vals = [e[key] for e in mine if e.get(key)]
+            if vals:
+                row[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+        out[str(k)] = row
+    return out
+
+
 def text_table(head: list[str], body: list[list[str]]) -> str:
     """Right-aligned columns under a header and a dashed rule, for the logs."""
     w = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
@@ -292,7 +310,8 @@ def throughput_table(rows: list[dict]) -> str:
     f = _fmt
     head = ["K", "engine tok/s", "trainer seq tok/s", "vs trainer", "engine@1 tok/s", "vs engine@1", "engine s",
             "trainer s"]
-    body = [[str(r["k"]), f(r["engine_tokens_per_s"], ",.0f"), f(r.get("sequential_trainer_tokens_per_s"), ",.0f"),
+    body = [[str(r["k"]) + (f" (repeat {r['repeat']})" if r.get("repeat") else ""),
+             f(r["engine_tokens_per_s"], ",.0f"), f(r.get("sequential_trainer_tokens_per_s"), ",.0f"),
              f(r.get("speedup_vs_trainer"), ".2f"), f(r.get("engine_one_job_tokens_per_s"), ",.0f"),
              f(r.get("speedup_vs_engine_one_job"), ".2f"), f(r["engine_wall_s"], ".1f"),
              f(r.get("sequential_trainer_wall_s"), ".1f")] for r in rows]
@@ -415,7 +434,8 @@ def fit_token_budget(folder: Path, budget: int, ranks: list[int], nblocks: int, 
         params = sum(r * di + do * (r // nblocks) if lay == COLUMN else r * (di // nblocks) + do * r
                      for lay, di, do in targets)
         jobs.append(JobFootprint(f"r{r}", params, r * len(targets)))
-    mm = MemoryModel.analytic(config, n_base, dtype_bytes, act_bytes=dtype_bytes)  # the engine's: base-dtype activations
+    # as the engine's model of a whole base: activations in the base's dtype
+    mm = MemoryModel.analytic(config, n_base, dtype_bytes, act_bytes=dtype_bytes)
     limit = device_budget_bytes(device, None)
     t = budget
     while limit is not None and t > floor and mm.predict(t, jobs) > limit:
@@ -595,10 +615,7 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
     # and the baseline of K is the first K jobs back to back: sum of their tokens / sum of their step seconds.
     all_jobs = [job(f"j{i}", i, ranks[i % len(ranks)], steps) for i in range(max(ks))]
     trainer_jobs = parsed(all_jobs, tmp / "parsed")
-    seq_trainer: dict[int, dict] = {}
-    seq_engine1: dict[int, dict] = {}
     n_engine1 = min(args.engine_seq_jobs, max(ks))
-    per_trainer_job = None
 
     def agg(stats: dict, k: int):
         """Rate of the first k jobs back to back. Cut by the time limit, the jobs that ran stand for the rest when
@@ -613,66 +630,77 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
     def ratio(a, b):
         return a / b if a and b else None
 
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    for k in ks:
-        jobs = [dict(j, name=f"k{k}-{j['name']}") for j in all_jobs[:k]]
-        if over_time(f"throughput K={k}"):
-            break
-        eng, rows, wall = run_engine(model, data, tmp / f"tp-{k}", jobs, dtype=dtype, budget=budget,
-                                     max_seq_len=seq)
-        together = steady_tokens_per_s(eng.round_log, skip_first=1)
-        entry = {"k": k, "engine_tokens_per_s": together, "engine_wall_s": wall,
-                 "microbatches_per_round": eng.round_log[-1]["microbatches"],
-                 # all K jobs admitted together from the first round (the memory model could hold some back)
-                 "active_jobs_first_round": eng.round_log[0]["active"],
-                 "peak_mem_gib": engine_peak_gib(eng),
-                 # per-round (tokens, training seconds): shows compile/first-use costs past the skipped round
-                 "rounds": [[r["tokens"], round(r["train_s"], 4)] for r in eng.round_log]}
-        del eng
-        # the single-job PEFT trainer, job by job (the issue's baseline)
-        for i in range(0 if args.no_seq_trainer else k):
-            if i in seq_trainer:
-                continue
-            if over_time(f"trainer job {i} (K={k})", per_trainer_job or 0.0):
-                break
-            seq_trainer[i] = run_trainer(trainer_config(trainer_jobs[i], model_path=model, data=data,
-                                                        out=tmp / f"trainer-{i}", dtype=dtype,
-                                                        val_fraction=val_fraction), lengths)
-            seq_trainer[i].update(job=i, rank=trainer_jobs[i].r)
-            per_trainer_job = seq_trainer[i]["wall_s"]
-        # the engine with one active job at a time (extra column; the first n_engine1 jobs only)
-        todo = [i for i in range(min(k, n_engine1)) if i not in seq_engine1]
-        if todo and not over_time(f"engine at one job, jobs {todo}", 1.5 * wall * len(todo) / k):
-            eng1, _, _ = run_engine(model, data, tmp / f"engine1-{todo[0]}", [all_jobs[i] for i in todo],
-                                    dtype=dtype, budget=budget, max_seq_len=seq, max_active=1)
-            for i, st in zip(todo, engine_one_job_stats(eng1.round_log, len(todo), steps)):
-                seq_engine1[i] = dict(st, job=i, rank=all_jobs[i]["r"])
-            del eng1
-        tr = agg(seq_trainer, k)
-        e1 = agg(seq_engine1, k)
-        entry.update(sequential_tokens_per_s=tr, speedup=ratio(together, tr),
-                     sequential_trainer_tokens_per_s=tr, speedup_vs_trainer=ratio(together, tr),
-                     sequential_trainer_jobs_run=sum(i in seq_trainer for i in range(k)),
-                     sequential_trainer_wall_s=(sum(seq_trainer[i]["wall_s"] for i in range(k) if i in seq_trainer)
-                                                if tr else None),
-                     engine_one_job_tokens_per_s=e1, speedup_vs_engine_one_job=ratio(together, e1))
-        result["throughput"].append(entry)
-        save()
-        ran = entry["sequential_trainer_jobs_run"]
-        print(f"[bench] K={k}: engine {together:,.0f} tok/s | trainer sequential {tr or float('nan'):,.0f} tok/s "
-              f"{'' if ran == k else f'(first {ran} of {k} jobs) '}"
-              f"({entry['speedup_vs_trainer'] or float('nan'):.2f}x) | engine at one job "
-              f"{e1 or float('nan'):,.0f} tok/s ({entry['speedup_vs_engine_one_job'] or float('nan'):.2f}x) | "
-              f"{time.perf_counter() - t_start:.0f}s", flush=True)
+    repeats = max(1, args.repeats)
+    for rep in range(repeats):  # each repeat measures K jobs and their baselines again, in the same order
+        seq_trainer: dict[int, dict] = {}
+        seq_engine1: dict[int, dict] = {}
+        per_trainer_job = None
+        suffix = f"-rep{rep}" if rep else ""
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-    result["sequential_jobs"] = {
-        "trainer": [dict(seq_trainer[i], tokens_per_s=seq_trainer[i]["tokens"] / seq_trainer[i]["seconds"])
-                    for i in sorted(seq_trainer)],
-        "engine_one_job": [dict(seq_engine1[i], tokens_per_s=seq_engine1[i]["tokens"] / seq_engine1[i]["seconds"])
-                           for i in sorted(seq_engine1)],
-    }
+        for k in ks:
+            jobs = [dict(j, name=f"k{k}-{j['name']}") for j in all_jobs[:k]]
+            if over_time(f"throughput K={k}"):
+                break
+            eng, rows, wall = run_engine(model, data, tmp / f"tp-{k}{suffix}", jobs, dtype=dtype, budget=budget,
+                                         max_seq_len=seq)
+            together = steady_tokens_per_s(eng.round_log, skip_first=1)
+            entry = {"k": k, "repeat": rep, "engine_tokens_per_s": together, "engine_wall_s": wall,
+                     "microbatches_per_round": eng.round_log[-1]["microbatches"],
+                     # all K jobs admitted together from the first round (the memory model could hold some back)
+                     "active_jobs_first_round": eng.round_log[0]["active"],
+                     "peak_mem_gib": engine_peak_gib(eng),
+                     # per-round (tokens, training seconds): shows compile/first-use costs past the skipped round
+                     "rounds": [[r["tokens"], round(r["train_s"], 4)] for r in eng.round_log]}
+            del eng
+            # the single-job PEFT trainer, job by job (the issue's baseline)
+            for i in range(0 if args.no_seq_trainer else k):
+                if i in seq_trainer:
+                    continue
+                if over_time(f"trainer job {i} (K={k})", per_trainer_job or 0.0):
+                    break
+                seq_trainer[i] = run_trainer(trainer_config(trainer_jobs[i], model_path=model, data=data,
+                                                            out=tmp / f"trainer-{i}{suffix}", dtype=dtype,
+                                                            val_fraction=val_fraction), lengths)
+                seq_trainer[i].update(job=i, rank=trainer_jobs[i].r)
+                per_trainer_job = seq_trainer[i]["wall_s"]
+            # the engine with one active job at a time (extra column; the first n_engine1 jobs only)
+            todo = [i for i in range(min(k, n_engine1)) if i not in seq_engine1]
+            if todo and not over_time(f"engine at one job, jobs {todo}", 1.5 * wall * len(todo) / k):
+                eng1, _, _ = run_engine(model, data, tmp / f"engine1-{todo[0]}{suffix}", [all_jobs[i] for i in todo],
+                                        dtype=dtype, budget=budget, max_seq_len=seq, max_active=1)
+                for i, st in zip(todo, engine_one_job_stats(eng1.round_log, len(todo), steps)):
+                    seq_engine1[i] = dict(st, job=i, rank=all_jobs[i]["r"])
+                del eng1
+            tr = agg(seq_trainer, k)
+            e1 = agg(seq_engine1, k)
+            entry.update(sequential_tokens_per_s=tr, speedup=ratio(together, tr),
+                         sequential_trainer_tokens_per_s=tr, speedup_vs_trainer=ratio(together, tr),
+                         sequential_trainer_jobs_run=sum(i in seq_trainer for i in range(k)),
+                         sequential_trainer_wall_s=(sum(seq_trainer[i]["wall_s"] for i in range(k) if i in seq_trainer)
+                                                    if tr else None),
+                         engine_one_job_tokens_per_s=e1, speedup_vs_engine_one_job=ratio(together, e1))
+            result["throughput"].append(entry)
+            save()
+            ran = entry["sequential_trainer_jobs_run"]
+            print(f"[bench] K={k}: engine {together:,.0f} tok/s | trainer sequential {tr or float('nan'):,.0f} tok/s "
+                  f"{'' if ran == k else f'(first {ran} of {k} jobs) '}"
+                  f"({entry['speedup_vs_trainer'] or float('nan'):.2f}x) | engine at one job "
+                  f"{e1 or float('nan'):,.0f} tok/s ({entry['speedup_vs_engine_one_job'] or float('nan'):.2f}x) | "
+                  f"{time.perf_counter() - t_start:.0f}s", flush=True)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+        sequential = {name: [dict(st[i], tokens_per_s=st[i]["tokens"] / st[i]["seconds"]) for i in sorted(st)]
+                      for name, st in (("trainer", seq_trainer), ("engine_one_job", seq_engine1))}
+        if rep == 0:
+            result["sequential_jobs"] = sequential
+        else:
+            result.setdefault("sequential_jobs_later_repeats", []).append(sequential)
+        if result["skipped"]:  # the time limit: no further repeat
+            break
+    if repeats > 1:
+        result["paired"] = paired_summary(result["throughput"])
+        print(f"[bench] paired over repeats: {json.dumps(result['paired'])}", flush=True)
     print(throughput_table(result["throughput"]), flush=True)
     if not do_sweep:
         return
@@ -1015,6 +1043,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", help="comma-separated job counts (default 1,4,8,16; llama8b 1,4,8; pipeline-vs-dp "
                                  "1,2,4,8)")
     ap.add_argument("--steps", type=int, help="optimizer steps per job in the throughput runs (default 12)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="measure every K and its baselines this many times in turn; the JSON's 'paired' gives per K "
+                         "the median / min / max of each repeat's ratios (the spread of one run is 10-25%%)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq", type=int, help="--shape llama8b: every example exactly this many tokens (plain text "
                                              "records; default: instructions of ~30-250 tokens)")

@@ -23,6 +23,8 @@
 #       then (b8, with MLORA_SRC) mLoRA on the same jobs as the engine (peer_mlora.py)
 #                          -> $OUT/table_trainer_<col>.jsonl  $OUT/table_engine_<col>.json  $OUT/table_peer.json
 #       b8: batches of 8 x 30-250 tokens; b32: 32 x 30-250; s2048: 4 x 2048 tokens
+#       TABLE_ENGINE_ARGS="--ks 1,4 --repeats 3": the engine rows measured three times in turn, the JSON's "paired"
+#       giving each repeat's K=4 / one-job ratio (median, min, max) where one run's spread hides the effect
 #
 # Extra bench arguments: SMOLLM2_ARGS, LLAMA8B_ARGS, PVD_ARGS (e.g. LLAMA8B_ARGS="--num-layers 16").
 # CALL_LIMIT_S (default 590): every python run is killed (timeout) before the device call's limit; the JSON files
@@ -133,7 +135,7 @@ case "$MODE" in
     peer=0; [ "$col" = b8 ] && [ -n "${MLORA_SRC:-}" ] && peer=150  # seconds kept for the peer
     timeout -k 10 "$(kill_after)" python3 bench/train/bench_engine.py --shape llama8b --ks 1,4,8 --no-sweep \
       --no-seq-trainer --steps 10 "${eargs[@]}" --time-limit $(( $(left) - peer - 30 )) \
-      --out "$O/table_engine_$col.json" >>"$log" 2>&1
+      --out "$O/table_engine_$col.json" ${TABLE_ENGINE_ARGS:-} >>"$log" 2>&1
     echo "engine rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
     if [ "$peer" -gt 0 ]; then
       timeout -k 10 "$(kill_after)" python3 -m bench.train.peer_mlora --mlora-src "$MLORA_SRC" \
