@@ -216,6 +216,38 @@ def test_a_full_disk_in_a_sweep_is_a_message(tiny_llama_dir, data_file, tmp_path
     assert not (out / "adapters" / "a").exists()
 
 
+def test_more_pipeline_stages_than_gpus_is_refused(monkeypatch):
+    """pipeline_stages: 2 on a machine with one GPU: refused before any process starts, naming the GPU count (a
+    stage would otherwise ask for a GPU that is not there, in a spawned process); CPU runs and enough GPUs pass."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bdlora.train.config import ConfigError
+    from bdlora.train.engine import launch
+
+    run = SimpleNamespace(device="auto", pipeline_stages=2, source="run.yaml")
+    launch.check_stage_gpus(run)  # no GPU here: the stages run on CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"run.yaml: pipeline_stages: 2 runs one stage per GPU, but this machine "
+                                          r"has 1 GPU\(s\): set pipeline_stages to at most 1"):
+        launch.check_stage_gpus(run)
+    launch.check_stage_gpus(SimpleNamespace(device="cpu", pipeline_stages=2, source="run.yaml"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    launch.check_stage_gpus(run)
+    called = []
+
+    def refuse(r):
+        called.append(r)
+        raise ConfigError("stop")
+
+    monkeypatch.setattr(launch, "check_stage_gpus", refuse)
+    with pytest.raises(ConfigError, match="stop"):
+        launch.run_pipeline_spawn(run)
+    assert called == [run]  # checked before anything is spawned
+
+
 def test_other_tools_names_are_refused_as_in_train(tmp_path, data_file):
     """One rule for train and sweep: a name another tool (or an older engine) gives a bdlora key is refused with
     bdlora's key, at the top level, in jobs: and in search spaces; the job defaults are TrainConfig's."""

@@ -89,9 +89,27 @@ def spawn(run, nprocs: int, backend=None) -> None:
 
 def run_pipeline_spawn(run: RunConfig, backend: Optional[str] = None) -> dict:
     """Spawns ``run.pipeline_stages`` local processes (gloo on CPU, NCCL with enough GPUs) and runs the pipeline."""
+    check_stage_gpus(run)
     spawn(run, run.pipeline_stages, backend)
     with open(Path(run.output_dir) / "results.json") as f:
         return json.load(f)
+
+
+def check_stage_gpus(run) -> None:
+    """A pipeline on GPUs runs one stage per GPU: fewer GPUs than stages is refused before any process starts
+    (stage k would ask for GPU k and fail inside a spawned process)."""
+    import torch
+
+    from .config import ConfigError
+    from .jobs import run_source
+
+    if run.device not in ("auto", "cuda") or not torch.cuda.is_available():
+        return
+    n = torch.cuda.device_count()
+    if n < run.pipeline_stages:
+        raise ConfigError(f"{run_source(run)}: pipeline_stages: {run.pipeline_stages} runs one stage per GPU, but "
+                          f"this machine has {n} GPU(s): set pipeline_stages to at most {n} (1: the whole base on "
+                          "one GPU)")
 
 
 def every_job_refused(output_dir) -> Optional[str]:
@@ -108,4 +126,4 @@ def every_job_refused(output_dir) -> Optional[str]:
     return None
 
 
-__all__ = ["every_job_refused", "init_from_env", "run_engine", "run_pipeline_spawn", "spawn"]
+__all__ = ["check_stage_gpus", "every_job_refused", "init_from_env", "run_engine", "run_pipeline_spawn", "spawn"]
