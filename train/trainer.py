@@ -1035,6 +1035,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("bdlora train: error: --config job.yaml is required (see --print-config)", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cfg = None
     try:
         overrides = dict(parse_override(s) for s in args.set)
         if args.output_dir is not None:
@@ -1045,7 +1046,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"bdlora train: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # a full disk or a read-only folder: the reason and what to do, not a traceback
-        message = _write_failure(e, cfg.output_dir) if "cfg" in locals() else None
+        message = _write_failure(e, cfg.output_dir) if cfg is not None else None
         if message is None:
             raise
         print(f"bdlora train: error: {message}", file=sys.stderr)

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     if not args.config:
         print("bdlora sweep: error: --config run.yaml is required (see --print-config)", file=sys.stderr)
         return 2
-    dist = None
+    dist, run = None, None
     try:
         overrides = dict(parse_override(s) for s in args.set)
         if args.output_dir:
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     except Exception as e:  # a full disk or a read-only folder: the reason and what to do, not a traceback
         from bdlora.adapter import disk_write_error
 
-        reason = disk_write_error(e, run.output_dir) if "run" in locals() else None
+        reason = disk_write_error(e, run.output_dir) if run is not None else None
         if reason is None:
             raise
         print(f"bdlora sweep: error: {reason}; make room, then run the same command again (resume: auto continues "

@@ -46,7 +46,7 @@ class Scheduler:
             if not ok_alone:
                 msg = (f"refused: needs ~{pred_alone / 2**30:.2f} GiB alone (memory model) but the budget is "
                        f"{eng.mem_budget / 2**30:.2f} GiB; lower its r, max_length or the token_budget, or raise "
-                       f"memory_budget_gb (the model's estimate is generous)")
+                       "memory_budget_gb (the model's estimate is generous)")
                 eng.log(f"[engine] job {job.name}: {msg}")
                 eng.finish(job, msg, write=False)
                 continue
