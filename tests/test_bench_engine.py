@@ -307,3 +307,20 @@ def test_pipeline_side_that_trained_nothing_is_a_failure(tmp_path, monkeypatch):
     rec = pvf.run_pipeline(a, 2, tmp_path / "m", tmp_path / "d.jsonl", tmp_path, {})
     assert rec["rc"] == 1 and "refused: needs ~370 GiB alone" in rec["error"] and "--memory-budget-gb" in rec["error"]
     assert not (tmp_path / "pipeline-k2.done.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_trainer_profile_on_cpu(tmp_path):
+    """bench_trainer --profile: the trainer side profiled over K steps after the warm-up (host seconds per step in
+    the JSON line, the op tables beside --out); CPU, tiny shape."""
+    out = tmp_path / "bt.jsonl"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "train" / "bench_trainer.py"), "--shape", "tiny",
+                        "--side", "trainer", "--steps", "3", "--warmup", "1", "--profile", "2", "--out", str(out),
+                        "--workdir", str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "error" not in rec and rec["profile_steps"] == 2 and rec["tok_per_s"] > 0
+    prof = rec["profile"]
+    assert prof["steps"] == 2 and prof["host_s_per_step"] > 0 and Path(prof["tables"]).is_file()
+    assert "aten::mm" in Path(prof["tables"]).read_text()

@@ -97,6 +97,7 @@ def run_trainer(a) -> dict:
                       use_liger_kernel=a.liger,
                       load_in_4bit=a.load_in_4bit,
                       lora_backend=a.lora_backend)
+    profiled = profile_training_steps(a.warmup, a.profile) if a.profile else None
     res = run_training(cfg, validate_adapter=False)
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "tokens_seen" in r and "train_loss" in r]
@@ -108,7 +109,36 @@ def run_trainer(a) -> dict:
     return {"side": "bdlora trainer", "tok_per_s": round(dtok / dt, 1),
             "step_s_median": round(sorted(step_times)[len(step_times) // 2], 4),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
-            "final_loss": res.train_loss}
+            "final_loss": res.train_loss,
+            "profile": profiled(Path(a.out).with_suffix(f".{out.name}.prof.txt")) if profiled else None}
+
+
+def profile_training_steps(warmup: int, steps: int):
+    """torch.profiler over the training steps warmup+1 .. warmup+steps of the next run (transformers' Trainer's
+    training_step wrapped: forward, backward and, between them, the optimizer steps and the Trainer's own per-step
+    work). Returns a function(path) that writes the op tables there and gives peft_bf16_loop's per-step summary."""
+    import torch
+    from transformers import Trainer
+
+    from peft_bf16_loop import profile_summary
+
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                              torch.profiler.ProfilerActivity.CUDA])
+    inner, calls = Trainer.training_step, [0]
+
+    def training_step(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == warmup + 1:
+            prof.__enter__()
+        out = inner(self, *args, **kwargs)
+        if calls[0] == warmup + steps:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+        return out
+
+    Trainer.training_step = training_step
+    return lambda path: profile_summary(prof, steps, path)
 
 
 def main() -> int:
@@ -125,6 +155,9 @@ def main() -> int:
     ap.add_argument("--grad-ckpt-every", type=int, default=1,
                     help="with --grad-ckpt: the trainer recomputes every n-th decoder layer only (the loop: every one)")
     ap.add_argument("--packing", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="torch.profiler over K steps after the warm-up, each side (a run of its own: profiling slows "
+                         "the steps): host and GPU seconds and launches per step in the JSON, op tables beside --out")
     ap.add_argument("--load-in-4bit", action="store_true", help="the trainer on a bitsandbytes nf4 base (trainer only)")
     ap.add_argument("--lora-backends", default="auto",
                     help="trainer runs, one per lora_backend (comma list of auto / cublas / peft); BACKEND+liger runs "
@@ -146,8 +179,9 @@ def main() -> int:
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     base = {"shape": a.shape, "rank": a.rank, "nblocks": a.nblocks, "batch": a.batch, "seq": a.seq or "30-250",
-            "grad_ckpt": a.grad_ckpt, "grad_ckpt_every": a.grad_ckpt_every, "packing": a.packing, "load_in_4bit": a.load_in_4bit, "timed_steps": a.steps, "warmup_steps": a.warmup,
-            "date": time.strftime("%Y-%m-%d")}
+            "grad_ckpt": a.grad_ckpt, "grad_ckpt_every": a.grad_ckpt_every, "packing": a.packing,
+            "load_in_4bit": a.load_in_4bit, "timed_steps": a.steps, "warmup_steps": a.warmup,
+            "profile_steps": a.profile, "date": time.strftime("%Y-%m-%d")}
     if a.model is None:  # parent: prepare model + data once, then one child process per side
         model = build_model(a.shape, work / f"model-{a.shape}")
         n = (a.warmup + a.steps + 2) * a.batch
@@ -166,6 +200,9 @@ def main() -> int:
                        "--batch", str(a.batch), "--min-len", str(a.min_len), "--max-len", str(a.max_len)]
                 if a.grad_ckpt:
                     cmd.append("--grad-ckpt")
+                if a.profile:
+                    cmd += ["--profile", str(a.profile),
+                            "--profile-out", str(Path(a.out).with_suffix(".loop.prof.txt"))]
             else:
                 cmd = ([sys.executable, __file__, *sys.argv[1:], "--side", "trainer", "--model", str(model),
                         "--data", str(data), "--lora-backend", backend] + (["--liger"] if liger else [])
