@@ -324,3 +324,18 @@ def test_bench_trainer_profile_on_cpu(tmp_path):
     prof = rec["profile"]
     assert prof["steps"] == 2 and prof["host_s_per_step"] > 0 and Path(prof["tables"]).is_file()
     assert "aten::mm" in Path(prof["tables"]).read_text()
+
+
+def test_bench_trainer_pairs_each_repeat_with_its_own_loop_run():
+    """bench_trainer --repeats: a trainer run's ratio is to the loop of the same repeat; a repeat whose loop failed
+    gives no ratio."""
+    from bench.train.bench_trainer import paired_over_loop
+
+    loop, tr = "plain PEFT loop", "bdlora trainer (lora_backend auto)"
+    records = [{"side": loop, "repeat": 0, "tok_per_s": 100.0}, {"side": tr, "repeat": 0, "tok_per_s": 130.0},
+               {"side": loop, "repeat": 1, "tok_per_s": 200.0}, {"side": tr, "repeat": 1, "tok_per_s": 220.0},
+               {"side": loop, "repeat": 2, "error": "OOM"}, {"side": tr, "repeat": 2, "tok_per_s": 150.0}]
+    paired = paired_over_loop(records)
+    assert list(paired) == [tr] and paired[tr]["n"] == 2
+    assert paired[tr]["min"] == pytest.approx(1.1) and paired[tr]["max"] == pytest.approx(1.3)
+    assert paired[tr]["median"] == pytest.approx(1.2)

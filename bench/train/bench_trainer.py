@@ -90,6 +90,7 @@ def run_trainer(a) -> dict:
                       train_file=str(a.data), data_format="text", eval_fraction=0.0, max_length=a.max_len + 8,
                       lr=1e-4, scheduler="constant", warmup_steps=0, batch_size=a.batch, grad_accum=1,
                       max_steps=a.warmup + a.steps, log_every=1, output_dir=str(out), report_to=[], progress=False,
+                      overwrite_output_dir=True,  # this script's scratch folder: a repeat or a second run trains anew
                       gradient_checkpointing=a.grad_ckpt, gradient_checkpointing_every_n_layers=a.grad_ckpt_every,
                       attn_implementation="sdpa", packing=a.packing,
                       training_args={"dataloader_num_workers": 0, "torch_compile": a.compile,
@@ -141,6 +142,22 @@ def profile_training_steps(warmup: int, steps: int):
     return lambda path: profile_summary(prof, steps, path)
 
 
+def paired_over_loop(records: list[dict]) -> dict:
+    """--repeats: per trainer side, each repeat's tok/s over the loop's of the same repeat (measured in one sequence,
+    so drift of the machine between repeats cancels out), as median / min / max and the count."""
+    import statistics
+
+    loop = {r["repeat"]: r["tok_per_s"] for r in records if r["side"] == "plain PEFT loop" and "tok_per_s" in r}
+    out = {}
+    for side in dict.fromkeys(r["side"] for r in records if r["side"] != "plain PEFT loop"):
+        ratios = [r["tok_per_s"] / loop[r["repeat"]] for r in records
+                  if r["side"] == side and "tok_per_s" in r and loop.get(r["repeat"])]
+        if ratios:
+            out[side] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                         "n": len(ratios)}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama8b", choices=sorted(SHAPES))
@@ -155,6 +172,9 @@ def main() -> int:
     ap.add_argument("--grad-ckpt-every", type=int, default=1,
                     help="with --grad-ckpt: the trainer recomputes every n-th decoder layer only (the loop: every one)")
     ap.add_argument("--packing", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every side this many times in turn (loop, trainers, loop, ...): each repeat's "
+                         "trainer/loop ratio, median / min / max, is printed last (one call's figures move 10-30%%)")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="torch.profiler over K steps after the warm-up, each side (a run of its own: profiling slows "
                          "the steps): host and GPU seconds and launches per step in the JSON, op tables beside --out")
@@ -188,7 +208,8 @@ def main() -> int:
         data = build_data(work / f"data-{a.min_len}-{a.max_len}.jsonl", model, n, a.min_len, a.max_len)
         trainers = [f"trainer:{b}" for b in a.lora_backends.split(",")]
         sides = ["loop", *trainers] if a.side == "both" else trainers if a.side == "trainer" else ["loop"]
-        for side in sides:
+        records = []
+        for repeat, side in ((r, side) for r in range(max(1, a.repeats)) for side in sides):
             backend, *extras = side.partition(":")[2].split("+")
             liger, compile_, grouped = "liger" in extras, "compile" in extras, "grouped" in extras
             label = ("plain PEFT loop" if side == "loop" else f"bdlora trainer (lora_backend {backend}"
@@ -209,7 +230,7 @@ def main() -> int:
                        + (["--compile"] if compile_ else []) + (["--group-by-length"] if grouped else []))
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
-            rec = {**base, "side": label}
+            rec = {**base, "side": label, "repeat": repeat}
             if proc.returncode or line is None:
                 rec["error"] = (proc.stderr or proc.stdout)[-1500:]
             else:
@@ -218,6 +239,9 @@ def main() -> int:
             print(json.dumps(rec), flush=True)
             with open(a.out, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            records.append(rec)
+        if a.repeats > 1:
+            print(json.dumps({"paired_over_the_loop": paired_over_loop(records)}), flush=True)
         return 0
     import torch
     import transformers
