@@ -125,6 +125,7 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
         self._log.write(("$ " + " ".join(self.cmd) + "\n").encode())
+        self._log.flush()  # the command line first: the server writes to the same file from its own process
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
