@@ -10,7 +10,8 @@
 set -euo pipefail
 B=${1:-.vllm_bundle}
 WHEEL=$(ls "$B"/whl/vllm-*.whl 2>/dev/null | head -1 || true)
-[ -n "$WHEEL" ] || { echo "no vLLM wheel in $B/whl: build the bundle first (shared/device/build_vllm_bundle.sh $B)"; exit 3; }
+[ -n "$WHEEL" ] || {
+  echo "no vLLM wheel in $B/whl: build the bundle first (shared/device/build_vllm_bundle.sh $B)"; exit 3; }
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
 python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])' "$WHEEL" \

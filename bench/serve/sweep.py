@@ -543,7 +543,8 @@ def run_one_load(cfg, sc: ServerConfig, load: Load, server: VLLMServer, out: Pat
     summ_meta = dict(meta, server_id=sc.id, method=sc.method, method_label=METHOD_LABELS[sc.method], tp=sc.tp,
                      rank=sc.rank, std_rank=sc.std_rank, nblocks=sc.nblocks, max_lora_rank=sc.max_lora_rank,
                      adapter_mode=sc.adapter_mode, trainable_params=sc.trainable_params,
-                     server_startup_s=server.startup_s, server_compile_s=server.compile_s, server_args=" ".join(server.cmd[3:]), complete=complete,
+                     server_startup_s=server.startup_s, server_compile_s=server.compile_s,
+                     server_args=" ".join(server.cmd[3:]), complete=complete,
                      protocol="LLMPerf batches: BS concurrent requests, wait for all, next batch")
     name = f"{sc.id}_{load.id}"
     summary = llmperf_summary(name, "base" if sc.method == "base" else names[0], load.it, load.ot, load.bs,

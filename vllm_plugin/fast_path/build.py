@@ -84,8 +84,9 @@ def build_layer_state(layer, max_loras: int, rank: int, outs: tuple, dtype, dev,
                          gemm_rows=tuning.gemm_rows(d_in, d_out, max_loras, rank), gemm_sorted=tuning.gemm_sorted,
                          gemv_tiles=gemv_tiles, gemv_one_token_tiles=one_tiles, gemv_workspace=gemv_ws)
     layer._bd_fused = LayerState(
-        name=getattr(layer.base_layer, "prefix", "") or type(layer).__name__, two_launch_max=two_max, backend=build.options.backend, lora_a=a_all.squeeze(2),
-        lora_b=b_all, b_shared=n_s == 1, offsets=tuple(offsets),
+        name=getattr(layer.base_layer, "prefix", "") or type(layer).__name__, two_launch_max=two_max,
+        backend=build.options.backend, lora_a=a_all.squeeze(2), lora_b=b_all, b_shared=n_s == 1,
+        offsets=tuple(offsets),
         soff=torch.tensor(offsets, dtype=torch.int32, device=dev),
         ranks=torch.zeros(max_loras, dtype=torch.int32, device=dev),
         scales=torch.ones(max_loras, dtype=torch.float32, device=dev), build=build,
