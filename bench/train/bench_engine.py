@@ -285,7 +285,10 @@ def paired_summary(entries: list[dict]) -> dict:
     """Per K over the repeats (each a K-jobs run and its baselines measured in one sequence): the engine's tok/s and
     its ratios to the engine at one job and to the trainer, each as median, min and max, with the repeats' count.
     The ratios are per repeat (paired), so drift of the machine between repeats cancels out of them."""
-    import statistics
+    try:
+        from bench.train.bench_trainer import spread
+    except ImportError:  # run as a script: bench/train is on sys.path, the repository root may not be
+        from bench_trainer import spread
 
     out = {}
     for k in sorted({e["k"] for e in entries}):
@@ -294,7 +297,7 @@ def paired_summary(entries: list[dict]) -> dict:
         for key in ("engine_tokens_per_s", "speedup_vs_engine_one_job", "speedup_vs_trainer"):
             vals = [e[key] for e in mine if e.get(key)]
             if vals:
-                row[key] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+                row[key] = spread(vals)
         out[str(k)] = row
     return out
 
@@ -421,8 +424,9 @@ def fit_token_budget(folder: Path, budget: int, ranks: list[int], nblocks: int, 
     from bdlora.train.engine.memory import JobFootprint, MemoryModel, device_budget_bytes
 
     config = AutoConfig.from_pretrained(str(folder))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):  # in the dtype the engine loads the base in: its memory model reads it from the model
+        model = AutoModelForCausalLM.from_config(config, dtype={2: torch.bfloat16, 4: torch.float32}[dtype_bytes])
+    mm = MemoryModel.for_model(model)  # the engine's own (Engine.__init__)
     n_base = sum(p.numel() for p in model.parameters())
     cols = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
     targets = [(COLUMN if n.rsplit(".", 1)[-1] in cols else ROW, m.in_features, m.out_features)
@@ -434,8 +438,6 @@ def fit_token_budget(folder: Path, budget: int, ranks: list[int], nblocks: int, 
         params = sum(r * di + do * (r // nblocks) if lay == COLUMN else r * (di // nblocks) + do * r
                      for lay, di, do in targets)
         jobs.append(JobFootprint(f"r{r}", params, r * len(targets)))
-    # as the engine's model of a whole base: activations in the base's dtype
-    mm = MemoryModel.analytic(config, n_base, dtype_bytes, act_bytes=dtype_bytes)
     limit = device_budget_bytes(device, None)
     t = budget
     while limit is not None and t > floor and mm.predict(t, jobs) > limit:

@@ -142,19 +142,23 @@ def profile_training_steps(warmup: int, steps: int):
     return lambda path: profile_summary(prof, steps, path)
 
 
-def paired_over_loop(records: list[dict]) -> dict:
-    """--repeats: per trainer side, each repeat's tok/s over the loop's of the same repeat (measured in one sequence,
-    so drift of the machine between repeats cancels out), as median / min / max and the count."""
+def spread(values: list[float]) -> dict:
+    """Repeated measurements as median, min, max and their count (this script's and bench_engine's --repeats)."""
     import statistics
 
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def paired_over_loop(records: list[dict]) -> dict:
+    """--repeats: per trainer side, each repeat's tok/s over the loop's of the same repeat (measured in one sequence,
+    so drift of the machine between repeats cancels out), as :func:`spread`."""
     loop = {r["repeat"]: r["tok_per_s"] for r in records if r["side"] == "plain PEFT loop" and "tok_per_s" in r}
     out = {}
     for side in dict.fromkeys(r["side"] for r in records if r["side"] != "plain PEFT loop"):
         ratios = [r["tok_per_s"] / loop[r["repeat"]] for r in records
                   if r["side"] == side and "tok_per_s" in r and loop.get(r["repeat"])]
         if ratios:
-            out[side] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-                         "n": len(ratios)}
+            out[side] = spread(ratios)
     return out
 
 

@@ -38,7 +38,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from bench_trainer import SHAPES  # noqa: E402  (bench/train is on sys.path above)
+from bench_engine import make_data, save_json  # noqa: E402  (bench/train is on sys.path above)
+from bench_trainer import SHAPES  # noqa: E402
 
 
 def write_random_checkpoint(path: Path, shape: dict, dtype: str = "bfloat16", device: str = "cpu",
@@ -189,14 +190,6 @@ def finished(record: Path) -> dict | None:
     return json.loads(record.read_text()) if record.is_file() else None
 
 
-def write_json(path: Path, obj: dict) -> dict:
-    """Writes ``obj`` as JSON to ``path`` atomically (a temp file renamed into place); returns it."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-    return obj
-
-
 def run_pipeline(a, k: int, model: Path, data: Path, work: Path, env: dict) -> dict:
     record = work / f"pipeline-k{k}.done.json"
     if (done := finished(record)) is not None:
@@ -225,7 +218,7 @@ def run_pipeline(a, k: int, model: Path, data: Path, work: Path, env: dict) -> d
         train_s = sum(x.get("train_s", 0.0) for x in r.get("rounds", []))
         rec.update(tokens=tokens, tokens_per_s_wall=tokens / wall, train_s=train_s,
                    tokens_per_s_train=tokens / train_s if train_s else None)
-        write_json(record, rec)
+        save_json(rec, record)
         drop_outputs(out)
     return rec
 
@@ -254,8 +247,9 @@ def run_fsdp(a, k: int, model: Path, data: Path, work: Path, env: dict) -> dict:
             if rc != 0 or len(recs) < 2:
                 return {"rc": rc, "jobs": jobs + [ran], "error": f"job {job['name']} exited {rc} (see fsdp.log)"}
             # train_s: the steps after the first (its tokens counted too: the same bias on both sides)
-            done = write_json(record, {"job": ran, "tokens": recs[-1]["tokens_seen"],
-                                       "train_s": recs[-1]["time"] - recs[0]["time"], "peaks": p})
+            done = {"job": ran, "tokens": recs[-1]["tokens_seen"], "train_s": recs[-1]["time"] - recs[0]["time"],
+                    "peaks": p}
+            save_json(done, record)
             drop_outputs(out)
         jobs.append(done["job"])
         tokens, wall, train_s = tokens + done["tokens"], wall + done["job"]["wall_s"], train_s + done["train_s"]
@@ -299,8 +293,6 @@ def main(argv=None) -> int:
             ap.error(f"--gpus {a.gpus}, but this machine has {torch.cuda.device_count()} GPUs (--cpu-smoke on CPU)")
     if a.batch % a.gpus:
         ap.error(f"--batch {a.batch} must divide over --gpus {a.gpus} (FSDP2's per-GPU batch)")
-    from bench_engine import make_data
-
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     if a.fresh:
@@ -331,7 +323,7 @@ def main(argv=None) -> int:
                 row["pipeline_over_fsdp_train"] = (row["pipeline"]["tokens_per_s_train"]
                                                    / row["fsdp"]["tokens_per_s_train"])
         result["runs"].append(row)
-        write_json(out, result)
+        save_json(result, out)
     failed = [s for r in result["runs"] for s in sides if r[s].get("rc")]
     return 1 if failed else 0
 
