@@ -991,3 +991,41 @@ def test_server_reads_the_compile_time_vllm_logged(tmp_path):
     assert logged_compile_s(log) == 28.0
     log.write_text("Enforce eager set, disabling torch.compile\n")
     assert logged_compile_s(log) is None
+
+
+def test_server_start_retries_on_a_port_taken_between_pick_and_bind(tmp_path):
+    """VLLMServer picks a free port; another process may bind it first (two test workers starting servers at once).
+    A start that fails with "Address already in use" is tried again on a new port; a port the caller chose is not
+    changed, and any other start failure is raised at once. The child here is a real process: it fails with the
+    bind error on its first run and then serves /health on the port it was given."""
+    from bench.serve.server import ServerError, VLLMServer
+
+    fake = tmp_path / "fake_serve.py"
+    fake.write_text(
+        "import http.server, pathlib, sys\n"
+        "runs = pathlib.Path(sys.argv[1]); n = int(runs.read_text()) if runs.exists() else 0\n"
+        "runs.write_text(str(n + 1))\n"
+        "if n < int(sys.argv[2]):\n"
+        "    print('OSError: [Errno 98] Address already in use', flush=True); sys.exit(1)\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+        "http.server.HTTPServer(('127.0.0.1', port), H).serve_forever()\n")
+
+    def server(fails: int, port=None, name="s"):
+        srv = VLLMServer(tmp_path, [], tmp_path / f"{name}.log", port=port, startup_timeout_s=30)
+        srv.cmd = [sys.executable, str(fake), str(tmp_path / f"{name}.runs"), str(fails), "--port", str(srv.port)]
+        return srv
+
+    srv = server(1)
+    first = srv.port
+    with srv:
+        assert (tmp_path / "s.runs").read_text() == "2" and srv.port != first
+        assert srv.cmd[srv.cmd.index("--port") + 1] == str(srv.port)
+    with pytest.raises(ServerError, match="Address already in use"):  # the caller's own port is left alone
+        server(1, port=first, name="fixed").start()
+    assert (tmp_path / "fixed.runs").read_text() == "1"
+    with pytest.raises(ServerError, match="Address already in use"):  # bounded: three tries in all
+        server(5, name="busy").start()
+    assert (tmp_path / "busy.runs").read_text() == "3"

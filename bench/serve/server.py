@@ -105,6 +105,7 @@ class VLLMServer:
                  host: str = "127.0.0.1", port: Optional[int] = None, startup_timeout_s: float = 900.0,
                  python: str = sys.executable):
         self.port = port or free_port()
+        self._port_picked = port is None  # ours to change when another process takes it first
         self.host = host
         self.cmd = [*vllm_cli(python), "serve", str(model), "--host", host,
                     "--port", str(self.port), *map(str, args)]
@@ -120,7 +121,22 @@ class VLLMServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "VLLMServer":
+    def start(self, port_attempts: int = 3) -> "VLLMServer":
+        """Starts the server and waits until it is healthy. A port this object picked itself (free_port) can be
+        taken by another process between the pick and the server's bind: then the start is tried again on a new
+        port, up to ``port_attempts`` times in all."""
+        attempt = 1
+        while True:
+            try:
+                return self._start_once()
+            except ServerError as e:
+                if not (self._port_picked and "Address already in use" in str(e)) or attempt >= port_attempts:
+                    raise
+            attempt += 1
+            self.port = free_port()
+            self.cmd[self.cmd.index("--port") + 1] = str(self.port)
+
+    def _start_once(self) -> "VLLMServer":
         install_stop_handlers()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")
