@@ -1029,3 +1029,19 @@ def test_server_start_retries_on_a_port_taken_between_pick_and_bind(tmp_path):
     with pytest.raises(ServerError, match="Address already in use"):  # bounded: three tries in all
         server(5, name="busy").start()
     assert (tmp_path / "busy.runs").read_text() == "3"
+
+
+def test_moe_parity_trains_its_bd_adapter_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """``--trained-steps``: the BD expert adapter comes from ``python -m bdlora.train`` in a child process, so the
+    trainer's one-GPU narrowing of CUDA_VISIBLE_DEVICES never reaches the TP engines started next."""
+    import os
+
+    from bench.serve.moe_parity import build
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    model, adapters = build(tmp_path, {"hidden_size": 32, "head_dim": 8, "moe_intermediate_size": 16},
+                            trained_steps=2)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+    bd = json.loads((tmp_path / "bd" / "adapter_config.json").read_text())
+    assert bd["use_bdlora"] and (tmp_path / "train" / "adapter").is_dir()
+    assert json.loads((adapters["dense"] / "adapter_config.json").read_text())["target_parameters"]

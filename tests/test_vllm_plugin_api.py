@@ -19,7 +19,7 @@ def test_table_is_well_formed():
     keys = [tp.key for tp in api.TOUCH_POINTS]
     assert len(keys) == len(set(keys))
     for tp in api.TOUCH_POINTS:
-        assert tp.use in ("wrap", "replace", "subclass", "override", "call", "read", "write", "swap"), tp.key
+        assert tp.use in ("wrap", "replace", "subclass", "override", "call", "read", "write", "swap", "rely"), tp.key
         assert tp.kind in ("attr", "instance", "field"), tp.key
         assert set(tp.versions) <= set(api.CHECKED_VERSIONS), tp.key
         assert tp.present_in("0.32") or tp.optional, tp.key  # everything required is on the CI version
@@ -84,7 +84,11 @@ def test_layer_build_state_travels_with_the_classes():
 
     build = layers.LayerBuild(rank=4)
     classes = layers.layer_classes(build)
-    assert [c.__name__ for c in classes] == [c.__name__ for c in layers.BD_LORA_CLASSES]
+    assert [c.__qualname__ for c in classes] == [c.__qualname__ for c in layers.BD_LORA_CLASSES]
+    # vLLM builds its warm-up LoRA by the layer's class name: the BD expert layers answer to vLLM's names
+    names = {c.__qualname__: c.__name__ for c in classes}
+    assert names["BDFusedMoEWithLoRA"] == "FusedMoEWithLoRA" and names["BDFusedMoE3DWithLoRA"] == "FusedMoE3DWithLoRA"
+    assert names["BDRowParallelLinearWithLoRA"] == "BDRowParallelLinearWithLoRA"
     assert all(c._bd_build is build and issubclass(c, b) for c, b in zip(classes, layers.BD_LORA_CLASSES))
     assert all(c._bd_build is None for c in layers.BD_LORA_CLASSES)
     assert not any(n.startswith("_BUILD") for n in vars(layers))

@@ -209,7 +209,7 @@ def read_logits_lora(worker) -> dict:
     engine skips it while no slot has lm_head factors: :class:`bdlora.vllm_plugin.layers.BDLogitsProcessorWithLoRA`).
     Empty without that layer."""
     for layer in logits_lora_layers(worker)[:1]:
-        return {"class": type(layer).__name__, "lm_head_slots": sorted(layer.lm_head_slots),
+        return {"class": type(layer).__qualname__, "lm_head_slots": sorted(layer.lm_head_slots),
                 "ran": layer.lora_terms["ran"], "skipped": layer.lora_terms["skipped"]}
     return {}
 
@@ -249,7 +249,7 @@ def lora_memory(worker, lora_int_id: int) -> dict:
     for layer in mgr.modules.values():
         pairs = _stacked_pairs(layer)
         if pairs:
-            classes.add(type(layer).__name__)
+            classes.add(type(layer).__qualname__)
         for a, b in pairs:
             ranks.add(int(a.shape[2]))
             if slot is not None:
@@ -265,4 +265,4 @@ def lora_memory(worker, lora_int_id: int) -> dict:
 
 def lora_layer_classes(worker) -> dict:
     mgr = _adapter_manager(worker)
-    return {name: type(layer).__name__ for name, layer in mgr.modules.items()}
+    return {name: type(layer).__qualname__ for name, layer in mgr.modules.items()}

@@ -248,8 +248,12 @@ if FusedMoE3DWithLoRA is not None:
     class BDFusedMoE3DWithLoRA(_BDExpertsMixin, FusedMoE3DWithLoRA):
         """Experts of a 3-D MoE model (vLLM's is_3d_moe_weight: Qwen3-VL-MoE): PEFT's flattened expert factors."""
 
+        vllm_class_name = FusedMoE3DWithLoRA.__name__
+
     class BDFusedMoEWithLoRA(_BDExpertsMixin, FusedMoEWithLoRA):
         """Experts of a per-expert MoE model (Qwen3-MoE, Mixtral, OLMoE in vLLM): per-expert gate/up/down factors."""
+
+        vllm_class_name = FusedMoEWithLoRA.__name__
 
     _EXPERT_CLASSES = (BDFusedMoE3DWithLoRA, BDFusedMoEWithLoRA)
 
@@ -264,10 +268,14 @@ BD_LORA_CLASSES = (
 
 
 def layer_classes(build: LayerBuild) -> tuple:
-    """The BD layer classes of one build: subclasses of :data:`BD_LORA_CLASSES` (same names) carrying ``build``,
-    in the same order (vLLM's ``from_layer`` takes the first whose ``can_replace_layer`` is true)."""
-    return tuple(type(c.__name__, (c,), {"_bd_build": build, "__module__": c.__module__, "__qualname__": c.__qualname__,
-                                         "__doc__": c.__doc__})
+    """The BD layer classes of one build: subclasses of :data:`BD_LORA_CLASSES` carrying ``build``, in the same
+    order (vLLM's ``from_layer`` takes the first whose ``can_replace_layer`` is true), with the same qualified names.
+    A class with ``vllm_class_name`` takes that ``__name__``: vLLM's warm-up (dummy) LoRA dispatches on the layer's
+    class name (``module.__class__.__name__ == "FusedMoEWithLoRA"``), not on isinstance, and builds a wrongly packed
+    dummy for any other name (CUDA-graph capture then fails in ``set_lora``); diagnostics read ``__qualname__``."""
+    return tuple(type(getattr(c, "vllm_class_name", c.__name__), (c,),
+                      {"_bd_build": build, "__module__": c.__module__, "__qualname__": c.__qualname__,
+                       "__doc__": c.__doc__})
                  for c in BD_LORA_CLASSES)
 
 

