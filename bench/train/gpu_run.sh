@@ -24,7 +24,9 @@
 #                          -> $OUT/table_trainer_<col>.jsonl  $OUT/table_engine_<col>.json  $OUT/table_peer.json
 #       b8: batches of 8 x 30-250 tokens; b32: 32 x 30-250; s2048: 4 x 2048 tokens
 #       TABLE_ENGINE_ARGS="--ks 1,4 --repeats 3": the engine rows measured three times in turn, the JSON's "paired"
-#       giving each repeat's K=4 / one-job ratio (median, min, max) where one run's spread hides the effect
+#       giving each repeat's K=4 / one-job ratio (median, min, max) where one run's spread hides the effect;
+#       TABLE_TRAINER_BACKENDS (default auto+liger; e.g. auto+liger,auto+liger+nocudnn: SDPA with and without its
+#       cuDNN backend) and TABLE_TRAINER_ARGS (e.g. "--repeats 2") for the trainer rows
 #
 # Extra bench arguments: SMOLLM2_ARGS, LLAMA8B_ARGS, PVD_ARGS (e.g. LLAMA8B_ARGS="--num-layers 16").
 # CALL_LIMIT_S (default 590): every python run is killed (timeout) before the device call's limit; the JSON files
@@ -130,7 +132,8 @@ case "$MODE" in
     log="$O/table_$col.log"
     env_report "$log"
     timeout -k 10 "$(kill_after)" python3 bench/train/bench_trainer.py --shape llama8b "${targs[@]}" \
-      --lora-backends auto+liger --out "$O/table_trainer_$col.jsonl" --tag "$col" >>"$log" 2>&1
+      --lora-backends "${TABLE_TRAINER_BACKENDS:-auto+liger}" --out "$O/table_trainer_$col.jsonl" --tag "$col" \
+      ${TABLE_TRAINER_ARGS:-} >>"$log" 2>&1
     echo "trainer rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
     peer=0; [ "$col" = b8 ] && [ -n "${MLORA_SRC:-}" ] && peer=150  # seconds kept for the peer
     timeout -k 10 "$(kill_after)" python3 bench/train/bench_engine.py --shape llama8b --ks 1,4,8 --no-sweep \
