@@ -98,7 +98,10 @@ def train_bd(model: Path, root: Path, steps: int) -> Path:
         model=str(model), nblocks=2, r=8, lora_alpha=16, train_file=str(data), eval_fraction=0.0, lr=1e-2,
         scheduler="constant", warmup_steps=0, batch_size=8, max_steps=steps, seed=5, precision="fp32",
         output_dir=str(root / "train"), progress=False, report_to=[])))
-    subprocess.run([sys.executable, "-m", "bdlora.train", "--config", str(job)], check=True)
+    done = subprocess.run([sys.executable, "-m", "bdlora.train", "--config", str(job)])
+    if done.returncode:
+        raise SystemExit(f"moe_parity: training the BD adapter failed (bdlora train exited {done.returncode}; its "
+                         f"output is above; job file {job})")
     return root / "train" / "adapter"
 
 
