@@ -50,9 +50,10 @@ def test_unknown_key_lists_valid_keys(tmp_path, data_file):
      "cutoff_len: 512\nval_size: 0.1\n",
      {"model_name_or_path": "model", "finetuning_type": "bdlora always trains a BD-LoRA", "lora_rank": "r",
       "lora_target": "target_modules", "cutoff_len": "max_length", "val_size": "eval_fraction"}),
-    ("PEFT and TRL", "use_rslora: true\ninit_lora_weights: gaussian\nmax_seq_length: 512\noptim: adamw_torch\n",
+    ("PEFT and TRL", "use_rslora: true\ninit_lora_weights: gaussian\nmax_seq_length: 512\noptim: adamw_torch\n"
+     "pad_to_multiple_of: 8\n",
      {"use_rslora": "bdlora always uses the rsLoRA scale", "init_lora_weights": "a_init",
-      "max_seq_length": "max_length", "optim": "training_args.optim"}),
+      "max_seq_length": "max_length", "optim": "training_args.optim", "pad_to_multiple_of": "pad_multiple"}),
 ])
 def test_keys_of_other_tools_name_bdloras_key(tmp_path, data_file, tool, text, hints):
     """A config written for another tool (axolotl, LLaMA-Factory, PEFT's LoraConfig, TRL's SFTConfig) is refused
@@ -106,6 +107,7 @@ def test_other_tools_names_are_refused_with_ours(data_file, name, ours):
     (dict(lr=0), "lr"),
     (dict(r="eight"), "r: must be an integer"),
     (dict(batch_size=0), "batch_size"),
+    (dict(pad_multiple=0), "pad_multiple: must be >= 1"),
     (dict(lora_dropout=1.0), "lora_dropout"),
     (dict(column_modules=["q_proj"]), "column_modules and row_modules go together"),
     (dict(train_file=None), "train_file"),

@@ -389,6 +389,28 @@ def test_padding_free_collator_matches_padded_loss(tok, tiny_llama_dir):
     torch.testing.assert_close(lf, lp, rtol=1e-5, atol=1e-5)
 
 
+def test_pad_multiple_rounds_the_batch_and_keeps_the_loss(tok, tiny_llama_dir):
+    """``pad_multiple``: the padded batch's length (and each packed row's) is a multiple of it, the extra tokens are
+    masked padding with no targets, and the loss is the unrounded batch's."""
+    from transformers import AutoModelForCausalLM
+
+    exs = [encode_record(tok, {"instruction": f"say {i}" + " red" * i, "output": "blue " * (i + 1)}, "auto", 64, i)
+           for i in range(3)]
+    longest = max(len(e.input_ids) for e in exs)
+    plain, rounded = D.make_collator(tok.pad_token_id)(exs), D.make_collator(tok.pad_token_id, pad_multiple=16)(exs)
+    width = rounded["input_ids"].shape[1]
+    assert width % 16 == 0 and longest <= width < longest + 16 and width > longest  # this data is not a multiple
+    assert rounded["attention_mask"].sum() == plain["attention_mask"].sum()
+    assert rounded["labels"][:, longest:].eq(IGNORE_INDEX).all()
+    packed = D.make_collator(tok.pad_token_id, padding_free=True, row_tokens=8, pad_multiple=16)(exs)
+    assert packed["input_ids"].shape[1] % 16 == 0 and packed["attention_mask"].sum() == plain["attention_mask"].sum()
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), attn_implementation="sdpa",
+                                                 dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**rounded, use_cache=False).loss, model(**plain, use_cache=False).loss,
+                                   rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_rows_give_each_example_its_own_logits(tok, tiny_llama_dir, attn):
     """Rows of at most max(longest, row_tokens) tokens: every example lands in exactly one row, rows are no longer

@@ -261,6 +261,24 @@ def test_packing_gives_the_padded_batches_loss(tiny_llama_dir, data_file, tmp_pa
             torch.testing.assert_close(pa, pb, rtol=1e-3, atol=1e-5, msg=n)
 
 
+def test_pad_multiple_trains_the_same_adapter(tiny_llama_dir, data_file, tmp_path):
+    """pad_multiple: 64 rounds every batch up to 64 tokens of masked padding: the same losses, the same token count
+    (padding is not counted) and the same adapter as batches padded to their longest example."""
+    def run(out, **kw):
+        res = run_training(TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / out, max_steps=2,
+                                                       eval_fraction=0.0, batch_size=4, **kw)))
+        rec = [json.loads(l) for l in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        return [(r["train_loss"], r["tokens_seen"]) for r in rec if "train_loss" in r], res
+
+    plain, a = run("plain")
+    rounded, b = run("rounded", pad_multiple=64)
+    assert [t for _, t in rounded] == [t for _, t in plain] != []
+    assert [loss for loss, _ in rounded] == pytest.approx([loss for loss, _ in plain], rel=1e-5)
+    for (n, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        if pa.requires_grad:
+            torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_checkpointing_every_other_layer_gives_the_same_adapter(tiny_llama_dir, data_file, tmp_path):
     """gradient_checkpointing_every_n_layers: 2 recomputes only layer 0 of the tiny Llama's two (transformers'
     every_n_layers; the trained model keeps the flags the Trainer set) and trains the same adapter as checkpointing

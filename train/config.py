@@ -153,6 +153,10 @@ class TrainConfig:
         rows of at most max(longest example, 512) tokens, position ids restarting with each example and no
         attention across examples (sdpa, eager and flex_attention build the block-causal mask; flash_attention_2
         gets one row)."""))
+    pad_multiple: Optional[int] = field(default=None, **_help("""Each batch's length (each row's with packing) is
+        rounded up to a multiple of this many tokens; the padding is masked, so the loss and gradients are those of
+        the unrounded batch up to rounding error. Fewer distinct batch shapes: attention backends that build a plan
+        per shape (cuDNN's, which torch's sdpa picks on Hopper GPUs) build fewer. Unset: 1 (no rounding)."""))
 
     # ---- optimization
     lr: float = field(default=2e-4, **_help("Peak learning rate of AdamW over the adapter parameters."))
@@ -338,6 +342,8 @@ class TrainConfig:
             bad("epochs", f"must be > 0 when max_steps is unset, got {self.epochs:g}")
         if self.eval_batch_size is not None and self.eval_batch_size < 1:
             bad("eval_batch_size", "must be >= 1")
+        if self.pad_multiple is not None and self.pad_multiple < 1:
+            bad("pad_multiple", f"must be >= 1 (1: no rounding), got {self.pad_multiple}")
         if self.resume is not None and not isinstance(self.resume, str):
             bad("resume", f"must be 'auto' or a checkpoint folder, got {self.resume!r}")
         if self.report_to is not None:
@@ -422,10 +428,10 @@ class TrainConfig:
     #: order or the schedule's length); everything else (logging, save/eval cadence, trackers) may.
     RESUME_INVARIANT = ("model", "target_modules", "target_parameters", "column_modules", "row_modules", "nblocks",
                         "r", "lora_alpha", "lora_dropout", "lora_backend", "a_init", "train_file", "eval_file",
-                        "eval_fraction", "data_format", "max_length", "packing", "lr", "weight_decay", "adam_betas",
-                        "adam_eps", "max_grad_norm", "scheduler", "warmup_ratio", "warmup_steps", "batch_size",
-                        "grad_accum", "epochs", "max_steps", "precision", "seed", "load_in_4bit", "load_in_8bit",
-                        "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
+                        "eval_fraction", "data_format", "max_length", "packing", "pad_multiple", "lr", "weight_decay",
+                        "adam_betas", "adam_eps", "max_grad_norm", "scheduler", "warmup_ratio", "warmup_steps",
+                        "batch_size", "grad_accum", "epochs", "max_steps", "precision", "seed", "load_in_4bit",
+                        "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
                         "kbit_upcast_fp32")
 
 
@@ -526,7 +532,7 @@ OTHER_TOOLS_NAMED = {
     "num_epochs": "epochs", "sequence_len": "max_length", "cutoff_len": "max_length", "max_seq_length": "max_length",
     "sample_packing": "packing", "val_set_size": "eval_fraction", "val_size": "eval_fraction",
     "init_lora_weights": "a_init", "optimizer": "training_args.optim", "optim": "training_args.optim",
-    "enable_liger_kernel": "use_liger_kernel",
+    "enable_liger_kernel": "use_liger_kernel", "pad_to_multiple_of": "pad_multiple",
 }
 #: Every key of transformers or another tool that bdlora names otherwise, with bdlora's key for it.
 NAMED_ELSEWHERE = {**OTHER_TOOLS_NAMED, **TRAINING_ARGS_NAMED}

@@ -761,11 +761,16 @@ def _features_of(e) -> dict:
     return {"input_ids": list(e["input_ids"]), "labels": list(e["labels"])}
 
 
-def collate(examples: list, pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded batch: input_ids, attention_mask, labels (-100 on padding). Takes Examples or mappings with
-    input_ids and labels (rows of :func:`examples_to_dataset`)."""
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def collate(examples: list, pad_id: int, pad_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, attention_mask, labels (-100 on padding), its length the longest example's
+    rounded up to ``pad_multiple``. Takes Examples or mappings with input_ids and labels (rows of
+    :func:`examples_to_dataset`)."""
     feats = [_features_of(e) for e in examples]
-    n = max(len(f["input_ids"]) for f in feats)
+    n = _round_up(max(len(f["input_ids"]) for f in feats), pad_multiple)
     ids = torch.full((len(feats), n), pad_id, dtype=torch.long)
     labels = torch.full((len(feats), n), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(feats), n), dtype=torch.long)
@@ -777,9 +782,11 @@ def collate(examples: list, pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def pack_rows(examples: list, pad_id: int, row_tokens: int | None = None) -> dict[str, torch.Tensor]:
+def pack_rows(examples: list, pad_id: int, row_tokens: int | None = None, pad_multiple: int = 1
+              ) -> dict[str, torch.Tensor]:
     """Padding-free batch: the examples packed first-fit decreasing into rows of at most ``max(longest example,
-    row_tokens)`` tokens (``None``: all in one row), each row right-padded to the longest row. Per token:
+    row_tokens)`` tokens (``None``: all in one row), each row right-padded to the longest row rounded up to
+    ``pad_multiple``. Per token:
     ``position_ids`` restarting at 0 with each example (the padding tail is a segment of its own), ``labels`` ours
     except each example's first token (-100: it would be predicted from the previous example's last token), and
     ``attention_mask`` 1 on example tokens, 0 on the tail. The mask only counts tokens (the Trainer's
@@ -791,7 +798,7 @@ def pack_rows(examples: list, pad_id: int, row_tokens: int | None = None) -> dic
     lengths = [len(f["input_ids"]) for f in feats]
     cap = sum(lengths) if row_tokens is None else max(max(lengths), row_tokens)
     rows = fill_rows(lengths, cap)
-    width = max(sum(lengths[i] for i in r) for r in rows)
+    width = _round_up(max(sum(lengths[i] for i in r) for r in rows), pad_multiple)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     positions = torch.zeros((len(rows), width), dtype=torch.long)
@@ -812,24 +819,27 @@ def pack_rows(examples: list, pad_id: int, row_tokens: int | None = None) -> dic
 class Collator:
     """A picklable batch function (DataLoader workers): padded, or padding-free (:func:`pack_rows`) batches."""
 
-    def __init__(self, pad_id: int, padding_free: bool = False, row_tokens: int | None = None):
+    def __init__(self, pad_id: int, padding_free: bool = False, row_tokens: int | None = None,
+                 pad_multiple: int = 1):
         self.pad_id, self.padding_free, self.row_tokens = pad_id, padding_free, row_tokens
+        self.pad_multiple = pad_multiple
 
     def __call__(self, examples: list) -> dict[str, torch.Tensor]:
         if not self.padding_free:
-            return collate(examples, self.pad_id)
-        return pack_rows(examples, self.pad_id, self.row_tokens)
+            return collate(examples, self.pad_id, self.pad_multiple)
+        return pack_rows(examples, self.pad_id, self.row_tokens, self.pad_multiple)
 
 
-def make_collator(pad_id: int, padding_free: bool = False, row_tokens: int | None = None) -> Collator:
+def make_collator(pad_id: int, padding_free: bool = False, row_tokens: int | None = None, pad_multiple: int = 1
+                  ) -> Collator:
     """Batches of Examples (or dataset rows): right-padded ``{input_ids, attention_mask, labels}`` (B, T), or with
     ``padding_free`` rows of packed examples (:func:`pack_rows`: rows of at most ``max(longest, row_tokens)``
     tokens, ``None`` one row) for attention that reads the example boundaries from ``position_ids``: transformers'
     sdpa / eager / flex build a block-causal mask from them in every row, flash-attention only in a single row (give
     it ``row_tokens=None``). The forward must drop the batch's ``attention_mask`` (it only counts tokens) and run
     without a KV cache (``model.config.use_cache = False``): otherwise the examples silently attend to each other
-    (transformers 5.19)."""
-    return Collator(pad_id, padding_free, row_tokens)
+    (transformers 5.19). ``pad_multiple``: the batch's length rounded up to a multiple of it (masked padding)."""
+    return Collator(pad_id, padding_free, row_tokens, pad_multiple)
 
 
 class DataStream:

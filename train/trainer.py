@@ -492,14 +492,15 @@ class _Collator:
     example indices (``sample_index``), recorded by the trainer when the micro-batch is trained on (the dataloader
     prefetches batches ahead, so the collator cannot know which are used)."""
 
-    def __init__(self, pad_id: int, packing: bool, record: bool, attn_implementation: Optional[str] = None):
+    def __init__(self, pad_id: int, packing: bool, record: bool, attn_implementation: Optional[str] = None,
+                 pad_multiple: int = 1):
         from .data import make_collator
         from .engine.packing import MIN_ROW_TOKENS
 
         # transformers reads packed examples from the position ids in every row for sdpa / eager / flex, but only
         # in a single row for flash-attention
         one_row = "flash" in (attn_implementation or "")
-        self.inner = make_collator(pad_id, packing, None if one_row else MIN_ROW_TOKENS)
+        self.inner = make_collator(pad_id, packing, None if one_row else MIN_ROW_TOKENS, pad_multiple)
         self.record = record
 
     def __call__(self, rows: list[dict]) -> dict:
@@ -756,7 +757,7 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     trainer = BDLoraTrainer(model=model, args=args, train_dataset=examples_to_dataset(train_ex),
                             eval_dataset=examples_to_dataset(eval_ex) if eval_ex else None,
                             data_collator=_Collator(tokenizer.pad_token_id, cfg.packing, record is not None,
-                                                    cfg.attn_implementation),
+                                                    cfg.attn_implementation, cfg.pad_multiple or 1),
                             processing_class=tokenizer, callbacks=callbacks)
     trainer.record_path = record
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -92,7 +92,7 @@ def run_trainer(a) -> dict:
                       max_steps=a.warmup + a.steps, log_every=1, output_dir=str(out), report_to=[], progress=False,
                       overwrite_output_dir=True,  # this script's scratch folder: a repeat or a second run trains anew
                       gradient_checkpointing=a.grad_ckpt, gradient_checkpointing_every_n_layers=a.grad_ckpt_every,
-                      attn_implementation="sdpa", packing=a.packing,
+                      attn_implementation="sdpa", packing=a.packing, pad_multiple=a.pad_multiple,
                       training_args={"dataloader_num_workers": 0, "torch_compile": a.compile,
                                      **(length_grouped_sampling() if a.group_by_length else {})},
                       use_liger_kernel=a.liger,
@@ -176,6 +176,8 @@ def main() -> int:
     ap.add_argument("--grad-ckpt-every", type=int, default=1,
                     help="with --grad-ckpt: the trainer recomputes every n-th decoder layer only (the loop: every one)")
     ap.add_argument("--packing", action="store_true")
+    ap.add_argument("--pad-multiple", type=int, default=None,
+                    help="the trainer's pad_multiple (batches rounded up to a multiple of this many tokens)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run every side this many times in turn (loop, trainers, loop, ...): each repeat's "
                          "trainer/loop ratio, median / min / max, is printed last (one call's figures move 10-30%%)")
@@ -205,6 +207,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     base = {"shape": a.shape, "rank": a.rank, "nblocks": a.nblocks, "batch": a.batch, "seq": a.seq or "30-250",
             "grad_ckpt": a.grad_ckpt, "grad_ckpt_every": a.grad_ckpt_every, "packing": a.packing,
+            "pad_multiple": a.pad_multiple,
             "load_in_4bit": a.load_in_4bit, "timed_steps": a.steps, "warmup_steps": a.warmup,
             "profile_steps": a.profile, "date": time.strftime("%Y-%m-%d")}
     if a.model is None:  # parent: prepare model + data once, then one child process per side

@@ -529,7 +529,7 @@ def load_run(path: str | os.PathLike, overrides: Optional[dict[str, Any]] = None
 def describe_run_keys() -> str:
     """Every key of a run file with its default and help, as commented YAML (``bdlora sweep --print-config``)."""
     refused = set(NOT_HONOURED) - {"packing"} | {"gradient_checkpointing", "gradient_checkpointing_every_n_layers",
-                                                 "training_args"}
+                                                 "training_args"} | set(ENGINE_KEYS)  # pad_multiple: listed once
     job = describe_keys(JobConfig, {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "train_file": "data/train.jsonl",
                                     "packing": True}, exclude=refused)
     engine = describe_keys(EngineKeys)
