@@ -84,7 +84,8 @@ def run_trainer(a) -> dict:
     from bdlora.train.trainer import run_training
 
     extras = "".join(f"-{name}" for name, on in (("liger", a.liger), ("compile", a.compile),
-                                                  ("grouped", a.group_by_length), ("nocudnn", a.no_cudnn_sdp)) if on)
+                                                  ("grouped", a.group_by_length), ("nocudnn", a.no_cudnn_sdp),
+                                                  (f"pad{a.pad_multiple}", a.pad_multiple)) if on)
     out = Path(a.workdir) / f"trainer-{a.tag}-{a.lora_backend}{extras}"
     cfg = TrainConfig(model=str(a.model), precision="bf16", nblocks=a.nblocks, r=a.rank, lora_alpha=16,
                       train_file=str(a.data), data_format="text", eval_fraction=0.0, max_length=a.max_len + 8,
@@ -107,7 +108,7 @@ def run_trainer(a) -> dict:
     dt, dtok = t[s1][0] - t[s0][0], t[s1][1] - t[s0][1]
     steps = sorted(t)
     step_times = [t[b][0] - t[a_][0] for a_, b in zip(steps, steps[1:]) if a_ >= s0]
-    return {"side": "bdlora trainer", "tok_per_s": round(dtok / dt, 1),
+    return {"side": "bdlora trainer", "pad_multiple": a.pad_multiple, "tok_per_s": round(dtok / dt, 1),
             "step_s_median": round(sorted(step_times)[len(step_times) // 2], 4),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
             "final_loss": res.train_loss,
@@ -190,7 +191,8 @@ def main() -> int:
                          "with use_liger_kernel: true, the others with false (Liger Kernel through transformers: "
                          "fused RMSNorm, SwiGLU, RoPE and linear cross-entropy); +compile adds "
                          "training_args.torch_compile (e.g. auto+liger+compile), +grouped transformers' "
-                         "length-grouped sampler, +nocudnn SDPA with its cuDNN backend off")
+                         "length-grouped sampler, +nocudnn SDPA with its cuDNN backend off, +padN pad_multiple N "
+                         "(e.g. auto+liger+pad64)")
     ap.add_argument("--lora-backend", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--liger", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
@@ -221,10 +223,11 @@ def main() -> int:
             backend, *extras = side.partition(":")[2].split("+")
             liger, compile_, grouped = "liger" in extras, "compile" in extras, "grouped" in extras
             no_cudnn = "nocudnn" in extras
+            pad = next((x[3:] for x in extras if x.startswith("pad") and x[3:].isdigit()), None)
             label = ("plain PEFT loop" if side == "loop" else f"bdlora trainer (lora_backend {backend}"
                      + (", Liger kernels" if liger else "") + (", torch_compile" if compile_ else "")
                      + (", length-grouped batches" if grouped else "")
-                     + (", SDPA without cuDNN" if no_cudnn else "") + ")")
+                     + (", SDPA without cuDNN" if no_cudnn else "") + (f", pad_multiple {pad}" if pad else "") + ")")
             if side == "loop":
                 cmd = [sys.executable, str(HERE / "peft_bf16_loop.py"), "--shape", a.shape, "--rank", str(a.rank),
                        "--nblocks", str(a.nblocks), "--steps", str(a.steps), "--warmup", str(a.warmup),
@@ -238,7 +241,7 @@ def main() -> int:
                 cmd = ([sys.executable, __file__, *sys.argv[1:], "--side", "trainer", "--model", str(model),
                         "--data", str(data), "--lora-backend", backend] + (["--liger"] if liger else [])
                        + (["--compile"] if compile_ else []) + (["--group-by-length"] if grouped else [])
-                       + (["--no-cudnn-sdp"] if no_cudnn else []))
+                       + (["--no-cudnn-sdp"] if no_cudnn else []) + (["--pad-multiple", pad] if pad else []))
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
             rec = {**base, "side": label, "repeat": repeat}
