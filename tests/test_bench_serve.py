@@ -923,6 +923,37 @@ def test_moe_parity_serves_an_adapter_bdlora_train_made(tmp_path, capsys):
     assert out["expert_effect"] > 1e-3
 
 
+def test_moe_proxy_whole_model_bd_adapter_is_a_bd_expert_adapter_of_n_blocks(tmp_path, capsys):
+    """--whole-model serves the whole model at TP=N: ``bd`` gets a BD-LoRA adapter of N blocks on attention and
+    both expert tensors, each GPU's share of which is what ``adapter_bytes_per_gpu`` computes for BD; ``fully``
+    gets the dense rank-r adapter. ``share`` (one GPU's shard only) and ``fully`` without --whole-model are refused."""
+    from safetensors import safe_open
+
+    from bdlora.adapter import load_adapter
+    from bench.serve.moe_proxy import main as proxy_main
+
+    def prepare(engine, *extra):
+        out = tmp_path / f"{engine}.json"
+        rc = proxy_main(["--shape", "tiny", "--tp", "2", "--r", "16", "--only", engine, "--prepare-only",
+                         "--root", str(tmp_path / engine), "--out", str(out), *extra])
+        return rc, json.loads(out.read_text()) if rc == 0 else None
+
+    rc, res = prepare("bd", "--whole-model")
+    assert rc == 0 and res["whole_model"]
+    adapter = load_adapter(res["adapter"])
+    assert adapter.config.nblocks == 2 and adapter.config.r == 16 and len(adapter.experts) == 4
+    with safe_open(str(Path(res["adapter"]) / "adapter_model.safetensors"), "pt") as f:
+        stored = sum(f.get_tensor(k).numel() * 2 for k in f.keys())
+    assert stored == 2 * res["adapter_bytes_per_gpu"]["bd"]
+    rc, res = prepare("fully", "--whole-model")
+    assert rc == 0 and json.loads((Path(res["adapter"]) / "adapter_config.json").read_text())["r"] == 16
+    for engine, extra, message in (("share", ["--whole-model"], "on the whole model compare --only fully"),
+                                   ("fully", [], "add --whole-model")):
+        with pytest.raises(SystemExit):
+            prepare(engine, *extra)
+        assert message in capsys.readouterr().err
+
+
 def test_moe_proxy_report_tables_each_engine_and_bd_against_vllms_lora():
     from bench.serve.moe_proxy import report
 
@@ -940,20 +971,27 @@ def test_moe_proxy_report_tables_each_engine_and_bd_against_vllms_lora():
     assert "| 1 | 3.00 / 55.0 | 4.40 / 65.0 | 3.30 / 60.0 | 0.750 |" in lines  # steady step medians, not decode_ms
     assert "| 8 | 4.50 / 66.0 | not run | 5.00 / 70.0 | n/a |" in lines
     assert "vLLM's default 1,024 MiB, `--fully-sharded-loras` 512 MiB, BD-LoRA 256 MiB" in table
+    whole = {**run("fully", [(1, 5.0, 80.0)]), "whole_model": True, "slot_bytes_per_gpu": [2**29, 2**29]}
+    table = report([run("bd", [(1, 3.3, 60.0)]), whole])
+    assert "TP=4 (the whole model on 4 GPUs)" in table and "TP=4 (one GPU's shard" in table
+    assert "`--fully-sharded-loras` (rank r) 512 MiB" in table  # measured slot bytes, largest GPU
 
 
 def test_moe_proxy_run_puts_one_engine_on_each_gpu(tmp_path):
     """The driver: TP:ENGINE arguments checked, each engine on a GPU of its own (CPU: the tiny shape, prepare only),
     then the table of the results; a bad argument is refused before anything runs."""
     env = dict(os.environ, OUT=str(tmp_path), MOE_PROXY_GPUS="0 1", MOE_PROXY_ARGS="--shape tiny --prepare-only")
-    p = subprocess.run(["bash", str(ROOT / "bench/serve/moe_proxy_run.sh"), "2:lora", "2:bd", "2:base"], env=env,
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(["bash", str(ROOT / "bench/serve/moe_proxy_run.sh"), "2:lora", "w2:fully", "2:bd", "2:base",
+                        "w4:bd"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "tp2-lora on GPU 0" in p.stdout and "tp2-bd on GPU 1" in p.stdout and "tp2-base on GPU 0" in p.stdout
+    assert "whole-tp2-fully on GPU 0,1" in p.stdout and "w4:bd needs 4 GPUs, 2 listed: skipped" in p.stdout
     results = {f.name for f in (tmp_path / "moe_proxy").glob("*.json")}
-    assert results == {"tp2-lora.json", "tp2-bd.json", "tp2-base.json"}
+    assert results == {"tp2-lora.json", "tp2-bd.json", "tp2-base.json", "whole-tp2-fully.json"}
     assert json.loads((tmp_path / "moe_proxy" / "tp2-bd.json").read_text())["engine"] == "bd"
-    assert "| batch | no LoRA |" in (tmp_path / "moe_proxy" / "table.md").read_text()
+    assert json.loads((tmp_path / "moe_proxy" / "whole-tp2-fully.json").read_text())["whole_model"] is True
+    table = (tmp_path / "moe_proxy" / "table.md").read_text()
+    assert "| batch | no LoRA |" in table and "TP=2 (the whole model on 2 GPUs)" in table
     bad = subprocess.run(["bash", str(ROOT / "bench/serve/moe_proxy_run.sh"), "2:nope"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "give TP:ENGINE" in bad.stdout

@@ -23,6 +23,11 @@ Engines (each in its own process, ``--only``), all adapters on q/k/v/o and both 
 The tensor-parallel all-reduce after attention and experts is the base model's and the same for all three, so it
 is left out. ``--fully-sharded-loras`` adds LoRA collectives that one GPU cannot show; its per-GPU adapter bytes are
 in the JSON beside the others (``adapter_bytes_per_gpu``: computed from the factors' shapes at TP=N).
+
+``--whole-model`` serves the whole model at TP=N on N GPUs instead (collectives included): ``lora`` the dense rank-r
+adapter through vLLM's MoE LoRA, ``fully`` the same with ``--fully-sharded-loras``, ``bd`` a BD-LoRA adapter of rank
+r with N blocks through ``--enable-bdlora``. Every LoRA engine also records the adapter's measured bytes per GPU (its
+slot in the LoRA buffers, ``lora_memory``).
 Per batch size (``--batches``): decode ms/step and steady step ms (``auto_proxy.decode_ms`` / ``step_ms``) with
 prompts of 128 tokens, and TTFT of 1024-token prompts. Per-expert models need vLLM's mixed MoE LoRA format
 (``enable_mixed_moe_lora_format``, ``is_3d_lora_weight``), set where the vLLM version has them.
@@ -38,6 +43,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(lora_memory) to TP workers
 
 FULL = {"H": 2048, "L": 48, "E": 128, "topk": 8, "I": 768, "NH": 32, "NKV": 4, "HD": 128, "V": 151936}
 TINY = {"H": 64, "L": 2, "E": 4, "topk": 2, "I": 32, "NH": 4, "NKV": 2, "HD": 16, "V": 1024}
@@ -49,8 +55,8 @@ def shard(full: dict, tp: int) -> dict:
     return dict(full, I=full["I"] // tp, NH=full["NH"] // tp, NKV=max(full["NKV"] // tp, 1), V=full["V"] // tp)
 
 
-def write_model(root: Path, sh: dict) -> Path:
-    d = root / "qwen3moe-shard"
+def write_model(root: Path, sh: dict, name: str = "qwen3moe-shard") -> Path:
+    d = root / name
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps({
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": sh["H"],
@@ -99,6 +105,39 @@ def write_adapter(root: Path, name: str, r: int, sh: dict, seed: int = 0) -> Pat
     return d
 
 
+def write_bd_adapter(root: Path, name: str, r: int, sh: dict, nblocks: int, seed: int = 0) -> Path:
+    """A BD-LoRA adapter (``nblocks`` blocks, rank r) on attention and both fused expert tensors of a model of shape
+    ``sh``, as ``bdlora train`` writes one (random bf16 factors)."""
+    import torch
+
+    from bdlora.adapter import Adapter, AdapterConfig, add_experts, save_adapter
+    from bdlora.layout import LoraFactors, packed_shapes
+    from bdlora.moe import ExpertFactors
+    from bdlora.moe import factor_shapes as expert_factor_shapes
+    from bdlora.spec import BDLoraSpec
+
+    h, e, i, q, kv = sh["H"], sh["E"], sh["I"], sh["NH"] * sh["HD"], sh["NKV"] * sh["HD"]
+    spec = BDLoraSpec.from_preset("qwen3_moe", nblocks=nblocks, r=r, lora_alpha=2 * r)
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(shape):
+        return (torch.randn(shape, generator=g) * 0.01).to(torch.bfloat16)
+
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    modules, experts = {}, {}
+    for layer in range(sh["L"]):
+        for proj, (d_in, d_out) in dims.items():
+            layout = "column" if proj in spec.column_modules else "row"
+            a, b = packed_shapes(layout, d_in, d_out, r, nblocks)
+            modules[f"base_model.model.model.layers.{layer}.self_attn.{proj}"] = LoraFactors(
+                rand(a), rand(b), layout, nblocks, spec.scale)
+        for t, weight in (("gate_up_proj", (e, 2 * i, h)), ("down_proj", (e, h, i))):
+            a, b = expert_factor_shapes(t, weight, nblocks, r)
+            experts[f"base_model.model.model.layers.{layer}.mlp.experts.{t}"] = ExpertFactors(
+                t, rand(a), rand(b), nblocks, spec.scale)
+    return save_adapter(add_experts(Adapter(AdapterConfig.from_spec(spec), modules), experts), root / name)
+
+
 def adapter_bytes_per_gpu(full: dict, tp: int, r: int) -> dict[str, int]:
     """bf16 bytes of one rank-r adapter's factors held by each GPU at TP=``tp``: vLLM's default LoRA (one factor of
     each pair replicated), ``--fully-sharded-loras`` (both sharded; collectives added) and BD-LoRA (r/N per GPU)."""
@@ -116,7 +155,17 @@ def adapter_bytes_per_gpu(full: dict, tp: int, r: int) -> dict[str, int]:
     return {k: 2 * full["L"] * v for k, v in (("vllm_default", default), ("fully_sharded", fully), ("bd", bd))}
 
 
-def engine_kwargs(only: str, sh: dict, root: Path, r: int, tp: int, mem: float) -> tuple[dict, object]:
+def write_engine_adapter(only: str, sh: dict, root: Path, r: int, tp: int, whole: bool) -> tuple[Path, int]:
+    """(adapter folder, its rank) of engine ``only``: on a one-GPU shard the per-GPU factors (rank r, or r/N for
+    ``bd`` and ``share``); on the whole model the dense rank-r adapter, or for ``bd`` a BD-LoRA adapter of N blocks."""
+    if whole and only == "bd":
+        return write_bd_adapter(root, f"bd_r{r}_n{tp}", r, sh, tp), r
+    rank = r if only in ("lora", "fully") or whole else r // tp
+    return write_adapter(root, f"dense_r{rank}", rank, sh), rank
+
+
+def engine_kwargs(only: str, sh: dict, root: Path, r: int, tp: int, mem: float, whole: bool = False
+                  ) -> tuple[dict, object]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.lora.request import LoRARequest
 
@@ -125,9 +174,11 @@ def engine_kwargs(only: str, sh: dict, root: Path, r: int, tp: int, mem: float) 
     kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN,
               max_num_seqs=64, max_num_batched_tokens=BATCHED_TOKENS, gpu_memory_utilization=mem,
               enable_prefix_caching=False)
+    if whole:
+        kw["tensor_parallel_size"] = tp
     if only == "base":
         return kw, None
-    rank = r if only == "lora" else r // tp
+    folder, rank = write_engine_adapter(only, sh, root, r, tp, whole)
     kw.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
     extra = {}
     if only == "bd":  # the plugin hands its MoE LoRA layers per-expert factors itself
@@ -137,24 +188,28 @@ def engine_kwargs(only: str, sh: dict, root: Path, r: int, tp: int, mem: float) 
             kw["enable_mixed_moe_lora_format"] = True
         if "is_3d_lora_weight" in inspect.signature(LoRARequest).parameters:
             extra["is_3d_lora_weight"] = True
-    return kw, LoRARequest(f"{only}_r{rank}", 1, str(write_adapter(root, f"{only}_r{rank}", rank, sh)), **extra)
+        if only == "fully":
+            kw["fully_sharded_loras"] = True
+    return kw, LoRARequest(f"{only}_r{rank}", 1, str(folder), **extra)
 
 
 ENGINE_LABELS = {"base": "no LoRA", "lora": "vLLM's LoRA (rank r)", "share": "vLLM's LoRA at rank r/N",
-                 "bd": "BD-LoRA, `--enable-bdlora` (rank r/N)"}
+                 "fully": "`--fully-sharded-loras` (rank r)", "bd": "BD-LoRA, `--enable-bdlora` (rank r/N)"}
 
 
 def report(results: list[dict]) -> str:
     """A markdown table of ``--only`` runs' JSON: per TP size and batch, each engine's steady decode step (median
     ms) and 1024-token TTFT, BD's decode against vLLM's LoRA, and each engine's adapter bytes per GPU."""
     lines = []
-    for tp in sorted({r["tp"] for r in results}):
-        runs = {r["engine"]: r for r in results if r["tp"] == tp}
+    for tp, whole in sorted({(r["tp"], bool(r.get("whole_model"))) for r in results}):
+        runs = {r["engine"]: r for r in results if r["tp"] == tp and bool(r.get("whole_model")) == whole}
         engines = [e for e in ENGINE_LABELS if e in runs]
         head = runs[engines[0]]
         compared = {"bd", "lora"} <= set(runs)  # a column of BD's decode step against vLLM's LoRA
-        lines += [f"TP={tp} (one GPU's shard: {head['shard']['E']} experts {head['shard']['I']} wide, "
-                  f"{head['shard']['NH']} query heads), rank r={head['r']}, {head.get('device', '?')}, "
+        served = (f"the whole model on {tp} GPUs" if whole else
+                  f"one GPU's shard: {head['shard']['E']} experts {head['shard']['I']} wide, "
+                  f"{head['shard']['NH']} query heads")
+        lines += [f"TP={tp} ({served}), rank r={head['r']}, {head.get('device', '?')}, "
                   f"vLLM {head.get('vllm', '?')}, {head['date']}; decode step median ms / TTFT ms (1024 tokens):", "",
                   "| batch | " + " | ".join(ENGINE_LABELS[e] for e in engines)
                   + (" | BD / vLLM's LoRA, decode |" if compared else " |"),
@@ -175,7 +230,12 @@ def report(results: list[dict]) -> str:
         per_gpu = head["adapter_bytes_per_gpu"]
         lines += ["", "Adapter bytes per GPU (computed): vLLM's default "
                   f"{per_gpu['vllm_default'] / 2**20:,.0f} MiB, `--fully-sharded-loras` "
-                  f"{per_gpu['fully_sharded'] / 2**20:,.0f} MiB, BD-LoRA {per_gpu['bd'] / 2**20:,.0f} MiB.", ""]
+                  f"{per_gpu['fully_sharded'] / 2**20:,.0f} MiB, BD-LoRA {per_gpu['bd'] / 2**20:,.0f} MiB."]
+        measured = [f"{ENGINE_LABELS[e]} {max(runs[e]['slot_bytes_per_gpu']) / 2**20:,.0f} MiB" for e in engines
+                    if runs[e].get("slot_bytes_per_gpu")]
+        if measured:
+            lines.append("Measured (the adapter's slot in the LoRA buffers, largest GPU): " + ", ".join(measured) + ".")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -200,8 +260,11 @@ def main(argv=None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=4, help="the tensor-parallel size whose one-GPU shard is served")
+    ap.add_argument("--whole-model", action="store_true",
+                    help="serve the whole model at TP=--tp on that many GPUs (collectives included)")
     ap.add_argument("--shape", choices=["qwen3-30b-a3b", "tiny"], default="qwen3-30b-a3b")
-    ap.add_argument("--only", choices=["base", "lora", "bd", "share"], default="base")
+    ap.add_argument("--only", choices=["base", "lora", "bd", "share", "fully"], default="base",
+                    help="share: one GPU's shard only; fully (--fully-sharded-loras): --whole-model only")
     ap.add_argument("--r", type=int, default=64, help="the adapter's total rank (bd serves r / tp)")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--mem", type=float, default=0.45, help="gpu_memory_utilization")
@@ -212,14 +275,19 @@ def main(argv=None) -> int:
     full = FULL if a.shape != "tiny" else TINY
     if a.r % a.tp or full["I"] % a.tp or full["NH"] % a.tp:
         ap.error(f"--r {a.r}, the expert intermediate {full['I']} and the {full['NH']} heads must divide by --tp {a.tp}")
-    sh = shard(full, a.tp)
+    if a.only == "share" and a.whole_model:
+        ap.error("--only share is the rank r/N factors on one GPU's shard; on the whole model compare --only fully")
+    if a.only == "fully" and not a.whole_model:
+        ap.error("--only fully (--fully-sharded-loras) adds collectives one GPU's shard cannot show: add --whole-model")
+    sh = full if a.whole_model else shard(full, a.tp)
     root = Path(a.root)
-    model = write_model(root, sh)
-    res = {"shape": a.shape, "tp": a.tp, "shard": sh, "r": a.r, "engine": a.only, "date": time.strftime("%Y-%m-%d"),
+    model = write_model(root, sh, "qwen3moe-whole" if a.whole_model else "qwen3moe-shard")
+    res = {"shape": a.shape, "tp": a.tp, "whole_model": a.whole_model, "shard": shard(full, a.tp), "r": a.r,
+           "engine": a.only, "date": time.strftime("%Y-%m-%d"),
            "adapter_bytes_per_gpu": adapter_bytes_per_gpu(full, a.tp, a.r)}
     if a.prepare_only:
-        kw, lora = engine_kwargs(a.only, sh, root, a.r, a.tp, a.mem) if a.only != "base" else ({}, None)
-        res["adapter"] = getattr(lora, "lora_path", None)
+        res["adapter"] = (str(write_engine_adapter(a.only, sh, root, a.r, a.tp, a.whole_model)[0])
+                          if a.only != "base" else None)
         Path(a.out).write_text(json.dumps(res, indent=1))
         return 0
     import vllm
@@ -227,7 +295,7 @@ def main(argv=None) -> int:
 
     from bench.serve.auto_proxy import decode_ms, device_name, step_ms, ttft_ms
 
-    kw, lora = engine_kwargs(a.only, sh, root, a.r, a.tp, a.mem)
+    kw, lora = engine_kwargs(a.only, sh, root, a.r, a.tp, a.mem, a.whole_model)
     t0 = time.perf_counter()
     llm = LLM(str(model), **kw)
     res.update(vllm=vllm.__version__, device=device_name(), startup_s=round(time.perf_counter() - t0, 1), rows=[])
@@ -239,6 +307,14 @@ def main(argv=None) -> int:
         res["rows"].append(row)
         Path(a.out).write_text(json.dumps(res, indent=1))
         print(a.only, json.dumps(row), flush=True)
+    if lora is not None:  # the adapter is in its slot after the requests above
+        from bdlora.vllm_plugin.diagnostics import lora_memory
+
+        try:
+            res["slot_bytes_per_gpu"] = [m["slot"] for m in llm.collective_rpc(lora_memory, args=(1,))]
+        except Exception as e:  # the timings above stand without it
+            res["slot_bytes_error"] = repr(e)
+        Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
 
 
