@@ -761,16 +761,14 @@ def _features_of(e) -> dict:
     return {"input_ids": list(e["input_ids"]), "labels": list(e["labels"])}
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def collate(examples: list, pad_id: int, pad_multiple: int = 1) -> dict[str, torch.Tensor]:
     """Right-padded batch: input_ids, attention_mask, labels (-100 on padding), its length the longest example's
     rounded up to ``pad_multiple``. Takes Examples or mappings with input_ids and labels (rows of
     :func:`examples_to_dataset`)."""
+    from .engine.packing import round_up
+
     feats = [_features_of(e) for e in examples]
-    n = _round_up(max(len(f["input_ids"]) for f in feats), pad_multiple)
+    n = round_up(max(len(f["input_ids"]) for f in feats), pad_multiple)
     ids = torch.full((len(feats), n), pad_id, dtype=torch.long)
     labels = torch.full((len(feats), n), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(feats), n), dtype=torch.long)
@@ -792,13 +790,13 @@ def pack_rows(examples: list, pad_id: int, row_tokens: int | None = None, pad_mu
     ``attention_mask`` 1 on example tokens, 0 on the tail. The mask only counts tokens (the Trainer's
     ``non_padding`` count): the model must run without it, so that transformers derives the block-causal mask from
     the position ids (:meth:`BDLoraTrainer.compute_loss` drops it)."""
-    from .engine.packing import fill_rows
+    from .engine.packing import fill_rows, round_up
 
     feats = [_features_of(e) for e in examples]
     lengths = [len(f["input_ids"]) for f in feats]
     cap = sum(lengths) if row_tokens is None else max(max(lengths), row_tokens)
     rows = fill_rows(lengths, cap)
-    width = _round_up(max(sum(lengths[i] for i in r) for r in rows), pad_multiple)
+    width = round_up(max(sum(lengths[i] for i in r) for r in rows), pad_multiple)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     positions = torch.zeros((len(rows), width), dtype=torch.long)

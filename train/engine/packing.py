@@ -31,7 +31,7 @@ class Item:
 MIN_ROW_TOKENS = 512  # short samples share rows up to this length: little padding, attention still cheap
 
 
-def _round_up(n: int, m: int) -> int:
+def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
@@ -68,7 +68,7 @@ def bin_cost(job_lengths: dict[int, Sequence[int]], pad_multiple: int = 1) -> in
         return 0
     cap = row_cap([n for ls in job_lengths.values() for n in ls])
     rows = [t for ls in job_lengths.values() for t in row_sums(ls, cap)]
-    return len(rows) * _round_up(max(rows), pad_multiple)
+    return len(rows) * round_up(max(rows), pad_multiple)
 
 
 class _Bin:
@@ -107,7 +107,7 @@ class _Bin:
         mine = self._rows_of(job, new, cap, memo)
         n_rows = len(mine) + sum(len(rs) for j, rs in others.items() if j != job)
         longest = max([max(mine)] + [max(rs) for j, rs in others.items() if j != job])
-        if budget is not None and n_rows * _round_up(longest, pad_multiple) > budget:
+        if budget is not None and n_rows * round_up(longest, pad_multiple) > budget:
             return False
         self.items.extend(idxs)
         self.lengths[job] = self.lengths.get(job, []) + new
@@ -215,7 +215,7 @@ def build_microbatch(bin_items: Sequence[Item], samples_of, pad_id: int = 0, pad
                         tl.append(s.input_ids[t])
             rows.append((ids, pos, tp, tl))
         job_rows.append((job, first, len(rows)))
-    L = _round_up(max(len(r[0]) for r in rows), pad_multiple)
+    L = round_up(max(len(r[0]) for r in rows), pad_multiple)
     all_ids, all_pos = [], []
     for ids, pos, _, _ in rows:
         pad = L - len(ids)
@@ -238,5 +238,5 @@ def plan_microbatches(requests: Sequence[tuple[int, Sequence[int]]], lengths_of,
     return pack_ffd(items, budget, pad_multiple)
 
 
-__all__ = ["Item", "MIN_ROW_TOKENS", "MicroBatch", "bin_cost", "build_microbatch", "fill_rows", "pack_ffd",
+__all__ = ["Item", "MIN_ROW_TOKENS", "MicroBatch", "bin_cost", "build_microbatch", "fill_rows", "pack_ffd", "round_up",
            "plan_microbatches", "row_cap", "row_sums"]
