@@ -238,5 +238,5 @@ def plan_microbatches(requests: Sequence[tuple[int, Sequence[int]]], lengths_of,
     return pack_ffd(items, budget, pad_multiple)
 
 
-__all__ = ["Item", "MIN_ROW_TOKENS", "MicroBatch", "bin_cost", "build_microbatch", "fill_rows", "pack_ffd", "round_up",
-           "plan_microbatches", "row_cap", "row_sums"]
+__all__ = ["Item", "MIN_ROW_TOKENS", "MicroBatch", "bin_cost", "build_microbatch", "fill_rows", "pack_ffd",
+           "plan_microbatches", "round_up", "row_cap", "row_sums"]
