@@ -105,8 +105,14 @@ def _kernel_variant_class():
             # to it: "cublas" runs them between compiled graphs)
             if partitioned or (self.backend == "auto" and (torch.compiler.is_compiling() or x.device.type != "cuda"
                                                            or x.numel() < AUTO_MIN_ROWS * x.shape[-1])):
-                # PEFT's own computation, its input cast included
-                return super().forward(module, active_adapter, x.to(lora_a.weight.dtype), result, **kwargs)
+                # PEFT's own computation. Its cast of the input to the factors' dtype is exact and, under autocast,
+                # undone by the GEMM's cast back to the autocast dtype: there it is left out (two copies of the
+                # activations per call, forward and backward), bit for bit PEFT's result, unless dropout is drawn
+                # (its masks depend on the dtype it draws them in)
+                drawing = module.training and isinstance(module.lora_dropout[active_adapter], torch.nn.Dropout)
+                if drawing or not torch.is_autocast_enabled(x.device.type):
+                    x = x.to(lora_a.weight.dtype)
+                return super().forward(module, active_adapter, x, result, **kwargs)
             dropout = module.lora_dropout[active_adapter]
             p = dropout.p if module.training and isinstance(dropout, torch.nn.Dropout) else 0.0
             layout = ROW if isinstance(lora_a, BlockDiagonalLinear) else COLUMN if isinstance(lora_b, BlockDiagonalLinear) else None

@@ -157,6 +157,39 @@ def test_backend_choice(tiny_llama_dir):
         use_bdlora_kernels(model, "fast")
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_auto_under_autocast_is_peft_bit_for_bit(tiny_llama_dir, dropout):
+    """Calls "auto" leaves to PEFT's computation, under bf16 autocast with a bf16 base and fp32 factors (bdlora
+    train's bf16 setup): without dropout the input goes to PEFT uncast (the GEMMs cast it for autocast anyway), with
+    dropout cast as PEFT does (its masks depend on the dtype); logits and every gradient equal PEFT's own layer bit for
+    bit either way."""
+    spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16, lora_dropout=dropout)
+    ref = _peft_model(tiny_llama_dir, spec, dtype=torch.bfloat16)
+    for p in ref.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    auto = copy.deepcopy(ref)
+    assert use_bdlora_kernels(auto, "auto") == 14
+    ref.train(), auto.train()
+    ids = _ids()
+    results = []
+    for model in (ref, auto):
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(_loss_and_grads(model, ids))
+    (logits_ref, g_ref), (logits, g) = results
+    assert torch.equal(logits, logits_ref)
+    assert g.keys() == g_ref.keys() and all(torch.equal(g[n], g_ref[n]) for n in g_ref)
+    if not dropout:  # and without PEFT's two copies of the input per layer (to fp32 and back) in the forward
+        def copies(model):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                    model(input_ids=ids)
+            return sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+
+        assert copies(ref) - copies(auto) >= 2 * 14
+
+
 def test_trainer_trains_the_same_adapter_on_either_backend(tiny_llama_dir, tmp_path):
     """``bdlora train`` with ``lora_backend: cublas`` against ``peft``: the same adapter after a few AdamW steps."""
     from safetensors.torch import load_file
