@@ -27,6 +27,18 @@ def _peft_model(model_dir, spec, dtype=torch.float32, seed=0):
     return model
 
 
+def _bf16_pair(model_dir, spec, backend):
+    """(PEFT's model on a bf16 base with fp32 factors, as bdlora train's bf16 precision has them; a copy of it with
+    its BD layers on ``backend``)."""
+    ref = _peft_model(model_dir, spec, dtype=torch.bfloat16)
+    for p in ref.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    other = copy.deepcopy(ref)
+    assert use_bdlora_kernels(other, backend) == 14
+    return ref, other
+
+
 def _loss_and_grads(model, ids):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids)
@@ -57,13 +69,7 @@ def test_kernel_variant_matches_peft_layer(tiny_llama_dir, nblocks, r):
 def test_kernel_variant_bf16_activations_fp32_factors(tiny_llama_dir):
     """A bf16 base with fp32 factors (bdlora train's bf16 precision): products in bf16 as under autocast, gradients
     in the factors' fp32; PEFT's layer under bf16 autocast is the reference."""
-    spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16)
-    ref = _peft_model(tiny_llama_dir, spec, dtype=torch.bfloat16)
-    for p in ref.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-    fused = copy.deepcopy(ref)
-    assert use_bdlora_kernels(fused, "cublas") == 14
+    ref, fused = _bf16_pair(tiny_llama_dir, BDLoraSpec(nblocks=2, r=8, lora_alpha=16), "cublas")
     ids = _ids()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits_ref, g_ref = _loss_and_grads(ref, ids)
@@ -163,13 +169,7 @@ def test_auto_under_autocast_is_peft_bit_for_bit(tiny_llama_dir, dropout):
     train's bf16 setup): without dropout the input goes to PEFT uncast (the GEMMs cast it for autocast anyway), with
     dropout cast as PEFT does (its masks depend on the dtype); logits and every gradient equal PEFT's own layer bit for
     bit either way."""
-    spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16, lora_dropout=dropout)
-    ref = _peft_model(tiny_llama_dir, spec, dtype=torch.bfloat16)
-    for p in ref.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-    auto = copy.deepcopy(ref)
-    assert use_bdlora_kernels(auto, "auto") == 14
+    ref, auto = _bf16_pair(tiny_llama_dir, BDLoraSpec(nblocks=2, r=8, lora_alpha=16, lora_dropout=dropout), "auto")
     ref.train(), auto.train()
     ids = _ids()
     results = []
