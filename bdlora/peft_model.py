@@ -101,6 +101,8 @@ def _kernel_variant_class():
             # DeepSpeed ZeRO-3 partitions parameters and gathers a sub-module's only when it is called: the factors
             # are read directly here, so they go through PEFT's own calls instead
             partitioned = hasattr(lora_a.weight, "ds_id") or hasattr(lora_b.weight, "ds_id")
+            dropout = module.lora_dropout[active_adapter]
+            p = dropout.p if module.training and isinstance(dropout, torch.nn.Dropout) else 0.0
             # under torch.compile "auto" takes PEFT's layer, which compiles with the model (the kernels are opaque
             # to it: "cublas" runs them between compiled graphs)
             if partitioned or (self.backend == "auto" and (torch.compiler.is_compiling() or x.device.type != "cuda"
@@ -109,12 +111,9 @@ def _kernel_variant_class():
                 # undone by the GEMM's cast back to the autocast dtype: there it is left out (two copies of the
                 # activations per call, forward and backward), bit for bit PEFT's result, unless dropout is drawn
                 # (its masks depend on the dtype it draws them in)
-                drawing = module.training and isinstance(module.lora_dropout[active_adapter], torch.nn.Dropout)
-                if drawing or not torch.is_autocast_enabled(x.device.type):
+                if p > 0 or not torch.is_autocast_enabled(x.device.type):
                     x = x.to(lora_a.weight.dtype)
                 return super().forward(module, active_adapter, x, result, **kwargs)
-            dropout = module.lora_dropout[active_adapter]
-            p = dropout.p if module.training and isinstance(dropout, torch.nn.Dropout) else 0.0
             layout = ROW if isinstance(lora_a, BlockDiagonalLinear) else COLUMN if isinstance(lora_b, BlockDiagonalLinear) else None
             nblocks = (lora_a if layout == ROW else lora_b).nblocks if layout else 1
             adapter = LoraFactors(lora_a.weight, lora_b.weight, layout, nblocks, module.scaling[active_adapter], p)
