@@ -279,6 +279,30 @@ def test_pad_multiple_trains_the_same_adapter(tiny_llama_dir, data_file, tmp_pat
             torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6, msg=n)
 
 
+def test_sdpa_runs_without_cudnn_attention_unless_asked(tiny_llama_dir, data_file, tmp_path, monkeypatch):
+    """Every sdpa call of a training run sees cuDNN attention off (flash, memory-efficient and math as they were),
+    and the setting is the run's only: restored afterwards; `cudnn_attention: true` leaves it on."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(),
+                     torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    assert before  # torch's default: the test shows the run turning it off
+    run_training(TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / "off", attn_implementation="sdpa",
+                                             max_steps=1, eval_fraction=0.0)))
+    assert seen and set(seen) == {(False, True, True, True)}
+    assert torch.backends.cuda.cudnn_sdp_enabled() is True
+    seen.clear()
+    run_training(TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / "on", attn_implementation="sdpa",
+                                             max_steps=1, eval_fraction=0.0, cudnn_attention=True)))
+    assert seen and set(seen) == {(True, True, True, True)}
+
+
 def test_checkpointing_every_other_layer_gives_the_same_adapter(tiny_llama_dir, data_file, tmp_path):
     """gradient_checkpointing_every_n_layers: 2 recomputes only layer 0 of the tiny Llama's two (transformers'
     every_n_layers; the trained model keeps the flags the Trainer set) and trains the same adapter as checkpointing

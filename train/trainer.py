@@ -34,6 +34,7 @@ Output folder::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -704,6 +705,16 @@ def _world() -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------------- training
+def sdpa_backends(cfg: TrainConfig):
+    """The attention backends torch's sdpa may pick while training: all but cuDNN's unless ``cudnn_attention``
+    (its plan per batch shape costs more host time than it saves at varying lengths: the key's help)."""
+    if cfg.cudnn_attention:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, validate_adapter: bool = True
                  ) -> TrainResult:
     """Runs one job. ``stop_after_steps`` interrupts the run after that step (checkpointing it first), as a crash
@@ -788,7 +799,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
         trainer.state = TrainerState.load_from_json(str(ckpt / "trainer_state.json"))
         tokens_per_s = None
     else:
-        train_out = trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+        with sdpa_backends(cfg):
+            train_out = trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
         tokens_per_s = train_out.metrics.get("train_tokens_per_second")
     step = trainer.state.global_step
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -84,7 +84,7 @@ def run_trainer(a) -> dict:
     from bdlora.train.trainer import run_training
 
     extras = "".join(f"-{name}" for name, on in (("liger", a.liger), ("compile", a.compile),
-                                                  ("grouped", a.group_by_length), ("nocudnn", a.no_cudnn_sdp),
+                                                  ("grouped", a.group_by_length), ("cudnn", a.cudnn_attention),
                                                   (f"pad{a.pad_multiple}", a.pad_multiple)) if on)
     out = Path(a.workdir) / f"trainer-{a.tag}-{a.lora_backend}{extras}"
     cfg = TrainConfig(model=str(a.model), precision="bf16", nblocks=a.nblocks, r=a.rank, lora_alpha=16,
@@ -96,7 +96,7 @@ def run_trainer(a) -> dict:
                       attn_implementation="sdpa", packing=a.packing, pad_multiple=a.pad_multiple,
                       training_args={"dataloader_num_workers": 0, "torch_compile": a.compile,
                                      **(length_grouped_sampling() if a.group_by_length else {})},
-                      use_liger_kernel=a.liger,
+                      use_liger_kernel=a.liger, cudnn_attention=a.cudnn_attention,
                       load_in_4bit=a.load_in_4bit,
                       lora_backend=a.lora_backend)
     profiled = profile_training_steps(a.warmup, a.profile) if a.profile else None
@@ -191,13 +191,14 @@ def main() -> int:
                          "with use_liger_kernel: true, the others with false (Liger Kernel through transformers: "
                          "fused RMSNorm, SwiGLU, RoPE and linear cross-entropy); +compile adds "
                          "training_args.torch_compile (e.g. auto+liger+compile), +grouped transformers' "
-                         "length-grouped sampler, +nocudnn SDPA with its cuDNN backend off, +padN pad_multiple N "
+                         "length-grouped sampler, +cudnn cudnn_attention: true (sdpa may pick cuDNN attention), "
+                         "+padN pad_multiple N "
                          "(e.g. auto+liger+pad64)")
     ap.add_argument("--lora-backend", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--liger", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--group-by-length", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--no-cudnn-sdp", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cudnn-attention", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", default="/tmp/bdlora-bench-trainer")
     ap.add_argument("--out", default="bench_trainer.jsonl")
     ap.add_argument("--tag", default="run")
@@ -222,12 +223,12 @@ def main() -> int:
         for repeat, side in ((r, side) for r in range(max(1, a.repeats)) for side in sides):
             backend, *extras = side.partition(":")[2].split("+")
             liger, compile_, grouped = "liger" in extras, "compile" in extras, "grouped" in extras
-            no_cudnn = "nocudnn" in extras
+            cudnn = "cudnn" in extras
             pad = next((x[3:] for x in extras if x.startswith("pad") and x[3:].isdigit()), None)
             label = ("plain PEFT loop" if side == "loop" else f"bdlora trainer (lora_backend {backend}"
                      + (", Liger kernels" if liger else "") + (", torch_compile" if compile_ else "")
                      + (", length-grouped batches" if grouped else "")
-                     + (", SDPA without cuDNN" if no_cudnn else "") + (f", pad_multiple {pad}" if pad else "") + ")")
+                     + (", cuDNN attention" if cudnn else "") + (f", pad_multiple {pad}" if pad else "") + ")")
             if side == "loop":
                 cmd = [sys.executable, str(HERE / "peft_bf16_loop.py"), "--shape", a.shape, "--rank", str(a.rank),
                        "--nblocks", str(a.nblocks), "--steps", str(a.steps), "--warmup", str(a.warmup),
@@ -241,7 +242,7 @@ def main() -> int:
                 cmd = ([sys.executable, __file__, *sys.argv[1:], "--side", "trainer", "--model", str(model),
                         "--data", str(data), "--lora-backend", backend] + (["--liger"] if liger else [])
                        + (["--compile"] if compile_ else []) + (["--group-by-length"] if grouped else [])
-                       + (["--no-cudnn-sdp"] if no_cudnn else []) + (["--pad-multiple", pad] if pad else []))
+                       + (["--cudnn-attention"] if cudnn else []) + (["--pad-multiple", pad] if pad else []))
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
             rec = {**base, "side": label, "repeat": repeat}
@@ -261,8 +262,6 @@ def main() -> int:
     import transformers
     import peft
 
-    if a.no_cudnn_sdp:  # torch's SDPA otherwise prefers cuDNN attention on Hopper, whose host cost is per shape
-        torch.backends.cuda.enable_cudnn_sdp(False)
     rec = run_trainer(a)
     rec.update(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
                transformers=transformers.__version__, peft=peft.__version__)

@@ -25,8 +25,8 @@
 #       b8: batches of 8 x 30-250 tokens; b32: 32 x 30-250; s2048: 4 x 2048 tokens
 #       TABLE_ENGINE_ARGS="--ks 1,4 --repeats 3": the engine rows measured three times in turn, the JSON's "paired"
 #       giving each repeat's K=4 / one-job ratio (median, min, max) where one run's spread hides the effect;
-#       TABLE_TRAINER_BACKENDS (default auto+liger; e.g. auto+liger,auto+liger+nocudnn: SDPA with and without its
-#       cuDNN backend) and TABLE_TRAINER_ARGS (e.g. "--repeats 2") for the trainer rows
+#       TABLE_TRAINER_BACKENDS (default auto+liger; e.g. auto+liger,auto+liger+cudnn: the trainer's sdpa without
+#       and with cuDNN attention) and TABLE_TRAINER_ARGS (e.g. "--repeats 2") for the trainer rows
 #
 # Extra bench arguments: SMOLLM2_ARGS, LLAMA8B_ARGS, PVD_ARGS (e.g. LLAMA8B_ARGS="--num-layers 16").
 # CALL_LIMIT_S (default 590): every python run is killed (timeout) before the device call's limit; the JSON files

@@ -398,6 +398,8 @@ NOT_HONOURED = {
     "hub_private_repo": (None, "push one adapter with `bdlora push OUTPUT_DIR/adapters/JOB REPO --private`"),
     "overwrite_output_dir": ((False,), "choose a new output_dir, or remove the old one yourself"),
     "packing": ((True,), "the engine always packs a micro-batch's examples (padding-free)"),
+    "cudnn_attention": (None, "the engine lets sdpa pick its attention backend; its segments, padded to multiples "
+                              "of 64 tokens on a GPU, keep cuDNN's plans few"),
 }
 #: trackers the engine writes itself (one event folder per job)
 ENGINE_TRACKERS = ("tensorboard", "none")
