@@ -73,8 +73,6 @@ BAD = [
     ("packing-false", {"packing": False}, "packing: False is not supported by `bdlora sweep`: the engine always packs"),
     ("report-to-wandb", {"report_to": ["wandb"]}, "report_to: `bdlora sweep` writes tensorboard event files"),
     ("push-to-hub", {"push_to_hub": True}, "push_to_hub: True is not supported by `bdlora sweep`"),
-    ("cudnn-attention", {"cudnn_attention": False}, "cudnn_attention: False is not supported by `bdlora sweep`: the "
-                                                   "engine lets sdpa pick"),
     ("record-samples-in-job", {"jobs": [{"name": "a", "record_samples": True}]}, "record_samples: True is not supported"),
     ("yaml-syntax-error", lambda good, tmp: "model: [unclosed\nr: 8\n", "YAML syntax error"),
     ("duplicate-yaml-key", lambda good, tmp: yaml.safe_dump(good) + "r: 8\nr: 16\n", "key 'r' given twice"),
@@ -166,7 +164,7 @@ def test_set_overrides_and_print_config(tiny_llama_dir, data_file, tmp_path, cap
     printed = yaml.safe_load(out)  # valid YAML: every key once, with its default
     refused = {"training_args", "gradient_checkpointing", "gradient_checkpointing_every_n_layers",
                "record_samples", "save_total_limit", "push_to_hub",
-               "hub_model_id", "hub_private_repo", "overwrite_output_dir", "cudnn_attention"}
+               "hub_model_id", "hub_private_repo", "overwrite_output_dir"}
     for key in TrainConfig.valid_keys() + ["name", "group", "priority"] + list(ENGINE_KEYS):
         assert (key in printed) == (key not in refused), key
     assert printed["nblocks"] == 2 and printed["scheduler"] == "linear" and printed["token_budget"] == 2048

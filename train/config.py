@@ -82,7 +82,7 @@ class TrainConfig:
         Hopper GPUs. Off by default: cuDNN builds an execution plan for every new batch shape, and batches padded
         to their longest example keep bringing new ones; on an H200 that host work made steps 1.2x (batch 32) to
         1.9x (batch 8) slower, while with fixed-length batches cuDNN was ~2% faster (BENCHMARKS.md, training).
-        Off, sdpa picks among flash, memory-efficient and math attention as elsewhere."""))
+        Off, sdpa picks among flash, memory-efficient and math attention. In `bdlora sweep`, one value for the run."""))
     gradient_checkpointing: bool = field(default=False, **_help("""Recompute activations in the backward pass
         (less memory, ~30% more compute); for long sequences and big models."""))
     gradient_checkpointing_every_n_layers: int = field(default=1, **_help("""With gradient_checkpointing: recompute

@@ -34,7 +34,6 @@ Output folder::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -55,6 +54,7 @@ from bdlora.adapter import atomic_output_dir
 from bdlora.peft_model import check_bd_structure, init_block_a_like_lora, use_bdlora_kernels
 from bdlora.spec import BDLoraError, BDLoraSpec
 
+from .attention import sdpa_backends
 from .config import ConfigError, TrainConfig, parse_override
 from .liger import folder_model_type, liger_decision
 from .data import examples_to_dataset, load_datasets
@@ -705,16 +705,6 @@ def _world() -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------------- training
-def sdpa_backends(cfg: TrainConfig):
-    """The attention backends torch's sdpa may pick while training: all but cuDNN's unless ``cudnn_attention``
-    (its plan per batch shape costs more host time than it saves at varying lengths: the key's help)."""
-    if cfg.cudnn_attention:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
 def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, validate_adapter: bool = True
                  ) -> TrainResult:
     """Runs one job. ``stop_after_steps`` interrupts the run after that step (checkpointing it first), as a crash
@@ -799,7 +789,7 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
         trainer.state = TrainerState.load_from_json(str(ckpt / "trainer_state.json"))
         tokens_per_s = None
     else:
-        with sdpa_backends(cfg):
+        with sdpa_backends(cfg.cudnn_attention):
             train_out = trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
         tokens_per_s = train_out.metrics.get("train_tokens_per_second")
     step = trainer.state.global_step

@@ -12,7 +12,7 @@
   (a prefix), ``type`` (grid | random), ``space`` (key -> list of values; random also ``{low, high, log?, int?}``),
   ``base`` (keys shared by its jobs), ``num_samples`` and ``seed`` (random).
 * Run-level keys are shared by all jobs (one base model, one output folder, one checkpoint cadence): ``model``,
-  ``precision``, ``attn_implementation``, ``use_liger_kernel`` (Liger Kernel's RMSNorm, SwiGLU and RoPE on the
+  ``precision``, ``attn_implementation``, ``cudnn_attention``, ``use_liger_kernel`` (Liger Kernel's RMSNorm, SwiGLU and RoPE on the
   shared base; unset: where it can run, as in ``bdlora train``), ``output_dir``, ``save_every`` and ``log_every``
   (in rounds) and ``resume``; they are refused inside ``jobs:``/``search:``.
 * A file with neither ``jobs:`` nor ``search:`` -- a ``bdlora train`` job file -- runs unchanged as a one-job sweep;
@@ -78,8 +78,8 @@ from bdlora.train.config import (ConfigError, TrainConfig, apply_overrides, desc
 LORA_BACKENDS = ("auto", "cublas", "triton", "torch", "engine")  # how MultiLoraLinear runs the jobs' LoRA
 MEMORY_MODELS = ("auto", "analytic")
 #: TrainConfig keys that are one value for the whole run (one base, one output folder, one checkpoint cadence)
-RUN_LEVEL_KEYS = ("model", "precision", "attn_implementation", "use_liger_kernel", "output_dir", "save_every",
-                  "log_every", "resume")
+RUN_LEVEL_KEYS = ("model", "precision", "attn_implementation", "cudnn_attention", "use_liger_kernel", "output_dir",
+                  "save_every", "log_every", "resume")
 _NAME_RE = re.compile(r"[A-Za-z0-9_+=@,-][A-Za-z0-9._+=@,-]*")
 
 
@@ -206,6 +206,7 @@ class RunConfig(EngineKeys):
     model: str = TrainConfig.model
     precision: str = TrainConfig.precision
     attn_implementation: Optional[str] = None
+    cudnn_attention: bool = False  # sdpa may pick cuDNN attention (TrainConfig.cudnn_attention)
     use_liger_kernel: Optional[bool] = None  # Liger's RMSNorm, SwiGLU and RoPE on the shared base (None: auto)
     output_dir: str = TrainConfig.output_dir
     seed: int = 0  # the run's seed (LoRA-dropout masks): the top-level seed
@@ -398,8 +399,6 @@ NOT_HONOURED = {
     "hub_private_repo": (None, "push one adapter with `bdlora push OUTPUT_DIR/adapters/JOB REPO --private`"),
     "overwrite_output_dir": ((False,), "choose a new output_dir, or remove the old one yourself"),
     "packing": ((True,), "the engine always packs a micro-batch's examples (padding-free)"),
-    "cudnn_attention": (None, "the engine lets sdpa pick its attention backend; its segments, padded to multiples "
-                              "of 64 tokens on a GPU, keep cuDNN's plans few"),
 }
 #: trackers the engine writes itself (one event folder per job)
 ENGINE_TRACKERS = ("tensorboard", "none")
@@ -503,8 +502,8 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
                           "folder)")
     first = jobs[0]  # run-level keys are only at the top level, so every job has the same
     run = RunConfig(**engine, jobs=jobs, model=first.model, precision=first.precision,
-                    attn_implementation=first.attn_implementation, use_liger_kernel=first.use_liger_kernel,
-                    output_dir=first.output_dir,
+                    attn_implementation=first.attn_implementation, cudnn_attention=first.cudnn_attention,
+                    use_liger_kernel=first.use_liger_kernel, output_dir=first.output_dir,
                     seed=_coerce_engine(raw["seed"], "int", f"{source}: seed") if "seed" in raw else 0,
                     save_every=first.save_every, log_every=first.log_every, resume=first.resume == "auto",
                     source=source)
@@ -536,8 +535,9 @@ def describe_run_keys() -> str:
                                     "packing": True}, exclude=refused)
     engine = describe_keys(EngineKeys)
     return ("# ---- job keys: at the top level, the defaults of every job; under jobs:/search:, one job's (name,\n"
-            "# group and priority only there). model, precision, attn_implementation, use_liger_kernel,\n"
-            "# output_dir, save_every, log_every (in rounds) and resume are the run's, top level only.\n" + job
+            "# group and priority only there). model, precision, attn_implementation, cudnn_attention,\n"
+            "# use_liger_kernel, output_dir, save_every, log_every (in rounds) and resume are the run's, top level\n"
+            "# only.\n" + job
             + "# ---- engine keys (top level only)\n" + engine
             + "# ---- jobs (optional; without jobs:/search: the file is one job)\n"
             + "# jobs:\n#   - {name: r8, r: 8}\n# search:\n#   - {name: lr-grid, type: grid, space: {lr: [1.0e-4, "
