@@ -86,6 +86,25 @@ LONG_MODULES = ("test_vllm_plugin_fast_path.py", "test_bench_serve.py", "test_vl
                 "test_vllm_plugin_tp2.py", "test_engine_pipeline.py", "test_vllm_plugin.py", "test_vllm_plugin_server.py")
 
 
+@pytest.fixture
+def sdpa_backend_flags(monkeypatch):
+    """The list that every call of torch's sdpa appends its enabled backends to, as (cudnn, flash, mem_efficient,
+    math) flags at the time of the call; the real sdpa still runs."""
+    import torch
+
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        cuda = torch.backends.cuda
+        seen.append((cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+                     cuda.math_sdp_enabled()))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    return seen
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_MODULES)))  # stable: a module keeps its order

@@ -235,28 +235,19 @@ def test_pad_multiple_auto_resolves_by_device(tiny_llama_dir, data_file, tmp_pat
     assert mbs and all(mb.input_ids.shape[1] % 16 == 0 for mb in mbs)
 
 
-def test_sdpa_runs_without_cudnn_attention_unless_asked(tiny_llama_dir, data_file, tmp_path, monkeypatch):
+def test_sdpa_runs_without_cudnn_attention_unless_asked(tiny_llama_dir, data_file, tmp_path, sdpa_backend_flags):
     """`cudnn_attention` is a run-level key of the engine as of `bdlora train`: every sdpa call of a run sees cuDNN
     attention off by default and on with `cudnn_attention: true`, restored after the run; refused inside jobs:."""
     from bdlora.train.config import ConfigError
     from bdlora.train.engine import parse_run
     from bdlora.train.engine.launch import run_engine
 
-    seen = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def recording_sdpa(*args, **kwargs):
-        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
-                     torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()))
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
     steps = {"max_steps": 1, "batch_size": 2, "max_length": 64, "lr": 1e-3}
     for out, kw, flags in (("off", {}, (False, True, True, True)), ("on", {"cudnn_attention": True}, (True,) * 4)):
-        seen.clear()
+        sdpa_backend_flags.clear()
         run_engine(parse_run(run_dict(tiny_llama_dir, data_file, tmp_path / out, [{"name": "a"}], defaults=steps,
                                       attn_implementation="sdpa", **kw)))
-        assert seen and set(seen) == {flags}, out
+        assert sdpa_backend_flags and set(sdpa_backend_flags) == {flags}, out
         assert torch.backends.cuda.cudnn_sdp_enabled() is True
     with pytest.raises(ConfigError, match="cudnn_attention: is shared by every job"):
         parse_run(run_dict(tiny_llama_dir, data_file, tmp_path / "bad", [{"name": "a", "cudnn_attention": True}]))

@@ -279,28 +279,16 @@ def test_pad_multiple_trains_the_same_adapter(tiny_llama_dir, data_file, tmp_pat
             torch.testing.assert_close(pa, pb, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_sdpa_runs_without_cudnn_attention_unless_asked(tiny_llama_dir, data_file, tmp_path, monkeypatch):
+def test_sdpa_runs_without_cudnn_attention_unless_asked(tiny_llama_dir, data_file, tmp_path, sdpa_backend_flags):
     """Every sdpa call of a training run sees cuDNN attention off (flash, memory-efficient and math as they were),
     and the setting is the run's only: restored afterwards; `cudnn_attention: true` leaves it on."""
-    seen = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def recording_sdpa(*args, **kwargs):
-        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(),
-                     torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
-    before = torch.backends.cuda.cudnn_sdp_enabled()
-    assert before  # torch's default: the test shows the run turning it off
-    run_training(TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / "off", attn_implementation="sdpa",
-                                             max_steps=1, eval_fraction=0.0)))
-    assert seen and set(seen) == {(False, True, True, True)}
-    assert torch.backends.cuda.cudnn_sdp_enabled() is True
-    seen.clear()
-    run_training(TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / "on", attn_implementation="sdpa",
-                                             max_steps=1, eval_fraction=0.0, cudnn_attention=True)))
-    assert seen and set(seen) == {(True, True, True, True)}
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # torch's default: the test shows the run turning it off
+    for out, kw, flags in (("off", {}, (False, True, True, True)), ("on", {"cudnn_attention": True}, (True,) * 4)):
+        sdpa_backend_flags.clear()
+        run_training(TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / out, attn_implementation="sdpa",
+                                                 max_steps=1, eval_fraction=0.0, **kw)))
+        assert sdpa_backend_flags and set(sdpa_backend_flags) == {flags}, out
+        assert torch.backends.cuda.cudnn_sdp_enabled() is True
 
 
 def test_checkpointing_every_other_layer_gives_the_same_adapter(tiny_llama_dir, data_file, tmp_path):
