@@ -11,8 +11,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from ..attention import sdpa_backends
-
 if TYPE_CHECKING:
     from .config import RunConfig
 
@@ -33,13 +31,7 @@ def init_from_env():
 
 
 def run_engine(run, model=None, tokenizer=None):
-    """Runs a parsed :class:`RunConfig`: BatchLoRA engine, or the LoRAPP pipeline when ``pipeline_stages > 1``, with
-    sdpa's attention kernels as ``cudnn_attention`` says."""
-    with sdpa_backends(run.cudnn_attention):
-        return _run_engine(run, model, tokenizer)
-
-
-def _run_engine(run, model, tokenizer):
+    """Runs a parsed :class:`RunConfig`: BatchLoRA engine, or the LoRAPP pipeline when ``pipeline_stages > 1``."""
     if run.pipeline_stages > 1:
         import torch.distributed as dist
 

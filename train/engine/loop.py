@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..attention import sdpa_backends
+
 
 @dataclass
 class Advance:
@@ -29,7 +31,12 @@ def run_loop(engine, advance: Callable[[list], Advance], save: Callable[[], None
              on_stop: Callable, on_end: Callable, reporter):
     """Runs ``engine``'s jobs to the end: ``advance(active)`` per step, ``save()`` by ``save_every``,
     ``write_results()`` when a job finished; returns ``on_stop(rounds)`` after ``max_rounds`` rounds of this call,
-    else ``on_end()``."""
+    else ``on_end()``. Attention runs with the kernels ``cudnn_attention`` allows (train/attention.py)."""
+    with sdpa_backends(engine.run_cfg.cudnn_attention):
+        return _run_rounds(engine, advance, save, write_results, on_stop, on_end, reporter)
+
+
+def _run_rounds(engine, advance, save, write_results, on_stop, on_end, reporter):
     run = engine.run_cfg
     rounds_this_call = 0
     while True:
