@@ -84,7 +84,7 @@ def run_trainer(a) -> dict:
     from bdlora.train.trainer import run_training
 
     extras = "".join(f"-{name}" for name, on in (("liger", a.liger), ("compile", a.compile),
-                                                  ("grouped", a.group_by_length), ("cudnn", a.cudnn_attention),
+                                                  ("grouped", a.group_by_length), ("packing", a.packing), ("cudnn", a.cudnn_attention),
                                                   (f"pad{a.pad_multiple}", a.pad_multiple)) if on)
     out = Path(a.workdir) / f"trainer-{a.tag}-{a.lora_backend}{extras}"
     cfg = TrainConfig(model=str(a.model), precision="bf16", nblocks=a.nblocks, r=a.rank, lora_alpha=16,
@@ -191,9 +191,8 @@ def main() -> int:
                          "with use_liger_kernel: true, the others with false (Liger Kernel through transformers: "
                          "fused RMSNorm, SwiGLU, RoPE and linear cross-entropy); +compile adds "
                          "training_args.torch_compile (e.g. auto+liger+compile), +grouped transformers' "
-                         "length-grouped sampler, +cudnn cudnn_attention: true (sdpa may pick cuDNN attention), "
-                         "+padN pad_multiple N "
-                         "(e.g. auto+liger+pad64)")
+                         "length-grouped sampler, +packing packing: true, +cudnn cudnn_attention: true (sdpa may "
+                         "pick cuDNN attention), +padN pad_multiple N (e.g. auto+liger+pad64)")
     ap.add_argument("--lora-backend", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--liger", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
@@ -223,11 +222,11 @@ def main() -> int:
         for repeat, side in ((r, side) for r in range(max(1, a.repeats)) for side in sides):
             backend, *extras = side.partition(":")[2].split("+")
             liger, compile_, grouped = "liger" in extras, "compile" in extras, "grouped" in extras
-            cudnn = "cudnn" in extras
+            cudnn, packing = "cudnn" in extras, "packing" in extras
             pad = next((x[3:] for x in extras if x.startswith("pad") and x[3:].isdigit()), None)
             label = ("plain PEFT loop" if side == "loop" else f"bdlora trainer (lora_backend {backend}"
                      + (", Liger kernels" if liger else "") + (", torch_compile" if compile_ else "")
-                     + (", length-grouped batches" if grouped else "")
+                     + (", length-grouped batches" if grouped else "") + (", packing" if packing else "")
                      + (", cuDNN attention" if cudnn else "") + (f", pad_multiple {pad}" if pad else "") + ")")
             if side == "loop":
                 cmd = [sys.executable, str(HERE / "peft_bf16_loop.py"), "--shape", a.shape, "--rank", str(a.rank),
@@ -242,6 +241,7 @@ def main() -> int:
                 cmd = ([sys.executable, __file__, *sys.argv[1:], "--side", "trainer", "--model", str(model),
                         "--data", str(data), "--lora-backend", backend] + (["--liger"] if liger else [])
                        + (["--compile"] if compile_ else []) + (["--group-by-length"] if grouped else [])
+                       + (["--packing"] if packing and "--packing" not in sys.argv else [])
                        + (["--cudnn-attention"] if cudnn else []) + (["--pad-multiple", pad] if pad else []))
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
