@@ -122,6 +122,7 @@ LORA_BACKEND = "auto"  # the engine's lora_backend in every run of this process 
 KERNEL_TUNING: dict = {}  # KernelOptions fields every engine of this process gets (--dropout-route, --dsdb)
 PAD_MULTIPLE = None  # the engine's pad_multiple in every run of this process (--pad-multiple; None = its auto)
 USE_LIGER = None  # use_liger_kernel of every engine and trainer run of this process (--use-liger-kernel; None = auto)
+CUDNN_ATTENTION = False  # cudnn_attention of every engine and trainer run of this process (--cudnn-attention)
 
 
 def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=None, max_active=64,
@@ -132,7 +133,8 @@ def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=
     from bdlora.train.engine import parse_run
 
     return parse_run({
-        "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE, "use_liger_kernel": USE_LIGER, "nblocks": 1,
+        "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE, "use_liger_kernel": USE_LIGER,
+        "cudnn_attention": CUDNN_ATTENTION, "nblocks": 1,
         "scheduler": "constant",
         "warmup_ratio": 0.0,
         **extra,
@@ -537,6 +539,7 @@ def run_throughput(args) -> int:
                      "sweep_ranks": sweep_ranks, "engine_seq_jobs": args.engine_seq_jobs,
                      "time_limit_s": time_limit, "cpu_smoke": bool(args.cpu_smoke),
                      "token_budget_fit": budget_fit, "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE,
+                     "cudnn_attention": CUDNN_ATTENTION,
                      "lora_dropout": args.lora_dropout, "dropout_route": args.dropout_route, "dsdb": args.dsdb,
                      "argv": sys.argv[1:]},
         "throughput": [], "sweep": {}, "skipped": [],
@@ -1087,11 +1090,14 @@ def main(argv=None) -> int:
     ap.add_argument("--use-liger-kernel", default="auto", choices=["auto", "true", "false"],
                     help="use_liger_kernel of the engine's runs (Liger's RMSNorm, SwiGLU and RoPE on the base) and "
                          "of the sequential trainer; auto: where it runs")
+    ap.add_argument("--cudnn-attention", action="store_true",
+                    help="cudnn_attention: true for the engine's runs and the sequential trainer (sdpa may pick "
+                         "cuDNN attention; off by default, as in the product)")
     args = ap.parse_args(argv)
     if args.profile is not None and args.profile < 1:
         ap.error(f"--profile K needs K >= 1 jobs, got {args.profile}")
-    global LORA_BACKEND, PAD_MULTIPLE, USE_LIGER
-    LORA_BACKEND, PAD_MULTIPLE = args.lora_backend, args.pad_multiple
+    global LORA_BACKEND, PAD_MULTIPLE, USE_LIGER, CUDNN_ATTENTION
+    LORA_BACKEND, PAD_MULTIPLE, CUDNN_ATTENTION = args.lora_backend, args.pad_multiple, args.cudnn_attention
     USE_LIGER = {"auto": None, "true": True, "false": False}[args.use_liger_kernel]
     if args.dropout_route == "mask":  # the engines' KernelOptions beside lora_backend (BatchContext.kernel_tuning)
         KERNEL_TUNING["fused_dropout"] = False
