@@ -805,7 +805,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     adapter_dir, last_eval = None, {}
     if step >= total_steps:
         if eval_ex:
-            metrics = trainer.evaluate()
+            with sdpa_backends(cfg.cudnn_attention):
+                metrics = trainer.evaluate()
             last_eval = {"eval_loss": metrics["eval_loss"], "eval_ppl": math.exp(min(metrics["eval_loss"], 50.0))}
         final_state = full_trainable_state(unwrapped)  # every process: FSDP gathers the adapter's shards
         bad = [n for n, t in final_state.items() if not torch.isfinite(t).all()]
