@@ -227,7 +227,7 @@ def test_random_checkpoint_overflows_to_a_second_folder(tmp_path):
     folder and linked, and the checkpoint loads the same (here every shard overflows: keep_free_bytes is huge)."""
     from transformers import AutoModelForCausalLM
 
-    from bench.train.pipeline_vs_fsdp import SHAPES, write_random_checkpoint
+    from bench.train.pipeline_vs_fsdp import SHAPES, remove_checkpoint, write_random_checkpoint
 
     path = write_random_checkpoint(tmp_path / "m", SHAPES["tiny"], dtype="float32", shard_bytes=2**20,
                                    overflow_dir=tmp_path / "shm", keep_free_bytes=2**62)
@@ -236,6 +236,8 @@ def test_random_checkpoint_overflows_to_a_second_folder(tmp_path):
                                    for p in shards)
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+    remove_checkpoint(path)  # what the script does after its launches succeeded
+    assert not path.exists() and list((tmp_path / "shm").iterdir()) == []
 
 
 @pytest.mark.slow
@@ -249,6 +251,7 @@ def test_pipeline_vs_fsdp_cpu_smoke(tmp_path):
     (row,) = json.loads(out.read_text())["runs"]
     pipe = row["pipeline"]
     assert row["k"] == 2 and "fsdp" not in row and pipe["rc"] == 0
+    assert not (tmp_path / "w" / "model-tiny").exists()  # removed once every launch succeeded (--keep-checkpoint)
     assert pipe["tokens"] > 0 and 0 < pipe["train_s"] < pipe["wall_s"]
     assert pipe["tokens_per_s_train"] > pipe["tokens_per_s_wall"] > 0
     # the same command again (a later device call): the finished launch is kept, not run again

@@ -278,6 +278,9 @@ def main(argv=None) -> int:
     ap.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for one launch before it is stopped")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape, 2 CPU processes (gloo), pipeline only")
     ap.add_argument("--fresh", action="store_true", help="run every launch again (not the checkpoint)")
+    ap.add_argument("--keep-checkpoint", action="store_true",
+                    help="keep the random checkpoint (and its --overflow-dir shards) after every launch succeeded; by "
+                         "default it is removed then, so that a 70B shape does not fill the disk for what runs next")
     ap.add_argument("--out", default="pipeline_vs_fsdp.json")
     a = ap.parse_args(argv)
     a.ranks = [int(r) for r in a.ranks.split(",")]
@@ -325,7 +328,19 @@ def main(argv=None) -> int:
         result["runs"].append(row)
         save_json(result, out)
     failed = [s for r in result["runs"] for s in sides if r[s].get("rc")]
+    if not failed and not a.keep_checkpoint:
+        remove_checkpoint(model)
     return 1 if failed else 0
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Deletes a checkpoint :func:`write_random_checkpoint` wrote, its shards in the overflow folder included."""
+    import shutil
+
+    for f in path.iterdir():
+        if f.is_symlink():
+            f.resolve().unlink(missing_ok=True)
+    shutil.rmtree(path)
 
 
 if __name__ == "__main__":
