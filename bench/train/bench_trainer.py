@@ -84,7 +84,8 @@ def run_trainer(a) -> dict:
     from bdlora.train.trainer import run_training
 
     extras = "".join(f"-{name}" for name, on in (("liger", a.liger), ("compile", a.compile),
-                                                  ("grouped", a.group_by_length), ("packing", a.packing), ("cudnn", a.cudnn_attention),
+                                                  ("grouped", a.group_by_length), ("packing", a.packing),
+                                                  ("cudnn", a.cudnn_attention),
                                                   (f"pad{a.pad_multiple}", a.pad_multiple)) if on)
     out = Path(a.workdir) / f"trainer-{a.tag}-{a.lora_backend}{extras}"
     cfg = TrainConfig(model=str(a.model), precision="bf16", nblocks=a.nblocks, r=a.rank, lora_alpha=16,

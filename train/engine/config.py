@@ -12,9 +12,9 @@
   (a prefix), ``type`` (grid | random), ``space`` (key -> list of values; random also ``{low, high, log?, int?}``),
   ``base`` (keys shared by its jobs), ``num_samples`` and ``seed`` (random).
 * Run-level keys are shared by all jobs (one base model, one output folder, one checkpoint cadence): ``model``,
-  ``precision``, ``attn_implementation``, ``cudnn_attention``, ``use_liger_kernel`` (Liger Kernel's RMSNorm, SwiGLU and RoPE on the
-  shared base; unset: where it can run, as in ``bdlora train``), ``output_dir``, ``save_every`` and ``log_every``
-  (in rounds) and ``resume``; they are refused inside ``jobs:``/``search:``.
+  ``precision``, ``attn_implementation``, ``cudnn_attention``, ``use_liger_kernel`` (Liger Kernel's RMSNorm,
+  SwiGLU and RoPE on the shared base; unset: where it can run, as in ``bdlora train``), ``output_dir``,
+  ``save_every`` and ``log_every`` (in rounds) and ``resume``; they are refused inside ``jobs:``/``search:``.
 * A file with neither ``jobs:`` nor ``search:`` -- a ``bdlora train`` job file -- runs unchanged as a one-job sweep;
   the job is named after ``output_dir``'s last component (or ``job``) and its adapter is
   ``<output_dir>/adapters/<name>/``.
