@@ -242,7 +242,7 @@ def main() -> int:
                 cmd = ([sys.executable, __file__, *sys.argv[1:], "--side", "trainer", "--model", str(model),
                         "--data", str(data), "--lora-backend", backend] + (["--liger"] if liger else [])
                        + (["--compile"] if compile_ else []) + (["--group-by-length"] if grouped else [])
-                       + (["--packing"] if packing and "--packing" not in sys.argv else [])
+                       + (["--packing"] if packing else [])
                        + (["--cudnn-attention"] if cudnn else []) + (["--pad-multiple", pad] if pad else []))
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
