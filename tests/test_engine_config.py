@@ -78,6 +78,7 @@ BAD = [
     ("duplicate-yaml-key", lambda good, tmp: yaml.safe_dump(good) + "r: 8\nr: 16\n", "key 'r' given twice"),
     ("non-mapping-top-level", lambda good, tmp: "- r: 8\n- r: 16\n", "expected a YAML mapping"),
     ("token-budget-below-max-length", {"token_budget": 32}, "token_budget: 32 is smaller than the longest max_length (64)"),
+    ("token-budget-word", {"token_budget": "lots"}, "token_budget: must be an integer or auto, got 'lots'"),
     ("bad-lora-backend", {"lora_backend": "cuda"}, "lora_backend: must be one of"),
     ("pipeline-stages-0", {"pipeline_stages": 0}, "pipeline_stages: must be >= 1"),
     ("pipeline-stages-text", {"pipeline_stages": "two"}, "pipeline_stages: must be a number"),
@@ -167,7 +168,7 @@ def test_set_overrides_and_print_config(tiny_llama_dir, data_file, tmp_path, cap
                "hub_model_id", "hub_private_repo", "overwrite_output_dir"}
     for key in TrainConfig.valid_keys() + ["name", "group", "priority"] + list(ENGINE_KEYS):
         assert (key in printed) == (key not in refused), key
-    assert printed["nblocks"] == 2 and printed["scheduler"] == "linear" and printed["token_budget"] == 2048
+    assert printed["nblocks"] == 2 and printed["scheduler"] == "linear" and printed["token_budget"] == "auto"
     assert "# Tokens per packed micro-batch" in out and "# Total LoRA rank" in out
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({**_good(tiny_llama_dir, data_file, tmp_path / "o"),

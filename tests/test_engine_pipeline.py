@@ -258,3 +258,25 @@ def test_pipeline_resume_equals_uninterrupted(tiny_llama_dir, tmp_path):
         for p in a.modules:
             torch.testing.assert_close(a.modules[p].lora_A, b.modules[p].lora_A, rtol=0, atol=1e-7)
             torch.testing.assert_close(a.modules[p].lora_B, b.modules[p].lora_B, rtol=0, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_auto_token_budget_is_one_value_on_every_rank(tiny_llama_dir, tmp_path):
+    """`token_budget: auto` under data parallel and under pipeline stages: the ranks agree on one budget at start
+    (the smallest of their choices, one collective), pack the same micro-batches and record it in results.json."""
+    import json
+
+    from bdlora.train.engine import parse_run
+    from bdlora.train.engine.launch import run_pipeline_spawn, spawn
+
+    data = write_alpaca(tmp_path / "d.jsonl", n=30)
+    jobs = [{"name": "a", "r": 4, "seed": 1}, {"name": "b", "r": 8, "nblocks": 2, "seed": 2}]
+    kw = dict(token_budget="auto", memory_budget_gb=1000.0,  # a limit: the ladder, as on a GPU
+              defaults={"max_steps": 2, "batch_size": 4, "lr": 1e-3, "max_length": 64})
+    step_tokens = 2 * 4 * 64  # one step of both jobs: the smallest size holding it
+    spawn(parse_run(run_dict(tiny_llama_dir, data, tmp_path / "dp", jobs, **kw)), 2)
+    dp = json.loads((tmp_path / "dp" / "results.json").read_text())
+    assert dp["token_budget"] == step_tokens and all(r["steps"] == 2 for r in dp["jobs"])
+    res = run_pipeline_spawn(parse_run(run_dict(tiny_llama_dir, data, tmp_path / "pipe", jobs, pipeline_stages=2,
+                                                **kw)))
+    assert res["token_budget"] == step_tokens and all(r["steps"] == 2 for r in res["jobs"])

@@ -251,3 +251,37 @@ def test_sdpa_runs_without_cudnn_attention_unless_asked(tiny_llama_dir, data_fil
         assert torch.backends.cuda.cudnn_sdp_enabled() is True
     with pytest.raises(ConfigError, match="cudnn_attention: is shared by every job"):
         parse_run(run_dict(tiny_llama_dir, data_file, tmp_path / "bad", [{"name": "a", "cudnn_attention": True}]))
+
+
+def test_auto_token_budget_follows_the_memory_limit_and_survives_resume(tiny_llama_dir, data_file, tmp_path):
+    """`token_budget: auto` (the default): the largest size the memory model admits for the jobs' first round under
+    `memory_budget_gb` (here on CPU), recorded in results.json and the checkpoint; a resumed run keeps it even
+    when the limit changed, and trains what an uninterrupted run at that explicit budget trains."""
+    import json
+
+    from bdlora import load_adapter
+
+    jobs = [{"name": "a", "r": 4}, {"name": "b", "r": 8}]
+    defaults = {"max_steps": 3, "batch_size": 16, "lr": 1e-3, "max_length": 64}  # a step of both: 2048 tokens
+    probe = _engine(tiny_llama_dir, data_file, tmp_path / "probe", jobs, defaults=defaults)
+    fps = [j.footprint(probe.targets) for j in probe.jobs]
+    gib = {t: probe.memory.predict(t, fps) / 2**30 for t in (1024, 2048)}
+    between = (gib[1024] + gib[2048]) / 2
+    kw = dict(defaults=defaults, token_budget="auto", resume="auto", save_every=1)
+    roomy = _engine(tiny_llama_dir, data_file, tmp_path / "roomy", jobs, memory_budget_gb=gib[2048] * 100, **kw)
+    assert roomy.token_budget == 2048  # the smallest size holding a step of both jobs, though 16384 would fit
+    tight = _engine(tiny_llama_dir, data_file, tmp_path / "run", jobs, memory_budget_gb=between, max_rounds=1, **kw)
+    assert tight.token_budget == 1024
+    tight.run()
+    resumed = _engine(tiny_llama_dir, data_file, tmp_path / "run", jobs, memory_budget_gb=gib[2048] * 100, **kw)
+    assert resumed.token_budget == 2048  # before the checkpoint is read
+    rows = resumed.run()
+    assert resumed.token_budget == 1024
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["token_budget"] == 1024
+    ref = _engine(tiny_llama_dir, data_file, tmp_path / "ref", jobs, defaults=defaults, token_budget=1024).run()
+    for r, f in zip(rows, ref):
+        assert r["status"] == f["status"] == "done" and r["steps"] == f["steps"] == 3
+        a, b = load_adapter(r["adapter"]), load_adapter(f["adapter"])
+        for p in a.modules:
+            torch.testing.assert_close(a.modules[p].lora_A, b.modules[p].lora_A, rtol=0, atol=1e-7)
+            torch.testing.assert_close(a.modules[p].lora_B, b.modules[p].lora_B, rtol=0, atol=1e-7)

@@ -353,3 +353,30 @@ def test_memory_model_counts_lora_dropout_keep_masks():
     want = (true["b0"] + true["b1"] * 3000 + true["b2"] * 9e6 + true["bpp"] * fp["drop"].params
             + true["brt"] * fp["drop"].rank_sum * 3000 + 3000 * (64 + 176 + 64))
     assert m.predict(3000, [fp["drop"]]) == pytest.approx(want, rel=1e-3)
+
+
+def test_auto_token_budget_takes_the_largest_admitted_size_no_larger_than_a_step():
+    from bdlora.train.engine.memory import AUTO_TOKEN_BUDGETS, CPU_TOKEN_BUDGET, auto_token_budget
+
+    m = MemoryModel(beta=[1e9, 1e5, 5.0])
+    jobs = [JobFootprint("a", 1_000_000, 64), JobFootprint("b", 2_000_000, 128)]
+    p = {t: m.predict(t, jobs) for t in AUTO_TOKEN_BUDGETS}
+    assert p[512] < p[1024] < p[2048] < p[4096] < p[8192] < p[16384]
+    # a limit between two sizes: the smaller of the two, whatever the steps hold
+    assert auto_token_budget(m, jobs, (p[4096] + p[8192]) / 2, step_tokens=10**6, longest=256) == 4096
+    assert auto_token_budget(m, jobs, p[8192], step_tokens=10**6, longest=256) == 8192
+    assert auto_token_budget(m, jobs, p[16384] * 2, step_tokens=10**6, longest=256) == 16384
+    # no larger than the smallest size that holds one step of every job: a larger one only raises the prediction
+    assert auto_token_budget(m, jobs, p[16384] * 2, step_tokens=3000, longest=256) == 4096
+    assert auto_token_budget(m, jobs, p[16384] * 2, step_tokens=600, longest=256) == 1024
+    # never below the longest example, itself a candidate (the smallest)
+    assert auto_token_budget(m, jobs, p[16384] * 2, step_tokens=100, longest=256) == 256
+    assert auto_token_budget(m, jobs, p[16384] * 2, step_tokens=100, longest=700) == 700
+    assert auto_token_budget(m, jobs, p[16384] * 2, step_tokens=800, longest=700) == 1024
+    assert auto_token_budget(m, jobs, p[16384] * 2, step_tokens=10**6, longest=20000) == 20000
+    assert auto_token_budget(m, jobs, m.predict(700, jobs), step_tokens=10**6, longest=700) == 700
+    # nothing admitted: the smallest candidate (admission then refuses the jobs, with its message)
+    assert auto_token_budget(m, jobs, 1.0, step_tokens=10**6, longest=256) == 256
+    # no memory limit (CPU): the CPU default, or the longest example
+    assert auto_token_budget(m, jobs, None, step_tokens=10**6, longest=256) == CPU_TOKEN_BUDGET == 2048
+    assert auto_token_budget(m, jobs, None, step_tokens=10**6, longest=4000) == 4000

@@ -36,8 +36,9 @@ sort / count words), written to a temp dir.
 
 ``--shape llama8b``: sections 0-1 only (no sweep), K = 1, 4, 8, on Llama-3.1-8B layer shapes (hidden 4096,
 intermediate 14336, 32 heads / 8 KV heads; vocabulary 32000 like the serving benchmark's llama8b shape, the
-tokenizer is the small locally trained one), BD N=4 (a TP=4 serving layout), ranks 16/32/64/128, token budget 4096
-(halved until the engine's own analytic memory model admits all K jobs at once on this GPU), random weights. No
+tokenizer is the small locally trained one), BD N=4 (a TP=4 serving layout), ranks 16/32/64/128, the engine's own
+token budget (``token_budget: auto``, recorded per run; ``--token-budget T``: T, halved until the engine's analytic
+memory model admits all K jobs at once on this GPU), random weights. No
 checkpoint is written: the folder holds config.json + tokenizer only and ``AutoModelForCausalLM.from_pretrained``
 of that folder is patched, for the engine and the trainer alike, to build the random model directly on the GPU in
 the dtype asked (bf16 engine, fp32 trainer base), seeded, so model "loads" cost about a second. ``--num-layers``
@@ -513,8 +514,11 @@ def run_throughput(args) -> int:
             if args.seq:  # records of exactly --seq tokens, written with the folder's tokenizer: one epoch for
                 # the largest K (tokenizing long records is the slow part; jobs reuse them past it)
                 data = fixed_length_data(tmp / "task.jsonl", model, max(ks) * bs * (steps + 2), args.seq)
-            budget, budget_fit = fit_token_budget(model, max(args.token_budget or 4096, seq),
-                                                  [ranks[i % len(ranks)] for i in range(max(ks))], nblocks, device)
+            if args.token_budget:
+                budget, budget_fit = fit_token_budget(model, max(args.token_budget, seq),
+                                                      [ranks[i % len(ranks)] for i in range(max(ks))], nblocks, device)
+            else:
+                budget = "auto"  # the engine's own choice in each run (each row records it)
             shape_info = {"name": "llama8b", **shape, "full_num_layers": LLAMA8B_SHAPE["num_layers"],
                           "layers_reduced": shape["num_layers"] < LLAMA8B_SHAPE["num_layers"],
                           "weights": "random (transformers init, std 0.02), built on the GPU per run, no checkpoint"}
@@ -654,7 +658,7 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
                      "microbatches_per_round": eng.round_log[-1]["microbatches"],
                      # all K jobs admitted together from the first round (the memory model could hold some back)
                      "active_jobs_first_round": eng.round_log[0]["active"],
-                     "peak_mem_gib": engine_peak_gib(eng),
+                     "peak_mem_gib": engine_peak_gib(eng), "token_budget": eng.token_budget,
                      # per-round (tokens, training seconds): shows compile/first-use costs past the skipped round
                      "rounds": [[r["tokens"], round(r["train_s"], 4)] for r in eng.round_log]}
             del eng
@@ -675,7 +679,7 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
                 eng1, _, _ = run_engine(model, data, tmp / f"engine1-{todo[0]}{suffix}", [all_jobs[i] for i in todo],
                                         dtype=dtype, budget=budget, max_seq_len=seq, max_active=1)
                 for i, st in zip(todo, engine_one_job_stats(eng1.round_log, len(todo), steps)):
-                    seq_engine1[i] = dict(st, job=i, rank=all_jobs[i]["r"])
+                    seq_engine1[i] = dict(st, job=i, rank=all_jobs[i]["r"], token_budget=eng1.token_budget)
                 del eng1
             tr = agg(seq_trainer, k)
             e1 = agg(seq_engine1, k)
@@ -1055,8 +1059,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, help="--shape llama8b: every example exactly this many tokens (plain text "
                                              "records; default: instructions of ~30-250 tokens)")
     ap.add_argument("--token-budget", type=int,
-                    help="micro-batch token budget (default 16384 smollm2; 4096 llama8b, halved until the memory "
-                         "model admits all jobs; 2048 pipeline-vs-dp)")
+                    help="micro-batch token budget (default 16384 smollm2; llama8b: the engine's auto, or this "
+                         "halved until the memory model admits all jobs; 2048 pipeline-vs-dp)")
     ap.add_argument("--sweep-steps", type=int, default=60)
     ap.add_argument("--no-sweep", action="store_true", help="skip the early-exit sweep (always skipped for llama8b)")
     ap.add_argument("--dtype", default="bfloat16")

@@ -28,7 +28,7 @@ def save(engine) -> None:
         return
     jobs = {j.name: {**job_run_state(j), **job_tensor_state(j)} for j in engine.jobs}
     state = {"round": engine.round, "jobs": jobs, "round_log": engine.round_log,
-             "memory_points": engine.memory.points}
+             "memory_points": engine.memory.points, "token_budget": engine.token_budget}
     engine.out.mkdir(parents=True, exist_ok=True)
     atomic_torch_save(state, engine.out / CHECKPOINT)
 
@@ -43,6 +43,9 @@ def restore(engine, state: dict) -> None:
     engine.round = state["round"]
     engine.round_log = state.get("round_log", [])
     engine.memory.points = state.get("memory_points", [])
+    if engine.run_cfg.token_budget == "auto" and state.get("token_budget"):
+        # the budget the run started with: micro-batches (and so the numerics) stay those of the interrupted run
+        engine.token_budget = state["token_budget"]
     for j in engine.jobs:
         s = state["jobs"].get(j.name)
         if s is None:

@@ -51,7 +51,6 @@ Example::
     nblocks: 3
     r: 12
     max_steps: 200
-    token_budget: 4096             # tokens per packed micro-batch (all jobs together)
     jobs:
       - {name: r6, r: 6}
     search:
@@ -70,7 +69,7 @@ import random
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from bdlora.train.config import (ConfigError, TrainConfig, apply_overrides, describe_keys, read_yaml,
                                  unknown_keys_message)
@@ -135,8 +134,11 @@ class EarlyExitConfig:
 class EngineKeys:
     """The engine's own keys (top level only); each field's ``help`` is its documentation (``--print-config``)."""
 
-    token_budget: int = field(default=2048, **_help("""Tokens per packed micro-batch, all jobs together (rows padded
-        to pad_multiple); at least every job's max_length, so any example fits."""))
+    token_budget: Union[int, str] = field(default="auto", **_help("""Tokens per packed micro-batch, all jobs
+        together (rows padded to pad_multiple); at least every job's max_length, so any example fits. auto: on a GPU
+        the largest of 16384, 8192, ... (down to the longest max_length) at which the memory model admits the first
+        max_active_jobs jobs together, and no larger than their steps' tokens; on CPU 2048 unless memory_budget_gb
+        is set. The choice is logged, kept in results.json and reused on resume."""))
     pad_multiple: Optional[int] = field(default=None, **_help("""Each job's segment of a micro-batch is padded to a
         multiple of this. Unset: 64 on a GPU (the grouped kernel's row tile, and few distinct shapes: ragged rows
         made round times vary up to 10x on an H200), 1 on CPU."""))
@@ -237,6 +239,12 @@ def _coerce_engine(v: Any, kind: str, where: str) -> Any:
         if not isinstance(v, str) or not v:
             raise ConfigError(f"{where}: must be a non-empty string, got {v!r}")
         return v
+    if kind == "int|auto":
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        if isinstance(v, str) and not re.fullmatch(r"\s*[0-9.eE+]+\s*", v):
+            raise ConfigError(f"{where}: must be an integer or auto, got {v!r}")
+        kind = "int"
     if isinstance(v, bool):
         raise ConfigError(f"{where}: must be a number, got {v!r}")
     x = v
@@ -260,7 +268,7 @@ def _check_engine_keys(raw: dict, source: str) -> dict:
     """The engine keys of ``raw`` coerced and range-checked; raises ConfigError naming the key."""
     out = {}
     spec = {  # key: (kind, optional, check, what)
-        "token_budget": ("int", False, lambda v: v >= 1, ">= 1"),
+        "token_budget": ("int|auto", False, lambda v: v == "auto" or v >= 1, ">= 1 or auto"),
         "pad_multiple": ("int", True, lambda v: v >= 1, ">= 1 (1: no padding)"),
         "max_active_jobs": ("int", False, lambda v: v >= 1, ">= 1"),
         "memory_budget_gb": ("float", True, lambda v: v > 0, "> 0 GiB"),
@@ -508,7 +516,7 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
                     save_every=first.save_every, log_every=first.log_every, resume=first.resume == "auto",
                     source=source)
     longest = max(j.max_length for j in jobs)
-    if run.token_budget < longest:
+    if run.token_budget != "auto" and run.token_budget < longest:
         raise ConfigError(f"{source}: token_budget: {run.token_budget} is smaller than the longest max_length "
                           f"({longest}): an example would fit no micro-batch; raise token_budget to >= {longest} "
                           "or lower max_length")

@@ -39,7 +39,7 @@ from .early_exit import DIVERGING, OVERFITTING, warmup_steps
 from .jobs import (Job, adapter_is_finite, build_job, check_no_expert_jobs, job_spec,  # noqa: F401 - names
                    load_job_data, optimizer_to, run_source)
 from .loop import Advance, run_loop
-from .memory import MemoryModel, device_budget_bytes
+from .memory import MemoryModel, auto_token_budget, device_budget_bytes
 from .model import load_base
 from .multilora import BatchContext, JobAdapter, inject_multilora
 from .packing import MicroBatch, build_microbatch, plan_microbatches
@@ -116,10 +116,29 @@ class Engine:
                 job.warm_steps = warmup_steps(job.total_steps, run.early_exit.warmup_ratio)
         self.memory = MemoryModel.for_model(model)
         self.mem_budget = device_budget_bytes(self.device, run.memory_budget_gb)
+        self.token_budget = self._choose_token_budget()  # a resumed run takes its checkpoint's (checkpoint.restore)
         self.round = 0
         self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
         self.round_log: list[dict] = []
         self.scheduler = Scheduler(self)
+
+    def _choose_token_budget(self) -> int:
+        """The run's token budget: the run file's, or with ``auto`` :func:`~.memory.auto_token_budget` for the jobs
+        admitted first (by priority, then file order), the smallest choice of all ranks (every rank packs the same
+        micro-batches; pipeline stages hold different layers)."""
+        run = self.run_cfg
+        if run.token_budget != "auto":
+            return int(run.token_budget)
+        first = sorted(self.jobs, key=lambda j: (-j.cfg.priority, j.id))[:run.max_active_jobs]
+        budget = auto_token_budget(self.memory, [j.footprint(self.targets) for j in first], self.mem_budget,
+                                   step_tokens=sum(j.cfg.step_samples * j.cfg.max_length for j in first),
+                                   longest=max(j.cfg.max_length for j in self.jobs))
+        dist = dist_group()
+        if dist is not None and self.world > 1:
+            t = torch.tensor([budget], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            budget = int(t.item())
+        return budget
 
     # -- data ------------------------------------------------------------------------------------------
     def _split(self, j: JobConfig) -> DatasetSplit:
@@ -139,7 +158,7 @@ class Engine:
 
     def microbatches(self, requests, split="train") -> list[MicroBatch]:
         """``requests`` [(job id, sample indices)] packed into padded micro-batches under the token budget."""
-        bins = plan_microbatches(requests, lambda j: self.lengths(j, split), self.run_cfg.token_budget,
+        bins = plan_microbatches(requests, lambda j: self.lengths(j, split), self.token_budget,
                                  self.pad_multiple)
         return [build_microbatch(b, lambda j: getattr(self.jobs[j].data, split), self.pad_id,
                                  self.pad_multiple) for b in bins]
@@ -188,7 +207,7 @@ class Engine:
 
     def fits(self, jobs: list[Job]) -> tuple[bool, float]:
         """(whether ``jobs`` fit the memory budget together, the memory model's prediction in bytes)."""
-        pred = self.memory.predict(self.run_cfg.token_budget, [j.footprint(self.targets) for j in jobs])
+        pred = self.memory.predict(self.token_budget, [j.footprint(self.targets) for j in jobs])
         return (self.mem_budget is None or pred <= self.mem_budget), pred
 
     def active_jobs(self) -> list[Job]:
@@ -206,7 +225,7 @@ class Engine:
         if self.device.type != "cuda" or not jobs:
             return None
         peak = torch.cuda.max_memory_allocated(self.device)
-        self.memory.observe(self.run_cfg.token_budget, [j.footprint(self.targets) for j in jobs], peak)
+        self.memory.observe(self.token_budget, [j.footprint(self.targets) for j in jobs], peak)
         if self.run_cfg.memory_model == "auto" and len(self.memory.points) % 5 == 0:
             self.memory.fit()
         return peak
@@ -237,6 +256,8 @@ class Engine:
         if run.resume and (self.out / checkpoint.CHECKPOINT).is_file():
             checkpoint.load(self, self.out / checkpoint.CHECKPOINT)
             self.log(f"[engine] resumed from {self.out / checkpoint.CHECKPOINT} at round {self.round}")
+        self.log(f"[engine] token budget {self.token_budget} tokens per micro-batch"
+                 + (" (auto)" if run.token_budget == "auto" else ""))
         reporter = RunReporter(self.jobs, self.out, self.jobs[0].cfg.progress, self.rank == 0)
         try:
             return run_loop(self, self._advance, lambda: checkpoint.save(self), self.write_results,
@@ -269,7 +290,7 @@ class Engine:
         if self.rank == 0:
             write_results_csv(self.out, rows)
             with open(self.out / "results.json", "w") as f:
-                json.dump({"jobs": rows, "rounds": self.round_log,
+                json.dump({"jobs": rows, "rounds": self.round_log, "token_budget": self.token_budget,
                            "memory_model": {"beta": self.memory.beta, "fitted": self.memory.fitted}}, f, indent=2)
         return rows
 

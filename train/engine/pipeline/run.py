@@ -167,6 +167,8 @@ class PipelineRun:
                 self.stats.update(loaded)
                 engine.log(f"[pipeline] resumed from {self.out / STATE_DIR} at segment {self.segment} "
                            f"(round {engine.round})")
+            engine.log(f"[pipeline] token budget {engine.token_budget} tokens per micro-batch"
+                       + (" (auto)" if engine.run_cfg.token_budget == "auto" else ""))
             reporter = RunReporter(engine.jobs, self.out, engine.jobs[0].cfg.progress, engine.rank == 0)
             return run_loop(engine, self.advance, self.save, self.write_results, self.stopped, self.ended, reporter)
         finally:  # break the engine <-> stage cycle: nothing may keep this stage's process groups past their destruction
@@ -316,7 +318,7 @@ def _write_results(engine, out: Path, gathered: list[dict], stats: dict) -> dict
     }
     write_results_csv(out, rows)
     result = {"jobs": rows, "train_losses": {j.name: [l for _, l in j.history["train"]] for j in engine.jobs},
-              "rounds": engine.round_log, "pipeline": pstats}
+              "rounds": engine.round_log, "token_budget": engine.token_budget, "pipeline": pstats}
     with open(out / "results.json", "w") as f:
         json.dump(result, f, indent=2)
     return result

@@ -125,7 +125,7 @@ def build_stream(engine, jobs: list, counts: dict[int, int]) -> tuple[list[PMB],
                 continue
             k = job.step + i
             idx = job.sampler.next_batch()
-            bins = plan_microbatches([(job.id, idx)], lambda j: engine.lengths(j), run.token_budget,
+            bins = plan_microbatches([(job.id, idx)], lambda j: engine.lengths(j), engine.token_budget,
                                      engine.pad_multiple)
             mbs = [build_microbatch(b, lambda j: engine.jobs[j].data.train, engine.pad_id, engine.pad_multiple)
                    for b in bins]

@@ -34,7 +34,7 @@ def save_checkpoint(engine, dist, stage: int, stages: int, segment: int, stats: 
     dist.barrier()
     if stage == 0:
         shared = {"segment": segment, "stages": stages, "round": engine.round, "round_log": engine.round_log,
-                  "jobs": {j.name: job_run_state(j) for j in engine.jobs}}
+                  "token_budget": engine.token_budget, "jobs": {j.name: job_run_state(j) for j in engine.jobs}}
         atomic_torch_save(shared, d / RUN_STATE)
     dist.barrier()
     keep = _stage_file(d, stage, segment)
@@ -60,6 +60,7 @@ def load_checkpoint(engine, dist, stage: int, stages: int) -> Optional[tuple[int
                            f"{stages} stages; resume with the same pipeline_stages or set resume: false")
     mine = torch.load(_stage_file(d, stage, shared["segment"]), map_location="cpu", weights_only=False)
     checkpoint.restore(engine, {"round": shared["round"], "round_log": shared["round_log"], "memory_points": [],
+                                "token_budget": shared.get("token_budget"),
                                 "jobs": {n: {**js, **mine["jobs"].get(n, {})} for n, js in shared["jobs"].items()}})
     return shared["segment"], mine["stats"]
 
