@@ -25,8 +25,10 @@
 #       b8: batches of 8 x 30-250 tokens; b32: 32 x 30-250; s2048: 4 x 2048 tokens
 #       TABLE_ENGINE_ARGS="--ks 1,4 --repeats 3": the engine rows measured three times in turn, the JSON's "paired"
 #       giving each repeat's K=4 / one-job ratio (median, min, max) where one run's spread hides the effect;
-#       TABLE_TRAINER_BACKENDS (default auto+liger; e.g. auto+liger,auto+liger+cudnn: the trainer's sdpa without
-#       and with cuDNN attention) and TABLE_TRAINER_ARGS (e.g. "--repeats 2") for the trainer rows
+#       TABLE_TRAINER_BACKENDS (default auto+liger,auto+liger+packing at b8 and b32: the trainer with padded and
+#       with padding-free batches, the engine's rows being packed; auto+liger at s2048; e.g.
+#       auto+liger,auto+liger+cudnn: sdpa without and with cuDNN attention) and TABLE_TRAINER_ARGS (e.g.
+#       "--repeats 2") for the trainer rows
 #
 # Extra bench arguments: SMOLLM2_ARGS, LLAMA8B_ARGS, PVD_ARGS (e.g. LLAMA8B_ARGS="--num-layers 16").
 # CALL_LIMIT_S (default 590): every python run is killed (timeout) before the device call's limit; the JSON files
@@ -124,15 +126,15 @@ case "$MODE" in
   table)
     col=${TABLE_COLUMN:-b8}
     case "$col" in
-      b8) targs=(--batch 8 --steps 16 --warmup 4); eargs=(--batch-size 8) ;;
-      b32) targs=(--batch 32 --steps 10 --warmup 3); eargs=(--batch-size 32) ;;
-      s2048) targs=(--seq 2048 --batch 4 --steps 8 --warmup 3); eargs=(--seq 2048 --batch-size 4) ;;
+      b8) targs=(--batch 8 --steps 16 --warmup 4); eargs=(--batch-size 8); tback=auto+liger,auto+liger+packing ;;
+      b32) targs=(--batch 32 --steps 10 --warmup 3); eargs=(--batch-size 32); tback=auto+liger,auto+liger+packing ;;
+      s2048) targs=(--seq 2048 --batch 4 --steps 8 --warmup 3); eargs=(--seq 2048 --batch-size 4); tback=auto+liger ;;
       *) echo "TABLE_COLUMN must be b8, b32 or s2048"; exit 2 ;;
     esac
     log="$O/table_$col.log"
     env_report "$log"
     timeout -k 10 "$(kill_after)" python3 bench/train/bench_trainer.py --shape llama8b "${targs[@]}" \
-      --lora-backends "${TABLE_TRAINER_BACKENDS:-auto+liger}" --out "$O/table_trainer_$col.jsonl" --tag "$col" \
+      --lora-backends "${TABLE_TRAINER_BACKENDS:-$tback}" --out "$O/table_trainer_$col.jsonl" --tag "$col" \
       ${TABLE_TRAINER_ARGS:-} >>"$log" 2>&1
     echo "trainer rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
     peer=0; [ "$col" = b8 ] && [ -n "${MLORA_SRC:-}" ] && peer=150  # seconds kept for the peer
