@@ -196,6 +196,36 @@ def test_quality_pipeline_tiny(tmp_path):
     assert "| 2 |" in (tmp_path / "t.md").read_text() and len((tmp_path / "all.jsonl").read_text().splitlines()) == 4
 
 
+def test_report_keeps_a_task_trained_for_other_step_counts_apart():
+    """BoolQ trained 150 and 1200 steps: two tables and two paired comparisons, each with the base row; a task
+    trained for one step count keeps its name."""
+    from bench.quality.report import aggregate, markdown, paired, split_by_steps
+
+    def row(task, method, n, rank, seed, steps, acc):
+        return {"run_id": f"{task}-{method}{n or ''}-r{rank}-s{seed}-t{steps}", "task": task, "method": method,
+                "nblocks": n, "rank": rank, "seed": seed, "trainable_params": 1000 * rank, "steps": steps,
+                "eval_loss": 1.0, "eval_ppl": 2.7, "accuracy": acc, "majority_baseline": 0.6}
+
+    rows = [row("boolq", "base", None, 0, 0, 0, 0.62), row("recall", "base", None, 0, 0, 0, 0.0)]
+    for seed in (0, 1, 2):
+        rows += [row("boolq", "lora", None, 8, seed, 150, 0.63), row("boolq", "bd", 2, 8, seed, 150, 0.64 + seed / 100),
+                 row("boolq", "lora", None, 8, seed, 1200, 0.75), row("boolq", "bd", 2, 8, seed, 1200, 0.70),
+                 row("recall", "lora", None, 8, seed, 300, 0.5), row("recall", "bd", 2, 8, seed, 300, 0.5)]
+    split = split_by_steps(rows)
+    assert sorted({r["task"] for r in split}) == ["boolq-t1200", "boolq-t150", "recall"]
+    assert sum(r["method"] == "base" for r in split) == 3  # boolq's base row under both of its names
+    groups = aggregate(split)
+    by = {(g["task"], g["method"]): g for g in groups}
+    assert by[("boolq-t150", "lora")]["accuracy"] == pytest.approx(0.63)
+    assert by[("boolq-t1200", "lora")]["accuracy"] == pytest.approx(0.75) and by[("boolq-t1200", "lora")]["seeds"] == 3
+    diffs = {d["task"]: d["diff"] for d in paired(split)}
+    assert diffs["boolq-t1200"] == pytest.approx(-0.05) and diffs["boolq-t150"] == pytest.approx(0.02)
+    text = markdown(groups, paired(split))
+    assert "#### boolq-t1200 (1200 steps" in text and "#### boolq-t150 (150 steps" in text and "#### recall (300" in text
+    # unsplit, the two schedules would have been averaged into one row of 6 seeds
+    assert {g["seeds"] for g in aggregate(rows) if g["task"] == "boolq" and g["method"] == "lora"} == {6}
+
+
 def test_recall_task_base_row_and_paired_report(tmp_path):
     """The synthetic recall task needs no data files: base row, LoRA and BD at N = 2 and 4 over two seeds on the tiny
     random Llama, scored by exact match; the report has the base row and the paired BD - LoRA table."""

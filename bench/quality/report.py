@@ -6,7 +6,9 @@ Reads every ``results.jsonl`` / ``results.*.jsonl`` under the given folders (or 
 (duplicates from shards, resumed calls or copied files count once; :mod:`bench.quality.results`). ``--merge-to``
 writes those rows as one deduplicated results file (e.g. for ``bench/results/quality/results.jsonl``).
 
-Groups runs by (task, method, N, rank) over seeds: mean and a 95% confidence interval of the mean (Student t,
+A task trained for several step counts (``--max-steps``) is reported as one task per count (``boolq-t1200``, each
+with the task's base row): adapters trained for 150 and 1200 steps are different experiments. Groups runs by
+(task, method, N, rank) over seeds: mean and a 95% confidence interval of the mean (Student t,
 n-1 degrees of freedom), with the untrained base model's row and (BoolQ) the eval set's majority rate. Then the
 paired comparison: each BD run against the LoRA run of the same seed (same data order) at the matched size (the LoRA
 group with the closest trainable-parameter count): the mean difference BD - LoRA with its 95% CI. The CI's
@@ -58,6 +60,25 @@ SCORE_NAMES = {"accuracy": "accuracy", "rougeL": "ROUGE-L F1"}
 def load_rows(sources) -> list[dict]:
     """One row per run_id from results folders or files (:func:`bench.quality.results.read_rows`)."""
     return read_rows(sources)
+
+
+def split_by_steps(rows: list[dict]) -> list[dict]:
+    """Rows of a task trained for more than one step count, renamed ``<task>-t<steps>`` (the run ids' suffix); the
+    task's base row (no training) is repeated under each name. Tasks trained for one step count keep their name."""
+    counts: dict[str, set] = defaultdict(set)
+    for r in rows:
+        if r["method"] != "base":
+            counts[r["task"]].add(r["steps"])
+    out = []
+    for r in rows:
+        steps = sorted(counts.get(r["task"], ()))
+        if len(steps) <= 1:
+            out.append(r)
+        elif r["method"] == "base":
+            out += [{**r, "task": f"{r['task']}-t{n}"} for n in steps]
+        else:
+            out.append({**r, "task": f"{r['task']}-t{r['steps']}"})
+    return out
 
 
 #: (LoRA method, BD method) pairs compared at matched size: on the bf16 base, and both on a 4-bit base
@@ -252,13 +273,14 @@ def main(argv=None) -> int:
     ap.add_argument("--merge-to", help="write the deduplicated rows of all inputs to this JSONL file (it may be one of "
                                        "the inputs; nothing may be appending to it meanwhile)")
     a = ap.parse_args(argv)
-    rows = load_rows(a.dirs)
+    rows = load_rows(a.dirs)  # as stored (what --merge-to writes); the tables split a task by its step counts
     if a.merge_to:
         print(f"{write_jsonl(rows, a.merge_to)}: {len(rows)} runs")  # atomic: temp file + rename
         if not rows or not (a.plot or a.markdown):
             return 0
     if not rows:
         ap.error(f"no results rows under {a.dirs}")
+    rows = split_by_steps(rows)
     groups = aggregate(rows)
     if a.plot:
         print(plot(groups, Path(a.plot)))
