@@ -87,6 +87,12 @@ BAD = [
     ("jobs-not-a-list", {"jobs": {"name": "a"}}, "jobs: expected a list of jobs"),
     ("run-level-key-in-job", {"jobs": [{"name": "a", "model": "x"}]}, "jobs[0]: model: is shared by every job"),
     ("engine-key-in-job", {"jobs": [{"name": "a", "token_budget": 9}]}, "jobs[0]: token_budget: is an engine key"),
+    ("checkpointing-in-job", {"jobs": [{"name": "a", "gradient_checkpointing": True}]},
+     "jobs[0]: gradient_checkpointing: is shared by every job"),
+    ("checkpointing-with-pipeline", {"gradient_checkpointing": True, "pipeline_stages": 2},
+     "gradient_checkpointing: not supported with pipeline_stages: 2"),
+    ("every-n-without-checkpointing", {"gradient_checkpointing_every_n_layers": 2},
+     "gradient_checkpointing_every_n_layers: takes effect with gradient_checkpointing: true"),
     ("early-exit-window", {"early_exit": {"enabled": True, "window": 1}, "eval_every": 1}, "early_exit.window: must be >= 2"),
     ("early-exit-without-evals", {"early_exit": {"enabled": True}}, "eval_every: early_exit needs evaluations"),
     ("max-active-jobs-0", {"max_active_jobs": 0}, "max_active_jobs: must be >= 1"),
@@ -163,8 +169,7 @@ def test_set_overrides_and_print_config(tiny_llama_dir, data_file, tmp_path, cap
     rc, out, err = _sweep(["--print-config"], capsys)
     assert rc == 0
     printed = yaml.safe_load(out)  # valid YAML: every key once, with its default
-    refused = {"training_args", "gradient_checkpointing", "gradient_checkpointing_every_n_layers",
-               "record_samples", "save_total_limit", "push_to_hub",
+    refused = {"training_args", "record_samples", "save_total_limit", "push_to_hub",
                "hub_model_id", "hub_private_repo", "overwrite_output_dir"}
     for key in TrainConfig.valid_keys() + ["name", "group", "priority"] + list(ENGINE_KEYS):
         assert (key in printed) == (key not in refused), key

@@ -285,3 +285,37 @@ def test_auto_token_budget_follows_the_memory_limit_and_survives_resume(tiny_lla
         for p in a.modules:
             torch.testing.assert_close(a.modules[p].lora_A, b.modules[p].lora_A, rtol=0, atol=1e-7)
             torch.testing.assert_close(a.modules[p].lora_B, b.modules[p].lora_B, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("every_n", [1, 2])
+def test_gradient_checkpointing_recomputes_and_trains_the_same_adapters(tiny_llama_dir, data_file, tmp_path, every_n):
+    """`gradient_checkpointing` (run level): the base's decoder layers (every n-th) run their forward again in the
+    backward pass, with the micro-batch's segments and LoRA-dropout masks of the first pass, so two jobs packed
+    together train the adapters they train without it."""
+    from bdlora import load_adapter
+
+    jobs = [{"name": "a", "r": 4, "lora_dropout": 0.1, "seed": 1}, {"name": "b", "r": 8, "nblocks": 2, "seed": 2}]
+    plain = _engine(tiny_llama_dir, data_file, tmp_path / "plain", jobs)
+    ckpt = _engine(tiny_llama_dir, data_file, tmp_path / "ckpt", jobs, gradient_checkpointing=True,
+                   gradient_checkpointing_every_n_layers=every_n)
+    layers = ckpt.model.model.layers
+    assert ckpt.checkpointed_layers == len(layers[::every_n]) and plain.checkpointed_layers == 0
+    calls = {"plain": [0] * len(layers), "ckpt": [0] * len(layers)}
+    for name, eng in (("plain", plain), ("ckpt", ckpt)):
+        for i, layer in enumerate(eng.model.model.layers):
+            # a pre-hook: the recompute stops once it has what backward needs, before a forward hook would run
+            layer.register_forward_pre_hook(lambda *_, n=name, i=i: calls[n].__setitem__(i, calls[n][i] + 1))
+    rows_p, rows_c = plain.run(), ckpt.run()
+    # every layer runs once per micro-batch (training and evaluation); a checkpointed one again in each backward
+    mbs = sum(r["microbatches"] for r in ckpt.round_log)
+    assert all(c - p == (mbs if i % every_n == 0 else 0)
+               for i, (p, c) in enumerate(zip(calls["plain"], calls["ckpt"]))), (calls, mbs)
+    if every_n == 1:  # both layers recompute: the memory model counts one layer's activations per token, not two
+        assert ckpt.memory.beta[1] < plain.memory.beta[1]
+    for r, f in zip(rows_c, rows_p):
+        assert r["status"] == f["status"] == "done" and r["steps"] == f["steps"]
+        assert r["final_eval_loss"] == pytest.approx(f["final_eval_loss"], rel=1e-6)
+        a, b = load_adapter(r["adapter"]), load_adapter(f["adapter"])
+        for p in a.modules:
+            torch.testing.assert_close(a.modules[p].lora_A, b.modules[p].lora_A, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(a.modules[p].lora_B, b.modules[p].lora_B, rtol=1e-5, atol=1e-7)

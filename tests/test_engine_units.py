@@ -380,3 +380,17 @@ def test_auto_token_budget_takes_the_largest_admitted_size_no_larger_than_a_step
     # no memory limit (CPU): the CPU default, or the longest example
     assert auto_token_budget(m, jobs, None, step_tokens=10**6, longest=256) == CPU_TOKEN_BUDGET == 2048
     assert auto_token_budget(m, jobs, None, step_tokens=10**6, longest=4000) == 4000
+
+
+def test_memory_model_counts_checkpointed_layers_by_their_input():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, vocab_size=32000,
+                          num_attention_heads=32)
+    per_tok = {c: MemoryModel.analytic(cfg, 8_000_000_000, 2, 2, checkpointed_layers=c).beta[1] for c in (0, 16, 32)}
+    layer = (16 * 4096 + 4 * 14336) * 2
+    logits = 3 * 32000 * 4
+    assert per_tok[0] == 32 * layer + logits
+    # every layer recomputes: their inputs, and one layer's activations again during its recompute
+    assert per_tok[32] == layer + 32 * 4096 * 2 + logits
+    assert per_tok[16] == 17 * layer + 16 * 4096 * 2 + logits

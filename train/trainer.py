@@ -55,6 +55,7 @@ from bdlora.peft_model import check_bd_structure, init_block_a_like_lora, use_bd
 from bdlora.spec import BDLoraError, BDLoraSpec
 
 from .attention import sdpa_backends
+from .checkpointing import every_n_layers_kwarg
 from .config import ConfigError, TrainConfig, parse_override
 from .liger import folder_model_type, liger_decision
 from .data import examples_to_dataset, load_datasets
@@ -477,8 +478,8 @@ def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger
     ckpt = ("activation_checkpointing" if "activation_checkpointing" in
             {f.name for f in dataclasses.fields(TrainingArguments)} else "gradient_checkpointing")
     kwargs[ckpt] = cfg.gradient_checkpointing
-    kwargs[f"{ckpt}_kwargs"] = ({"use_reentrant": False, **_every_n_layers(cfg)} if cfg.gradient_checkpointing
-                                else None)
+    every_n = every_n_layers_kwarg(cfg.gradient_checkpointing_every_n_layers)
+    kwargs[f"{ckpt}_kwargs"] = {"use_reentrant": False, **every_n} if cfg.gradient_checkpointing else None
     if liger and experts:
         kwargs["liger_kernel_config"] = {"swiglu": False}
     kwargs.update(cfg.training_args)
@@ -641,25 +642,6 @@ def _make_trainer_class():
                                     "(or leave liger_kernel_config's swiglu off)")
 
     return BDLoraTrainer, StopAfter, MetricsLog, ExpertsIntact
-
-
-def _every_n_layers(cfg: TrainConfig) -> dict:
-    """The checkpointing kwarg that recomputes only every n-th decoder layer (transformers' own selection), or {}."""
-    n = cfg.gradient_checkpointing_every_n_layers
-    if n == 1:
-        return {}
-    import inspect
-
-    import transformers
-    from transformers import PreTrainedModel
-
-    enables = [getattr(PreTrainedModel, m, None) for m in ("activation_checkpointing_enable",
-                                                           "gradient_checkpointing_enable")]  # >= 5.24: the first
-    if not any(f is not None and "every_n_layers" in inspect.signature(f).parameters for f in enables):
-        raise ConfigError(f"gradient_checkpointing_every_n_layers: {n} needs a transformers release whose "
-                          "checkpointing takes every_n_layers (this is transformers "
-                          f"{transformers.__version__}); upgrade transformers, or leave the key out (every layer)")
-    return {"every_n_layers": n}
 
 
 def _fsync_tree(path: Path) -> None:

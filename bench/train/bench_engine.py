@@ -124,6 +124,7 @@ KERNEL_TUNING: dict = {}  # KernelOptions fields every engine of this process ge
 PAD_MULTIPLE = None  # the engine's pad_multiple in every run of this process (--pad-multiple; None = its auto)
 USE_LIGER = None  # use_liger_kernel of every engine and trainer run of this process (--use-liger-kernel; None = auto)
 CUDNN_ATTENTION = False  # cudnn_attention of every engine and trainer run of this process (--cudnn-attention)
+GRAD_CKPT_EVERY = 0  # gradient checkpointing of every engine and trainer run: every n-th layer, 0 off (--grad-ckpt-every)
 
 
 def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=None, max_active=64,
@@ -136,6 +137,8 @@ def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=
     return parse_run({
         "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE, "use_liger_kernel": USE_LIGER,
         "cudnn_attention": CUDNN_ATTENTION, "nblocks": 1,
+        **({"gradient_checkpointing": True, "gradient_checkpointing_every_n_layers": GRAD_CKPT_EVERY}
+           if GRAD_CKPT_EVERY else {}),
         "scheduler": "constant",
         "warmup_ratio": 0.0,
         **extra,
@@ -543,7 +546,7 @@ def run_throughput(args) -> int:
                      "sweep_ranks": sweep_ranks, "engine_seq_jobs": args.engine_seq_jobs,
                      "time_limit_s": time_limit, "cpu_smoke": bool(args.cpu_smoke),
                      "token_budget_fit": budget_fit, "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE,
-                     "cudnn_attention": CUDNN_ATTENTION,
+                     "cudnn_attention": CUDNN_ATTENTION, "grad_ckpt_every": GRAD_CKPT_EVERY,
                      "lora_dropout": args.lora_dropout, "dropout_route": args.dropout_route, "dsdb": args.dsdb,
                      "argv": sys.argv[1:]},
         "throughput": [], "sweep": {}, "skipped": [],
@@ -1097,11 +1100,15 @@ def main(argv=None) -> int:
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="cudnn_attention: true for the engine's runs and the sequential trainer (sdpa may pick "
                          "cuDNN attention; off by default, as in the product)")
+    ap.add_argument("--grad-ckpt-every", type=int, default=0, metavar="N",
+                    help="gradient_checkpointing of the engine's runs and the sequential trainer, recomputing every "
+                         "N-th decoder layer (1: every layer); 0 (default): off")
     args = ap.parse_args(argv)
     if args.profile is not None and args.profile < 1:
         ap.error(f"--profile K needs K >= 1 jobs, got {args.profile}")
-    global LORA_BACKEND, PAD_MULTIPLE, USE_LIGER, CUDNN_ATTENTION
+    global LORA_BACKEND, PAD_MULTIPLE, USE_LIGER, CUDNN_ATTENTION, GRAD_CKPT_EVERY
     LORA_BACKEND, PAD_MULTIPLE, CUDNN_ATTENTION = args.lora_backend, args.pad_multiple, args.cudnn_attention
+    GRAD_CKPT_EVERY = max(0, args.grad_ckpt_every)
     USE_LIGER = {"auto": None, "true": True, "false": False}[args.use_liger_kernel]
     if args.dropout_route == "mask":  # the engines' KernelOptions beside lora_backend (BatchContext.kernel_tuning)
         KERNEL_TUNING["fused_dropout"] = False

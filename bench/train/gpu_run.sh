@@ -17,12 +17,13 @@
 #                          -> $OUT/train_pipeline_vs_dp.json  $OUT/train_pipeline_vs_dp.log
 #   One GPU, one call per column (about 300-550 s each): the training table at the 8B shape, every row of a column
 #   side by side in one call:
-#     MODE=table TABLE_COLUMN=b8|b32|s2048 [MLORA_SRC=/path/to/mLoRA] bash bench/train/gpu_run.sh
+#     MODE=table TABLE_COLUMN=b8|b32|s2048|s2048gc [MLORA_SRC=/path/to/mLoRA] bash bench/train/gpu_run.sh
 #       the plain PEFT loop and `bdlora train` (bench_trainer.py, lora_backend auto with Liger), then the engine at
 #       K = 1, 4, 8 (bench_engine.py --no-seq-trainer: its engine-at-one-job figure over the first 4 jobs beside),
 #       then (b8, with MLORA_SRC) mLoRA on the same jobs as the engine (peer_mlora.py)
 #                          -> $OUT/table_trainer_<col>.jsonl  $OUT/table_engine_<col>.json  $OUT/table_peer.json
-#       b8: batches of 8 x 30-250 tokens; b32: 32 x 30-250; s2048: 4 x 2048 tokens
+#       b8: batches of 8 x 30-250 tokens; b32: 32 x 30-250; s2048: 4 x 2048 tokens; s2048gc: the same with
+#       gradient checkpointing of every layer (TABLE_GC_EVERY=N: every N-th; the plain loop checkpoints every one)
 #       TABLE_ENGINE_ARGS="--ks 1,4 --repeats 3": the engine rows measured three times in turn, the JSON's "paired"
 #       giving each repeat's K=4 / one-job ratio (median, min, max) where one run's spread hides the effect;
 #       TABLE_TRAINER_BACKENDS (default auto+liger,auto+liger+packing at b8 and b32: the trainer with padded and
@@ -129,7 +130,9 @@ case "$MODE" in
       b8) targs=(--batch 8 --steps 16 --warmup 4); eargs=(--batch-size 8); tback=auto+liger,auto+liger+packing ;;
       b32) targs=(--batch 32 --steps 10 --warmup 3); eargs=(--batch-size 32); tback=auto+liger,auto+liger+packing ;;
       s2048) targs=(--seq 2048 --batch 4 --steps 8 --warmup 3); eargs=(--seq 2048 --batch-size 4); tback=auto+liger ;;
-      *) echo "TABLE_COLUMN must be b8, b32 or s2048"; exit 2 ;;
+      s2048gc) targs=(--seq 2048 --batch 4 --steps 8 --warmup 3 --grad-ckpt --grad-ckpt-every "${TABLE_GC_EVERY:-1}")
+               eargs=(--seq 2048 --batch-size 4 --grad-ckpt-every "${TABLE_GC_EVERY:-1}"); tback=auto+liger ;;
+      *) echo "TABLE_COLUMN must be b8, b32, s2048 or s2048gc"; exit 2 ;;
     esac
     log="$O/table_$col.log"
     env_report "$log"

@@ -13,8 +13,10 @@
   ``base`` (keys shared by its jobs), ``num_samples`` and ``seed`` (random).
 * Run-level keys are shared by all jobs (one base model, one output folder, one checkpoint cadence): ``model``,
   ``precision``, ``attn_implementation``, ``cudnn_attention``, ``use_liger_kernel`` (Liger Kernel's RMSNorm,
-  SwiGLU and RoPE on the shared base; unset: where it can run, as in ``bdlora train``), ``output_dir``,
-  ``save_every`` and ``log_every`` (in rounds) and ``resume``; they are refused inside ``jobs:``/``search:``.
+  SwiGLU and RoPE on the shared base; unset: where it can run, as in ``bdlora train``),
+  ``gradient_checkpointing`` and ``gradient_checkpointing_every_n_layers`` (the shared base's decoder layers
+  recompute their activations in the backward pass; not with ``pipeline_stages``), ``output_dir``, ``save_every``
+  and ``log_every`` (in rounds) and ``resume``; they are refused inside ``jobs:``/``search:``.
 * A file with neither ``jobs:`` nor ``search:`` -- a ``bdlora train`` job file -- runs unchanged as a one-job sweep;
   the job is named after ``output_dir``'s last component (or ``job``) and its adapter is
   ``<output_dir>/adapters/<name>/``.
@@ -30,8 +32,7 @@ init, data order and dropout.
 Keys of TrainConfig the engine honours its own way: ``packing`` (the engine always packs: ``packing: false`` is
 refused), ``progress`` (a progress bar over the run's optimizer steps), ``report_to`` (``tensorboard``: one event
 folder per job under ``<output_dir>/runs/<job>``; other trackers are refused) and ``eval_batch_size`` (evaluation is
-packed under ``token_budget``). Refused, with the reason: ``gradient_checkpointing: true``, ``training_args`` (the
-engine runs its own loop), ``precision: fp16`` (no loss scaling: use bf16), ``record_samples``, ``save_total_limit``
+packed under ``token_budget``). Refused, with the reason: ``training_args`` (the engine runs its own loop), ``precision: fp16`` (no loss scaling: use bf16), ``record_samples``, ``save_total_limit``
 (one resumable ``engine_state.pt``), ``push_to_hub`` / ``hub_model_id`` (push one adapter with ``bdlora push``) and
 ``overwrite_output_dir``. ``resume``: unset starts fresh, ``auto`` continues from ``<output_dir>/engine_state.pt``
 when it exists (a checkpoint folder is the trainer's and is refused).
@@ -78,7 +79,8 @@ LORA_BACKENDS = ("auto", "cublas", "triton", "torch", "engine")  # how MultiLora
 MEMORY_MODELS = ("auto", "analytic")
 #: TrainConfig keys that are one value for the whole run (one base, one output folder, one checkpoint cadence)
 RUN_LEVEL_KEYS = ("model", "precision", "attn_implementation", "cudnn_attention", "use_liger_kernel", "output_dir",
-                  "save_every", "log_every", "resume")
+                  "save_every", "log_every", "resume", "gradient_checkpointing",
+                  "gradient_checkpointing_every_n_layers")
 _NAME_RE = re.compile(r"[A-Za-z0-9_+=@,-][A-Za-z0-9._+=@,-]*")
 
 
@@ -210,6 +212,8 @@ class RunConfig(EngineKeys):
     attn_implementation: Optional[str] = None
     cudnn_attention: bool = False  # sdpa may pick cuDNN attention (TrainConfig.cudnn_attention)
     use_liger_kernel: Optional[bool] = None  # Liger's RMSNorm, SwiGLU and RoPE on the shared base (None: auto)
+    gradient_checkpointing: bool = False  # the shared base's decoder layers recompute in backward (TrainConfig's)
+    gradient_checkpointing_every_n_layers: int = 1  # only every n-th layer recomputes (TrainConfig's)
     output_dir: str = TrainConfig.output_dir
     seed: int = 0  # the run's seed (LoRA-dropout masks): the top-level seed
     save_every: int = 0  # rounds between run checkpoints (and whenever a job finishes); 0: at the end only
@@ -454,9 +458,10 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
     if resume is not None and resume != "auto":
         raise ConfigError(f"{source}: resume: the engine resumes from its own output_dir: 'auto' (continue from "
                           f"<output_dir>/engine_state.pt when it exists) or unset (start fresh), got {resume!r}")
-    for key, unset in (("gradient_checkpointing", (None, False)), ("gradient_checkpointing_every_n_layers", (None, 1))):
-        if raw.get(key) not in unset:
-            raise ConfigError(f"{source}: {key}: not supported by the engine; leave it out")
+    stages = engine.get("pipeline_stages", 1)
+    if raw.get("gradient_checkpointing") and stages > 1:
+        raise ConfigError(f"{source}: gradient_checkpointing: not supported with pipeline_stages: {stages} (a stage "
+                          "interleaves the micro-batches' forwards and backwards); leave it out, or run one stage")
     if raw.get("training_args"):
         raise ConfigError(f"{source}: training_args: the engine runs its own training loop (no transformers "
                           "Trainer); these apply to `bdlora train` only")
@@ -512,6 +517,8 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
     run = RunConfig(**engine, jobs=jobs, model=first.model, precision=first.precision,
                     attn_implementation=first.attn_implementation, cudnn_attention=first.cudnn_attention,
                     use_liger_kernel=first.use_liger_kernel, output_dir=first.output_dir,
+                    gradient_checkpointing=first.gradient_checkpointing,
+                    gradient_checkpointing_every_n_layers=first.gradient_checkpointing_every_n_layers,
                     seed=_coerce_engine(raw["seed"], "int", f"{source}: seed") if "seed" in raw else 0,
                     save_every=first.save_every, log_every=first.log_every, resume=first.resume == "auto",
                     source=source)
@@ -537,15 +544,14 @@ def load_run(path: str | os.PathLike, overrides: Optional[dict[str, Any]] = None
 
 def describe_run_keys() -> str:
     """Every key of a run file with its default and help, as commented YAML (``bdlora sweep --print-config``)."""
-    refused = set(NOT_HONOURED) - {"packing"} | {"gradient_checkpointing", "gradient_checkpointing_every_n_layers",
-                                                 "training_args"} | set(ENGINE_KEYS)  # pad_multiple: listed once
+    refused = set(NOT_HONOURED) - {"packing"} | {"training_args"} | set(ENGINE_KEYS)  # pad_multiple: listed once
     job = describe_keys(JobConfig, {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "train_file": "data/train.jsonl",
                                     "packing": True}, exclude=refused)
     engine = describe_keys(EngineKeys)
     return ("# ---- job keys: at the top level, the defaults of every job; under jobs:/search:, one job's (name,\n"
             "# group and priority only there). model, precision, attn_implementation, cudnn_attention,\n"
-            "# use_liger_kernel, output_dir, save_every, log_every (in rounds) and resume are the run's, top level\n"
-            "# only.\n" + job
+            "# use_liger_kernel, gradient_checkpointing(_every_n_layers), output_dir, save_every, log_every (in\n"
+            "# rounds) and resume are the run's, top level only.\n" + job
             + "# ---- engine keys (top level only)\n" + engine
             + "# ---- jobs (optional; without jobs:/search: the file is one job)\n"
             + "# jobs:\n#   - {name: r8, r: 8}\n# search:\n#   - {name: lr-grid, type: grid, space: {lr: [1.0e-4, "

@@ -31,6 +31,7 @@ import torch
 
 from bdlora.adapter import save_adapter
 
+from ..checkpointing import checkpoint_decoder_layers
 from ..liger import apply_liger_to_base, folder_model_type, liger_decision
 from . import checkpoint
 from .config import ConfigError, JobConfig, RunConfig
@@ -106,6 +107,8 @@ class Engine:
         self.ctx = BatchContext(backend=run.lora_backend)
         self.registry: dict[int, JobAdapter] = {}
         self.targets = inject_multilora(model, cols, rows, self.ctx, self.registry)
+        self.checkpointed_layers = (checkpoint_decoder_layers(model, run.gradient_checkpointing_every_n_layers)
+                                    if run.gradient_checkpointing else 0)
         self.model_type = model_type
         self._splits: dict[tuple, DatasetSplit] = {}
         self._len_cache: dict[tuple, list[int]] = {}
@@ -114,7 +117,7 @@ class Engine:
             job.total_steps = job.cfg.total_steps(len(job.data.train))
             if run.early_exit.enabled:
                 job.warm_steps = warmup_steps(job.total_steps, run.early_exit.warmup_ratio)
-        self.memory = MemoryModel.for_model(model)
+        self.memory = MemoryModel.for_model(model, checkpointed_layers=self.checkpointed_layers)
         self.mem_budget = device_budget_bytes(self.device, run.memory_budget_gb)
         self.token_budget = self._choose_token_budget()  # a resumed run takes its checkpoint's (checkpoint.restore)
         self.round = 0
@@ -252,7 +255,8 @@ class Engine:
                 json.dump(run.to_dict(), f, indent=2, default=str)
         if self.rank == 0:
             self.log(f"[engine] {len(self.jobs)} jobs on {self.device}, lora_backend {run.lora_backend}, Liger kernels "
-                     f"{self.liger_note}")
+                     f"{self.liger_note}" + (f", {self.checkpointed_layers} decoder layers recompute in backward"
+                                             if self.checkpointed_layers else ""))
         if run.resume and (self.out / checkpoint.CHECKPOINT).is_file():
             checkpoint.load(self, self.out / checkpoint.CHECKPOINT)
             self.log(f"[engine] resumed from {self.out / checkpoint.CHECKPOINT} at round {self.round}")

@@ -45,17 +45,21 @@ class MemoryModel:
 
     @classmethod
     def analytic(cls, config, n_base_params: int, base_dtype_bytes: int = 4, act_bytes: int = 4,
-                 n_layers: Optional[int] = None, logits: bool = True) -> "MemoryModel":
+                 n_layers: Optional[int] = None, logits: bool = True, checkpointed_layers: int = 0) -> "MemoryModel":
         """Coefficients from a transformers config (Llama-like): a deliberately generous estimate. ``n_layers``:
         the decoder layers run here (a pipeline stage's own; default all of the config's); ``logits``: whether
-        the LM head's logits are computed here (the last stage only)."""
+        the LM head's logits are computed here (the last stage only); ``checkpointed_layers``: layers that keep
+        only their input for backward (activation checkpointing), one of them at a time holding its activations
+        again while it recomputes."""
         h = int(getattr(config, "hidden_size", 1024))
         inter = int(getattr(config, "intermediate_size", 4 * h))
         layers = int(getattr(config, "num_hidden_layers", 12)) if n_layers is None else int(n_layers)
         vocab = int(getattr(config, "vocab_size", 32000))
         heads = int(getattr(config, "num_attention_heads", 8))
         # activations kept for backward per token and layer: ~ 16 h + 4 inter values; logits of response tokens
-        per_token = layers * (16 * h + 4 * inter) * act_bytes + (3 * vocab * 4 if logits else 0)
+        ckpt = min(int(checkpointed_layers), layers)
+        kept = layers - ckpt + (1 if ckpt else 0)
+        per_token = (kept * (16 * h + 4 * inter) + ckpt * h) * act_bytes + (3 * vocab * 4 if logits else 0)
         # attention mask / scores (bool mask T^2 per forward + fp32 scores on the eager path, per head)
         per_token2 = 1 + heads * 4
         b0 = n_base_params * base_dtype_bytes + 256 * 1024 ** 2
@@ -63,7 +67,7 @@ class MemoryModel:
                    bytes_per_rank_token=float(2 * act_bytes))
 
     @classmethod
-    def for_model(cls, model) -> "MemoryModel":
+    def for_model(cls, model, checkpointed_layers: int = 0) -> "MemoryModel":
         """:meth:`analytic` for a causal LM as built or loaded here: its parameters (on a pipeline stage only the
         stage's own), activations in the parameters' dtype (the base is loaded straight in the run's precision),
         the decoder layers that hold parameters (another stage's placeholders hold none) and the logits only where
@@ -74,7 +78,7 @@ class MemoryModel:
         held = None if layers is None else sum(1 for layer in layers if next(layer.parameters(), None) is not None)
         nbytes = params[0].element_size() if params else 4
         return cls.analytic(model.config, sum(p.numel() for p in params), nbytes, act_bytes=nbytes, n_layers=held,
-                            logits=model.get_output_embeddings() is not None)
+                            logits=model.get_output_embeddings() is not None, checkpointed_layers=checkpointed_layers)
 
     def predict(self, tokens: int, jobs: list[JobFootprint]) -> float:
         t = float(tokens)

@@ -72,6 +72,16 @@ class BatchContext:
         opts = kernel_options(self.backend)
         return replace(opts, **self.kernel_tuning) if self.kernel_tuning else opts
 
+    @contextlib.contextmanager
+    def segments_of(self, segments: list[tuple[int, int, int]]):
+        """The rows of the forward (and backward) passes run inside; none after. A checkpointed layer's backward
+        runs its forward again and needs the same rows."""
+        self.use_segments(segments)
+        try:
+            yield
+        finally:
+            self.use_segments([])
+
     def use_segments(self, segments: list[tuple[int, int, int]]) -> None:
         """The rows of the next forward (``[]`` after it); the plans of the previous ones are dropped."""
         self.segments = segments

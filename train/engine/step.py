@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .jobs import record_train_step
-from .multilora import BatchContext, dropout_rng, round_seed
+from .multilora import dropout_rng, round_seed
 from .packing import MicroBatch
 
 
@@ -32,14 +32,11 @@ def decoder_and_head(model):
     return getattr(model, model.base_model_prefix), model.get_output_embeddings()
 
 
-def job_losses(model, mb: MicroBatch, ctx: BatchContext) -> dict[int, torch.Tensor]:
-    """Forward one packed micro-batch; {job: summed response-token cross-entropy}."""
+def job_losses(model, mb: MicroBatch) -> dict[int, torch.Tensor]:
+    """Forward one packed micro-batch (under its segments: ``BatchContext.segments_of``); {job: summed
+    response-token cross-entropy}."""
     decoder, head = decoder_and_head(model)
-    ctx.use_segments(mb.segments)
-    try:
-        out = decoder(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
-    finally:
-        ctx.use_segments([])
+    out = decoder(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
     h = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])  # flattened rows: segment order
     losses = {}
     for job, (pos, lab) in mb.targets.items():
@@ -76,11 +73,12 @@ def train_round(engine) -> dict:
             continue
         mb = mb.to(engine.device)
         seed = round_seed("lora-dropout", engine.run_cfg.seed, drop_key, i) if drop_key else None
-        with dropout_rng(seed, engine.device):
-            losses = job_losses(engine.model, mb, engine.ctx)
-        total = sum(l / max(step_targets[j], 1) for j, l in losses.items())
-        if torch.is_tensor(total) and total.requires_grad:
-            total.backward()
+        with engine.ctx.segments_of(mb.segments):  # through backward: checkpointed layers run their forward again
+            with dropout_rng(seed, engine.device):
+                losses = job_losses(engine.model, mb)
+            total = sum(l / max(step_targets[j], 1) for j, l in losses.items())
+            if torch.is_tensor(total) and total.requires_grad:
+                total.backward()
         for j, l in losses.items():
             loss_sums[j] += l.detach().double()
     dist = dist_group()
@@ -140,7 +138,9 @@ def evaluate(engine, jobs: list) -> dict[int, float]:
         if i % engine.world != engine.rank:
             continue
         mb = mb.to(engine.device)
-        for j, l in job_losses(engine.model, mb, engine.ctx).items():
+        with engine.ctx.segments_of(mb.segments):
+            losses = job_losses(engine.model, mb)
+        for j, l in losses.items():
             sums[index[j]] += l.double()
             counts[index[j]] += mb.n_targets(j)
     dist = dist_group()
