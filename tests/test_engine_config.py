@@ -89,8 +89,6 @@ BAD = [
     ("engine-key-in-job", {"jobs": [{"name": "a", "token_budget": 9}]}, "jobs[0]: token_budget: is an engine key"),
     ("checkpointing-in-job", {"jobs": [{"name": "a", "gradient_checkpointing": True}]},
      "jobs[0]: gradient_checkpointing: is shared by every job"),
-    ("checkpointing-with-pipeline", {"gradient_checkpointing": True, "pipeline_stages": 2},
-     "gradient_checkpointing: not supported with pipeline_stages: 2"),
     ("every-n-without-checkpointing", {"gradient_checkpointing_every_n_layers": 2},
      "gradient_checkpointing_every_n_layers: takes effect with gradient_checkpointing: true"),
     ("early-exit-window", {"early_exit": {"enabled": True, "window": 1}, "eval_every": 1}, "early_exit.window: must be >= 2"),

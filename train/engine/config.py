@@ -15,7 +15,7 @@
   ``precision``, ``attn_implementation``, ``cudnn_attention``, ``use_liger_kernel`` (Liger Kernel's RMSNorm,
   SwiGLU and RoPE on the shared base; unset: where it can run, as in ``bdlora train``),
   ``gradient_checkpointing`` and ``gradient_checkpointing_every_n_layers`` (the shared base's decoder layers
-  recompute their activations in the backward pass; not with ``pipeline_stages``), ``output_dir``, ``save_every``
+  recompute their activations in the backward pass), ``output_dir``, ``save_every``
   and ``log_every`` (in rounds) and ``resume``; they are refused inside ``jobs:``/``search:``.
 * A file with neither ``jobs:`` nor ``search:`` -- a ``bdlora train`` job file -- runs unchanged as a one-job sweep;
   the job is named after ``output_dir``'s last component (or ``job``) and its adapter is
@@ -458,10 +458,6 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
     if resume is not None and resume != "auto":
         raise ConfigError(f"{source}: resume: the engine resumes from its own output_dir: 'auto' (continue from "
                           f"<output_dir>/engine_state.pt when it exists) or unset (start fresh), got {resume!r}")
-    stages = engine.get("pipeline_stages", 1)
-    if raw.get("gradient_checkpointing") and stages > 1:
-        raise ConfigError(f"{source}: gradient_checkpointing: not supported with pipeline_stages: {stages} (a stage "
-                          "interleaves the micro-batches' forwards and backwards); leave it out, or run one stage")
     if raw.get("training_args"):
         raise ConfigError(f"{source}: training_args: the engine runs its own training loop (no transformers "
                           "Trainer); these apply to `bdlora train` only")

@@ -129,20 +129,16 @@ class Stage:
         t0 = time.perf_counter()
         if train and pm.job in self.pending:
             self.apply(pm.job, prev_norm)
-        self.e.ctx.use_segments(mb.segments)
         cfg = self.e.jobs[pm.job].cfg
         seed = (round_seed("lora-dropout", self.e.run_cfg.seed, cfg.seed, pm.step, m, s)
                 if train and cfg.lora_dropout > 0 else None)
-        try:
-            with torch.set_grad_enabled(train), dropout_rng(seed, self.dev):
-                if s == 0:
-                    out = self.decoder(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
-                else:
-                    if train:
-                        x.requires_grad_(True)
-                    out = self.decoder(inputs_embeds=x, position_ids=mb.position_ids, use_cache=False)
-        finally:
-            self.e.ctx.use_segments([])
+        with self.e.ctx.segments_of(mb.segments), torch.set_grad_enabled(train), dropout_rng(seed, self.dev):
+            if s == 0:
+                out = self.decoder(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+            else:
+                if train:
+                    x.requires_grad_(True)
+                out = self.decoder(inputs_embeds=x, position_ids=mb.position_ids, use_cache=False)
         h = out.last_hidden_state
         if s == P - 1:
             pos, lab = mb.targets[pm.job]
@@ -164,16 +160,19 @@ class Stage:
     def backward(self, pm: PMB, mbs_in_step: dict) -> None:
         s, P, m = self.s, self.P, pm.idx
         key = (pm.job, pm.step)
+        # the micro-batch's rows again: a checkpointed layer runs its forward once more in its backward
         if s == P - 1:
             t0 = time.perf_counter()
-            self.outs.pop(m).backward()
+            with self.e.ctx.segments_of(pm.mb.segments):
+                self.outs.pop(m).backward()
         else:
             shape = (*pm.mb.input_ids.shape, self.hidden)
             g = self._recv(shape, self.dtype, s + 1, 4 * m + 2)
             meta = self._recv((1,), torch.float64, s + 1, 4 * m + 3)
             self.carry[key] = max(self.carry[key], float(meta[0]))
             t0 = time.perf_counter()
-            torch.autograd.backward(self.outs.pop(m), g)
+            with self.e.ctx.segments_of(pm.mb.segments):
+                torch.autograd.backward(self.outs.pop(m), g)
         self.done_b[key] += 1
         if self.done_b[key] == mbs_in_step[key]:
             val = self._local_norm_sq(pm.job) + self.carry.pop(key, 0.0)
