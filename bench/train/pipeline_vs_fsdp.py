@@ -153,7 +153,14 @@ def common_keys(a, model: Path, data: Path) -> dict:
     return {"model": str(model), "train_file": str(data), "eval_fraction": 0.0, "nblocks": a.nblocks, "lora_alpha": 16,
             "precision": a.precision, "batch_size": a.batch, "max_steps": a.steps, "lr": 1e-4,
             "scheduler": "constant", "warmup_steps": 0, "max_length": 258, "progress": False, "report_to": [],
-            "log_every": 1}
+            "log_every": 1,
+            **({"gradient_checkpointing": True, "gradient_checkpointing_every_n_layers": a.grad_ckpt_every}
+               if a.grad_ckpt_every else {})}
+
+
+def gc_tag(a) -> str:
+    """The file-name suffix of a run with gradient checkpointing (its records never stand in for one without)."""
+    return f"-gc{a.grad_ckpt_every}" if a.grad_ckpt_every else ""
 
 
 def launch(cmd: list[str], log: Path, env: dict, timeout_s: float) -> tuple[int, float, list[float]]:
@@ -191,10 +198,11 @@ def finished(record: Path) -> dict | None:
 
 
 def run_pipeline(a, k: int, model: Path, data: Path, work: Path, env: dict) -> dict:
-    record = work / f"pipeline-k{k}.done.json"
+    name = f"pipeline-k{k}{gc_tag(a)}"
+    record = work / f"{name}.done.json"
     if (done := finished(record)) is not None:
         return done
-    out = fresh(work / f"pipeline-k{k}")
+    out = fresh(work / name)
     run = {**common_keys(a, model, data), "output_dir": str(out), "pipeline_stages": a.gpus, "token_budget": a.budget,
            "save_every": 0, "save_plots": False, "eval_every": 10**9,
            "early_exit": {"enabled": False}, "jobs": jobs_for(k, a.ranks)}
@@ -202,10 +210,10 @@ def run_pipeline(a, k: int, model: Path, data: Path, work: Path, env: dict) -> d
         run["memory_budget_gb"] = a.memory_budget_gb
     if a.cpu_smoke:
         run["device"] = "cpu"
-    cfg = work / f"pipeline-k{k}.yaml"
+    cfg = work / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(run))
     rc, wall, peaks = launch([sys.executable, "-m", "bdlora.train.engine", "--config", str(cfg)],
-                             work / f"pipeline-k{k}.log", env, a.run_timeout)
+                             work / f"{name}.log", env, a.run_timeout)
     rec = {"rc": rc, "wall_s": wall, "peak_gib_per_gpu": peaks}
     res = out / "results.json"
     if rc == 0 and res.is_file():
@@ -214,7 +222,7 @@ def run_pipeline(a, k: int, model: Path, data: Path, work: Path, env: dict) -> d
         if not tokens:  # every job refused (the memory model's admission) or stopped before a step: no result
             reasons = sorted({str(j.get("stop_reason")) for j in r["jobs"]})
             return {**rec, "rc": 1, "error": f"the pipeline trained no tokens: {'; '.join(reasons)} (see "
-                    f"pipeline-k{k}.log; --budget lowers the token budget, --memory-budget-gb the admission limit)"}
+                    f"{name}.log; --budget lowers the token budget, --memory-budget-gb the admission limit)"}
         train_s = sum(x.get("train_s", 0.0) for x in r.get("rounds", []))
         rec.update(tokens=tokens, tokens_per_s_wall=tokens / wall, train_s=train_s,
                    tokens_per_s_train=tokens / train_s if train_s else None)
@@ -228,7 +236,7 @@ def run_fsdp(a, k: int, model: Path, data: Path, work: Path, env: dict) -> dict:
     for job in jobs_for(k, a.ranks):
         # a job is the same launch at every K (jobs_for: name, rank and seed by index), so it runs once for all Ks
         # and over several device calls: K = 8 adds j4-j7 to K = 4's four
-        tag = f"fsdp-{job['name']}-r{job['r']}-s{job['seed']}"
+        tag = f"fsdp-{job['name']}-r{job['r']}-s{job['seed']}{gc_tag(a)}"
         record = work / f"{tag}.done.json"
         done = finished(record)
         if done is None:
@@ -269,6 +277,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--budget", type=int, default=4096, help="the pipeline's token budget per micro-batch")
     ap.add_argument("--sides", default="pipeline,fsdp")
+    ap.add_argument("--grad-ckpt-every", type=int, default=0, metavar="N",
+                    help="gradient checkpointing on both sides, every N-th decoder layer (1: every one); 0: off")
     ap.add_argument("--workdir", default="/tmp/bdlora-pipeline-vs-fsdp")
     ap.add_argument("--overflow-dir", default=None,
                     help="checkpoint shards that would fill the workdir's disk go here (e.g. /dev/shm/pvf on a 2-GPU "
@@ -311,7 +321,7 @@ def main(argv=None) -> int:
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = {"shape": {"name": a.shape, **SHAPES[a.shape]}, "gpus": a.gpus, "settings": {
         k: getattr(a, k) for k in ("ks", "ranks", "nblocks", "batch", "steps", "budget", "memory_budget_gb",
-                                  "precision", "cpu_smoke")},
+                                  "precision", "cpu_smoke", "grad_ckpt_every")},
         "checkpoint_s": time.monotonic() - t0, "date": time.strftime("%Y-%m-%d"), "runs": []}
     out = Path(a.out)
     for k in (int(x) for x in a.ks.split(",")):

@@ -168,7 +168,9 @@ class PipelineRun:
                 engine.log(f"[pipeline] resumed from {self.out / STATE_DIR} at segment {self.segment} "
                            f"(round {engine.round})")
             engine.log(f"[pipeline] token budget {engine.token_budget} tokens per micro-batch"
-                       + (" (auto)" if engine.run_cfg.token_budget == "auto" else ""))
+                       + (" (auto)" if engine.run_cfg.token_budget == "auto" else "")
+                       + (f"; {engine.checkpointed_layers} of stage 0's decoder layers recompute in backward"
+                          if engine.checkpointed_layers else ""))
             reporter = RunReporter(engine.jobs, self.out, engine.jobs[0].cfg.progress, engine.rank == 0)
             return run_loop(engine, self.advance, self.save, self.write_results, self.stopped, self.ended, reporter)
         finally:  # break the engine <-> stage cycle: nothing may keep this stage's process groups past their destruction
