@@ -41,12 +41,17 @@ def test_random_weights_folder_builds_on_load(tmp_path):
     assert AutoModelForCausalLM.from_pretrained.__func__.__name__ == "from_pretrained"
 
 
-def test_fixed_length_data_is_exactly_seq_tokens_as_the_engine_encodes_it(tmp_path):
-    """--seq: every record is exactly ``seq`` tokens as the trainer and the engine encode it (TokenLengths)."""
+def test_trainer_data_is_the_token_lengths_asked_as_the_engine_encodes_it(tmp_path):
+    """--seq: every record is exactly ``seq`` tokens as the trainer and the engine encode it (TokenLengths);
+    --trainer-data: bench_trainer's records of 30-250 tokens, within those bounds and spread over them."""
     folder = B.write_config_folder(tmp_path / "m", dict(B.LLAMA8B_SMOKE_SHAPE, num_layers=1))
-    data = B.fixed_length_data(tmp_path / "d.jsonl", folder, 12, 48)
+    data = B.trainer_data(tmp_path / "d.jsonl", folder, 12, 48, 48)
     lengths = B.TokenLengths(folder, data, 56).lengths
     assert len(lengths) == 12 and set(lengths.values()) == {48}
+    data = B.trainer_data(tmp_path / "v.jsonl", folder, 200, 30, 250)
+    lengths = list(B.TokenLengths(folder, data, 258).lengths.values())
+    assert len(lengths) == 200 and 30 <= min(lengths) and max(lengths) <= 250
+    assert 120 < sum(lengths) / len(lengths) < 160  # uniform over 30-250: mean ~140
 
 
 def test_paired_summary_takes_each_repeats_own_ratio():

@@ -108,14 +108,14 @@ def make_data(path: Path, n: int, seed: int = 0, min_words: int = 8, max_words: 
     return path
 
 
-def fixed_length_data(path: Path, model_folder: Path, n: int, seq: int) -> Path:
-    """``n`` plain-text records of exactly ``seq`` tokens: bench_trainer's data, so its long-sequence column and the
-    engine's see the same kind of examples."""
+def trainer_data(path: Path, model_folder: Path, n: int, min_len: int, max_len: int) -> Path:
+    """``n`` plain-text records of ``min_len``..``max_len`` tokens: bench_trainer.py's data, so that a table's
+    trainer and engine rows count the tokens of the same kind of examples."""
     try:
         from bench.train.bench_trainer import build_data
     except ImportError:  # run as a script: bench/train is on sys.path, the repository root may not be
         from bench_trainer import build_data
-    return build_data(path, model_folder, n, seq, seq)
+    return build_data(path, model_folder, n, min_len, max_len)
 
 
 PRECISION_OF = {"float32": "fp32", "bfloat16": "bf16"}  # this script's --dtype names -> the config's precision
@@ -493,7 +493,8 @@ def run_throughput(args) -> int:
         seq = args.seq + 8 if args.seq else 64
         steps, bs, budget, sweep_steps = 3, 2, max(512, seq), 8
         nblocks, ranks, dtype = args.nblocks or 2, user_ranks or [4, 8], "float32"
-        data = (fixed_length_data(tmp / "task.jsonl", model, 200, args.seq) if args.seq
+        data = (trainer_data(tmp / "task.jsonl", model, 200, args.seq, args.seq) if args.seq
+                else trainer_data(tmp / "task.jsonl", model, 200, 10, 40) if args.trainer_data
                 else make_data(tmp / "task.jsonl", 200, max_words=20))
         lrs, sweep_ranks = [1e-3, 1e-2], [4, 8]
     else:
@@ -501,8 +502,8 @@ def run_throughput(args) -> int:
 
         torch.backends.cuda.matmul.allow_tf32 = True
         steps, bs, sweep_steps = args.steps or 12, args.batch_size, args.sweep_steps
-        dtype, seq = args.dtype, (args.seq + 8 if args.seq else 256)
-        data = None if args.seq else make_data(tmp / "task.jsonl", 4000)
+        dtype, seq = args.dtype, (args.seq + 8 if args.seq else 258 if args.trainer_data else 256)
+        data = None if args.seq or args.trainer_data else make_data(tmp / "task.jsonl", 4000)
         lrs = [3e-5, 1e-4, 3e-4, 3e-3]
         if llama8b:
             shape = dict(LLAMA8B_SHAPE, num_layers=args.num_layers or LLAMA8B_SHAPE["num_layers"])
@@ -516,7 +517,9 @@ def run_throughput(args) -> int:
             sweep_ranks = [16, 32, 64, 128]
             if args.seq:  # records of exactly --seq tokens, written with the folder's tokenizer: one epoch for
                 # the largest K (tokenizing long records is the slow part; jobs reuse them past it)
-                data = fixed_length_data(tmp / "task.jsonl", model, max(ks) * bs * (steps + 2), args.seq)
+                data = trainer_data(tmp / "task.jsonl", model, max(ks) * bs * (steps + 2), args.seq, args.seq)
+            elif args.trainer_data:
+                data = trainer_data(tmp / "task.jsonl", model, max(ks) * bs * (steps + 2), 30, 250)
             if args.token_budget:
                 budget, budget_fit = fit_token_budget(model, max(args.token_budget, seq),
                                                       [ranks[i % len(ranks)] for i in range(max(ks))], nblocks, device)
@@ -547,6 +550,8 @@ def run_throughput(args) -> int:
                      "time_limit_s": time_limit, "cpu_smoke": bool(args.cpu_smoke),
                      "token_budget_fit": budget_fit, "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE,
                      "cudnn_attention": CUDNN_ATTENTION, "grad_ckpt_every": GRAD_CKPT_EVERY,
+                     "data": ("bench_trainer's plain text" if args.seq or args.trainer_data
+                              else "instruction task (reverse / sort / count words)"),
                      "lora_dropout": args.lora_dropout, "dropout_route": args.dropout_route, "dsdb": args.dsdb,
                      "argv": sys.argv[1:]},
         "throughput": [], "sweep": {}, "skipped": [],
@@ -1100,6 +1105,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cudnn-attention", action="store_true",
                     help="cudnn_attention: true for the engine's runs and the sequential trainer (sdpa may pick "
                          "cuDNN attention; off by default, as in the product)")
+    ap.add_argument("--trainer-data", action="store_true",
+                    help="--shape llama8b: bench_trainer.py's plain-text records of 30-250 tokens instead of the "
+                         "instruction task (~90 tokens a sample), so the engine's rows and bench_trainer's count "
+                         "the same examples")
     ap.add_argument("--grad-ckpt-every", type=int, default=0, metavar="N",
                     help="gradient_checkpointing of the engine's runs and the sequential trainer, recomputing every "
                          "N-th decoder layer (1: every layer); 0 (default): off")

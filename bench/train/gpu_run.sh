@@ -20,7 +20,8 @@
 #     MODE=table TABLE_COLUMN=b8|b32|s2048|s2048gc [MLORA_SRC=/path/to/mLoRA] bash bench/train/gpu_run.sh
 #       the plain PEFT loop and `bdlora train` (bench_trainer.py, lora_backend auto with Liger), then the engine at
 #       K = 1, 4, 8 (bench_engine.py --no-seq-trainer: its engine-at-one-job figure over the first 4 jobs beside),
-#       then (b8, with MLORA_SRC) mLoRA on the same jobs as the engine (peer_mlora.py)
+#       then (b8, with MLORA_SRC) mLoRA on the same jobs as the engine (peer_mlora.py); the trainer and engine rows
+#       train on the same records (bench_trainer's plain text; --trainer-data), the peer's on instructions
 #                          -> $OUT/table_trainer_<col>.jsonl  $OUT/table_engine_<col>.json  $OUT/table_peer.json
 #       b8: batches of 8 x 30-250 tokens; b32: 32 x 30-250; s2048: 4 x 2048 tokens; s2048gc: the same with
 #       gradient checkpointing of every layer (TABLE_GC_EVERY=N: every N-th; the plain loop checkpoints every one)
@@ -127,8 +128,10 @@ case "$MODE" in
   table)
     col=${TABLE_COLUMN:-b8}
     case "$col" in
-      b8) targs=(--batch 8 --steps 16 --warmup 4); eargs=(--batch-size 8); tback=auto+liger,auto+liger+packing ;;
-      b32) targs=(--batch 32 --steps 10 --warmup 3); eargs=(--batch-size 32); tback=auto+liger,auto+liger+packing ;;
+      b8) targs=(--batch 8 --steps 16 --warmup 4); eargs=(--batch-size 8 --trainer-data)
+          tback=auto+liger,auto+liger+packing ;;
+      b32) targs=(--batch 32 --steps 10 --warmup 3); eargs=(--batch-size 32 --trainer-data)
+           tback=auto+liger,auto+liger+packing ;;
       s2048) targs=(--seq 2048 --batch 4 --steps 8 --warmup 3); eargs=(--seq 2048 --batch-size 4); tback=auto+liger ;;
       s2048gc) targs=(--seq 2048 --batch 4 --steps 8 --warmup 3 --grad-ckpt --grad-ckpt-every "${TABLE_GC_EVERY:-1}")
                eargs=(--seq 2048 --batch-size 4 --grad-ckpt-every "${TABLE_GC_EVERY:-1}"); tback=auto+liger ;;
