@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -319,3 +320,55 @@ def test_gradient_checkpointing_recomputes_and_trains_the_same_adapters(tiny_lla
         for p in a.modules:
             torch.testing.assert_close(a.modules[p].lora_A, b.modules[p].lora_A, rtol=1e-5, atol=1e-7)
             torch.testing.assert_close(a.modules[p].lora_B, b.modules[p].lora_B, rtol=1e-5, atol=1e-7)
+
+
+def _adapter_tensors(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "adapter_model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["inside-a-checkpoint-write", "after-a-checkpoint"])
+def test_kill_9_then_resume_is_bit_identical(tiny_llama_dir, data_file, tmp_path, moment):
+    """SIGKILL `bdlora sweep` (while engine_state.pt is being written, or right after one was), then run the same
+    command again (resume: auto): every job's adapter equals an uninterrupted run's, tensor for tensor."""
+    import signal
+    import time
+
+    jobs = [{"name": "a", "r": 32, "nblocks": 2, "lora_dropout": 0.1, "seed": 1, "scheduler": "cosine"},
+            {"name": "b", "r": 64, "nblocks": 4, "seed": 2, "max_steps": 6}]
+
+    def cmd(name):
+        cfg = run_dict(tiny_llama_dir, data_file, tmp_path / name, jobs, save_every=1, resume="auto",
+                       defaults={"max_steps": 10, "batch_size": 4, "lr": 1e-3, "max_length": 64})
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return [sys.executable, "-m", "bdlora.train.engine", "--config", str(path)]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run(cmd("straight"), env=env, check=True, capture_output=True, timeout=300)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(cmd("killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state, tmp = out / "engine_state.pt", out / "engine_state.pt.tmp"
+    deadline, killed = time.time() + 240, False
+    while time.time() < deadline and proc.poll() is None:
+        if (moment == "inside-a-checkpoint-write" and tmp.exists()) or (
+                moment == "after-a-checkpoint" and state.exists() and not tmp.exists()):
+            os.kill(proc.pid, signal.SIGKILL)
+            killed = True
+            break
+        time.sleep(0.0005)
+    proc.wait(timeout=30)
+    assert killed, "the run ended before the kill moment came"
+    had_state = state.exists()  # killed inside the first write: no earlier state to resume from
+    assert not (out / "results.csv").exists()  # killed before the end
+    resumed = subprocess.run(cmd("killed"), env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ("resumed from" in resumed.stdout) == had_state
+    for name in ("a", "b"):
+        want, got = _adapter_tensors(tmp_path / "straight" / "adapters" / name), \
+            _adapter_tensors(out / "adapters" / name)
+        assert want.keys() == got.keys() and len(want) > 0
+        for k in want:
+            assert torch.equal(want[k], got[k]), (name, k)
