@@ -7,6 +7,7 @@ file, never a traceback, never a silently saved adapter.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -194,11 +195,18 @@ def test_data_and_output_problems(tiny_llama_dir, data_file, tmp_path, capsys):
              "output_dir: cannot write to")
 
 
-def test_diverging_run_saves_nothing(tiny_llama_dir, data_file, tmp_path, capsys):
-    rc = _cli(tmp_path, _base(tiny_llama_dir, data_file, tmp_path / "o", lr=1e30, max_grad_norm=0, max_steps=3,
-                              scheduler="constant", warmup_steps=0))
-    _refused(capsys, rc, "non-finite")
+def test_diverging_run_stops_at_its_next_log_and_saves_nothing(tiny_llama_dir, data_file, tmp_path, capsys):
+    """Its parameters turn NaN at step 1: the run stops at the first log (step 2), not at the end of its 40 steps,
+    whether the loss or the gradient norm shows it first; no adapter is written."""
+    import json
+
+    rc = _cli(tmp_path, _base(tiny_llama_dir, data_file, tmp_path / "o", lr=1e30, max_grad_norm=0, max_steps=40,
+                              scheduler="constant", warmup_steps=0, log_every=2))
+    _refused(capsys, rc, "step 2: the", "training diverged")
     assert not (tmp_path / "o" / "adapter").exists()
+    recs = [json.loads(l) for l in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    assert [r["step"] for r in recs] == [2]  # the diverged step's record, then nothing
+    assert not all(math.isfinite(recs[0].get(k, 0.0)) for k in ("train_loss", "grad_norm"))
 
 
 # ---------------------------------------------------------------------------------------------------- resume

@@ -473,6 +473,9 @@ def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger
         save_total_limit=cfg.save_total_limit, report_to=report_to or "none", disable_tqdm=not cfg.progress,
         remove_unused_columns=False, ddp_find_unused_parameters=False,
         include_num_input_tokens_seen="non_padding", use_liger_kernel=liger,
+        # a non-finite step loss is logged as such, not replaced by the running mean, so that MetricsLog stops a
+        # diverged run at its next log (with the filter a NaN run logs finite losses to its end)
+        logging_nan_inf_filter=False,
     )
     # transformers >= 5.24 calls it activation checkpointing (gradient_checkpointing* are deprecated aliases there)
     ckpt = ("activation_checkpointing" if "activation_checkpointing" in
@@ -591,7 +594,7 @@ def _make_trainer_class():
 
     class MetricsLog(TrainerCallback):
         """metrics.jsonl on the main process (bdlora's names: train_loss, eval_loss, eval_ppl, lr, grad_norm), no
-        step twice after a resume; and a non-finite loss stops the run with a clear error."""
+        step twice after a resume; a non-finite train loss or gradient norm stops the run with a clear error."""
 
         def __init__(self, path: Path):
             self.path = path
@@ -608,23 +611,26 @@ def _make_trainer_class():
 
         def on_log(self, args, state, control, logs=None, **kw):
             logs = dict(logs or {})
-            loss = logs.get("loss")
-            if loss is not None and not math.isfinite(loss):
-                raise TrainingError(f"step {state.global_step}: the train loss is {loss}; training diverged. Lower "
+            if state.is_world_process_zero:
+                rec: dict[str, Any] = {"step": state.global_step, "time": round(time.time(), 3)}
+                names = {"loss": "train_loss", "learning_rate": "lr", "grad_norm": "grad_norm",
+                         "eval_loss": "eval_loss", "num_input_tokens_seen": "tokens_seen",
+                         "train_tokens_per_second": "tokens_per_s"}
+                for k, v in logs.items():
+                    if k in names:
+                        rec[names[k]] = v
+                if "eval_loss" in rec:
+                    rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
+                if len(rec) > 2:
+                    with open(self.path, "a") as f:
+                        f.write(json.dumps(rec) + "\n")
+            loss, norm = logs.get("loss"), logs.get("grad_norm")
+            # fp16's loss scaling skips steps with an infinite gradient norm: not a divergence there
+            bad = ("train loss", loss) if loss is not None and not math.isfinite(loss) else (
+                ("gradient norm", norm) if norm is not None and not args.fp16 and not math.isfinite(norm) else None)
+            if bad:  # after its record: metrics.jsonl shows the step that diverged
+                raise TrainingError(f"step {state.global_step}: the {bad[0]} is {bad[1]}; training diverged. Lower "
                                     "lr (or enable max_grad_norm) and start again; no adapter was saved.")
-            if not state.is_world_process_zero:
-                return
-            rec: dict[str, Any] = {"step": state.global_step, "time": round(time.time(), 3)}
-            names = {"loss": "train_loss", "learning_rate": "lr", "grad_norm": "grad_norm", "eval_loss": "eval_loss",
-                     "num_input_tokens_seen": "tokens_seen", "train_tokens_per_second": "tokens_per_s"}
-            for k, v in logs.items():
-                if k in names:
-                    rec[names[k]] = v
-            if "eval_loss" in rec:
-                rec["eval_ppl"] = math.exp(min(rec["eval_loss"], 50.0))
-            if len(rec) > 2:
-                with open(self.path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
 
     class ExpertsIntact(TrainerCallback):
         """Stops a run whose BD-LoRA experts no longer run their own forward (a kernel patch rebound it): it would

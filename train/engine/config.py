@@ -32,8 +32,9 @@ init, data order and dropout.
 Keys of TrainConfig the engine honours its own way: ``packing`` (the engine always packs: ``packing: false`` is
 refused), ``progress`` (a progress bar over the run's optimizer steps), ``report_to`` (``tensorboard``: one event
 folder per job under ``<output_dir>/runs/<job>``; other trackers are refused) and ``eval_batch_size`` (evaluation is
-packed under ``token_budget``). Refused, with the reason: ``training_args`` (the engine runs its own loop), ``precision: fp16`` (no loss scaling: use bf16), ``record_samples``, ``save_total_limit``
-(one resumable ``engine_state.pt``), ``push_to_hub`` / ``hub_model_id`` (push one adapter with ``bdlora push``) and
+packed under ``token_budget``). Refused, with the reason: ``training_args`` (the engine runs its own loop),
+``precision: fp16`` (no loss scaling: use bf16), ``record_samples``, ``save_total_limit`` (one resumable
+``engine_state.pt``), ``push_to_hub`` / ``hub_model_id`` (push one adapter with ``bdlora push``) and
 ``overwrite_output_dir``. ``resume``: unset starts fresh, ``auto`` continues from ``<output_dir>/engine_state.pt``
 when it exists (a checkpoint folder is the trainer's and is refused).
 
