@@ -333,8 +333,7 @@ def _adapter_tensors(folder):
 def test_kill_9_then_resume_is_bit_identical(tiny_llama_dir, data_file, tmp_path, moment):
     """SIGKILL `bdlora sweep` (while engine_state.pt is being written, or right after one was), then run the same
     command again (resume: auto): every job's adapter equals an uninterrupted run's, tensor for tensor."""
-    import signal
-    import time
+    from killing import sigkill_when
 
     jobs = [{"name": "a", "r": 32, "nblocks": 2, "lora_dropout": 0.1, "seed": 1, "scheduler": "cosine"},
             {"name": "b", "r": 64, "nblocks": 4, "seed": 2, "max_steps": 6}]
@@ -351,16 +350,9 @@ def test_kill_9_then_resume_is_bit_identical(tiny_llama_dir, data_file, tmp_path
     out = tmp_path / "killed"
     proc = subprocess.Popen(cmd("killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state, tmp = out / "engine_state.pt", out / "engine_state.pt.tmp"
-    deadline, killed = time.time() + 240, False
-    while time.time() < deadline and proc.poll() is None:
-        if (moment == "inside-a-checkpoint-write" and tmp.exists()) or (
-                moment == "after-a-checkpoint" and state.exists() and not tmp.exists()):
-            os.kill(proc.pid, signal.SIGKILL)
-            killed = True
-            break
-        time.sleep(0.0005)
-    proc.wait(timeout=30)
-    assert killed, "the run ended before the kill moment came"
+    due = ((lambda: tmp.exists()) if moment == "inside-a-checkpoint-write"
+           else (lambda: state.exists() and not tmp.exists()))
+    assert sigkill_when(proc, due, timeout_s=240, poll_s=0.0005), "the run ended before the kill moment came"
     had_state = state.exists()  # killed inside the first write: no earlier state to resume from
     assert not (out / "results.csv").exists()  # killed before the end
     resumed = subprocess.run(cmd("killed"), env=env, capture_output=True, text=True, timeout=300)

@@ -7,15 +7,14 @@ GPUs exist; CI's CPU runs skip it."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from killing import sigkill_when
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -101,15 +100,8 @@ def test_fsdp2_kill_9_then_resume_is_bit_identical(tiny_llama_dir, tmp_path):
     job = _job(tmp_path, tiny_llama_dir, data, "killed", **kw)
     proc = subprocess.Popen(_fsdp_cmd(nproc, job), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    deadline, killed = time.time() + 400, False
-    while time.time() < deadline and proc.poll() is None:
-        if (out / "checkpoint-4").is_dir():
-            os.killpg(proc.pid, signal.SIGKILL)
-            killed = True
-            break
-        time.sleep(0.01)
-    proc.wait(timeout=60)
-    assert killed, "the run ended before checkpoint-4 appeared"
+    assert sigkill_when(proc, lambda: (out / "checkpoint-4").is_dir(), timeout_s=400, poll_s=0.01, group=True), \
+        "the run ended before checkpoint-4 appeared"
     assert not (out / "adapter").exists()
     resumed = subprocess.run(_fsdp_cmd(nproc, job), env=ENV, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-4000:]

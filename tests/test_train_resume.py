@@ -134,12 +134,11 @@ def test_kill_9_then_resume_is_bit_identical(tiny_llama_dir, data_file, tmp_path
     """SIGKILL the `bdlora train` process (a checkpoint half-written, or mid-training), then run the same command
     again with resume: auto: the final adapter equals an uninterrupted run's tensor for tensor."""
     import os
-    import signal
     import subprocess
     import sys
-    import time
 
     import yaml
+    from killing import sigkill_when
 
     def job(out):
         p = tmp_path / f"{out}.yaml"
@@ -154,21 +153,11 @@ def test_kill_9_then_resume_is_bit_identical(tiny_llama_dir, data_file, tmp_path
     subprocess.run(job("straight"), env=env, check=True, capture_output=True, timeout=300)
     out = tmp_path / "killed"
     proc = subprocess.Popen(job("killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    killed_at = None
-    while time.time() < deadline and proc.poll() is None:
-        try:  # the trainer renames a staging folder between our listing it and reading it: look again
-            staging = list(out.glob(".staging-checkpoint-*/*")) if out.is_dir() else []
-        except FileNotFoundError:
-            continue
-        done = (out / "checkpoint-3").is_dir()
-        if (moment == "inside-a-checkpoint-write" and staging) or (moment == "between-steps" and done):
-            os.kill(proc.pid, signal.SIGKILL)
-            killed_at = [p.name for p in out.iterdir()]
-            break
-        time.sleep(0.002)
-    proc.wait(timeout=30)
-    assert killed_at is not None, "the run ended before the kill moment came"
+    if moment == "inside-a-checkpoint-write":  # the trainer renames its staging folder while we list it: a race
+        due = lambda: out.is_dir() and bool(list(out.glob(".staging-checkpoint-*/*")))  # noqa: E731
+    else:
+        due = lambda: (out / "checkpoint-3").is_dir()  # noqa: E731
+    assert sigkill_when(proc, due, timeout_s=240), "the run ended before the kill moment came"
     assert not (out / "adapter").exists()
     resumed = subprocess.run(job("killed"), env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
