@@ -291,7 +291,8 @@ def test_fsdp_side_runs_each_job_once_over_several_calls(tmp_path, monkeypatch):
         return 0, 10.0, [3.0, 4.0]
 
     monkeypatch.setattr(pvf, "launch", fake_launch)
-    a = SimpleNamespace(ranks=[16, 32], nblocks=2, precision="fp32", batch=4, steps=3, gpus=2, run_timeout=60)
+    a = SimpleNamespace(ranks=[16, 32], nblocks=2, precision="fp32", batch=4, steps=3, gpus=2, run_timeout=60,
+                        grad_ckpt_every=0)
     first = pvf.run_fsdp(a, 2, tmp_path / "m", tmp_path / "d.jsonl", tmp_path, {})
     assert first["rc"] == 1 and "job j1 exited 1" in first["error"] and launched == ["j0", "j1"]
     failing.clear()
@@ -305,6 +306,12 @@ def test_fsdp_side_runs_each_job_once_over_several_calls(tmp_path, monkeypatch):
     # K = 3 runs only the job K = 2 did not have (the same jobs by index at every K)
     third = pvf.run_fsdp(a, 3, tmp_path / "m", tmp_path / "d.jsonl", tmp_path, {})
     assert launched == ["j0", "j1", "j1", "j2"] and third["rc"] == 0 and third["tokens"] == 900
+    # --grad-ckpt-every: its own launches (the records without checkpointing do not stand in), the keys in the jobs
+    a.grad_ckpt_every = 2
+    assert pvf.run_fsdp(a, 2, tmp_path / "m", tmp_path / "d.jsonl", tmp_path, {})["rc"] == 0
+    assert launched[4:] == ["j0", "j1"]
+    cfg = yaml.safe_load((tmp_path / "fsdp-j0-r16-s0-gc2.yaml").read_text())
+    assert cfg["gradient_checkpointing"] is True and cfg["gradient_checkpointing_every_n_layers"] == 2
 
 
 def test_pipeline_side_that_trained_nothing_is_a_failure(tmp_path, monkeypatch):
@@ -325,7 +332,7 @@ def test_pipeline_side_that_trained_nothing_is_a_failure(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pvf, "launch", fake_launch)
     a = SimpleNamespace(ranks=[16, 32], nblocks=2, precision="fp32", batch=4, steps=3, gpus=2, run_timeout=60,
-                        budget=4096, memory_budget_gb=None, cpu_smoke=False)
+                        grad_ckpt_every=0, budget=4096, memory_budget_gb=None, cpu_smoke=False)
     rec = pvf.run_pipeline(a, 2, tmp_path / "m", tmp_path / "d.jsonl", tmp_path, {})
     assert rec["rc"] == 1 and "refused: needs ~370 GiB alone" in rec["error"] and "--memory-budget-gb" in rec["error"]
     assert not (tmp_path / "pipeline-k2.done.json").exists()
