@@ -624,10 +624,9 @@ def _make_trainer_class():
                 if len(rec) > 2:
                     with open(self.path, "a") as f:
                         f.write(json.dumps(rec) + "\n")
-            loss, norm = logs.get("loss"), logs.get("grad_norm")
             # fp16's loss scaling skips steps with an infinite gradient norm: not a divergence there
-            bad = ("train loss", loss) if loss is not None and not math.isfinite(loss) else (
-                ("gradient norm", norm) if norm is not None and not args.fp16 and not math.isfinite(norm) else None)
+            seen = [("train loss", logs.get("loss")), ("gradient norm", None if args.fp16 else logs.get("grad_norm"))]
+            bad = next(((what, v) for what, v in seen if v is not None and not math.isfinite(v)), None)
             if bad:  # after its record: metrics.jsonl shows the step that diverged
                 raise TrainingError(f"step {state.global_step}: the {bad[0]} is {bad[1]}; training diverged. Lower "
                                     "lr (or enable max_grad_norm) and start again; no adapter was saved.")

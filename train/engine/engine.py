@@ -46,7 +46,7 @@ from .multilora import BatchContext, JobAdapter, inject_multilora
 from .packing import MicroBatch, build_microbatch, plan_microbatches
 from .reporting import (RunReporter, format_table, plot_job, progress_text, result_row, result_rows,
                         write_results_csv)
-from .scheduler import EngineError, Scheduler  # noqa: F401 - EngineError: the engine's error
+from .scheduler import EngineError, Scheduler, admission_order  # noqa: F401 - EngineError: the engine's error
 from .step import dist_group, evaluate, train_round
 
 GPU_PAD_MULTIPLE = 64  # pad_multiple when the run file leaves it out and the engine runs on a GPU (RunConfig)
@@ -132,7 +132,7 @@ class Engine:
         run = self.run_cfg
         if run.token_budget != "auto":
             return int(run.token_budget)
-        first = sorted(self.jobs, key=lambda j: (-j.cfg.priority, j.id))[:run.max_active_jobs]
+        first = admission_order(self.jobs)[:run.max_active_jobs]
         budget = auto_token_budget(self.memory, [j.footprint(self.targets) for j in first], self.mem_budget,
                                    step_tokens=sum(j.cfg.step_samples * j.cfg.max_length for j in first),
                                    longest=max(j.cfg.max_length for j in self.jobs))

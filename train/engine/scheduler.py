@@ -18,6 +18,11 @@ class EngineError(BDLoraError):
     """A run that cannot go on (jobs the memory budget can never admit); the message says what to change."""
 
 
+def admission_order(jobs) -> list:
+    """Queued jobs in the order admission takes them: higher priority first, file order within a priority."""
+    return sorted(jobs, key=lambda j: (-j.cfg.priority, j.id))
+
+
 class Scheduler:
     def __init__(self, engine):
         self.engine = engine
@@ -37,7 +42,7 @@ class Scheduler:
         is refused with a message."""
         eng = self.engine
         cands = [j for j in self.jobs if j.status == "parked" and j.warm_done]
-        cands += sorted((j for j in self.jobs if j.status == "queued"), key=lambda j: (-j.cfg.priority, j.id))
+        cands += admission_order(j for j in self.jobs if j.status == "queued")
         for job in cands:
             active = self.active_jobs()
             if len(active) >= self.run_cfg.max_active_jobs:
@@ -129,4 +134,4 @@ class Scheduler:
                             f"{[self.jobs[k].name for k in kept]}, evicted {len(evicted)}")
 
 
-__all__ = ["EngineError", "Scheduler"]
+__all__ = ["EngineError", "Scheduler", "admission_order"]
