@@ -70,18 +70,26 @@ def check_bd_structure(peft_model, spec: BDLoraSpec, expected: dict[str, str]) -
                           f"{missing[:5]}, wrong block-diagonal factor {wrong[:5]}")
 
 
-@functools.lru_cache(maxsize=None)  # one class per process: PEFT keeps instances of it on every layer
-def _kernel_variant_class():
+@functools.lru_cache(maxsize=None)  # one class each per process: PEFT keeps instances of them on every layer
+def _kernel_classes():
+    """(the kernel variant class, the kernel linear class) of :func:`use_bdlora_kernels`."""
+    from peft.tuners.lora.layer import Linear as PeftLinear
     from peft.tuners.lora.variants import BdLoraLinearVariant, BlockDiagonalLinear
+    from torch.distributed.tensor import DTensor
 
     from .kernels import KernelOptions
-    from .kernels.cublas import cublas_lora_add_
+    from .kernels.cublas import cublas_lora_add_, cublas_lora_linear
 
     @torch.compiler.disable
     def lora_add_eager(result, x, adapter, seed, options):
         """``cublas_lora_add_`` outside any torch.compile graph: its autograd function keeps host-side state that
         dynamo cannot trace, so a compiled model breaks its graph here and runs the kernels eagerly."""
         return cublas_lora_add_(result, x, adapter, seed, options)[0]
+
+    @torch.compiler.disable
+    def lora_linear_eager(x, weight, bias, adapter, seed, options):
+        """``cublas_lora_linear`` (base GEMM and LoRA term in one autograd function) outside any compiled graph."""
+        return cublas_lora_linear(x, weight, bias, [0, x.shape[0]], [adapter], seed, options)[0]
 
     class KernelBdLoraVariant(BdLoraLinearVariant):
         """PEFT's BD-LoRA variant with its LoRA term on bdlora's GEMMs (``bdlora.kernels.cublas``): block-diagonal
@@ -96,49 +104,98 @@ def _kernel_variant_class():
         def __init__(self, backend: str = "cublas", options: KernelOptions = KernelOptions()):
             self.backend, self.options = backend, options
 
-        def forward(self, module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
+        def kernel_call(self, module, active_adapter: str, x: torch.Tensor):
+            """(the adapter as ``LoraFactors``, the dropout seed or None) when this call runs on the kernels, None
+            when it takes PEFT's own computation."""
             lora_a, lora_b = module.lora_A[active_adapter], module.lora_B[active_adapter]
             # DeepSpeed ZeRO-3 partitions parameters and gathers a sub-module's only when it is called: the factors
             # are read directly here, so they go through PEFT's own calls instead
-            partitioned = hasattr(lora_a.weight, "ds_id") or hasattr(lora_b.weight, "ds_id")
-            dropout = module.lora_dropout[active_adapter]
-            p = dropout.p if module.training and isinstance(dropout, torch.nn.Dropout) else 0.0
+            if hasattr(lora_a.weight, "ds_id") or hasattr(lora_b.weight, "ds_id"):
+                return None
             # under torch.compile "auto" takes PEFT's layer, which compiles with the model (the kernels are opaque
             # to it: "cublas" runs them between compiled graphs)
-            if partitioned or (self.backend == "auto" and (torch.compiler.is_compiling() or x.device.type != "cuda"
-                                                           or x.numel() < AUTO_MIN_ROWS * x.shape[-1])):
+            if self.backend == "auto" and (torch.compiler.is_compiling() or x.device.type != "cuda"
+                                           or x.numel() < AUTO_MIN_ROWS * x.shape[-1]):
+                return None
+            dropout = module.lora_dropout[active_adapter]
+            p = dropout.p if module.training and isinstance(dropout, torch.nn.Dropout) else 0.0
+            layout = ROW if isinstance(lora_a, BlockDiagonalLinear) else COLUMN if isinstance(lora_b, BlockDiagonalLinear) else None
+            nblocks = (lora_a if layout == ROW else lora_b).nblocks if layout else 1
+            adapter = LoraFactors(lora_a.weight, lora_b.weight, layout, nblocks, module.scaling[active_adapter], p)
+            return adapter, (int(torch.randint(0, 2**62, ())) if p > 0 else None)
+
+        def forward(self, module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
+            call = self.kernel_call(module, active_adapter, x)
+            if call is None:
                 # PEFT's own computation. Its cast of the input to the factors' dtype is exact and, under autocast,
                 # undone by the GEMM's cast back to the autocast dtype: there it is left out (two copies of the
                 # activations per call, forward and backward), bit for bit PEFT's result, unless dropout is drawn
                 # (its masks depend on the dtype it draws them in)
-                if p > 0 or not torch.is_autocast_enabled(x.device.type):
-                    x = x.to(lora_a.weight.dtype)
+                dropout = module.lora_dropout[active_adapter]
+                if (module.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0) \
+                        or not torch.is_autocast_enabled(x.device.type):
+                    x = x.to(module.lora_A[active_adapter].weight.dtype)
                 return super().forward(module, active_adapter, x, result, **kwargs)
-            layout = ROW if isinstance(lora_a, BlockDiagonalLinear) else COLUMN if isinstance(lora_b, BlockDiagonalLinear) else None
-            nblocks = (lora_a if layout == ROW else lora_b).nblocks if layout else 1
-            adapter = LoraFactors(lora_a.weight, lora_b.weight, layout, nblocks, module.scaling[active_adapter], p)
-            seed = int(torch.randint(0, 2**62, ())) if p > 0 else None
             if not result.is_contiguous():
                 result = result.contiguous()
-            return lora_add_eager(result, x, adapter, seed, self.options)
+            return lora_add_eager(result, x, *call, self.options)
 
-    return KernelBdLoraVariant
+    class KernelLoraLinear(PeftLinear):
+        """PEFT's LoRA ``Linear`` whose call, where its one active adapter runs on the kernels
+        (:meth:`KernelBdLoraVariant.kernel_call`), is one autograd function for the frozen base GEMM and the LoRA
+        term (``cublas.CublasLoraLinearFn``): the LoRA expand writes the output and the base GEMM adds onto it in
+        its epilogue, and backward adds the base's dX onto the LoRA's the same way, where PEFT's layer runs the
+        base layer, then the term, and autograd adds the two dX's (an activation-sized kernel per layer). Every
+        other call (adapters disabled or merged, several active, ``adapter_names``, extra arguments, a sharded
+        base) is PEFT's own forward, with the variant for the LoRA term; parameters, state dict, merge and saved
+        adapter are PEFT's."""
+
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            fused = None if args or kwargs else self._fused_forward(x)
+            return super().forward(x, *args, **kwargs) if fused is None else fused
+
+        def _fused_forward(self, x: torch.Tensor):
+            if self.disable_adapters or self.merged or len(self.active_adapters) != 1:
+                return None
+            name = self.active_adapters[0]
+            variant = self.lora_variant.get(name)
+            base = self.base_layer
+            if not isinstance(variant, KernelBdLoraVariant) or name not in self.lora_A \
+                    or isinstance(base.weight, DTensor):
+                return None
+            call = variant.kernel_call(self, name, x)
+            if call is None:
+                return None
+            weight, bias = base.weight, base.bias
+            device = x.device.type
+            if torch.is_autocast_enabled(device):  # the base GEMM's inputs as autocast would give them to F.linear
+                dtype = torch.get_autocast_dtype(device)
+                x, weight = x.to(dtype), weight.to(dtype)
+                bias = None if bias is None else bias.to(dtype)
+            elif x.dtype != weight.dtype:
+                return None
+            y = lora_linear_eager(x.reshape(-1, x.shape[-1]), weight, bias, *call, variant.options)
+            return y.view(*x.shape[:-1], y.shape[-1])
+
+    return KernelBdLoraVariant, KernelLoraLinear
 
 
-def use_bdlora_kernels(peft_model, backend: str = "auto", options=None) -> int:
+def use_bdlora_kernels(peft_model, backend: str = "auto", options=None, fuse_base: bool = True) -> int:
     """Runs the LoRA term of every BD-LoRA layer of ``peft_model`` with an unquantized ``nn.Linear`` base on bdlora's
     kernels (:data:`LORA_BACKENDS`: "cublas" always, "auto" for calls of at least :data:`AUTO_MIN_ROWS` rows on a CUDA
     device and PEFT's own computation otherwise, decided per call so the model may move after this; "peft" changes
-    nothing). ``options``:
-    a ``bdlora.kernels.KernelOptions`` (tests force the Triton kernels under the interpreter with it). k-bit layers
-    stay on PEFT's bitsandbytes path. Returns the number of layers switched."""
+    nothing). ``fuse_base``: such a call also runs the frozen base GEMM in the same autograd function (the layer
+    becomes a ``KernelLoraLinear``, a subclass of PEFT's ``Linear``); False keeps PEFT's base layer call and adds the
+    term onto its output. ``options``: a ``bdlora.kernels.KernelOptions`` (tests force the Triton kernels under the
+    interpreter with it). k-bit layers stay on PEFT's bitsandbytes path. Returns the number of layers switched."""
     if backend not in LORA_BACKENDS:
         raise BDLoraError(f"lora_backend: {backend!r} is not one of {list(LORA_BACKENDS)}")
     if backend == "peft":
         return 0
+    from peft.tuners.lora.layer import Linear as PeftLinear
     from peft.tuners.lora.variants import BdLoraLinearVariant
 
-    variant_class = _kernel_variant_class()
+    variant_class, linear_class = _kernel_classes()
     kwargs = {} if options is None else {"options": options}
     switched = 0
     for module in peft_model.modules():
@@ -150,6 +207,9 @@ def use_bdlora_kernels(peft_model, backend: str = "auto", options=None) -> int:
                 variants[name] = variant_class(backend, **kwargs)
                 module.cast_input_dtype_enabled = False
                 switched += 1
+        # the class of an instance is swapped the way FSDP2's fully_shard does it: same object, parameters, hooks
+        if fuse_base and type(module) is PeftLinear and any(isinstance(v, variant_class) for v in variants.values()):
+            module.__class__ = linear_class
     return switched
 
 

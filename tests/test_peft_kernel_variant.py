@@ -51,12 +51,14 @@ def _ids(n=2, t=37, vocab=512, seed=3):
     return torch.randint(0, vocab, (n, t), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("fuse_base", [True, False])
 @pytest.mark.parametrize("nblocks,r", [(1, 8), (2, 8), (4, 16)])
-def test_kernel_variant_matches_peft_layer(tiny_llama_dir, nblocks, r):
+def test_kernel_variant_matches_peft_layer(tiny_llama_dir, nblocks, r, fuse_base):
+    """Base GEMM and LoRA term in one function (``fuse_base``) or the term added onto PEFT's base layer output."""
     spec = BDLoraSpec(nblocks=nblocks, r=r, lora_alpha=16)
     ref = _peft_model(tiny_llama_dir, spec)
     fused = copy.deepcopy(ref)
-    assert use_bdlora_kernels(fused, "cublas") == 14  # 7 projections x 2 layers
+    assert use_bdlora_kernels(fused, "cublas", fuse_base=fuse_base) == 14  # 7 projections x 2 layers
     ids = _ids()
     logits_ref, g_ref = _loss_and_grads(ref, ids)
     logits, g = _loss_and_grads(fused, ids)
@@ -127,6 +129,56 @@ def test_kernel_variant_triton_kernels_under_interpreter(tiny_llama_dir):
     torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)
     for name in g_ref:
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fused_base_runs_where_peft_would_add_the_term(tiny_llama_dir):
+    """With ``fuse_base`` a layer's call skips its base layer (the base GEMM runs inside the fused function) exactly
+    where the kernels take the term; disabled or merged adapters, ``adapter_names`` and ``fuse_base=False`` call
+    PEFT's base layer, and every route gives PEFT's output. A deep copy keeps the fused layers."""
+    from peft.tuners.lora.layer import Linear
+
+    spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16)
+    ref = _peft_model(tiny_llama_dir, spec)
+    fused, unfused = copy.deepcopy(ref), copy.deepcopy(ref)
+    use_bdlora_kernels(fused, "cublas")
+    use_bdlora_kernels(unfused, "cublas", fuse_base=False)
+    base_calls = []
+
+    def count_base_calls(model):
+        layers = [m for m in model.modules() if isinstance(m, Linear)]
+        assert len(layers) == 14
+        for m in layers:
+            m.base_layer.register_forward_hook(lambda *a: base_calls.append(1))
+
+    count_base_calls(fused)
+    count_base_calls(unfused)
+    ids = _ids()
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        torch.testing.assert_close(fused(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        assert base_calls == []
+        torch.testing.assert_close(unfused(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        assert len(base_calls) == 14
+        base_calls.clear()
+        with fused.disable_adapter():
+            with ref.disable_adapter():
+                base_want = ref(input_ids=ids).logits
+            torch.testing.assert_close(fused(input_ids=ids).logits, base_want, rtol=0, atol=0)
+        assert len(base_calls) == 14 and not torch.allclose(base_want, want)
+        base_calls.clear()
+        fused.eval()  # PEFT takes adapter_names in eval mode only
+        mixed = fused(input_ids=ids, adapter_names=["default", "__base__"]).logits
+        torch.testing.assert_close(mixed[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mixed[1], base_want[1], rtol=1e-5, atol=1e-5)
+        assert len(base_calls) == 14
+        copied = copy.deepcopy(fused)
+        assert {type(m).__name__ for m in copied.modules() if isinstance(m, Linear)} == {"KernelLoraLinear"}
+        base_calls.clear()
+        torch.testing.assert_close(copied(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        assert base_calls == []  # the copy's hooks count into the same list: none ran
+        fused.merge_adapter()
+        torch.testing.assert_close(fused(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+        assert len(base_calls) == 14
 
 
 def test_kernel_variant_keeps_peft_merge_and_save(tiny_llama_dir, tmp_path):

@@ -91,7 +91,7 @@ def run_trainer(a) -> dict:
     cfg = TrainConfig(model=str(a.model), precision="bf16", nblocks=a.nblocks, r=a.rank, lora_alpha=16,
                       train_file=str(a.data), data_format="text", eval_fraction=0.0, max_length=a.max_len + 8,
                       lr=1e-4, scheduler="constant", warmup_steps=0, batch_size=a.batch, grad_accum=1,
-                      max_steps=a.warmup + a.steps, log_every=1, output_dir=str(out), report_to=[], progress=False,
+                      max_steps=a.warmup + a.steps, log_every=a.log_every, output_dir=str(out), report_to=[], progress=False,
                       overwrite_output_dir=True,  # this script's scratch folder: a repeat or a second run trains anew
                       gradient_checkpointing=a.grad_ckpt, gradient_checkpointing_every_n_layers=a.grad_ckpt_every,
                       attn_implementation="sdpa", packing=a.packing, pad_multiple=a.pad_multiple,
@@ -101,6 +101,13 @@ def run_trainer(a) -> dict:
                       load_in_4bit=a.load_in_4bit,
                       lora_backend=a.lora_backend)
     profiled = profile_training_steps(a.warmup, a.profile) if a.profile else None
+    if a.sync_debug and torch.cuda.is_available():
+        # every operation that makes the host wait for the GPU warns once per source line (the model's loading
+        # included): where a step synchronizes
+        import warnings
+
+        warnings.simplefilter("default")
+        torch.cuda.set_sync_debug_mode("warn")
     res = run_training(cfg, validate_adapter=False)
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "tokens_seen" in r and "train_loss" in r]
@@ -108,7 +115,7 @@ def run_trainer(a) -> dict:
     s0, s1 = a.warmup, a.warmup + a.steps
     dt, dtok = t[s1][0] - t[s0][0], t[s1][1] - t[s0][1]
     steps = sorted(t)
-    step_times = [t[b][0] - t[a_][0] for a_, b in zip(steps, steps[1:]) if a_ >= s0]
+    step_times = [(t[b][0] - t[a_][0]) / (b - a_) for a_, b in zip(steps, steps[1:]) if a_ >= s0]
     return {"side": "bdlora trainer", "pad_multiple": a.pad_multiple, "tok_per_s": round(dtok / dt, 1),
             "step_s_median": round(sorted(step_times)[len(step_times) // 2], 4),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
@@ -178,6 +185,12 @@ def main() -> int:
     ap.add_argument("--grad-ckpt-every", type=int, default=1,
                     help="with --grad-ckpt: the trainer recomputes every n-th decoder layer only (the loop: every one)")
     ap.add_argument("--packing", action="store_true")
+    ap.add_argument("--log-every", type=int, default=1,
+                    help="the trainer's log_every (its step times come from the logs; every log reads the loss and "
+                         "the gradient norm back from the GPU): --warmup and --steps must be multiples of it")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="torch.cuda.set_sync_debug_mode('warn') in the trainer runs: each source line that makes "
+                         "the host wait for the GPU is printed once (stderr)")
     ap.add_argument("--pad-multiple", type=int, default=None,
                     help="the trainer's pad_multiple (batches rounded up to a multiple of this many tokens)")
     ap.add_argument("--repeats", type=int, default=1,
@@ -206,10 +219,13 @@ def main() -> int:
     ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.min_len, a.max_len = (a.seq, a.seq) if a.seq else (30, 250)
+    if a.warmup % a.log_every or a.steps % a.log_every:
+        ap.error("--warmup and --steps must be multiples of --log-every")
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     base = {"shape": a.shape, "rank": a.rank, "nblocks": a.nblocks, "batch": a.batch, "seq": a.seq or "30-250",
             "grad_ckpt": a.grad_ckpt, "grad_ckpt_every": a.grad_ckpt_every, "packing": a.packing,
+            "log_every": a.log_every,
             "pad_multiple": a.pad_multiple,
             "load_in_4bit": a.load_in_4bit, "timed_steps": a.steps, "warmup_steps": a.warmup,
             "profile_steps": a.profile, "date": time.strftime("%Y-%m-%d")}
@@ -247,6 +263,9 @@ def main() -> int:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
             rec = {**base, "side": label, "repeat": repeat}
+            if a.sync_debug and side != "loop":
+                rec["sync_debug"] = str(Path(a.out).with_suffix(f".sync{len(records)}.txt"))
+                Path(rec["sync_debug"]).write_text(proc.stderr)
             if proc.returncode or line is None:
                 rec["error"] = (proc.stderr or proc.stdout)[-1500:]
             else:
