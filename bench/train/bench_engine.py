@@ -602,7 +602,7 @@ def _throughput_body(result, args, *, model, data, tmp, ks, steps, bs, budget, s
     # the K=1 engine run (rank 12 alone) most likely compiled inside its timed rounds, which would explain its
     # 883 vs 2402 tok/s against the identical one-job engine run right after it.
     all_ranks = sorted(set(ranks + (sweep_ranks if do_sweep else [])))
-    warm = [job(f"warm-{r}", 0, r, 2) for r in all_ranks]
+    warm = [job(f"warm-{r}", 0, r, args.warmup_steps) for r in all_ranks]
     t0 = time.perf_counter()
     run_engine(model, data, tmp / "warmup-each", warm, dtype=dtype, budget=budget, max_seq_len=seq, max_active=1)
     run_engine(model, data, tmp / "warmup-all", warm, dtype=dtype, budget=budget, max_seq_len=seq)
@@ -1060,6 +1060,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", help="comma-separated job counts (default 1,4,8,16; llama8b 1,4,8; pipeline-vs-dp "
                                  "1,2,4,8)")
     ap.add_argument("--steps", type=int, help="optimizer steps per job in the throughput runs (default 12)")
+    ap.add_argument("--warmup-steps", type=int, default=2,
+                    help="steps of each warm-up job (every rank alone, then all together): batches of varying "
+                         "length bring new kernel specializations (Triton compiles) for many steps")
     ap.add_argument("--repeats", type=int, default=1,
                     help="measure every K and its baselines this many times in turn; the JSON's 'paired' gives per K "
                          "the median / min / max of each repeat's ratios (the spread of one run is 10-25%%)")

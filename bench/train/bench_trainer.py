@@ -118,6 +118,7 @@ def run_trainer(a) -> dict:
     step_times = [(t[b][0] - t[a_][0]) / (b - a_) for a_, b in zip(steps, steps[1:]) if a_ >= s0]
     return {"side": "bdlora trainer", "pad_multiple": a.pad_multiple, "tok_per_s": round(dtok / dt, 1),
             "step_s_median": round(sorted(step_times)[len(step_times) // 2], 4),
+            "step_s": [round(x, 4) for x in step_times],
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
             "final_loss": res.train_loss,
             "profile": profiled(Path(a.out).with_suffix(f".{out.name}.prof.txt")) if profiled else None}

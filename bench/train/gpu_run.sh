@@ -128,9 +128,10 @@ case "$MODE" in
   table)
     col=${TABLE_COLUMN:-b8}
     case "$col" in
-      b8) targs=(--batch 8 --steps 16 --warmup 4); eargs=(--batch-size 8 --trainer-data)
+      # batches of 30-250 tokens: new shapes bring Triton specializations (compiles of ~0.5 s) for many steps
+      b8) targs=(--batch 8 --steps 16 --warmup 10); eargs=(--batch-size 8 --trainer-data --warmup-steps 8)
           tback=auto+liger,auto+liger+packing ;;
-      b32) targs=(--batch 32 --steps 10 --warmup 3); eargs=(--batch-size 32 --trainer-data)
+      b32) targs=(--batch 32 --steps 12 --warmup 10); eargs=(--batch-size 32 --trainer-data --warmup-steps 8)
            tback=auto+liger,auto+liger+packing ;;
       s2048) targs=(--seq 2048 --batch 4 --steps 8 --warmup 3); eargs=(--seq 2048 --batch-size 4); tback=auto+liger ;;
       s2048gc) targs=(--seq 2048 --batch 4 --steps 8 --warmup 3 --grad-ckpt --grad-ckpt-every "${TABLE_GC_EVERY:-1}")
