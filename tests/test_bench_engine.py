@@ -68,20 +68,6 @@ def test_paired_summary_takes_each_repeats_own_ratio():
     assert "speedup_vs_trainer" not in paired["4"] and paired["1"]["repeats"] == 1
 
 
-def test_fit_token_budget_halves_until_the_memory_model_admits(tmp_path, monkeypatch):
-    import bdlora.train.engine.memory as M
-
-    folder = B.write_config_folder(tmp_path / "m", dict(B.LLAMA8B_SHAPE, num_layers=32))
-    ranks = [16, 32, 64, 128] * 2
-    monkeypatch.setattr(M, "device_budget_bytes", lambda d, b: 0.9 * 140 * 2**30)  # an H200
-    t, info = B.fit_token_budget(folder, 4096, ranks, 4, torch.device("cpu"))
-    assert t == 4096 and info["predicted_gib"] < info["device_budget_gib"]
-    assert 7.0e9 < info["base_params"] < 7.5e9  # Llama-3.1-8B layers with a 32k vocabulary
-    monkeypatch.setattr(M, "device_budget_bytes", lambda d, b: 0.9 * 48 * 2**30)  # an L40S
-    t, info = B.fit_token_budget(folder, 4096, ranks, 4, torch.device("cpu"))
-    assert t == 2048 and info["predicted_gib"] < info["device_budget_gib"]
-
-
 @pytest.mark.slow
 def test_pipeline_vs_dp_cpu_smoke(tmp_path):
     out = tmp_path / "pvd.json"

@@ -394,3 +394,32 @@ def test_memory_model_counts_checkpointed_layers_by_their_input():
     # every layer recomputes: their inputs, and one layer's activations again during its recompute
     assert per_tok[32] == layer + 32 * 4096 * 2 + logits
     assert per_tok[16] == 17 * layer + 16 * 4096 * 2 + logits
+
+
+def test_auto_token_budget_on_the_8b_shape_fits_the_device():
+    """The engine's own pieces on Llama-3.1-8B's shape (built on the meta device): its memory model, its LoRA targets
+    and its jobs' footprints. Four jobs of ranks 16-128 at batches of 8 take 8192 tokens per micro-batch on an H200
+    (what the GPU table measured) and less on a 48 GB card, each admitted by the prediction it was picked by."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bdlora.train.engine.jobs import Job
+    from bdlora.train.engine.memory import GiB, auto_token_budget
+    from bdlora.train.engine.multilora import BatchContext, inject_multilora
+
+    config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=14336, vocab_size=32000)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    memory = MemoryModel.for_model(model)
+    assert 7.0e9 < sum(p.numel() for p in model.parameters()) < 7.5e9
+    cols, rows = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
+    targets = inject_multilora(model, cols, rows, BatchContext(backend="torch"), {})
+    assert len(targets) == 7 * 32
+    run = parse_run({"model": "m", "output_dir": "o", "train_file": "x.jsonl", "nblocks": 4, "batch_size": 8,
+                     "max_length": 258, "jobs": [{"name": f"j{r}", "r": r} for r in (16, 32, 64, 128)]},
+                    check_paths=False)
+    jobs = [Job(i, j, None, 0, model_type="llama").footprint(targets) for i, j in enumerate(run.jobs)]
+    step = sum(j.step_samples * j.max_length for j in run.jobs)
+    for gib, want in ((0.9 * 140, 8192), (0.9 * 48, 2048)):  # an H200, an L40S (device_budget_bytes: 90%)
+        budget = auto_token_budget(memory, jobs, gib * GiB, step_tokens=step, longest=258)
+        assert budget == want and memory.predict(budget, jobs) <= gib * GiB < memory.predict(2 * budget, jobs)

@@ -37,8 +37,8 @@ sort / count words), written to a temp dir.
 ``--shape llama8b``: sections 0-1 only (no sweep), K = 1, 4, 8, on Llama-3.1-8B layer shapes (hidden 4096,
 intermediate 14336, 32 heads / 8 KV heads; vocabulary 32000 like the serving benchmark's llama8b shape, the
 tokenizer is the small locally trained one), BD N=4 (a TP=4 serving layout), ranks 16/32/64/128, the engine's own
-token budget (``token_budget: auto``, recorded per run; ``--token-budget T``: T, halved until the engine's analytic
-memory model admits all K jobs at once on this GPU), random weights. No
+token budget (``token_budget: auto``, recorded per run; ``--token-budget T``: T, the engine refusing jobs its memory
+model does not admit at it), random weights. No
 checkpoint is written: the folder holds config.json + tokenizer only and ``AutoModelForCausalLM.from_pretrained``
 of that folder is patched, for the engine and the trainer alike, to build the random model directly on the GPU in
 the dtype asked (bf16 engine, fp32 trainer base), seeded, so model "loads" cost about a second. ``--num-layers``
@@ -419,41 +419,6 @@ class RandomWeights:
         return False
 
 
-def fit_token_budget(folder: Path, budget: int, ranks: list[int], nblocks: int, device: torch.device,
-                     dtype_bytes: int = 2, floor: int = 512) -> tuple[int, dict]:
-    """The largest of budget, budget/2, ... (>= ``floor``) at which the engine's analytic memory model (the one its
-    admission control uses before it has measurements) admits all jobs of ``ranks`` at once on ``device``; the
-    model is counted on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from bdlora.layout import COLUMN, ROW
-    from bdlora.train.engine.memory import JobFootprint, MemoryModel, device_budget_bytes
-
-    config = AutoConfig.from_pretrained(str(folder))
-    with torch.device("meta"):  # in the dtype the engine loads the base in: its memory model reads it from the model
-        model = AutoModelForCausalLM.from_config(config, dtype={2: torch.bfloat16, 4: torch.float32}[dtype_bytes])
-    mm = MemoryModel.for_model(model)  # the engine's own (Engine.__init__)
-    n_base = sum(p.numel() for p in model.parameters())
-    cols = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-    targets = [(COLUMN if n.rsplit(".", 1)[-1] in cols else ROW, m.in_features, m.out_features)
-               for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-               and n.rsplit(".", 1)[-1] in cols + ("o_proj", "down_proj")]
-    del model
-    jobs = []
-    for r in ranks:  # the engine's Job.footprint
-        params = sum(r * di + do * (r // nblocks) if lay == COLUMN else r * (di // nblocks) + do * r
-                     for lay, di, do in targets)
-        jobs.append(JobFootprint(f"r{r}", params, r * len(targets)))
-    limit = device_budget_bytes(device, None)
-    t = budget
-    while limit is not None and t > floor and mm.predict(t, jobs) > limit:
-        t //= 2
-    info = {"requested": budget, "chosen": t, "base_params": n_base,
-            "predicted_gib": mm.predict(t, jobs) / 2**30, "device_budget_gib": limit / 2**30 if limit else None,
-            "jobs": len(jobs)}
-    return t, info
-
-
 # -- sections 0-2: engine vs sequential trainer, early-exit sweep -------------------------------------------------
 def run_throughput(args) -> int:
     cuda = torch.cuda.is_available()
@@ -474,7 +439,6 @@ def run_throughput(args) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda and not args.cpu_smoke else torch.device("cpu")
     shape_info = None
     random_weights = None  # RandomWeights of a config-only folder (llama8b)
-    budget_fit = None
     time_limit = args.time_limit if args.time_limit is not None else (240.0 if llama8b else 420.0)
     user_ks = [int(k) for k in args.ks.split(",")] if args.ks else None
     user_ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
@@ -520,11 +484,9 @@ def run_throughput(args) -> int:
                 data = trainer_data(tmp / "task.jsonl", model, max(ks) * bs * (steps + 2), args.seq, args.seq)
             elif args.trainer_data:
                 data = trainer_data(tmp / "task.jsonl", model, max(ks) * bs * (steps + 2), 30, 250)
-            if args.token_budget:
-                budget, budget_fit = fit_token_budget(model, max(args.token_budget, seq),
-                                                      [ranks[i % len(ranks)] for i in range(max(ks))], nblocks, device)
-            else:
-                budget = "auto"  # the engine's own choice in each run (each row records it)
+            # --token-budget as given (the engine refuses jobs its memory model does not admit at it), else the
+            # engine's own choice in each run (each row records it)
+            budget = max(args.token_budget, seq) if args.token_budget else "auto"
             shape_info = {"name": "llama8b", **shape, "full_num_layers": LLAMA8B_SHAPE["num_layers"],
                           "layers_reduced": shape["num_layers"] < LLAMA8B_SHAPE["num_layers"],
                           "weights": "random (transformers init, std 0.02), built on the GPU per run, no checkpoint"}
@@ -548,7 +510,7 @@ def run_throughput(args) -> int:
                      "ranks": ranks, "max_seq_len": seq, "sweep": do_sweep, "sweep_steps": sweep_steps, "lrs": lrs,
                      "sweep_ranks": sweep_ranks, "engine_seq_jobs": args.engine_seq_jobs,
                      "time_limit_s": time_limit, "cpu_smoke": bool(args.cpu_smoke),
-                     "token_budget_fit": budget_fit, "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE,
+                     "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE,
                      "cudnn_attention": CUDNN_ATTENTION, "grad_ckpt_every": GRAD_CKPT_EVERY,
                      "data": ("bench_trainer's plain text" if args.seq or args.trainer_data
                               else "instruction task (reverse / sort / count words)"),
@@ -1070,8 +1032,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, help="--shape llama8b: every example exactly this many tokens (plain text "
                                              "records; default: instructions of ~30-250 tokens)")
     ap.add_argument("--token-budget", type=int,
-                    help="micro-batch token budget (default 16384 smollm2; llama8b: the engine's auto, or this "
-                         "halved until the memory model admits all jobs; 2048 pipeline-vs-dp)")
+                    help="micro-batch token budget (default 16384 smollm2; llama8b: the engine's auto; 2048 "
+                         "pipeline-vs-dp)")
     ap.add_argument("--sweep-steps", type=int, default=60)
     ap.add_argument("--no-sweep", action="store_true", help="skip the early-exit sweep (always skipped for llama8b)")
     ap.add_argument("--dtype", default="bfloat16")

@@ -153,20 +153,15 @@ def run_mlora(src: Path, model: Path, random_weights: bool, device: str, config:
 def run_ours(model: Path, data: Path, out: Path, ranks: list[int], k: int, batch: int, steps: int, nblocks: int,
              cutoff: int, dtype: str) -> dict:
     """The same K jobs through the engine: steady tokens/s (rounds after the first), peak GiB."""
-    import torch
-
-    from bench.train.bench_engine import engine_peak_gib, fit_token_budget, run_engine, steady_tokens_per_s
+    from bench.train.bench_engine import engine_peak_gib, run_engine, steady_tokens_per_s
 
     jobs = [{"name": f"j{i}", "r": ranks[i % len(ranks)], "lora_alpha": 2.0 * ranks[i % len(ranks)],
              "nblocks": nblocks, "lr": LR, "batch_size": batch, "max_steps": steps, "seed": 0,
              "lora_dropout": DROPOUT} for i in range(k)]
-    # the largest token budget (per micro-batch) up to all K batches at once that the engine's memory model
-    # admits: a larger one would have every job refused; a smaller one takes more micro-batches a round
-    budget, _ = fit_token_budget(model, max(4096, batch * cutoff * k), [j["r"] for j in jobs], nblocks,
-                                 torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    eng, rows, wall = run_engine(model, data, out, jobs, dtype=dtype, budget=budget, max_seq_len=cutoff)
+    # token_budget: auto, the engine's default (the largest micro-batch its memory model admits for the jobs)
+    eng, rows, wall = run_engine(model, data, out, jobs, dtype=dtype, budget="auto", max_seq_len=cutoff)
     return {"tokens_per_s": steady_tokens_per_s(eng.round_log, skip_first=1), "peak_gib": engine_peak_gib(eng),
-            "token_budget": budget, "rounds": len(eng.round_log), "wall_s": round(wall, 1),
+            "token_budget": eng.token_budget, "rounds": len(eng.round_log), "wall_s": round(wall, 1),
             "jobs": {r["job"]: f"{r['status']} ({r['stop_reason']}) after {r['steps']} steps" for r in rows}}
 
 
