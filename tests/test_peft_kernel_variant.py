@@ -309,3 +309,35 @@ def test_compiled_model_matches_peft_layer(tiny_llama_dir, backend):
     assert g.keys() == g_ref.keys() and len(g) == 28
     for name in g_ref:
         torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fused_base_matches_the_term_added_onto_the_base_output_with_dropout_under_autocast(tiny_llama_dir):
+    """``bdlora train``'s GPU setup (bf16 base, fp32 factors, bf16 autocast) with dropout, through gradient
+    checkpointing: the fused base GEMM draws the same masks as the term added onto PEFT's base output (one seed per
+    call from torch's CPU generator, again in the recomputation) and gives the same logits and gradients up to bf16
+    rounding of the two summation orders."""
+    spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16, lora_dropout=0.2)
+    ref, fused = _bf16_pair(tiny_llama_dir, spec, "cublas")
+    unfused = copy.deepcopy(ref)
+    use_bdlora_kernels(unfused, "cublas", fuse_base=False)
+    ids = _ids()
+    results = []
+    for model in (unfused, fused):
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        torch.manual_seed(9)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(_loss_and_grads(model, ids))
+    (logits_ref, g_ref), (logits, g) = results
+    diff = logits.float() - logits_ref.float()
+    assert diff.norm() / logits_ref.float().norm() < 0.02, float(diff.norm() / logits_ref.float().norm())
+    assert g.keys() == g_ref.keys() and len(g) == 28
+    for name in g_ref:
+        err = (g[name] - g_ref[name]).norm() / g_ref[name].norm()
+        assert err < 0.05, (name, float(err))
+    # and the masks matter: another seed moves the gradients well beyond that
+    torch.manual_seed(10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, g_other = _loss_and_grads(fused, ids)
+    assert max(float((g_other[n] - g[n]).norm() / g[n].norm()) for n in g) > 0.2
