@@ -160,8 +160,9 @@ def _kernel_classes():
             name = self.active_adapters[0]
             variant = self.lora_variant.get(name)
             base = self.base_layer
+            # a DTensor (sharded) or DeepSpeed-partitioned base weight is gathered by the base layer's own call
             if not isinstance(variant, KernelBdLoraVariant) or name not in self.lora_A \
-                    or isinstance(base.weight, DTensor):
+                    or isinstance(base.weight, DTensor) or hasattr(base.weight, "ds_id"):
                 return None
             call = variant.kernel_call(self, name, x)
             if call is None:

@@ -287,6 +287,13 @@ def test_partitioned_factors_take_peft_calls(tiny_llama_dir):
     assert calls == [1]
     del layer.lora_A["default"].weight.ds_id
     torch.testing.assert_close(y, layer(x), rtol=1e-5, atol=1e-6)
+    base_calls = []
+    layer.base_layer.register_forward_hook(lambda *a: base_calls.append(1))
+    layer(x)
+    assert base_calls == []  # the fused route: the base GEMM inside the kernels' function
+    layer.base_layer.weight.ds_id = 3  # a partitioned base weight: the base layer's own call gathers it
+    torch.testing.assert_close(layer(x), y, rtol=1e-5, atol=1e-6)
+    assert base_calls == [1]
 
 
 @pytest.mark.parametrize("backend", ["cublas", "auto"])
