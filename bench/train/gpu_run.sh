@@ -15,8 +15,8 @@
 #     MODE=pvd PVD_GPUS="0 1" bash bench/train/gpu_run.sh
 #       the engine's 2-stage LoRAPP pipeline vs its 2-rank data parallel mode, K=1,2,4,8, NCCL, --time-limit 200
 #                          -> $OUT/train_pipeline_vs_dp.json  $OUT/train_pipeline_vs_dp.log
-#   One GPU, one call per column (about 300-550 s each): the training table at the 8B shape, every row of a column
-#   side by side in one call:
+#   One GPU, one call per column (about 300-550 s each; b8 with the peer about 580 s: keep CALL_LIMIT_S at 590 or
+#   mLoRA's K=8 run is cut): the training table at the 8B shape, every row of a column side by side in one call:
 #     MODE=table TABLE_COLUMN=b8|b32|s2048|s2048gc [MLORA_SRC=/path/to/mLoRA] bash bench/train/gpu_run.sh
 #       the plain PEFT loop and `bdlora train` (bench_trainer.py, lora_backend auto with Liger), then the engine at
 #       K = 1, 4, 8 (bench_engine.py --no-seq-trainer: its engine-at-one-job figure over the first 4 jobs beside),
