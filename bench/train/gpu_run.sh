@@ -35,6 +35,7 @@
 # Extra bench arguments: SMOLLM2_ARGS, LLAMA8B_ARGS, PVD_ARGS (e.g. LLAMA8B_ARGS="--num-layers 16").
 # CALL_LIMIT_S (default 590): every python run is killed (timeout) before the device call's limit; the JSON files
 # are written after each experiment ("partial": true until the run ends), so a killed run still returns numbers.
+# Everything the call wrote is also packed into $OUT/results.tgz at its end.
 # Needs python3 with torch, transformers, peft, accelerate and safetensors (the GPU image has them) and, for
 # MODE=table, liger-kernel (`pip install liger-kernel`, or its wheel carried to the GPU machine); /tmp/site, the
 # extracted vLLM bundle, is put first on PYTHONPATH when present; no network. Installs this checkout (pip -e, no deps) if bdlora.train.engine is not importable.
@@ -161,4 +162,6 @@ case "$MODE" in
 esac
 tail -n 12 "$O"/train_*.log "$O"/table_*.log 2>/dev/null
 ls -l "$O"/train_* "$O"/table_* 2>/dev/null
+# everything in one archive as well: the device tool brings back a limited number of files per call
+( cd "$O" && tar czf results.tgz --exclude=results.tgz -- * 2>/dev/null ) && echo "archive $O/results.tgz"
 echo "call wall $(( $(date +%s) - T0 )) s"
