@@ -164,17 +164,18 @@ def _kernel_classes():
             if not isinstance(variant, KernelBdLoraVariant) or name not in self.lora_A \
                     or isinstance(base.weight, DTensor) or hasattr(base.weight, "ds_id"):
                 return None
-            call = variant.kernel_call(self, name, x)
+            device = x.device.type
+            autocast = torch.is_autocast_enabled(device)
+            if not autocast and x.dtype != base.weight.dtype:
+                return None
+            call = variant.kernel_call(self, name, x)  # draws the dropout seed: only once it is taken
             if call is None:
                 return None
             weight, bias = base.weight, base.bias
-            device = x.device.type
-            if torch.is_autocast_enabled(device):  # the base GEMM's inputs as autocast would give them to F.linear
+            if autocast:  # the base GEMM's inputs as autocast would give them to F.linear
                 dtype = torch.get_autocast_dtype(device)
                 x, weight = x.to(dtype), weight.to(dtype)
                 bias = None if bias is None else bias.to(dtype)
-            elif x.dtype != weight.dtype:
-                return None
             y = lora_linear_eager(x.reshape(-1, x.shape[-1]), weight, bias, *call, variant.options)
             return y.view(*x.shape[:-1], y.shape[-1])
 
