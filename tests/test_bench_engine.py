@@ -363,3 +363,24 @@ def test_bench_trainer_pairs_each_repeat_with_its_own_loop_run():
     assert list(paired) == [tr] and paired[tr]["n"] == 2
     assert paired[tr]["min"] == pytest.approx(1.1) and paired[tr]["max"] == pytest.approx(1.3)
     assert paired[tr]["median"] == pytest.approx(1.2)
+
+
+def test_bench_trainer_log_every_times_steps_between_logs(tmp_path):
+    """bench_trainer --log-every N: the trainer logs every N steps and the per-step times are the intervals between
+    logs over N; --warmup and --steps not multiples of N are refused; --sync-debug keeps the run's stderr."""
+    out = tmp_path / "bt.jsonl"
+    cmd = [sys.executable, str(ROOT / "bench" / "train" / "bench_trainer.py"), "--shape", "tiny", "--side",
+           "trainer", "--out", str(out), "--workdir", str(tmp_path / "w")]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    bad = subprocess.run(cmd + ["--warmup", "3", "--steps", "4", "--log-every", "2"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "multiples of --log-every" in bad.stderr and not out.exists()
+    p = subprocess.run(cmd + ["--warmup", "2", "--steps", "4", "--log-every", "2", "--sync-debug"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert "error" not in rec and rec["log_every"] == 2 and rec["tok_per_s"] > 0
+    assert len(rec["step_s"]) == 2 and rec["step_s_median"] in rec["step_s"]
+    assert Path(rec["sync_debug"]).is_file()
+    logs = map(json.loads, (tmp_path / "w" / "trainer-run-auto" / "metrics.jsonl").read_text().splitlines())
+    assert [r["step"] for r in logs if "train_loss" in r] == [2, 4, 6]
