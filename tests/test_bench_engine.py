@@ -384,3 +384,48 @@ def test_bench_trainer_log_every_times_steps_between_logs(tmp_path):
     assert Path(rec["sync_debug"]).is_file()
     logs = map(json.loads, (tmp_path / "w" / "trainer-run-auto" / "metrics.jsonl").read_text().splitlines())
     assert [r["step"] for r in logs if "train_loss" in r] == [2, 4, 6]
+
+
+def test_profiled_calls_covers_the_steady_calls_only():
+    """bench_engine's profile window: calls skip+1 .. skip+count of the method, the method restored after; a run
+    that ends early still closes the profiler."""
+    events = []
+
+    class Prof:
+        def __enter__(self):
+            events.append(("enter", len(calls)))
+
+        def __exit__(self, *exc):
+            events.append(("exit", len(calls)))
+
+    class Loop:
+        def step(self):
+            calls.append(1)
+
+    calls = []
+    original = Loop.step
+    with B.profiled_calls(Prof(), Loop, "step", skip=2, count=3) as done:
+        for _ in range(7):
+            Loop().step()
+    assert events == [("enter", 2), ("exit", 5)] and done == [3] and Loop.step is original
+    calls.clear(), events.clear()
+    with B.profiled_calls(Prof(), Loop, "step", skip=1, count=5) as done:
+        for _ in range(3):
+            Loop().step()
+    assert events == [("enter", 1), ("exit", 3)] and done == [2] and Loop.step is original
+
+
+@pytest.mark.slow
+def test_bench_engine_profile_cpu_smoke(tmp_path):
+    """bench_engine --profile K: the engine's rounds and the trainer's steps after the first two, each side's per-step
+    summary in the JSON and its op tables beside it."""
+    out = tmp_path / "p.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "train" / "bench_engine.py"), "--cpu-smoke", "--profile",
+                        "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path)))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    prof = json.loads(out.read_text())["profile"]
+    assert [e["what"] for e in prof] == ["engine, K=2 jobs together", "single-job trainer (bdlora train), job 0"]
+    for e in prof:
+        assert e["steps"] >= 1 and e["host_s_per_step"] > 0 and Path(e["tables"]).is_file()
+    assert "## engine, K=2 jobs together: steps 3-" in out.with_suffix(".profile.txt").read_text()

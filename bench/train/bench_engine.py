@@ -966,31 +966,72 @@ def pvd_table(rows: list[dict]) -> str:
     return text_table(head, body)
 
 
+@contextlib.contextmanager
+def profiled_calls(prof, cls, method: str, skip: int, count: int):
+    """``prof`` (a torch.profiler.profile) runs over calls skip+1 .. skip+count of ``cls.method`` in this process (the
+    engine's rounds, the Trainer's training steps): the steady steps, without loading, warm-up or the final
+    evaluation. Yields the number of calls profiled so far; restores the method after."""
+    inner, n, done = getattr(cls, method), [0], [0]
+
+    def wrapped(self, *args, **kwargs):
+        n[0] += 1
+        if n[0] == skip + 1:
+            prof.__enter__()
+        out = inner(self, *args, **kwargs)
+        if skip < n[0] <= skip + count:
+            done[0] += 1
+            if n[0] == skip + count:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                prof.__exit__(None, None, None)
+        return out
+
+    setattr(cls, method, wrapped)
+    try:
+        yield done
+    finally:
+        setattr(cls, method, inner)
+        if 0 < done[0] < count:  # the run ended first
+            prof.__exit__(None, None, None)
+
+
 def profile_runs(result: dict, k: int, *, out_txt: Path, engine, trainer, jobs: list[dict]) -> None:
     """--profile K: the engine training K jobs together, then the single-job trainer on the first job, each under
-    torch.profiler; the top kernels/ops by device time (and by host time) go to ``out_txt``. Tells where the
-    engine's time goes (grouped LoRA kernels, base GEMMs, attention, host work) on a shape where it is slow."""
+    torch.profiler over its steady steps only (rounds / training steps after the first two, up to the last); per
+    step, host and GPU seconds and kernel launches in the JSON, the top ops by device and by host time in
+    ``out_txt``. Tells where each side's step goes, side by side on the same jobs."""
     from torch.profiler import ProfilerActivity, profile
+    from transformers import Trainer
+
+    from bdlora.train.engine.engine import Engine
+
+    try:
+        from bench.train.peft_bf16_loop import profile_summary
+    except ImportError:  # run as a script: bench/train is on sys.path, the repository root may not be
+        from peft_bf16_loop import profile_summary
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     sort_dev = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    steps = jobs[0]["max_steps"]
+    skip = min(2, steps - 1)
     parts = []
-    for what, fn in ((f"engine, K={k} jobs together", lambda: engine(jobs)),
-                     ("single-job PEFT trainer, job 0", lambda: trainer(jobs[0]))):
+    for what, fn, cls, method in ((f"engine, K={k} jobs together", lambda: engine(jobs), Engine, "train_round"),
+                                  ("single-job trainer (bdlora train), job 0", lambda: trainer(jobs[0]), Trainer,
+                                   "training_step")):
         free_memory()
-        t0 = time.perf_counter()
-        with profile(activities=acts) as prof:
+        prof = profile(activities=acts)
+        with profiled_calls(prof, cls, method, skip, steps - skip) as done:
             fn()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        if not done[0]:
+            raise RuntimeError(f"--profile: {what} ran no step after the first {skip}")
         ka = prof.key_averages()
         by_dev = ka.table(sort_by=sort_dev, row_limit=30, max_name_column_width=70)
         by_host = ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70)
-        parts.append(f"## {what}: {wall:.1f} s wall under the profiler\n\n### by device time\n{by_dev}\n"
-                     f"### by host time\n{by_host}\n")
-        result.setdefault("profile", []).append({"what": what, "wall_s": wall})
-        print(f"[bench] profiled {what}: {wall:.1f}s", flush=True)
+        summary = profile_summary(prof, done[0], out_txt.with_suffix(f".{method}.txt"))
+        parts.append(f"## {what}: steps {skip + 1}-{skip + done[0]} under the profiler, per step {summary}\n\n"
+                     f"### by device time\n{by_dev}\n### by host time\n{by_host}\n")
+        result.setdefault("profile", []).append({"what": what, **summary})
+        print(f"[bench] profiled {what}: {summary}", flush=True)
     out_txt.parent.mkdir(parents=True, exist_ok=True)
     out_txt.write_text("\n".join(parts))
     print(f"[bench] profile tables in {out_txt}", flush=True)
@@ -1060,7 +1101,8 @@ def main(argv=None) -> int:
                          "off (two GEMMs)")
     ap.add_argument("--profile", type=int, metavar="K",
                     help="instead of the throughput runs: profile the engine with K jobs and the trainer with one "
-                         "(torch.profiler tables in OUT.profile.txt)")
+                         "over their steps after the first two (per step host and GPU seconds and launches in the "
+                         "JSON, torch.profiler tables in OUT.profile.txt)")
     ap.add_argument("--pad-multiple", type=int,
                     help="the engine's pad_multiple (rows padded to a multiple: fewer distinct shapes per run); "
                          "default: the engine's auto (64 on GPU, 1 on CPU)")
