@@ -387,8 +387,10 @@ def test_bench_trainer_log_every_times_steps_between_logs(tmp_path):
 
 
 def test_profiled_calls_covers_the_steady_calls_only():
-    """bench_engine's profile window: calls skip+1 .. skip+count of the method, the method restored after; a run
-    that ends early still closes the profiler."""
+    """The benches' profile window (bench_trainer.profiled_calls, bench_engine's --profile too): calls skip+1 ..
+    skip+count of the method, the method restored after; a run that ends early still closes the profiler."""
+    from bench.train.bench_trainer import profiled_calls
+
     events = []
 
     class Prof:
@@ -404,12 +406,12 @@ def test_profiled_calls_covers_the_steady_calls_only():
 
     calls = []
     original = Loop.step
-    with B.profiled_calls(Prof(), Loop, "step", skip=2, count=3) as done:
+    with profiled_calls(Prof(), Loop, "step", skip=2, count=3) as done:
         for _ in range(7):
             Loop().step()
     assert events == [("enter", 2), ("exit", 5)] and done == [3] and Loop.step is original
     calls.clear(), events.clear()
-    with B.profiled_calls(Prof(), Loop, "step", skip=1, count=5) as done:
+    with profiled_calls(Prof(), Loop, "step", skip=1, count=5) as done:
         for _ in range(3):
             Loop().step()
     assert events == [("enter", 1), ("exit", 3)] and done == [2] and Loop.step is original

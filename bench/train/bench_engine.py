@@ -966,35 +966,6 @@ def pvd_table(rows: list[dict]) -> str:
     return text_table(head, body)
 
 
-@contextlib.contextmanager
-def profiled_calls(prof, cls, method: str, skip: int, count: int):
-    """``prof`` (a torch.profiler.profile) runs over calls skip+1 .. skip+count of ``cls.method`` in this process (the
-    engine's rounds, the Trainer's training steps): the steady steps, without loading, warm-up or the final
-    evaluation. Yields the number of calls profiled so far; restores the method after."""
-    inner, n, done = getattr(cls, method), [0], [0]
-
-    def wrapped(self, *args, **kwargs):
-        n[0] += 1
-        if n[0] == skip + 1:
-            prof.__enter__()
-        out = inner(self, *args, **kwargs)
-        if skip < n[0] <= skip + count:
-            done[0] += 1
-            if n[0] == skip + count:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                prof.__exit__(None, None, None)
-        return out
-
-    setattr(cls, method, wrapped)
-    try:
-        yield done
-    finally:
-        setattr(cls, method, inner)
-        if 0 < done[0] < count:  # the run ended first
-            prof.__exit__(None, None, None)
-
-
 def profile_runs(result: dict, k: int, *, out_txt: Path, engine, trainer, jobs: list[dict]) -> None:
     """--profile K: the engine training K jobs together, then the single-job trainer on the first job, each under
     torch.profiler over its steady steps only (rounds / training steps after the first two, up to the last); per
@@ -1006,8 +977,10 @@ def profile_runs(result: dict, k: int, *, out_txt: Path, engine, trainer, jobs: 
     from bdlora.train.engine.engine import Engine
 
     try:
+        from bench.train.bench_trainer import profiled_calls
         from bench.train.peft_bf16_loop import profile_summary
     except ImportError:  # run as a script: bench/train is on sys.path, the repository root may not be
+        from bench_trainer import profiled_calls
         from peft_bf16_loop import profile_summary
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])

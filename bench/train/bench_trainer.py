@@ -18,6 +18,7 @@ median step time, peak GPU memory (torch.cuda.max_memory_allocated), device and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -91,7 +92,8 @@ def run_trainer(a) -> dict:
     cfg = TrainConfig(model=str(a.model), precision="bf16", nblocks=a.nblocks, r=a.rank, lora_alpha=16,
                       train_file=str(a.data), data_format="text", eval_fraction=0.0, max_length=a.max_len + 8,
                       lr=1e-4, scheduler="constant", warmup_steps=0, batch_size=a.batch, grad_accum=1,
-                      max_steps=a.warmup + a.steps, log_every=a.log_every, output_dir=str(out), report_to=[], progress=False,
+                      max_steps=a.warmup + a.steps, log_every=a.log_every, output_dir=str(out), report_to=[],
+                      progress=False,
                       overwrite_output_dir=True,  # this script's scratch folder: a repeat or a second run trains anew
                       gradient_checkpointing=a.grad_ckpt, gradient_checkpointing_every_n_layers=a.grad_ckpt_every,
                       attn_implementation="sdpa", packing=a.packing, pad_multiple=a.pad_multiple,
@@ -100,7 +102,6 @@ def run_trainer(a) -> dict:
                       use_liger_kernel=a.liger, cudnn_attention=a.cudnn_attention,
                       load_in_4bit=a.load_in_4bit,
                       lora_backend=a.lora_backend)
-    profiled = profile_training_steps(a.warmup, a.profile) if a.profile else None
     if a.sync_debug and torch.cuda.is_available():
         # every operation that makes the host wait for the GPU warns once per source line (the model's loading
         # included): where a step synchronizes
@@ -108,7 +109,15 @@ def run_trainer(a) -> dict:
 
         warnings.simplefilter("default")
         torch.cuda.set_sync_debug_mode("warn")
-    res = run_training(cfg, validate_adapter=False)
+    from transformers import Trainer
+
+    from peft_bf16_loop import profile_summary
+
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                              torch.profiler.ProfilerActivity.CUDA]) if a.profile else None
+
+    with profiled_calls(prof, Trainer, "training_step", a.warmup, a.profile) if prof else contextlib.nullcontext():
+        res = run_training(cfg, validate_adapter=False)
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "tokens_seen" in r and "train_loss" in r]
     t = {r["step"]: (r["time"], r["tokens_seen"]) for r in recs}
@@ -121,35 +130,40 @@ def run_trainer(a) -> dict:
             "step_s": [round(x, 4) for x in step_times],
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
             "final_loss": res.train_loss,
-            "profile": profiled(Path(a.out).with_suffix(f".{out.name}.prof.txt")) if profiled else None}
+            "profile": profile_summary(prof, a.profile, Path(a.out).with_suffix(f".{out.name}.prof.txt"))
+            if prof else None}
 
 
-def profile_training_steps(warmup: int, steps: int):
-    """torch.profiler over the training steps warmup+1 .. warmup+steps of the next run (transformers' Trainer's
-    training_step wrapped: forward, backward and, between them, the optimizer steps and the Trainer's own per-step
-    work). Returns a function(path) that writes the op tables there and gives peft_bf16_loop's per-step summary."""
+@contextlib.contextmanager
+def profiled_calls(prof, cls, method: str, skip: int, count: int):
+    """``prof`` (a torch.profiler.profile) runs over calls skip+1 .. skip+count of ``cls.method`` in this process (the
+    Trainer's training steps: forward, backward and, between them, the optimizer steps and the Trainer's own
+    per-step work; the engine's rounds in bench_engine): the steady steps, without loading, warm-up or the final
+    evaluation. Yields the number of calls profiled so far; restores the method after."""
     import torch
-    from transformers import Trainer
 
-    from peft_bf16_loop import profile_summary
+    inner, n, done = getattr(cls, method), [0], [0]
 
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                              torch.profiler.ProfilerActivity.CUDA])
-    inner, calls = Trainer.training_step, [0]
-
-    def training_step(self, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] == warmup + 1:
+    def wrapped(self, *args, **kwargs):
+        n[0] += 1
+        if n[0] == skip + 1:
             prof.__enter__()
         out = inner(self, *args, **kwargs)
-        if calls[0] == warmup + steps:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            prof.__exit__(None, None, None)
+        if skip < n[0] <= skip + count:
+            done[0] += 1
+            if n[0] == skip + count:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                prof.__exit__(None, None, None)
         return out
 
-    Trainer.training_step = training_step
-    return lambda path: profile_summary(prof, steps, path)
+    setattr(cls, method, wrapped)
+    try:
+        yield done
+    finally:
+        setattr(cls, method, inner)
+        if 0 < done[0] < count:  # the run ended first
+            prof.__exit__(None, None, None)
 
 
 def spread(values: list[float]) -> dict:
