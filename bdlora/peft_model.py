@@ -80,6 +80,11 @@ def _kernel_classes():
     from .kernels import KernelOptions
     from .kernels.cublas import cublas_lora_add_, cublas_lora_linear
 
+    def dropout_p(module, active_adapter: str) -> float:
+        """The adapter's LoRA dropout probability in this call (0 in eval mode or without ``nn.Dropout``)."""
+        dropout = module.lora_dropout[active_adapter]
+        return dropout.p if module.training and isinstance(dropout, torch.nn.Dropout) else 0.0
+
     @torch.compiler.disable
     def lora_add_eager(result, x, adapter, seed, options):
         """``cublas_lora_add_`` outside any torch.compile graph: its autograd function keeps host-side state that
@@ -117,8 +122,7 @@ def _kernel_classes():
             if self.backend == "auto" and (torch.compiler.is_compiling() or x.device.type != "cuda"
                                            or x.numel() < AUTO_MIN_ROWS * x.shape[-1]):
                 return None
-            dropout = module.lora_dropout[active_adapter]
-            p = dropout.p if module.training and isinstance(dropout, torch.nn.Dropout) else 0.0
+            p = dropout_p(module, active_adapter)
             layout = ROW if isinstance(lora_a, BlockDiagonalLinear) else COLUMN if isinstance(lora_b, BlockDiagonalLinear) else None
             nblocks = (lora_a if layout == ROW else lora_b).nblocks if layout else 1
             adapter = LoraFactors(lora_a.weight, lora_b.weight, layout, nblocks, module.scaling[active_adapter], p)
@@ -131,9 +135,7 @@ def _kernel_classes():
                 # undone by the GEMM's cast back to the autocast dtype: there it is left out (two copies of the
                 # activations per call, forward and backward), bit for bit PEFT's result, unless dropout is drawn
                 # (its masks depend on the dtype it draws them in)
-                dropout = module.lora_dropout[active_adapter]
-                if (module.training and isinstance(dropout, torch.nn.Dropout) and dropout.p > 0) \
-                        or not torch.is_autocast_enabled(x.device.type):
+                if dropout_p(module, active_adapter) > 0 or not torch.is_autocast_enabled(x.device.type):
                     x = x.to(module.lora_A[active_adapter].weight.dtype)
                 return super().forward(module, active_adapter, x, result, **kwargs)
             if not result.is_contiguous():

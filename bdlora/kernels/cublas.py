@@ -406,9 +406,9 @@ class CublasLoraAddFn(torch.autograd.Function):
 def cublas_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seg: list[int],
                        adapters: Sequence[LoraFactors], seed: int | None, options: KernelOptions
                        ) -> tuple[torch.Tensor, tuple[str, ...], tuple[str, ...]]:
-    """Apply ``CublasLoraLinearFn`` (arguments already validated by the caller: ``fused_lora_linear``, or the PEFT layer of
-    ``bdlora.peft_model`` for its one adapter; seg a host
-    list): (y, per-adapter dropout route, per-adapter dS/dB route) as ``dispatch.Dispatch`` reports them."""
+    """Apply ``CublasLoraLinearFn`` (arguments already validated by the caller: ``fused_lora_linear``, or the PEFT
+    layer of ``bdlora.peft_model`` for its one adapter; seg a host list): (y, per-adapter dropout route, per-adapter
+    dS/dB route) as ``dispatch.Dispatch`` reports them."""
     cfg = _Cfg(seg, adapters, seed, options)
     factors = [t.contiguous() for ad in adapters for t in (ad.lora_A, ad.lora_B)]
     y = CublasLoraLinearFn.apply(cfg, x.contiguous(), weight, bias, *factors)
