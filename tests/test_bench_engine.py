@@ -417,6 +417,26 @@ def test_profiled_calls_covers_the_steady_calls_only():
     assert events == [("enter", 1), ("exit", 3)] and done == [2] and Loop.step is original
 
 
+def test_gpu_idle_names_the_host_op_over_each_gap():
+    """The profile summary's idle report: GPU activity merged across overlaps, each gap of >= 0.2 ms charged to the
+    innermost host op spanning most of it, per step; short gaps ignored."""
+    from types import SimpleNamespace as N
+
+    from torch.autograd import DeviceType
+
+    from bench.train.peft_bf16_loop import gpu_idle
+
+    def ev(name, s, e, dev=DeviceType.CPU):
+        return N(name=name, time_range=N(start=s, end=e), device_type=dev)
+
+    kernels = [ev("k", s, e, DeviceType.CUDA) for s, e in [(0, 1000), (500, 2000), (2100, 5000), (8000, 10000)]]
+    host = [ev("step", 0, 10000), ev("Optimizer.step", 5000, 8000), ev("aten::item", 5200, 7900)]
+    r = gpu_idle(host + kernels, steps=2)
+    assert r["wall_s_per_step"] == 0.005 and r["gpu_busy_share"] == 0.69  # 2,000 + 2,900 + 2,000 of 10,000 us
+    assert r["idle_ms_per_step_by_host_op"] == {"aten::item": 1.5}  # the 100 us gap is below the threshold
+    assert gpu_idle(host, steps=1) == {}
+
+
 @pytest.mark.slow
 def test_bench_engine_profile_cpu_smoke(tmp_path):
     """bench_engine --profile K: the engine's rounds and the trainer's steps after the first two, each side's per-step

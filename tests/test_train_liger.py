@@ -85,6 +85,18 @@ def test_training_args_get_the_decision(tmp_path):
     assert T.training_arguments(_cfg(tmp_path), 1, False).use_liger_kernel is False
 
 
+def test_fsdp_leaves_out_the_fused_linear_cross_entropy(tmp_path, monkeypatch):
+    """Under FSDP2 Liger's fused loss reads lm_head.weight as a DTensor beside PEFT's plain hidden states (a
+    mixed-tensor error at the first step on GPUs): accelerate's FSDP launch keeps the other kernels, the loss is
+    transformers' own; a plain run keeps every kernel."""
+    assert not T.training_arguments(_cfg(tmp_path), 1, False, liger=True).liger_kernel_config
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    args = T.training_arguments(_cfg(tmp_path), 1, False, liger=True)
+    assert args.use_liger_kernel and args.liger_kernel_config == {"fused_linear_cross_entropy": False}
+    assert T.liger_kernel_config(experts=True, fsdp=True) == {"swiglu": False, "fused_linear_cross_entropy": False}
+    assert T.training_arguments(_cfg(tmp_path), 1, False).liger_kernel_config is None
+
+
 @pytest.mark.parametrize("text, key", [("training_args: {use_liger_kernel: true}\n", "training_args.use_liger_kernel"),
                                        ("enable_liger_kernel: true\n", "enable_liger_kernel")])
 def test_other_spellings_name_the_key(tmp_path, text, key):

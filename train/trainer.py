@@ -447,6 +447,26 @@ def liger_choice(cfg: TrainConfig, model_type: Optional[str]) -> tuple[bool, str
                           unsupported="a k-bit base (not measured with Liger's kernels)" if cfg.quantized else None)
 
 
+def liger_kernel_config(experts: bool, fsdp: bool) -> dict:
+    """The Liger kernels a run leaves out (transformers' ``liger_kernel_config``; empty: all of them). BD-LoRA
+    experts: Liger's SwiGLU patch would replace the expert forward that carries them. FSDP: Liger's fused linear
+    cross-entropy reads ``lm_head.weight`` outside the head's forward, where FSDP2 leaves it a DTensor beside PEFT's
+    plain hidden states (a mixed-tensor error at the first step); the head then runs as a module and the loss is
+    transformers' own."""
+    config = {}
+    if experts:
+        config["swiglu"] = False
+    if fsdp:
+        config["fused_linear_cross_entropy"] = False
+    return config
+
+
+def _fsdp_configured(cfg: TrainConfig) -> bool:
+    """FSDP through accelerate's launcher (its config or flags set ACCELERATE_USE_FSDP) or ``training_args.fsdp``."""
+    return (os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+            or bool(cfg.training_args.get("fsdp")))
+
+
 def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger: bool = False,
                        experts: bool = False):
     """transformers ``TrainingArguments`` for ``cfg`` (bdlora's keys mapped to theirs, ``training_args`` on top);
@@ -483,8 +503,9 @@ def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger
     kwargs[ckpt] = cfg.gradient_checkpointing
     every_n = every_n_layers_kwarg(cfg.gradient_checkpointing_every_n_layers)
     kwargs[f"{ckpt}_kwargs"] = {"use_reentrant": False, **every_n} if cfg.gradient_checkpointing else None
-    if liger and experts:
-        kwargs["liger_kernel_config"] = {"swiglu": False}
+    liger_config = liger_kernel_config(experts, fsdp=_fsdp_configured(cfg)) if liger else None
+    if liger_config:
+        kwargs["liger_kernel_config"] = liger_config
     kwargs.update(cfg.training_args)
     try:
         return TrainingArguments(**kwargs)
@@ -757,8 +778,9 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
                f"{total_steps} steps x {cfg.batch_size * cfg.grad_accum * world} examples ({world} process(es)) on "
                f"{args.device} in {next(model.parameters()).dtype}, lora_backend {cfg.lora_backend}"
                + (" (PEFT's layer under torch_compile)" if args.torch_compile and cfg.lora_backend == "auto" else "")
-               + f", Liger kernels "
-               f"{liger_note}"
+               + f", Liger kernels {liger_note}"
+               + (" without its fused linear cross-entropy" if (args.liger_kernel_config or {}).get(
+                   "fused_linear_cross_entropy") is False else "")
                + (f" | FSDP{getattr(trainer.accelerator.state.fsdp_plugin, 'fsdp_version', '')}"
                   if trainer.is_fsdp_enabled else ""))
         if ckpt is not None:
