@@ -15,9 +15,9 @@
 # Tasks default to recall,boolq,xsum (in that order in every shard); arguments after the script are passed to
 # every shard and override, e.g. --tasks recall.
 #
-# Needs /tmp/qsite (a warm machine's earlier call) or the bundle's parts (bench/bundle_parts.sh): all but the last
-# staged by earlier calls (carry .cache/quality_bundle/pK, command `mkdir -p /tmp/qstage && cp
-# .cache/quality_bundle/p*/part.* /tmp/qstage/`), the last folder carried in this call. Resumes from
+# Needs /tmp/qsite (a warm machine's earlier call) or the bundle's parts (bench/bundle_parts.sh): on a fresh machine
+# one call carries .cache/quality_bundle/p1 and p2 and stages them (command `mkdir -p /tmp/qstage && cp
+# .cache/quality_bundle/p*/part.* /tmp/qstage/`), the next, right after it, carries p3 and p4 and runs this. Resumes from
 # bench/results/quality/results.jsonl (earlier calls, travelling with the checkout) and /tmp/bench-quality (a warm
 # machine). Writes into $OUT: results.jsonl (all runs,
 # deduplicated), quality_table.md, quality.png, quality.log (every shard, lines tagged [sI]), gpu_util.csv.
