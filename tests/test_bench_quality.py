@@ -289,6 +289,29 @@ def test_recall_sweep_trains_every_run_in_one_engine_run(tmp_path):
     assert len((out / "sweeps.jsonl").read_text().splitlines()) == 1
 
 
+def test_a_row_without_its_task_score_is_run_again(tmp_path):
+    """A row recorded before its task was scored (eval loss only: the first XSum rows) is not done: the run is
+    trained and scored again and its new row, with the score, is the one read; a scored row is left alone."""
+    from bench.quality.metrics import is_scored
+    from bench.quality.results import read_rows
+    from bench.quality.run import main as run_main
+
+    assert not is_scored({"task": "xsum", "eval_loss": 2.5}) and is_scored({"task": "xsum", "rougeL": 0.2})
+    assert is_scored({"task": "other", "eval_loss": 1.0})
+    out = tmp_path / "out"
+    out.mkdir()
+    old = {"run_id": "recall-lora-r4-s0-t2", "task": "recall", "method": "lora", "nblocks": None, "rank": 4,
+           "seed": 0, "steps": 2, "eval_loss": 9.0}
+    (out / "results.jsonl").write_text(json.dumps(old) + "\n")
+    argv = ["--out", str(out), "--device", "cpu", "--small", "--model", "tiny-random", "--tasks", "recall",
+            "--methods", "lora", "--ranks", "4", "--seeds", "0", "--max-steps", "2", "--set", "recall_pairs=4"]
+    assert run_main(argv) == 0
+    rows = read_rows([out])
+    assert len(rows) == 1 and rows[0]["accuracy_n"] == 8 and rows[0]["eval_loss"] != 9.0
+    n = len((out / "results.jsonl").read_text().splitlines())
+    assert run_main(argv) == 0 and len((out / "results.jsonl").read_text().splitlines()) == n
+
+
 def test_4bit_rows_train_through_the_trainer_and_score_on_both_bases(tmp_path):
     """QLoRA and QBD-LoRA rows: trained on a bitsandbytes 4-bit base through the trainer (with the default sweep
     trainer too: the engine trains unquantized bases only), scored on the 4-bit base and again on the bf16 base

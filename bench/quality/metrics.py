@@ -106,6 +106,16 @@ def xsum_rouge(model, tokenizer, eval_file: Path, n: int, max_new_tokens: int, b
     return {"rougeL": sum(scores) / max(1, len(scores)), "rougeL_n": len(scores)}
 
 
+#: each task's score (higher is better), beside eval loss and perplexity
+TASK_SCORES = {"boolq": "accuracy", "recall": "accuracy", "xsum": "rougeL"}
+
+
+def is_scored(row: dict) -> bool:
+    """Whether a results row carries its task's score: rows recorded before a task was scored (eval loss only) are
+    run again, so that every row of a comparison has the same metrics."""
+    return TASK_SCORES.get(row.get("task")) in row if row.get("task") in TASK_SCORES else True
+
+
 def task_metrics(task: str, model, tokenizer, p: dict, files: dict) -> dict:
     """The task's own metrics (beside eval loss) for one model."""
     if task == "boolq":
