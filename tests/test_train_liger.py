@@ -85,16 +85,29 @@ def test_training_args_get_the_decision(tmp_path):
     assert T.training_arguments(_cfg(tmp_path), 1, False).use_liger_kernel is False
 
 
-def test_fsdp_leaves_out_the_fused_linear_cross_entropy(tmp_path, monkeypatch):
-    """Under FSDP2 Liger's fused loss reads lm_head.weight as a DTensor beside PEFT's plain hidden states (a
-    mixed-tensor error at the first step on GPUs): accelerate's FSDP launch keeps the other kernels, the loss is
-    transformers' own; a plain run keeps every kernel."""
+def test_sharded_parameters_leave_out_the_fused_linear_cross_entropy(tmp_path, monkeypatch):
+    """Liger's fused loss reads lm_head.weight outside the head's forward: under FSDP2 a DTensor beside PEFT's plain
+    hidden states (a mixed-tensor error at the first step on GPUs), under ZeRO-3 an empty partition. FSDP and ZeRO-3
+    runs keep the other kernels and use transformers' loss; plain runs and ZeRO-2 keep every kernel."""
     assert not T.training_arguments(_cfg(tmp_path), 1, False, liger=True).liger_kernel_config
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     args = T.training_arguments(_cfg(tmp_path), 1, False, liger=True)
     assert args.use_liger_kernel and args.liger_kernel_config == {"fused_linear_cross_entropy": False}
-    assert T.liger_kernel_config(experts=True, fsdp=True) == {"swiglu": False, "fused_linear_cross_entropy": False}
     assert T.training_arguments(_cfg(tmp_path), 1, False).liger_kernel_config is None
+    assert T.liger_kernel_config(experts=True, sharded=True) == {"swiglu": False, "fused_linear_cross_entropy": False}
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    assert not T.shards_parameters(_cfg(tmp_path))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    assert T.shards_parameters(_cfg(tmp_path))
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    assert T.shards_parameters(_cfg(tmp_path, training_args={"deepspeed": str(ds)}))
+    assert T.shards_parameters(_cfg(tmp_path, training_args={"deepspeed": {"zero_optimization": {"stage": 3}}}))
+    assert not T.shards_parameters(_cfg(tmp_path, training_args={"deepspeed": {"zero_optimization": {"stage": 2}}}))
+    assert T.shards_parameters(_cfg(tmp_path, training_args={"fsdp": "full_shard"}))
 
 
 @pytest.mark.parametrize("text, key", [("training_args: {use_liger_kernel: true}\n", "training_args.use_liger_kernel"),

@@ -447,24 +447,38 @@ def liger_choice(cfg: TrainConfig, model_type: Optional[str]) -> tuple[bool, str
                           unsupported="a k-bit base (not measured with Liger's kernels)" if cfg.quantized else None)
 
 
-def liger_kernel_config(experts: bool, fsdp: bool) -> dict:
+def liger_kernel_config(experts: bool, sharded: bool) -> dict:
     """The Liger kernels a run leaves out (transformers' ``liger_kernel_config``; empty: all of them). BD-LoRA
-    experts: Liger's SwiGLU patch would replace the expert forward that carries them. FSDP: Liger's fused linear
-    cross-entropy reads ``lm_head.weight`` outside the head's forward, where FSDP2 leaves it a DTensor beside PEFT's
-    plain hidden states (a mixed-tensor error at the first step); the head then runs as a module and the loss is
-    transformers' own."""
+    experts: Liger's SwiGLU patch would replace the expert forward that carries them. ``sharded`` parameters (FSDP,
+    DeepSpeed ZeRO-3, :func:`shards_parameters`): Liger's fused linear cross-entropy reads ``lm_head.weight`` outside
+    the head's forward, where FSDP2 still holds it as a DTensor beside PEFT's plain hidden states (a mixed-tensor
+    error) and ZeRO-3 as an empty partition (a size mismatch), at the first step; the head then runs as a module and
+    the loss is transformers' own."""
     config = {}
     if experts:
         config["swiglu"] = False
-    if fsdp:
+    if sharded:
         config["fused_linear_cross_entropy"] = False
     return config
 
 
-def _fsdp_configured(cfg: TrainConfig) -> bool:
-    """FSDP through accelerate's launcher (its config or flags set ACCELERATE_USE_FSDP) or ``training_args.fsdp``."""
-    return (os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
-            or bool(cfg.training_args.get("fsdp")))
+def shards_parameters(cfg: TrainConfig) -> bool:
+    """Whether the run's parameters are sharded across processes: FSDP (accelerate's FSDP configs set
+    ACCELERATE_USE_FSDP; or ``training_args.fsdp``) or DeepSpeed ZeRO stage 3 (accelerate's DeepSpeed configs set
+    ACCELERATE_DEEPSPEED_ZERO_STAGE; or ``training_args.deepspeed``, a config dict or JSON file)."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") or cfg.training_args.get("fsdp"):
+        return True
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true") \
+            and env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "").strip() == "3":
+        return True
+    ds = cfg.training_args.get("deepspeed")
+    if isinstance(ds, (str, os.PathLike)):
+        try:
+            ds = json.loads(Path(ds).read_text())
+        except (OSError, ValueError):
+            return False  # transformers reads it next and names the problem
+    return isinstance(ds, dict) and str((ds.get("zero_optimization") or {}).get("stage")) == "3"
 
 
 def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger: bool = False,
@@ -503,7 +517,7 @@ def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger
     kwargs[ckpt] = cfg.gradient_checkpointing
     every_n = every_n_layers_kwarg(cfg.gradient_checkpointing_every_n_layers)
     kwargs[f"{ckpt}_kwargs"] = {"use_reentrant": False, **every_n} if cfg.gradient_checkpointing else None
-    liger_config = liger_kernel_config(experts, fsdp=_fsdp_configured(cfg)) if liger else None
+    liger_config = liger_kernel_config(experts, sharded=shards_parameters(cfg)) if liger else None
     if liger_config:
         kwargs["liger_kernel_config"] = liger_config
     kwargs.update(cfg.training_args)
