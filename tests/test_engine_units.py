@@ -11,7 +11,7 @@ import torch
 from bdlora.train.engine import EarlyExit, Item, MemoryModel, JobFootprint, pack_ffd, parse_run, select_after_warmup
 from bdlora.train.engine.data import EpochSampler
 from bdlora.train.engine.early_exit import DIVERGING, OVERFITTING, linreg_slope
-from bdlora.train.engine.packing import bin_cost
+from bdlora.train.engine.packing import bin_cost, long_tensor
 
 
 # ---------------------------------------------------------------------------------------------- packing
@@ -108,6 +108,17 @@ def test_microbatch_rows_are_what_the_packer_paid_for(pad):
                 starts = [i for i in range(L) if p[i] == 0] + [L]
                 got += [tuple(ids[(r - start // L) * L + a:(r - start // L) * L + c]) for a, c in zip(starts, starts[1:])]
             assert sorted(g for g in got if any(g)) == want  # the padding sequences are all pad_id
+
+
+def test_long_tensor_is_torch_tensor_of_the_ids():
+    """The collators' list -> int64 conversion (through numpy): the same values, shape and dtype as torch.tensor,
+    for a row, rows of one length, and nothing; writable and not sharing the list."""
+    for values in ([5, 0, 31999, 7], [[1, 2, 3], [4, 5, 6]], []):
+        t = long_tensor(values)
+        assert t.dtype == torch.long and torch.equal(t, torch.tensor(values, dtype=torch.long))
+    t = long_tensor([1, 2])
+    t[0] = 9
+    assert t.tolist() == [9, 2]
 
 
 @pytest.mark.parametrize("seed", range(6))

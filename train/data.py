@@ -765,7 +765,7 @@ def collate(examples: list, pad_id: int, pad_multiple: int = 1) -> dict[str, tor
     """Right-padded batch: input_ids, attention_mask, labels (-100 on padding), its length the longest example's
     rounded up to ``pad_multiple``. Takes Examples or mappings with input_ids and labels (rows of
     :func:`examples_to_dataset`)."""
-    from .engine.packing import round_up
+    from .engine.packing import long_tensor, round_up
 
     feats = [_features_of(e) for e in examples]
     n = round_up(max(len(f["input_ids"]) for f in feats), pad_multiple)
@@ -774,8 +774,8 @@ def collate(examples: list, pad_id: int, pad_multiple: int = 1) -> dict[str, tor
     mask = torch.zeros((len(feats), n), dtype=torch.long)
     for i, f in enumerate(feats):
         L = len(f["input_ids"])
-        ids[i, :L] = torch.tensor(f["input_ids"])
-        labels[i, :L] = torch.tensor(f["labels"])
+        ids[i, :L] = long_tensor(f["input_ids"])
+        labels[i, :L] = long_tensor(f["labels"])
         mask[i, :L] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
@@ -790,7 +790,7 @@ def pack_rows(examples: list, pad_id: int, row_tokens: int | None = None, pad_mu
     ``attention_mask`` 1 on example tokens, 0 on the tail. The mask only counts tokens (the Trainer's
     ``non_padding`` count): the model must run without it, so that transformers derives the block-causal mask from
     the position ids (:meth:`BDLoraTrainer.compute_loss` drops it)."""
-    from .engine.packing import fill_rows, round_up
+    from .engine.packing import fill_rows, long_tensor, round_up
 
     feats = [_features_of(e) for e in examples]
     lengths = [len(f["input_ids"]) for f in feats]
@@ -805,8 +805,8 @@ def pack_rows(examples: list, pad_id: int, row_tokens: int | None = None, pad_mu
         t = 0
         for i in members:
             n = lengths[i]
-            ids[r, t:t + n] = torch.tensor(feats[i]["input_ids"])
-            labels[r, t + 1:t + n] = torch.tensor(feats[i]["labels"][1:], dtype=torch.long)
+            ids[r, t:t + n] = long_tensor(feats[i]["input_ids"])
+            labels[r, t + 1:t + n] = long_tensor(feats[i]["labels"][1:])
             positions[r, t:t + n] = torch.arange(n)
             mask[r, t:t + n] = 1
             t += n
