@@ -75,6 +75,39 @@ def _samples(lengths, seed):
             for n in lengths]
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_microbatch_targets_follow_each_samples_loss_mask(seed):
+    """With response-only loss masks, a job's targets are exactly the masked tokens of its samples, each predicted
+    from the position before it in its row (a per-token reference built from the rows' position-id restarts)."""
+    from bdlora.train.engine.data import Sample
+    from bdlora.train.engine.packing import build_microbatch, plan_microbatches
+
+    rng = random.Random(seed)
+    samples = {j: [Sample([rng.randrange(1, 30000) for _ in range(n)], [rng.random() < 0.5 for _ in range(n)])
+                   for n in (rng.randint(1, 400) for _ in range(9))] for j in range(3)}
+    reqs = [(j, list(range(9))) for j in range(3)]
+    for b in plan_microbatches(reqs, lambda j: [len(x) for x in samples[j]], budget=3000, pad_multiple=8):
+        mb = build_microbatch(b, lambda j: samples[j], pad_id=0, pad_multiple=8)
+        rows, L = mb.input_ids.shape
+        by_ids = {tuple(x.input_ids): x for xs in samples.values() for x in xs}
+        for job, start, end in mb.segments:
+            want_pos, want_lab = [], []
+            for r in range(start // L, end // L):
+                p, ids = mb.position_ids[r].tolist(), mb.input_ids[r].tolist()
+                cuts = [i for i in range(L) if p[i] == 0] + [L]
+                for a, c in zip(cuts, cuts[1:]):
+                    sample = by_ids.get(tuple(ids[a:c]))
+                    if sample is None:
+                        continue  # the row's padding sequence
+                    for t in range(1, c - a):
+                        if sample.loss_mask[t]:
+                            want_pos.append(r * L + a + t - 1)
+                            want_lab.append(ids[a + t])
+            pos, lab = mb.targets[job]
+            assert pos.dtype == lab.dtype == torch.long
+            assert pos.tolist() == want_pos and lab.tolist() == want_lab
+
+
 @pytest.mark.parametrize("pad", [1, 64])
 def test_microbatch_rows_are_what_the_packer_paid_for(pad):
     """The built block is exactly bin_cost's size, rows never mix jobs, each job is one contiguous segment, and every

@@ -202,39 +202,42 @@ def build_microbatch(bin_items: Sequence[Item], samples_of, pad_id: int = 0, pad
     for it in bin_items:
         by_job.setdefault(it.job, []).append(it)
     cap = row_cap([it.length for it in bin_items])
-    rows: list[tuple[list[int], list[int], list[int], list[int]]] = []  # ids, positions, target positions, labels
+    # per row, as int64 arrays (numpy: a Python loop over the tokens cost ~2 ms per 8,192-token micro-batch on the
+    # host): ids, positions, target positions in the row, labels
+    rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     job_rows: list[tuple[int, int, int]] = []  # job, first row, end row
     for job, its in by_job.items():
         first = len(rows)
         for row in fill_rows([it.length for it in its], cap):
-            ids: list[int] = []
-            pos: list[int] = []
-            tp: list[int] = []
-            tl: list[int] = []
+            ids, pos, tp, tl = [], [], [], []
+            base = 0
             for k in row:
                 s = samples_of(job)[its[k].index]
-                base = len(ids)
-                ids.extend(s.input_ids)
-                pos.extend(range(len(s.input_ids)))
-                for t in range(1, len(s.input_ids)):
-                    if s.loss_mask[t]:
-                        tp.append(base + t - 1)
-                        tl.append(s.input_ids[t])
-            rows.append((ids, pos, tp, tl))
+                sid = np.asarray(s.input_ids, dtype=np.int64)
+                # token t (t >= 1) is a target when its mask is set, predicted from position t - 1
+                t = np.flatnonzero(np.asarray(s.loss_mask[1:], dtype=bool)) + 1
+                ids.append(sid)
+                pos.append(np.arange(len(sid), dtype=np.int64))
+                tp.append(base + t - 1)
+                tl.append(sid[t])
+                base += len(sid)
+            rows.append(tuple(np.concatenate(parts) for parts in (ids, pos, tp, tl)))
         job_rows.append((job, first, len(rows)))
     L = round_up(max(len(r[0]) for r in rows), pad_multiple)
-    all_ids, all_pos = [], []
-    for ids, pos, _, _ in rows:
-        pad = L - len(ids)
-        all_ids.append(ids + [pad_id] * pad)
-        all_pos.append(pos + list(range(pad)))  # a separate dummy sequence: attends only to itself, no targets
+    all_ids = np.full((len(rows), L), pad_id, dtype=np.int64)
+    all_pos = np.empty((len(rows), L), dtype=np.int64)
+    for r, (ids, pos, _, _) in enumerate(rows):
+        all_ids[r, :len(ids)] = ids
+        all_pos[r, :len(pos)] = pos
+        # the padding: a separate dummy sequence, attending only to itself, without targets
+        all_pos[r, len(pos):] = np.arange(L - len(pos))
     segments, targets = [], {}
     for job, r0, r1 in job_rows:
         segments.append((job, r0 * L, r1 * L))
-        tp = [r * L + p for r in range(r0, r1) for p in rows[r][2]]
-        tl = [lab for r in range(r0, r1) for lab in rows[r][3]]
-        targets[job] = (long_tensor(tp), long_tensor(tl))
-    return MicroBatch(long_tensor(all_ids), long_tensor(all_pos), segments, targets, n_items=len(bin_items))
+        tp = np.concatenate([r * L + rows[r][2] for r in range(r0, r1)])
+        tl = np.concatenate([rows[r][3] for r in range(r0, r1)])
+        targets[job] = (torch.from_numpy(tp), torch.from_numpy(tl))
+    return MicroBatch(torch.from_numpy(all_ids), torch.from_numpy(all_pos), segments, targets, n_items=len(bin_items))
 
 
 def plan_microbatches(requests: Sequence[tuple[int, Sequence[int]]], lengths_of, budget: int,
