@@ -793,8 +793,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
                f"{args.device} in {next(model.parameters()).dtype}, lora_backend {cfg.lora_backend}"
                + (" (PEFT's layer under torch_compile)" if args.torch_compile and cfg.lora_backend == "auto" else "")
                + f", Liger kernels {liger_note}"
-               + (" without its fused linear cross-entropy" if (args.liger_kernel_config or {}).get(
-                   "fused_linear_cross_entropy") is False else "")
+               + (" without its fused linear cross-entropy" if args.use_liger_kernel and (
+                   args.liger_kernel_config or {}).get("fused_linear_cross_entropy") is False else "")
                + (f" | FSDP{getattr(trainer.accelerator.state.fsdp_plugin, 'fsdp_version', '')}"
                   if trainer.is_fsdp_enabled else ""))
         if ckpt is not None:
