@@ -466,11 +466,9 @@ def shards_parameters(cfg: TrainConfig) -> bool:
     """Whether the run's parameters are sharded across processes: FSDP (accelerate's FSDP configs set
     ACCELERATE_USE_FSDP; or ``training_args.fsdp``) or DeepSpeed ZeRO stage 3 (accelerate's DeepSpeed configs set
     ACCELERATE_DEEPSPEED_ZERO_STAGE; or ``training_args.deepspeed``, a config dict or JSON file)."""
-    env = os.environ
-    if env.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true") or cfg.training_args.get("fsdp"):
+    if _env_flag("ACCELERATE_USE_FSDP") or cfg.training_args.get("fsdp"):
         return True
-    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true") \
-            and env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "").strip() == "3":
+    if _env_flag("ACCELERATE_USE_DEEPSPEED") and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "").strip() == "3":
         return True
     ds = cfg.training_args.get("deepspeed")
     if isinstance(ds, (str, os.PathLike)):
@@ -693,9 +691,13 @@ def _fsync_tree(path: Path) -> None:
 
 def _launched_distributed() -> bool:
     """True under accelerate launch / torchrun with more than one process, or with FSDP or DeepSpeed configured."""
-    env = os.environ
-    return (int(env.get("WORLD_SIZE", "1")) > 1
-            or any(env.get(k, "").lower() in ("1", "true") for k in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")))
+    return (int(os.environ.get("WORLD_SIZE", "1")) > 1
+            or _env_flag("ACCELERATE_USE_FSDP") or _env_flag("ACCELERATE_USE_DEEPSPEED"))
+
+
+def _env_flag(name: str) -> bool:
+    """An accelerate launcher flag in the environment ("1" / "true") is set."""
+    return os.environ.get(name, "").lower() in ("1", "true")
 
 
 def use_one_gpu_unless_launched() -> Optional[str]:

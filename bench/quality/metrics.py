@@ -108,12 +108,14 @@ def xsum_rouge(model, tokenizer, eval_file: Path, n: int, max_new_tokens: int, b
 
 #: each task's score (higher is better), beside eval loss and perplexity
 TASK_SCORES = {"boolq": "accuracy", "recall": "accuracy", "xsum": "rougeL"}
+SCORES = tuple(dict.fromkeys(TASK_SCORES.values()))  # the distinct scores, in that order
 
 
 def is_scored(row: dict) -> bool:
     """Whether a results row carries its task's score: rows recorded before a task was scored (eval loss only) are
     run again, so that every row of a comparison has the same metrics."""
-    return TASK_SCORES.get(row.get("task")) in row if row.get("task") in TASK_SCORES else True
+    key = TASK_SCORES.get(row.get("task"))
+    return key is None or key in row
 
 
 def task_metrics(task: str, model, tokenizer, p: dict, files: dict) -> dict:

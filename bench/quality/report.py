@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bdlora.train.tasks import write_jsonl
 
-from .metrics import TASK_SCORES
+from .metrics import SCORES
 from .results import read_rows
 
 # two-sided 95% Student t quantiles by degrees of freedom
@@ -54,7 +54,6 @@ def mean_ci(vals: list[float]) -> tuple[float, float]:
     return m, t95(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals))
 
 
-SCORES = tuple(dict.fromkeys(TASK_SCORES.values()))  # task scores beside eval loss and perplexity
 SCORE_NAMES = {"accuracy": "accuracy", "rougeL": "ROUGE-L F1"}
 
 

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .data import TASKS, prepare
-from .metrics import TASK_SCORES, device_name, eval_loss, is_scored, load_scoring_model, task_metrics
+from .metrics import SCORES, device_name, eval_loss, is_scored, load_scoring_model, task_metrics
 from .results import RESULTS, append_row, read_rows
 
 SMOLLM2_DIMS = {"hidden": 576, "intermediate": 1536}
@@ -467,7 +467,7 @@ def main(argv=None) -> int:
         row["code"] = code  # which code trained it: the numerics may change between calls of one grid
         append_row(res_file, row)
         counter[0] += 1
-        extra = "".join(f", {k} {row[k]:.3f}" for k in dict.fromkeys(TASK_SCORES.values()) if k in row)
+        extra = "".join(f", {k} {row[k]:.3f}" for k in SCORES if k in row)
         print(f"{tag} [{counter[0]}/{n_todo}] {row['run_id']}: {row['trainable_params'] / 1e6:.2f}M params, eval loss "
               f"{row['eval_loss']:.4f} (ppl {row['eval_ppl']:.3f}){extra}", flush=True)
 
