@@ -327,18 +327,19 @@ def test_pipeline_side_that_trained_nothing_is_a_failure(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_bench_trainer_profile_on_cpu(tmp_path):
     """bench_trainer --profile: the trainer side profiled over K steps after the warm-up (host seconds per step in
-    the JSON line, the op tables beside --out), one run per --lora-backends entry with its modifiers; CPU, tiny
-    shape."""
+    the JSON line, the op tables beside --out), one run per --lora-backends entry with its modifiers (+synced:
+    transformers' per-step token count); CPU, tiny shape."""
     out = tmp_path / "bt.jsonl"
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "train" / "bench_trainer.py"), "--shape", "tiny",
                         "--side", "trainer", "--steps", "3", "--warmup", "1", "--profile", "2", "--out", str(out),
-                        "--lora-backends", "auto,auto+cudnn+pad64+packing", "--workdir", str(tmp_path / "w")],
+                        "--lora-backends", "auto,auto+cudnn+pad64+packing+synced", "--workdir", str(tmp_path / "w")],
                        cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["side"] for r in recs] == ["bdlora trainer (lora_backend auto)",
-                                         "bdlora trainer (lora_backend auto, packing, cuDNN attention, pad_multiple 64)"]
+                                         "bdlora trainer (lora_backend auto, packing, cuDNN attention, pad_multiple 64, "
+                                         "synchronised every step)"]
     for rec in recs:
         assert "error" not in rec and rec["profile_steps"] == 2 and rec["tok_per_s"] > 0
         prof = rec["profile"]
@@ -346,8 +347,10 @@ def test_bench_trainer_profile_on_cpu(tmp_path):
         assert "aten::mm" in Path(prof["tables"]).read_text()
     assert len({r["profile"]["tables"] for r in recs}) == 2  # each run's op table its own file
     configs = sorted((tmp_path / "w").glob("trainer-run-auto*/train_config.yaml"))
-    assert [(c["cudnn_attention"], c["pad_multiple"], c["packing"])
-            for c in map(yaml.safe_load, map(Path.read_text, configs))] == [(False, None, False), (True, 64, True)]
+    assert [(c["cudnn_attention"], c["pad_multiple"], c["packing"],
+             c["training_args"].get("include_num_input_tokens_seen"))
+            for c in map(yaml.safe_load, map(Path.read_text, configs))] == [(False, None, False, None),
+                                                                            (True, 64, True, "non_padding")]
 
 
 def test_bench_trainer_pairs_each_repeat_with_its_own_loop_run():

@@ -269,6 +269,26 @@ def test_packing_gives_the_padded_batches_loss(tiny_llama_dir, data_file, tmp_pa
             torch.testing.assert_close(pa, pb, rtol=1e-3, atol=1e-5, msg=n)
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_tokens_seen_equal_transformers_count(tiny_llama_dir, data_file, tmp_path, packing):
+    """The trainer counts tokens_seen itself (summed on the device, read at logs): the same numbers as transformers'
+    per-step count ("non_padding"), which a user's training_args setting still selects instead."""
+    def run(out, **kw):
+        res = run_training(TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / out, max_steps=4,
+                                                       log_every=1, eval_fraction=0.0, packing=packing, **kw)))
+        rec = [json.loads(l) for l in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        return res, [(r["step"], r["tokens_seen"]) for r in rec if "train_loss" in r]
+
+    from bdlora.train.trainer import training_arguments
+
+    assert training_arguments(TrainConfig.from_dict(_base(tiny_llama_dir, data_file, tmp_path / "x")), 4,
+                              False).include_num_input_tokens_seen == "no"  # transformers' per-step read is off
+    ours, counted = run("ours")
+    theirs, reference = run("theirs", training_args={"include_num_input_tokens_seen": "non_padding"})
+    assert counted == reference and [s for s, _ in counted] == [1, 2, 3, 4]
+    assert ours.tokens_per_s and ours.tokens_per_s > 0
+
+
 def test_pad_multiple_trains_the_same_adapter(tiny_llama_dir, data_file, tmp_path):
     """pad_multiple: 64 rounds every batch up to 64 tokens of masked padding: the same losses, the same token count
     (padding is not counted) and the same adapter as batches padded to their longest example."""

@@ -59,12 +59,16 @@ def test_resume_is_exact(tiny_llama_dir, data_file, tmp_path, backend):
         assert torch.equal(a[n], b[n]), n
     assert resumed.eval["eval_loss"] == straight.eval["eval_loss"]
 
-    # Both logs have the same train losses step for step.
-    def losses(d):
+    # Both logs have the same train losses and token counts step for step (the count read at logs and
+    # checkpoints only: the checkpoint's state holds the tokens of its steps).
+    def logged(d, key):
         recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: r["train_loss"] for r in recs if "train_loss" in r}
+        return {r["step"]: r[key] for r in recs if "train_loss" in r}
 
-    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert logged(tmp_path / "a", "train_loss") == logged(tmp_path / "b", "train_loss")
+    tokens = logged(tmp_path / "a", "tokens_seen")
+    assert tokens == logged(tmp_path / "b", "tokens_seen") and 0 < tokens[2] < tokens[4]
+    assert json.loads((ckpts[0] / "trainer_state.json").read_text())["num_input_tokens_seen"] == tokens[2]
 
     # Changing the math of the job is refused, with the key named.
     with pytest.raises(ConfigError, match=r"lr: 0.003 -> 0.001"):

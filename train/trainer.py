@@ -503,8 +503,13 @@ def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger
         eval_strategy="steps" if eval_on else "no", eval_steps=cfg.eval_every if eval_on else None,
         save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
         save_total_limit=cfg.save_total_limit, report_to=report_to or "none", disable_tqdm=not cfg.progress,
+        # batches (pinned: dataloader_pin_memory's default) copied without waiting for the GPU: the next batch's
+        # copy is queued behind the running step
+        **({} if _use_cpu() else {"accelerator_config": {"non_blocking": True}}),
         remove_unused_columns=False, ddp_find_unused_parameters=False,
-        include_num_input_tokens_seen="non_padding", use_liger_kernel=liger,
+        # BDLoraTrainer counts the tokens itself without a host sync per step (transformers' count reads it back
+        # right after the backward is queued, leaving the GPU idle while the host clips, steps and loads the batch)
+        include_num_input_tokens_seen="no", use_liger_kernel=liger,
         # a non-finite step loss is logged as such, not replaced by the running mean, so that MetricsLog stops a
         # diverged run at its next log (with the filter a NaN run logs finite losses to its end)
         logging_nan_inf_filter=False,
@@ -557,6 +562,46 @@ def _make_trainer_class():
         walking the model every step."""
 
         record_path: Optional[Path] = None
+        #: tokens_seen counted here (``include_num_input_tokens_seen`` left "no"): non-padding tokens summed on the
+        #: device each step and read back only when logging or saving, where the Trainer reads them every step
+        count_tokens: bool = False
+        _tokens_on_device: Optional[torch.Tensor] = None
+        _tokens_on_host: int = 0
+        _tokens_at_start: Optional[int] = None
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            if self.count_tokens:
+                if self._tokens_at_start is None:  # the state of a resumed run is loaded by the first step
+                    self._tokens_at_start = self.state.num_input_tokens_seen
+                mask = inputs.get("attention_mask")  # packed batches: their mask counts tokens (data.pack_rows)
+                if mask is None:
+                    self._tokens_on_host += inputs["input_ids"].numel()
+                else:
+                    n = mask.sum(dtype=torch.int64)
+                    self._tokens_on_device = n if self._tokens_on_device is None else self._tokens_on_device + n
+            return super().training_step(model, inputs, *args, **kwargs)
+
+        def _read_token_count(self) -> None:
+            """Adds the tokens counted since the last read, over every process, to the state (a collective: called
+            where every process is, at a log or a checkpoint)."""
+            if not self.count_tokens:
+                return
+            n = torch.tensor(self._tokens_on_host, dtype=torch.int64, device=self.args.device)
+            if self._tokens_on_device is not None:
+                n = n + self._tokens_on_device
+            self.state.num_input_tokens_seen += int(self.accelerator.gather(n).sum().item())
+            self._tokens_on_device, self._tokens_on_host = None, 0
+
+        def log(self, logs, start_time=None, *args, **kwargs):
+            if self.count_tokens:
+                from transformers.trainer_utils import speed_metrics
+
+                self._read_token_count()
+                logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+                if start_time is not None and self._tokens_at_start is not None:
+                    logs.update(speed_metrics("train", start_time,
+                                              num_tokens=self.state.num_input_tokens_seen - self._tokens_at_start))
+            super().log(logs, start_time, *args, **kwargs)
 
         def compute_loss(self, model, inputs, *args, **kwargs):
             idx = inputs.pop("sample_index", None)
@@ -580,6 +625,7 @@ def _make_trainer_class():
             return 6 * inputs[main_input].numel() * self._flop_params if main_input in inputs else 0
 
         def _save_checkpoint(self, model, trial):
+            self._read_token_count()  # the saved state's tokens_seen is exact
             bad = nonfinite_parameters(self.accelerator.unwrap_model(self.model))
             if bad:
                 raise TrainingError(f"step {self.state.global_step}: the adapter has non-finite values ({bad[0]} "
@@ -785,6 +831,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
                                                     cfg.attn_implementation, cfg.pad_multiple or 1),
                             processing_class=tokenizer, callbacks=callbacks)
     trainer.record_path = record
+    trainer.count_tokens = args.include_num_input_tokens_seen == "no" and (
+        "include_num_input_tokens_seen" not in cfg.training_args)  # the user's own setting: transformers counts
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if main:
         msg = (f"bdlora train: {cfg.model} | N={spec.nblocks} r={spec.r} (r/N={spec.block_rank}) "
@@ -816,7 +864,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     else:
         with sdpa_backends(cfg.cudnn_attention):
             train_out = trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
-        tokens_per_s = train_out.metrics.get("train_tokens_per_second")
+        tokens_per_s = next((h["train_tokens_per_second"] for h in reversed(trainer.state.log_history)
+                             if "train_tokens_per_second" in h), None)
     step = trainer.state.global_step
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     last_loss = losses[-1] if losses else None

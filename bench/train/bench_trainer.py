@@ -86,7 +86,7 @@ def run_trainer(a) -> dict:
 
     extras = "".join(f"-{name}" for name, on in (("liger", a.liger), ("compile", a.compile),
                                                   ("grouped", a.group_by_length), ("packing", a.packing),
-                                                  ("cudnn", a.cudnn_attention),
+                                                  ("cudnn", a.cudnn_attention), ("synced", a.synced),
                                                   (f"pad{a.pad_multiple}", a.pad_multiple)) if on)
     out = Path(a.workdir) / f"trainer-{a.tag}-{a.lora_backend}{extras}"
     cfg = TrainConfig(model=str(a.model), precision="bf16", nblocks=a.nblocks, r=a.rank, lora_alpha=16,
@@ -98,7 +98,10 @@ def run_trainer(a) -> dict:
                       gradient_checkpointing=a.grad_ckpt, gradient_checkpointing_every_n_layers=a.grad_ckpt_every,
                       attn_implementation="sdpa", packing=a.packing, pad_multiple=a.pad_multiple,
                       training_args={"dataloader_num_workers": 0, "torch_compile": a.compile,
-                                     **(length_grouped_sampling() if a.group_by_length else {})},
+                                     **(length_grouped_sampling() if a.group_by_length else {}),
+                                     # transformers' token count read back every step, the batch copied blocking
+                                     **({"include_num_input_tokens_seen": "non_padding",
+                                         "accelerator_config": {"non_blocking": False}} if a.synced else {})},
                       use_liger_kernel=a.liger, cudnn_attention=a.cudnn_attention,
                       load_in_4bit=a.load_in_4bit,
                       lora_backend=a.lora_backend)
@@ -221,12 +224,15 @@ def main() -> int:
                          "fused RMSNorm, SwiGLU, RoPE and linear cross-entropy); +compile adds "
                          "training_args.torch_compile (e.g. auto+liger+compile), +grouped transformers' "
                          "length-grouped sampler, +packing packing: true, +cudnn cudnn_attention: true (sdpa may "
-                         "pick cuDNN attention), +padN pad_multiple N (e.g. auto+liger+pad64)")
+                         "pick cuDNN attention), +padN pad_multiple N (e.g. auto+liger+pad64), +synced the host "
+                         "waiting for the GPU every step as transformers' defaults do (its token count read back, "
+                         "the batch copied blocking)")
     ap.add_argument("--lora-backend", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--liger", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--group-by-length", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cudnn-attention", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--synced", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", default="/tmp/bdlora-bench-trainer")
     ap.add_argument("--out", default="bench_trainer.jsonl")
     ap.add_argument("--tag", default="run")
@@ -254,12 +260,13 @@ def main() -> int:
         for repeat, side in ((r, side) for r in range(max(1, a.repeats)) for side in sides):
             backend, *extras = side.partition(":")[2].split("+")
             liger, compile_, grouped = "liger" in extras, "compile" in extras, "grouped" in extras
-            cudnn, packing = "cudnn" in extras, "packing" in extras
+            cudnn, packing, synced = "cudnn" in extras, "packing" in extras, "synced" in extras
             pad = next((x[3:] for x in extras if x.startswith("pad") and x[3:].isdigit()), None)
             label = ("plain PEFT loop" if side == "loop" else f"bdlora trainer (lora_backend {backend}"
                      + (", Liger kernels" if liger else "") + (", torch_compile" if compile_ else "")
                      + (", length-grouped batches" if grouped else "") + (", packing" if packing else "")
-                     + (", cuDNN attention" if cudnn else "") + (f", pad_multiple {pad}" if pad else "") + ")")
+                     + (", cuDNN attention" if cudnn else "") + (f", pad_multiple {pad}" if pad else "")
+                     + (", synchronised every step" if synced else "") + ")")
             if side == "loop":
                 cmd = [sys.executable, str(HERE / "peft_bf16_loop.py"), "--shape", a.shape, "--rank", str(a.rank),
                        "--nblocks", str(a.nblocks), "--steps", str(a.steps), "--warmup", str(a.warmup),
@@ -274,7 +281,8 @@ def main() -> int:
                         "--data", str(data), "--lora-backend", backend] + (["--liger"] if liger else [])
                        + (["--compile"] if compile_ else []) + (["--group-by-length"] if grouped else [])
                        + (["--packing"] if packing else [])
-                       + (["--cudnn-attention"] if cudnn else []) + (["--pad-multiple", pad] if pad else []))
+                       + (["--cudnn-attention"] if cudnn else []) + (["--pad-multiple", pad] if pad else [])
+                       + (["--synced"] if synced else []))
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
             rec = {**base, "side": label, "repeat": repeat}
