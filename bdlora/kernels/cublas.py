@@ -55,7 +55,7 @@ from bdlora.layout import LoraFactors, pack_block_diagonal, unpack_block_diagona
 
 from . import dispatch
 from ._jit import dot, jit, tl
-from .dispatch import KernelOptions, new_output
+from .dispatch import KernelOptions, new_output, rows, zero_outside_segments
 from .dropout import drop_expand_t, drop_shrink, drop_wgrad_a, dropout_keys, fused_ok, segment_keep_mask
 
 BD_GEMMS = ("auto", "dense", "blocks")
@@ -226,7 +226,7 @@ def _shrink(cfg: _Cfg, i: int, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     s0, s1 = cfg.seg[i], cfg.seg[i + 1]
     s = xin = drop = None
     if s1 > s0:
-        xin = x[s0:s1]
+        xin = rows(x, s0, s1)
         s = new_output(x, (s1 - s0, cfg.rank[i]), cfg.options)
         cfg.fused[i] = cfg.p[i] > 0 and fused_ok(x, a_eff, cfg.options.fused_dropout)
         need_ds = need_da or need_dx
@@ -261,7 +261,7 @@ def _expand_backward(cfg: _Cfg, i: int, dy: torch.Tensor, x: torch.Tensor | None
         return (dy.new_zeros(cfg.a_shapes[i], dtype=a_dtype) if need_da else None,
                 dy.new_zeros(cfg.b_shapes[i], dtype=b_dtype) if need_db else None)
     na, nb = (1 if cfg.dense[i] else cfg.nb_a[i]), (1 if cfg.dense[i] else cfg.nb_b[i])
-    dyi = dy[s0:s1]
+    dyi = rows(dy, s0, s1)
     need_ds = need_da or dx is not None
     da = db = ds = None
     if need_ds and need_db and cfg.dsdb[i] == "triton":  # dS and dB from one read of dY (forward decided)
@@ -275,14 +275,14 @@ def _expand_backward(cfg: _Cfg, i: int, dy: torch.Tensor, x: torch.Tensor | None
             bd_mm_t_(ds, dyi, b_eff, nb, 1.0, 0.0)
     if need_ds:
         if need_da and cfg.fused[i]:
-            da = pack_block_diagonal(drop_wgrad_a(x[s0:s1], ds, cfg.keys[i], cfg.p[i], cfg.c[i]), cfg.nb_a[i], a_dtype)
+            da = pack_block_diagonal(drop_wgrad_a(rows(x, s0, s1), ds, cfg.keys[i], cfg.p[i], cfg.c[i]), cfg.nb_a[i], a_dtype)
         elif need_da:
-            da = bd_wgrad(ds, x[s0:s1] if xin is None else xin, cfg.nb_a[i], cfg.c[i], cfg.dense[i],
+            da = bd_wgrad(ds, rows(x, s0, s1) if xin is None else xin, cfg.nb_a[i], cfg.c[i], cfg.dense[i],
                           a_dtype, cfg.options)
         if dx is not None and cfg.fused[i]:
-            drop_expand_t(dx[s0:s1], ds, a_eff, cfg.keys[i], cfg.p[i], cfg.c[i])
+            drop_expand_t(rows(dx, s0, s1), ds, a_eff, cfg.keys[i], cfg.p[i], cfg.c[i])
         elif dx is not None:
-            dxi = dx[s0:s1]
+            dxi = rows(dx, s0, s1)
             bd_mm_t_(dxi, ds, a_eff, na, cfg.c[i], 0.0)
             if drop is not None:
                 dxi.masked_fill_(drop, 0)
@@ -328,17 +328,16 @@ class CublasLoraLinearFn(torch.autograd.Function):
             saved += kept
         if bias is None:  # LoRA first, then the base GEMM accumulates onto it (beta=1) in its epilogue
             y = new_output(x, (t, weight.shape[0]), cfg.options)
-            y[: seg[0]].zero_()
-            y[seg[-1]:].zero_()
+            zero_outside_segments(y, seg)
             for i, s in enumerate(lora_s):
                 if s is not None:
-                    bd_mm_(y[seg[i]:seg[i + 1]], s, *lora_b[i], 1.0, 0.0)
+                    bd_mm_(rows(y, seg[i], seg[i + 1]), s, *lora_b[i], 1.0, 0.0)
             y.addmm_(x, weight.t())
         else:  # base GEMM + bias (cuBLASLt epilogue) first, LoRA added in place
             y = F.linear(x, weight, bias)
             for i, s in enumerate(lora_s):
                 if s is not None:
-                    bd_mm_(y[seg[i]:seg[i + 1]], s, *lora_b[i], 1.0, 1.0)
+                    bd_mm_(rows(y, seg[i], seg[i + 1]), s, *lora_b[i], 1.0, 1.0)
         # x itself is needed for dW, and for dA of adapters without dropout or with it fused
         need_x = nig[2] or _needs_x(cfg, need_da)
         ctx.cfg, ctx.x_shape, ctx.has_bias = cfg, x.shape, bias is not None
@@ -356,8 +355,7 @@ class CublasLoraLinearFn(torch.autograd.Function):
         dx = None
         if nig[1]:
             dx = new_output(dy, tuple(ctx.x_shape), cfg.options)
-            dx[: seg[0]].zero_()
-            dx[seg[-1]:].zero_()
+            zero_outside_segments(dx, seg)
         grads = []
         for i in range(len(cfg.c)):
             grads += _expand_backward(cfg, i, dy, x, saved[5 * i:5 * i + 5], nig[4 + 2 * i], nig[5 + 2 * i], dx)

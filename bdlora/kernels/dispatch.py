@@ -149,6 +149,21 @@ def new_output(ref: torch.Tensor, shape, options: KernelOptions, dtype: torch.dt
     return out.fill_(float("nan")) if options.poison_outputs else out
 
 
+def zero_outside_segments(t: torch.Tensor, seg) -> None:
+    """Zeroes the rows of ``t`` before ``seg[0]`` and from ``seg[-1]`` on (rows no adapter's LoRA writes). Empty
+    ranges are skipped: a PEFT layer's call is one segment over every row, and each dispatched op is host time in a
+    step of small batches."""
+    if seg[0] > 0:
+        t[: seg[0]].zero_()
+    if seg[-1] < t.shape[0]:
+        t[seg[-1]:].zero_()
+
+
+def rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``t[start:stop]``, or ``t`` itself when that is every row (no slice dispatched for a one-segment call)."""
+    return t if start == 0 and stop == t.shape[0] else t[start:stop]
+
+
 def triton_why_not(*tensors: torch.Tensor) -> str | None:
     """None when Triton can run on these tensors (one device, CUDA or the CPU interpreter; one supported dtype),
     else the reason it cannot."""

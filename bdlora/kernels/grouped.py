@@ -23,7 +23,8 @@ from bdlora.layout import LoraFactors
 from . import dispatch
 from ._jit import dot, jit, tl
 from .cublas import _dsdb_chunks, cublas_lora_linear
-from .dispatch import DEFAULT_OPTIONS, Dispatch, KernelOptions, LoraResult, cdiv, dot_precision, new_output, next_pow2
+from .dispatch import (DEFAULT_OPTIONS, Dispatch, KernelOptions, LoraResult, cdiv, dot_precision, new_output, next_pow2,
+                       zero_outside_segments)
 from .dropout import _keep, check_counters, dropout_keys
 from .reference import fused_lora_linear_ref, grouped_lora_ref, torch_keep_masks
 
@@ -312,8 +313,7 @@ class _Plan:
 
     def zero_gaps(self, t: torch.Tensor) -> None:
         """Rows outside every segment get no LoRA; kernels never touch them."""
-        t[: self.seg[0]].zero_()
-        t[self.seg[-1]:].zero_()
+        zero_outside_segments(t, self.seg)
 
     # ---- launches -------------------------------------------------------------------------------
     def sgmm(self, stage, out, inp, w, fstage, *, accumulate, trans=False, mask=None, drop_in=False,
