@@ -1,4 +1,4 @@
-"""Data parallel training over 2 CPU processes (accelerate launch --multi_gpu = torchrun, gloo): disjoint data shards, identical adapters."""
+"""Data parallel training over 2 CPU processes (accelerate launch --multi_gpu = torchrun, gloo): disjoint data shards, identical adapters, tokens_seen summed over both."""
 
 from __future__ import annotations
 
@@ -24,23 +24,33 @@ def test_two_process_data_parallel(tiny_llama_dir, tmp_path):
     import yaml
 
     data = write_jsonl(toy_chat_records(20, seed=2), tmp_path / "d.jsonl")
-    job = tmp_path / "job.yaml"
+
+    def launch(out, **extra):
+        job = out.with_suffix(".yaml")
+        job.write_text(yaml.safe_dump(dict(
+            model=str(tiny_llama_dir), nblocks=2, r=8, train_file=str(data), eval_fraction=0.2, batch_size=2,
+            grad_accum=2, max_steps=3, lora_dropout=0.1, output_dir=str(out), record_samples=True, progress=False,
+            report_to=[], save_every=2, **extra,
+        )))
+        # `--multi_gpu` is accelerate's torchrun launcher (2 local processes); ACCELERATE_USE_CPU keeps them on CPU
+        # with gloo even where a GPU exists. (`--cpu --num_processes 2` would start one process: accelerate's simple
+        # launcher needs an MPI hostfile for multi-CPU.)
+        env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                   PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+               "--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+               str(_free_port()), "-m", "bdlora.train", "--config", str(job)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        assert "2 process(es)" in proc.stdout
+        return [(r["step"], r["tokens_seen"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if "train_loss" in r]
+
     out = tmp_path / "out"
-    job.write_text(yaml.safe_dump(dict(
-        model=str(tiny_llama_dir), nblocks=2, r=8, train_file=str(data), eval_fraction=0.2, batch_size=2,
-        grad_accum=2, max_steps=3, lora_dropout=0.1, output_dir=str(out), record_samples=True, progress=False,
-        report_to=[], save_every=2,
-    )))
-    # `--multi_gpu` is accelerate's torchrun launcher (2 local processes); ACCELERATE_USE_CPU keeps them on CPU
-    # with gloo even where a GPU exists. (`--cpu --num_processes 2` would start one process: accelerate's simple
-    # launcher needs an MPI hostfile for multi-CPU.)
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-           "--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-           "-m", "bdlora.train", "--config", str(job)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "2 process(es)" in proc.stdout
+    tokens = launch(out)
+    # tokens_seen (counted on each process, summed over both at the logs) equals transformers' per-step count
+    assert tokens == launch(tmp_path / "counted", training_args={"include_num_input_tokens_seen": "non_padding"})
+    assert [s for s, _ in tokens] == [1, 2, 3]
 
     per_rank = {}
     for rank in (0, 1):
