@@ -1,4 +1,5 @@
-"""Data parallel training over 2 CPU processes (accelerate launch --multi_gpu = torchrun, gloo): disjoint data shards, identical adapters, tokens_seen summed over both."""
+"""Data parallel training over 2 CPU processes (accelerate launch --multi_gpu = torchrun, gloo): disjoint data shards,
+identical adapters, tokens_seen summed over both."""
 
 from __future__ import annotations
 
