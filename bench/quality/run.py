@@ -325,12 +325,14 @@ def run_sweeps(groups: list[list[Run]], pt: dict[str, dict], files: dict, model:
 
 
 def code_version() -> str:
-    """The checkout's commit (``git rev-parse --short HEAD``), else bdlora's version."""
+    """The checkout's commit, "-dirty" when tracked files differ from it (a device machine's copy of a working tree
+    may carry an older commit than its files: ``git describe --always --dirty``), else bdlora's version."""
     import subprocess
 
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
+        sha = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                             cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         sha = ""
     if sha:

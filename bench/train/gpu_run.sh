@@ -56,6 +56,8 @@ env_report() {  # into the log given as $1
   {
     echo "== $(date -u +%FT%TZ) mode=$MODE host=$(hostname) CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}"
     git log -1 --format='checkout %H %s' 2>/dev/null
+    # the copy of a working tree may carry an older commit than its files
+    echo "tracked files differing from it: $(git status --porcelain --untracked-files=no 2>/dev/null | wc -l)"
     nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader 2>&1
     python3 - <<'EOF' 2>&1
 import importlib.metadata as m, torch
