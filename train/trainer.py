@@ -831,8 +831,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
                                                     cfg.attn_implementation, cfg.pad_multiple or 1),
                             processing_class=tokenizer, callbacks=callbacks)
     trainer.record_path = record
-    trainer.count_tokens = args.include_num_input_tokens_seen == "no" and (
-        "include_num_input_tokens_seen" not in cfg.training_args)  # the user's own setting: transformers counts
+    # the user's own include_num_input_tokens_seen: transformers counts (or nothing does, for "no")
+    trainer.count_tokens = "include_num_input_tokens_seen" not in cfg.training_args
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if main:
         msg = (f"bdlora train: {cfg.model} | N={spec.nblocks} r={spec.r} (r/N={spec.block_rank}) "

@@ -275,7 +275,8 @@ def _expand_backward(cfg: _Cfg, i: int, dy: torch.Tensor, x: torch.Tensor | None
             bd_mm_t_(ds, dyi, b_eff, nb, 1.0, 0.0)
     if need_ds:
         if need_da and cfg.fused[i]:
-            da = pack_block_diagonal(drop_wgrad_a(rows(x, s0, s1), ds, cfg.keys[i], cfg.p[i], cfg.c[i]), cfg.nb_a[i], a_dtype)
+            da = pack_block_diagonal(drop_wgrad_a(rows(x, s0, s1), ds, cfg.keys[i], cfg.p[i], cfg.c[i]), cfg.nb_a[i],
+                                     a_dtype)
         elif need_da:
             da = bd_wgrad(ds, rows(x, s0, s1) if xin is None else xin, cfg.nb_a[i], cfg.c[i], cfg.dense[i],
                           a_dtype, cfg.options)
