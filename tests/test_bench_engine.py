@@ -328,18 +328,19 @@ def test_pipeline_side_that_trained_nothing_is_a_failure(tmp_path, monkeypatch):
 def test_bench_trainer_profile_on_cpu(tmp_path):
     """bench_trainer --profile: the trainer side profiled over K steps after the warm-up (host seconds per step in
     the JSON line, the op tables beside --out), one run per --lora-backends entry with its modifiers (+synced:
-    transformers' per-step token count); CPU, tiny shape."""
+    transformers' per-step token count; +walks: the Trainer's own module walks); CPU, tiny shape."""
     out = tmp_path / "bt.jsonl"
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "train" / "bench_trainer.py"), "--shape", "tiny",
                         "--side", "trainer", "--steps", "3", "--warmup", "1", "--profile", "2", "--out", str(out),
-                        "--lora-backends", "auto,auto+cudnn+pad64+packing+synced", "--workdir", str(tmp_path / "w")],
+                        "--lora-backends", "auto,auto+cudnn+pad64+packing+synced+walks", "--workdir", str(tmp_path / "w")],
                        cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"))
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["side"] for r in recs] == ["bdlora trainer (lora_backend auto)",
                                          "bdlora trainer (lora_backend auto, packing, cuDNN attention, pad_multiple 64, "
-                                         "synchronised every step)"]
+                                         "synchronised every step, the Trainer's own module walks)"]
+    assert [r["module_walks_listed"] for r in recs] == [True, False]
     for rec in recs:
         assert "error" not in rec and rec["profile_steps"] == 2 and rec["tok_per_s"] > 0
         prof = rec["profile"]

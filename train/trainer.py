@@ -58,6 +58,7 @@ from .attention import sdpa_backends
 from .checkpointing import every_n_layers_kwarg
 from .config import ConfigError, TrainConfig, parse_override
 from .liger import folder_model_type, liger_decision
+from .module_walks import CachedModuleWalks
 from .data import examples_to_dataset, load_datasets
 
 log = logging.getLogger("bdlora.train")
@@ -479,6 +480,11 @@ def shards_parameters(cfg: TrainConfig) -> bool:
     return isinstance(ds, dict) and str((ds.get("zero_optimization") or {}).get("stage")) == "3"
 
 
+def uses_deepspeed(cfg: TrainConfig) -> bool:
+    """Whether DeepSpeed runs the job (accelerate's DeepSpeed configs, or ``training_args.deepspeed``)."""
+    return _env_flag("ACCELERATE_USE_DEEPSPEED") or bool(cfg.training_args.get("deepspeed"))
+
+
 def training_arguments(cfg: TrainConfig, total_steps: int, has_eval: bool, liger: bool = False,
                        experts: bool = False):
     """transformers ``TrainingArguments`` for ``cfg`` (bdlora's keys mapped to theirs, ``training_args`` on top);
@@ -822,6 +828,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     args = training_arguments(cfg, total_steps, bool(eval_ex), liger, experts=bool(experts))
     BDLoraTrainer, StopAfter, MetricsLog, ExpertsIntact = _make_trainer_class()
     callbacks = [MetricsLog(out / "metrics.jsonl")] + ([ExpertsIntact(experts)] if experts else [])
+    # the Trainer's per-step walks of the model from lists; not where FSDP or DeepSpeed replace or own the parameters
+    callbacks.append(CachedModuleWalks(enabled=not shards_parameters(cfg) and not uses_deepspeed(cfg)))
     if stop_after_steps is not None:
         callbacks.append(StopAfter(stop_after_steps))
     record = out / f"samples.rank{rank}.jsonl" if cfg.record_samples else None

@@ -87,6 +87,7 @@ def run_trainer(a) -> dict:
     extras = "".join(f"-{name}" for name, on in (("liger", a.liger), ("compile", a.compile),
                                                   ("grouped", a.group_by_length), ("packing", a.packing),
                                                   ("cudnn", a.cudnn_attention), ("synced", a.synced),
+                                                  ("walks", a.module_walks),
                                                   (f"pad{a.pad_multiple}", a.pad_multiple)) if on)
     out = Path(a.workdir) / f"trainer-{a.tag}-{a.lora_backend}{extras}"
     cfg = TrainConfig(model=str(a.model), precision="bf16", nblocks=a.nblocks, r=a.rank, lora_alpha=16,
@@ -105,6 +106,13 @@ def run_trainer(a) -> dict:
                       use_liger_kernel=a.liger, cudnn_attention=a.cudnn_attention,
                       load_in_4bit=a.load_in_4bit,
                       lora_backend=a.lora_backend)
+    # +walks: the Trainer's own walks of every module per step (train(), zero_grad(), parameters()); the record says
+    # which ran
+    from bdlora.train.module_walks import CachedModuleWalks
+
+    listed, install = [], CachedModuleWalks.install
+    CachedModuleWalks.install = (lambda self, model: False) if a.module_walks else \
+        (lambda self, model: listed.append(install(self, model)) or listed[-1])
     if a.sync_debug and torch.cuda.is_available():
         # every operation that makes the host wait for the GPU warns once per source line (the model's loading
         # included): where a step synchronizes
@@ -132,7 +140,7 @@ def run_trainer(a) -> dict:
             "step_s_median": round(sorted(step_times)[len(step_times) // 2], 4),
             "step_s": [round(x, 4) for x in step_times],
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
-            "final_loss": res.train_loss,
+            "final_loss": res.train_loss, "module_walks_listed": bool(listed and listed[-1]),
             "profile": profile_summary(prof, a.profile, Path(a.out).with_suffix(f".{out.name}.prof.txt"))
             if prof else None}
 
@@ -226,13 +234,16 @@ def main() -> int:
                          "length-grouped sampler, +packing packing: true, +cudnn cudnn_attention: true (sdpa may "
                          "pick cuDNN attention), +padN pad_multiple N (e.g. auto+liger+pad64), +synced the host "
                          "waiting for the GPU every step as transformers' defaults do (its token count read back, "
-                         "the batch copied blocking)")
+                         "the batch copied blocking), +walks the Trainer walking every module for train(), "
+                         "zero_grad() and the clipping's parameters() each step (transformers' own; bdlora train "
+                         "takes them from lists)")
     ap.add_argument("--lora-backend", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--liger", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--group-by-length", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cudnn-attention", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--synced", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--module-walks", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", default="/tmp/bdlora-bench-trainer")
     ap.add_argument("--out", default="bench_trainer.jsonl")
     ap.add_argument("--tag", default="run")
@@ -261,12 +272,14 @@ def main() -> int:
             backend, *extras = side.partition(":")[2].split("+")
             liger, compile_, grouped = "liger" in extras, "compile" in extras, "grouped" in extras
             cudnn, packing, synced = "cudnn" in extras, "packing" in extras, "synced" in extras
+            walks = "walks" in extras
             pad = next((x[3:] for x in extras if x.startswith("pad") and x[3:].isdigit()), None)
             label = ("plain PEFT loop" if side == "loop" else f"bdlora trainer (lora_backend {backend}"
                      + (", Liger kernels" if liger else "") + (", torch_compile" if compile_ else "")
                      + (", length-grouped batches" if grouped else "") + (", packing" if packing else "")
                      + (", cuDNN attention" if cudnn else "") + (f", pad_multiple {pad}" if pad else "")
-                     + (", synchronised every step" if synced else "") + ")")
+                     + (", synchronised every step" if synced else "")
+                     + (", the Trainer's own module walks" if walks else "") + ")")
             if side == "loop":
                 cmd = [sys.executable, str(HERE / "peft_bf16_loop.py"), "--shape", a.shape, "--rank", str(a.rank),
                        "--nblocks", str(a.nblocks), "--steps", str(a.steps), "--warmup", str(a.warmup),
@@ -282,7 +295,7 @@ def main() -> int:
                        + (["--compile"] if compile_ else []) + (["--group-by-length"] if grouped else [])
                        + (["--packing"] if packing else [])
                        + (["--cudnn-attention"] if cudnn else []) + (["--pad-multiple", pad] if pad else [])
-                       + (["--synced"] if synced else []))
+                       + (["--synced"] if synced else []) + (["--module-walks"] if walks else []))
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
             rec = {**base, "side": label, "repeat": repeat}
