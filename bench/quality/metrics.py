@@ -1,7 +1,8 @@
 """How the quality benchmark scores a model (base or adapter) on each task, the same way for every row.
 
 * every task: eval loss / perplexity over the eval set's response tokens (:func:`eval_loss`);
-* BoolQ: accuracy of the answer ("yes"/"no") with the higher likelihood, beside the eval set's majority rate;
+* BoolQ: accuracy of the answer ("yes"/"no") with the higher likelihood, beside the eval set's majority rate
+  (with ``lm_eval`` set, also through lm-evaluation-harness: ``accuracy_lm_eval``, :mod:`.lm_eval_scoring`);
 * recall: exact match of the greedy answer (``CODE: <word>``) on held-out phrasings;
 * XSum: ROUGE-L F1 of greedy one-sentence summaries against the references (:func:`rouge_l`: ``rouge_score``'s
   ``rougeL``, Google's reference implementation, without stemming).
@@ -121,7 +122,12 @@ def is_scored(row: dict) -> bool:
 def task_metrics(task: str, model, tokenizer, p: dict, files: dict) -> dict:
     """The task's own metrics (beside eval loss) for one model."""
     if task == "boolq":
-        return boolq_accuracy(model, tokenizer, files["eval"], p["acc_eval"], p["max_length"], p["eval_batch_size"])
+        out = boolq_accuracy(model, tokenizer, files["eval"], p["acc_eval"], p["max_length"], p["eval_batch_size"])
+        if p.get("lm_eval"):  # the same questions through lm-evaluation-harness, beside
+            from .lm_eval_scoring import boolq_accuracy_lm_eval
+
+            out.update(boolq_accuracy_lm_eval(model, tokenizer, files["eval"], p["acc_eval"], p["eval_batch_size"]))
+        return out
     if task == "recall":
         return {**recall_exact_match(model, tokenizer, files["eval"], p["gen_batch_size"]),
                 "recall_pairs": p["recall_pairs"]}

@@ -372,6 +372,9 @@ def main(argv=None) -> int:
                          "LoRA's (default), or paper Table 1's r(dH+dI)/(dH+dI/N) rounded to a multiple of N (it "
                          "ignores GQA's narrower k/v and gives BD 12-16%% more parameters on SmolLM2)")
     ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--lm-eval", action="store_true",
+                    help="also score BoolQ through lm-evaluation-harness (pip install lm-eval): accuracy_lm_eval in "
+                         "each BoolQ row, beside the benchmark's own accuracy")
     ap.add_argument("--time-budget-s", type=float,
                     help="seconds from this process's start by which its runs should have ended: a group (LoRA + BD "
                          "at one rank and seed) starts only if it is expected to end in time")
@@ -408,6 +411,8 @@ def main(argv=None) -> int:
     p["seeds"] = split(a.seeds) or p["seeds"]
     p["nblocks"] = split(a.nblocks) or p["nblocks"]
     overrides = {"max_steps": a.max_steps} if a.max_steps else {}
+    if a.lm_eval:
+        overrides["lm_eval"] = True
     for kv in a.set:
         k, _, v = kv.partition("=")
         overrides[k] = (type(p[k])(float(v)) if isinstance(p.get(k), (int, float)) and not isinstance(p.get(k), bool)
