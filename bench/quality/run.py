@@ -412,6 +412,10 @@ def main(argv=None) -> int:
     p["nblocks"] = split(a.nblocks) or p["nblocks"]
     overrides = {"max_steps": a.max_steps} if a.max_steps else {}
     if a.lm_eval:
+        import importlib.util
+
+        if importlib.util.find_spec("lm_eval") is None:
+            ap.error("--lm-eval needs lm-evaluation-harness: pip install lm-eval (or the bench extra)")
         overrides["lm_eval"] = True
     for kv in a.set:
         k, _, v = kv.partition("=")
