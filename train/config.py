@@ -129,8 +129,7 @@ class TrainConfig:
     lora_dropout: float = field(default=0.0, **_help("Dropout on the LoRA input while training (PEFT semantics)."))
     lora_backend: str = field(default="auto", **_help("""How the BD-LoRA layers compute their LoRA term: `auto`
         (bdlora's kernels on a GPU for layer calls of 1024 tokens or more: the base GEMM and the LoRA term in one
-        function of cuBLAS GEMMs, dropout and dS/dB in Triton kernels; PEFT's layer below that, where the step is
-        bound by host work, and on CPU),
+        function of cuBLAS GEMMs, dropout and dS/dB in Triton kernels; PEFT's layer for smaller calls and on CPU),
         `cublas` (bdlora's kernels everywhere) or `peft` (PEFT's BlockDiagonalLinear). Same parameters and saved
         adapter either way; k-bit bases always run PEFT's bitsandbytes layer. Under `training_args.torch_compile`
         `auto` takes PEFT's layer (compiled with the model) and `cublas` runs the kernels between compiled graphs."""))

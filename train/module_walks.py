@@ -44,8 +44,9 @@ class CachedModuleWalks(TrainerCallback):
         base = torch.nn.Module
         # transformers' train() re-applies hub kernels when the mode changes, and only then
         own_train_on_change = {base.train, PreTrainedModel.train}
-        if any(getattr(type(m), name) is not getattr(base, name) for m in modules for name in ("zero_grad", "parameters")) \
-                or any(type(m).train not in own_train_on_change for m in modules):
+        own = [m for m in modules for name in ("zero_grad", "parameters")
+               if getattr(type(m), name) is not getattr(base, name)]
+        if own or any(type(m).train not in own_train_on_change for m in modules):
             return False
         params = list(model.parameters())
 

@@ -58,8 +58,8 @@ from .attention import sdpa_backends
 from .checkpointing import every_n_layers_kwarg
 from .config import ConfigError, TrainConfig, parse_override
 from .liger import folder_model_type, liger_decision
-from .module_walks import CachedModuleWalks
 from .data import examples_to_dataset, load_datasets
+from .module_walks import CachedModuleWalks
 
 log = logging.getLogger("bdlora.train")
 
