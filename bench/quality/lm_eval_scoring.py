@@ -59,9 +59,8 @@ def boolq_accuracy_lm_eval(model, tokenizer, eval_file: Path, n: int, batch_size
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     out = simple_evaluate(model=lm, tasks=[boolq_task_config(tokenizer, eval_file)], limit=n, log_samples=log_samples,
                           bootstrap_iters=0, verbosity="WARNING")
-    res = out["results"]["bdlora_boolq"]
-    rows = sum(1 for line in Path(eval_file).read_text().splitlines() if line.strip())
-    scores = {"accuracy_lm_eval": float(res["acc,none"]), "accuracy_lm_eval_n": min(n, rows)}
+    scores = {"accuracy_lm_eval": float(out["results"]["bdlora_boolq"]["acc,none"]),
+              "accuracy_lm_eval_n": int(out["n-samples"]["bdlora_boolq"]["effective"])}
     if log_samples:
         samples = sorted(out["samples"]["bdlora_boolq"], key=lambda s: s["doc_id"])
         scores["samples"] = [[float(r[0]) for r in s["filtered_resps"]] for s in samples]

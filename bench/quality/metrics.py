@@ -123,7 +123,7 @@ def task_metrics(task: str, model, tokenizer, p: dict, files: dict) -> dict:
     """The task's own metrics (beside eval loss) for one model."""
     if task == "boolq":
         out = boolq_accuracy(model, tokenizer, files["eval"], p["acc_eval"], p["max_length"], p["eval_batch_size"])
-        if p.get("lm_eval"):  # the same questions through lm-evaluation-harness, beside
+        if p.get("lm_eval"):  # the same questions through lm-evaluation-harness, beside the accuracy above
             from .lm_eval_scoring import boolq_accuracy_lm_eval
 
             out.update(boolq_accuracy_lm_eval(model, tokenizer, files["eval"], p["acc_eval"], p["eval_batch_size"]))
