@@ -191,8 +191,19 @@ class MicroBatch:
         return 0 if t is None else int(t[1].numel())
 
     def to(self, device) -> "MicroBatch":
-        return MicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.segments,
-                          {j: (p.to(device), l.to(device)) for j, (p, l) in self.targets.items()}, self.n_items)
+        """The tensors on ``device``. To a GPU they go through pinned memory without waiting for it: a copy from
+        pageable memory synchronises the stream, so each micro-batch after a round's first would wait for the
+        previous one's backward to end and start its forward on an idle GPU (the caching host allocator keeps each
+        pinned copy until its transfer is done)."""
+        device = torch.device(device)
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if device.type != "cuda" or t.device.type != "cpu":
+                return t.to(device)
+            return t.pin_memory().to(device, non_blocking=True)
+
+        return MicroBatch(move(self.input_ids), move(self.position_ids), self.segments,
+                          {j: (move(p), move(l)) for j, (p, l) in self.targets.items()}, self.n_items)
 
 
 def build_microbatch(bin_items: Sequence[Item], samples_of, pad_id: int = 0, pad_multiple: int = 1) -> MicroBatch:
