@@ -168,7 +168,7 @@ def test_set_overrides_and_print_config(tiny_llama_dir, data_file, tmp_path, cap
     assert rc == 0
     printed = yaml.safe_load(out)  # valid YAML: every key once, with its default
     refused = {"training_args", "record_samples", "save_total_limit", "push_to_hub",
-               "hub_model_id", "hub_private_repo", "overwrite_output_dir"}
+               "hub_model_id", "hub_private_repo", "overwrite_output_dir", "load_in_8bit", "kbit_upcast_fp32"}
     for key in TrainConfig.valid_keys() + ["name", "group", "priority"] + list(ENGINE_KEYS):
         assert (key in printed) == (key not in refused), key
     assert printed["nblocks"] == 2 and printed["scheduler"] == "linear" and printed["token_budget"] == "auto"

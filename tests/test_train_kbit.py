@@ -1,17 +1,20 @@
-"""BD-LoRA on a bitsandbytes 4-/8-bit base (issue 23 part 1), on CPU with bitsandbytes 0.50.2.
+"""BD-LoRA on a bitsandbytes 4-/8-bit base, on CPU with bitsandbytes 0.50.2.
 
 PEFT 0.21's bitsandbytes LoRA layers never return the BD variant: without bdlora.quant a `use_bdlora` config on a
 4-bit base trains a dense LoRA. These tests check that bdlora's trainer builds the genuine block-diagonal adapter on
 a quantized base (packed factors), that it is N independent rank r/N adapters of the dequantized weight's shards,
 that it trains (and trains correctly: gradients equal those of the dequantized fp32 model, also after an
-evaluation), that the saved folder loads on the unquantized base, and the refusals.
+evaluation), that the saved folder loads on the unquantized base, and the refusals; and that `bdlora sweep` trains
+several jobs on one shared 4-bit base (each job's folder scored by PEFT on a 4-bit base as the engine scored it).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -390,14 +393,84 @@ def test_missing_bitsandbytes_is_a_config_error(tiny_llama_dir, train_file, monk
         build_peft_model(_cfg(tiny_llama_dir, train_file), tiny_llama_dir)
 
 
-def test_engine_refuses_kbit(tiny_llama_dir, train_file, tmp_path):
+def _sweep(tiny_llama_dir, train_file, out, jobs, **kw):
     from bdlora.train.engine.config import parse_run
     from bdlora.train.engine.engine import Engine
 
-    run = parse_run({"model": str(tiny_llama_dir), "train_file": train_file, "output_dir": str(tmp_path / "e"),
-                     "load_in_4bit": True, "max_steps": 1})
-    with pytest.raises(ConfigError, match="load_in_4bit/load_in_8bit: the multi-LoRA engine has no k-bit base"):
-        Engine(run)
+    run = {"model": str(tiny_llama_dir), "train_file": train_file, "output_dir": str(out), "load_in_4bit": True,
+           "max_steps": 6, "batch_size": 4, "lr": 5e-3, "max_length": 64, "eval_fraction": 0.2, "eval_every": 3,
+           "scheduler": "constant", "warmup_ratio": 0.0, "token_budget": 512, "save_plots": False,
+           "log_every": 10**6, "jobs": jobs, **kw}
+    return Engine(parse_run(run))
+
+
+def _peft_eval_loss_on_4bit(tiny_llama_dir, folder, samples) -> float:
+    """The saved adapter loaded by PEFT on a freshly quantized 4-bit base: response-token mean loss on ``samples``."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    enable_bdlora_on_kbit()
+    q4 = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32,
+                                              quantization_config=BitsAndBytesConfig(
+                                                  load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                  bnb_4bit_use_double_quant=True))
+    disable_cpu_inference_packing(q4)
+    model = PeftModel.from_pretrained(q4, str(folder)).eval()
+    check_kbit_bd(model, json.loads((folder / "adapter_config.json").read_text())["use_bdlora"]["nblocks"])
+    tot, n = 0.0, 0
+    with torch.no_grad():
+        for smp in samples:
+            ids = torch.tensor([smp.input_ids])
+            mask = torch.tensor(smp.loss_mask[1:], dtype=torch.bool)
+            logits = model(input_ids=ids).logits[0, :-1]
+            tot += float(torch.nn.functional.cross_entropy(logits[mask], ids[0, 1:][mask], reduction="sum"))
+            n += int(mask.sum())
+    return tot / n
+
+
+def test_engine_trains_jobs_on_one_4bit_base(tiny_llama_dir, train_file, tmp_path):
+    """`bdlora sweep` with load_in_4bit: the jobs share one bitsandbytes 4-bit base; each job's saved folder is a
+    normal BD adapter that PEFT, on a 4-bit base of its own, scores as the engine did; and a job trained beside
+    another equals the same job trained alone."""
+    jobs = [{"name": "bd2", "nblocks": 2, "r": 8}, {"name": "bd4", "nblocks": 4, "r": 8, "seed": 1}]
+    eng = _sweep(tiny_llama_dir, train_file, tmp_path / "both", jobs)
+    assert all(isinstance(m.base, bnb.nn.Linear4bit) for m in eng.model.modules()
+               if type(m).__name__ == "MultiLoraLinear")
+    rows = eng.run()
+    assert [r["stop_reason"] for r in rows] == ["completed", "completed"]
+    for job, row in zip(eng.jobs, rows):
+        train = [loss for _, loss in job.history["train"]]
+        assert len(train) == 6 and train[-1] < train[0] - 0.3, train
+        folder = Path(row["adapter"])
+        conf = json.loads((folder / "adapter_config.json").read_text())
+        assert conf["use_bdlora"]["nblocks"] == job.cfg.nblocks and conf["r"] == 8
+        got = _peft_eval_loss_on_4bit(tiny_llama_dir, folder, job.data.val)
+        assert got == pytest.approx(row["final_eval_loss"], rel=1e-4), (job.cfg.name, got, row["final_eval_loss"])
+
+    alone = _sweep(tiny_llama_dir, train_file, tmp_path / "alone", jobs[1:]).run()
+    from bdlora.adapter import load_adapter
+
+    a, b = load_adapter(rows[1]["adapter"]), load_adapter(alone[0]["adapter"])
+    assert a.modules.keys() == b.modules.keys()
+    for k in a.modules:
+        torch.testing.assert_close(a.modules[k].lora_A, b.modules[k].lora_A, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a.modules[k].lora_B, b.modules[k].lora_B, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("where,keys,msg", [
+    ("job", {"load_in_4bit": True}, "load_in_4bit: is shared by every job of a run"),
+    ("top", {"load_in_8bit": True, "load_in_4bit": False}, "load_in_8bit: True is not supported by `bdlora sweep`"),
+    ("top", {"kbit_upcast_fp32": True}, "kbit_upcast_fp32: True is not supported by `bdlora sweep`"),
+    ("top", {"pipeline_stages": 2}, "load_in_4bit: pipeline stages load their layers"),
+])
+def test_engine_kbit_refusals(tiny_llama_dir, train_file, tmp_path, where, keys, msg):
+    from bdlora.train.engine.config import parse_run
+
+    job = {"name": "a", **(keys if where == "job" else {})}
+    run = {"model": str(tiny_llama_dir), "train_file": train_file, "output_dir": str(tmp_path / "e"),
+           "load_in_4bit": True, "max_steps": 1, "jobs": [job], **(keys if where == "top" else {})}
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        parse_run(run)
 
 
 def test_resume_check_accepts_checkpoints_from_before_the_kbit_keys(tiny_llama_dir, train_file, tmp_path):

@@ -130,8 +130,9 @@ def kbit_quantization_config(cfg: TrainConfig, device_type: str):
         bnb_4bit_compute_dtype=compute)
 
 
-def load_kbit_base_model(cfg: TrainConfig, model_dir: Path, device_type: str):
-    """The frozen base quantized by bitsandbytes at load (4-bit or 8-bit), on this process's device.
+def load_kbit_base_model(cfg: TrainConfig, model_dir: Path, device_type: str, device_index: Optional[int] = None):
+    """The frozen base quantized by bitsandbytes at load (4-bit or 8-bit), on this process's device (on a GPU: GPU
+    ``device_index``, by default this process's local rank).
 
     Non-quantized weights (embeddings, norms, lm_head) stay in the precision's dtype unless ``kbit_upcast_fp32``,
     which runs PEFT's ``prepare_model_for_kbit_training`` (fp32 upcast of those, QLoRA's recipe). Gradient
@@ -156,7 +157,7 @@ def load_kbit_base_model(cfg: TrainConfig, model_dir: Path, device_type: str):
     if attn:
         kwargs["attn_implementation"] = attn
     if device_type == "cuda":  # bitsandbytes weights cannot be moved later: load on this process's GPU
-        kwargs["device_map"] = {"": PartialState().local_process_index}
+        kwargs["device_map"] = {"": PartialState().local_process_index if device_index is None else device_index}
     try:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     except (ImportError, RuntimeError, ValueError) as e:

@@ -15,7 +15,9 @@
   ``precision``, ``attn_implementation``, ``cudnn_attention``, ``use_liger_kernel`` (Liger Kernel's RMSNorm,
   SwiGLU and RoPE on the shared base; unset: where it can run, as in ``bdlora train``),
   ``gradient_checkpointing`` and ``gradient_checkpointing_every_n_layers`` (the shared base's decoder layers
-  recompute their activations in the backward pass), ``output_dir``, ``save_every``
+  recompute their activations in the backward pass), ``load_in_4bit`` with its ``bnb_4bit_*`` keys (the shared base
+  quantized once by bitsandbytes, QLoRA-style: every job trains its adapter on the same 4-bit base), ``output_dir``,
+  ``save_every``
   and ``log_every`` (in rounds) and ``resume``; they are refused inside ``jobs:``/``search:``.
 * A file with neither ``jobs:`` nor ``search:`` -- a ``bdlora train`` job file -- runs unchanged as a one-job sweep;
   the job is named after ``output_dir``'s last component (or ``job``) and its adapter is
@@ -81,7 +83,8 @@ MEMORY_MODELS = ("auto", "analytic")
 #: TrainConfig keys that are one value for the whole run (one base, one output folder, one checkpoint cadence)
 RUN_LEVEL_KEYS = ("model", "precision", "attn_implementation", "cudnn_attention", "use_liger_kernel", "output_dir",
                   "save_every", "log_every", "resume", "gradient_checkpointing",
-                  "gradient_checkpointing_every_n_layers")
+                  "gradient_checkpointing_every_n_layers", "load_in_4bit", "bnb_4bit_quant_type",
+                  "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
 _NAME_RE = re.compile(r"[A-Za-z0-9_+=@,-][A-Za-z0-9._+=@,-]*")
 
 
@@ -215,6 +218,7 @@ class RunConfig(EngineKeys):
     use_liger_kernel: Optional[bool] = None  # Liger's RMSNorm, SwiGLU and RoPE on the shared base (None: auto)
     gradient_checkpointing: bool = False  # the shared base's decoder layers recompute in backward (TrainConfig's)
     gradient_checkpointing_every_n_layers: int = 1  # only every n-th layer recomputes (TrainConfig's)
+    load_in_4bit: bool = False  # the shared base quantized to 4 bits by bitsandbytes (TrainConfig's bnb_4bit_* keys)
     output_dir: str = TrainConfig.output_dir
     seed: int = 0  # the run's seed (LoRA-dropout masks): the top-level seed
     save_every: int = 0  # rounds between run checkpoints (and whenever a job finishes); 0: at the end only
@@ -412,6 +416,10 @@ NOT_HONOURED = {
     "hub_private_repo": (None, "push one adapter with `bdlora push OUTPUT_DIR/adapters/JOB REPO --private`"),
     "overwrite_output_dir": ((False,), "choose a new output_dir, or remove the old one yourself"),
     "packing": ((True,), "the engine always packs a micro-batch's examples (padding-free)"),
+    "load_in_8bit": ((False,), "the engine's quantized base is 4-bit (load_in_4bit: true); train on an 8-bit base "
+                               "with `bdlora train`"),
+    "kbit_upcast_fp32": ((False,), "the shared base stays in the run's precision; train with PEFT's fp32 upcast "
+                                   "with `bdlora train`"),
 }
 #: trackers the engine writes itself (one event folder per job)
 ENGINE_TRACKERS = ("tensorboard", "none")
@@ -516,6 +524,7 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
                     use_liger_kernel=first.use_liger_kernel, output_dir=first.output_dir,
                     gradient_checkpointing=first.gradient_checkpointing,
                     gradient_checkpointing_every_n_layers=first.gradient_checkpointing_every_n_layers,
+                    load_in_4bit=first.load_in_4bit,
                     seed=_coerce_engine(raw["seed"], "int", f"{source}: seed") if "seed" in raw else 0,
                     save_every=first.save_every, log_every=first.log_every, resume=first.resume == "auto",
                     source=source)
@@ -524,6 +533,9 @@ def parse_run(raw: Any, source: str = "run file", yaml_dir: Optional[str | os.Pa
         raise ConfigError(f"{source}: token_budget: {run.token_budget} is smaller than the longest max_length "
                           f"({longest}): an example would fit no micro-batch; raise token_budget to >= {longest} "
                           "or lower max_length")
+    if run.load_in_4bit and run.pipeline_stages > 1:
+        raise ConfigError(f"{source}: load_in_4bit: pipeline stages load their layers from the checkpoint "
+                          "unquantized; set pipeline_stages: 1 (a 4-bit 70B base fits one GPU) or drop load_in_4bit")
     if run.early_exit.enabled:
         none = [j.name for j in jobs if j.eval_every == 0]
         if none:

@@ -41,7 +41,7 @@ from .jobs import (Job, adapter_is_finite, build_job, check_no_expert_jobs, job_
                    load_job_data, optimizer_to, run_source)
 from .loop import Advance, run_loop
 from .memory import MemoryModel, auto_token_budget, device_budget_bytes
-from .model import load_base
+from .model import load_base, load_kbit_base
 from .multilora import BatchContext, JobAdapter, inject_multilora
 from .packing import MicroBatch, build_microbatch, plan_microbatches
 from .reporting import (RunReporter, format_table, plot_job, progress_text, result_row, result_rows,
@@ -58,11 +58,6 @@ class Engine:
     ``park``, ``finish``, ``evaluate``). A pipeline stage (:class:`~.pipeline.StageEngine`) overrides those hooks."""
 
     def __init__(self, run: RunConfig, model=None, tokenizer=None, log=print):
-        kbit = [j for j in run.jobs if getattr(j, "load_in_4bit", False) or getattr(j, "load_in_8bit", False)]
-        if kbit:  # MultiLoraLinear reads the base's nn.Linear weights: a bitsandbytes base would not be BD-trained
-            raise ConfigError(f"{run_source(run)}: job {kbit[0].name!r}: load_in_4bit/load_in_8bit: the multi-LoRA "
-                              "engine has no k-bit base (its LoRA layers run over plain nn.Linear weights); train "
-                              "on a quantized base with `bdlora train`, one job at a time")
         self.run_cfg = run
         self.out = Path(run.output_dir)
         dist = dist_group()
@@ -90,8 +85,11 @@ class Engine:
         self.liger, self.liger_note = liger_decision(
             run.use_liger_kernel, model.config.model_type if model is not None else folder_model_type(folder),
             on_gpu=self.device.type == "cuda",
-            unsupported="pipeline stages (a stage holds only its own layers)" if run.pipeline_stages > 1 else None)
-        if model is None:  # a pipeline stage (StageEngine sets pipeline_stage = (s, P)) loads only its layers
+            unsupported="pipeline stages (a stage holds only its own layers)" if run.pipeline_stages > 1
+            else "a k-bit base (not measured with Liger's kernels)" if run.load_in_4bit else None)
+        if model is None and run.load_in_4bit:
+            model, tokenizer = load_kbit_base(run.jobs[0], folder, self.device)
+        elif model is None:  # a pipeline stage (StageEngine sets pipeline_stage = (s, P)) loads only its layers
             model, tokenizer = load_base(folder, run.precision, self.device, run.attn_implementation,
                                          stage=getattr(self, "pipeline_stage", None))
         if self.liger:

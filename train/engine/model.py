@@ -41,6 +41,24 @@ def load_base(path: str | os.PathLike, precision: str = "fp32", device="cpu", at
     return model, tok
 
 
+def load_kbit_base(cfg, path: str | os.PathLike, device):
+    """The frozen base quantized to 4 bits by bitsandbytes at load, as ``bdlora train`` loads it for
+    ``load_in_4bit`` (``cfg``: a job's TrainConfig, whose run-level quantization keys every job shares), straight onto
+    ``device``, and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ..trainer import load_kbit_base_model
+
+    device = torch.device(device)
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else None
+    model = load_kbit_base_model(cfg, Path(path), device.type, device_index=index)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model.eval()
+    return model, tok
+
+
 def stage_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
     """Even split of ``n_layers`` decoder layers into ``stages`` contiguous ranges (earlier stages get extras)."""
     if stages > n_layers:

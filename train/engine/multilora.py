@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bdlora.adapter import Adapter, AdapterConfig
-from bdlora.kernels import Dispatch, KernelOptions, fused_lora_linear
+from bdlora.kernels import Dispatch, KernelOptions, fused_lora_linear, grouped_lora
 from bdlora.layout import COLUMN, LoraFactors, layout_by_name
 from bdlora.spec import BDLoraSpec
 
@@ -210,12 +210,17 @@ def _kaiming_uniform(t: torch.Tensor, a: float, g: torch.Generator) -> None:
 
 
 class MultiLoraLinear(nn.Module):
-    """A frozen ``nn.Linear`` plus the BD-LoRA of every job in the batch context, each on its row segment."""
+    """A frozen ``nn.Linear`` plus the BD-LoRA of every job in the batch context, each on its row segment.
+
+    A plain ``nn.Linear`` base runs in the same kernel call as the LoRA terms (``fused_lora_linear``). A subclass
+    with its own forward (bitsandbytes' ``Linear4bit``, whose weight is packed 4-bit storage) runs that forward, and
+    the jobs' LoRA terms (``grouped_lora``, from the layer's input) are added to its output."""
 
     def __init__(self, base: nn.Linear, name: str, layout: str, ctx: BatchContext, registry: dict):
         super().__init__()
         self.base = base
         self.name, self.layout, self.ctx, self.registry = name, layout, ctx, registry
+        self.base_runs_itself = type(base) is not nn.Linear
         self.last_dispatch: Optional[Dispatch] = None  # what the kernels ran for the last call with LoRA
         for p in self.base.parameters():
             p.requires_grad_(False)
@@ -228,11 +233,19 @@ class MultiLoraLinear(nn.Module):
         reg, name = self.registry, self.name
         segs = [s for s in self.ctx.segments if s[0] in reg and name in reg[s[0]].keys]
         if not segs:
-            return F.linear(x, self.base.weight, self.base.bias)
+            return self.base(x) if self.base_runs_itself else F.linear(x, self.base.weight, self.base.bias)
         x2 = x.reshape(-1, x.shape[-1])
         seg, adapters = self._kernel_args(segs)
-        y2, d = fused_lora_linear(x2, self.base.weight, self.base.bias, seg, adapters,
-                                  options=self.ctx.kernel_options, plan_cache=self.ctx.plan_cache)
+        if self.base_runs_itself:
+            base_out = self.base(x)
+            opts = self.ctx.kernel_options
+            if opts.backend == "cublas":  # the cuBLAS path fuses the base GEMM; the LoRA terms alone: auto's choice
+                opts = replace(opts, backend="auto")
+            delta, d = grouped_lora(x2, seg, adapters, options=opts, plan_cache=self.ctx.plan_cache)
+            y2 = base_out.reshape(-1, base_out.shape[-1]) + delta.to(base_out.dtype)
+        else:
+            y2, d = fused_lora_linear(x2, self.base.weight, self.base.bias, seg, adapters,
+                                      options=self.ctx.kernel_options, plan_cache=self.ctx.plan_cache)
         self.last_dispatch = d
         if d.note.startswith("fell back"):
             self.ctx.warn_once(f"lora_backend {d.requested} -> {d.backend} ({d.note})")
