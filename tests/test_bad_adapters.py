@@ -1,4 +1,4 @@
-"""Nothing lost, nothing silent (issue 19): bad adapters, unsupported PEFT features and dangerous output paths are
+"""Nothing lost, nothing silent: bad adapters, unsupported PEFT features and dangerous output paths are
 refused through the CLI with a message naming the problem and the file; nothing is half-written or deleted."""
 
 from __future__ import annotations

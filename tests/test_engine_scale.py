@@ -1,4 +1,4 @@
-"""The engine at scale (issue 23 item 4): pipeline stages load only their own layers from the safetensors files
+"""The engine at scale: pipeline stages load only their own layers from the safetensors files
 (memory per stage ~1/D of the weights, measured on 2 CPU processes), and data-parallel gradients are all-reduced
 in one flat buffer per job and step."""
 
