@@ -315,10 +315,11 @@ def test_a_row_without_its_task_score_is_run_again(tmp_path):
     assert run_main(argv) == 0 and len((out / "results.jsonl").read_text().splitlines()) == n
 
 
-def test_4bit_rows_train_through_the_trainer_and_score_on_both_bases(tmp_path):
-    """QLoRA and QBD-LoRA rows: trained on a bitsandbytes 4-bit base through the trainer (with the default sweep
-    trainer too: the engine trains unquantized bases only), scored on the 4-bit base and again on the bf16 base
-    through PEFT, paired in the report separately from the bf16 rows."""
+@pytest.mark.parametrize("trainer", ["sweep", "trainer"])
+def test_4bit_rows_train_and_score_on_both_bases(tmp_path, trainer):
+    """QLoRA and QBD-LoRA rows: trained on a bitsandbytes 4-bit base (one engine run on one shared 4-bit base with
+    the default sweep trainer; one `bdlora train` run each with the trainer), scored on the 4-bit base and again on
+    the bf16 base through PEFT, paired in the report separately from the bf16 rows."""
     pytest.importorskip("bitsandbytes")
     from bench.quality.report import main as report_main
     from bench.quality.run import main as run_main
@@ -326,17 +327,25 @@ def test_4bit_rows_train_through_the_trainer_and_score_on_both_bases(tmp_path):
     out = tmp_path / "out"
     argv = ["--out", str(out), "--device", "cpu", "--small", "--model", "tiny-random", "--tasks", "recall",
             "--methods", "qlora,qbd", "--nblocks", "2", "--ranks", "4", "--seeds", "0,1", "--max-steps", "2",
-            "--set", "recall_pairs=4"]
+            "--set", "recall_pairs=4", "--trainer", trainer]
     assert run_main(argv) == 0
     rows = {r["run_id"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
     assert sorted(rows) == sorted(f"recall-{m}-s{s}-t2" for s in (0, 1) for m in ("qlora-r4", "qbd2-r6"))
-    assert not (out / "sweeps.jsonl").exists()  # no engine run
+    if trainer == "sweep":
+        sweeps = [json.loads(line) for line in (out / "sweeps.jsonl").read_text().splitlines()]
+        assert len(sweeps) == 1 and sweeps[0]["jobs"] == 4
+        run_config = json.loads(next((out / "sweeps").glob("recall-*/run_config.json")).read_text())
+        assert run_config["load_in_4bit"] is True
+    else:
+        assert not (out / "sweeps.jsonl").exists()
     for r in rows.values():
-        assert "trainer" not in r and r["eval_loss"] > 0 and 0 <= r["accuracy"] <= 1
+        assert r.get("trainer") == ("bdlora sweep" if trainer == "sweep" else None)
+        assert r["eval_loss"] > 0 and 0 <= r["accuracy"] <= 1
         assert r["bf16_eval_loss"] > 0 and 0 <= r["bf16_accuracy"] <= 1 and r["bf16_accuracy_n"] == 8
         # the adapter on the unquantized base is not the 4-bit model: the two losses differ
         assert r["bf16_eval_loss"] != pytest.approx(r["eval_loss"], rel=1e-6)
-        assert "load_in_4bit: true" in (out / "runs" / r["run_id"] / "train_config.yaml").read_text()
+        if trainer == "trainer":
+            assert "load_in_4bit: true" in (out / "runs" / r["run_id"] / "train_config.yaml").read_text()
     assert rows["recall-qbd2-r6-s0-t2"]["nblocks"] == 2 and rows["recall-qlora-r4-s0-t2"]["nblocks"] is None
     md = tmp_path / "t.md"
     assert report_main([str(out), "--markdown", str(md)]) == 0

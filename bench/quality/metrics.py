@@ -149,6 +149,23 @@ def load_scoring_model(model: str, precision: str):
     return load_causal_lm(path, dtype=torch_dtype_of(precision, device), device=device), load_tokenizer(path)
 
 
+def load_kbit_scoring_model(model: str, precision: str):
+    """(model, tokenizer) a run trained on a 4-bit base is scored with: the base quantized as ``bdlora train`` and
+    ``bdlora sweep`` quantize it for ``load_in_4bit`` (bitsandbytes nf4), with PEFT's k-bit layers able to load BD
+    adapters (:func:`bdlora.quant.enable_bdlora_on_kbit`)."""
+    import torch
+
+    from bdlora.quant import enable_bdlora_on_kbit
+    from bdlora.train import TrainConfig
+    from bdlora.train.trainer import load_kbit_base_model, load_tokenizer, resolve_model_path
+
+    path = resolve_model_path(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    enable_bdlora_on_kbit()
+    cfg = TrainConfig(model=model, precision=precision, load_in_4bit=True)
+    return load_kbit_base_model(cfg, path, device).eval(), load_tokenizer(path)
+
+
 def device_name() -> str:
     """What the rows were computed on (the results' ``device`` field)."""
     import torch

@@ -13,9 +13,9 @@ Two trainers, same data pipeline, schedule, rsLoRA scaling and alpha=16 for both
 * ``--trainer trainer``: one :func:`bdlora.train.run_training` per run; ``lora`` as dense PEFT
   ``LoraConfig(use_rslora=True)`` on the seven projections (the trainer's model builder is swapped for this run).
 
-``qlora`` / ``qbd``: the same two on a 4-bit base (bitsandbytes nf4, QLoRA-style; always through the trainer, the
-engine trains on unquantized bases), scored on the 4-bit base they trained on and again on the bf16 base (fields
-``bf16_*``: the adapter served on the unquantized model).
+``qlora`` / ``qbd``: the same two on a 4-bit base (bitsandbytes nf4, QLoRA-style; with ``--trainer sweep`` one
+engine run per task on one shared 4-bit base, ``load_in_4bit``), scored on the 4-bit base they trained on and again
+on the bf16 base (fields ``bf16_*``: the adapter served on the unquantized model).
 
 ``bd``: BD-LoRA with N blocks (N = 2, 4, 8 by default: the trainer accepts any N that divides the widths, servable
 or not), at the rank (a multiple of N) whose exact trainable-parameter count is closest to LoRA's
@@ -110,6 +110,10 @@ KBIT_METHODS = ("qlora", "qbd")
 
 def is_bd(method: str) -> bool:
     return method in ("bd", "qbd")
+
+
+def is_kbit(method: str) -> bool:
+    return method in KBIT_METHODS
 
 
 def run_id(task: str, method: str, nblocks: int, rank: int, seed: int, steps: int) -> str:
@@ -316,11 +320,13 @@ def run_sweeps(groups: list[list[Run]], pt: dict[str, dict], files: dict, model:
         for run in (r for r in runs if r[1] == "base"):
             record(base_run(task, p, files[task], model, dev))
             ran += 1
-        runs = [r for r in runs if r[1] != "base"]
-        if runs:
-            names = [run_id(*r, p["max_steps"]) for r in runs]
-            ran += sweep.train_and_score(task, runs, names, p, files[task], model, out, device, dev, record,
-                                         deadline, log)
+        # one engine run per base: the unquantized one, then the 4-bit one
+        for kbit in (False, True):
+            on_base = [r for r in runs if r[1] != "base" and is_kbit(r[1]) == kbit]
+            if on_base:
+                names = [run_id(*r, p["max_steps"]) for r in on_base]
+                ran += sweep.train_and_score(task, on_base, names, p, files[task], model, out, device, dev, record,
+                                             deadline, log)
     return {"ran": ran, "left": sum(len(g) for g in groups) - ran}
 
 
@@ -366,7 +372,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nblocks", help="BD block counts N, comma list (default 2,4,8; any N dividing the widths)")
     ap.add_argument("--methods", default="base,lora,bd",
                     help="comma list of base (the untrained model), lora, bd, qlora, qbd (the last two on a 4-bit "
-                         "base, through the trainer whatever --trainer says)")
+                         "base)")
     ap.add_argument("--match", choices=["table1", "exact"], default="exact",
                     help="BD rank for LoRA rank r: the multiple of N whose exact parameter count is closest to "
                          "LoRA's (default), or paper Table 1's r(dH+dI)/(dH+dI/N) rounded to a multiple of N (it "
@@ -489,13 +495,8 @@ def main(argv=None) -> int:
         return row["wall_s"]
 
     log = lambda m: print(f"{tag}: {m}", flush=True)
-    if a.trainer == "sweep":  # the engine trains on unquantized bases: 4-bit groups go through the trainer after
-        kbit = [g for g in todo if g[0][1] in KBIT_METHODS]
-        res = run_sweeps([g for g in todo if g[0][1] not in KBIT_METHODS], pt, files, model, out, a.device, dev,
-                         record, log, deadline)
-        if kbit:
-            more = execute(kbit, run_and_record, deadline, log=log)
-            res = {"ran": res["ran"] + more["ran"], "left": res["left"] + more["left"]}
+    if a.trainer == "sweep":
+        res = run_sweeps(todo, pt, files, model, out, a.device, dev, record, log, deadline)
     else:
         res = execute(todo, run_and_record, deadline, log=log)
     print(f"{tag}: done in {time.time() - t_start:.0f} s, {res['ran']} runs, {res['left']} left; results in {res_file}",

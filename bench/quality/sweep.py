@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from .metrics import device_name, eval_loss, load_scoring_model, task_metrics
+from .metrics import device_name, eval_loss, load_kbit_scoring_model, load_scoring_model, task_metrics
 from .results import append_row
 
 SWEEPS = "sweeps.jsonl"
@@ -37,10 +37,16 @@ def sweep_dir(out: Path, task: str, names: list[str]) -> Path:
 
 def run_file(runs: list[tuple], names: list[str], p: dict, files: dict, model: str, folder: Path, device: str
              ) -> dict:
-    """The ``bdlora sweep`` run file (as a dict) of a task's runs: shared keys at the top, one job per run."""
-    jobs = [{"name": name, "nblocks": n if method == "bd" else 1, "r": rank, "seed": seed}
+    """The ``bdlora sweep`` run file (as a dict) of a task's runs: shared keys at the top, one job per run. Runs on
+    a 4-bit base (all of them or none) share one base quantized by the engine (``load_in_4bit``)."""
+    from .run import is_bd, is_kbit
+
+    jobs = [{"name": name, "nblocks": n if is_bd(method) else 1, "r": rank, "seed": seed}
             for name, (_, method, n, rank, seed) in zip(names, runs)]
-    return {
+    kbit = {is_kbit(run[1]) for run in runs}
+    if len(kbit) > 1:
+        raise ValueError("one engine run trains on one base: 4-bit and unquantized runs go to separate runs")
+    return {**({"load_in_4bit": True} if kbit == {True} else {}),
         "model": model, "output_dir": str(folder), "train_file": str(files["train"]), "data_format": "alpaca",
         "eval_fraction": 0.0, "precision": p["precision"], "max_length": p["max_length"], "lr": p["lr"],
         "scheduler": "linear", "warmup_ratio": 0.05, "batch_size": p["batch_size"], "max_steps": p["max_steps"],
@@ -94,7 +100,9 @@ def train_and_score(task: str, runs: list[tuple], names: list[str], p: dict, fil
     log(f"sweep {task}: {len(runs)} runs to record, {len(raw['jobs'])} jobs ({raw['max_active_jobs']} at a time) "
         f"in one engine run ({folder})")
     t0, slowest, scored, wanted = clock(), 0.0, set(), set(names)
-    scorer = Scorer(task, p, files, model, dev, record)
+    from .run import is_kbit
+
+    scorer = Scorer(task, p, files, model, dev, record, kbit=is_kbit(runs[0][1]))
     while True:
         if deadline is not None and clock() + 1.2 * slowest > deadline:
             log(f"sweep {task}: deadline: {len(runs) - len(scored)} runs left for a later call (resumable)")
@@ -121,17 +129,21 @@ def train_and_score(task: str, runs: list[tuple], names: list[str], p: dict, fil
 
 class Scorer:
     """Scores trained adapters of one task on one copy of the base: each is loaded onto it through PEFT, scored by
-    :mod:`bench.quality.metrics` and removed again; the base is loaded once, at the first adapter."""
+    :mod:`bench.quality.metrics` and removed again; the base is loaded once, at the first adapter. ``kbit``: the
+    adapters were trained on a 4-bit base: scored on a 4-bit base, and again on the unquantized base (``bf16_*``)."""
 
-    def __init__(self, task: str, p: dict, files: dict, model: str, dev: str, record: Callable[[dict], None]):
+    def __init__(self, task: str, p: dict, files: dict, model: str, dev: str, record: Callable[[dict], None],
+                 kbit: bool = False):
         self.task, self.p, self.files, self.model, self.dev, self.record = task, p, files, model, dev, record
+        self.kbit = kbit
         self.tokenizer = self.peft_model = None
 
     def _load(self, name: str, adapter: Path):
         from peft import PeftModel
 
         if self.peft_model is None:
-            base, self.tokenizer = load_scoring_model(self.model, self.p["precision"])
+            load = load_kbit_scoring_model if self.kbit else load_scoring_model
+            base, self.tokenizer = load(self.model, self.p["precision"])
             self.peft_model = PeftModel.from_pretrained(base, str(adapter), adapter_name=name)
         else:
             self.peft_model.load_adapter(str(adapter), adapter_name=name)
@@ -140,6 +152,8 @@ class Scorer:
 
     def score(self, runs: list[tuple], names: list[str], trained: dict[str, dict]) -> int:
         """Scores the runs whose engine row in ``trained`` is done, records their rows; returns how many."""
+        from .run import is_bd, score_on_base
+
         p, files, n = self.p, self.files, 0
         for name, (_, method, nblocks, rank, seed) in zip(names, runs):
             res = trained.get(name)
@@ -148,15 +162,17 @@ class Scorer:
             t0 = time.time()
             adapter = Path(res["adapter"])
             lm = self._load(name, adapter)
-            row = {"run_id": name, "task": self.task, "method": method, "nblocks": nblocks if method == "bd" else None,
+            row = {"run_id": name, "task": self.task, "method": method, "nblocks": nblocks if is_bd(method) else None,
                    "rank": rank, "seed": seed, "trainable_params": adapter_params(adapter), "steps": res["steps"],
                    "train_loss": res.get("final_train_loss"), "device": self.dev, "model": self.model,
                    "lr": p["lr"], "batch_size": p["batch_size"], "max_length": p["max_length"],
                    "trainer": "bdlora sweep", "train_time_s": res.get("time_s"),
                    **eval_loss(lm, self.tokenizer, files["eval"], p["max_length"], p["eval_batch_size"])}
             row.update(task_metrics(self.task, lm, self.tokenizer, p, files))
-            row["score_s"] = round(time.time() - t0, 2)
             lm.delete_adapter(name)
+            if self.kbit:
+                row.update({f"bf16_{k}": v for k, v in score_on_base(self.task, adapter, p, files, self.model).items()})
+            row["score_s"] = round(time.time() - t0, 2)
             self.record(row)
             n += 1
         return n
