@@ -76,8 +76,12 @@ class MemoryModel:
         decoder = getattr(model, getattr(model, "base_model_prefix", ""), model)
         layers = getattr(decoder, "layers", None)
         held = None if layers is None else sum(1 for layer in layers if next(layer.parameters(), None) is not None)
-        nbytes = params[0].element_size() if params else 4
-        return cls.analytic(model.config, sum(p.numel() for p in params), nbytes, act_bytes=nbytes, n_layers=held,
+        # activations in the floating parameters' dtype; the base's bytes as stored (a bitsandbytes 4-bit weight is
+        # a uint8 tensor of packed pairs, counted here as the bytes it holds)
+        floating = [p for p in params if p.is_floating_point()]
+        nbytes = floating[0].element_size() if floating else 4
+        stored = sum(p.numel() * p.element_size() for p in params)
+        return cls.analytic(model.config, -(-stored // nbytes), nbytes, act_bytes=nbytes, n_layers=held,
                             logits=model.get_output_embeddings() is not None, checkpointed_layers=checkpointed_layers)
 
     def predict(self, tokens: int, jobs: list[JobFootprint]) -> float:
