@@ -56,6 +56,21 @@ def _randomize(model, seed=0, std=0.05):
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
+def _peft_on_fresh_4bit_base(model_dir, folder):
+    """A saved adapter folder loaded by PEFT (in eval mode) onto the model quantized anew to 4 bits (nf4, double
+    quantization: the trainer's defaults), PEFT's k-bit layers made to build BD-LoRA first."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    enable_bdlora_on_kbit()
+    q4 = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                              quantization_config=BitsAndBytesConfig(
+                                                  load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                  bnb_4bit_use_double_quant=True))
+    disable_cpu_inference_packing(q4)
+    return PeftModel.from_pretrained(q4, str(folder)).eval()
+
+
 def _lora_layers(model):
     for name, m in model.named_modules():
         if isinstance(getattr(m, "lora_A", None), torch.nn.ModuleDict) and "default" in m.lora_A:
@@ -285,7 +300,7 @@ def test_merge_into_kbit_weight_adds_the_bd_delta(tiny_llama_dir, train_file, bi
 def test_train_on_4bit_base_lowers_loss_and_saves_a_normal_bd_folder(tiny_llama_dir, train_file, tmp_path):
     from peft import PeftModel
     from peft.tuners.lora.variants import BlockDiagonalLinear
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     from bdlora.adapter import load_adapter
     from bdlora.train.trainer import run_training
@@ -326,13 +341,7 @@ def test_train_on_4bit_base_lowers_loss_and_saves_a_normal_bd_folder(tiny_llama_
         torch.testing.assert_close(deq(input_ids=ids).logits, res.model(input_ids=ids).logits, atol=1e-5, rtol=1e-4)
 
     # on a 4-bit base again (inference), after enable_bdlora_on_kbit: same logits as the trained model
-    enable_bdlora_on_kbit()
-    q4 = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32,
-                                              quantization_config=BitsAndBytesConfig(
-                                                  load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                  bnb_4bit_use_double_quant=True))
-    disable_cpu_inference_packing(q4)
-    again = PeftModel.from_pretrained(q4, str(folder)).eval()
+    again = _peft_on_fresh_4bit_base(tiny_llama_dir, folder)
     check_kbit_bd(again, 2)
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=ids).logits, res.model(input_ids=ids).logits, atol=1e-5, rtol=1e-4)
@@ -406,16 +415,7 @@ def _sweep(tiny_llama_dir, train_file, out, jobs, **kw):
 
 def _peft_eval_loss_on_4bit(tiny_llama_dir, folder, samples) -> float:
     """The saved adapter loaded by PEFT on a freshly quantized 4-bit base: response-token mean loss on ``samples``."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    enable_bdlora_on_kbit()
-    q4 = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32,
-                                              quantization_config=BitsAndBytesConfig(
-                                                  load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                  bnb_4bit_use_double_quant=True))
-    disable_cpu_inference_packing(q4)
-    model = PeftModel.from_pretrained(q4, str(folder)).eval()
+    model = _peft_on_fresh_4bit_base(tiny_llama_dir, folder)
     check_kbit_bd(model, json.loads((folder / "adapter_config.json").read_text())["use_bdlora"]["nblocks"])
     tot, n = 0.0, 0
     with torch.no_grad():
