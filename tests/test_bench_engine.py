@@ -116,6 +116,18 @@ def test_cudnn_attention_flag_reaches_the_engine_and_its_trainer_baseline(tiny_l
         assert (run.cudnn_attention, cfg.cudnn_attention) == (flag, flag)
 
 
+def test_load_in_4bit_flag_reaches_the_engine_and_its_trainer_baseline(tiny_llama_dir, tmp_path, monkeypatch):
+    """--load-in-4bit puts the engine's run and, through its jobs, the sequential trainer on a 4-bit base."""
+    data = B.make_data(tmp_path / "d.jsonl", 10, min_words=2, max_words=4)
+    for flag in (False, True):
+        monkeypatch.setattr(B, "LOAD_IN_4BIT", flag)
+        run = B.engine_run_config(tiny_llama_dir, data, tmp_path / f"eng{flag}", [{"name": "j0"}], dtype="float32",
+                                  budget=256)
+        cfg = B.trainer_config(run.jobs[0], model_path=tiny_llama_dir, data=data, out=tmp_path / "tr",
+                               dtype="float32", val_fraction=0.1, steps=2)
+        assert (run.load_in_4bit, cfg.load_in_4bit) == (flag, flag)
+
+
 def test_sequential_trainer_baseline_runs_the_engine_jobs_on_the_trainer(tiny_llama_dir, tmp_path):
     """trainer_config turns a parsed engine job into the single-job trainer's TrainConfig (same r, nblocks, alpha,
     lr, schedule, batch, steps, seed); run_trainer times its steps 2..n from metrics.jsonl and counts their tokens
