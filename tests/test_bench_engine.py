@@ -103,29 +103,18 @@ def test_pipeline_vs_dp_cpu_smoke(tmp_path):
     assert res["experiments"][0]["pipeline"]["bubble_schedule_unit_slots"] == pytest.approx(0.5)
 
 
-def test_cudnn_attention_flag_reaches_the_engine_and_its_trainer_baseline(tiny_llama_dir, tmp_path, monkeypatch):
-    """--cudnn-attention sets cudnn_attention for the engine's run and, through its jobs, for the sequential
-    trainer's config; without it both keep the product's default (off)."""
+@pytest.mark.parametrize("flag,key", [("CUDNN_ATTENTION", "cudnn_attention"), ("LOAD_IN_4BIT", "load_in_4bit")])
+def test_process_flag_reaches_the_engine_and_its_trainer_baseline(tiny_llama_dir, tmp_path, monkeypatch, flag, key):
+    """--cudnn-attention sets cudnn_attention, --load-in-4bit load_in_4bit, for the engine's run and, through its
+    jobs, for the sequential trainer's config; without the flag both keep the product's default (off)."""
     data = B.make_data(tmp_path / "d.jsonl", 10, min_words=2, max_words=4)
-    for flag in (False, True):
-        monkeypatch.setattr(B, "CUDNN_ATTENTION", flag)
-        run = B.engine_run_config(tiny_llama_dir, data, tmp_path / f"eng{flag}", [{"name": "j0"}], dtype="float32",
+    for on in (False, True):
+        monkeypatch.setattr(B, flag, on)
+        run = B.engine_run_config(tiny_llama_dir, data, tmp_path / f"eng{on}", [{"name": "j0"}], dtype="float32",
                                   budget=256)
         cfg = B.trainer_config(run.jobs[0], model_path=tiny_llama_dir, data=data, out=tmp_path / "tr",
                                dtype="float32", val_fraction=0.1, steps=2)
-        assert (run.cudnn_attention, cfg.cudnn_attention) == (flag, flag)
-
-
-def test_load_in_4bit_flag_reaches_the_engine_and_its_trainer_baseline(tiny_llama_dir, tmp_path, monkeypatch):
-    """--load-in-4bit puts the engine's run and, through its jobs, the sequential trainer on a 4-bit base."""
-    data = B.make_data(tmp_path / "d.jsonl", 10, min_words=2, max_words=4)
-    for flag in (False, True):
-        monkeypatch.setattr(B, "LOAD_IN_4BIT", flag)
-        run = B.engine_run_config(tiny_llama_dir, data, tmp_path / f"eng{flag}", [{"name": "j0"}], dtype="float32",
-                                  budget=256)
-        cfg = B.trainer_config(run.jobs[0], model_path=tiny_llama_dir, data=data, out=tmp_path / "tr",
-                               dtype="float32", val_fraction=0.1, steps=2)
-        assert (run.load_in_4bit, cfg.load_in_4bit) == (flag, flag)
+        assert (getattr(run, key), getattr(cfg, key)) == (on, on)
 
 
 def test_sequential_trainer_baseline_runs_the_engine_jobs_on_the_trainer(tiny_llama_dir, tmp_path):

@@ -266,7 +266,7 @@ def one_run(task: str, method: str, nblocks: int, rank: int, seed: int, p: dict,
         return base_run(task, p, files, model, device_name)
     rid = run_id(task, method, nblocks, rank, seed, p["max_steps"])
     cfg = TrainConfig(
-        model=model, nblocks=nblocks if is_bd(method) else 1, r=rank, load_in_4bit=method in KBIT_METHODS,
+        model=model, nblocks=nblocks if is_bd(method) else 1, r=rank, load_in_4bit=is_kbit(method),
         lora_alpha=16.0, lora_dropout=0.0,
         train_file=str(files["train"]), eval_file=str(files["eval"]), max_length=p["max_length"], lr=p["lr"],
         scheduler="linear", warmup_ratio=0.05, batch_size=p["batch_size"], max_steps=p["max_steps"],
@@ -287,7 +287,7 @@ def one_run(task: str, method: str, nblocks: int, rank: int, seed: int, p: dict,
     adapter = res.adapter_dir
     # keep the results small: the adapter folder stays, the in-memory model goes
     del res
-    if method in KBIT_METHODS:
+    if is_kbit(method):
         row.update({f"bf16_{k}": v for k, v in score_on_base(task, adapter, p, files, model).items()})
     row["wall_s"] = round(time.time() - t0, 2)
     return row
