@@ -19,7 +19,8 @@
 # one call carries .cache/quality_bundle/p1 and p2 and stages them (command `mkdir -p /tmp/qstage && cp
 # .cache/quality_bundle/p*/part.* /tmp/qstage/`), the next, right after it, carries p3 and p4 and runs this. Resumes from
 # bench/results/quality/results.jsonl (earlier calls, travelling with the checkout) and /tmp/bench-quality (a warm
-# machine). Writes into $OUT: results.jsonl (all runs,
+# machine); QUALITY_RESUME_FROM names another folder of earlier results, or is empty for none (runs whose ids the
+# recorded results already hold, measured again another way, e.g. with --trainer sweep against trainer rows). Writes into $OUT: results.jsonl (all runs,
 # deduplicated), quality_table.md, quality.png, quality.log (every shard, lines tagged [sI]), gpu_util.csv.
 set -uo pipefail
 T0=$(date +%s)
@@ -47,8 +48,9 @@ fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 RES=${QUALITY_RES:-/tmp/bench-quality}
 mkdir -p "$RES"
-if [ -f bench/results/quality/results.jsonl ]; then  # earlier calls' runs count as done (one row per run_id)
-  $PY -m bench.quality.report bench/results/quality "$RES" --merge-to "$RES/results.jsonl" | tee -a "$LOG"
+RESUME_FROM=${QUALITY_RESUME_FROM-bench/results/quality}
+if [ -n "$RESUME_FROM" ] && [ -f "$RESUME_FROM/results.jsonl" ]; then  # earlier calls' runs count as done (one row per run_id)
+  $PY -m bench.quality.report "$RESUME_FROM" "$RES" --merge-to "$RES/results.jsonl" | tee -a "$LOG"
 fi
 
 if [ -n "${QUALITY_GPUS:-}" ]; then read -r -a GPUS <<< "$(echo "$QUALITY_GPUS" | tr ',' ' ')"
