@@ -365,7 +365,8 @@ def test_padding_free_collator_matches_padded_loss(tok, tiny_llama_dir):
            for i in range(3)] + [encode_record(tok, {"text": "the cat is red and blue"}, "auto", 64, 3)]
     flat = D.make_collator(tok.pad_token_id, padding_free=True)(exs)
     lens = [len(e.input_ids) for e in exs]
-    assert set(flat) == {"input_ids", "labels", "position_ids", "attention_mask"}
+    assert set(flat) == {"input_ids", "labels", "position_ids", "attention_mask", "cu_seq_lens_q", "cu_seq_lens_k",
+                         "max_length_q", "max_length_k"}  # the example boundaries: test_packed_attention.py
     assert flat["input_ids"].shape == flat["labels"].shape == (1, sum(lens))
     assert flat["attention_mask"].sum() == sum(lens)  # what the Trainer counts as tokens seen
     starts = [sum(lens[:k]) for k in range(len(exs))]

@@ -156,8 +156,10 @@ class TrainConfig:
         without a target token are dropped with a warning)."""))
     packing: bool = field(default=False, **_help("""Padding-free batches: the micro-batch's examples packed into
         rows of at most max(longest example, 512) tokens, position ids restarting with each example and no
-        attention across examples (sdpa, eager and flex_attention build the block-causal mask; flash_attention_2
-        gets one row)."""))
+        attention across examples. With sdpa on a CUDA GPU each example is attended on its own by torch's
+        variable-length flash attention (no mask; the work of each example's length squared, not the row's);
+        elsewhere sdpa, eager and flex_attention build the block-causal mask, and flash_attention_2 gets one
+        row."""))
     pad_multiple: Optional[int] = field(default=None, **_help("""Each batch's length (each row's with packing) is
         rounded up to a multiple of this many tokens; the padding is masked, so the loss and gradients are those of
         the unrounded batch up to rounding error. Fewer distinct batch shapes: attention backends that build a plan

@@ -789,7 +789,9 @@ def pack_rows(examples: list, pad_id: int, row_tokens: int | None = None, pad_mu
     except each example's first token (-100: it would be predicted from the previous example's last token), and
     ``attention_mask`` 1 on example tokens, 0 on the tail. The mask only counts tokens (the Trainer's
     ``non_padding`` count): the model must run without it, so that transformers derives the block-causal mask from
-    the position ids (:meth:`BDLoraTrainer.compute_loss` drops it)."""
+    the position ids (:meth:`BDLoraTrainer.compute_loss` drops it). Also the examples' cumulative lengths and the
+    longest (:func:`~bdlora.train.attention.packed_sequence_kwargs`), for attention that reads them."""
+    from .attention import packed_sequence_kwargs
     from .engine.packing import fill_rows, long_tensor, round_up
 
     feats = [_features_of(e) for e in examples]
@@ -811,7 +813,8 @@ def pack_rows(examples: list, pad_id: int, row_tokens: int | None = None, pad_mu
             mask[r, t:t + n] = 1
             t += n
         positions[r, t:] = torch.arange(width - t)
-    return {"input_ids": ids, "labels": labels, "position_ids": positions, "attention_mask": mask}
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "attention_mask": mask,
+            **packed_sequence_kwargs(positions)}
 
 
 class Collator:

@@ -54,7 +54,7 @@ from bdlora.adapter import atomic_output_dir
 from bdlora.peft_model import check_bd_structure, init_block_a_like_lora, use_bdlora_kernels
 from bdlora.spec import BDLoraError, BDLoraSpec
 
-from .attention import sdpa_backends
+from .attention import packed_attention, packed_attention_supported, sdpa_backends
 from .checkpointing import every_n_layers_kwarg
 from .config import ConfigError, TrainConfig, parse_override
 from .liger import folder_model_type, liger_decision
@@ -843,6 +843,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     # the user's own include_num_input_tokens_seen: transformers counts (or nothing does, for "no")
     trainer.count_tokens = "include_num_input_tokens_seen" not in cfg.training_args
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # packed batches attend example by example through torch's varlen flash attention, unless the job names its own
+    packed = cfg.packing and cfg.attn_implementation in (None, "sdpa") and packed_attention_supported(args.device)
     if main:
         msg = (f"bdlora train: {cfg.model} | N={spec.nblocks} r={spec.r} (r/N={spec.block_rank}) "
                f"scale={spec.scale:.4g} | {len(spec.column_modules)} column + {len(spec.row_modules)} row module "
@@ -854,6 +856,7 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
                + f", Liger kernels {liger_note}"
                + (" without its fused linear cross-entropy" if args.use_liger_kernel and (
                    args.liger_kernel_config or {}).get("fused_linear_cross_entropy") is False else "")
+               + (", packed attention (varlen flash)" if packed else "")
                + (f" | FSDP{getattr(trainer.accelerator.state.fsdp_plugin, 'fsdp_version', '')}"
                   if trainer.is_fsdp_enabled else ""))
         if ckpt is not None:
@@ -871,7 +874,7 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
         trainer.state = TrainerState.load_from_json(str(ckpt / "trainer_state.json"))
         tokens_per_s = None
     else:
-        with sdpa_backends(cfg.cudnn_attention):
+        with sdpa_backends(cfg.cudnn_attention), packed_attention(model, packed):
             train_out = trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
         tokens_per_s = next((h["train_tokens_per_second"] for h in reversed(trainer.state.log_history)
                              if "train_tokens_per_second" in h), None)
@@ -888,7 +891,7 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     adapter_dir, last_eval = None, {}
     if step >= total_steps:
         if eval_ex:
-            with sdpa_backends(cfg.cudnn_attention):
+            with sdpa_backends(cfg.cudnn_attention), packed_attention(model, packed):
                 metrics = trainer.evaluate()
             last_eval = {"eval_loss": metrics["eval_loss"], "eval_ppl": math.exp(min(metrics["eval_loss"], 50.0))}
         final_state = full_trainable_state(unwrapped)  # every process: FSDP gathers the adapter's shards

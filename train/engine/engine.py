@@ -31,6 +31,7 @@ import torch
 
 from bdlora.adapter import save_adapter
 
+from ..attention import packed_attention_supported
 from ..checkpointing import checkpoint_decoder_layers
 from ..liger import apply_liger_to_base, folder_model_type, liger_decision
 from . import checkpoint
@@ -95,6 +96,10 @@ class Engine:
         if self.liger:
             apply_liger_to_base(model)
         self.model, self.tok = model, tokenizer
+        #: packed micro-batches attend example by example through torch's varlen flash attention (train/attention.py)
+        #: unless the run names its own attention
+        self.packed_attention = (run.attn_implementation in (None, "sdpa")
+                                 and packed_attention_supported(self.device))
         model_type = getattr(model.config, "model_type", "llama")
         check_no_expert_jobs(model, run.jobs, run_source(run))
         cols, rows = set(), set()
@@ -254,7 +259,8 @@ class Engine:
         if self.rank == 0:
             self.log(f"[engine] {len(self.jobs)} jobs on {self.device}, lora_backend {run.lora_backend}, Liger kernels "
                      f"{self.liger_note}" + (f", {self.checkpointed_layers} decoder layers recompute in backward"
-                                             if self.checkpointed_layers else ""))
+                                             if self.checkpointed_layers else "")
+                     + (", packed attention (varlen flash)" if self.packed_attention else ""))
         if run.resume and (self.out / checkpoint.CHECKPOINT).is_file():
             checkpoint.load(self, self.out / checkpoint.CHECKPOINT)
             self.log(f"[engine] resumed from {self.out / checkpoint.CHECKPOINT} at round {self.round}")

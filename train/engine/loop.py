@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..attention import sdpa_backends
+from ..attention import packed_attention, sdpa_backends
 
 
 @dataclass
@@ -31,8 +31,9 @@ def run_loop(engine, advance: Callable[[list], Advance], save: Callable[[], None
              on_stop: Callable, on_end: Callable, reporter):
     """Runs ``engine``'s jobs to the end: ``advance(active)`` per step, ``save()`` by ``save_every``,
     ``write_results()`` when a job finished; returns ``on_stop(rounds)`` after ``max_rounds`` rounds of this call,
-    else ``on_end()``. Attention runs with the kernels ``cudnn_attention`` allows (train/attention.py)."""
-    with sdpa_backends(engine.run_cfg.cudnn_attention):
+    else ``on_end()``. Attention runs with the kernels ``cudnn_attention`` allows, packed example by example where
+    ``engine.packed_attention`` (train/attention.py)."""
+    with sdpa_backends(engine.run_cfg.cudnn_attention), packed_attention(engine.model, engine.packed_attention):
         return _run_rounds(engine, advance, save, write_results, on_stop, on_end, reporter)
 
 

@@ -21,6 +21,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..attention import packed_sequence_kwargs
+
 
 @dataclass(frozen=True)
 class Item:
@@ -181,6 +183,8 @@ class MicroBatch:
     segments: list[tuple[int, int, int]]
     targets: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     n_items: int = 0
+    #: where the packed examples are, for the forward (train/attention.py ``packed_sequence_kwargs``)
+    attention_kwargs: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -203,7 +207,8 @@ class MicroBatch:
             return t.pin_memory().to(device, non_blocking=True)
 
         return MicroBatch(move(self.input_ids), move(self.position_ids), self.segments,
-                          {j: (move(p), move(l)) for j, (p, l) in self.targets.items()}, self.n_items)
+                          {j: (move(p), move(l)) for j, (p, l) in self.targets.items()}, self.n_items,
+                          {k: move(v) if torch.is_tensor(v) else v for k, v in self.attention_kwargs.items()})
 
 
 def build_microbatch(bin_items: Sequence[Item], samples_of, pad_id: int = 0, pad_multiple: int = 1) -> MicroBatch:
@@ -248,7 +253,9 @@ def build_microbatch(bin_items: Sequence[Item], samples_of, pad_id: int = 0, pad
         tp = np.concatenate([r * L + rows[r][2] for r in range(r0, r1)])
         tl = np.concatenate([rows[r][3] for r in range(r0, r1)])
         targets[job] = (torch.from_numpy(tp), torch.from_numpy(tl))
-    return MicroBatch(torch.from_numpy(all_ids), torch.from_numpy(all_pos), segments, targets, n_items=len(bin_items))
+    positions = torch.from_numpy(all_pos)
+    return MicroBatch(torch.from_numpy(all_ids), positions, segments, targets, n_items=len(bin_items),
+                      attention_kwargs=packed_sequence_kwargs(positions))
 
 
 def plan_microbatches(requests: Sequence[tuple[int, Sequence[int]]], lengths_of, budget: int,

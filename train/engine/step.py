@@ -36,7 +36,7 @@ def job_losses(model, mb: MicroBatch) -> dict[int, torch.Tensor]:
     """Forward one packed micro-batch (under its segments: ``BatchContext.segments_of``); {job: summed
     response-token cross-entropy}."""
     decoder, head = decoder_and_head(model)
-    out = decoder(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+    out = decoder(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **mb.attention_kwargs)
     h = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])  # flattened rows: segment order
     losses = {}
     for job, (pos, lab) in mb.targets.items():

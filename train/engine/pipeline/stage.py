@@ -134,11 +134,13 @@ class Stage:
                 if train and cfg.lora_dropout > 0 else None)
         with self.e.ctx.segments_of(mb.segments), torch.set_grad_enabled(train), dropout_rng(seed, self.dev):
             if s == 0:
-                out = self.decoder(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
+                out = self.decoder(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False,
+                                   **mb.attention_kwargs)
             else:
                 if train:
                     x.requires_grad_(True)
-                out = self.decoder(inputs_embeds=x, position_ids=mb.position_ids, use_cache=False)
+                out = self.decoder(inputs_embeds=x, position_ids=mb.position_ids, use_cache=False,
+                                   **mb.attention_kwargs)
         h = out.last_hidden_state
         if s == P - 1:
             pos, lab = mb.targets[pm.job]
