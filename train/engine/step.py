@@ -109,9 +109,12 @@ def train_round(engine) -> dict:
         job.sched.step()
         job.opt.zero_grad(set_to_none=True)
         job.tokens += step_tokens[job.id]
-    # one host copy for every job's loss and norm: a sync per job would stall the GPU between the jobs' updates
-    losses_host = torch.stack([loss_sums[j.id] / max(step_targets[j.id], 1) for j in jobs]).tolist() if jobs else []
-    norms_host = torch.stack(norms).tolist() if jobs else []
+    # one host copy for every job's loss and norm: each copy syncs the stream, and a sync per job (or per
+    # quantity) would stall the GPU between the jobs' updates
+    losses_host, norms_host = [], []
+    if jobs:
+        both = torch.stack([loss_sums[j.id] / max(step_targets[j.id], 1) for j in jobs] + norms).tolist()
+        losses_host, norms_host = both[:len(jobs)], both[len(jobs):]
     stats = {}
     for job, loss, gnorm in zip(jobs, losses_host, norms_host):
         record_train_step(job, loss)
