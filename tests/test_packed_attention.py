@@ -239,3 +239,27 @@ def test_trainer_with_packing_trains_the_same_adapter_with_packed_attention(tmp_
     for n, f in adapters[False].modules.items():
         torch.testing.assert_close(adapters[True].modules[n].lora_A, f.lora_A, rtol=1e-5, atol=1e-6, msg=n)
         torch.testing.assert_close(adapters[True].modules[n].lora_B, f.lora_B, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _varlen_not_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                       enable_gqa=False):
+    """A varlen_attn that ignores the causal window (what a changed signature could silently give)."""
+    out = torch.empty_like(query)
+    rep = query.shape[1] // key.shape[1]
+    for a, b in zip(cu_seq_q.tolist(), cu_seq_q[1:].tolist()):
+        qs, ks, vs = (t[a:b].float().transpose(0, 1) for t in (query, key, value))
+        out[a:b] = F.scaled_dot_product_attention(qs, ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0),
+                                                  scale=scale).transpose(0, 1).to(query.dtype)
+    return out
+
+
+@pytest.mark.parametrize("api, works", [(_varlen_older, True), (_varlen_newer, True), (_varlen_not_causal, False)],
+                         ids=["is_causal", "window_size", "ignores-causality"])
+def test_the_first_call_check_accepts_only_causal_varlen_attention(api, works, monkeypatch):
+    """The check :func:`packed_attention_supported` runs once per GPU (here on the CPU, through stand-ins of
+    varlen_attn): each signature that computes causal attention passes; one that does not is refused, so training
+    keeps sdpa's mask."""
+    import inspect
+
+    monkeypatch.setattr(A, "_varlen_api", lambda: (api, frozenset(inspect.signature(api).parameters)))
+    assert A._check_varlen(torch.device("cpu")) is works
