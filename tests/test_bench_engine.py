@@ -103,18 +103,22 @@ def test_pipeline_vs_dp_cpu_smoke(tmp_path):
     assert res["experiments"][0]["pipeline"]["bubble_schedule_unit_slots"] == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("flag,key", [("CUDNN_ATTENTION", "cudnn_attention"), ("LOAD_IN_4BIT", "load_in_4bit")])
-def test_process_flag_reaches_the_engine_and_its_trainer_baseline(tiny_llama_dir, tmp_path, monkeypatch, flag, key):
-    """--cudnn-attention sets cudnn_attention, --load-in-4bit load_in_4bit, for the engine's run and, through its
-    jobs, for the sequential trainer's config; without the flag both keep the product's default (off)."""
+@pytest.mark.parametrize("flag,key,values", [("CUDNN_ATTENTION", "cudnn_attention", (False, True)),
+                                             ("LOAD_IN_4BIT", "load_in_4bit", (False, True)),
+                                             ("ATTN_IMPLEMENTATION", "attn_implementation", (None, "sdpa"))])
+def test_process_flag_reaches_the_engine_and_its_trainer_baseline(tiny_llama_dir, tmp_path, monkeypatch, flag, key,
+                                                                  values):
+    """--cudnn-attention sets cudnn_attention, --load-in-4bit load_in_4bit, --masked-attention attn_implementation
+    sdpa, for the engine's run and, through its jobs, for the sequential trainer's config; without the flag both
+    keep the product's default."""
     data = B.make_data(tmp_path / "d.jsonl", 10, min_words=2, max_words=4)
-    for on in (False, True):
-        monkeypatch.setattr(B, flag, on)
-        run = B.engine_run_config(tiny_llama_dir, data, tmp_path / f"eng{on}", [{"name": "j0"}], dtype="float32",
-                                  budget=256)
+    for value in values:
+        monkeypatch.setattr(B, flag, value)
+        run = B.engine_run_config(tiny_llama_dir, data, tmp_path / f"eng{value}", [{"name": "j0"}],
+                                  dtype="float32", budget=256)
         cfg = B.trainer_config(run.jobs[0], model_path=tiny_llama_dir, data=data, out=tmp_path / "tr",
                                dtype="float32", val_fraction=0.1, steps=2)
-        assert (getattr(run, key), getattr(cfg, key)) == (on, on)
+        assert (getattr(run, key), getattr(cfg, key)) == (value, value)
 
 
 def test_sequential_trainer_baseline_runs_the_engine_jobs_on_the_trainer(tiny_llama_dir, tmp_path):

@@ -210,6 +210,19 @@ def test_sweep_trains_the_same_jobs_with_packed_attention(tmp_path, tiny_llama_d
             torch.testing.assert_close(have.modules[n].lora_B, f.lora_B, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_a_named_attention_implementation_keeps_its_own(tmp_path, tiny_llama_dir, monkeypatch):
+    """Where varlen flash attention runs, a run that names ``attn_implementation: sdpa`` keeps transformers'
+    block-causal mask (the way to opt out, and the baseline the benchmarks compare with)."""
+    from bdlora.train.engine import Engine, parse_run
+    from bdlora.train.engine import engine as E
+
+    monkeypatch.setattr(E, "packed_attention_supported", lambda device: True)
+    assert Engine(parse_run(_sweep_raw(tiny_llama_dir, tmp_path / "a"))).packed_attention is True
+    raw = _sweep_raw(tiny_llama_dir, tmp_path / "b")
+    raw["attn_implementation"] = "sdpa"
+    assert Engine(parse_run(raw)).packed_attention is False
+
+
 def test_trainer_with_packing_trains_the_same_adapter_with_packed_attention(tmp_path, monkeypatch, capsys,
                                                                            packed_calls):
     """`bdlora train` with ``packing: true`` and packed attention switched on (its reference route on a CPU) saves

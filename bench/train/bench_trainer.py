@@ -87,6 +87,7 @@ def run_trainer(a) -> dict:
     extras = "".join(f"-{name}" for name, on in (("liger", a.liger), ("compile", a.compile),
                                                   ("grouped", a.group_by_length), ("packing", a.packing),
                                                   ("cudnn", a.cudnn_attention), ("synced", a.synced),
+                                                  ("masked", a.masked_attention),
                                                   ("walks", a.module_walks),
                                                   (f"pad{a.pad_multiple}", a.pad_multiple)) if on)
     out = Path(a.workdir) / f"trainer-{a.tag}-{a.lora_backend}{extras}"
@@ -97,7 +98,9 @@ def run_trainer(a) -> dict:
                       progress=False,
                       overwrite_output_dir=True,  # this script's scratch folder: a repeat or a second run trains anew
                       gradient_checkpointing=a.grad_ckpt, gradient_checkpointing_every_n_layers=a.grad_ckpt_every,
-                      attn_implementation="sdpa", packing=a.packing, pad_multiple=a.pad_multiple,
+                      # unset: bdlora train's default (packed batches through varlen flash attention on a GPU)
+                      attn_implementation="sdpa" if a.masked_attention else None, packing=a.packing,
+                      pad_multiple=a.pad_multiple,
                       training_args={"dataloader_num_workers": 0, "torch_compile": a.compile,
                                      **(length_grouped_sampling() if a.group_by_length else {}),
                                      # transformers' token count read back every step, the batch copied blocking
@@ -236,7 +239,8 @@ def main() -> int:
                          "waiting for the GPU every step as transformers' defaults do (its token count read back, "
                          "the batch copied blocking), +walks the Trainer walking every module for train(), "
                          "zero_grad() and the clipping's parameters() each step (transformers' own; bdlora train "
-                         "takes them from lists)")
+                         "takes them from lists), +masked attn_implementation: sdpa (packed rows under "
+                         "transformers' block-causal mask instead of varlen flash attention)")
     ap.add_argument("--lora-backend", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--liger", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
@@ -244,6 +248,7 @@ def main() -> int:
     ap.add_argument("--cudnn-attention", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--synced", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--module-walks", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--masked-attention", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", default="/tmp/bdlora-bench-trainer")
     ap.add_argument("--out", default="bench_trainer.jsonl")
     ap.add_argument("--tag", default="run")
@@ -272,14 +277,15 @@ def main() -> int:
             backend, *extras = side.partition(":")[2].split("+")
             liger, compile_, grouped = "liger" in extras, "compile" in extras, "grouped" in extras
             cudnn, packing, synced = "cudnn" in extras, "packing" in extras, "synced" in extras
-            walks = "walks" in extras
+            walks, masked = "walks" in extras, "masked" in extras
             pad = next((x[3:] for x in extras if x.startswith("pad") and x[3:].isdigit()), None)
             label = ("plain PEFT loop" if side == "loop" else f"bdlora trainer (lora_backend {backend}"
                      + (", Liger kernels" if liger else "") + (", torch_compile" if compile_ else "")
                      + (", length-grouped batches" if grouped else "") + (", packing" if packing else "")
                      + (", cuDNN attention" if cudnn else "") + (f", pad_multiple {pad}" if pad else "")
                      + (", synchronised every step" if synced else "")
-                     + (", the Trainer's own module walks" if walks else "") + ")")
+                     + (", the Trainer's own module walks" if walks else "")
+                     + (", sdpa's block-causal mask" if masked else "") + ")")
             if side == "loop":
                 cmd = [sys.executable, str(HERE / "peft_bf16_loop.py"), "--shape", a.shape, "--rank", str(a.rank),
                        "--nblocks", str(a.nblocks), "--steps", str(a.steps), "--warmup", str(a.warmup),
@@ -295,7 +301,8 @@ def main() -> int:
                        + (["--compile"] if compile_ else []) + (["--group-by-length"] if grouped else [])
                        + (["--packing"] if packing else [])
                        + (["--cudnn-attention"] if cudnn else []) + (["--pad-multiple", pad] if pad else [])
-                       + (["--synced"] if synced else []) + (["--module-walks"] if walks else []))
+                       + (["--synced"] if synced else []) + (["--module-walks"] if walks else [])
+                       + (["--masked-attention"] if masked else []))
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
             rec = {**base, "side": label, "repeat": repeat}

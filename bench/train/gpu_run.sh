@@ -29,8 +29,9 @@
 #       giving each repeat's K=4 / one-job ratio (median, min, max) where one run's spread hides the effect;
 #       TABLE_TRAINER_BACKENDS (default auto+liger,auto+liger+packing at b8 and b32: the trainer with padded and
 #       with padding-free batches, the engine's rows being packed; auto+liger at s2048; e.g.
-#       auto+liger,auto+liger+cudnn: sdpa without and with cuDNN attention) and TABLE_TRAINER_ARGS (e.g.
-#       "--repeats 2") for the trainer rows
+#       auto+liger,auto+liger+cudnn: sdpa without and with cuDNN attention; +masked: packed rows under transformers'
+#       block-causal mask instead of varlen flash attention) and TABLE_TRAINER_ARGS (e.g. "--repeats 2") for the
+#       trainer rows; TABLE_ENGINE_ARGS="--masked-attention" the same for the engine's rows
 #
 # Extra bench arguments: SMOLLM2_ARGS, LLAMA8B_ARGS, PVD_ARGS (e.g. LLAMA8B_ARGS="--num-layers 16").
 # CALL_LIMIT_S (default 590): every python run is killed (timeout) before the device call's limit; the JSON files

@@ -97,9 +97,8 @@ class Engine:
             apply_liger_to_base(model)
         self.model, self.tok = model, tokenizer
         #: packed micro-batches attend example by example through torch's varlen flash attention (train/attention.py)
-        #: unless the run names its own attention
-        self.packed_attention = (run.attn_implementation in (None, "sdpa")
-                                 and packed_attention_supported(self.device))
+        #: unless the run names an attention implementation (`sdpa`: transformers' block-causal mask)
+        self.packed_attention = run.attn_implementation is None and packed_attention_supported(self.device)
         model_type = getattr(model.config, "model_type", "llama")
         check_no_expert_jobs(model, run.jobs, run_source(run))
         cols, rows = set(), set()
