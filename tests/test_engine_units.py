@@ -20,17 +20,18 @@ def _items(seed=0, jobs=4, per_job=30, max_len=100):
     return [Item(j, i, rng.randint(1, max_len)) for j in range(jobs) for i in range(per_job)]
 
 
+@pytest.mark.parametrize("one_row", [False, True])
 @pytest.mark.parametrize("pad", [1, 8])
-def test_ffd_every_item_once_within_budget(pad):
+def test_ffd_every_item_once_within_budget(pad, one_row):
     items = _items()
-    bins = pack_ffd(items, budget=256, pad_multiple=pad)
+    bins = pack_ffd(items, budget=256, pad_multiple=pad, one_row=one_row)
     flat = [it for b in bins for it in b]
     assert sorted(flat, key=lambda it: (it.job, it.index)) == sorted(items, key=lambda it: (it.job, it.index))
     for b in bins:
         per_job = {}
         for it in b:
             per_job.setdefault(it.job, []).append(it.length)
-        assert bin_cost(per_job, pad) <= 256
+        assert bin_cost(per_job, pad, one_row) <= 256
         # one contiguous segment per job, jobs in order
         jobs = [it.job for it in b]
         assert jobs == sorted(jobs)
@@ -143,6 +144,54 @@ def test_microbatch_rows_are_what_the_packer_paid_for(pad):
             assert sorted(g for g in got if any(g)) == want  # the padding sequences are all pad_id
 
 
+@pytest.mark.parametrize("pad", [1, 64])
+def test_one_row_microbatch_is_what_the_packer_paid_for(pad):
+    """``one_row`` (attention example by example): one row of exactly bin_cost's size; each job one contiguous
+    segment, aligned to ``pad``, holding its samples end to end and then padding that is a sequence of its own
+    (all pad_id, no targets); the targets are the masked tokens of each sample predicted from the position before;
+    the attention boundaries mark every sample and padding piece."""
+    from bdlora.train.engine.data import Sample
+    from bdlora.train.engine.packing import build_microbatch, plan_microbatches
+
+    rng = random.Random(11)
+    samples = {j: [Sample([rng.randrange(1, 30000) for _ in range(n)], [rng.random() < 0.5 for _ in range(n)])
+                   for n in (rng.choice([rng.randint(1, 300), rng.randint(600, 1500)]) for _ in range(12))]
+               for j in range(5)}
+    reqs = [(j, list(range(12))) for j in range(5)]
+    bins = plan_microbatches(reqs, lambda j: [len(x) for x in samples[j]], budget=6000, pad_multiple=pad,
+                             one_row=True)
+    assert sorted((it.job, it.index) for b in bins for it in b) == [(j, i) for j in range(5) for i in range(12)]
+    for b in bins:
+        mb = build_microbatch(b, lambda j: samples[j], pad_id=0, pad_multiple=pad, one_row=True)
+        per_job = {}
+        for it in b:
+            per_job.setdefault(it.job, []).append(it.length)
+        rows, L = mb.input_ids.shape
+        assert rows == 1 and mb.num_tokens == bin_cost(per_job, pad, one_row=True) <= 6000
+        assert [j for j, _, _ in mb.segments] == sorted(per_job) and mb.segments[0][1] == 0
+        assert all(a[2] == b_[1] for a, b_ in zip(mb.segments, mb.segments[1:])) and mb.segments[-1][2] == L
+        ids, pos = mb.input_ids[0].tolist(), mb.position_ids[0].tolist()
+        cuts = [i for i in range(L) if pos[i] == 0] + [L]
+        assert mb.attention_kwargs["cu_seq_lens_q"].tolist() == cuts
+        for job, start, end in mb.segments:
+            assert start % pad == 0 and end % pad == 0 and end - start < sum(per_job[job]) + pad
+            pieces = [(a, c) for a, c in zip(cuts, cuts[1:]) if start <= a < end]
+            got = [tuple(ids[a:c]) for a, c in pieces[:len(per_job[job])]]
+            want = [tuple(samples[job][it.index].input_ids) for it in b if it.job == job]
+            assert got == want  # the job's samples in order, end to end
+            assert all(t == 0 for a, c in pieces[len(per_job[job]):] for t in ids[a:c])  # then its padding
+            want_pos, want_lab = [], []
+            for (a, c), sample_ids in zip(pieces, want):
+                mask = samples[job][next(it.index for it in b if it.job == job
+                                         and tuple(samples[job][it.index].input_ids) == sample_ids)].loss_mask
+                for t in range(1, c - a):
+                    if mask[t]:
+                        want_pos.append(a + t - 1)
+                        want_lab.append(ids[a + t])
+            tp, tl = mb.targets[job]
+            assert tp.tolist() == want_pos and tl.tolist() == want_lab
+
+
 def test_long_tensor_is_torch_tensor_of_the_ids():
     """The collators' list -> int64 conversion (through numpy): the same values, shape and dtype as torch.tensor,
     for a row, rows of one length, and nothing; writable and not sharing the list."""
@@ -154,14 +203,16 @@ def test_long_tensor_is_torch_tensor_of_the_ids():
     assert t.tolist() == [9, 2]
 
 
+@pytest.mark.parametrize("one_row", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_packer_bins_cost_exactly_bin_cost(seed):
+def test_packer_bins_cost_exactly_bin_cost(seed, one_row):
     """The packer's incremental cost of a trial (one job's rows refilled, a short sample first-fit, every job recounted
-    when the cap rises) is bin_cost of the lengths: a budget of exactly that cost admits it, one token less refuses."""
+    when the cap rises; in one row, each job's tokens rounded up) is bin_cost of the lengths: a budget of exactly
+    that cost admits it, one token less refuses."""
     from bdlora.train.engine.packing import _Bin
 
     rng = random.Random(seed)
-    b, lengths = _Bin(), {}
+    b, lengths = _Bin(one_row), {}
     for step in range(40):
         job = rng.randrange(4)
         if rng.random() < 0.5 and lengths.get(job):  # the item path: a sample no longer than the job's others
@@ -169,7 +220,7 @@ def test_packer_bins_cost_exactly_bin_cost(seed):
         else:
             new = [rng.choice([rng.randint(1, 300), rng.randint(300, 1200)]) for _ in range(rng.randint(1, 6))]
         trial = {**lengths, job: lengths.get(job, []) + new}
-        cost = bin_cost(trial, 8)
+        cost = bin_cost(trial, 8, one_row)
         assert not b.add(job, [step], new, cost - 1, 8, {})
         assert b.add(job, [step], new, cost, 8, {})
         lengths = trial

@@ -156,13 +156,14 @@ def test_flash_route_matches_the_reference_route_on_a_gpu():
 
 @pytest.fixture
 def packed_calls(monkeypatch):
-    """Counts the calls of the packed attention function (registered by :func:`packed_attention` when it runs)."""
+    """Records each call of the packed attention function (registered by :func:`packed_attention` when it runs):
+    whether it had the batch's example boundaries and came as one row."""
     calls = []
     real = A.packed_sdpa_forward
 
-    def counted(*args, **kwargs):
-        calls.append(kwargs.get("cu_seq_lens_q") is not None)
-        return real(*args, **kwargs)
+    def counted(module, query, *args, **kwargs):
+        calls.append(kwargs.get("cu_seq_lens_q") is not None and query.shape[0] == 1)
+        return real(module, query, *args, **kwargs)
 
     monkeypatch.setattr(A, "packed_sdpa_forward", counted)
     return calls
@@ -181,7 +182,9 @@ def _sweep_raw(model, tmp_path) -> dict:
 
 def test_sweep_trains_the_same_jobs_with_packed_attention(tmp_path, tiny_llama_dir, monkeypatch, packed_calls):
     """`bdlora sweep` with packed attention switched on (on a CPU: its reference route, from the micro-batches'
-    boundaries) trains the jobs as transformers' own packed sdpa does: the same losses and adapters."""
+    boundaries; its micro-batches in one row) trains the jobs as transformers' own packed sdpa does on capped rows:
+    the same losses, and the same adapters to the rounding of GEMMs of other shapes (which three AdamW steps at lr
+    1e-3 turn into differences of ~1e-5 on factors of ~0.07; with the same rows they are bit-identical)."""
     from bdlora import load_adapter
     from bdlora.train.engine import Engine, parse_run
     from bdlora.train.engine import engine as E
@@ -195,7 +198,7 @@ def test_sweep_trains_the_same_jobs_with_packed_attention(tmp_path, tiny_llama_d
         before = len(packed_calls)
         results[packed] = eng.run()
         assert any("packed attention" in line for line in lines) is packed
-        # every attention call of the packed run had the micro-batch's boundaries
+        # every attention call of the packed run had the micro-batch's boundaries, in one row
         assert (len(packed_calls) > before and all(packed_calls[before:])) is packed
         assert eng.model.config._attn_implementation != A.PACKED_ATTENTION  # restored after the run
         histories[packed] = [[v for _, v in j.history["train"]] for j in eng.jobs]
@@ -206,8 +209,8 @@ def test_sweep_trains_the_same_jobs_with_packed_attention(tmp_path, tiny_llama_d
     for ref, got in zip(results[False], results[True]):
         want, have = load_adapter(ref["adapter"]), load_adapter(got["adapter"])
         for n, f in want.modules.items():
-            torch.testing.assert_close(have.modules[n].lora_A, f.lora_A, rtol=1e-5, atol=1e-6, msg=n)
-            torch.testing.assert_close(have.modules[n].lora_B, f.lora_B, rtol=1e-5, atol=1e-6, msg=n)
+            torch.testing.assert_close(have.modules[n].lora_A, f.lora_A, rtol=1e-3, atol=2e-4, msg=n)
+            torch.testing.assert_close(have.modules[n].lora_B, f.lora_B, rtol=1e-3, atol=2e-4, msg=n)
 
 
 def test_a_named_attention_implementation_keeps_its_own(tmp_path, tiny_llama_dir, monkeypatch):
@@ -225,8 +228,9 @@ def test_a_named_attention_implementation_keeps_its_own(tmp_path, tiny_llama_dir
 
 def test_trainer_with_packing_trains_the_same_adapter_with_packed_attention(tmp_path, monkeypatch, capsys,
                                                                            packed_calls):
-    """`bdlora train` with ``packing: true`` and packed attention switched on (its reference route on a CPU) saves
-    the adapter transformers' own packed sdpa trains, and says which attention it ran."""
+    """`bdlora train` with ``packing: true`` and packed attention switched on (its reference route on a CPU; each
+    batch in one row) saves the adapter transformers' own packed sdpa trains on capped rows (to the rounding of
+    GEMMs of other shapes), and says which attention it ran."""
     from bdlora import load_adapter
     from bdlora.train import TrainConfig, run_training
     from bdlora.train import trainer as T
@@ -246,12 +250,12 @@ def test_trainer_with_packing_trains_the_same_adapter_with_packed_attention(tmp_
         assert (len(packed_calls) > before and all(packed_calls[before:])) is packed
         adapters[packed] = load_adapter(res.adapter_dir)
         logs[packed] = res
-    assert abs(logs[True].eval["eval_loss"] - logs[False].eval["eval_loss"]) < 1e-5
-    assert abs(logs[True].train_loss - logs[False].train_loss) < 1e-5
+    assert abs(logs[True].eval["eval_loss"] - logs[False].eval["eval_loss"]) < 1e-4
+    assert abs(logs[True].train_loss - logs[False].train_loss) < 1e-4
     assert logs[True].model.config._attn_implementation != A.PACKED_ATTENTION  # restored after training
     for n, f in adapters[False].modules.items():
-        torch.testing.assert_close(adapters[True].modules[n].lora_A, f.lora_A, rtol=1e-5, atol=1e-6, msg=n)
-        torch.testing.assert_close(adapters[True].modules[n].lora_B, f.lora_B, rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(adapters[True].modules[n].lora_A, f.lora_A, rtol=1e-3, atol=2e-4, msg=n)
+        torch.testing.assert_close(adapters[True].modules[n].lora_B, f.lora_B, rtol=1e-3, atol=2e-4, msg=n)
 
 
 def _varlen_not_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),

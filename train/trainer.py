@@ -543,13 +543,13 @@ class _Collator:
     prefetches batches ahead, so the collator cannot know which are used)."""
 
     def __init__(self, pad_id: int, packing: bool, record: bool, attn_implementation: Optional[str] = None,
-                 pad_multiple: int = 1):
+                 pad_multiple: int = 1, packed_attention: bool = False):
         from .data import make_collator
         from .engine.packing import MIN_ROW_TOKENS
 
         # transformers reads packed examples from the position ids in every row for sdpa / eager / flex, but only
-        # in a single row for flash-attention
-        one_row = "flash" in (attn_implementation or "")
+        # in a single row for flash-attention; attention example by example (packed_attention) needs no row cap
+        one_row = packed_attention or "flash" in (attn_implementation or "")
         self.inner = make_collator(pad_id, packing, None if one_row else MIN_ROW_TOKENS, pad_multiple)
         self.record = record
 
@@ -834,18 +834,18 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     if stop_after_steps is not None:
         callbacks.append(StopAfter(stop_after_steps))
     record = out / f"samples.rank{rank}.jsonl" if cfg.record_samples else None
+    # packed batches attend example by example through torch's varlen flash attention, unless the job names an
+    # attention implementation (`sdpa`: transformers' block-causal mask)
+    packed = cfg.packing and cfg.attn_implementation is None and packed_attention_supported(args.device)
     trainer = BDLoraTrainer(model=model, args=args, train_dataset=examples_to_dataset(train_ex),
                             eval_dataset=examples_to_dataset(eval_ex) if eval_ex else None,
                             data_collator=_Collator(tokenizer.pad_token_id, cfg.packing, record is not None,
-                                                    cfg.attn_implementation, cfg.pad_multiple or 1),
+                                                    cfg.attn_implementation, cfg.pad_multiple or 1, packed),
                             processing_class=tokenizer, callbacks=callbacks)
     trainer.record_path = record
     # the user's own include_num_input_tokens_seen: transformers counts (or nothing does, for "no")
     trainer.count_tokens = "include_num_input_tokens_seen" not in cfg.training_args
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    # packed batches attend example by example through torch's varlen flash attention, unless the job names an
-    # attention implementation (`sdpa`: transformers' block-causal mask)
-    packed = cfg.packing and cfg.attn_implementation is None and packed_attention_supported(args.device)
     if main:
         msg = (f"bdlora train: {cfg.model} | N={spec.nblocks} r={spec.r} (r/N={spec.block_rank}) "
                f"scale={spec.scale:.4g} | {len(spec.column_modules)} column + {len(spec.row_modules)} row module "

@@ -162,11 +162,12 @@ class Engine:
         return self._len_cache[key]
 
     def microbatches(self, requests, split="train") -> list[MicroBatch]:
-        """``requests`` [(job id, sample indices)] packed into padded micro-batches under the token budget."""
+        """``requests`` [(job id, sample indices)] packed into padded micro-batches under the token budget: in one
+        row where attention runs example by example (``packed_attention``), else in rows capped for a dense mask."""
         bins = plan_microbatches(requests, lambda j: self.lengths(j, split), self.token_budget,
-                                 self.pad_multiple)
+                                 self.pad_multiple, self.packed_attention)
         return [build_microbatch(b, lambda j: getattr(self.jobs[j].data, split), self.pad_id,
-                                 self.pad_multiple) for b in bins]
+                                 self.pad_multiple, self.packed_attention) for b in bins]
 
     # -- the scheduler's hooks: a job's state and memory ---------------------------------------------------------
     def build_job(self, job: Job) -> None:

@@ -3,8 +3,10 @@
 A micro-batch is a (rows, L) block. Each job's samples fill rows of their own (jobs in a fixed order, a job's rows
 adjacent): a row holds one or more samples one after another, each its own sequence (position ids restart, attention
 is block-causal), and no row is longer than the bin's longest sample or ``MIN_ROW_TOKENS``, whichever is larger.
-Every row is padded to L (a multiple of ``pad_multiple``) with a dummy sequence that has no targets. Flattened, each
-job is one contiguous token segment (the grouped LoRA kernel's row segment; with ``pad_multiple`` a multiple of the
+Every row is padded to L (a multiple of ``pad_multiple``) with a dummy sequence that has no targets. Where attention
+runs example by example (train/attention.py: no mask, no work across examples) the cap has no purpose: ``one_row``
+puts the whole micro-batch in one row, each job's samples end to end and padded to a multiple of ``pad_multiple``
+(padding of ~25% of the tokens at 8 x 30-250 tokens becomes ~3%). Flattened, each job is one contiguous token segment (the grouped LoRA kernel's row segment; with ``pad_multiple`` a multiple of the
 kernel tile, tiles never straddle two adapters). Rows never mix jobs, so attention never mixes them even
 numerically: a diverging job's inf/NaN activations cannot reach the other jobs (0 * inf in a masked attention
 product would). Rows are capped because attention over a packed row costs its length squared under a dense mask:
@@ -70,11 +72,14 @@ def row_sums(lengths: Sequence[int], cap: int) -> list[int]:
     return [sum(lengths[i] for i in r) for r in fill_rows(lengths, cap)]
 
 
-def bin_cost(job_lengths: dict[int, Sequence[int]], pad_multiple: int = 1) -> int:
+def bin_cost(job_lengths: dict[int, Sequence[int]], pad_multiple: int = 1, one_row: bool = False) -> int:
     """Padded size of a micro-batch holding, per job, samples of these lengths: its rows (:func:`fill_rows` under
-    the bin's :func:`row_cap`) times the longest row, rounded up to ``pad_multiple``."""
+    the bin's :func:`row_cap`) times the longest row, rounded up to ``pad_multiple``; ``one_row``: each job's
+    samples end to end, rounded up to ``pad_multiple``, all jobs in one row."""
     if not job_lengths:
         return 0
+    if one_row:
+        return sum(round_up(sum(ls), pad_multiple) for ls in job_lengths.values())
     cap = row_cap([n for ls in job_lengths.values() for n in ls])
     rows = [t for ls in job_lengths.values() for t in row_sums(ls, cap)]
     return len(rows) * round_up(max(rows), pad_multiple)
@@ -86,7 +91,8 @@ class _Bin:
     would do with it last), other trials refill that job's rows, and samples that raise the row cap recount every
     job. Its cost is always :func:`bin_cost` of its lengths."""
 
-    def __init__(self):
+    def __init__(self, one_row: bool = False):
+        self.one_row = one_row
         self.items: list[int] = []
         self.lengths: dict[int, list[int]] = {}
         self.rows: dict[int, list[int]] = {}  # job -> its rows' token counts
@@ -111,6 +117,14 @@ class _Bin:
     def add(self, job: int, idxs: list[int], new: list[int], budget, pad_multiple: int, memo: dict) -> bool:
         """Adds ``idxs`` (lengths ``new``) of ``job`` if the bin stays within ``budget`` (None: always); ``memo``:
         one placement's rows of ``new`` alone, by row cap."""
+        if self.one_row:
+            tokens = {j: sum(ls) for j, ls in self.lengths.items()}
+            tokens[job] = tokens.get(job, 0) + sum(new)
+            if budget is not None and sum(round_up(t, pad_multiple) for t in tokens.values()) > budget:
+                return False
+            self.items.extend(idxs)
+            self.lengths[job] = self.lengths.get(job, []) + new
+            return True
         cap = max(self.cap, row_cap(new))
         others = self.rows if cap == self.cap else {j: row_sums(ls, cap) for j, ls in self.lengths.items()}
         mine = self._rows_of(job, new, cap, memo)
@@ -125,7 +139,7 @@ class _Bin:
         return True
 
 
-def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1) -> list[list[Item]]:
+def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1, one_row: bool = False) -> list[list[Item]]:
     """First-fit decreasing bin packing of ``items`` under ``budget`` padded tokens per bin, job by job:
 
     1. a job whose items together exceed one bin is packed alone first (its items by decreasing length into the
@@ -151,12 +165,12 @@ def pack_ffd(items: Sequence[Item], budget: int, pad_multiple: int = 1) -> list[
         for b in among:
             if bins[b].add(job, idxs, new, budget, pad_multiple, memo):
                 return
-        bins.append(_Bin())
+        bins.append(_Bin(one_row))
         bins[-1].add(job, idxs, new, None, pad_multiple, memo)
 
     units = []
     for job in sorted(by_job, key=lambda j: (-job_tokens[j], j)):
-        if bin_cost({job: [items[i].length for i in by_job[job]]}, pad_multiple) <= budget:
+        if bin_cost({job: [items[i].length for i in by_job[job]]}, pad_multiple, one_row) <= budget:
             units.append(job)
             continue
         own = len(bins)  # this job's bins start here
@@ -211,13 +225,15 @@ class MicroBatch:
                           {k: move(v) if torch.is_tensor(v) else v for k, v in self.attention_kwargs.items()})
 
 
-def build_microbatch(bin_items: Sequence[Item], samples_of, pad_id: int = 0, pad_multiple: int = 1) -> MicroBatch:
+def build_microbatch(bin_items: Sequence[Item], samples_of, pad_id: int = 0, pad_multiple: int = 1,
+                     one_row: bool = False) -> MicroBatch:
     """Tensors of one bin (items ordered by job, as :func:`pack_ffd` returns them), in the rows :func:`bin_cost`
-    counted. ``samples_of(job)`` returns that job's sample list (``Sample`` objects)."""
+    counted (``one_row``: one row, each job's samples end to end and padded to ``pad_multiple``). ``samples_of(job)``
+    returns that job's sample list (``Sample`` objects)."""
     by_job: dict[int, list[Item]] = {}
     for it in bin_items:
         by_job.setdefault(it.job, []).append(it)
-    cap = row_cap([it.length for it in bin_items])
+    cap = sum(it.length for it in bin_items) if one_row else row_cap([it.length for it in bin_items])
     # per row, as int64 arrays (numpy: a Python loop over the tokens cost ~2 ms per 8,192-token micro-batch on the
     # host): ids, positions, target positions in the row, labels
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -239,6 +255,8 @@ def build_microbatch(bin_items: Sequence[Item], samples_of, pad_id: int = 0, pad
                 base += len(sid)
             rows.append(tuple(np.concatenate(parts) for parts in (ids, pos, tp, tl)))
         job_rows.append((job, first, len(rows)))
+    if one_row:
+        return _one_row(rows, job_rows, pad_id, pad_multiple, len(bin_items))
     L = round_up(max(len(r[0]) for r in rows), pad_multiple)
     all_ids = np.full((len(rows), L), pad_id, dtype=np.int64)
     all_pos = np.empty((len(rows), L), dtype=np.int64)
@@ -258,11 +276,30 @@ def build_microbatch(bin_items: Sequence[Item], samples_of, pad_id: int = 0, pad
                       attention_kwargs=packed_sequence_kwargs(positions))
 
 
+def _one_row(rows: list, job_rows: list, pad_id: int, pad_multiple: int, n_items: int) -> MicroBatch:
+    """The one-row micro-batch of :func:`build_microbatch`: each job's row (one per job) padded to a multiple of
+    ``pad_multiple`` with a dummy sequence of its own, without targets, and the jobs' rows end to end."""
+    ids, pos, segments, targets, start = [], [], [], {}, 0
+    for job, r0, r1 in job_rows:
+        if r1 != r0 + 1:
+            raise AssertionError("one_row: each job's samples fill one row")
+        j_ids, j_pos, j_tp, j_tl = rows[r0]
+        n = round_up(len(j_ids), pad_multiple)
+        ids += [j_ids, np.full(n - len(j_ids), pad_id, dtype=np.int64)]
+        pos += [j_pos, np.arange(n - len(j_ids), dtype=np.int64)]
+        segments.append((job, start, start + n))
+        targets[job] = (torch.from_numpy(start + j_tp), torch.from_numpy(j_tl))
+        start += n
+    positions = torch.from_numpy(np.concatenate(pos))[None]
+    return MicroBatch(torch.from_numpy(np.concatenate(ids))[None], positions, segments, targets, n_items=n_items,
+                      attention_kwargs=packed_sequence_kwargs(positions))
+
+
 def plan_microbatches(requests: Sequence[tuple[int, Sequence[int]]], lengths_of, budget: int,
-                      pad_multiple: int = 1) -> list[list[Item]]:
+                      pad_multiple: int = 1, one_row: bool = False) -> list[list[Item]]:
     """Packs ``[(job, [sample indices])]`` into bins; ``lengths_of(job)`` gives that job's sample lengths."""
     items = [Item(job, idx, int(lengths_of(job)[idx])) for job, idxs in requests for idx in idxs]
-    return pack_ffd(items, budget, pad_multiple)
+    return pack_ffd(items, budget, pad_multiple, one_row)
 
 
 __all__ = ["Item", "MIN_ROW_TOKENS", "MicroBatch", "bin_cost", "build_microbatch", "fill_rows", "long_tensor",

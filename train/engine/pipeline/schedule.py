@@ -126,9 +126,9 @@ def build_stream(engine, jobs: list, counts: dict[int, int]) -> tuple[list[PMB],
             k = job.step + i
             idx = job.sampler.next_batch()
             bins = plan_microbatches([(job.id, idx)], lambda j: engine.lengths(j), engine.token_budget,
-                                     engine.pad_multiple)
-            mbs = [build_microbatch(b, lambda j: engine.jobs[j].data.train, engine.pad_id, engine.pad_multiple)
-                   for b in bins]
+                                     engine.pad_multiple, engine.packed_attention)
+            mbs = [build_microbatch(b, lambda j: engine.jobs[j].data.train, engine.pad_id, engine.pad_multiple,
+                                    engine.packed_attention) for b in bins]
             step_targets[(job.id, k)] = sum(mb.n_targets(job.id) for mb in mbs)
             mbs_in_step[(job.id, k)] = len(mbs)
             job.tokens += sum(len(job.data.train[i]) for i in idx)
