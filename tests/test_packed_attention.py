@@ -280,3 +280,25 @@ def test_the_first_call_check_accepts_only_causal_varlen_attention(api, works, m
 
     monkeypatch.setattr(A, "_varlen_api", lambda: (api, frozenset(inspect.signature(api).parameters)))
     assert A._check_varlen(torch.device("cpu")) is works
+
+
+@pytest.mark.skipif(not A.packed_attention_supported("cuda") if torch.cuda.is_available() else True,
+                    reason="torch's varlen flash attention runs on a CUDA GPU")
+def test_sweep_on_a_gpu_with_varlen_flash_attention(tmp_path, tiny_llama_dir, packed_calls):
+    """On a GPU, bf16: `bdlora sweep` as it runs by default (varlen flash attention, one-row micro-batches) against
+    the same run with ``attn_implementation: sdpa`` (transformers' block-causal mask, capped rows): the same
+    per-step losses to bf16 rounding."""
+    from bdlora.train.engine import Engine, parse_run
+
+    losses = {}
+    for attn in (None, "sdpa"):
+        raw = _sweep_raw(tiny_llama_dir, tmp_path / str(attn))
+        raw.update(device="cuda", precision="bf16", attn_implementation=attn)
+        eng = Engine(parse_run(raw))
+        assert eng.packed_attention is (attn is None)
+        before = len(packed_calls)
+        eng.run()
+        assert (len(packed_calls) > before and all(packed_calls[before:])) is (attn is None)
+        losses[attn] = [[v for _, v in j.history["train"]] for j in eng.jobs]
+    for a, b in zip(losses[None], losses["sdpa"]):
+        assert len(a) == len(b) > 0 and max(abs(x - y) for x, y in zip(a, b)) < 3e-2, (a, b)
