@@ -302,3 +302,19 @@ def test_sweep_on_a_gpu_with_varlen_flash_attention(tmp_path, tiny_llama_dir, pa
         losses[attn] = [[v for _, v in j.history["train"]] for j in eng.jobs]
     for a, b in zip(losses[None], losses["sdpa"]):
         assert len(a) == len(b) > 0 and max(abs(x - y) for x, y in zip(a, b)) < 3e-2, (a, b)
+
+
+def test_a_model_that_refuses_the_switch_keeps_its_attention(tiny_llama_dir, monkeypatch):
+    """Where transformers (or the model) refuses the attention switch, training goes on with the model's own
+    attention and a warning says so, rather than failing."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), attn_implementation="sdpa")
+
+    def refuse(name):
+        raise ValueError(f"{name} is not supported by this model")
+
+    monkeypatch.setattr(model, "set_attn_implementation", refuse)
+    with pytest.warns(UserWarning, match="packed attention not used.*keeps sdpa"):
+        with A.packed_attention(model):
+            assert model.config._attn_implementation == "sdpa"

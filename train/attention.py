@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import warnings
 from typing import Optional
 
 import torch
@@ -204,7 +205,13 @@ def packed_attention(model, enabled: bool = True):
     AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_forward)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     before = base.config._attn_implementation
-    base.set_attn_implementation(PACKED_ATTENTION)
+    try:
+        base.set_attn_implementation(PACKED_ATTENTION)
+    except (AttributeError, ValueError) as e:  # a transformers without the switch, or a model refusing it
+        warnings.warn(f"packed attention not used ({type(e).__name__}: {e}); the model keeps {before}",
+                      stacklevel=3)
+        yield
+        return
     try:
         yield
     finally:
