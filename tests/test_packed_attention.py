@@ -192,6 +192,7 @@ def test_sweep_trains_the_same_jobs_with_packed_attention(tmp_path, tiny_llama_d
     results, histories = {}, {}
     for packed in (False, True):
         monkeypatch.setattr(E, "packed_attention_supported", lambda device, packed=packed: packed)
+        monkeypatch.setattr(E, "packed_attention_fits", lambda model: True)  # fp32 here: the reference route
         lines = []
         eng = Engine(parse_run(_sweep_raw(tiny_llama_dir, tmp_path / str(packed))), log=lines.append)
         assert eng.packed_attention is packed
@@ -220,6 +221,7 @@ def test_a_named_attention_implementation_keeps_its_own(tmp_path, tiny_llama_dir
     from bdlora.train.engine import engine as E
 
     monkeypatch.setattr(E, "packed_attention_supported", lambda device: True)
+    monkeypatch.setattr(E, "packed_attention_fits", lambda model: True)
     assert Engine(parse_run(_sweep_raw(tiny_llama_dir, tmp_path / "a"))).packed_attention is True
     raw = _sweep_raw(tiny_llama_dir, tmp_path / "b")
     raw["attn_implementation"] = "sdpa"
@@ -241,6 +243,7 @@ def test_trainer_with_packing_trains_the_same_adapter_with_packed_attention(tmp_
     adapters, logs = {}, {}
     for packed in (False, True):
         monkeypatch.setattr(T, "packed_attention_supported", lambda device, packed=packed: packed)
+        monkeypatch.setattr(T, "packed_attention_fits", lambda model: True)  # fp32 here: the reference route
         cfg = TrainConfig(model="tiny-random", nblocks=2, r=4, train_file=str(data), data_format="text",
                           eval_fraction=0.25, max_steps=3, batch_size=4, packing=True, precision="fp32",
                           output_dir=str(tmp_path / f"out{packed}"), report_to=[], progress=False)
@@ -318,3 +321,19 @@ def test_a_model_that_refuses_the_switch_keeps_its_attention(tiny_llama_dir, mon
     with pytest.warns(UserWarning, match="packed attention not used.*keeps sdpa"):
         with A.packed_attention(model):
             assert model.config._attn_implementation == "sdpa"
+
+
+def test_packed_attention_only_where_the_flash_route_runs(tiny_llama_dir):
+    """The one-row layout is chosen only for models whose every attention layer the flash route runs (half
+    precision, causal, no sliding window or soft-capping): elsewhere the reference route would attend over the whole
+    row under a dense mask. Tiny Llama in bf16: yes; in fp32, with a sliding window, or with soft-capping: no."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.bfloat16)
+    assert A.packed_attention_fits(model)
+    assert not A.packed_attention_fits(AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32))
+    model.config.sliding_window = 16
+    assert not A.packed_attention_fits(model)
+    model.config.sliding_window = None
+    model.config.attn_logit_softcapping = 30.0
+    assert not A.packed_attention_fits(model)

@@ -75,6 +75,21 @@ def packed_attention_supported(device) -> bool:
     return _varlen_works(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def packed_attention_fits(model) -> bool:
+    """Whether every attention layer of ``model`` (transformers, or PEFT around it) is one the flash route runs:
+    activations in bf16 / fp16, causal, head size <= 256, no sliding window, logit soft-capping or attention sinks.
+    Elsewhere the packed attention function takes its reference route, a dense mask over the whole (one-row)
+    batch: right, but slower and larger than transformers' own mask over capped rows."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cfg = base.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // text.num_attention_heads)
+    windowed = (getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
+                or any(t != "full_attention" for t in (getattr(text, "layer_types", None) or [])))
+    return (base.dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and not windowed
+            and getattr(text, "attn_logit_softcapping", None) is None and not getattr(text, "is_encoder_decoder", False))
+
+
 @functools.lru_cache(maxsize=None)
 def _varlen_works(device_index: int) -> bool:
     dev = torch.device("cuda", device_index)
@@ -218,5 +233,5 @@ def packed_attention(model, enabled: bool = True):
         base.set_attn_implementation(before)
 
 
-__all__ = ["PACKED_ATTENTION", "packed_attention", "packed_attention_supported", "packed_sdpa_forward",
-           "packed_sequence_kwargs", "sdpa_backends", "varlen_causal"]
+__all__ = ["PACKED_ATTENTION", "packed_attention", "packed_attention_fits", "packed_attention_supported",
+           "packed_sdpa_forward", "packed_sequence_kwargs", "sdpa_backends", "varlen_causal"]

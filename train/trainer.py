@@ -54,7 +54,7 @@ from bdlora.adapter import atomic_output_dir
 from bdlora.peft_model import check_bd_structure, init_block_a_like_lora, use_bdlora_kernels
 from bdlora.spec import BDLoraError, BDLoraSpec
 
-from .attention import packed_attention, packed_attention_supported, sdpa_backends
+from .attention import packed_attention, packed_attention_fits, packed_attention_supported, sdpa_backends
 from .checkpointing import every_n_layers_kwarg
 from .config import ConfigError, TrainConfig, parse_override
 from .liger import folder_model_type, liger_decision
@@ -836,7 +836,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
     record = out / f"samples.rank{rank}.jsonl" if cfg.record_samples else None
     # packed batches attend example by example through torch's varlen flash attention, unless the job names an
     # attention implementation (`sdpa`: transformers' block-causal mask)
-    packed = cfg.packing and cfg.attn_implementation is None and packed_attention_supported(args.device)
+    packed = (cfg.packing and cfg.attn_implementation is None and packed_attention_supported(args.device)
+              and packed_attention_fits(model))
     trainer = BDLoraTrainer(model=model, args=args, train_dataset=examples_to_dataset(train_ex),
                             eval_dataset=examples_to_dataset(eval_ex) if eval_ex else None,
                             data_collator=_Collator(tokenizer.pad_token_id, cfg.packing, record is not None,

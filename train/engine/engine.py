@@ -31,7 +31,7 @@ import torch
 
 from bdlora.adapter import save_adapter
 
-from ..attention import packed_attention_supported
+from ..attention import packed_attention_fits, packed_attention_supported
 from ..checkpointing import checkpoint_decoder_layers
 from ..liger import apply_liger_to_base, folder_model_type, liger_decision
 from . import checkpoint
@@ -98,7 +98,8 @@ class Engine:
         self.model, self.tok = model, tokenizer
         #: packed micro-batches attend example by example through torch's varlen flash attention (train/attention.py)
         #: unless the run names an attention implementation (`sdpa`: transformers' block-causal mask)
-        self.packed_attention = run.attn_implementation is None and packed_attention_supported(self.device)
+        self.packed_attention = (run.attn_implementation is None and packed_attention_supported(self.device)
+                                 and packed_attention_fits(model))
         model_type = getattr(model.config, "model_type", "llama")
         check_no_expert_jobs(model, run.jobs, run_source(run))
         cols, rows = set(), set()
