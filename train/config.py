@@ -158,8 +158,8 @@ class TrainConfig:
         without a target token are dropped with a warning)."""))
     packing: bool = field(default=False, **_help("""Padding-free batches: the micro-batch's examples packed into
         rows of at most max(longest example, 512) tokens, position ids restarting with each example and no
-        attention across examples. On a CUDA GPU without an `attn_implementation` each example is attended on
-        its own by torch's variable-length flash attention (no mask; the work of each example's length squared,
+        attention across examples. On a CUDA GPU without an `attn_implementation` (a bf16 / fp16 base, no
+        sliding window) each example is attended on its own by torch's variable-length flash attention (no mask; the work of each example's length squared,
         not the row's); otherwise sdpa, eager and flex_attention build the block-causal mask, and
         flash_attention_2 gets one row."""))
     pad_multiple: Optional[int] = field(default=None, **_help("""Each batch's length (each row's with packing) is
