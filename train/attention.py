@@ -77,7 +77,8 @@ def packed_attention_supported(device) -> bool:
 
 def packed_attention_fits(model) -> bool:
     """Whether every attention layer of ``model`` (transformers, or PEFT around it) is one the flash route runs:
-    activations in bf16 / fp16, causal, head size <= 256, no sliding window, logit soft-capping or attention sinks.
+    activations in bf16 / fp16, causal, head size <= 256, no sliding window (or other per-layer kind) or logit
+    soft-capping.
     Elsewhere the packed attention function takes its reference route, a dense mask over the whole (one-row)
     batch: right, but slower and larger than transformers' own mask over capped rows."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -87,7 +88,8 @@ def packed_attention_fits(model) -> bool:
     windowed = (getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
                 or any(t != "full_attention" for t in (getattr(text, "layer_types", None) or [])))
     return (base.dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and not windowed
-            and getattr(text, "attn_logit_softcapping", None) is None and not getattr(text, "is_encoder_decoder", False))
+            and getattr(text, "attn_logit_softcapping", None) is None
+            and not getattr(text, "is_encoder_decoder", False))
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,16 +3,19 @@
 A micro-batch is a (rows, L) block. Each job's samples fill rows of their own (jobs in a fixed order, a job's rows
 adjacent): a row holds one or more samples one after another, each its own sequence (position ids restart, attention
 is block-causal), and no row is longer than the bin's longest sample or ``MIN_ROW_TOKENS``, whichever is larger.
-Every row is padded to L (a multiple of ``pad_multiple``) with a dummy sequence that has no targets. Where attention
-runs example by example (train/attention.py: no mask, no work across examples) the cap has no purpose: ``one_row``
-puts the whole micro-batch in one row, each job's samples end to end and padded to a multiple of ``pad_multiple``
-(padding of ~25% of the tokens at 8 x 30-250 tokens becomes ~3%). Flattened, each job is one contiguous token segment (the grouped LoRA kernel's row segment; with ``pad_multiple`` a multiple of the
+Every row is padded to L (a multiple of ``pad_multiple``) with a dummy sequence that has no targets. Flattened, each
+job is one contiguous token segment (the grouped LoRA kernel's row segment; with ``pad_multiple`` a multiple of the
 kernel tile, tiles never straddle two adapters). Rows never mix jobs, so attention never mixes them even
 numerically: a diverging job's inf/NaN activations cannot reach the other jobs (0 * inf in a masked attention
 product would). Rows are capped because attention over a packed row costs its length squared under a dense mask:
 two 2048-token samples in one 4096-token row cost twice the attention of two rows, and a row of one sample that
 needs no padding keeps the fused causal attention kernel. The cost of a micro-batch is ``rows * L`` (its padded
 size), within the budget. Deterministic: the result depends only on the inputs.
+
+Where attention runs example by example (train/attention.py: varlen flash attention, no mask, no work across
+examples, so no job's values reach another's) neither reason for rows holds: ``one_row`` puts the whole micro-batch
+in one row, each job's samples end to end and padded to a multiple of ``pad_multiple`` by a dummy sequence of its
+own; its cost is the row's length (padding fell from ~25% to ~3% of the tokens at 8 x 30-250 tokens).
 """
 
 from __future__ import annotations
