@@ -169,7 +169,7 @@ def packed_calls(monkeypatch):
     return calls
 
 
-def _sweep_raw(model, tmp_path) -> dict:
+def _sweep_raw(model, tmp_path, **kw) -> dict:
     from tests.test_engine_utils import run_dict
 
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -177,14 +177,16 @@ def _sweep_raw(model, tmp_path) -> dict:
     data.write_text("".join(json.dumps({"text": "hello world number " + "and more " * (i % 5) + str(i)}) + "\n"
                             for i in range(24)))
     jobs = [{"name": "r4", "r": 4}, {"name": "r8", "r": 8, "lr": 3e-3}]
-    return run_dict(model, data, tmp_path / "out", jobs, device="cpu", precision="fp32")
+    return run_dict(model, data, tmp_path / "out", jobs, **{"device": "cpu", "precision": "fp32", **kw})
 
 
-def test_sweep_trains_the_same_jobs_with_packed_attention(tmp_path, tiny_llama_dir, monkeypatch, packed_calls):
+@pytest.mark.parametrize("ckpt", [False, True], ids=["", "checkpointed"])
+def test_sweep_trains_the_same_jobs_with_packed_attention(tmp_path, tiny_llama_dir, monkeypatch, packed_calls, ckpt):
     """`bdlora sweep` with packed attention switched on (on a CPU: its reference route, from the micro-batches'
     boundaries; its micro-batches in one row) trains the jobs as transformers' own packed sdpa does on capped rows:
     the same losses, and the same adapters to the rounding of GEMMs of other shapes (which three AdamW steps at lr
-    1e-3 turn into differences of ~1e-5 on factors of ~0.07; with the same rows they are bit-identical)."""
+    1e-3 turn into differences of ~1e-5 on factors of ~0.07; with the same rows they are bit-identical). With
+    gradient checkpointing the recomputed forward gets the same boundaries."""
     from bdlora import load_adapter
     from bdlora.train.engine import Engine, parse_run
     from bdlora.train.engine import engine as E
@@ -194,7 +196,10 @@ def test_sweep_trains_the_same_jobs_with_packed_attention(tmp_path, tiny_llama_d
         monkeypatch.setattr(E, "packed_attention_supported", lambda device, packed=packed: packed)
         monkeypatch.setattr(E, "packed_attention_fits", lambda model: True)  # fp32 here: the reference route
         lines = []
-        eng = Engine(parse_run(_sweep_raw(tiny_llama_dir, tmp_path / str(packed))), log=lines.append)
+        raw = _sweep_raw(tiny_llama_dir, tmp_path / str(packed),
+                         **({"gradient_checkpointing": True} if ckpt else {}))
+        eng = Engine(parse_run(raw), log=lines.append)
+        assert bool(eng.checkpointed_layers) is ckpt
         assert eng.packed_attention is packed
         before = len(packed_calls)
         results[packed] = eng.run()
