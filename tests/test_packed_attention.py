@@ -233,8 +233,9 @@ def test_a_named_attention_implementation_keeps_its_own(tmp_path, tiny_llama_dir
     assert Engine(parse_run(raw)).packed_attention is False
 
 
+@pytest.mark.parametrize("ckpt", [False, True], ids=["", "checkpointed"])
 def test_trainer_with_packing_trains_the_same_adapter_with_packed_attention(tmp_path, monkeypatch, capsys,
-                                                                           packed_calls):
+                                                                           packed_calls, ckpt):
     """`bdlora train` with ``packing: true`` and packed attention switched on (its reference route on a CPU; each
     batch in one row) saves the adapter transformers' own packed sdpa trains on capped rows (to the rounding of
     GEMMs of other shapes), and says which attention it ran."""
@@ -251,6 +252,7 @@ def test_trainer_with_packing_trains_the_same_adapter_with_packed_attention(tmp_
         monkeypatch.setattr(T, "packed_attention_fits", lambda model: True)  # fp32 here: the reference route
         cfg = TrainConfig(model="tiny-random", nblocks=2, r=4, train_file=str(data), data_format="text",
                           eval_fraction=0.25, max_steps=3, batch_size=4, packing=True, precision="fp32",
+                          gradient_checkpointing=ckpt,
                           output_dir=str(tmp_path / f"out{packed}"), report_to=[], progress=False)
         before = len(packed_calls)
         res = run_training(cfg, validate_adapter=False)
