@@ -32,6 +32,13 @@
 #       auto+liger,auto+liger+cudnn: sdpa without and with cuDNN attention; +masked: packed rows under transformers'
 #       block-causal mask instead of varlen flash attention) and TABLE_TRAINER_ARGS (e.g. "--repeats 2") for the
 #       trainer rows; TABLE_ENGINE_ARGS="--masked-attention" the same for the engine's rows
+#   One GPU, one call (about 400 s): packed attention (train/attention.py) against transformers' mask, side by side:
+#     MODE=packed [PACKED_COLUMN=b32|b8] bash bench/train/gpu_run.sh
+#       its GPU tests (the flash route against the reference route, a bf16 sweep against attn_implementation: sdpa),
+#       then at the column's batches `bdlora train` with packing: true with varlen flash attention and with sdpa's
+#       mask (+masked), then the engine at K = 1, 4 both ways (--masked-attention)
+#                          -> $OUT/packed_tests.log  $OUT/packed_trainer_<col>.jsonl  $OUT/packed_engine_<col>.json
+#                             $OUT/masked_engine_<col>.json  $OUT/packed_<col>.log
 #
 # Extra bench arguments: SMOLLM2_ARGS, LLAMA8B_ARGS, PVD_ARGS (e.g. LLAMA8B_ARGS="--num-layers 16").
 # CALL_LIMIT_S (default 590): every python run is killed (timeout) before the device call's limit; the JSON files
@@ -161,12 +168,36 @@ case "$MODE" in
       echo "peer rows rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
     fi
     ;;
+  packed)
+    col=${PACKED_COLUMN:-b32}
+    case "$col" in
+      b8) targs=(--batch 8 --steps 16 --warmup 10); eargs=(--batch-size 8) ;;
+      b32) targs=(--batch 32 --steps 12 --warmup 10); eargs=(--batch-size 32) ;;
+      *) echo "PACKED_COLUMN must be b8 or b32"; exit 2 ;;
+    esac
+    log="$O/packed_$col.log"
+    env_report "$log"
+    timeout -k 10 120 python3 -m pytest -q -p no:cacheprovider tests/test_packed_attention.py -k "gpu" \
+      >"$O/packed_tests.log" 2>&1
+    echo "packed attention GPU tests rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
+    timeout -k 10 "$(kill_after)" python3 bench/train/bench_trainer.py --shape llama8b --side trainer "${targs[@]}" \
+      --lora-backends auto+liger+packing,auto+liger+packing+masked --out "$O/packed_trainer_$col.jsonl" \
+      --tag "packed-$col" >>"$log" 2>&1
+    echo "trainer rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
+    for variant in packed masked; do
+      extra=(); [ "$variant" = masked ] && extra=(--masked-attention)
+      timeout -k 10 "$(kill_after)" python3 bench/train/bench_engine.py --shape llama8b --ks 1,4 --no-sweep \
+        --no-seq-trainer --steps 10 --trainer-data --warmup-steps 8 "${eargs[@]}" "${extra[@]}" \
+        --time-limit $(( ($(left) - 30) / 2 )) --out "$O/${variant}_engine_$col.json" >>"$log" 2>&1
+      echo "engine rows ($variant, $col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
+    done
+    ;;
   *)
     sed -n '2,/^set -uo/{/^set -uo/!p}' "$0"
-    echo "MODE must be engine, pvd or table"; exit 2 ;;
+    echo "MODE must be engine, pvd, table or packed"; exit 2 ;;
 esac
-tail -n 12 "$O"/train_*.log "$O"/table_*.log 2>/dev/null
-ls -l "$O"/train_* "$O"/table_* 2>/dev/null
+tail -n 12 "$O"/train_*.log "$O"/table_*.log "$O"/packed_*.log 2>/dev/null
+ls -l "$O"/train_* "$O"/table_* "$O"/packed_* "$O"/masked_* 2>/dev/null
 # everything in one archive as well: the device tool brings back a limited number of files per call
 ( cd "$O" && tar czf results.tgz --exclude=results.tgz -- * 2>/dev/null ) && echo "archive $O/results.tgz"
 echo "call wall $(( $(date +%s) - T0 )) s"
