@@ -26,7 +26,7 @@ JOBS = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["auto", "engine", "cublas", "auto/rows-of-one-sample"])
+@pytest.mark.parametrize("backend", ["auto", "engine", "cublas", "auto/rows-of-one-sample", "auto/one-row"])
 def test_batchlora_equals_training_alone(tiny_llama_dir, data_file, tmp_path, backend, monkeypatch):
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
@@ -38,22 +38,29 @@ def test_batchlora_equals_training_alone(tiny_llama_dir, data_file, tmp_path, ba
     from bdlora.train.engine.multilora import JobAdapter
 
     backend, _, layout = backend.partition("/")
-    if layout:  # rows no longer than the longest sample: a job's samples span several rows of a micro-batch
+    if layout == "rows-of-one-sample":  # rows no longer than the longest sample: a job's samples span several rows
         monkeypatch.setattr(packing, "MIN_ROW_TOKENS", 1)
+    elif layout == "one-row":  # attention example by example (its reference route here): every job in one row
+        monkeypatch.setattr("bdlora.train.engine.engine.packed_attention_supported", lambda device: True)
+        monkeypatch.setattr("bdlora.train.engine.engine.packed_attention_fits", lambda model: True)
+    if layout:
         built = []
         build = packing.build_microbatch
         monkeypatch.setattr("bdlora.train.engine.engine.build_microbatch",
                             lambda *a, **k: built.append(build(*a, **k)) or built[-1])
 
+    # in one row (no padding to the longest row) two jobs' steps share a micro-batch under a larger budget
     run = parse_run(run_dict(tiny_llama_dir, data_file, tmp_path / "run", JOBS, lora_backend=backend,
-                             token_budget=160, save_plots=True))
+                             token_budget=320 if layout == "one-row" else 160, save_plots=True))
     eng = Engine(run)
     rows = eng.run()
     assert [r["stop_reason"] for r in rows] == ["completed"] * 3
     # several micro-batches per round, mixing jobs: the packing really splits steps
     assert any(r["microbatches"] > 1 for r in eng.round_log)
-    if layout:
+    if layout == "rows-of-one-sample":
         assert any(mb.input_ids.shape[0] > len(mb.segments) for mb in built)
+    elif layout == "one-row":
+        assert all(mb.input_ids.shape[0] == 1 for mb in built) and any(len(mb.segments) > 1 for mb in built)
     for job in eng.jobs:
         cfg = job.cfg
         spec = cfg.spec("llama")
