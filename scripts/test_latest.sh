@@ -26,4 +26,4 @@ exec python -m pytest -ra -n "${BDLORA_TEST_WORKERS:-auto}" -p no:cacheprovider 
   tests/test_train_resume.py tests/test_train_equivalence.py tests/test_train_data.py tests/test_train_data_formats.py \
   tests/test_train_inputs.py tests/test_train_dp.py tests/test_trl_example.py tests/test_adapter_format.py \
   tests/test_spec.py tests/test_convert.py tests/test_hub.py tests/test_docs.py tests/test_peft_kernel_variant.py \
-  tests/test_moe.py tests/test_packed_attention.py "$@"
+  tests/test_moe.py tests/test_packed_attention.py tests/test_engine_run.py "$@"

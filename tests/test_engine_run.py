@@ -304,8 +304,11 @@ def test_gradient_checkpointing_recomputes_and_trains_the_same_adapters(tiny_lla
     calls = {"plain": [0] * len(layers), "ckpt": [0] * len(layers)}
     for name, eng in (("plain", plain), ("ckpt", ckpt)):
         for i, layer in enumerate(eng.model.model.layers):
-            # a pre-hook: the recompute stops once it has what backward needs, before a forward hook would run
-            layer.register_forward_pre_hook(lambda *_, n=name, i=i: calls[n].__setitem__(i, calls[n][i] + 1))
+            # a pre-hook: the recompute stops once it has what backward needs, before a forward hook would run; on
+            # the layer's attention, which the recompute calls whether transformers checkpoints the layer's
+            # __call__ or (>= 5.24) its forward
+            layer.self_attn.register_forward_pre_hook(
+                lambda *_, n=name, i=i: calls[n].__setitem__(i, calls[n][i] + 1))
     rows_p, rows_c = plain.run(), ckpt.run()
     # every layer runs once per micro-batch (training and evaluation); a checkpointed one again in each backward
     mbs = sum(r["microbatches"] for r in ckpt.round_log)

@@ -32,7 +32,9 @@ def checkpoint_decoder_layers(model, every_n_layers: int = 1) -> int:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False}, **every_n_layers_kwarg(every_n_layers))
+    # the checkpoint's keyword arguments positionally: their parameter is named after the method (transformers >= 5.24
+    # renamed gradient checkpointing to activation checkpointing, keyword included)
+    enable({"use_reentrant": False}, **every_n_layers_kwarg(every_n_layers))
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
     for layer in layers:
         layer.training = True
