@@ -223,9 +223,13 @@ class MicroBatch:
                 return t.to(device)
             return t.pin_memory().to(device, non_blocking=True)
 
+        attention, moved = {}, {}  # cu_seq_lens_q and _k are one tensor: copied once, still one after
+        for k, v in self.attention_kwargs.items():
+            if torch.is_tensor(v) and id(v) not in moved:
+                moved[id(v)] = move(v)
+            attention[k] = moved[id(v)] if torch.is_tensor(v) else v
         return MicroBatch(move(self.input_ids), move(self.position_ids), self.segments,
-                          {j: (move(p), move(l)) for j, (p, l) in self.targets.items()}, self.n_items,
-                          {k: move(v) if torch.is_tensor(v) else v for k, v in self.attention_kwargs.items()})
+                          {j: (move(p), move(l)) for j, (p, l) in self.targets.items()}, self.n_items, attention)
 
 
 def build_microbatch(bin_items: Sequence[Item], samples_of, pad_id: int = 0, pad_multiple: int = 1,
