@@ -181,6 +181,7 @@ def test_memory_model_of_a_stage_counts_its_own_layers_dtype_and_logits(tmp_path
     from transformers import AutoModelForCausalLM
 
     from bdlora.train.engine import MemoryModel
+    from bdlora.train.engine.memory import WORKSPACE_BYTES
     from bdlora.train.engine.model import load_stage_model
 
     path = _save_llama(tmp_path / "m", 4, False, None)
@@ -195,5 +196,5 @@ def test_memory_model_of_a_stage_counts_its_own_layers_dtype_and_logits(tmp_path
         assert whole.beta[1] == 4 * per_layer + logits
         assert [m.beta[1] for m in stages] == [2 * per_layer, 2 * per_layer + logits]
         n = [sum(p.numel() for p in load_stage_model(path, dtype, "cpu", None, s, 2).parameters()) for s in range(2)]
-        assert [m.beta[0] for m in stages] == [k * size + 256 * 1024 ** 2 for k in n]
+        assert [m.beta[0] for m in stages] == [k * size + WORKSPACE_BYTES for k in n]
         assert sum(n) == sum(p.numel() for p in full.parameters())

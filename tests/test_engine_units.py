@@ -491,6 +491,25 @@ def test_memory_model_counts_checkpointed_layers_by_their_input():
     assert per_tok[16] == 17 * layer + 16 * 4096 * 2 + logits
 
 
+def test_memory_model_counts_fused_layers_and_attention_by_route():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, vocab_size=32000,
+                          num_attention_heads=32)
+    def per_token(**kw):
+        return MemoryModel.analytic(cfg, 8_000_000_000, 2, 2, **kw).beta[1]
+
+    logits = 3 * 32000 * 4
+    assert per_token() == 32 * (16 * 4096 + 4 * 14336) * 2 + logits
+    # Liger's RMSNorm and SwiGLU keep fewer activations
+    assert per_token(fused_layers=True) == 32 * (10 * 4096 + 7 * 14336 // 2) * 2 + logits
+    # a capped row's bool mask, once; eager attention's probabilities per layer and head
+    assert per_token(mask_length=258) == per_token() + 258
+    assert per_token(mask_length=258, eager_attention=True) == per_token() + 258 + 32 * 32 * 258 * 2 * 2
+    # no route holds a micro-batch-wide T x T tensor: the quadratic term is the refit's alone
+    assert MemoryModel.analytic(cfg, 8_000_000_000, 2, 2, mask_length=258).beta[2] == 0.0
+
+
 def test_auto_token_budget_on_the_8b_shape_fits_the_device():
     """The engine's own pieces on Llama-3.1-8B's shape (built on the meta device): its memory model, its LoRA targets
     and its jobs' footprints. Four jobs of ranks 16-128 at batches of 8 take 8192 tokens per micro-batch on an H200
@@ -518,3 +537,10 @@ def test_auto_token_budget_on_the_8b_shape_fits_the_device():
     for gib, want in ((0.9 * 140, 8192), (0.9 * 48, 2048)):  # an H200, an L40S (device_budget_bytes: 90%)
         budget = auto_token_budget(memory, jobs, gib * GiB, step_tokens=step, longest=258)
         assert budget == want and memory.predict(budget, jobs) <= gib * GiB < memory.predict(2 * budget, jobs)
+    # with Liger's layers four jobs at batches of 32 share micro-batches of 16384 tokens on an H200 (at 8192 each
+    # job's ~4,500 tokens took a micro-batch of its own, and four jobs ran 0.94-0.97x one job); the peaks measured
+    # there stay under the prediction: one job at 5,150 tokens a micro-batch 39.2 GiB, three at <= 16384 85.1 GiB
+    fused = MemoryModel.for_model(model, fused_layers=True)
+    budget = auto_token_budget(fused, jobs, 0.9 * 140 * GiB, step_tokens=4 * 32 * 258, longest=258)
+    assert budget == 16384 and fused.predict(16384, jobs) <= 0.9 * 140 * GiB
+    assert fused.predict(5150, jobs[:1]) > 39.2 * GiB and fused.predict(13000, jobs[:3]) > 85.1 * GiB

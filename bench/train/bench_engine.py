@@ -128,6 +128,7 @@ CUDNN_ATTENTION = False  # cudnn_attention of every engine and trainer run of th
 GRAD_CKPT_EVERY = 0  # gradient checkpointing of every engine and trainer run: every n-th layer, 0 off (--grad-ckpt-every)
 LOAD_IN_4BIT = False  # every engine and trainer run on a bitsandbytes 4-bit base (--load-in-4bit)
 ATTN_IMPLEMENTATION = None  # attn_implementation of every engine and trainer run (--masked-attention: sdpa)
+MEMORY_BUDGET_GB = None  # memory_budget_gb of every engine run (--memory-budget-gb; None = 90% of the GPU)
 
 
 def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=None, max_active=64,
@@ -140,6 +141,7 @@ def engine_run_config(model_path, data, out, jobs, *, dtype, budget, early_exit=
     return parse_run({
         "lora_backend": LORA_BACKEND, "pad_multiple": PAD_MULTIPLE, "use_liger_kernel": USE_LIGER,
         "cudnn_attention": CUDNN_ATTENTION, "attn_implementation": ATTN_IMPLEMENTATION, "nblocks": 1,
+        **({"memory_budget_gb": MEMORY_BUDGET_GB} if MEMORY_BUDGET_GB else {}),
         **({"gradient_checkpointing": True, "gradient_checkpointing_every_n_layers": GRAD_CKPT_EVERY}
            if GRAD_CKPT_EVERY else {}),
         **({"load_in_4bit": True} if LOAD_IN_4BIT else {}),
@@ -1104,10 +1106,15 @@ def main(argv=None) -> int:
     ap.add_argument("--load-in-4bit", action="store_true",
                     help="the engine's runs on one bitsandbytes 4-bit base (load_in_4bit) and the sequential trainer "
                          "on a 4-bit base too (needs bitsandbytes)")
+    ap.add_argument("--memory-budget-gb", type=float, metavar="GIB",
+                    help="memory_budget_gb of the engine's runs: the memory model's admission limit (default: 90%% "
+                         "of the GPU), e.g. to run a --token-budget the model's estimate would refuse")
     args = ap.parse_args(argv)
     if args.profile is not None and args.profile < 1:
         ap.error(f"--profile K needs K >= 1 jobs, got {args.profile}")
     global LORA_BACKEND, PAD_MULTIPLE, USE_LIGER, CUDNN_ATTENTION, GRAD_CKPT_EVERY, LOAD_IN_4BIT, ATTN_IMPLEMENTATION
+    global MEMORY_BUDGET_GB
+    MEMORY_BUDGET_GB = args.memory_budget_gb
     LORA_BACKEND, PAD_MULTIPLE, CUDNN_ATTENTION = args.lora_backend, args.pad_multiple, args.cudnn_attention
     LOAD_IN_4BIT = args.load_in_4bit
     ATTN_IMPLEMENTATION = "sdpa" if args.masked_attention else None

@@ -120,7 +120,10 @@ class Engine:
             job.total_steps = job.cfg.total_steps(len(job.data.train))
             if run.early_exit.enabled:
                 job.warm_steps = warmup_steps(job.total_steps, run.early_exit.warmup_ratio)
-        self.memory = MemoryModel.for_model(model, checkpointed_layers=self.checkpointed_layers)
+        self.memory = MemoryModel.for_model(
+            model, checkpointed_layers=self.checkpointed_layers, fused_layers=self.liger,
+            mask_length=0 if self.packed_attention else max(j.cfg.max_length for j in self.jobs),
+            eager_attention=run.attn_implementation == "eager")
         self.mem_budget = device_budget_bytes(self.device, run.memory_budget_gb)
         self.token_budget = self._choose_token_budget()  # a resumed run takes its checkpoint's (checkpoint.restore)
         self.round = 0

@@ -3,7 +3,8 @@
 Peak bytes = shared(T) + sum_j per_job(j) + masks(T), with T the micro-batch token budget:
 
 * shared(T) = beta0 + beta1 * T + beta2 * T^2 (mLoRA's scheduler model, eq. 5: base weights, activations of one
-  packed micro-batch, the attention mask);
+  packed micro-batch; the T^2 term is left to the fit: no attention route here holds a T x T tensor, as rows are
+  capped at the jobs' max_length under a mask, or attend example by example without one);
 * per_job(j) = bytes_per_param * P_j + bytes_per_rank_token * r_j * T_j (adapter weights, grads, AdamW states
   and the stored x@A of its layers);
 * masks = bytes_per_mask_elem * T * sum of d_in over the modules that some job with lora_dropout > 0 adapts (the
@@ -23,6 +24,9 @@ from typing import Optional
 import torch
 
 GiB = 1024 ** 3
+#: what a step holds besides weights and activations (cuBLAS and attention workspaces, the loss's buffers): a
+#: micro-batch's peak less its activations was ~1 GiB on the 8B shape
+WORKSPACE_BYTES = 5 * GiB // 4
 
 
 @dataclass
@@ -45,33 +49,43 @@ class MemoryModel:
 
     @classmethod
     def analytic(cls, config, n_base_params: int, base_dtype_bytes: int = 4, act_bytes: int = 4,
-                 n_layers: Optional[int] = None, logits: bool = True, checkpointed_layers: int = 0) -> "MemoryModel":
+                 n_layers: Optional[int] = None, logits: bool = True, checkpointed_layers: int = 0,
+                 fused_layers: bool = False, mask_length: int = 0, eager_attention: bool = False) -> "MemoryModel":
         """Coefficients from a transformers config (Llama-like): a deliberately generous estimate. ``n_layers``:
         the decoder layers run here (a pipeline stage's own; default all of the config's); ``logits``: whether
         the LM head's logits are computed here (the last stage only); ``checkpointed_layers``: layers that keep
         only their input for backward (activation checkpointing), one of them at a time holding its activations
-        again while it recomputes."""
+        again while it recomputes; ``fused_layers``: Liger's RMSNorm and SwiGLU on the base (they keep fewer
+        activations); ``mask_length``: the rows' length where attention runs under a mask over capped rows (0
+        where it attends example by example without one); ``eager_attention``: the eager path, which keeps each
+        layer's attention probabilities (heads x mask_length per token)."""
         h = int(getattr(config, "hidden_size", 1024))
         inter = int(getattr(config, "intermediate_size", 4 * h))
         layers = int(getattr(config, "num_hidden_layers", 12)) if n_layers is None else int(n_layers)
         vocab = int(getattr(config, "vocab_size", 32000))
         heads = int(getattr(config, "num_attention_heads", 8))
-        # activations kept for backward per token and layer: ~ 16 h + 4 inter values; logits of response tokens
+        # activations kept for backward per token and layer: ~ 16 h + 4 inter values through torch's norms and MLP,
+        # 10 h + 3.5 inter through Liger's (Llama-3.1-8B's shape, bf16, one H200: the engine's measured peaks, one
+        # job at up to 5,150 tokens a micro-batch and three at up to ~14,000, were 0.87x and ~0.86-0.91x what this
+        # predicts; BENCHMARKS.md, Training); logits of response tokens in the activations' dtype, in fp32 and their gradient
+        per_layer = 10 * h + 7 * inter // 2 if fused_layers else 16 * h + 4 * inter
         ckpt = min(int(checkpointed_layers), layers)
         kept = layers - ckpt + (1 if ckpt else 0)
-        per_token = (kept * (16 * h + 4 * inter) + ckpt * h) * act_bytes + (3 * vocab * 4 if logits else 0)
-        # attention mask / scores (bool mask T^2 per forward + fp32 scores on the eager path, per head)
-        per_token2 = 1 + heads * 4
-        b0 = n_base_params * base_dtype_bytes + 256 * 1024 ** 2
-        return cls(beta=[float(b0), float(per_token), float(per_token2)], bytes_per_param=16.0,
+        per_token = (kept * per_layer + ckpt * h) * act_bytes + (3 * vocab * 4 if logits else 0)
+        # a capped row's bool mask (mask_length bytes a token, one mask shared by the layers); eager attention's
+        # probabilities and their dropout input, per kept layer
+        per_token += mask_length + (kept * heads * mask_length * 2 * act_bytes if eager_attention else 0)
+        b0 = n_base_params * base_dtype_bytes + WORKSPACE_BYTES
+        return cls(beta=[float(b0), float(per_token), 0.0], bytes_per_param=16.0,
                    bytes_per_rank_token=float(2 * act_bytes))
 
     @classmethod
-    def for_model(cls, model, checkpointed_layers: int = 0) -> "MemoryModel":
+    def for_model(cls, model, checkpointed_layers: int = 0, fused_layers: bool = False, mask_length: int = 0,
+                  eager_attention: bool = False) -> "MemoryModel":
         """:meth:`analytic` for a causal LM as built or loaded here: its parameters (on a pipeline stage only the
         stage's own), activations in the parameters' dtype (the base is loaded straight in the run's precision),
         the decoder layers that hold parameters (another stage's placeholders hold none) and the logits only where
-        the LM head is."""
+        the LM head is; the rest as :meth:`analytic` takes it."""
         params = list(model.parameters())
         decoder = getattr(model, getattr(model, "base_model_prefix", ""), model)
         layers = getattr(decoder, "layers", None)
@@ -82,7 +96,8 @@ class MemoryModel:
         nbytes = floating[0].element_size() if floating else 4
         stored = sum(p.numel() * p.element_size() for p in params)
         return cls.analytic(model.config, -(-stored // nbytes), nbytes, act_bytes=nbytes, n_layers=held,
-                            logits=model.get_output_embeddings() is not None, checkpointed_layers=checkpointed_layers)
+                            logits=model.get_output_embeddings() is not None, checkpointed_layers=checkpointed_layers,
+                            fused_layers=fused_layers, mask_length=mask_length, eager_attention=eager_attention)
 
     def predict(self, tokens: int, jobs: list[JobFootprint]) -> float:
         t = float(tokens)
