@@ -168,8 +168,8 @@ def auto_token_budget(memory: MemoryModel, jobs: list[JobFootprint], limit: Opti
     from the smallest that holds ``step_tokens`` (one step of every job: a larger budget would only raise the
     prediction), never below ``longest`` (every example must fit a micro-batch); the smallest candidate when none is
     admitted (admission then refuses with its message). Without a limit: :data:`CPU_TOKEN_BUDGET` or ``longest``.
-    Larger is faster while it fits: on the 8B shape, 4 to 8 jobs ran 1.3-1.6x the tokens/s at 8192 than at 4096
-    (one H200, BENCHMARKS.md)."""
+    Larger is faster while it fits: on the 8B shape, 4 to 8 jobs ran 1.3-1.6x the tokens/s at 8192 than at 4096,
+    and four jobs at batches of 32 1.09-1.12x at 16384 than at 8192 (one H200, BENCHMARKS.md)."""
     if limit is None:
         return max(CPU_TOKEN_BUDGET, longest)
     cands = sorted({t for t in AUTO_TOKEN_BUDGETS if t > longest} | {longest}, reverse=True)
