@@ -288,6 +288,59 @@ def test_auto_token_budget_follows_the_memory_limit_and_survives_resume(tiny_lla
             torch.testing.assert_close(a.modules[p].lora_B, b.modules[p].lora_B, rtol=0, atol=1e-7)
 
 
+def test_a_round_out_of_gpu_memory_runs_again_at_a_smaller_auto_budget(tiny_llama_dir, data_file, tmp_path,
+                                                                      monkeypatch):
+    """A round that runs out of GPU memory in its second micro-batch (raised here after that forward: a CPU cannot
+    run out the way a GPU does), the first one's gradients already accumulated, runs again under `token_budget:
+    auto` from the same batches at the next smaller budget with those gradients cleared: the adapters equal a run
+    at that budget from the start, which the checkpoint and results.json keep. With a fixed budget the run stops
+    with what to change."""
+    import json
+
+    import bdlora.train.engine.step as step
+    from bdlora import load_adapter
+    from bdlora.train.engine.scheduler import EngineError
+
+    jobs = [{"name": f"j{i}", "r": 4 * (i + 1), "nblocks": 2 if i % 2 else 1, "seed": i} for i in range(4)]
+    defaults = {"max_steps": 3, "batch_size": 16, "lr": 1e-3, "max_length": 64}
+    probe = _engine(tiny_llama_dir, data_file, tmp_path / "probe", jobs, defaults=defaults)
+    fps = [j.footprint(probe.targets) for j in probe.jobs]
+    between = (probe.memory.predict(2048, fps) + probe.memory.predict(4096, fps)) / 2 / 2**30
+    ref = _engine(tiny_llama_dir, data_file, tmp_path / "ref", jobs, defaults=defaults, token_budget=1024).run()
+
+    def out_of_memory_in_a_second_micro_batch(engine):
+        real, calls = step.job_losses, []
+
+        def job_losses(model, mb):
+            losses = real(model, mb)  # the forward runs, and its graph goes with the error, as on a GPU
+            calls.append(engine.token_budget)
+            if engine.token_budget >= 2048 and len(calls) >= 2:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+            return losses
+
+        monkeypatch.setattr(step, "job_losses", job_losses)
+        return calls
+
+    eng = _engine(tiny_llama_dir, data_file, tmp_path / "run", jobs, defaults=defaults, token_budget="auto",
+                  memory_budget_gb=between)
+    assert eng.token_budget == 2048
+    calls = out_of_memory_in_a_second_micro_batch(eng)
+    rows = eng.run()
+    assert calls[:2] == [2048, 2048] and eng.token_budget == 1024
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["token_budget"] == 1024
+    for r, f in zip(rows, ref):
+        assert r["status"] == f["status"] == "done" and r["steps"] == f["steps"] == 3
+        a, b = load_adapter(r["adapter"]), load_adapter(f["adapter"])
+        for p in a.modules:
+            torch.testing.assert_close(a.modules[p].lora_A, b.modules[p].lora_A, rtol=0, atol=1e-7)
+            torch.testing.assert_close(a.modules[p].lora_B, b.modules[p].lora_B, rtol=0, atol=1e-7)
+    fixed = _engine(tiny_llama_dir, data_file, tmp_path / "fixed", jobs, defaults=defaults, token_budget=2048)
+    out_of_memory_in_a_second_micro_batch(fixed)
+    with pytest.raises(EngineError, match=r"out of GPU memory .* token_budget: 2048\): set a smaller token_budget "
+                                          r".* resume: auto"):
+        fixed.run()
+
+
 @pytest.mark.parametrize("every_n", [1, 2])
 def test_gradient_checkpointing_recomputes_and_trains_the_same_adapters(tiny_llama_dir, data_file, tmp_path, every_n):
     """`gradient_checkpointing` (run level): the base's decoder layers (every n-th) run their forward again in the

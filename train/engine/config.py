@@ -144,7 +144,9 @@ class EngineKeys:
         together (rows padded to pad_multiple); at least every job's max_length, so any example fits. auto: on a GPU
         the largest of 16384, 8192, ... (down to the longest max_length) at which the memory model admits the first
         max_active_jobs jobs together, and no larger than their steps' tokens; on CPU 2048 unless memory_budget_gb
-        is set. The choice is logged, kept in results.json and reused on resume."""))
+        is set. The choice is logged, kept in results.json and reused on resume; a round that runs out of GPU memory
+        runs again from the same batches at the next smaller size (one process; with a number the run stops and
+        says what to change)."""))
     pad_multiple: Optional[int] = field(default=None, **_help("""Each job's segment of a micro-batch is padded to a
         multiple of this. Unset: 64 on a GPU (the grouped kernel's row tile, and few distinct shapes: ragged rows
         made round times vary up to 10x on an H200), 1 on CPU."""))

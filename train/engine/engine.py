@@ -41,14 +41,14 @@ from .early_exit import DIVERGING, OVERFITTING, warmup_steps
 from .jobs import (Job, adapter_is_finite, build_job, check_no_expert_jobs, job_spec,  # noqa: F401 - names
                    load_job_data, optimizer_to, run_source)
 from .loop import Advance, run_loop
-from .memory import MemoryModel, auto_token_budget, device_budget_bytes
+from .memory import AUTO_TOKEN_BUDGETS, MemoryModel, auto_token_budget, device_budget_bytes
 from .model import load_base, load_kbit_base
 from .multilora import BatchContext, JobAdapter, inject_multilora
 from .packing import MicroBatch, build_microbatch, plan_microbatches
 from .reporting import (RunReporter, format_table, plot_job, progress_text, result_row, result_rows,
                         write_results_csv)
 from .scheduler import EngineError, Scheduler, admission_order  # noqa: F401 - EngineError: the engine's error
-from .step import dist_group, evaluate, train_round
+from .step import MicroBatchOutOfMemory, dist_group, evaluate, train_round
 
 GPU_PAD_MULTIPLE = 64  # pad_multiple when the run file leaves it out and the engine runs on a GPU (RunConfig)
 
@@ -278,11 +278,46 @@ class Engine:
             reporter.close()
 
     def _advance(self, active: list[Job]) -> Advance:
-        """One round: every active job one step, then the scheduler's decisions."""
+        """One round: every active job one step, then the scheduler's decisions. A round that runs out of GPU memory
+        under ``token_budget: auto`` runs again from the same batches at the next smaller budget (kept from then on,
+        and in the checkpoint)."""
         t0 = time.perf_counter()
-        info = self.train_round()
+        while True:
+            samplers = [(j, j.sampler.state_dict()) for j in active]
+            try:
+                info = self.train_round()
+                break
+            except MicroBatchOutOfMemory as e:
+                smaller = self._smaller_token_budget()
+                if smaller is None:
+                    raise EngineError(self._out_of_memory_message(e)) from None
+                for job, state in samplers:
+                    job.sampler.load_state_dict(state)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self.log(f"[engine] out of GPU memory at {self.token_budget} tokens per micro-batch: the round runs "
+                         f"again at {smaller} (token_budget: auto)")
+                self.token_budget = smaller
         train_s = time.perf_counter() - t0
         return Advance(rounds=1, train_s=train_s, info=info, evals=self.after_step())
+
+    def _smaller_token_budget(self) -> Optional[int]:
+        """The budget an out-of-memory round retries at: the next of AUTO_TOKEN_BUDGETS below the current one that
+        still holds every job's longest example, on one process under ``token_budget: auto``; else None (ranks of
+        data parallel pack the same micro-batches, so one rank cannot change its budget alone)."""
+        if self.run_cfg.token_budget != "auto" or self.world > 1:
+            return None
+        longest = max(j.cfg.max_length for j in self.jobs)
+        smaller = [t for t in AUTO_TOKEN_BUDGETS if longest <= t < self.token_budget]
+        return max(smaller) if smaller else None
+
+    def _out_of_memory_message(self, e: MicroBatchOutOfMemory) -> str:
+        fixed = self.run_cfg.token_budget != "auto"
+        return (f"{e} ({len(self.active_jobs())} jobs active, token_budget: "
+                f"{self.token_budget}{'' if fixed else ' (auto)'}): set a smaller token_budget"
+                f"{'' if fixed else ' than ' + str(self.token_budget)} (at least the longest max_length), fewer "
+                f"max_active_jobs or gradient_checkpointing: true, and run again with resume: auto to continue from "
+                f"the last checkpoint")
 
     def _stopped(self, rounds: int) -> list[dict]:
         self.log(f"[engine] stopped after {rounds} rounds (max_rounds); run again to resume")

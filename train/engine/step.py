@@ -47,6 +47,15 @@ def job_losses(model, mb: MicroBatch) -> dict[int, torch.Tensor]:
     return losses
 
 
+class MicroBatchOutOfMemory(Exception):
+    """The GPU ran out of memory in a round's forward or backward, before any job's optimizer step: the jobs'
+    gradients are cleared, so the round can run again from the same batches."""
+
+    def __init__(self, tokens: int):
+        super().__init__(f"out of GPU memory in a micro-batch of up to {tokens} tokens")
+        self.tokens = tokens
+
+
 def train_round(engine) -> dict:
     """One round: every active job's step packed into micro-batches under the token budget, forward/backward through the
     shared base (this rank's share of the micro-batches), gradients all-reduced per job across ranks, then per job
@@ -68,19 +77,16 @@ def train_round(engine) -> dict:
     # LoRA dropout: each micro-batch's masks from a seed of (run seed, the dropout jobs' seeds and steps, its
     # index), so a run is reproducible and resumes exactly
     drop_key = [(j.cfg.seed, j.step) for j in jobs if j.cfg.lora_dropout > 0]
-    for i, mb in enumerate(mbs):
-        if i % engine.world != engine.rank:
-            continue
-        mb = mb.to(engine.device)
-        seed = round_seed("lora-dropout", engine.run_cfg.seed, drop_key, i) if drop_key else None
-        with engine.ctx.segments_of(mb.segments):  # through backward: checkpointed layers run their forward again
-            with dropout_rng(seed, engine.device):
-                losses = job_losses(engine.model, mb)
-            total = sum(l / max(step_targets[j], 1) for j, l in losses.items())
-            if torch.is_tensor(total) and total.requires_grad:
-                total.backward()
-        for j, l in losses.items():
-            loss_sums[j] += l.detach().double()
+    try:
+        _forward_backward(engine, mbs, drop_key, step_targets, loss_sums)
+    except torch.cuda.OutOfMemoryError:
+        out_of_memory = True
+    else:
+        out_of_memory = False
+    if out_of_memory:  # outside the handler, so the failed graph's tensors are freed with its traceback
+        for job in jobs:
+            job.opt.zero_grad(set_to_none=True)
+        raise MicroBatchOutOfMemory(engine.token_budget)
     dist = dist_group()
     if dist is not None and engine.world > 1:
         # bucketed: one flat all-reduce per job (its gradients flattened into one buffer, reduced, and the
@@ -123,6 +129,24 @@ def train_round(engine) -> dict:
     return {"microbatches": len(mbs), "tokens": sum(step_tokens.values()), "jobs": stats}
 
 
+def _forward_backward(engine, mbs: list, drop_key: list, step_targets: dict, loss_sums: dict) -> None:
+    """This rank's share of a round's micro-batches forward and backward: gradients accumulate in the jobs'
+    factors, each job's summed loss in ``loss_sums``."""
+    for i, mb in enumerate(mbs):
+        if i % engine.world != engine.rank:
+            continue
+        mb = mb.to(engine.device)
+        seed = round_seed("lora-dropout", engine.run_cfg.seed, drop_key, i) if drop_key else None
+        with engine.ctx.segments_of(mb.segments):  # through backward: checkpointed layers run their forward again
+            with dropout_rng(seed, engine.device):
+                losses = job_losses(engine.model, mb)
+            total = sum(l / max(step_targets[j], 1) for j, l in losses.items())
+            if torch.is_tensor(total) and total.requires_grad:
+                total.backward()
+        for j, l in losses.items():
+            loss_sums[j] += l.detach().double()
+
+
 @torch.no_grad()
 def evaluate(engine, jobs: list) -> dict[int, float]:
     """Validation loss per job (response-token mean over its whole validation set), the micro-batches spread over the
@@ -156,4 +180,4 @@ def evaluate(engine, jobs: list) -> dict[int, float]:
     return {j.id: float(sums[index[j.id]] / counts[index[j.id]].clamp(min=1)) for j in jobs}
 
 
-__all__ = ["decoder_and_head", "dist_group", "evaluate", "job_losses", "train_round"]
+__all__ = ["MicroBatchOutOfMemory", "decoder_and_head", "dist_group", "evaluate", "job_losses", "train_round"]
