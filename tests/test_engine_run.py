@@ -289,7 +289,7 @@ def test_auto_token_budget_follows_the_memory_limit_and_survives_resume(tiny_lla
 
 
 def test_a_round_out_of_gpu_memory_runs_again_at_a_smaller_auto_budget(tiny_llama_dir, data_file, tmp_path,
-                                                                      monkeypatch):
+                                                                      monkeypatch, capsys):
     """A round that runs out of GPU memory in its second micro-batch (raised here after that forward: a CPU cannot
     run out the way a GPU does), the first one's gradients already accumulated, runs again under `token_budget:
     auto` from the same batches at the next smaller budget with those gradients cleared: the adapters equal a run
@@ -325,8 +325,15 @@ def test_a_round_out_of_gpu_memory_runs_again_at_a_smaller_auto_budget(tiny_llam
                   memory_budget_gb=between)
     assert eng.token_budget == 2048
     calls = out_of_memory_in_a_second_micro_batch(eng)
+    capsys.readouterr()
     rows = eng.run()
     assert calls[:2] == [2048, 2048] and eng.token_budget == 1024
+    # the log says why auto chose its budget, and that the round ran again at a smaller one
+    log = capsys.readouterr().out
+    need = probe.memory.predict(2048, fps) / 2**30
+    assert (f"token budget 2048 tokens per micro-batch (auto: ~{need:.1f} GiB predicted for the first 4 jobs, "
+            f"limit {between:.1f} GiB)") in log
+    assert "out of GPU memory at 2048 tokens per micro-batch: the round runs again at 1024" in log
     assert json.loads((tmp_path / "run" / "results.json").read_text())["token_budget"] == 1024
     for r, f in zip(rows, ref):
         assert r["status"] == f["status"] == "done" and r["steps"] == f["steps"] == 3

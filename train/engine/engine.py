@@ -41,7 +41,7 @@ from .early_exit import DIVERGING, OVERFITTING, warmup_steps
 from .jobs import (Job, adapter_is_finite, build_job, check_no_expert_jobs, job_spec,  # noqa: F401 - names
                    load_job_data, optimizer_to, run_source)
 from .loop import Advance, run_loop
-from .memory import AUTO_TOKEN_BUDGETS, MemoryModel, auto_token_budget, device_budget_bytes
+from .memory import AUTO_TOKEN_BUDGETS, GiB, MemoryModel, auto_token_budget, device_budget_bytes
 from .model import load_base, load_kbit_base
 from .multilora import BatchContext, JobAdapter, inject_multilora
 from .packing import MicroBatch, build_microbatch, plan_microbatches
@@ -268,14 +268,24 @@ class Engine:
         if run.resume and (self.out / checkpoint.CHECKPOINT).is_file():
             checkpoint.load(self, self.out / checkpoint.CHECKPOINT)
             self.log(f"[engine] resumed from {self.out / checkpoint.CHECKPOINT} at round {self.round}")
-        self.log(f"[engine] token budget {self.token_budget} tokens per micro-batch"
-                 + (" (auto)" if run.token_budget == "auto" else ""))
+        self.log(f"[engine] token budget {self.token_budget} tokens per micro-batch" + self._budget_reason())
         reporter = RunReporter(self.jobs, self.out, self.jobs[0].cfg.progress, self.rank == 0)
         try:
             return run_loop(self, self._advance, lambda: checkpoint.save(self), self.write_results,
                             self._stopped, self._ended, reporter)
         finally:
             reporter.close()
+
+    def _budget_reason(self) -> str:
+        """How ``token_budget: auto`` chose: the memory model's prediction for the first jobs against the limit."""
+        if self.run_cfg.token_budget != "auto":
+            return ""
+        if self.mem_budget is None:
+            return " (auto)"
+        first = admission_order(self.jobs)[:self.run_cfg.max_active_jobs]
+        need = self.memory.predict(self.token_budget, [j.footprint(self.targets) for j in first])
+        return (f" (auto: ~{need / GiB:.1f} GiB predicted for the first {len(first)} jobs, limit "
+                f"{self.mem_budget / GiB:.1f} GiB)")
 
     def _advance(self, active: list[Job]) -> Advance:
         """One round: every active job one step, then the scheduler's decisions. A round that runs out of GPU memory
