@@ -30,6 +30,18 @@ def _engine(tiny_llama_dir, data_file, out, jobs, **kw):
     return Engine(parse_run(run_dict(tiny_llama_dir, data_file, out, jobs, **kw)))
 
 
+def _assert_same_finished_adapters(rows, ref, steps: int) -> None:
+    """Each job of ``rows`` finished its ``steps`` and saved the factors its ``ref`` row saved (to 1e-7)."""
+    from bdlora import load_adapter
+
+    for r, f in zip(rows, ref, strict=True):
+        assert r["status"] == f["status"] == "done" and r["steps"] == f["steps"] == steps
+        a, b = load_adapter(r["adapter"]), load_adapter(f["adapter"])
+        for p in a.modules:
+            torch.testing.assert_close(a.modules[p].lora_A, b.modules[p].lora_A, rtol=0, atol=1e-7)
+            torch.testing.assert_close(a.modules[p].lora_B, b.modules[p].lora_B, rtol=0, atol=1e-7)
+
+
 def _val_loss_of_folder(tiny_llama_dir, folder, samples) -> float:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -260,8 +272,6 @@ def test_auto_token_budget_follows_the_memory_limit_and_survives_resume(tiny_lla
     when the limit changed, and trains what an uninterrupted run at that explicit budget trains."""
     import json
 
-    from bdlora import load_adapter
-
     jobs = [{"name": "a", "r": 4}, {"name": "b", "r": 8}]
     defaults = {"max_steps": 3, "batch_size": 16, "lr": 1e-3, "max_length": 64}  # a step of both: 2048 tokens
     probe = _engine(tiny_llama_dir, data_file, tmp_path / "probe", jobs, defaults=defaults)
@@ -280,12 +290,7 @@ def test_auto_token_budget_follows_the_memory_limit_and_survives_resume(tiny_lla
     assert resumed.token_budget == 1024
     assert json.loads((tmp_path / "run" / "results.json").read_text())["token_budget"] == 1024
     ref = _engine(tiny_llama_dir, data_file, tmp_path / "ref", jobs, defaults=defaults, token_budget=1024).run()
-    for r, f in zip(rows, ref):
-        assert r["status"] == f["status"] == "done" and r["steps"] == f["steps"] == 3
-        a, b = load_adapter(r["adapter"]), load_adapter(f["adapter"])
-        for p in a.modules:
-            torch.testing.assert_close(a.modules[p].lora_A, b.modules[p].lora_A, rtol=0, atol=1e-7)
-            torch.testing.assert_close(a.modules[p].lora_B, b.modules[p].lora_B, rtol=0, atol=1e-7)
+    _assert_same_finished_adapters(rows, ref, steps=3)
 
 
 def test_a_round_out_of_gpu_memory_runs_again_at_a_smaller_auto_budget(tiny_llama_dir, data_file, tmp_path,
@@ -298,7 +303,6 @@ def test_a_round_out_of_gpu_memory_runs_again_at_a_smaller_auto_budget(tiny_llam
     import json
 
     import bdlora.train.engine.step as step
-    from bdlora import load_adapter
     from bdlora.train.engine.scheduler import EngineError
 
     jobs = [{"name": f"j{i}", "r": 4 * (i + 1), "nblocks": 2 if i % 2 else 1, "seed": i} for i in range(4)]
@@ -335,12 +339,7 @@ def test_a_round_out_of_gpu_memory_runs_again_at_a_smaller_auto_budget(tiny_llam
             f"limit {between:.1f} GiB)") in log
     assert "out of GPU memory at 2048 tokens per micro-batch: the round runs again at 1024" in log
     assert json.loads((tmp_path / "run" / "results.json").read_text())["token_budget"] == 1024
-    for r, f in zip(rows, ref):
-        assert r["status"] == f["status"] == "done" and r["steps"] == f["steps"] == 3
-        a, b = load_adapter(r["adapter"]), load_adapter(f["adapter"])
-        for p in a.modules:
-            torch.testing.assert_close(a.modules[p].lora_A, b.modules[p].lora_A, rtol=0, atol=1e-7)
-            torch.testing.assert_close(a.modules[p].lora_B, b.modules[p].lora_B, rtol=0, atol=1e-7)
+    _assert_same_finished_adapters(rows, ref, steps=3)
     fixed = _engine(tiny_llama_dir, data_file, tmp_path / "fixed", jobs, defaults=defaults, token_budget=2048)
     out_of_memory_in_a_second_micro_batch(fixed)
     with pytest.raises(EngineError, match=r"out of GPU memory .* token_budget: 2048\): set a smaller token_budget "
