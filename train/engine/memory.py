@@ -65,7 +65,7 @@ class MemoryModel:
         vocab = int(getattr(config, "vocab_size", 32000))
         heads = int(getattr(config, "num_attention_heads", 8))
         # activations kept for backward per token and layer: ~ 16 h + 4 inter values through torch's norms and MLP,
-        # 10 h + 3.5 inter through Liger's (Llama-3.1-8B's shape, bf16, one H200, 2026-12-01: the measured peaks, one
+        # 10 h + 3.5 inter through Liger's (Llama-3.1-8B's shape, bf16, one H200: the engine's measured peaks, one
         # job at up to 5,150 tokens a micro-batch and three at up to ~14,000, were 0.87x and ~0.86-0.91x what this
         # predicts; BENCHMARKS.md, Training); logits of response tokens in the activations' dtype, in fp32 and their
         # gradient
