@@ -41,7 +41,7 @@ from .early_exit import DIVERGING, OVERFITTING, warmup_steps
 from .jobs import (Job, adapter_is_finite, build_job, check_no_expert_jobs, job_spec,  # noqa: F401 - names
                    load_job_data, optimizer_to, run_source)
 from .loop import Advance, run_loop
-from .memory import AUTO_TOKEN_BUDGETS, GiB, MemoryModel, auto_token_budget, device_budget_bytes
+from .memory import GiB, MemoryModel, auto_token_budget, device_budget_bytes, token_budget_candidates
 from .model import load_base, load_kbit_base
 from .multilora import BatchContext, JobAdapter, inject_multilora
 from .packing import MicroBatch, build_microbatch, plan_microbatches
@@ -138,7 +138,7 @@ class Engine:
         run = self.run_cfg
         if run.token_budget != "auto":
             return int(run.token_budget)
-        first = admission_order(self.jobs)[:run.max_active_jobs]
+        first = self._first_jobs()
         budget = auto_token_budget(self.memory, [j.footprint(self.targets) for j in first], self.mem_budget,
                                    step_tokens=sum(j.cfg.step_samples * j.cfg.max_length for j in first),
                                    longest=max(j.cfg.max_length for j in self.jobs))
@@ -148,6 +148,10 @@ class Engine:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             budget = int(t.item())
         return budget
+
+    def _first_jobs(self) -> list[Job]:
+        """The jobs admitted first (by priority, then file order), those ``token_budget: auto`` sizes for."""
+        return admission_order(self.jobs)[:self.run_cfg.max_active_jobs]
 
     # -- data ------------------------------------------------------------------------------------------
     def _split(self, j: JobConfig) -> DatasetSplit:
@@ -282,7 +286,7 @@ class Engine:
             return ""
         if self.mem_budget is None:
             return " (auto)"
-        first = admission_order(self.jobs)[:self.run_cfg.max_active_jobs]
+        first = self._first_jobs()
         need = self.memory.predict(self.token_budget, [j.footprint(self.targets) for j in first])
         return (f" (auto: ~{need / GiB:.1f} GiB predicted for the first {len(first)} jobs, limit "
                 f"{self.mem_budget / GiB:.1f} GiB)")
@@ -312,14 +316,13 @@ class Engine:
         return Advance(rounds=1, train_s=train_s, info=info, evals=self.after_step())
 
     def _smaller_token_budget(self) -> Optional[int]:
-        """The budget an out-of-memory round retries at: the next of AUTO_TOKEN_BUDGETS below the current one that
-        still holds every job's longest example, on one process under ``token_budget: auto``; else None (ranks of
-        data parallel pack the same micro-batches, so one rank cannot change its budget alone)."""
+        """The budget an out-of-memory round retries at: the next of ``auto``'s sizes below the current one, on one
+        process under ``token_budget: auto``; else None (ranks of data parallel pack the same micro-batches, so one
+        rank cannot change its budget alone)."""
         if self.run_cfg.token_budget != "auto" or self.world > 1:
             return None
         longest = max(j.cfg.max_length for j in self.jobs)
-        smaller = [t for t in AUTO_TOKEN_BUDGETS if longest <= t < self.token_budget]
-        return max(smaller) if smaller else None
+        return next((t for t in token_budget_candidates(longest) if t < self.token_budget), None)
 
     def _out_of_memory_message(self, e: MicroBatchOutOfMemory) -> str:
         fixed = self.run_cfg.token_budget != "auto"

@@ -161,6 +161,12 @@ AUTO_TOKEN_BUDGETS = (16384, 8192, 4096, 2048, 1024, 512)  # ``token_budget: aut
 CPU_TOKEN_BUDGET = 2048  # auto without a memory limit (CPU): larger micro-batches there only cost RAM
 
 
+def token_budget_candidates(longest: int) -> list[int]:
+    """The micro-batch sizes ``token_budget: auto`` chooses among, largest first: :data:`AUTO_TOKEN_BUDGETS` above
+    ``longest`` (the longest example must fit a micro-batch), then ``longest`` itself."""
+    return sorted({t for t in AUTO_TOKEN_BUDGETS if t > longest} | {longest}, reverse=True)
+
+
 def auto_token_budget(memory: MemoryModel, jobs: list[JobFootprint], limit: Optional[float], step_tokens: int,
                       longest: int) -> int:
     """``token_budget: auto``: the micro-batch size for ``jobs`` (the jobs first admitted together).
@@ -173,7 +179,7 @@ def auto_token_budget(memory: MemoryModel, jobs: list[JobFootprint], limit: Opti
     and four jobs at batches of 32 1.09-1.12x at 16384 than at 8192 (one H200, BENCHMARKS.md)."""
     if limit is None:
         return max(CPU_TOKEN_BUDGET, longest)
-    cands = sorted({t for t in AUTO_TOKEN_BUDGETS if t > longest} | {longest}, reverse=True)
+    cands = token_budget_candidates(longest)
     holding = [t for t in cands if t >= step_tokens]
     start = min(holding) if holding else cands[0]
     for t in cands:
@@ -192,4 +198,5 @@ def device_budget_bytes(device: torch.device, budget_gb: Optional[float]) -> Opt
 
 
 __all__ = ["AUTO_TOKEN_BUDGETS", "CPU_TOKEN_BUDGET", "GiB", "JobFootprint", "MemoryModel", "auto_token_budget",
+           "token_budget_candidates",
            "device_budget_bytes"]
