@@ -235,10 +235,12 @@ def _commit(src: Path):
     if (src / "COMMIT").is_file():
         return (src / "COMMIT").read_text().strip()
     try:
-        return subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+        top, head = subprocess.run(["git", "-C", str(src), "rev-parse", "--show-toplevel", "HEAD"],
+                                   capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError, ValueError):
         return None
+    # a copy without .git inside another repository (this one) would report that repository's commit
+    return head if Path(top).resolve() == src.resolve() else None
 
 
 if __name__ == "__main__":
