@@ -198,6 +198,26 @@ def test_peer_mlora_config_describes_the_engine_jobs(tmp_path):
     assert e.value.code == 2
 
 
+def test_peer_mlora_records_the_checkouts_own_commit(tmp_path):
+    """The peer's commit in the results: its own repository's HEAD, or a copy's COMMIT file; a copy without either
+    inside another repository (this one) records None, not the enclosing repository's commit."""
+    import subprocess
+
+    from bench.train.peer_mlora import _commit
+
+    outer = tmp_path / "outer"
+    (outer / "peer").mkdir(parents=True)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q", str(outer)], check=True)
+    subprocess.run([*git, "-C", str(outer), "commit", "-q", "--allow-empty", "-m", "outer"], check=True)
+    assert _commit(outer / "peer") is None
+    (outer / "peer" / "COMMIT").write_text("4abf120c10e9d96269383e27ac8cafd41f997216\n")
+    assert _commit(outer / "peer") == "4abf120c10e9d96269383e27ac8cafd41f997216"
+    head = subprocess.run(["git", "-C", str(outer), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert _commit(outer) == head
+
+
 def test_random_checkpoint_is_written_shard_by_shard_and_loads(tmp_path):
     """pipeline_vs_fsdp's base for shapes no GPU holds: several shards with an index, loadable by transformers with
     every weight present (norms ones, the rest N(0, init_std))."""
