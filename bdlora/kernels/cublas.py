@@ -57,6 +57,7 @@ from . import dispatch
 from ._jit import dot, jit, tl
 from .dispatch import KernelOptions, new_output, rows, zero_outside_segments
 from .dropout import drop_expand_t, drop_shrink, drop_wgrad_a, dropout_keys, fused_ok, segment_keep_mask
+from .launch import launch
 
 BD_GEMMS = ("auto", "dense", "blocks")
 DENSE_MAX_RANK = 128
@@ -174,7 +175,7 @@ def dsdb_dense(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> tuple[torc
         split = max(2, min(16, dispatch.sm_count(dy.device) // dispatch.cdiv(rows, tiles["BT"])))
     else:  # small tiles under the interpreter, several splits and chunks per program
         tiles, split = dict(BT=16, BN=32, num_warps=4, num_stages=1), 2
-    _dsdb_dense_kernel[(dispatch.cdiv(rows, tiles["BT"]), split)](
+    launch(_dsdb_dense_kernel, (dispatch.cdiv(rows, tiles["BT"]), split),
         ds, db, dy, s, b, rows, d_out, r, dy.stride(0), split,
         BLOCK_T=tiles["BT"], BLOCK_N=tiles["BN"], BLOCK_R=max(16, dispatch.next_pow2(r)),
         PREC=dispatch.dot_precision(dy.dtype), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])

@@ -39,6 +39,7 @@ import torch
 from . import dispatch
 from ._jit import dot, jit, tl
 from .dispatch import cdiv, dot_precision, next_pow2
+from .launch import launch
 
 M64 = 0xFFFFFFFFFFFFFFFF
 GOLDEN32 = 0x9E3779B1
@@ -165,8 +166,8 @@ def keep_mask_triton(keys: tuple[int, int], rows: int, cols: int, p: float, devi
     out = torch.empty((rows, cols), dtype=torch.int8, device=device)
     block = 1024 if out.is_cuda else 128
     if rows and cols:
-        _dropout_mask_kernel[(rows, cdiv(cols, block))](out, *keys, cols, out.stride(0), keep_threshold(p),
-                                                        BLOCK=block)
+        launch(_dropout_mask_kernel, (rows, cdiv(cols, block)), out, *keys, cols, out.stride(0), keep_threshold(p),
+               BLOCK=block)
     return out.bool()
 
 
@@ -290,8 +291,8 @@ def drop_shrink(s: torch.Tensor, x: torch.Tensor, a: torch.Tensor, keys, p: floa
     if rows == 0:
         return
     cfg = _tiles(x, a.shape[0], "shrink")
-    _drop_shrink_kernel[(cdiv(rows, cfg["BT"]),)](
-        x, a, s, rows, d_in, a.shape[0], x.stride(0), keys[0], keys[1], keep_threshold(p), float(alpha),
+    launch(_drop_shrink_kernel, (cdiv(rows, cfg["BT"]),),
+           x, a, s, rows, d_in, a.shape[0], x.stride(0), keys[0], keys[1], keep_threshold(p), float(alpha),
         R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=cfg["BK"], PREC=dot_precision(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
@@ -306,8 +307,8 @@ def drop_expand_t(dx: torch.Tensor, ds: torch.Tensor, a: torch.Tensor, keys, p: 
         return
     cfg = _tiles(dx, a.shape[0], "expand_t")
     bk = cfg["BK"]
-    _drop_expand_t_kernel[(cdiv(rows, cfg["BT"]), cdiv(d_in, bk))](
-        ds, a, dx, rows, d_in, a.shape[0], dx.stride(0), keys[0], keys[1], keep_threshold(p), float(alpha),
+    launch(_drop_expand_t_kernel, (cdiv(rows, cfg["BT"]), cdiv(d_in, bk)),
+           ds, a, dx, rows, d_in, a.shape[0], dx.stride(0), keys[0], keys[1], keep_threshold(p), float(alpha),
         R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=bk, PREC=dot_precision(dx.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
@@ -329,8 +330,8 @@ def drop_wgrad_a(x: torch.Tensor, ds: torch.Tensor, keys, p: float, alpha: float
     per_split = cdiv(cdiv(rows, splits), cfg["BT"]) * cfg["BT"]
     splits = cdiv(rows, per_split)
     part = torch.empty((splits, r, d_in), dtype=torch.float32, device=x.device)  # every element written
-    _drop_wgrad_a_kernel[(n_k, splits)](
-        x, ds, part, rows, d_in, r, x.stride(0), keys[0], keys[1], keep_threshold(p), per_split,
+    launch(_drop_wgrad_a_kernel, (n_k, splits),
+           x, ds, part, rows, d_in, r, x.stride(0), keys[0], keys[1], keep_threshold(p), per_split,
         R=cfg["R"], BLOCK_T=cfg["BT"], BLOCK_K=bk, PREC=dot_precision(x.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return part.sum(0).mul_(alpha) if splits > 1 else part[0].mul_(alpha)

@@ -1,11 +1,13 @@
-"""Serving launches of Triton kernels without Triton's per-call Python: ``launch(kernel, grid, *args, **kwargs)`` is
+"""Launches of Triton kernels without Triton's per-call Python: ``launch(kernel, grid, *args, **kwargs)`` is
 ``kernel[grid](*args, **kwargs)``, but keeps the compiled kernel of each specialization and relaunches it directly.
 
 Why: ``JITFunction.run`` binds and specializes every argument, builds a cache key (``str`` of the compile options),
 checks the kernel's globals and asks the driver for the device and stream on every call. Decode steps replay CUDA
 graphs and never see that, but vLLM runs prefills eagerly, four BD layers per decoder layer, and BD's prefill is
 host-bound (BENCHMARKS.md, "Prefill host time": on an H100 host the direct launch takes 8-14 us off a folded call's
-~110 us of host time at 1024 tokens).
+~110 us of host time at 1024 tokens). Training steps of short sequences are host-bound the same way: the cuBLAS
+layer's dS/dB kernel and the dropout kernels (``cublas.py``, ``dropout.py``) launch through here too, once per layer
+call each.
 
 The direct launch passes the same arguments to the same compiled kernel as Triton's launcher would
 (``CompiledKernel.run`` with every parameter in signature order). It is taken only when everything Triton
