@@ -78,7 +78,7 @@ def _kernel_classes():
     from torch.distributed.tensor import DTensor
 
     from .kernels import KernelOptions
-    from .kernels.cublas import cublas_lora_add_, cublas_lora_linear
+    from .kernels.cublas import compiled_lora_linear, cublas_lora_add_, cublas_lora_linear
 
     def dropout_p(module, active_adapter: str) -> float:
         """The adapter's LoRA dropout probability in this call (0 in eval mode or without ``nn.Dropout``)."""
@@ -117,8 +117,8 @@ def _kernel_classes():
             # are read directly here, so they go through PEFT's own calls instead
             if hasattr(lora_a.weight, "ds_id") or hasattr(lora_b.weight, "ds_id"):
                 return None
-            # under torch.compile "auto" takes PEFT's layer, which compiles with the model (the kernels are opaque
-            # to it: "cublas" runs them between compiled graphs)
+            # under torch.compile "auto" takes PEFT's layer, which compiles with the model ("cublas" runs the
+            # kernels as a custom op inside the graph: _fused_forward)
             if self.backend == "auto" and (torch.compiler.is_compiling() or x.device.type != "cuda"
                                            or x.numel() < AUTO_MIN_ROWS * x.shape[-1]):
                 return None
@@ -178,7 +178,15 @@ def _kernel_classes():
                 dtype = torch.get_autocast_dtype(device)
                 x, weight = x.to(dtype), weight.to(dtype)
                 bias = None if bias is None else bias.to(dtype)
-            y = lora_linear_eager(x.reshape(-1, x.shape[-1]), weight, bias, *call, variant.options)
+            x2 = x.reshape(-1, x.shape[-1])
+            adapter, seed = call
+            # inside a compiled graph the layer is a custom op (no graph break) where it can be: no dropout, the base
+            # frozen; elsewhere the autograd function, which dynamo runs between graphs
+            if torch.compiler.is_compiling() and seed is None and not weight.requires_grad and (
+                    bias is None or not bias.requires_grad):
+                y = compiled_lora_linear(x2, weight, bias, adapter)
+            else:
+                y = lora_linear_eager(x2, weight, bias, adapter, seed, variant.options)
             return y.view(*x.shape[:-1], y.shape[-1])
 
     return KernelBdLoraVariant, KernelLoraLinear

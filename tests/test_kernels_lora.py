@@ -463,6 +463,50 @@ def test_triton_fused_linear_wider_factors(fuse_base):
     assert live and all(float(g.abs().max()) > 0 for g in live)
 
 
+@pytest.mark.parametrize("layout,n", [("column", 4), ("row", 4), (None, 1), ("column", 2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cublas_custom_op_equals_the_autograd_function(layout, n, bias):
+    """``bdlora::lora_linear`` (the cuBLAS layer inside compiled graphs) gives the output and the x / factor gradients
+    of ``CublasLoraLinearFn`` bit for bit (same products, same routes), against the float64 oracle as well, with a
+    bf16 activation and fp32 factors, only the gradients asked for; it passes torch's custom-op checks (schema, fake
+    impl, autograd registration, AOT dispatch with dynamic shapes)."""
+    gen = torch.Generator().manual_seed(31)
+    t = 37  # ragged
+    ad = make_adapter(gen, 16, layout, n)
+    x = torch.randn(t, D_IN, generator=gen).requires_grad_()
+    w = torch.randn(D_OUT, D_IN, generator=gen) / D_IN ** 0.5
+    b = torch.randn(D_OUT, generator=gen) if bias else None
+    gy = torch.randn(t, D_OUT, generator=gen)
+    leaves = [x, ad.lora_A, ad.lora_B]
+    y_fn = cublas_mod.cublas_lora_linear(x, w, b, [0, t], [ad], None, K.KernelOptions())[0]
+    g_fn = torch.autograd.grad(y_fn, leaves, gy)
+    y_op = cublas_mod.compiled_lora_linear(x, w, b, ad)
+    g_op = torch.autograd.grad(y_op, leaves, gy)
+    assert torch.equal(y_op, y_fn) and all(torch.equal(p, q) for p, q in zip(g_op, g_fn))
+    y64, grads64 = oracle(x, [0, t], [ad], gy, w, b)
+    torch.testing.assert_close(y_op.double(), y64, rtol=1e-4, atol=1e-4)
+    for g, g64 in zip(g_op, [grads64[0], *grads64[-2:]]):
+        torch.testing.assert_close(g.double(), g64, rtol=1e-4, atol=1e-4)
+    # only dB wanted (x and A frozen): the other gradients are not computed
+    g_b = torch.autograd.grad(cublas_mod.compiled_lora_linear(x.detach(), w, b, dataclasses.replace(
+        ad, lora_A=ad.lora_A.detach())), [ad.lora_B], gy)[0]
+    assert torch.equal(g_b, g_fn[2])
+    # bf16 activations and base, fp32 factors (bdlora train's bf16 precision): the Function's numerics
+    xh, wh = x.detach().bfloat16().requires_grad_(), w.bfloat16()
+    bh = None if b is None else b.bfloat16()
+    y_fn = cublas_mod.cublas_lora_linear(xh, wh, bh, [0, t], [ad], None, K.KernelOptions())[0]
+    y_op = cublas_mod.compiled_lora_linear(xh, wh, bh, ad)
+    assert y_op.dtype == torch.bfloat16 and torch.equal(y_op, y_fn)
+    g_fn = torch.autograd.grad(y_fn, [xh, ad.lora_A, ad.lora_B], gy.bfloat16())
+    g_op = torch.autograd.grad(y_op, [xh, ad.lora_A, ad.lora_B], gy.bfloat16())
+    assert [g.dtype for g in g_op] == [torch.bfloat16, torch.float32, torch.float32]
+    assert all(torch.equal(p, q) for p, q in zip(g_op, g_fn))
+    torch.library.opcheck(torch.ops.bdlora.lora_linear.default,
+                          (x, w, b, ad.lora_A, ad.lora_B, layout or cublas_mod.DENSE_LAYOUT, n, ad.scale))
+    with pytest.raises(ValueError, match="dropout"):
+        cublas_mod.compiled_lora_linear(x, w, b, dataclasses.replace(ad, dropout=0.1))
+
+
 def unlogged(fn, calls, name):
     """fn run outside every TorchDispatchMode, its name appended to calls."""
     from torch.utils._python_dispatch import _disable_current_modes

@@ -298,15 +298,20 @@ def test_partitioned_factors_take_peft_calls(tiny_llama_dir):
 
 @pytest.mark.parametrize("backend", ["cublas", "auto"])
 def test_compiled_model_matches_peft_layer(tiny_llama_dir, backend):
-    """Under torch.compile (``training_args.torch_compile``) the kernels run between compiled graphs and ``auto``
-    compiles PEFT's layer with the model: the same logits and LoRA gradients as PEFT's layer in eager mode.
-    Dynamo's AOTAutograd backend traces exactly what inductor would, without code generation."""
+    """Under torch.compile (``training_args.torch_compile``) ``cublas`` runs the kernels inside the compiled graph
+    (the ``bdlora::lora_linear`` custom op: one graph, no break at any of the 14 layers) and ``auto`` compiles PEFT's
+    layer with the model: the same logits and LoRA gradients as PEFT's layer in eager mode. Dynamo's AOTAutograd
+    backend traces exactly what inductor would, without code generation."""
     spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16)
     ref = _peft_model(tiny_llama_dir, spec)
     fused = copy.deepcopy(ref)
     assert use_bdlora_kernels(fused, backend) == 14
     ids = _ids()
     logits_ref, g_ref = _loss_and_grads(ref, ids)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fused)(input_ids=ids, labels=ids)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons[:3]
+    fused.zero_grad(set_to_none=True)
     torch._dynamo.reset()
     compiled = torch.compile(fused, backend="aot_eager")
     out = compiled(input_ids=ids, labels=ids)

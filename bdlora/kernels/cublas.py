@@ -230,11 +230,7 @@ def _shrink(cfg: _Cfg, i: int, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         xin = rows(x, s0, s1)
         s = new_output(x, (s1 - s0, cfg.rank[i]), cfg.options)
         cfg.fused[i] = cfg.p[i] > 0 and fused_ok(x, a_eff, cfg.options.fused_dropout)
-        need_ds = need_da or need_dx
-        if need_db or need_ds:
-            dense_b = cfg.dense[i] or cfg.nb_b[i] == 1
-            fuse = need_db and need_ds and dense_b and dsdb_ok(x, b_eff, cfg.options.fused_dsdb)
-            cfg.dsdb[i] = "triton" if fuse else "cublas"
+        _decide_dsdb(cfg, i, x, b_eff, need_db, need_da or need_dx)
         if cfg.fused[i]:  # mask drawn in the kernel, again in backward: nothing but x saved
             drop_shrink(s, xin, a_eff, cfg.keys[i], cfg.p[i], cfg.c[i])
             xin = None
@@ -244,6 +240,15 @@ def _shrink(cfg: _Cfg, i: int, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor
                 xin = xin.masked_fill(drop, 0)
             bd_mm_(s, xin, a_eff, na, cfg.c[i], 0.0)
     return s, (b_eff, nb), [a_eff, b_eff, s, xin if drop is not None else None, drop]
+
+
+def _decide_dsdb(cfg: _Cfg, i: int, x: torch.Tensor, b_eff: torch.Tensor, need_db: bool, need_ds: bool) -> None:
+    """Adapter i's dS/dB route (``cfg.dsdb``): one Triton kernel reading dY once where dS and dB are both wanted, B is
+    dense as the GEMMs see it and ``dsdb_ok``; else two GEMMs."""
+    if need_db or need_ds:
+        dense_b = cfg.dense[i] or cfg.nb_b[i] == 1
+        fuse = need_db and need_ds and dense_b and dsdb_ok(x, b_eff, cfg.options.fused_dsdb)
+        cfg.dsdb[i] = "triton" if fuse else "cublas"
 
 
 def _needs_x(cfg: _Cfg, need_da: Sequence[bool]) -> bool:
@@ -432,3 +437,97 @@ def cublas_lora_add_(out: torch.Tensor, x: torch.Tensor, adapter: LoraFactors, s
     cfg = _Cfg([0, rows], [adapter], seed, options)
     out = CublasLoraAddFn.apply(cfg, out, x.contiguous(), adapter.lora_A.contiguous(), adapter.lora_B.contiguous())
     return out, _dropout_route(cfg, 0, rows), cfg.dsdb[0]
+
+
+# The same layer as a torch custom op, for compiled graphs: dynamo cannot trace ``CublasLoraLinearFn`` (its ``_Cfg``
+# is host-side state), so a compiled model breaks its graph at every such layer; a custom op with a fake impl and
+# registered autograd stays inside the graph. One adapter over every row, no dropout, a frozen base: what a
+# compiled PEFT model's BD layer runs (``bdlora.peft_model``); the products, routes and numerics are the Function's.
+DENSE_LAYOUT = "dense"  # the op's name for a layout of None (a schema takes str, not Optional)
+
+
+def _op_cfg(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, layout: str, nblocks: int,
+            scale: float) -> _Cfg:
+    ad = LoraFactors(lora_a, lora_b, None if layout == DENSE_LAYOUT else layout, nblocks, scale, 0.0)
+    return _Cfg([0, x.shape[0]], [ad], None, KernelOptions())
+
+
+@torch.library.custom_op("bdlora::lora_linear", mutates_args=())
+def lora_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                   lora_b: torch.Tensor, layout: str, nblocks: int, scale: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, S): y = x @ weight^T + bias + scale * x @ A @ B over every row of x (T, d_in), the factors packed in PEFT
+    orientation with ``layout`` "column" / "row" / "dense" (``bdlora.layout``); S = scale * x @ A (T, r), the rank-r
+    product its backward reads (not differentiable)."""
+    cfg = _op_cfg(x, lora_a, lora_b, layout, nblocks, scale)
+    s, (b_eff, nb), _ = _shrink(cfg, 0, x, lora_a, lora_b, True, True, True)
+    if s is None:  # no rows
+        return x.new_empty((0, weight.shape[0])), x.new_empty((0, lora_a.shape[0]))
+    if bias is None:
+        y = x.new_empty((x.shape[0], weight.shape[0]))
+        bd_mm_(y, s, b_eff, nb, 1.0, 0.0)
+        y.addmm_(x, weight.t())
+    else:
+        y = F.linear(x, weight, bias)
+        bd_mm_(y, s, b_eff, nb, 1.0, 1.0)
+    return y, s
+
+
+@lora_linear_op.register_fake
+def _lora_linear_fake(x, weight, bias, lora_a, lora_b, layout, nblocks, scale):
+    return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((x.shape[0], lora_a.shape[0]))
+
+
+@torch.library.custom_op("bdlora::lora_linear_backward", mutates_args=())
+def lora_linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor,
+                            lora_b: torch.Tensor, s: torch.Tensor, layout: str, nblocks: int, scale: float,
+                            need_dx: bool, need_da: bool, need_db: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dX, dA, dB) of :func:`lora_linear_op` (``CublasLoraLinearFn``'s backward for one adapter without dropout; the
+    dS/dB route decided as its forward would); a gradient not asked for comes back empty."""
+    cfg = _op_cfg(x, lora_a, lora_b, layout, nblocks, scale)
+    dy = dy.contiguous()
+    a_eff, _ = _eff(lora_a, cfg.nb_a[0], cfg.dense[0], x.dtype)
+    b_eff, _ = _eff(lora_b, cfg.nb_b[0], cfg.dense[0], x.dtype)
+    _decide_dsdb(cfg, 0, x, b_eff, need_db, need_da or need_dx)
+    dx = new_output(dy, tuple(x.shape), cfg.options) if need_dx else None
+    da, db = _expand_backward(cfg, 0, dy, x, [a_eff, b_eff, s, None, None], need_da, need_db, dx)
+    if dx is not None:
+        dx.addmm_(dy, weight)
+    return (x.new_empty(0) if dx is None else dx, lora_a.new_empty(0) if da is None else da,
+            lora_b.new_empty(0) if db is None else db)
+
+
+@lora_linear_backward_op.register_fake
+def _lora_linear_backward_fake(dy, x, weight, lora_a, lora_b, s, layout, nblocks, scale, need_dx, need_da, need_db):
+    return (torch.empty_like(x) if need_dx else x.new_empty(0), torch.empty_like(lora_a) if need_da
+            else lora_a.new_empty(0), torch.empty_like(lora_b) if need_db else lora_b.new_empty(0))
+
+
+def _lora_linear_setup(ctx, inputs, output):
+    x, weight, _bias, lora_a, lora_b, layout, nblocks, scale = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, weight, lora_a, lora_b, output[1])
+    ctx.meta = (layout, nblocks, scale)
+
+
+def _lora_linear_grad(ctx, dy, _ds):
+    x, weight, lora_a, lora_b, s = ctx.saved_tensors
+    nig = ctx.needs_input_grad
+    if nig[1] or nig[2]:
+        raise RuntimeError("bdlora::lora_linear: the base weight and bias are frozen (no gradient for them)")
+    dx, da, db = lora_linear_backward_op(dy, x, weight, lora_a, lora_b, s, *ctx.meta, nig[0], nig[3], nig[4])
+    return (dx if nig[0] else None, None, None, da if nig[3] else None, db if nig[4] else None, None, None, None)
+
+
+torch.library.register_autograd("bdlora::lora_linear", _lora_linear_grad, setup_context=_lora_linear_setup)
+
+
+def compiled_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         adapter: LoraFactors) -> torch.Tensor:
+    """``x @ weight^T + bias + adapter's LoRA term`` through :func:`lora_linear_op` (one adapter over every row of x
+    (T, d_in), no dropout, a frozen base): the cuBLAS layer inside a compiled graph."""
+    if adapter.dropout:
+        raise ValueError("compiled_lora_linear: LoRA dropout is drawn by the eager layer (cublas_lora_linear)")
+    return lora_linear_op(x.contiguous(), weight, bias, adapter.lora_A.contiguous(), adapter.lora_B.contiguous(),
+                          adapter.layout or DENSE_LAYOUT, adapter.nblocks, float(adapter.scale))[0]
