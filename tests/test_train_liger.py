@@ -69,6 +69,13 @@ def test_decision_on_a_gpu(tmp_path, gpu_like, monkeypatch):
             T.liger_choice(_cfg(tmp_path, use_liger_kernel=True), "gpt2")
         on, why = T.liger_choice(_cfg(tmp_path, load_in_4bit=True), "llama")
         assert not on and "k-bit base" in why
+        compiled = dict(training_args={"torch_compile": True})
+        on, why = T.liger_choice(_cfg(tmp_path, lora_backend="cublas", **compiled), "llama")
+        assert not on and why.startswith("off (auto: training_args.torch_compile with lora_backend: cublas")
+        with pytest.raises(ConfigError, match=r"use_liger_kernel: true, but training_args.torch_compile with "
+                                              r"lora_backend: cublas"):
+            T.liger_choice(_cfg(tmp_path, lora_backend="cublas", use_liger_kernel=True, **compiled), "llama")
+        assert T.liger_choice(_cfg(tmp_path, **compiled), "llama") == (True, "on (auto)")  # auto: PEFT's layer
     assert T.liger_choice(_cfg(tmp_path, use_liger_kernel=False), "llama") == (False, "off (use_liger_kernel: false)")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -135,7 +135,7 @@ class TrainConfig:
         `cublas` (bdlora's kernels everywhere) or `peft` (PEFT's BlockDiagonalLinear). Same parameters and saved
         adapter either way; k-bit bases always run PEFT's bitsandbytes layer. Under `training_args.torch_compile`
         `auto` takes PEFT's layer (compiled with the model) and `cublas` runs the kernels inside the compiled graph
-        (a custom op; with lora_dropout > 0, between graphs)."""))
+        (a custom op; with lora_dropout > 0, between graphs; Liger Kernel off)."""))
     use_liger_kernel: Optional[bool] = field(default=None, **_help("""Liger Kernel's fused Triton kernels (RMSNorm,
         SwiGLU, RoPE, linear cross-entropy without the logits tensor) through transformers' integration. Unset
         (auto): on when training on a GPU with liger-kernel installed (`pip install liger-kernel`), the model type
