@@ -32,6 +32,13 @@
 #       auto+liger,auto+liger+cudnn: sdpa without and with cuDNN attention; +masked: packed rows under transformers'
 #       block-causal mask instead of varlen flash attention) and TABLE_TRAINER_ARGS (e.g. "--repeats 2") for the
 #       trainer rows; TABLE_ENGINE_ARGS="--masked-attention" the same for the engine's rows
+#   One GPU, one call per column (b8 about 380 s; b32's compile takes longer): the trainer compiled
+#   (training_args.torch_compile, lora_backend cublas: the BD layer as a custom op in one graph) beside the trainer
+#   uncompiled and the engine at one job, side by side:
+#     MODE=compiled [COMPILED_COLUMN=b8|b32] bash bench/train/gpu_run.sh
+#       the GPU test of the compiled layer against PEFT's, then bench_trainer.py (the plain loop, auto+liger,
+#       cublas+compile) and bench_engine.py --ks 1 --engine-seq-jobs 1 on the same records
+#                          -> $OUT/compiled_tests.log  $OUT/compiled_trainer_<col>.jsonl  $OUT/compiled_engine_<col>.json
 #   One GPU, one call (about 400 s): packed attention (train/attention.py) against transformers' mask, side by side:
 #     MODE=packed [PACKED_COLUMN=b32|b8] bash bench/train/gpu_run.sh
 #       its GPU tests (the flash route against the reference route, a bf16 sweep against attn_implementation: sdpa),
@@ -168,6 +175,28 @@ case "$MODE" in
       echo "peer rows rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
     fi
     ;;
+  compiled)
+    col=${COMPILED_COLUMN:-b8}
+    case "$col" in
+      b8) targs=(--batch 8 --steps 16 --warmup 10); eargs=(--batch-size 8) ;;
+      b32) targs=(--batch 32 --steps 12 --warmup 10); eargs=(--batch-size 32) ;;
+      *) echo "COMPILED_COLUMN must be b8 or b32"; exit 2 ;;
+    esac
+    log="$O/compiled_$col.log"
+    env_report "$log"
+    timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider -p no:logging tests/test_peft_kernel_variant.py \
+      -k on_gpu >"$O/compiled_tests.log" 2>&1
+    echo "compiled layer GPU tests rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
+    # the engine first: the compiled row takes what is left
+    timeout -k 10 "$(kill_after)" python3 bench/train/bench_engine.py --shape llama8b --ks 1 --engine-seq-jobs 1 \
+      --no-sweep --no-seq-trainer --steps 10 --trainer-data --warmup-steps 8 "${eargs[@]}" --time-limit 120 \
+      --out "$O/compiled_engine_$col.json" >>"$log" 2>&1
+    echo "engine rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
+    timeout -k 10 "$(kill_after)" python3 bench/train/bench_trainer.py --shape llama8b "${targs[@]}" \
+      --lora-backends auto+liger,cublas+compile --out "$O/compiled_trainer_$col.jsonl" --tag "compiled-$col" \
+      >>"$log" 2>&1
+    echo "trainer rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
+    ;;
   packed)
     col=${PACKED_COLUMN:-b32}
     case "$col" in
@@ -194,10 +223,10 @@ case "$MODE" in
     ;;
   *)
     sed -n '2,/^set -uo/{/^set -uo/!p}' "$0"
-    echo "MODE must be engine, pvd, table or packed"; exit 2 ;;
+    echo "MODE must be engine, pvd, table, compiled or packed"; exit 2 ;;
 esac
-tail -n 12 "$O"/train_*.log "$O"/table_*.log "$O"/packed_*.log 2>/dev/null
-ls -l "$O"/train_* "$O"/table_* "$O"/packed_* "$O"/masked_* 2>/dev/null
+tail -n 12 "$O"/train_*.log "$O"/table_*.log "$O"/compiled_*.log "$O"/packed_*.log 2>/dev/null
+ls -l "$O"/train_* "$O"/table_* "$O"/compiled_* "$O"/packed_* "$O"/masked_* 2>/dev/null
 # everything in one archive as well: the device tool brings back a limited number of files per call
 ( cd "$O" && tar czf results.tgz --exclude=results.tgz -- * 2>/dev/null ) && echo "archive $O/results.tgz"
 echo "call wall $(( $(date +%s) - T0 )) s"
