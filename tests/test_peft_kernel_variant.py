@@ -242,21 +242,34 @@ def test_auto_under_autocast_is_peft_bit_for_bit(tiny_llama_dir, dropout):
         assert copies(ref) - copies(auto) >= 2 * 14
 
 
-def test_trainer_trains_the_same_adapter_on_either_backend(tiny_llama_dir, tmp_path):
-    """``bdlora train`` with ``lora_backend: cublas`` against ``peft``: the same adapter after a few AdamW steps."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_trainer_trains_the_same_adapter_on_either_backend(tiny_llama_dir, tmp_path, monkeypatch, compiled):
+    """``bdlora train`` with ``lora_backend: cublas`` against ``peft``: the same adapter after a few AdamW steps;
+    also with ``training_args.torch_compile`` (the custom op inside the graph; AOTAutograd without code generation,
+    which traces what inductor compiles), the adapter saved from the compiled model."""
     from safetensors.torch import load_file
+    from torch._dynamo.utils import counters
 
     from bdlora.train.config import TrainConfig
     from bdlora.train.tasks import toy_chat_records, write_jsonl
     from bdlora.train.trainer import run_training
 
+    # TrainingArguments' torch_compile exports the backend to accelerate through the environment: keep it to this test
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
     data = write_jsonl(toy_chat_records(12, seed=2), tmp_path / "d.jsonl")
     adapters = {}
     for backend in ("peft", "cublas"):
+        extra = ({"torch_compile": True, "torch_compile_backend": "aot_eager"}
+                 if compiled and backend == "cublas" else {})
         cfg = TrainConfig(model=str(tiny_llama_dir), nblocks=2, r=8, lora_alpha=16, train_file=str(data),
                           eval_fraction=0.0, lr=5e-3, warmup_ratio=0.0, batch_size=4, max_steps=3, seed=4,
-                          lora_backend=backend, output_dir=str(tmp_path / backend), report_to=[], progress=False)
+                          lora_backend=backend, output_dir=str(tmp_path / backend), report_to=[], progress=False,
+                          training_args=extra)
+        torch._dynamo.reset()
+        counters.clear()
         adapters[backend] = load_file(run_training(cfg).adapter_dir / "adapter_model.safetensors")
+        monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
+        assert bool(counters["stats"]["unique_graphs"]) == bool(extra)  # the compiled run really compiled
     ref, got = adapters["peft"], adapters["cublas"]
     assert ref.keys() == got.keys() and len(ref) == 28
     moved = 0
