@@ -192,8 +192,9 @@ case "$MODE" in
       --no-sweep --no-seq-trainer --steps 10 --trainer-data --warmup-steps 8 "${eargs[@]}" --time-limit 120 \
       --out "$O/compiled_engine_$col.json" >>"$log" 2>&1
     echo "engine rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
-    timeout -k 10 "$(kill_after)" python3 bench/train/bench_trainer.py --shape llama8b "${targs[@]}" \
-      --lora-backends auto+liger,cublas+compile --out "$O/compiled_trainer_$col.jsonl" --tag "compiled-$col" \
+    # recompilations named in the log: what the compiled row's warm-up spends its time on
+    TORCH_LOGS=recompiles timeout -k 10 "$(kill_after)" python3 bench/train/bench_trainer.py --shape llama8b \
+      "${targs[@]}" --lora-backends auto+liger,cublas+compile --out "$O/compiled_trainer_$col.jsonl" --tag "compiled-$col" \
       >>"$log" 2>&1
     echo "trainer rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
     ;;
