@@ -463,11 +463,24 @@ def test_triton_fused_linear_wider_factors(fuse_base):
     assert live and all(float(g.abs().max()) > 0 for g in live)
 
 
+@pytest.mark.parametrize("first", ["bdlora.kernels.cublas", "vllm_plugin.fast_path.ops"])
+def test_training_op_and_serving_ops_share_the_namespace(first):
+    """The training layer's custom op and the vLLM plugin's ops live in one ``bdlora`` op namespace, which is
+    process-wide: importing both, in either order, registers every op once (a clash of names fails the import)."""
+    pytest.importorskip("vllm")
+    other = {"bdlora.kernels.cublas", "vllm_plugin.fast_path.ops"} - {first}
+    code = (f"import {first}, {other.pop()}, torch; "
+            "print(all(hasattr(torch.ops.bdlora, n) for n in ('train_lora_linear', 'train_lora_linear_backward', "
+            "'lora_linear', 'fold_linear')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("True"), done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("layout,n", [("column", 4), ("row", 4), (None, 1), ("column", 2)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_cublas_custom_op_equals_the_autograd_function(layout, n, bias):
-    """``bdlora::lora_linear`` (the cuBLAS layer inside compiled graphs) gives the output and the x / factor gradients
-    of ``CublasLoraLinearFn`` bit for bit (same products, same routes), against the float64 oracle as well, with a
+    """``bdlora::train_lora_linear`` (the cuBLAS layer inside compiled graphs) gives the output and the x / factor
+    gradients of ``CublasLoraLinearFn`` bit for bit (same products, same routes), against the float64 oracle as well, with a
     bf16 activation and fp32 factors, only the gradients asked for; it passes torch's custom-op checks (schema, fake
     impl, autograd registration, AOT dispatch with dynamic shapes)."""
     gen = torch.Generator().manual_seed(31)
@@ -501,7 +514,7 @@ def test_cublas_custom_op_equals_the_autograd_function(layout, n, bias):
     g_op = torch.autograd.grad(y_op, [xh, ad.lora_A, ad.lora_B], gy.bfloat16())
     assert [g.dtype for g in g_op] == [torch.bfloat16, torch.float32, torch.float32]
     assert all(torch.equal(p, q) for p, q in zip(g_op, g_fn))
-    torch.library.opcheck(torch.ops.bdlora.lora_linear.default,
+    torch.library.opcheck(torch.ops.bdlora.train_lora_linear.default,
                           (x, w, b, ad.lora_A, ad.lora_B, layout or cublas_mod.DENSE_LAYOUT, n, ad.scale))
     with pytest.raises(ValueError, match="dropout"):
         cublas_mod.compiled_lora_linear(x, w, b, dataclasses.replace(ad, dropout=0.1))

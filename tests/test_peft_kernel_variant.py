@@ -312,8 +312,8 @@ def test_partitioned_factors_take_peft_calls(tiny_llama_dir):
 @pytest.mark.parametrize("backend", ["cublas", "auto"])
 def test_compiled_model_matches_peft_layer(tiny_llama_dir, backend):
     """Under torch.compile (``training_args.torch_compile``) ``cublas`` runs the kernels inside the compiled graph
-    (the ``bdlora::lora_linear`` custom op: one graph, no break at any of the 14 layers) and ``auto`` compiles PEFT's
-    layer with the model: the same logits and LoRA gradients as PEFT's layer in eager mode. Dynamo's AOTAutograd
+    (the ``bdlora::train_lora_linear`` custom op: one graph, no break at any of the 14 layers) and ``auto`` compiles
+    PEFT's layer with the model: the same logits and LoRA gradients as PEFT's layer in eager mode. Dynamo's AOTAutograd
     backend traces exactly what inductor would, without code generation."""
     spec = BDLoraSpec(nblocks=2, r=8, lora_alpha=16)
     ref = _peft_model(tiny_llama_dir, spec)

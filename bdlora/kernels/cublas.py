@@ -452,7 +452,7 @@ def _op_cfg(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, layout:
     return _Cfg([0, x.shape[0]], [ad], None, KernelOptions())
 
 
-@torch.library.custom_op("bdlora::lora_linear", mutates_args=())
+@torch.library.custom_op("bdlora::train_lora_linear", mutates_args=())
 def lora_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                    lora_b: torch.Tensor, layout: str, nblocks: int, scale: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -478,7 +478,7 @@ def _lora_linear_fake(x, weight, bias, lora_a, lora_b, layout, nblocks, scale):
     return x.new_empty((x.shape[0], weight.shape[0])), x.new_empty((x.shape[0], lora_a.shape[0]))
 
 
-@torch.library.custom_op("bdlora::lora_linear_backward", mutates_args=())
+@torch.library.custom_op("bdlora::train_lora_linear_backward", mutates_args=())
 def lora_linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lora_a: torch.Tensor,
                             lora_b: torch.Tensor, s: torch.Tensor, layout: str, nblocks: int, scale: float,
                             need_dx: bool, need_da: bool, need_db: bool
@@ -515,12 +515,12 @@ def _lora_linear_grad(ctx, dy, _ds):
     x, weight, lora_a, lora_b, s = ctx.saved_tensors
     nig = ctx.needs_input_grad
     if nig[1] or nig[2]:
-        raise RuntimeError("bdlora::lora_linear: the base weight and bias are frozen (no gradient for them)")
+        raise RuntimeError("bdlora::train_lora_linear: the base weight and bias are frozen (no gradient for them)")
     dx, da, db = lora_linear_backward_op(dy, x, weight, lora_a, lora_b, s, *ctx.meta, nig[0], nig[3], nig[4])
     return (dx if nig[0] else None, None, None, da if nig[3] else None, db if nig[4] else None, None, None, None)
 
 
-torch.library.register_autograd("bdlora::lora_linear", _lora_linear_grad, setup_context=_lora_linear_setup)
+torch.library.register_autograd("bdlora::train_lora_linear", _lora_linear_grad, setup_context=_lora_linear_setup)
 
 
 def compiled_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
