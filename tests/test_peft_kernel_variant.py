@@ -243,7 +243,7 @@ def test_auto_under_autocast_is_peft_bit_for_bit(tiny_llama_dir, dropout):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_trainer_trains_the_same_adapter_on_either_backend(tiny_llama_dir, tmp_path, monkeypatch, compiled):
+def test_trainer_trains_the_same_adapter_on_either_backend(tiny_llama_dir, tmp_path, monkeypatch, capsys, compiled):
     """``bdlora train`` with ``lora_backend: cublas`` against ``peft``: the same adapter after a few AdamW steps;
     also with ``training_args.torch_compile`` (the custom op inside the graph; AOTAutograd without code generation,
     which traces what inductor compiles), the adapter saved from the compiled model."""
@@ -270,6 +270,8 @@ def test_trainer_trains_the_same_adapter_on_either_backend(tiny_llama_dir, tmp_p
         adapters[backend] = load_file(run_training(cfg).adapter_dir / "adapter_model.safetensors")
         monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
         assert bool(counters["stats"]["unique_graphs"]) == bool(extra)  # the compiled run really compiled
+        said = "lora_backend cublas (bdlora's kernels as a custom op in the graph under torch_compile)"
+        assert (said in capsys.readouterr().out) == bool(extra)
     ref, got = adapters["peft"], adapters["cublas"]
     assert ref.keys() == got.keys() and len(ref) == 28
     moved = 0

@@ -442,6 +442,11 @@ def _use_cpu() -> bool:
     return forced or not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
 
 
+#: what runs a BD layer inside a compiled model, per lora_backend (the start line says it)
+COMPILED_LAYER = {"auto": "PEFT's layer", "peft": "PEFT's layer",
+                  "cublas": "bdlora's kernels as a custom op in the graph"}
+
+
 def liger_choice(cfg: TrainConfig, model_type: Optional[str]) -> tuple[bool, str]:
     """Whether the run uses Liger Kernel (``use_liger_kernel``) and why; ``true`` where it cannot run is a
     ConfigError naming what is missing."""
@@ -862,7 +867,7 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
                + f", {n_train:,} trainable params | {len(train_ex)} train / {len(eval_ex)} eval examples | "
                f"{total_steps} steps x {cfg.batch_size * cfg.grad_accum * world} examples ({world} process(es)) on "
                f"{args.device} in {next(model.parameters()).dtype}, lora_backend {cfg.lora_backend}"
-               + (" (PEFT's layer under torch_compile)" if args.torch_compile and cfg.lora_backend == "auto" else "")
+               + (f" ({COMPILED_LAYER[cfg.lora_backend]} under torch_compile)" if args.torch_compile else "")
                + f", Liger kernels {liger_note}"
                + (" without its fused linear cross-entropy" if args.use_liger_kernel and (
                    args.liger_kernel_config or {}).get("fused_linear_cross_entropy") is False else "")
