@@ -36,8 +36,9 @@
 #   (training_args.torch_compile, lora_backend cublas: the BD layer as a custom op in one graph) beside the trainer
 #   uncompiled and the engine at one job, side by side:
 #     MODE=compiled [COMPILED_COLUMN=b8|b32] bash bench/train/gpu_run.sh
-#       the GPU test of the compiled layer against PEFT's, then bench_trainer.py (the plain loop, auto+liger,
-#       cublas+compile) and bench_engine.py --ks 1 --engine-seq-jobs 1 on the same records
+#       the GPU test of the compiled layer against PEFT's, then bench_engine.py --ks 1 --engine-seq-jobs 1 and
+#       bench_trainer.py (the plain loop, auto+liger, cublas+compile; at b8 also auto+compile; COMPILED_BACKENDS
+#       overrides) on the same records
 #                          -> $OUT/compiled_tests.log  $OUT/compiled_trainer_<col>.jsonl  $OUT/compiled_engine_<col>.json
 #   One GPU, one call (about 400 s): packed attention (train/attention.py) against transformers' mask, side by side:
 #     MODE=packed [PACKED_COLUMN=b32|b8] bash bench/train/gpu_run.sh
@@ -178,8 +179,10 @@ case "$MODE" in
   compiled)
     col=${COMPILED_COLUMN:-b8}
     case "$col" in
-      b8) targs=(--batch 8 --steps 16 --warmup 10); eargs=(--batch-size 8) ;;
-      b32) targs=(--batch 32 --steps 12 --warmup 10); eargs=(--batch-size 32) ;;
+      # b8 also compiles PEFT's layer (what lora_backend auto compiles): b32's compiles leave no time for it
+      b8) targs=(--batch 8 --steps 16 --warmup 10); eargs=(--batch-size 8)
+          cback=auto+liger,cublas+compile,auto+compile ;;
+      b32) targs=(--batch 32 --steps 12 --warmup 10); eargs=(--batch-size 32); cback=auto+liger,cublas+compile ;;
       *) echo "COMPILED_COLUMN must be b8 or b32"; exit 2 ;;
     esac
     log="$O/compiled_$col.log"
@@ -194,7 +197,7 @@ case "$MODE" in
     echo "engine rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
     # recompilations named in the log: what the compiled row's warm-up spends its time on
     TORCH_LOGS=recompiles timeout -k 10 "$(kill_after)" python3 bench/train/bench_trainer.py --shape llama8b \
-      "${targs[@]}" --lora-backends auto+liger,cublas+compile --out "$O/compiled_trainer_$col.jsonl" --tag "compiled-$col" \
+      "${targs[@]}" --lora-backends "${COMPILED_BACKENDS:-$cback}" --out "$O/compiled_trainer_$col.jsonl" --tag "compiled-$col" \
       >>"$log" 2>&1
     echo "trainer rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
     ;;
