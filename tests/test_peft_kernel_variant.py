@@ -283,6 +283,38 @@ def test_trainer_trains_the_same_adapter_on_either_backend(tiny_llama_dir, tmp_p
     assert moved == 14  # B starts at zero: every layer was really trained
 
 
+def test_regional_compilation_trains_the_adapter_whole_model_compilation_trains(tiny_llama_dir, tmp_path,
+                                                                                  monkeypatch):
+    """accelerate's regional compilation (``ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=1`` or ``accelerate launch
+    --dynamo_use_regional_compilation``: the repeated decoder layer compiled once, not the whole model) with the
+    custom op in each layer's graph: the same adapter, bit for bit, as compiling the whole model."""
+    from safetensors.torch import load_file
+    from torch._dynamo.utils import counters
+
+    from bdlora.train.config import TrainConfig
+    from bdlora.train.tasks import toy_chat_records, write_jsonl
+    from bdlora.train.trainer import run_training
+
+    data = write_jsonl(toy_chat_records(12, seed=2), tmp_path / "d.jsonl")
+    adapters, graphs = {}, {}
+    for regional in ("0", "1"):
+        monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
+        monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", regional)
+        cfg = TrainConfig(model=str(tiny_llama_dir), nblocks=2, r=8, lora_alpha=16, train_file=str(data),
+                          eval_fraction=0.0, lr=5e-3, warmup_ratio=0.0, batch_size=4, max_steps=3, seed=4,
+                          lora_backend="cublas", output_dir=str(tmp_path / regional), report_to=[], progress=False,
+                          training_args={"torch_compile": True, "torch_compile_backend": "aot_eager"})
+        torch._dynamo.reset()
+        counters.clear()
+        adapters[regional] = load_file(run_training(cfg).adapter_dir / "adapter_model.safetensors")
+        graphs[regional] = counters["stats"]["unique_graphs"]
+    # the whole model: one graph (and its dynamic-shape recompile); regions: a graph per compiled piece
+    assert 0 < graphs["0"] < graphs["1"]
+    whole, regional = adapters["0"], adapters["1"]
+    assert whole.keys() == regional.keys() and len(whole) == 28
+    assert all(torch.equal(whole[k], regional[k]) for k in whole)
+
+
 def test_partitioned_factors_take_peft_calls(tiny_llama_dir):
     """Factors partitioned by DeepSpeed ZeRO-3 (a ``ds_id`` on the parameter: gathered only when their sub-module is
     called) go through PEFT's own sub-module calls, even with ``cublas`` asked for."""

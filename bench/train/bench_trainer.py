@@ -130,6 +130,7 @@ def run_trainer(a) -> dict:
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                               torch.profiler.ProfilerActivity.CUDA]) if a.profile else None
 
+    started = time.time()
     with profiled_calls(prof, Trainer, "training_step", a.warmup, a.profile) if prof else contextlib.nullcontext():
         res = run_training(cfg, validate_adapter=False)
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
@@ -142,6 +143,8 @@ def run_trainer(a) -> dict:
     return {"side": "bdlora trainer", "pad_multiple": a.pad_multiple, "tok_per_s": round(dtok / dt, 1),
             "step_s_median": round(sorted(step_times)[len(step_times) // 2], 4),
             "step_s": [round(x, 4) for x in step_times],
+            # from the run's start (loading included) to the end of the warm-up steps: where compilation shows
+            "warmup_s": round(t[s0][0] - started, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
             "final_loss": res.train_loss, "module_walks_listed": bool(listed and listed[-1]),
             "profile": profile_summary(prof, a.profile, Path(a.out).with_suffix(f".{out.name}.prof.txt"))
@@ -233,7 +236,9 @@ def main() -> int:
                     help="trainer runs, one per lora_backend (comma list of auto / cublas / peft); BACKEND+liger runs "
                          "with use_liger_kernel: true, the others with false (Liger Kernel through transformers: "
                          "fused RMSNorm, SwiGLU, RoPE and linear cross-entropy); +compile adds "
-                         "training_args.torch_compile (e.g. auto+liger+compile), +grouped transformers' "
+                         "training_args.torch_compile (e.g. auto+liger+compile), +regional the same with accelerate's regional "
+                         "compilation (ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=1: the repeated decoder layer "
+                         "compiled once), +grouped transformers' "
                          "length-grouped sampler, +packing packing: true, +cudnn cudnn_attention: true (sdpa may "
                          "pick cuDNN attention), +padN pad_multiple N (e.g. auto+liger+pad64), +synced the host "
                          "waiting for the GPU every step as transformers' defaults do (its token count read back, "
@@ -275,12 +280,14 @@ def main() -> int:
         records = []
         for repeat, side in ((r, side) for r in range(max(1, a.repeats)) for side in sides):
             backend, *extras = side.partition(":")[2].split("+")
-            liger, compile_, grouped = "liger" in extras, "compile" in extras, "grouped" in extras
+            regional = "regional" in extras  # accelerate's regional compilation: the repeated decoder layer once
+            liger, compile_, grouped = "liger" in extras, "compile" in extras or regional, "grouped" in extras
             cudnn, packing, synced = "cudnn" in extras, "packing" in extras, "synced" in extras
             walks, masked = "walks" in extras, "masked" in extras
             pad = next((x[3:] for x in extras if x.startswith("pad") and x[3:].isdigit()), None)
             label = ("plain PEFT loop" if side == "loop" else f"bdlora trainer (lora_backend {backend}"
                      + (", Liger kernels" if liger else "") + (", torch_compile" if compile_ else "")
+                     + (" of the repeated layer (regional)" if regional else "")
                      + (", length-grouped batches" if grouped else "") + (", packing" if packing else "")
                      + (", cuDNN attention" if cudnn else "") + (f", pad_multiple {pad}" if pad else "")
                      + (", synchronised every step" if synced else "")
@@ -303,7 +310,8 @@ def main() -> int:
                        + (["--cudnn-attention"] if cudnn else []) + (["--pad-multiple", pad] if pad else [])
                        + (["--synced"] if synced else []) + (["--module-walks"] if walks else [])
                        + (["--masked-attention"] if masked else []))
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            env = {**os.environ, **({"ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "1"} if regional else {})}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             line = next((l for l in reversed(proc.stdout.splitlines()) if l.startswith("{")), None)
             rec = {**base, "side": label, "repeat": repeat}
             if a.sync_debug and side != "loop":
