@@ -379,6 +379,20 @@ def test_bench_trainer_profile_on_cpu(tmp_path):
                                                                             (True, 64, True, "non_padding")]
 
 
+def test_compile_startup_compares_whole_and_regional_compilation(tmp_path):
+    """compile_startup.py: one record per mode (whole model, regional), the regional run tracing fewer ops and
+    training the same adapter (AOTAutograd: bit for bit); CPU, 3 layers."""
+    out = tmp_path / "s.jsonl"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "train" / "compile_startup.py"), "--layers", "3",
+                        "--backend", "aot_eager", "--steps", "2", "--out", str(out)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    whole, regional = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (whole["regional"], regional["regional"]) == (False, True)
+    assert regional["calls_captured"] < whole["calls_captured"] and regional["max_adapter_diff"] == 0.0
+
+
 def test_bench_trainer_pairs_each_repeat_with_its_own_loop_run():
     """bench_trainer --repeats: a trainer run's ratio is to the loop of the same repeat; a repeat whose loop failed
     gives no ratio."""
