@@ -480,9 +480,9 @@ def test_training_op_and_serving_ops_share_the_namespace(first):
 @pytest.mark.parametrize("bias", [False, True])
 def test_cublas_custom_op_equals_the_autograd_function(layout, n, bias):
     """``bdlora::train_lora_linear`` (the cuBLAS layer inside compiled graphs) gives the output and the x / factor
-    gradients of ``CublasLoraLinearFn`` bit for bit (same products, same routes), against the float64 oracle as well, with a
-    bf16 activation and fp32 factors, only the gradients asked for; it passes torch's custom-op checks (schema, fake
-    impl, autograd registration, AOT dispatch with dynamic shapes)."""
+    gradients of ``CublasLoraLinearFn`` bit for bit (same products, same routes), against the float64 oracle as well,
+    with a bf16 activation and fp32 factors, only the gradients asked for; it passes torch's custom-op checks (schema,
+    fake impl, autograd registration, AOT dispatch with dynamic shapes)."""
     gen = torch.Generator().manual_seed(31)
     t = 37  # ragged
     ad = make_adapter(gen, 16, layout, n)

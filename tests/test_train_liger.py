@@ -76,6 +76,15 @@ def test_decision_on_a_gpu(tmp_path, gpu_like, monkeypatch):
                                               r"lora_backend: cublas"):
             T.liger_choice(_cfg(tmp_path, lora_backend="cublas", use_liger_kernel=True, **compiled), "llama")
         assert T.liger_choice(_cfg(tmp_path, **compiled), "llama") == (True, "on (auto)")  # auto: PEFT's layer
+        # compiling turned on another way: a backend or mode alone (transformers), accelerate's dynamo backend
+        for training_args in ({"torch_compile_backend": "inductor"}, {"torch_compile_mode": "max-autotune"}):
+            on, why = T.liger_choice(_cfg(tmp_path, lora_backend="cublas", training_args=training_args), "llama")
+            assert not on and "torch_compile with lora_backend: cublas" in why
+        monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
+        on, why = T.liger_choice(_cfg(tmp_path, lora_backend="cublas"), "llama")
+        assert not on and "torch_compile with lora_backend: cublas" in why
+        monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
+        assert T.liger_choice(_cfg(tmp_path, lora_backend="cublas"), "llama") == (True, "on (auto)")
     assert T.liger_choice(_cfg(tmp_path, use_liger_kernel=False), "llama") == (False, "off (use_liger_kernel: false)")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -447,13 +447,22 @@ COMPILED_LAYER = {"auto": "PEFT's layer", "peft": "PEFT's layer",
                   "cublas": "bdlora's kernels as a custom op in the graph"}
 
 
+def compiles_model(training_args: dict) -> bool:
+    """Whether the Trainer will compile the model: transformers' ``torch_compile`` (which ``torch_compile_backend``
+    or ``torch_compile_mode`` also turn on), or accelerate's ``ACCELERATE_DYNAMO_BACKEND`` (``accelerate launch
+    --dynamo_backend``), which the Trainer's dynamo plugin reads when no backend is given."""
+    if any(training_args.get(k) for k in ("torch_compile", "torch_compile_backend", "torch_compile_mode")):
+        return True
+    return os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower() not in ("no", "")
+
+
 def liger_choice(cfg: TrainConfig, model_type: Optional[str]) -> tuple[bool, str]:
     """Whether the run uses Liger Kernel (``use_liger_kernel``) and why; ``true`` where it cannot run is a
     ConfigError naming what is missing."""
     unsupported = None
     if cfg.quantized:
         unsupported = "a k-bit base (not measured with Liger's kernels)"
-    elif cfg.training_args.get("torch_compile") and cfg.lora_backend == "cublas":
+    elif cfg.lora_backend == "cublas" and compiles_model(cfg.training_args):
         # the one 8B-shape run of this combination on an H200 stopped with an illegal memory access; each alone
         # under torch_compile trains correctly
         unsupported = ("training_args.torch_compile with lora_backend: cublas (Liger's kernels and bdlora's in one "
@@ -867,7 +876,8 @@ def run_training(cfg: TrainConfig, *, stop_after_steps: Optional[int] = None, va
                + f", {n_train:,} trainable params | {len(train_ex)} train / {len(eval_ex)} eval examples | "
                f"{total_steps} steps x {cfg.batch_size * cfg.grad_accum * world} examples ({world} process(es)) on "
                f"{args.device} in {next(model.parameters()).dtype}, lora_backend {cfg.lora_backend}"
-               + (f" ({COMPILED_LAYER[cfg.lora_backend]} under torch_compile)" if args.torch_compile else "")
+               + (f" ({COMPILED_LAYER[cfg.lora_backend]} under torch_compile)"
+                  if compiles_model(cfg.training_args) else "")
                + f", Liger kernels {liger_note}"
                + (" without its fused linear cross-entropy" if args.use_liger_kernel and (
                    args.liger_kernel_config or {}).get("fused_linear_cross_entropy") is False else "")

@@ -53,8 +53,8 @@
 # are written after each experiment ("partial": true until the run ends), so a killed run still returns numbers.
 # Everything the call wrote is also packed into $OUT/results.tgz at its end.
 # Needs python3 with torch, transformers, peft, accelerate and safetensors (the GPU image has them) and, for
-# MODE=table and MODE=compiled, liger-kernel (`pip install liger-kernel`, or its wheel carried to the GPU machine); /tmp/site, the
-# extracted vLLM bundle, is put first on PYTHONPATH when present; no network. Installs this checkout (pip -e, no deps) if bdlora.train.engine is not importable.
+# MODE=table and MODE=compiled, liger-kernel (`pip install liger-kernel`, or its wheel carried to the GPU machine);
+# /tmp/site, the extracted vLLM bundle, is put first on PYTHONPATH when present; no network. Installs this checkout (pip -e, no deps) if bdlora.train.engine is not importable.
 set -uo pipefail
 T0=$(date +%s)
 LIMIT=${CALL_LIMIT_S:-590}
