@@ -32,13 +32,15 @@
 #       auto+liger,auto+liger+cudnn: sdpa without and with cuDNN attention; +masked: packed rows under transformers'
 #       block-causal mask instead of varlen flash attention) and TABLE_TRAINER_ARGS (e.g. "--repeats 2") for the
 #       trainer rows; TABLE_ENGINE_ARGS="--masked-attention" the same for the engine's rows
-#   One GPU, one call per column (b8 about 380 s; b32's compile takes longer): the trainer compiled
-#   (training_args.torch_compile, lora_backend cublas: the BD layer as a custom op in one graph) beside the trainer
-#   uncompiled and the engine at one job, side by side:
+#   One GPU, one call per column (about 260-400 s each): the trainer compiled (training_args.torch_compile,
+#   lora_backend cublas: the BD layer as a custom op inside the graph) beside the trainer uncompiled and the engine,
+#   side by side:
 #     MODE=compiled [COMPILED_COLUMN=b8|b32] bash bench/train/gpu_run.sh
-#       (b8) the GPU test of the compiled layer against PEFT's, then bench_engine.py --ks 1 --engine-seq-jobs 1
-#       and bench_trainer.py (the plain loop, auto+liger, cublas+regional: accelerate's regional compilation,
-#       cublas+compile: the whole model; COMPILED_BACKENDS overrides, e.g. auto+compile) on the same records
+#       (b8) the GPU test of the compiled layer against PEFT's, then bench_engine.py at one job (--ks 1
+#       --engine-seq-jobs 1) and bench_trainer.py: the plain loop, auto+liger and cublas+regional (accelerate's
+#       regional compilation); (b32) the same with packed batches (auto+liger+packing, cublas+regional+packing) and
+#       the engine at K = 1 and 4. COMPILED_BACKENDS overrides the trainer rows (e.g. adding cublas+compile, the whole
+#       model: its warm-up did not finish within a 600 s call at b8)
 #                          -> $OUT/compiled_tests.log  $OUT/compiled_trainer_<col>.jsonl  $OUT/compiled_engine_<col>.json
 #   One GPU, one call (about 400 s): packed attention (train/attention.py) against transformers' mask, side by side:
 #     MODE=packed [PACKED_COLUMN=b32|b8] bash bench/train/gpu_run.sh
@@ -179,8 +181,11 @@ case "$MODE" in
   compiled)
     col=${COMPILED_COLUMN:-b8}
     case "$col" in
-      b8) targs=(--batch 8 --steps 16 --warmup 10); eargs=(--batch-size 8) ;;
-      b32) targs=(--batch 32 --steps 12 --warmup 10); eargs=(--batch-size 32) ;;
+      b8) targs=(--batch 8 --steps 16 --warmup 10); eargs=(--batch-size 8 --ks 1 --engine-seq-jobs 1)
+          tback=auto+liger,cublas+regional ;;
+      # packed: what the engine runs, and the trainer's fastest rows at this batch
+      b32) targs=(--batch 32 --steps 12 --warmup 10); eargs=(--batch-size 32 --ks 1,4)
+           tback=auto+liger+packing,cublas+regional+packing ;;
       *) echo "COMPILED_COLUMN must be b8 or b32"; exit 2 ;;
     esac
     log="$O/compiled_$col.log"
@@ -191,14 +196,13 @@ case "$MODE" in
       echo "compiled layer GPU tests rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
     fi
     # the engine first: the compiled row takes what is left
-    timeout -k 10 "$(kill_after)" python3 bench/train/bench_engine.py --shape llama8b --ks 1 --engine-seq-jobs 1 \
-      --no-sweep --no-seq-trainer --steps 10 --trainer-data --warmup-steps 8 "${eargs[@]}" --time-limit 120 \
+    timeout -k 10 "$(kill_after)" python3 bench/train/bench_engine.py --shape llama8b \
+      --no-sweep --no-seq-trainer --steps 10 --trainer-data --warmup-steps 8 "${eargs[@]}" --time-limit 150 \
       --out "$O/compiled_engine_$col.json" >>"$log" 2>&1
     echo "engine rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
-    # regional compilation (one decoder layer) before the whole model's, which takes minutes and gets what the call
-    # has left; recompilations named in the log: what a compiled row's warm-up spends its time on
+    # recompilations named in the log: what a compiled row's warm-up spends its time on
     TORCH_LOGS=recompiles timeout -k 10 "$(kill_after)" python3 bench/train/bench_trainer.py --shape llama8b \
-      "${targs[@]}" --lora-backends "${COMPILED_BACKENDS:-auto+liger,cublas+regional,cublas+compile}" \
+      "${targs[@]}" --lora-backends "${COMPILED_BACKENDS:-$tback}" \
       --out "$O/compiled_trainer_$col.jsonl" --tag "compiled-$col" >>"$log" 2>&1
     echo "trainer rows ($col) rc=$? after $(( $(date +%s) - T0 )) s" | tee -a "$log"
     ;;
