@@ -73,14 +73,16 @@ DSDB_TILES = MappingProxyType(dict(BT=128, BN=128, num_warps=8, num_stages=3))  
 @jit
 def _dsdb_chunks(db_ptr, dy_ptr, b_ptr, s_tile, rows, rmask, rr, rrmask, stride_dy, o_lo, width, rb, boff,
                  first, step, rot, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, DB_BLOCKS: tl.constexpr):
     """The shared body of the dS/dB kernels: over the BLOCK_N column chunks c = first, first + step, ... of output
     columns [o_lo, o_lo + width) (visited rotated by ``rot``, so concurrent programs add into different dB rows):
 
         returns sum_c dY[rows, c] @ B[c, rr]               (fp32 (BLOCK_T, BLOCK_R), the caller stores it)
         dB[c, rr] += dY[rows, c]^T @ s_tile                 (fp32 atomics; s_tile = S[rows, rr])
 
-    with B stored (d_out, rb) row-major at b_ptr + boff (dB alike at db_ptr + boff)."""
+    with B stored (d_out, rb) row-major at b_ptr + boff (dB alike at db_ptr + boff). DB_BLOCKS > 1 (o_lo and boff
+    0): B is block-diagonal with that many blocks, its zeros stored, and only dB's diagonal blocks are added, packed
+    (d_out, rb / DB_BLOCKS) as ``pack_block_diagonal`` lays them out: a DB_BLOCKS-th of the atomics."""
     acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     n_ch = tl.cdiv(width, BLOCK_N)
     for it in range(first, n_ch, step):
@@ -93,17 +95,27 @@ def _dsdb_chunks(db_ptr, dy_ptr, b_ptr, s_tile, rows, rmask, rr, rrmask, stride_
         b = tl.load(b_ptr + bidx, mask=bmask, other=0.0)
         acc += dot(dy, b, PREC)
         db = dot(tl.trans(dy), s_tile, PREC)
-        tl.atomic_add(db_ptr + bidx, db, mask=bmask, sem="relaxed")
+        if DB_BLOCKS == 1:
+            tl.atomic_add(db_ptr + bidx, db, mask=bmask, sem="relaxed")
+        else:
+            rbp = rb // DB_BLOCKS
+            rblk = rr // rbp
+            diag = bmask & ((os_ // (width // DB_BLOCKS))[:, None] == rblk[None, :])
+            tl.atomic_add(db_ptr + os_[:, None] * rbp + (rr - rblk * rbp)[None, :], db, mask=diag, sem="relaxed")
     return acc
 
 
 # rows and splits change with every micro-batch: a variant per divisibility pattern would compile mid-run
 @jit(do_not_specialize=["rows_total", "col_split"])
 def _dsdb_dense_kernel(ds_ptr, db_ptr, dy_ptr, s_ptr, b_ptr, rows_total, d_out, r, stride_dy, col_split,
-                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr,
+                       DB_BLOCKS: tl.constexpr):
     """One adapter, dense B (d_out, r), every row (the cuBLAS layer's segment): dY read once for both products,
 
     dS[t, :] += dY[t, :] @ B          dB += dY^T @ S            (fp32 atomics into zeroed ds (rows, r), db (d_out, r))
+
+    With DB_BLOCKS > 1, B is block-diagonal (zeros stored) and db holds only dB's diagonal blocks, packed
+    (d_out, r / DB_BLOCKS).
 
     Program (row tile, c) takes every col_split-th BLOCK_N column chunk. dy has unit column stride; s and b
     are contiguous. Grid: (cdiv(rows, BLOCK_T), col_split)."""
@@ -115,7 +127,7 @@ def _dsdb_dense_kernel(ds_ptr, db_ptr, dy_ptr, s_ptr, b_ptr, rows_total, d_out, 
     smask = rmask[:, None] & rrmask[None, :]
     s_tile = tl.load(s_ptr + rows[:, None] * r + rr[None, :], mask=smask, other=0.0)
     acc = _dsdb_chunks(db_ptr, dy_ptr, b_ptr, s_tile, rows, rmask, rr, rrmask, stride_dy, 0, d_out, r, 0,
-                       tl.program_id(1), col_split, tile, BLOCK_T, BLOCK_N, BLOCK_R, PREC)
+                       tl.program_id(1), col_split, tile, BLOCK_T, BLOCK_N, BLOCK_R, PREC, DB_BLOCKS)
     tl.atomic_add(ds_ptr + rows[:, None] * r + rr[None, :], acc, mask=smask, sem="relaxed")
 
 
@@ -161,13 +173,17 @@ def dsdb_ok(dy: torch.Tensor, b: torch.Tensor, enabled: bool | None = None) -> b
     return b.shape[1] <= DSDB_MAX_RANK and dispatch.gpu_kernel_on(enabled, dy, b)
 
 
-def dsdb_dense(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def dsdb_dense(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor, db_blocks: int = 1
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dS, dB) = (dy @ b, dy^T @ s) in fp32 from one read of dy: dy (rows, d_out) with unit column stride, s (rows,
-    r) and b (d_out, r) contiguous (``_dsdb_dense_kernel``; reference ``dsdb_dense_ref``)."""
-
+    r) and b (d_out, r) contiguous (``_dsdb_dense_kernel``; reference ``dsdb_dense_ref``). ``db_blocks`` N > 1: b is
+    block-diagonal with N blocks (zeros stored, as the layer's dense GEMMs read it) and dB comes back packed, its N
+    diagonal blocks (d_out, r/N) (``pack_block_diagonal``'s layout): no dense dB is accumulated or gathered."""
     rows, (d_out, r) = dy.shape[0], b.shape
+    if db_blocks < 1 or r % db_blocks or d_out % db_blocks:
+        raise ValueError(f"dsdb_dense: db_blocks {db_blocks} does not divide B's shape {(d_out, r)}")
     ds = torch.zeros((rows, r), dtype=torch.float32, device=dy.device)
-    db = torch.zeros((d_out, r), dtype=torch.float32, device=dy.device)  # its own storage: it may be returned as dB
+    db = torch.zeros((d_out, r // db_blocks), dtype=torch.float32, device=dy.device)  # may be returned as dB
     if rows == 0:
         return ds, db
     if dy.is_cuda:  # at most one wave of programs (row tiles x column splits; 64 x 2 at 8192 rows was best)
@@ -178,13 +194,15 @@ def dsdb_dense(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> tuple[torc
     launch(_dsdb_dense_kernel, (dispatch.cdiv(rows, tiles["BT"]), split),
         ds, db, dy, s, b, rows, d_out, r, dy.stride(0), split,
         BLOCK_T=tiles["BT"], BLOCK_N=tiles["BN"], BLOCK_R=max(16, dispatch.next_pow2(r)),
-        PREC=dispatch.dot_precision(dy.dtype), num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+        PREC=dispatch.dot_precision(dy.dtype), DB_BLOCKS=db_blocks, num_warps=tiles["num_warps"],
+        num_stages=tiles["num_stages"])
     return ds, db
 
 
-def dsdb_dense_ref(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def dsdb_dense_ref(dy: torch.Tensor, s: torch.Tensor, b: torch.Tensor, db_blocks: int = 1
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of ``dsdb_dense`` (float64 in tests)."""
-    return dy @ b, dy.t() @ s
+    return dy @ b, pack_block_diagonal(dy.t() @ s, db_blocks)
 
 
 class _Cfg:
@@ -271,8 +289,8 @@ def _expand_backward(cfg: _Cfg, i: int, dy: torch.Tensor, x: torch.Tensor | None
     need_ds = need_da or dx is not None
     da = db = ds = None
     if need_ds and need_db and cfg.dsdb[i] == "triton":  # dS and dB from one read of dY (forward decided)
-        ds, db = dsdb_dense(dyi, s, b_eff)
-        db = pack_block_diagonal(db, cfg.nb_b[i], b_dtype)
+        ds, db = dsdb_dense(dyi, s, b_eff, cfg.nb_b[i])  # B dense as the GEMMs read it: dB comes back packed
+        db = db.to(b_dtype)
         ds = ds if cfg.fused[i] else ds.to(dy.dtype)  # the dropout kernels round fp32 dS themselves
     else:
         db = bd_wgrad(dyi, s, cfg.nb_b[i], 1.0, cfg.dense[i], b_dtype, cfg.options) if need_db else None

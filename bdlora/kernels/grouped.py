@@ -173,7 +173,7 @@ def _dsdb_kernel(
         smask = rmask[:, None] & rrmask[None, :]
         s_j = tl.load(s_ptr + rows[:, None] * stride_s + (j * rb + rr)[None, :], mask=smask, other=0.0)
         acc = _dsdb_chunks(db_ptr, dy_ptr, b_ptr, s_j, rows, rmask, rr, rrmask, stride_dy, j * bs_out, bs_out, rb,
-                           boff, tl.program_id(1), col_split, tile, BLOCK_T, BLOCK_N, BLOCK_R, PREC)
+                           boff, tl.program_id(1), col_split, tile, BLOCK_T, BLOCK_N, BLOCK_R, PREC, 1)
         tl.atomic_add(ds_ptr + rows[:, None] * stride_ds + (j * rb + rr)[None, :], acc, mask=smask, sem="relaxed")
 
 
