@@ -40,7 +40,7 @@
 #       --engine-seq-jobs 1) and bench_trainer.py: the plain loop, auto+liger and cublas+regional (accelerate's
 #       regional compilation); (b32) the same with packed batches (auto+liger+packing, cublas+regional+packing) and
 #       the engine at K = 1 and 4. COMPILED_BACKENDS overrides the trainer rows (e.g. adding cublas+compile, the whole
-#       model: its warm-up did not finish within a 600 s call at b8)
+#       model: its warm-up did not finish in the ~4 minutes left after the other rows at b8)
 #                          -> $OUT/compiled_tests.log  $OUT/compiled_trainer_<col>.jsonl  $OUT/compiled_engine_<col>.json
 #   One GPU, one call (about 400 s): packed attention (train/attention.py) against transformers' mask, side by side:
 #     MODE=packed [PACKED_COLUMN=b32|b8] bash bench/train/gpu_run.sh
