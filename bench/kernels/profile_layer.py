@@ -4,6 +4,7 @@ bench_kernels' layer section.
     python bench/kernels/profile_layer.py [--backend cublas] [--out profile.txt]
     python bench/kernels/profile_layer.py --grid --out grid.json
     python bench/kernels/profile_layer.py --host-profile     # cProfile of the host side of each case
+    python bench/kernels/profile_layer.py --dsdb --out dsdb.json
 
 For each case (rank, layout, N, dropout) at 8192 x 4096 -> 4096 bf16: the top CUDA kernels of 5 iterations of
 ``fused_lora_linear`` (``--backend``) and of the PEFT-style layer (``bench_kernels.PeftBdLayer``), and the
@@ -14,7 +15,11 @@ iteration over back-to-back calls (which a slow host inflates) and the host time
 the cuBLAS layer; GPU time also for the cuBLAS layer with its dropout materialized (``KernelOptions(fused_dropout=
 False)``) and with dS/dB as two GEMMs (``KernelOptions(fused_dsdb=False)``), and of the frozen GEMMs alone (forward and
 dX; ``ceiling_x`` = PEFT / that: the speed-up of a layer whose LoRA path were free; ``lora_path_x`` = PEFT's LoRA
-path over ours, each the layer minus the frozen GEMMs).
+path over ours, each the layer minus the frozen GEMMs). ``--dsdb``: the one-read dS/dB kernel alone for a
+block-diagonal B (8192 rows, d_out 1024 / 4096 / 14336, r 16 / 64, N 4 / 8), dB added straight into its packed
+diagonal blocks (``dsdb_dense(..., db_blocks=N)``) against dB accumulated dense then packed
+(``db_blocks=1`` + ``pack_block_diagonal``), GPU ms by CUDA events over back-to-back calls, after checking both
+against an fp32 torch reference.
 """
 import argparse
 import os
@@ -133,6 +138,40 @@ def grid(out: str | None, rounds: int, variants: list[str]) -> None:
             print(f"4096 -> {d_out}: {what}: min {v[0]:.2f} / median {(v[5] + v[6]) / 2:.2f} / max {v[-1]:.2f}x")
 
 
+def dsdb_packed(out: str | None) -> None:
+    import json
+
+    from bench_kernels import timed
+
+    from bdlora.kernels.cublas import dsdb_dense
+    from bdlora.layout import pack_block_diagonal, unpack_block_diagonal
+
+    t, dt, rows = 8192, torch.bfloat16, []
+    print("d_out r N | GPU ms: packed  dense+pack | x", flush=True)
+    for d_out in (1024, 4096, 14336):
+        for r in (16, 64):
+            for n in (4, 8):
+                dy = torch.randn(t, d_out, device="cuda", dtype=dt)
+                s = torch.randn(t, r, device="cuda", dtype=dt)
+                b = unpack_block_diagonal(torch.randn(d_out, r // n, device="cuda", dtype=dt) / 8, n)
+                ref_ds, ref_db = dy.float() @ b.float(), pack_block_diagonal(dy.float().t() @ s.float(), n)
+                packed = lambda: dsdb_dense(dy, s, b, n)
+                dense = lambda: (lambda ds_db: (ds_db[0], pack_block_diagonal(ds_db[1], n)))(dsdb_dense(dy, s, b, 1))
+                for fn in (packed, dense):  # both against the reference before any timing
+                    ds, db = fn()
+                    for got, want in ((ds, ref_ds), (db, ref_db)):
+                        err = (got - want).abs().max().item() / want.abs().max().item()
+                        assert err < 2e-2, f"dsdb d_out={d_out} r={r} N={n}: relative error {err:.3g}"
+                res = dict(d_out=d_out, r=r, N=n, rows=t, packed_ms=timed(packed, iters=20, batch=10),
+                           dense_pack_ms=timed(dense, iters=20, batch=10))
+                res["x"] = res["dense_pack_ms"] / res["packed_ms"]
+                rows.append(res)
+                print(f"{d_out} {r} {n} | {res['packed_ms']:.4f} {res['dense_pack_ms']:.4f} | {res['x']:.2f}", flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="cublas")
@@ -142,11 +181,14 @@ def main():
     ap.add_argument("--variants", default="cublas,twogemm,maskdrop",
                     help="grid: the cuBLAS-layer variants to time beside PEFT (of %s)" % ",".join(VARIANTS))
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of each case instead")
+    ap.add_argument("--dsdb", action="store_true", help="the dS/dB kernel alone, packed dB against dense + pack")
     ap.add_argument("--out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_layer: no CUDA GPU here")
         return
+    if args.dsdb:
+        return dsdb_packed(args.out)
     if args.grid:
         return grid(args.out, args.rounds, args.variants.split(","))
     import bdlora.kernels as K
