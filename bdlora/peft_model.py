@@ -10,6 +10,7 @@ import math
 import torch
 
 from .layout import COLUMN, ROW, LoraFactors
+from .quant import is_kbit_linear
 from .spec import BDLoraError, BDLoraSpec
 
 #: How a PEFT BD-LoRA layer computes its LoRA term while training: "peft" (PEFT's ``BlockDiagonalLinear``, an einsum
@@ -140,6 +141,10 @@ def _kernel_classes():
                 return super().forward(module, active_adapter, x, result, **kwargs)
             if not result.is_contiguous():
                 result = result.contiguous()
+            return self.add_term_(result, x, call)
+
+        def add_term_(self, result: torch.Tensor, x: torch.Tensor, call) -> torch.Tensor:
+            """``result`` (contiguous) plus the LoRA term of ``call`` (:meth:`kernel_call`'s), added in place."""
             return lora_add_eager(result, x, *call, self.options)
 
     class KernelLoraLinear(PeftLinear):
@@ -192,14 +197,50 @@ def _kernel_classes():
     return KernelBdLoraVariant, KernelLoraLinear
 
 
+@functools.lru_cache(maxsize=None)
+def _kbit_kernel_variant_class():
+    """The kernel variant of :func:`use_bdlora_kernels` for PEFT's bitsandbytes 4-/8-bit LoRA layers."""
+    import bitsandbytes as bnb
+
+    from .quant import kbit_variant_class
+
+    kernel_variant, _ = _kernel_classes()
+    kbit_variant = kbit_variant_class()
+
+    class KernelBdLoraKbitVariant(kernel_variant, kbit_variant):
+        """bdlora's BD-LoRA variant for a bitsandbytes 4-/8-bit base (``bdlora.quant``) with its LoRA term on
+        bdlora's GEMMs and kernels, added in the expand GEMM's epilogue onto the output of the base layer's own k-bit
+        forward (there is no base GEMM to fuse with). The products run in the dtype PEFT's k-bit layer computes
+        them in: under autocast its dtype, else the factors' (PEFT's layer has already cast the input to it); a
+        base output of another dtype takes the k-bit variant's own computation."""
+
+        def forward(self, module, active_adapter: str, x: torch.Tensor, result: torch.Tensor, **kwargs) -> torch.Tensor:
+            device = x.device.type
+            dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                     else module.lora_A[active_adapter].weight.dtype)
+            call = self.kernel_call(module, active_adapter, x) if result.dtype == dtype else None
+            if call is None:
+                return kbit_variant.forward(module, active_adapter, x, result, **kwargs)
+            # PEFT's 4-bit layer hands over a copy of the base output; the 8-bit one its own output, which autograd
+            # may still need: the term is added onto a copy of that
+            if not isinstance(module.get_base_layer(), bnb.nn.Linear4bit):
+                result = result.clone()
+            elif not result.is_contiguous():
+                result = result.contiguous()
+            return self.add_term_(result, x.to(dtype), call)
+
+    return KernelBdLoraKbitVariant
+
+
 def use_bdlora_kernels(peft_model, backend: str = "auto", options=None, fuse_base: bool = True) -> int:
-    """Runs the LoRA term of every BD-LoRA layer of ``peft_model`` with an unquantized ``nn.Linear`` base on bdlora's
-    kernels (:data:`LORA_BACKENDS`: "cublas" always, "auto" for calls of at least :data:`AUTO_MIN_ROWS` rows on a CUDA
+    """Runs the LoRA term of every BD-LoRA layer of ``peft_model`` (an ``nn.Linear`` or a bitsandbytes k-bit base) on
+    bdlora's kernels (:data:`LORA_BACKENDS`: "cublas" always, "auto" for calls of at least :data:`AUTO_MIN_ROWS` rows on a CUDA
     device and PEFT's own computation otherwise, decided per call so the model may move after this; "peft" changes
     nothing). ``fuse_base``: such a call also runs the frozen base GEMM in the same autograd function (the layer
     becomes a ``KernelLoraLinear``, a subclass of PEFT's ``Linear``); False keeps PEFT's base layer call and adds the
     term onto its output. ``options``: a ``bdlora.kernels.KernelOptions`` (tests force the Triton kernels under the
-    interpreter with it). k-bit layers stay on PEFT's bitsandbytes path. Returns the number of layers switched."""
+    interpreter with it). On a bitsandbytes 4-/8-bit base only the LoRA term moves to the kernels (the base layer's
+    own k-bit forward stays). Returns the number of layers switched."""
     if backend not in LORA_BACKENDS:
         raise BDLoraError(f"lora_backend: {backend!r} is not one of {list(LORA_BACKENDS)}")
     if backend == "peft":
@@ -212,7 +253,12 @@ def use_bdlora_kernels(peft_model, backend: str = "auto", options=None, fuse_bas
     switched = 0
     for module in peft_model.modules():
         variants = getattr(module, "lora_variant", None)
-        if not isinstance(variants, dict) or type(getattr(module, "base_layer", None)) is not torch.nn.Linear:
+        if not isinstance(variants, dict):
+            continue
+        if is_kbit_linear(getattr(module, "base_layer", None)):
+            switched += _use_kbit_kernel_variant(variants, backend, kwargs)
+            continue
+        if type(getattr(module, "base_layer", None)) is not torch.nn.Linear:
             continue
         for name, variant in list(variants.items()):
             if type(variant) is BdLoraLinearVariant:
@@ -222,6 +268,19 @@ def use_bdlora_kernels(peft_model, backend: str = "auto", options=None, fuse_bas
         # the class of an instance is swapped the way FSDP2's fully_shard does it: same object, parameters, hooks
         if fuse_base and type(module) is PeftLinear and any(isinstance(v, variant_class) for v in variants.values()):
             module.__class__ = linear_class
+    return switched
+
+
+def _use_kbit_kernel_variant(variants: dict, backend: str, kwargs: dict) -> int:
+    """Swaps a k-bit layer's BD variants (``bdlora.quant``) for their kernel variant; returns how many. PEFT's k-bit
+    layer keeps casting the input to the factors' dtype where autocast is off, as the variant expects."""
+    from .quant import kbit_variant_class
+
+    switched = 0
+    for name, variant in list(variants.items()):
+        if type(variant) is kbit_variant_class():
+            variants[name] = _kbit_kernel_variant_class()(backend, **kwargs)
+            switched += 1
     return switched
 
 

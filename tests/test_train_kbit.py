@@ -242,6 +242,42 @@ def test_kbit_model_matches_dequantized_fp32_model_forward_and_gradients(tiny_ll
     assert worst < (1e-4 if bits == 4 else 2e-2), worst
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_variant_on_kbit_base_matches_peft_kbit_layer(tiny_llama_dir, train_file, bits):
+    """``lora_backend: cublas`` on a k-bit base: every BD layer's LoRA term runs on bdlora's kernels, added onto the
+    base layer's own k-bit output, and logits and every LoRA gradient equal PEFT's k-bit layer's on the same
+    weights; the base output PEFT's 8-bit layer hands over is left as it was (the term goes onto a copy)."""
+    from bdlora.train.trainer import build_peft_model
+
+    kw = dict(load_in_4bit=bits == 4, load_in_8bit=bits == 8)
+    ref, _ = build_peft_model(_cfg(tiny_llama_dir, train_file, lora_backend="peft", **kw), tiny_llama_dir)
+    fused, _ = build_peft_model(_cfg(tiny_llama_dir, train_file, lora_backend="cublas", **kw), tiny_llama_dir)
+    for m in (ref, fused):
+        _randomize(m, seed=2)
+    layers = [m for _, m in _lora_layers(fused)]
+    assert len(layers) == 14 and all(type(m.get_base_layer()) is KBIT[bits] for m in layers)
+    assert {type(m.lora_variant["default"]).__name__ for m in layers} == {"KernelBdLoraKbitVariant"}
+    terms, bases = [], []
+    for m in layers:  # count the kernel calls and keep what the base layer returned
+        variant = m.lora_variant["default"]
+        add = variant.add_term_
+        variant.add_term_ = lambda result, x, call, add=add: terms.append(1) or add(result, x, call)
+        m.get_base_layer().register_forward_hook(lambda mod, args, out: bases.append((out, out.clone())))
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    ref.train(), fused.train()
+    out_ref, out = ref(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    assert len(terms) == 14
+    for got, before in bases:
+        assert torch.equal(got, before)
+    torch.testing.assert_close(out.logits, out_ref.logits, atol=1e-5, rtol=1e-4)
+    out_ref.loss.backward(), out.loss.backward()
+    want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    got = {n: p.grad for n, p in fused.named_parameters() if p.requires_grad}
+    assert got.keys() == want.keys() and len(got) == 28
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-6, rtol=1e-4, msg=n)
+
+
 def test_cpu_repacking_is_switched_off(tiny_llama_dir):
     """bitsandbytes 0.50 repacks a 4-bit weight for CPU inference at the first eval forward (no autograd from then
     on); bdlora switches that off at load and refuses a model where it already happened."""

@@ -133,7 +133,7 @@ class TrainConfig:
         (bdlora's kernels on a GPU for layer calls of 1024 tokens or more: the base GEMM and the LoRA term in one
         function of cuBLAS GEMMs, dropout and dS/dB in Triton kernels; PEFT's layer for smaller calls and on CPU),
         `cublas` (bdlora's kernels everywhere) or `peft` (PEFT's BlockDiagonalLinear). Same parameters and saved
-        adapter either way; k-bit bases always run PEFT's bitsandbytes layer. Under `training_args.torch_compile`
+        adapter either way; on a k-bit base the kernels take the LoRA term only (the base stays bitsandbytes'). Under `training_args.torch_compile`
         `auto` takes PEFT's layer (compiled with the model) and `cublas` runs the kernels inside the compiled graph
         (a custom op; with lora_dropout > 0, between graphs; Liger Kernel off)."""))
     use_liger_kernel: Optional[bool] = field(default=None, **_help("""Liger Kernel's fused Triton kernels (RMSNorm,

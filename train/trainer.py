@@ -197,8 +197,7 @@ def build_peft_model(cfg: TrainConfig, model_dir: Path):
         check_kbit_bd(model, spec.nblocks)
     if cfg.a_init == "lora":
         init_block_a_like_lora(model)
-    if not cfg.quantized:
-        use_bdlora_kernels(model, cfg.lora_backend)
+    use_bdlora_kernels(model, cfg.lora_backend)
     adapt_experts(cfg, model)
     return model, spec
 
