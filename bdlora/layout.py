@@ -136,9 +136,18 @@ def unpack_block_diagonal(w: torch.Tensor, nblocks: int, dtype: torch.dtype | No
     unpacking of block-diagonal factors: conversions, references, tests and the kernels' dense GEMMs use it."""
     m, kb = w.shape
     full = w.new_zeros(m, kb * nblocks, dtype=dtype)
-    full.view(nblocks, m // nblocks, nblocks, kb).diagonal(dim1=0, dim2=2).copy_(
-        w.view(nblocks, m // nblocks, kb).permute(1, 2, 0))
+    # the diagonal blocks as one strided view: each dispatched op is host time in a training step of small batches
+    diag_blocks(full, nblocks).copy_(w.view(nblocks, m // nblocks, kb))
     return full
+
+
+def diag_blocks(full: torch.Tensor, nblocks: int) -> torch.Tensor:
+    """The N diagonal blocks of ``full`` (M, K) as one (N, M/N, K/N) view of its storage (any strides)."""
+    m, k = full.shape
+    if m % nblocks or k % nblocks:
+        raise ValueError(f"a ({m}, {k}) matrix has no {nblocks} equal diagonal blocks")
+    s0, s1 = full.stride()
+    return full.as_strided((nblocks, m // nblocks, k // nblocks), ((m // nblocks) * s0 + (k // nblocks) * s1, s0, s1))
 
 
 def pack_block_diagonal(full: torch.Tensor, nblocks: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -149,7 +158,7 @@ def pack_block_diagonal(full: torch.Tensor, nblocks: int, dtype: torch.dtype | N
         return full.to(dtype or full.dtype)
     m, k = full.shape
     out = full.new_empty(nblocks, m // nblocks, k // nblocks, dtype=dtype)
-    out.copy_(full.view(nblocks, m // nblocks, nblocks, k // nblocks).diagonal(dim1=0, dim2=2).permute(2, 0, 1))
+    out.copy_(diag_blocks(full, nblocks))
     return out.view(m, k // nblocks)
 
 
@@ -177,6 +186,6 @@ def from_math(A: torch.Tensor, B: torch.Tensor, layout: Optional[Layout] = None,
 
 
 __all__ = [
-    "COLUMN", "LAYOUTS", "Layout", "LoraFactors", "LoraFactorsError", "ROW", "from_math", "layout_by_name",
-    "pack_block_diagonal", "packed_shapes", "to_math", "unpack_block_diagonal", "unpack_factors",
+    "COLUMN", "LAYOUTS", "Layout", "LoraFactors", "LoraFactorsError", "ROW", "diag_blocks", "from_math",
+    "layout_by_name", "pack_block_diagonal", "packed_shapes", "to_math", "unpack_block_diagonal", "unpack_factors",
 ]

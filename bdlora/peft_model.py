@@ -179,10 +179,12 @@ def _kernel_classes():
             if call is None:
                 return None
             weight, bias = base.weight, base.bias
-            if autocast:  # the base GEMM's inputs as autocast would give them to F.linear
+            if autocast:  # the base GEMM's inputs as autocast would give them to F.linear, each cast dispatched
+                # only where one is needed (every dispatched op is host time in a step of small batches)
                 dtype = torch.get_autocast_dtype(device)
-                x, weight = x.to(dtype), weight.to(dtype)
-                bias = None if bias is None else bias.to(dtype)
+                x = x if x.dtype == dtype else x.to(dtype)
+                weight = weight if weight.dtype == dtype else weight.to(dtype)
+                bias = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
             x2 = x.reshape(-1, x.shape[-1])
             adapter, seed = call
             # inside a compiled graph the layer is a custom op (no graph break) where it can be: no dropout, the base
@@ -234,9 +236,9 @@ def _kbit_kernel_variant_class():
 
 def use_bdlora_kernels(peft_model, backend: str = "auto", options=None, fuse_base: bool = True) -> int:
     """Runs the LoRA term of every BD-LoRA layer of ``peft_model`` (an ``nn.Linear`` or a bitsandbytes k-bit base) on
-    bdlora's kernels (:data:`LORA_BACKENDS`: "cublas" always, "auto" for calls of at least :data:`AUTO_MIN_ROWS` rows on a CUDA
-    device and PEFT's own computation otherwise, decided per call so the model may move after this; "peft" changes
-    nothing). ``fuse_base``: such a call also runs the frozen base GEMM in the same autograd function (the layer
+    bdlora's kernels (:data:`LORA_BACKENDS`: "cublas" always, "auto" for calls of at least :data:`AUTO_MIN_ROWS` rows
+    on a CUDA device and PEFT's own computation otherwise, decided per call so the model may move after this; "peft"
+    changes nothing). ``fuse_base``: such a call also runs the frozen base GEMM in the same autograd function (the layer
     becomes a ``KernelLoraLinear``, a subclass of PEFT's ``Linear``); False keeps PEFT's base layer call and adds the
     term onto its output. ``options``: a ``bdlora.kernels.KernelOptions`` (tests force the Triton kernels under the
     interpreter with it). On a bitsandbytes 4-/8-bit base only the LoRA term moves to the kernels (the base layer's

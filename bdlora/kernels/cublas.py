@@ -233,7 +233,9 @@ class _Cfg:
 def _eff(w: torch.Tensor, nb: int, dense: bool, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """The factor as the GEMMs read it, in the compute dtype: dense block-diagonal (blocks 1) or packed (nb
     blocks). The cast rides on the unpacking copy where there is one."""
-    return (unpack_block_diagonal(w, nb, dtype), 1) if dense and nb > 1 else (w.to(dtype), nb)
+    if dense and nb > 1:
+        return unpack_block_diagonal(w, nb, dtype), 1
+    return (w if w.dtype == dtype else w.to(dtype)), nb
 
 
 def _shrink(cfg: _Cfg, i: int, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, need_da: bool, need_db: bool,

@@ -16,18 +16,20 @@ from pathlib import Path
 import torch
 
 
-def count_ops(model_dir: Path, backend: str) -> tuple[int, list[str]]:
+def count_ops(model_dir: Path, backend: str, precision: str = "fp32") -> tuple[int, list[str]]:
     from torch.profiler import ProfilerActivity, profile
 
     from bdlora.train.config import TrainConfig
     from bdlora.train.trainer import build_peft_model
 
     cfg = TrainConfig.from_dict(dict(model=str(model_dir), nblocks=4, r=16, train_file="unused",
-                                     output_dir=str(model_dir / "unused"), lora_backend=backend))
+                                     output_dir=str(model_dir / "unused"), lora_backend=backend,
+                                     precision=precision))
     model, _ = build_peft_model(cfg, model_dir)
     model.train()
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
-    x = torch.randn(8, 64, model.config.hidden_size, requires_grad=True)
+    x = torch.randn(8, 64, model.config.hidden_size, requires_grad=True,
+                    dtype=next(model.parameters()).dtype)  # the activations in the base's dtype
 
     def call():
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -47,17 +49,21 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                    help="the base's dtype (bf16: bf16 weights and activations, fp32 factors, as bdlora train's bf16 "
+                         "precision has them; fp32 by default, the first recorded counts' setting)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_random_llama(Path(tmp) / "m", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                                        intermediate_size=128, vocab_size=512)
         res = {}
         for backend in ("peft", "cublas"):
-            n, ops = count_ops(model_dir, backend)
+            n, ops = count_ops(model_dir, backend, a.precision)
             res[backend] = {"ops": n, "sequence": [o.removeprefix("aten::") for o in ops]}
             print(f"lora_backend {backend}: {n} ops")
     if a.out:
-        Path(a.out).write_text(json.dumps({"torch": torch.__version__, **res}, indent=1) + "\n")
+        Path(a.out).write_text(json.dumps({"torch": torch.__version__, "precision": a.precision, **res}, indent=1)
+                               + "\n")
     return 0
 
 
