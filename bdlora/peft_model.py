@@ -20,8 +20,9 @@ from .spec import BDLoraError, BDLoraSpec
 LORA_BACKENDS = ("auto", "peft", "cublas")
 #: Rows (tokens, padding included) from which "auto" takes the kernels. On one H200 at the 8B shape the kernels
 #: were 1.20-1.26x faster per step from ~4,500 rows per call up (batch 32 of 30-250 tokens, 4 x 2048 tokens) and,
-#: since a kernel-layer call dispatches fewer torch ops than PEFT's (48 against 54), 1.17x at ~1,200-2,000 rows
-#: (batch 8, a step bound by host work); smaller calls are not measured (BENCHMARKS.md, "Training").
+#: since a kernel-layer call dispatches fewer torch ops than PEFT's (41 against 56 at a bf16 base), 1.17x at
+#: ~1,200-2,000 rows (batch 8, a step bound by host work); smaller calls are not measured (BENCHMARKS.md,
+#: "Training").
 AUTO_MIN_ROWS = 1024
 
 
