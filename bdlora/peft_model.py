@@ -230,7 +230,7 @@ def _kbit_kernel_variant_class():
                 result = result.clone()
             elif not result.is_contiguous():
                 result = result.contiguous()
-            return self.add_term_(result, x.to(dtype), call)
+            return self.add_term_(result, x if x.dtype == dtype else x.to(dtype), call)
 
     return KernelBdLoraKbitVariant
 
